@@ -1,0 +1,29 @@
+"""memfine: memory-bounded Mixture-of-Experts training for PyTorch.
+
+Public API re-exports only; importing memfine has no side effects.
+"""
+
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig
+from memfine.dispatch import RoutingIndex, build_routing_index
+from memfine.nn import MoELayer, MoETransformerLM
+from memfine.ops import FusedExpertsFunction, run_experts
+from memfine.routing import RoutingResult, TopKRouter, load_balancing_loss, z_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ChunkConfig",
+    "FusedExpertsFunction",
+    "ModelConfig",
+    "MoEConfig",
+    "MoELayer",
+    "MoETransformerLM",
+    "RoutingIndex",
+    "RoutingResult",
+    "TopKRouter",
+    "__version__",
+    "build_routing_index",
+    "load_balancing_loss",
+    "run_experts",
+    "z_loss",
+]

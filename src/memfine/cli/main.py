@@ -1,0 +1,48 @@
+"""``memfine`` command line: ``memfine train | plan | bench``.
+
+Each subcommand lives in its own module (``memfine.cli.<name>``) exposing
+``add_arguments(parser)`` and ``run(args) -> int``; modules are imported lazily so that
+``memfine plan`` never imports the training stack.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+SUBCOMMANDS = {
+    "train": "train a small MoE language model on real text",
+    "plan": "predict memory and the MACT chunk count for a model and cluster",
+    "bench": "measure memory and speed of MoE methods side by side",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the top-level parser with one sub-parser per available subcommand."""
+    parser = argparse.ArgumentParser(prog="memfine", description=__doc__.splitlines()[0])
+    subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text in SUBCOMMANDS.items():
+        try:
+            module = importlib.import_module(f"memfine.cli.{name}")
+        except ModuleNotFoundError as err:
+            if err.name != f"memfine.cli.{name}":
+                raise
+            continue
+        sub = subs.add_parser(name, help=help_text, description=help_text,
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments and run the chosen subcommand; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        return int(args._run(args))
+    except ValueError as err:
+        parser.exit(2, f"memfine {args.command}: error: {err}\n")
+    except KeyboardInterrupt:
+        return 130

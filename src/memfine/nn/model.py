@@ -1,0 +1,178 @@
+"""A small decoder-only MoE transformer language model (nanoGPT-sized, byte vocabulary).
+
+Legend: B batch, Q sequence, D = d, V vocab, H heads, A head dim.
+Blocks: x + Attn(RMSNorm(x)); x + MoE(RMSNorm(x)). Causal attention through
+``F.scaled_dot_product_attention`` with rotary position embeddings; tied input/output embeddings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memfine.config import ModelConfig
+from memfine.nn.moe import MoEAux, MoELayer
+
+
+def _rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    freqs_QA = torch.outer(torch.arange(seq_len, device=device).float(), inv)
+    return freqs_QA.cos(), freqs_QA.sin()
+
+
+def _apply_rope(x_BHQA: torch.Tensor, cos_QA: torch.Tensor, sin_QA: torch.Tensor
+                ) -> torch.Tensor:
+    x1, x2 = x_BHQA.float().chunk(2, dim=-1)
+    cos, sin = cos_QA[: x_BHQA.shape[2]], sin_QA[: x_BHQA.shape[2]]
+    out = torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+    return out.to(x_BHQA.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention with RoPE (SDPA kernel)."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        D = config.moe.hidden_size
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(D, 3 * D, bias=False)
+        self.proj = nn.Linear(D, D, bias=False)
+        cos, sin = _rope_tables(config.max_seq_len, D // config.num_heads, config.rope_theta,
+                                torch.device("cpu"))
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x_BQD: torch.Tensor) -> torch.Tensor:
+        """(B, Q, d) → (B, Q, d)."""
+        B, Q, D = x_BQD.shape
+        q, k, v = self.qkv(x_BQD).view(B, Q, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        q = _apply_rope(q, self.rope_cos, self.rope_sin)
+        k = _apply_rope(k, self.rope_cos, self.rope_sin)
+        y_BHQA = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y_BHQA.transpose(1, 2).reshape(B, Q, D))
+
+
+class Block(nn.Module):
+    """One transformer block: attention and an MoE feed-forward, pre-norm residuals."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        D = config.moe.hidden_size
+        self.attn_norm = nn.RMSNorm(D, eps=config.norm_eps)
+        self.attn = CausalSelfAttention(config)
+        self.moe_norm = nn.RMSNorm(D, eps=config.norm_eps)
+        self.moe = MoELayer(config.moe, depth=config.num_layers)
+
+    def forward(self, x_BQD: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
+        """(B, Q, d) → ((B, Q, d), MoEAux)."""
+        x_BQD = x_BQD + self.attn(self.attn_norm(x_BQD))
+        moe_out, aux = self.moe(self.moe_norm(x_BQD))
+        return x_BQD + moe_out, aux
+
+
+@dataclass(frozen=True, slots=True)
+class LMOutput:
+    """Language-model outputs.
+
+    Attributes:
+        logits: (B, Q, V) fp32 next-token logits.
+        loss: 0-dim cross-entropy in nats per token (None without targets).
+        aux: one :class:`MoEAux` per layer.
+    """
+
+    logits: torch.Tensor
+    loss: torch.Tensor | None
+    aux: tuple[MoEAux, ...]
+
+    @property
+    def load_balancing_loss(self) -> torch.Tensor:
+        """Mean over layers of the Switch load-balancing loss."""
+        return torch.stack([a.load_balancing_loss for a in self.aux]).mean()
+
+    @property
+    def z_loss(self) -> torch.Tensor:
+        """Mean over layers of the router z-loss."""
+        return torch.stack([a.z_loss for a in self.aux]).mean()
+
+
+class MoETransformerLM(nn.Module):
+    """Decoder-only MoE language model.
+
+    Args:
+        config: :class:`ModelConfig`.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        D = config.moe.hidden_size
+        self.embed = nn.Embedding(config.vocab_size, D)
+        self.blocks = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.norm = nn.RMSNorm(D, eps=config.norm_eps)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        std = 0.02
+        nn.init.normal_(self.embed.weight, std=std)
+        for block in self.blocks:
+            nn.init.normal_(block.attn.qkv.weight, std=std)
+            nn.init.normal_(block.attn.proj.weight, std=std / (2 * self.config.num_layers) ** 0.5)
+
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> LMOutput:
+        """Run the model.
+
+        Args:
+            input_ids: (B, Q) int64 token ids in [0, V), Q ≤ max_seq_len.
+            targets: optional (B, Q) int64 next-token ids.
+
+        Returns:
+            :class:`LMOutput` with the mean cross-entropy (nats/token) when targets are given.
+
+        Raises:
+            ValueError: on a wrong shape, a sequence longer than max_seq_len, or ids out of range.
+        """
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be (B, Q), got {tuple(input_ids.shape)}")
+        if input_ids.shape[1] > self.config.max_seq_len:
+            raise ValueError(f"sequence length {input_ids.shape[1]} exceeds "
+                             f"max_seq_len={self.config.max_seq_len}")
+        x_BQD = self.embed(input_ids)
+        auxes = []
+        for block in self.blocks:
+            x_BQD, aux = block(x_BQD)
+            auxes.append(aux)
+        logits_BQV = F.linear(self.norm(x_BQD), self.embed.weight).float()
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits_BQV.reshape(-1, logits_BQV.shape[-1]),
+                                   targets.reshape(-1))
+        return LMOutput(logits=logits_BQV, loss=loss, aux=tuple(auxes))
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *,
+                 temperature: float = 1.0, generator: torch.Generator | None = None
+                 ) -> torch.Tensor:
+        """Sample continuations (no KV cache; the model is small).
+
+        Args:
+            prompt_ids: (B, Q0) int64.
+            max_new_tokens: tokens to append.
+            temperature: > 0; sampling temperature.
+            generator: optional RNG for reproducible samples.
+
+        Returns:
+            (B, Q0 + max_new_tokens) int64.
+        """
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        ids = prompt_ids
+        for _ in range(max_new_tokens):
+            window = ids[:, -self.config.max_seq_len:]
+            logits = self(window).logits[:, -1] / temperature
+            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            ids = torch.cat([ids, nxt], dim=1)
+        return ids

@@ -1,0 +1,97 @@
+"""The MoEBlaze fused expert Function: gather → up-projection → activation → down-projection →
+weighted combine, saving only x and H.
+
+Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n.
+Reference: MoEBlaze (arXiv 2601.05296) §4-§5 (buffer-free dispatch, smart checkpointing);
+DESIGN.md §3, §5; STYLE.md §9.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfine.ops.activations import activation_backward, apply_activation
+from memfine.ops.combine import combine_rows, gather_rows, reduce_rows, scatter_slots
+from memfine.ops.grouped import grouped_mm, grouped_weight_grad
+
+
+class FusedExpertsFunction(torch.autograd.Function):
+    """Routed experts with minimal saved activations.
+
+    forward(x_TD, weights_TK, w_up_EDG, w_down_END, expert_token_indices_S,
+    expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend)
+    → out_TD (T, d) with out[t] = Σ_j w[t,j] · act(x[t]·w_up[e_tj])·w_down[e_tj].
+
+    Saved for backward:
+        - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
+        - h_SG: S·G·D_t bytes (pre-activation; G = 2n for SwiGLU, n for non-gated);
+        - weights_TK: T·k·D_t bytes; the four int32 index arrays: 4·(2·S + T·k + E + 1) bytes
+          (expert_token_indices, expert_slot_indices, token_index_map, expert_token_offsets);
+        - w_up, w_down: parameters, not activations (no extra bytes).
+        Not kept: the gathered x (S·d), A (S·n), Y (S·d), the scattered copy (T·k·d).
+
+    Recomputed in backward:
+        the gathered rows x[expert_token_indices] and dO[expert_token_indices] (transient, S·d
+        each), A = act(H) (S·n). The routing-weight gradient is dw_(t,j) = ⟨dO_t·w_downᵀ, A_r⟩,
+        so Y is never needed. dx is reduced per token through token_index_map (deterministic).
+
+    Backward transients: dA (S·n), dH (S·G), dx rows (S·d) and the (T, k, d) per-token gather.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
+                w_down_END: torch.Tensor, expert_token_indices_S: torch.Tensor,
+                expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
+                expert_slot_indices_S: torch.Tensor, activation: str, backend: str
+                ) -> torch.Tensor:
+        x_SD = gather_rows(x_TD, expert_token_indices_S)  # NOTE(memory): transient, S·d·D_t
+        h_SG = grouped_mm(x_SD, w_up_EDG, expert_token_offsets_E1, backend)
+        del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
+        a_SN = apply_activation(h_SG, activation)
+        y_SD = grouped_mm(a_SN, w_down_END, expert_token_offsets_E1, backend)
+        del a_SN  # NOTE(memory): A is recomputed from H in backward (saves S·n·D_t bytes)
+        out_TD = combine_rows(y_SD, weights_TK, token_index_map_TK)
+        # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) + int32 indices; Y is dropped.
+        ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END,
+                              expert_token_indices_S, expert_token_offsets_E1,
+                              token_index_map_TK, expert_slot_indices_S)
+        ctx.activation, ctx.backend = activation, backend
+        return out_TD
+
+    @staticmethod
+    def backward(ctx: Any, grad_out_TD: torch.Tensor) -> tuple[Any, ...]:
+        (x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, token_idx_S, offsets_E1, map_TK,
+         slot_S) = ctx.saved_tensors
+        act, backend = ctx.activation, ctx.backend
+        need_x, need_w, need_up, need_down = (ctx.needs_input_grad[i] for i in range(4))
+        E = w_up_EDG.shape[0]
+        grad_out_TD = grad_out_TD.contiguous()
+        w_S = weights_TK.reshape(-1).index_select(0, slot_S.long()).to(grad_out_TD.dtype)
+        grad_out_SD = gather_rows(grad_out_TD, token_idx_S)  # NOTE(memory): transient S·d
+        a_SN_recomputed = apply_activation(h_SG, act)
+        grad_a_SN = grouped_mm(grad_out_SD, w_down_END.transpose(1, 2), offsets_E1, backend)
+        grad_weights = grad_down = None
+        if need_w:
+            dots_S = (grad_a_SN * a_SN_recomputed).sum(-1)  # ⟨dO·w_downᵀ, A⟩ (MoEBlaze §5)
+            grad_weights = scatter_slots(dots_S.to(weights_TK.dtype), slot_S,
+                                         tuple(weights_TK.shape))
+        if need_down:
+            grad_down = grouped_weight_grad(a_SN_recomputed * w_S[:, None], grad_out_SD,
+                                            offsets_E1, E, backend)
+        del a_SN_recomputed, grad_out_SD
+        grad_a_SN.mul_(w_S[:, None])
+        _, grad_h_SG = activation_backward(h_SG, grad_a_SN, act)
+        del grad_a_SN
+        grad_x = grad_up = None
+        if need_up:
+            x_SD = gather_rows(x_TD, token_idx_S)  # NOTE(memory): recomputed gather, S·d
+            grad_up = grouped_weight_grad(x_SD, grad_h_SG, offsets_E1, E, backend)
+            del x_SD
+        if need_x:
+            grad_x_SD = grouped_mm(grad_h_SG, w_up_EDG.transpose(1, 2), offsets_E1, backend)
+            grad_x = reduce_rows(grad_x_SD, map_TK)  # per-token sum: no atomics
+        # None: expert_token_indices, expert_token_offsets, token_index_map,
+        # expert_slot_indices, activation, backend
+        return grad_x, grad_weights, grad_up, grad_down, None, None, None, None, None, None

@@ -1,0 +1,67 @@
+"""Router losses: Switch load-balancing loss and z-loss, both padding-aware and in fp32.
+
+Legend: T tokens, E experts, K top-k slots.
+Reference: DESIGN.md §2 (Switch Transformer convention: uniform routing gives 1.0).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _fp32(x: torch.Tensor) -> torch.Tensor:
+    """Upcast to at least fp32 (float64 stays float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _valid_rows(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:
+    return x_T if valid_mask_T is None else x_T[valid_mask_T]
+
+
+def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
+                        valid_mask_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch load-balancing loss E·Σ_i f_i·P_i.
+
+    Args:
+        logits_TE: (T, E) router logits (any float dtype; upcast to fp32). P_i is the mean over
+            valid tokens of the full softmax of these logits, whatever the router's score function.
+        top_k_index_TK: (T, k) int64 expert ids; ids outside [0, E) (sentinels) are not counted.
+        valid_mask_T: optional (T,) bool; padding tokens are excluded by selection.
+
+    Returns:
+        0-dim fp32 tensor. 1.0 for uniform routing with balanced assignments (any k); ≈E when every
+        token picks one expert with k=1. 0.0 when there is no valid token. Differentiable w.r.t.
+        the logits through P (f is a count).
+
+    Reference: DESIGN.md §2; f_i = assignments_i / (T·k).
+    """
+    T, E = logits_TE.shape
+    k = top_k_index_TK.shape[-1]
+    probs_TE = _valid_rows(_fp32(logits_TE).softmax(-1), valid_mask_T)
+    index_TK = _valid_rows(top_k_index_TK, valid_mask_T)
+    t_valid = probs_TE.shape[0]
+    if t_valid == 0:
+        return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
+    counts_E = torch.bincount(index_TK.reshape(-1).clamp(0, E), minlength=E + 1)[:E]
+    p_E = probs_TE.mean(0)
+    f_E = counts_E.to(p_E.dtype) / (t_valid * k)
+    return E * (f_E * p_E).sum()
+
+
+def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) -> torch.Tensor:
+    """Router z-loss mean(logsumexp(logits)²) in fp32.
+
+    Args:
+        logits_TE: (T, E) router logits, any float dtype (upcast to fp32 first, so fp16 input
+            stays finite).
+        valid_mask_T: optional (T,) bool; padding tokens are excluded by selection.
+
+    Returns:
+        0-dim fp32 tensor; (ln E)² for all-zero logits; 0.0 when there is no valid token.
+
+    Reference: ST-MoE (Zoph et al. 2022) z-loss; DESIGN.md §2.
+    """
+    lse_T = _valid_rows(torch.logsumexp(_fp32(logits_TE), dim=-1), valid_mask_T)
+    if lse_T.numel() == 0:
+        return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
+    return (lse_T ** 2).mean()
