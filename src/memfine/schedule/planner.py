@@ -1,0 +1,82 @@
+"""Chunk-count planning: s′_max (MemFine Eq. 8) and the binned chunk count c (Eq. 9, MACT).
+
+Reference: MemFine (arXiv 2511.21431) Eq. 8-9 and §4.2 (MACT); DESIGN.md §4.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte size: an int, or a string such as ``"512MiB"``, ``"2GiB"``, ``"64GB"``.
+
+    Returns:
+        Bytes as int (> 0).
+
+    Raises:
+        ValueError: on an unparsable string, an unknown unit, or a value ≤ 0.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"byte size must look like '512MiB', '2GiB' or an integer number of "
+                             f"bytes (units {sorted(k for k in _UNITS if k)}), got {text!r}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"byte size must be > 0, got {text!r}")
+    return value
+
+
+def s_prime_max(budget_bytes: int, fixed_bytes: int, row_bytes: int) -> int:
+    """Largest tolerable received rows per chunk: ⌊(budget − fixed) / per-row bytes⌋.
+
+    Args:
+        budget_bytes: memory available to the part being planned, bytes.
+        fixed_bytes: bytes that do not scale with the received rows.
+        row_bytes: bytes per received row (> 0).
+
+    Returns:
+        s′_max in rows; ≤ 0 when even the fixed part does not fit.
+
+    Reference: MemFine Eq. 8 (numerator: budget minus everything that does not scale with s′;
+    denominator: the per-row activation bytes).
+    """
+    if row_bytes <= 0:
+        raise ValueError(f"row_bytes must be > 0, got {row_bytes}")
+    return (budget_bytes - fixed_bytes) // row_bytes
+
+
+def choose_num_chunks(recv_tokens: int, s_max_tokens: int, bins: tuple[int, ...]) -> int:
+    """Return the chunk count c for one MoE layer on this rank.
+
+    Args:
+        recv_tokens: s″, rows received this step (≥ 0).
+        s_max_tokens: largest s′ that fits the memory budget (MemFine Eq. 8), rows.
+        bins: allowed chunk counts, strictly increasing, e.g. (1, 2, 4, 8).
+
+    Returns:
+        The smallest bin ≥ ⌈recv_tokens / s_max_tokens⌉ (bins[0] when nothing is received).
+
+    Raises:
+        ValueError: if s_max_tokens ≤ 0 or no bin is large enough (the message names the c needed).
+
+    Reference: MemFine Eq. 9, binned as in MACT (§4.2).
+    """
+    if recv_tokens < 0:
+        raise ValueError(f"recv_tokens must be >= 0, got {recv_tokens}")
+    if s_max_tokens <= 0:
+        raise ValueError(f"s_max_tokens must be > 0 (the budget does not cover the fixed part), "
+                         f"got {s_max_tokens}")
+    needed = max(1, math.ceil(recv_tokens / s_max_tokens))
+    for b in bins:
+        if b >= needed:
+            return b
+    raise ValueError(f"c = ceil({recv_tokens} / {s_max_tokens}) = {needed} exceeds the largest "
+                     f"bin {bins[-1]}")
