@@ -1,0 +1,31 @@
+"""Optional dependencies: ``is_available(name)`` and ``require(name)``, imported lazily.
+
+Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` → ``pip install memfine[hf]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from types import ModuleType
+
+_EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train"}
+
+
+def is_available(name: str) -> bool:
+    """True when the optional package ``name`` can be imported (does not import it)."""
+    return importlib.util.find_spec(name) is not None
+
+
+def require(name: str) -> ModuleType:
+    """Import and return the optional package ``name``.
+
+    Raises:
+        ImportError: naming the extra to install when the package is missing.
+    """
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as err:
+        extra = _EXTRAS.get(name, name)
+        raise ImportError(f"{name} is required for this feature: pip install 'memfine[{extra}]'"
+                          ) from err
