@@ -23,6 +23,9 @@ GRAD: dict[torch.dtype, tuple[float, float]] = {
 CHUNKED_ATOL = 1e-6
 # Losses of two training runs that must agree (chunked vs unchunked, resumed vs straight).
 LOSS_ATOL = 1e-4
+# Memory model vs measurement (issue bar): predicted peak bytes within 3% of the measured peak
+# (measured worst on the validation grid: 0.03%, the 4-byte loss scalars; saved bytes are exact).
+PEAK_RTOL = 0.03
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, grad: bool = False,

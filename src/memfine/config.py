@@ -1,13 +1,15 @@
 """Frozen, keyword-only configuration dataclasses, validated on construction.
 
-Every check raises ``ValueError`` naming the class, the field, what is allowed and the value received,
-e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``. Configs hold plain values only; derive
-new ones with :func:`dataclasses.replace`; ``to_dict``/``from_dict`` round-trip and reject unknown keys.
+Every check raises ``ValueError`` naming the class, the field, what is allowed and the value
+received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``. Configs hold plain values
+only; derive new ones with :func:`dataclasses.replace`; ``to_dict``/``from_dict`` round-trip and
+reject unknown keys.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
@@ -44,7 +46,8 @@ def _check_float(obj: object, name: str, lo: float, hi: float | None = None, *,
     bad_lo = value <= lo if lo_open else value < lo
     if bad_lo or (hi is not None and value > hi) or value == float("inf"):
         left = "(" if lo_open else "["
-        _fail(obj, name, f"in {left}{lo}, {hi if hi is not None else 'inf'})", value)
+        right = "inf)" if hi is None else f"{hi}]"  # a finite upper bound is inclusive
+        _fail(obj, name, f"in {left}{lo}, {right}", value)
 
 
 def _check_choice(obj: object, name: str, literal: Any) -> None:
@@ -56,6 +59,8 @@ def _check_choice(obj: object, name: str, literal: Any) -> None:
 
 class _ConfigBase:
     """Shared ``to_dict``/``from_dict`` for the config dataclasses."""
+
+    __slots__ = ()  # keeps the subclasses' ``slots=True`` effective (no instance __dict__)
 
     def to_dict(self) -> dict[str, Any]:
         """Return the fields as a JSON-ready dict (tuples become lists)."""
@@ -74,8 +79,10 @@ class _ConfigBase:
         """Build from ``to_dict`` output.
 
         Raises:
-            ValueError: on a key that is not a field of the class.
+            ValueError: if ``data`` is not a dict, or on a key that is not a field of the class.
         """
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
         fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
         unknown = sorted(set(data) - set(fields))
         if unknown:
@@ -111,7 +118,13 @@ class MoEConfig(_ConfigBase):
         index_builder: how the four dispatch index arrays are built.
         aux_loss_coef: weight of the Switch load-balancing loss in the training loss.
         z_loss_coef: weight of the router z-loss in the training loss.
-        router_bias_init: std of the normal init of the router weight (0.02 scale by default).
+        skew_hot_experts: experiment knob (0 = off): number of "hot" experts, ids
+            0..skew_hot_experts-1, that the router's selection bias favours; in [0, num_experts].
+        skew_bias: experiment knob: bias added to the hot experts' scores for top-k selection
+            only (weights stay unbiased), >= 0. Scores lie in [0, 1], so a bias > 1 with
+            ``skew_hot_experts = top_k`` sends every token to experts 0..k-1 (the worst case of
+            MemFine's skew); small values skew partially. Used to show chunking under skew on one
+            device; leave at 0 for training.
     """
 
     hidden_size: int
@@ -126,6 +139,8 @@ class MoEConfig(_ConfigBase):
     index_builder: IndexBuilder = "auto"
     aux_loss_coef: float = 0.01
     z_loss_coef: float = 0.001
+    skew_hot_experts: int = 0
+    skew_bias: float = 0.0
 
     def __post_init__(self) -> None:
         _check_int(self, "hidden_size", 1)
@@ -147,6 +162,10 @@ class MoEConfig(_ConfigBase):
                   "would get no gradient from the output)", self.renormalize)
         _check_float(self, "aux_loss_coef", 0.0)
         _check_float(self, "z_loss_coef", 0.0)
+        _check_int(self, "skew_hot_experts", 0, self.num_experts)
+        _check_float(self, "skew_bias", 0.0)
+        if self.skew_bias > 0 and self.skew_hot_experts == 0:
+            _fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
 
     @property
     def gated(self) -> bool:
@@ -167,7 +186,7 @@ class ChunkConfig(_ConfigBase):
         num_chunks: fixed chunk count c (>= 1); ignored when ``memory_budget_bytes`` is set.
         memory_budget_bytes: per-layer MoE activation budget in bytes; when set, c is chosen per
             step and layer from the received tokens (MACT, MemFine Eq. 8-9).
-        bins: allowed chunk counts, strictly increasing, starting at 1.
+        bins: allowed chunk counts, strictly increasing ints >= 1, e.g. (1, 2, 4, 8).
         recompute: ``none`` (no checkpointing), ``experts`` (checkpoint each chunk of the expert
             part), ``full`` (checkpoint the whole transformer layer).
         allow_over_budget: when no bin meets the budget, use the largest bin and warn once
@@ -184,12 +203,14 @@ class ChunkConfig(_ConfigBase):
         _check_int(self, "num_chunks", 1)
         if self.memory_budget_bytes is not None:
             _check_int(self, "memory_budget_bytes", 1)
-        bins = tuple(self.bins)
+        bins = tuple(self.bins) if isinstance(self.bins, (tuple, list)) else ()
         if (not bins or any(isinstance(b, bool) or not isinstance(b, int) for b in bins)
-                or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:]))):
+                or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))):
             _fail(self, "bins", "a non-empty, strictly increasing tuple of ints >= 1", self.bins)
         object.__setattr__(self, "bins", bins)
         _check_choice(self, "recompute", Recompute)
+        if not isinstance(self.allow_over_budget, bool):
+            _fail(self, "allow_over_budget", "a bool", self.allow_over_budget)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -199,7 +220,8 @@ class ModelConfig(_ConfigBase):
     Attributes:
         vocab_size: V (256 for the byte tokenizer).
         num_layers: transformer blocks, each attention + MoE feed-forward.
-        num_heads: attention heads; ``moe.hidden_size`` must be divisible by it.
+        num_heads: attention heads; ``moe.hidden_size`` must be divisible by it and the head
+            size ``moe.hidden_size / num_heads`` must be even (rotary embeddings rotate pairs).
         max_seq_len: longest sequence (positions), in tokens.
         moe: the MoE feed-forward configuration (its hidden_size is the model width d).
         chunk: token chunking / recompute of the MoE layers.
@@ -229,6 +251,9 @@ class ModelConfig(_ConfigBase):
         if self.moe.hidden_size % self.num_heads:
             _fail(self, "num_heads", f"a divisor of moe.hidden_size={self.moe.hidden_size}",
                   self.num_heads)
+        if (self.moe.hidden_size // self.num_heads) % 2:
+            _fail(self, "num_heads", f"a divisor of moe.hidden_size={self.moe.hidden_size} "
+                  "giving an even head size (rotary embeddings)", self.num_heads)
         _check_float(self, "rope_theta", 0.0, lo_open=True)
         _check_float(self, "norm_eps", 0.0, lo_open=True)
 
@@ -237,3 +262,83 @@ _SUBCONFIGS: dict[tuple[str, str], type[_ConfigBase]] = {
     ("ModelConfig", "moe"): MoEConfig,
     ("ModelConfig", "chunk"): ChunkConfig,
 }
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig(_ConfigBase):
+    """Training of the byte-level MoE language model (``memfine train``).
+
+    Attributes:
+        model: the model to train; its ``max_seq_len`` must cover ``seq_len``.
+        data: ``pydoc`` (Python's documentation topics, ``pydoc_data/topics.py``), ``stdlib``
+            (the standard library's own ``.py`` sources) or a path to a text file or a directory
+            of text files.
+        val_fraction: share of the corpus (its last bytes) held out for validation, in (0, 0.5].
+        seq_len: training context length Q, in bytes (= tokens).
+        batch_size: sequences per step B; a step sees B·Q tokens.
+        max_steps: optimizer steps of the run (a resumed run stops at the same step).
+        lr: peak learning rate of AdamW.
+        min_lr_ratio: final learning rate as a fraction of ``lr`` (end of the cosine decay).
+        warmup_steps: linear warm-up steps from lr/warmup_steps to lr.
+        lr_decay_steps: step at which the cosine decay reaches ``min_lr_ratio·lr`` (then flat);
+            ``None`` means ``max(max_steps, warmup_steps)``. Training resolves it before
+            writing ``config.json``, so a resumed run keeps its schedule when ``max_steps``
+            grows.
+        weight_decay: AdamW decoupled weight decay of matrices and expert weights (not of norms).
+        grad_clip: maximum global gradient L2 norm; 0 disables clipping.
+        seed: seeds the initialisation, the batch order and the text sample.
+        eval_every: validate (and checkpoint) every this many steps.
+        eval_batches: validation batches of ``batch_size`` fixed windows each.
+        log_every: write a ``metrics.jsonl`` line every this many steps.
+        sample_tokens: bytes of text generated at the end (0 skips the sample).
+        dtype: parameter and activation dtype (fp32 on CPU; bf16 matmuls are slow there).
+        device: torch device string, ``cpu`` or ``cuda[:i]``.
+    """
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: str = "pydoc"
+    val_fraction: float = 0.05
+    seq_len: int = 128
+    batch_size: int = 32
+    max_steps: int = 1000
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 100
+    lr_decay_steps: int | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_every: int = 200
+    eval_batches: int = 8
+    log_every: int = 10
+    sample_tokens: int = 300
+    dtype: DType = "float32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, ModelConfig):
+            _fail(self, "model", "a ModelConfig", self.model)
+        if not isinstance(self.data, str) or not self.data.strip():
+            _fail(self, "data", "'pydoc', 'stdlib' or a path to text", self.data)
+        _check_float(self, "val_fraction", 0.0, 0.5, lo_open=True)
+        _check_int(self, "seq_len", 1, self.model.max_seq_len)
+        _check_int(self, "batch_size", 1)
+        _check_int(self, "max_steps", 0)
+        _check_float(self, "lr", 0.0, lo_open=True)
+        _check_float(self, "min_lr_ratio", 0.0, 1.0)
+        _check_int(self, "warmup_steps", 0)
+        if self.lr_decay_steps is not None:
+            _check_int(self, "lr_decay_steps", max(1, self.warmup_steps))
+        _check_float(self, "weight_decay", 0.0)
+        _check_float(self, "grad_clip", 0.0)
+        _check_int(self, "seed", 0)
+        _check_int(self, "eval_every", 1)
+        _check_int(self, "eval_batches", 1)
+        _check_int(self, "log_every", 1)
+        _check_int(self, "sample_tokens", 0)
+        _check_choice(self, "dtype", DType)
+        if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            _fail(self, "device", "'cpu' or 'cuda[:i]'", self.device)
+
+
+_SUBCONFIGS[("TrainConfig", "model")] = ModelConfig

@@ -45,7 +45,8 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
         activation: as in :func:`memfine.ops.run_experts`.
 
     Returns:
-        (T, d) tensor, differentiable w.r.t. every float input.
+        (T, d) tensor, differentiable w.r.t. every float input; an input no routed row uses
+        (an empty expert, T = 0, all-sentinel slots) gets an exactly zero gradient, not None.
     """
     E = w_up_EDG.shape[0]
     rows = []
@@ -57,9 +58,13 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 y = _act(x_TD[t] @ w_up_EDG[e], activation) @ w_down_END[e]
                 acc = acc + top_k_weights[t, j].to(x_TD.dtype) * y
         rows.append(acc)
-    if not rows:
-        return x_TD.new_zeros(0, x_TD.shape[1]) + 0 * x_TD.sum()
-    return torch.stack(rows)
+    out = torch.stack(rows) if rows else x_TD.new_zeros(0, x_TD.shape[1])
+    # Empty slices tie every input into the graph (its gradient is then exactly 0, not None, when
+    # no routed row uses it) without reading a value (no 0·NaN from padding rows).
+    anchor = x_TD[:0].sum()
+    for v in (top_k_weights, w_up_EDG, w_down_END):
+        anchor = anchor + v[:0].sum().to(x_TD.dtype)
+    return out + anchor
 
 
 def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: int,

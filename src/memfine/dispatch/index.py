@@ -27,7 +27,8 @@ class RoutingIndex:
             ascending token id within an expert.
         expert_token_offsets: (E + 1,) int32 exclusive prefix sum of per-expert row counts; expert
             e owns rows [off[e], off[e+1]); off[0] = 0, off[E] = S.
-        token_expert_indices: (T, k) int32 the experts of each token in token order (sentinels kept).
+        token_expert_indices: (T, k) int32 the experts of each token in token order (sentinels
+            kept).
         token_index_map: (T, k) int32 row of slot (t, j) in the expert-grouped order, -1 for a
             sentinel slot.
         expert_slot_indices: (S,) int32 flat slot id t·k + j of each row (used to read the row's

@@ -1,1 +1,32 @@
-"""memfine.measure."""
+"""Measure what a forward + backward actually allocated: saved-for-backward bytes (saved-tensor
+hooks) and peak live bytes (a storage tracker on the CPU, allocator statistics on CUDA).
+
+Reference: DESIGN.md §8; STYLE.md §7.
+"""
+
+from memfine.measure.peak import PeakMemoryTracker
+from memfine.measure.report import (
+    ComparisonRow,
+    MemoryMeasurement,
+    MemoryReport,
+    compare,
+    format_bytes,
+    format_table,
+    measure_backward,
+    measure_memory,
+)
+from memfine.measure.saved import SavedTensorsTracker, track_saved_tensors
+
+__all__ = [
+    "ComparisonRow",
+    "MemoryMeasurement",
+    "MemoryReport",
+    "PeakMemoryTracker",
+    "SavedTensorsTracker",
+    "compare",
+    "format_bytes",
+    "format_table",
+    "measure_backward",
+    "measure_memory",
+    "track_saved_tensors",
+]

@@ -10,9 +10,8 @@ import math
 import torch
 from torch import nn
 
-from memfine.config import MoEConfig
-from memfine.dispatch import build_routing_index
-from memfine.ops import run_experts
+from memfine.config import MoEConfig, Recompute
+from memfine.schedule.chunked import chunked_experts
 
 
 class GroupedExperts(nn.Module):
@@ -39,22 +38,23 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down, std=self.init_std / math.sqrt(2 * self.depth))
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
-        """Run the experts on T tokens already routed.
+                top_k_weights: torch.Tensor, *, num_chunks: int = 1,
+                recompute: Recompute = "none") -> torch.Tensor:
+        """Run the experts on T tokens already routed, in c token chunks.
 
         Args:
             x_TD: (T, d) activations.
             top_k_index: (T, k) int64 expert ids (sentinels ≥ E contribute zero).
             top_k_weights: (T, k) routing weights.
+            num_chunks: c ≥ 1 contiguous token chunks (c > T allowed).
+            recompute: ``none``, or ``experts``/``full`` to checkpoint every chunk.
 
         Returns:
             (T, d) combined expert output.
 
-        Memory: as :class:`memfine.ops.FusedExpertsFunction` (``fused``) or
-        :func:`memfine.ops.experts_plain` (``plain``).
+        Memory: c = 1 with ``none`` is the plain call of :class:`memfine.ops.FusedExpertsFunction`
+        (``fused``) or :func:`memfine.ops.experts_plain` (``plain``); otherwise see
+        :func:`memfine.schedule.chunked.chunked_experts`.
         """
-        cfg = self.config
-        index = build_routing_index(top_k_index, cfg.num_experts, cfg.index_builder)
-        return run_experts(x_TD, top_k_weights, index, self.w_up, self.w_down,
-                           activation=cfg.activation, impl=cfg.experts_impl,
-                           backend=cfg.gemm_backend)
+        return chunked_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
+                               moe=self.config, num_chunks=num_chunks, recompute=recompute)

@@ -3,6 +3,8 @@
 Legend: B batch, Q sequence, D = d, V vocab, H heads, A head dim.
 Blocks: x + Attn(RMSNorm(x)); x + MoE(RMSNorm(x)). Causal attention through
 ``F.scaled_dot_product_attention`` with rotary position embeddings; tied input/output embeddings.
+``ModelConfig.chunk`` sets the MoE chunking (fixed c or a memory budget, MACT) and the recompute
+mode of every block; see :class:`Block`.
 """
 
 from __future__ import annotations
@@ -12,9 +14,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from memfine.config import ModelConfig
 from memfine.nn.moe import MoEAux, MoELayer
+from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy
 
 
 def _rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device
@@ -57,21 +61,55 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """One transformer block: attention and an MoE feed-forward, pre-norm residuals."""
+    """One transformer block: attention and an MoE feed-forward, pre-norm residuals.
 
-    def __init__(self, config: ModelConfig) -> None:
+    Recompute modes (``ModelConfig.chunk.recompute``), what the block keeps for backward:
+
+    - ``none``: everything autograd saves (attention, norms, router, every chunk's expert H).
+    - ``experts``: attention and norms as usual; the MoE expert part keeps only its input and
+      the routing, and is recomputed chunk by chunk in backward.
+    - ``full``: the whole block is recomputed in backward; it keeps only the block input x, the
+      router input (the MoE norm output, T·d) with the router's own saved tensors (fp32 scores,
+      T·E) and the routing (top-k index and weights, T·k). The block runs as two checkpointed
+      regions around the router: the attention sub-layer and MoE norm (one checkpoint), then the
+      expert part (one checkpoint per chunk). The router sits between them and runs exactly once,
+      so recomputation reuses the forward's routing decision instead of re-deciding it, and
+      routing counters and aux losses are produced once.
+
+    Args:
+        config: :class:`ModelConfig`.
+        policy: the chunk policy shared by the model's MoE layers (default: a new one from
+            ``config.chunk``).
+
+    Reference: MemFine §4 (full recompute vs chunked MoE recompute); DESIGN.md §2.
+    """
+
+    def __init__(self, config: ModelConfig, *, policy: ChunkPolicy | None = None) -> None:
         super().__init__()
         D = config.moe.hidden_size
+        self.recompute = config.chunk.recompute
         self.attn_norm = nn.RMSNorm(D, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.moe_norm = nn.RMSNorm(D, eps=config.norm_eps)
-        self.moe = MoELayer(config.moe, depth=config.num_layers)
+        policy = policy or ChunkPolicy(config.chunk, config.moe)
+        self.moe = MoELayer(config.moe, depth=config.num_layers, policy=policy)
+
+    def _attention_part(self, x_BQD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Residual stream after attention, and its MoE-normed copy (the router input)."""
+        h_BQD = x_BQD + self.attn(self.attn_norm(x_BQD))
+        return h_BQD, self.moe_norm(h_BQD)
 
     def forward(self, x_BQD: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
         """(B, Q, d) → ((B, Q, d), MoEAux)."""
-        x_BQD = x_BQD + self.attn(self.attn_norm(x_BQD))
-        moe_out, aux = self.moe(self.moe_norm(x_BQD))
-        return x_BQD + moe_out, aux
+        if self.recompute == "full" and torch.is_grad_enabled():
+            # NOTE(memory): keeps x (T·d) instead of the attention activations (q, k, v, scores
+            # output, norms: several T·d); recomputed once in backward.
+            h_BQD, normed_BQD = checkpoint(self._attention_part, x_BQD, use_reentrant=False,
+                                           preserve_rng_state=False)
+        else:
+            h_BQD, normed_BQD = self._attention_part(x_BQD)
+        moe_out, aux = self.moe(normed_BQD)
+        return h_BQD + moe_out, aux
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,15 +141,25 @@ class MoETransformerLM(nn.Module):
     """Decoder-only MoE language model.
 
     Args:
-        config: :class:`ModelConfig`.
+        config: :class:`ModelConfig`; ``config.chunk`` sets chunking and recomputation.
+        agree_num_chunks: runtime agreement of budget-driven chunk counts across an
+            expert-parallel group (``c_local -> max over the group``); default identity. It can
+            also be set later through ``model.chunk_policy.agree_num_chunks``.
+
+    Attributes:
+        chunk_policy: the :class:`ChunkPolicy` shared by every MoE layer.
     """
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, *,
+                 agree_num_chunks: AgreeNumChunks | None = None) -> None:
         super().__init__()
         self.config = config
         D = config.moe.hidden_size
+        self.chunk_policy = ChunkPolicy(config.chunk, config.moe,
+                                        agree_num_chunks=agree_num_chunks)
         self.embed = nn.Embedding(config.vocab_size, D)
-        self.blocks = nn.ModuleList([Block(config) for _ in range(config.num_layers)])
+        self.blocks = nn.ModuleList([Block(config, policy=self.chunk_policy)
+                                     for _ in range(config.num_layers)])
         self.norm = nn.RMSNorm(D, eps=config.norm_eps)
         self._init_weights()
 

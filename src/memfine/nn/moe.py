@@ -1,7 +1,7 @@
-"""The MoE feed-forward layer: router → routing index → experts → combine.
+"""The MoE feed-forward layer: router → routing index → chunked experts → combine.
 
 Legend: T tokens, K top-k slots, E experts, D = d.
-Reference: DESIGN.md §2-§4.
+Reference: DESIGN.md §2-§4; MemFine §4 (chunked scheduling, MACT).
 """
 
 from __future__ import annotations
@@ -11,9 +11,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memfine.config import MoEConfig
+from memfine.config import ChunkConfig, MoEConfig
 from memfine.nn.experts import GroupedExperts
 from memfine.routing import TopKRouter, load_balancing_loss, z_loss
+from memfine.schedule.policy import ChunkPolicy
+
+# A layer built without a chunk config runs its experts in one piece without recomputation.
+NO_CHUNKING = ChunkConfig(num_chunks=1, recompute="none")
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,28 +38,79 @@ class MoEAux:
 
 
 class MoELayer(nn.Module):
-    """Router + routed experts.
+    """Router + routed experts, run in c token chunks chosen by a :class:`ChunkPolicy`.
 
-    Steps: (1) flatten x to (T, d) and zero padding rows by selection; (2) route once in fp32;
-    (3) run the experts on the routing result; (4) return the output and :class:`MoEAux`
-    (losses are returned, never added silently).
+    Steps: (1) flatten x to (T, d) and zero padding rows by selection; (2) route once in fp32
+    (outside every recomputed region); (3) ask the policy for c (fixed, or MACT from the rows the
+    experts receive); (4) run the experts chunk by chunk with the configured recomputation;
+    (5) return the output and :class:`MoEAux` (losses are returned, never added silently).
 
     Args:
-        config: :class:`MoEConfig`.
+        config: :class:`MoEConfig`. Its experiment knobs ``skew_hot_experts``/``skew_bias`` set
+            the router's ``selection_bias`` (hot experts 0..h-1) at construction.
         depth: number of residual blocks of the model (output-projection init scale).
+        chunk: chunking and recompute (:class:`ChunkConfig`); default :data:`NO_CHUNKING`.
+        policy: a policy shared with other layers (instead of ``chunk``); its ``moe`` must equal
+            ``config``.
+
+    Raises:
+        ValueError: if both ``chunk`` and ``policy`` are given, or the policy's MoE config differs.
+
+    Attributes:
+        policy: the :class:`ChunkPolicy`; under expert parallelism set its ``agree_num_chunks``.
     """
 
-    def __init__(self, config: MoEConfig, *, depth: int = 1) -> None:
+    def __init__(self, config: MoEConfig, *, depth: int = 1, chunk: ChunkConfig | None = None,
+                 policy: ChunkPolicy | None = None) -> None:
         super().__init__()
+        if chunk is not None and policy is not None:
+            raise ValueError("MoELayer takes chunk or policy, not both")
+        if policy is not None and policy.moe != config:
+            raise ValueError(f"MoELayer policy.moe must equal config, got {policy.moe} vs {config}")
         self.config = config
+        self.policy = policy or ChunkPolicy(chunk or NO_CHUNKING, config)
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize)
         self.experts = GroupedExperts(config, depth=depth)
+        if config.skew_hot_experts:
+            with torch.no_grad():
+                self.router.selection_bias[: config.skew_hot_experts] = config.skew_bias
+
+    def received_rows(self, top_k_index: torch.Tensor) -> int:
+        """s″: rows this layer's experts receive, i.e. (token, slot) pairs with an id in [0, E).
+
+        Sentinel slots (padding, remote experts) are not counted. An expert-parallel layer
+        overrides this (or passes its own count to the policy) with the rows from its count
+        exchange. Synchronises with the device (one ``.item()``).
+        """
+        E = self.config.num_experts
+        return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
 
     def run_experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Expert part on routed tokens; returns (out_TD, num_chunks). Overridable schedule hook."""
-        return self.experts(x_TD, top_k_index, top_k_weights), 1
+        """Expert part on routed tokens; returns ``(out_TD, num_chunks)``. Overridable hook.
+
+        Args:
+            x_TD: (T, d) activations.
+            top_k_index: (T, k) int64 expert ids from the router (sentinels ≥ E allowed).
+            top_k_weights: (T, k) routing weights.
+
+        Returns:
+            (T, d) output and the chunk count c used.
+
+        Raises:
+            ValueError: from the policy when a budget cannot be met.
+
+        Side effects: with a budget, one ``agree_num_chunks`` call (see :class:`ChunkPolicy`).
+
+        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode.
+        """
+        policy = self.policy
+        recv = self.received_rows(top_k_index) if policy.budgeted else 0
+        num_chunks = policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+        out_TD = self.experts(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                              recompute=policy.config.recompute)
+        return out_TD, num_chunks
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, MoEAux]:

@@ -3,7 +3,7 @@
 Legend: T tokens, K top-k slots, S routed rows, D features.
 Every reduction is a per-token gather + sum over the k slots (no atomics, no index_add with
 duplicate indices), so results are bitwise reproducible. Sentinel slots (token_index_map == -1)
-are removed by selection: they read a zero row, never a NaN multiplied by 0.
+are removed by selection: they read an exact zero row and a zero weight, never a NaN times 0.
 Reference: MoEBlaze §4 (combine through token_index_map); DESIGN.md §3.
 """
 
@@ -17,18 +17,27 @@ def gather_rows(x_TD: torch.Tensor, expert_token_indices_S: torch.Tensor) -> tor
     return x_TD.index_select(0, expert_token_indices_S.long())
 
 
-def _slot_rows(rows_SD: torch.Tensor, token_index_map_TK: torch.Tensor) -> torch.Tensor:
-    """(T, K, D) rows of every slot; sentinel slots read an appended zero row."""
+def slot_rows(rows_SD: torch.Tensor, token_index_map_TK: torch.Tensor) -> torch.Tensor:
+    """(T, K, D) new tensor: the row of every slot; sentinel slots hold exact zeros.
+
+    Memory: allocates the (T, K, D) gathered copy (transient for callers outside autograd).
+    """
     S, D = rows_SD.shape
+    T, K = token_index_map_TK.shape
+    if S == 0:  # every slot is a sentinel: read a zero row, keeping the autograd graph
+        rows_SD = torch.cat([rows_SD, rows_SD.new_zeros(1, D)])
     valid_TK = token_index_map_TK >= 0
-    padded_SD = torch.cat([rows_SD, rows_SD.new_zeros(1, D)])
-    idx_TK = torch.where(valid_TK, token_index_map_TK.long(), S)
-    return padded_SD.index_select(0, idx_TK.reshape(-1)).view(*idx_TK.shape, D)
+    idx_M = token_index_map_TK.clamp(min=0).reshape(-1).long()
+    rows_TKD = rows_SD.index_select(0, idx_M).view(T, K, D)
+    # Selection, not multiplication: a sentinel slot's stand-in row may hold NaN/inf.
+    return rows_TKD.masked_fill_(~valid_TK[..., None], 0)
 
 
 def combine_rows(y_SD: torch.Tensor, weights_TK: torch.Tensor,
                  token_index_map_TK: torch.Tensor) -> torch.Tensor:
-    """out[t] = Σ_j w[t, j] · Y[token_index_map[t, j]] over valid slots.
+    """out[t] = Σ_j w[t, j] · Y[token_index_map[t, j]] over valid slots, summed in slot order.
+
+    Equal, bit for bit, to ``(w[..., None] * Y_slots).reshape(T, k, d).sum(1)``.
 
     Args:
         y_SD: (S, D) expert outputs in expert-grouped order.
@@ -38,11 +47,15 @@ def combine_rows(y_SD: torch.Tensor, weights_TK: torch.Tensor,
     Returns:
         (T, D) new tensor in y's dtype. Differentiable (autograd through index_select).
 
-    Memory: allocates a transient (T, k, D) gathered copy.
+    Memory: a transient (T, k, D) gathered copy (kept by autograd when y requires grad
+    outside a custom Function: the "scattered copy" of the plain path).
     """
-    rows_TKD = _slot_rows(y_SD, token_index_map_TK)
+    rows_TKD = slot_rows(y_SD, token_index_map_TK)
     w_TK = torch.where(token_index_map_TK >= 0, weights_TK.to(y_SD.dtype), 0)
-    return torch.bmm(w_TK.unsqueeze(1), rows_TKD).squeeze(1)
+    needs_graph = torch.is_grad_enabled() and (y_SD.requires_grad or w_TK.requires_grad)
+    if needs_graph:
+        return (rows_TKD * w_TK[..., None]).sum(1)
+    return rows_TKD.mul_(w_TK[..., None]).sum(1)  # NOTE(memory): in place, saves T·k·D
 
 
 def reduce_rows(rows_SD: torch.Tensor, token_index_map_TK: torch.Tensor) -> torch.Tensor:
@@ -51,7 +64,7 @@ def reduce_rows(rows_SD: torch.Tensor, token_index_map_TK: torch.Tensor) -> torc
     Returns:
         (T, D) new tensor. Memory: a transient (T, k, D) gathered copy.
     """
-    return _slot_rows(rows_SD, token_index_map_TK).sum(1)
+    return slot_rows(rows_SD, token_index_map_TK).sum(1)
 
 
 def scatter_slots(values_S: torch.Tensor, expert_slot_indices_S: torch.Tensor,

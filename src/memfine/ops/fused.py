@@ -17,6 +17,25 @@ from memfine.ops.combine import combine_rows, gather_rows, reduce_rows, scatter_
 from memfine.ops.grouped import grouped_mm, grouped_weight_grad
 
 
+def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
+    """(S,) per-row inner products ⟨a_r, b_r⟩ without an (S, n) product temporary."""
+    return torch.bmm(a_SN.unsqueeze(1), b_SN.unsqueeze(2)).view(-1)
+
+
+def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
+                    w_down_END: torch.Tensor, expert_token_indices_S: torch.Tensor,
+                    offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
+                    expert_slot_indices_S: torch.Tensor, activation: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, out) with the Triton kernels: gather fused into the up-projection, activation in its
+    epilogue, routing weight in the down-projection's epilogue, then a per-token combine."""
+    from memfine.ops.triton import down_combine, gather_up
+
+    h_SG, a_SN = gather_up(x_TD, w_up_EDG, expert_token_indices_S, offsets_E1, activation)
+    w_S = weights_TK.reshape(-1).index_select(0, expert_slot_indices_S.long())
+    return h_SG, down_combine(a_SN, w_down_END, offsets_E1, w_S, token_index_map_TK)
+
+
 class FusedExpertsFunction(torch.autograd.Function):
     """Routed experts with minimal saved activations.
 
@@ -24,20 +43,29 @@ class FusedExpertsFunction(torch.autograd.Function):
     expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend)
     → out_TD (T, d) with out[t] = Σ_j w[t,j] · act(x[t]·w_up[e_tj])·w_down[e_tj].
 
-    Saved for backward:
+    Saved for backward (D_t = bytes per element of x):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
-        - h_SG: S·G·D_t bytes (pre-activation; G = 2n for SwiGLU, n for non-gated);
-        - weights_TK: T·k·D_t bytes; the four int32 index arrays: 4·(2·S + T·k + E + 1) bytes
-          (expert_token_indices, expert_slot_indices, token_index_map, expert_token_offsets);
+        - h_SG: S·G·D_t bytes (pre-activation; G = 2n for SwiGLU/GeGLU, n for GELU/ReLU/SiLU);
+        - weights_TK: T·k·D_t bytes (routing weights, already in x's dtype);
+        - the int32 index arrays expert_token_indices (S), expert_slot_indices (S),
+          token_index_map (T·k), expert_token_offsets (E + 1): 4·(2·S + T·k + E + 1) bytes;
         - w_up, w_down: parameters, not activations (no extra bytes).
-        Not kept: the gathered x (S·d), A (S·n), Y (S·d), the scattered copy (T·k·d).
+        Total activation bytes: (T·d + S·G + T·k)·D_t + 4·(2·S + T·k + E + 1); with S = T·k and
+        SwiGLU that is the no-recompute floor (T·d + 2·T·k·n) elements (DESIGN.md §5) plus the
+        weights and indices. Not kept: the gathered x (S·d), A (S·n), Y (S·d), the (T, k, d)
+        scattered copy.
 
     Recomputed in backward:
-        the gathered rows x[expert_token_indices] and dO[expert_token_indices] (transient, S·d
-        each), A = act(H) (S·n). The routing-weight gradient is dw_(t,j) = ⟨dO_t·w_downᵀ, A_r⟩,
-        so Y is never needed. dx is reduced per token through token_index_map (deterministic).
+        the gathered rows x[expert_token_indices] and dO[expert_token_indices] (S·d each) and
+        A = act(H) (S·n). The routing-weight gradient is dw_(t,j) = ⟨dO_t·w_downᵀ, A_r⟩, so Y is
+        never needed. dx is reduced per token through token_index_map (deterministic, no atomics).
 
-    Backward transients: dA (S·n), dH (S·G), dx rows (S·d) and the (T, k, d) per-token gather.
+    With ``backend="triton"`` the forward gathers x inside the up-projection kernel (SwiGLU or
+    the plain activation in its epilogue) and applies the routing weights in the down-projection
+    epilogue before a per-token combine kernel; the backward uses the Triton grouped GEMM.
+
+    Backward transients (freed as soon as used): dO rows (S·d), dA (S·n), A (S·n), dH (S·G),
+    gathered x (S·d), dx rows (S·d) and the (T, k, d) per-token gather.
     """
 
     @staticmethod
@@ -46,14 +74,20 @@ class FusedExpertsFunction(torch.autograd.Function):
                 expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
                 expert_slot_indices_S: torch.Tensor, activation: str, backend: str
                 ) -> torch.Tensor:
-        x_SD = gather_rows(x_TD, expert_token_indices_S)  # NOTE(memory): transient, S·d·D_t
-        h_SG = grouped_mm(x_SD, w_up_EDG, expert_token_offsets_E1, backend)
-        del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
-        a_SN = apply_activation(h_SG, activation)
-        y_SD = grouped_mm(a_SN, w_down_END, expert_token_offsets_E1, backend)
-        del a_SN  # NOTE(memory): A is recomputed from H in backward (saves S·n·D_t bytes)
-        out_TD = combine_rows(y_SD, weights_TK, token_index_map_TK)
-        # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) + int32 indices; Y is dropped.
+        if backend == "triton":
+            h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
+                                           expert_token_indices_S, expert_token_offsets_E1,
+                                           token_index_map_TK, expert_slot_indices_S, activation)
+        else:
+            x_SD = gather_rows(x_TD, expert_token_indices_S)
+            h_SG = grouped_mm(x_SD, w_up_EDG, expert_token_offsets_E1, backend)
+            del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
+            a_SN = apply_activation(h_SG, activation)
+            y_SD = grouped_mm(a_SN, w_down_END, expert_token_offsets_E1, backend)
+            del a_SN  # NOTE(memory): A is recomputed from H in backward (saves S·n·D_t bytes)
+            out_TD = combine_rows(y_SD, weights_TK, token_index_map_TK)
+            del y_SD  # NOTE(memory): Y is never saved (saves S·d·D_t bytes)
+        # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only.
         ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END,
                               expert_token_indices_S, expert_token_offsets_E1,
                               token_index_map_TK, expert_slot_indices_S)
@@ -65,24 +99,23 @@ class FusedExpertsFunction(torch.autograd.Function):
         (x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, token_idx_S, offsets_E1, map_TK,
          slot_S) = ctx.saved_tensors
         act, backend = ctx.activation, ctx.backend
-        need_x, need_w, need_up, need_down = (ctx.needs_input_grad[i] for i in range(4))
+        need_x, need_w, need_up, need_down = ctx.needs_input_grad[:4]
         E = w_up_EDG.shape[0]
-        grad_out_TD = grad_out_TD.contiguous()
-        w_S = weights_TK.reshape(-1).index_select(0, slot_S.long()).to(grad_out_TD.dtype)
-        grad_out_SD = gather_rows(grad_out_TD, token_idx_S)  # NOTE(memory): transient S·d
-        a_SN_recomputed = apply_activation(h_SG, act)
+        w_S1 = weights_TK.reshape(-1).index_select(0, slot_S.long())[:, None]
+        grad_out_SD = gather_rows(grad_out_TD.contiguous(), token_idx_S)  # transient S·d
         grad_a_SN = grouped_mm(grad_out_SD, w_down_END.transpose(1, 2), offsets_E1, backend)
         grad_weights = grad_down = None
-        if need_w:
-            dots_S = (grad_a_SN * a_SN_recomputed).sum(-1)  # ⟨dO·w_downᵀ, A⟩ (MoEBlaze §5)
-            grad_weights = scatter_slots(dots_S.to(weights_TK.dtype), slot_S,
-                                         tuple(weights_TK.shape))
-        if need_down:
-            grad_down = grouped_weight_grad(a_SN_recomputed * w_S[:, None], grad_out_SD,
-                                            offsets_E1, E, backend)
-        del a_SN_recomputed, grad_out_SD
-        grad_a_SN.mul_(w_S[:, None])
-        _, grad_h_SG = activation_backward(h_SG, grad_a_SN, act)
+        if need_w or need_down:
+            a_SN = apply_activation(h_SG, act)  # NOTE(memory): recomputed, transient S·n
+            if need_w:  # ⟨dO·w_downᵀ, A⟩ (MoEBlaze §5): Y is not needed
+                grad_weights = scatter_slots(_row_dots(grad_a_SN, a_SN), slot_S,
+                                             tuple(weights_TK.shape))
+            if need_down:  # dW_down[e] = A_eᵀ · (w ⊙ dO)_e
+                grad_down = grouped_weight_grad(a_SN, grad_out_SD.mul_(w_S1), offsets_E1, E,
+                                                backend)
+            del a_SN
+        del grad_out_SD
+        grad_h_SG = activation_backward(h_SG, grad_a_SN.mul_(w_S1), act)
         del grad_a_SN
         grad_x = grad_up = None
         if need_up:

@@ -2,35 +2,55 @@
 
 Legend: S routed rows, E experts, I input features, O output features.
 Rows of expert e are [offsets[e], offsets[e+1]). Backends:
-- ``grouped_mm``: ``torch._grouped_mm`` (fp32/bf16; every inner dimension × itemsize a multiple of
-  16 bytes; int32 offsets). Empty groups give exactly zero weight gradients.
-- ``loop``: one matmul per expert; any dtype (float64 references), any size.
+- ``grouped_mm``: ``torch._grouped_mm`` (fp32/bf16; int32 offsets; every non-unit stride of the
+  operands and the output's row length × itemsize a multiple of 16 bytes). Empty groups give
+  exactly zero weight gradients.
+- ``loop``: one matmul per expert; any dtype (float64 references), any size. Registered as the
+  ``memfine::grouped_mm_loop`` / ``memfine::grouped_weight_grad_loop`` custom ops, whose fake
+  impls give output shapes without reading the offsets (FakeTensorMode / meta estimates).
 - ``triton``: optional GPU kernels (``memfine[triton]``), loaded only when chosen.
-``auto`` picks ``grouped_mm`` when its rules hold, else ``loop``.
+``auto`` picks ``grouped_mm`` when its rules hold, else ``loop`` (also for fp32 fake/meta tensors,
+whose ``_grouped_mm`` meta kernel accepts bf16 only).
 Reference: DESIGN.md §8 (grouped_mm rules measured on CPU).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 BACKENDS = ("auto", "grouped_mm", "loop", "triton")
 _GMM_DTYPES = (torch.float32, torch.bfloat16)
+_GMM_ALIGN_BYTES = 16
 
 
-def _aligned(*tensors_and_dims: tuple[torch.Tensor, int]) -> bool:
-    return all(dim * t.element_size() % 16 == 0 for t, dim in tensors_and_dims)
+def _strides_aligned(t: torch.Tensor) -> bool:
+    size = t.element_size()
+    return all(stride * size % _GMM_ALIGN_BYTES == 0
+               for stride, dim in zip(t.stride(), t.shape, strict=True) if stride != 1 and dim > 1)
+
+
+def _shape_only(t: torch.Tensor) -> bool:
+    return t.device.type == "meta" or is_fake(t)
 
 
 def grouped_mm_supported(x_SI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
-    """True when ``torch._grouped_mm`` accepts these operands (dtype, alignment, device)."""
+    """True when ``torch._grouped_mm`` accepts these operands (dtype, alignment, device).
+
+    Args:
+        x_SI: (S, I) grouped rows (made contiguous before the call).
+        w_EIO: (E, I, O) weights, any strides.
+    """
     if not hasattr(torch, "_grouped_mm"):
         return False
     if x_SI.dtype not in _GMM_DTYPES or w_EIO.dtype != x_SI.dtype:
         return False
     if x_SI.device.type not in ("cpu", "cuda"):
         return False
-    return _aligned((x_SI, x_SI.shape[-1]), (w_EIO, w_EIO.shape[-1]))
+    size = x_SI.element_size()
+    rows_aligned = (x_SI.shape[-1] * size % _GMM_ALIGN_BYTES == 0
+                    and w_EIO.shape[-1] * size % _GMM_ALIGN_BYTES == 0)
+    return rows_aligned and _strides_aligned(w_EIO)
 
 
 def resolve_backend(backend: str, x_SI: torch.Tensor, w_EIO: torch.Tensor) -> str:
@@ -42,17 +62,49 @@ def resolve_backend(backend: str, x_SI: torch.Tensor, w_EIO: torch.Tensor) -> st
     if backend not in BACKENDS:
         raise ValueError(f"gemm backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "grouped_mm" if grouped_mm_supported(x_SI, w_EIO) else "loop"
+        meta_fp32 = _shape_only(x_SI) and x_SI.dtype != torch.bfloat16
+        return "grouped_mm" if grouped_mm_supported(x_SI, w_EIO) and not meta_fp32 else "loop"
     if backend == "grouped_mm" and not grouped_mm_supported(x_SI, w_EIO):
         raise ValueError(
-            "gemm backend 'grouped_mm' needs fp32/bf16 operands whose feature sizes × itemsize "
+            "gemm backend 'grouped_mm' needs fp32/bf16 operands whose row lengths × itemsize "
             f"are multiples of 16 bytes; got x {tuple(x_SI.shape)} {x_SI.dtype}, "
             f"w {tuple(w_EIO.shape)} {w_EIO.dtype}; use 'auto' or 'loop'")
     return backend
 
 
-def _bounds(offsets_E1: torch.Tensor) -> list[int]:
-    return [int(v) for v in offsets_E1.tolist()]
+@torch.library.custom_op("memfine::grouped_mm_loop", mutates_args=())
+def _grouped_mm_loop(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
+                     ) -> torch.Tensor:
+    out_SO = x_SI.new_empty(x_SI.shape[0], w_EIO.shape[-1])
+    bounds = offsets_E1.tolist()
+    for e in range(w_EIO.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.matmul(x_SI[lo:hi], w_EIO[e], out=out_SO[lo:hi])
+    return out_SO
+
+
+@_grouped_mm_loop.register_fake
+def _(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    return x_SI.new_empty(x_SI.shape[0], w_EIO.shape[-1])
+
+
+@torch.library.custom_op("memfine::grouped_weight_grad_loop", mutates_args=())
+def _grouped_weight_grad_loop(x_SI: torch.Tensor, grad_y_SO: torch.Tensor,
+                              offsets_E1: torch.Tensor, num_experts: int) -> torch.Tensor:
+    grad_w_EIO = x_SI.new_zeros(num_experts, x_SI.shape[-1], grad_y_SO.shape[-1])
+    bounds = offsets_E1.tolist()
+    for e in range(num_experts):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            torch.matmul(x_SI[lo:hi].t(), grad_y_SO[lo:hi], out=grad_w_EIO[e])
+    return grad_w_EIO
+
+
+@_grouped_weight_grad_loop.register_fake
+def _(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1: torch.Tensor,
+      num_experts: int) -> torch.Tensor:
+    return x_SI.new_empty(num_experts, x_SI.shape[-1], grad_y_SO.shape[-1])
 
 
 def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor,
@@ -62,7 +114,7 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
     Args:
         x_SI: (S, I) rows grouped by expert, float.
         w_EIO: (E, I, O) per-expert weights (any strides; transposed views are fine).
-        offsets_E1: (E + 1,) int32 expert_token_offsets, offsets[E] == S.
+        offsets_E1: (E + 1,) int32 expert_token_offsets, offsets[0] == 0, offsets[E] == S.
         backend: ``auto``, ``grouped_mm``, ``loop`` or ``triton``.
 
     Returns:
@@ -78,13 +130,8 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
         from memfine.ops.triton import grouped_mm as triton_grouped_mm
 
         return triton_grouped_mm(x_SI, w_EIO, offsets_E1)
-    out_SO = x_SI.new_empty(x_SI.shape[0], w_EIO.shape[-1])
-    bounds = _bounds(offsets_E1)
-    for e in range(w_EIO.shape[0]):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            torch.matmul(x_SI[lo:hi], w_EIO[e], out=out_SO[lo:hi])
-    return out_SO
+    out: torch.Tensor = torch.ops.memfine.grouped_mm_loop(x_SI, w_EIO, offsets_E1)
+    return out
 
 
 def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1: torch.Tensor,
@@ -96,19 +143,20 @@ def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1:
         grad_y_SO: (S, O) gradient of the grouped output.
         offsets_E1: (E + 1,) int32 offsets.
         num_experts: E.
-        backend: as in :func:`grouped_mm`.
+        backend: as in :func:`grouped_mm` (``triton`` uses the loop here).
 
     Returns:
-        (E, I, O) new tensor, zero for empty experts.
+        (E, I, O) new tensor, exactly zero for empty experts.
+
+    Raises:
+        ValueError: for an unknown or unusable backend.
     """
-    w_like = x_SI.new_empty(1, 1, grad_y_SO.shape[-1])
-    backend = resolve_backend(backend, grad_y_SO, w_like) if backend != "triton" else "loop"
-    if backend == "grouped_mm" and _aligned((x_SI, x_SI.shape[-1])):
+    # dW = Xᵀ·dY is a grouped GEMM with operands (I, S) and (S, O): the same rules as
+    # grouped_mm(x (S, I), w (E, I, O)) with row lengths I and O.
+    w_like = x_SI.new_empty(1, x_SI.shape[-1], grad_y_SO.shape[-1])
+    backend = resolve_backend(backend, x_SI, w_like) if backend != "triton" else "loop"
+    if backend == "grouped_mm":
         return torch._grouped_mm(x_SI.t(), grad_y_SO.contiguous(), offs=offsets_E1[1:].int())
-    grad_w_EIO = x_SI.new_zeros(num_experts, x_SI.shape[-1], grad_y_SO.shape[-1])
-    bounds = _bounds(offsets_E1)
-    for e in range(num_experts):
-        lo, hi = bounds[e], bounds[e + 1]
-        if hi > lo:
-            torch.matmul(x_SI[lo:hi].t(), grad_y_SO[lo:hi], out=grad_w_EIO[e])
-    return grad_w_EIO
+    out: torch.Tensor = torch.ops.memfine.grouped_weight_grad_loop(
+        x_SI, grad_y_SO, offsets_E1, num_experts)
+    return out

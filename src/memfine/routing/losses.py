@@ -42,7 +42,9 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
     t_valid = probs_TE.shape[0]
     if t_valid == 0:
         return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
-    counts_E = torch.bincount(index_TK.reshape(-1).clamp(0, E), minlength=E + 1)[:E]
+    ids_M = index_TK.reshape(-1).long()
+    ids_M = torch.where((ids_M >= 0) & (ids_M < E), ids_M, E)  # sentinels → spare bin E
+    counts_E = torch.bincount(ids_M, minlength=E + 1)[:E]
     p_E = probs_TE.mean(0)
     f_E = counts_E.to(p_E.dtype) / (t_valid * k)
     return E * (f_E * p_E).sum()

@@ -1,28 +1,383 @@
-"""Analytic activation-memory model (bytes, integer arithmetic; allocates nothing).
+"""Analytic memory model of one MoE layer, itemised tensor by tensor (bytes; allocates nothing).
 
-FIRST CUT — to be itemised and validated against measurement (issue: memory model). The two
-functions below are the interface the chunk planner relies on; keep their signatures.
+Saved-for-backward bytes are closed-form sums over the tensors memfine's code saves (router,
+routing losses, and the expert path of each execution mode); they equal what saved-tensor hooks
+measure (:class:`memfine.measure.saved.SavedTensorsTracker`) exactly. Peak bytes come from an
+allocation timeline that replays the layer's forward and backward step by step
+(:mod:`memfine.schedule._moe_timeline`); they equal what the live-storage tracker
+(:class:`memfine.measure.peak.PeakMemoryTracker`) measures.
 
-Legend: T tokens, S received rows (s′), D = d, N = n, G = 2n (gated) or n, K = k.
-Reference: MemFine Eq. 2, 8 (arXiv 2511.21431); DESIGN.md §4-§5.
+Execution modes (as :class:`memfine.nn.MoELayer` runs them):
+
+- ``plain``: ``experts_impl="plain"`` — autograd over gathered/scattered copies.
+- ``fused``: ``experts_impl="fused"`` — :class:`memfine.ops.FusedExpertsFunction` (x, H, weights,
+  int32 indices).
+- ``full``: recompute ``full`` or ``experts`` with c = 1 — only the layer input and the routing
+  survive forward.
+- ``chunked``: recompute ``experts`` with c > 1 — as ``full``, and backward recomputes one token
+  chunk at a time (``recompute="none"`` with c > 1 chunks without recomputation).
+
+The chunk planner (:mod:`memfine.schedule.policy`) calls :func:`expert_row_bytes` and
+:func:`expert_fixed_bytes` to turn a byte budget into s′_max rows (MemFine Eq. 8); their sum
+``fixed + row · rows_per_chunk`` bounds the layer's peak from above for every chunk count.
+
+Legend: T tokens, S received rows (s′; S = T·k on one device), C tokens of one chunk,
+E experts (on this rank), D = d, N = n, G = 2n (gated) or n, K = k, D_t activation bytes,
+R = 4 router bytes (fp32; 8 for float64).
+Reference: MemFine (arXiv 2511.21431) Table 2, Eq. 2, 8; MoEBlaze §4-§5; DESIGN.md §5; STYLE.md §7.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
 from memfine.config import MoEConfig
+from memfine.schedule import _moe_timeline as tlm
+
+MODES = ("plain", "fused", "full", "chunked")
+
+
+def _item(tensor: str, source: str) -> int:
+    return field(default=0, metadata={"tensor": tensor, "source": source})  # type: ignore[no-any-return]
+
+
+ASSUMPTIONS = (
+    "one device: no expert parallelism, so no all-to-all buffers (all_to_all_bytes = 0)",
+    "no padding mask (every token valid) and S = T·k received rows",
+    "sizes of at most 8 bytes (scalars) are left out of the peak",
+    "measured protocol: x exists before and requires grad; parameters have no .grad; forward "
+    "keeps out and the two aux losses (the rest of MoEAux is dropped), whose gradients exist "
+    "before backward",
+    "not modelled: allocator rounding and caching, fragmentation, CUDA context, kernel "
+    "workspaces that never become tensors (BLAS packing, cuBLAS workspace)",
+    "argsort index builder (T·E > 2^22 cells): its sort temporaries are approximated",
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MemoryBreakdown:
+    """Bytes of one MoE layer forward + backward, item by item (every field an int, in bytes).
+
+    Saved items sum to ``saved_bytes``; the ``transient_*`` items are the largest chunk's
+    workspaces (for reading, not summed); ``peak_bytes`` is the timeline's maximum of live bytes
+    created inside forward + backward (saved activations, transients and the gradients created).
+    ``total_bytes = parameter_bytes + optimizer_state_bytes + peak_bytes``.
+    Each field's ``metadata`` names its tensor and source (see :meth:`rows`).
+    """
+
+    parameter_bytes: int = _item("w_up (E,d,G) + w_down (E,n,d) + router W_r (E,d), D_t",
+                                 "MemFine Eq. 1 (parameters)")
+    gradient_bytes: int = _item("their gradients, created in backward, D_t",
+                                "MemFine Eq. 1 (gradients)")
+    optimizer_state_bytes: int = _item("optimizer state per parameter (given)",
+                                       "MemFine Eq. 1 (optimizer)")
+    layer_input_bytes: int = _item("X (T,d) layer input, D_t", "MemFine Table 2; DESIGN.md §5")
+    router_input_copy_bytes: int = _item("fp32 copy of X kept by the router matmul (non-fp32)",
+                                         "our derivation (router in fp32, DESIGN.md §2)")
+    router_weight_copy_bytes: int = _item("fp32 copy of W_r (E,d) kept by the router matmul",
+                                          "our derivation (router in fp32)")
+    router_scores_bytes: int = _item("router probabilities (T,E) fp32 (softmax/sigmoid output)",
+                                     "MemFine Table 2 (E term)")
+    top_k_index_bytes: int = _item("top-k index (T,k) int64", "DESIGN.md §5 (full recompute)")
+    top_k_scores_bytes: int = _item("gathered top-k scores (T,k) fp32 (renormalisation input)",
+                                    "our derivation")
+    renorm_sum_bytes: int = _item("per-token score sum (T,1) fp32", "our derivation")
+    top_k_weights_bytes: int = _item("routing weights (T,k) D_t", "DESIGN.md §5")
+    aux_loss_bytes: int = _item("softmax (T,E) + f (E,) fp32 of the load-balancing loss",
+                                "our derivation (DESIGN.md §2 loss)")
+    z_loss_bytes: int = _item("logits (T,E) + logsumexp (T,) fp32 of the z-loss",
+                              "our derivation (DESIGN.md §2 loss)")
+    pre_activation_bytes: int = _item("H (S,G) pre-activation, D_t",
+                                      "MoEBlaze §5; MemFine Table 2 (FC1 output 2·s′·n)")
+    routing_index_bytes: int = _item("expert_token_indices, expert_slot_indices (S), "
+                                     "token_index_map (T·k), offsets (E+1), int32",
+                                     "MoEBlaze §3-§4")
+    gathered_input_bytes: int = _item("gathered X (S,d) D_t + its int64 row index (plain)",
+                                      "MemFine Table 2 (dispatched input s′·d)")
+    activation_output_bytes: int = _item("A (S,n) and act(gate) (S,n), D_t (plain)",
+                                         "DESIGN.md §5 (activation outputs)")
+    combine_copy_bytes: int = _item("(T,k,d) slot rows + weights, masks, int64 index (plain)",
+                                    "DESIGN.md §5 (scattered Y); MemFine Table 2 (s′·d)")
+    saved_bytes: int = _item("sum of the saved items", "STYLE.md §7")
+    transient_gathered_rows_bytes: int = _item("gathered X or dO rows (S_c,d) of one chunk",
+                                               "DESIGN.md §5")
+    transient_pre_activation_grad_bytes: int = _item("dH (S_c,G) of one chunk", "DESIGN.md §5")
+    transient_expanded_dx_bytes: int = _item("(C,k,d) per-token gather of dx of one chunk",
+                                             "DESIGN.md §5 (expanded dx)")
+    transient_index_build_bytes: int = _item("sort-free dense map (C,E+1) + scans (C,E) int64",
+                                             "MoEBlaze §3")
+    all_to_all_bytes: int = _item("dispatch/combine buffers (0 on one device)", "MemFine §4")
+    forward_peak_bytes: int = _item("peak live bytes during forward", "our timeline")
+    backward_peak_bytes: int = _item("peak live bytes during backward", "our timeline")
+    peak_bytes: int = _item("peak live bytes of forward + backward", "our timeline")
+    total_bytes: int = _item("parameters + optimizer state + peak", "MemFine Eq. 3 (left side)")
+    assumptions: tuple[str, ...] = ASSUMPTIONS
+
+    def rows(self) -> list[tuple[str, int, str, str]]:
+        """``(field, bytes, tensor, source)`` for every int field, in declaration order."""
+        return [(f.name, getattr(self, f.name), f.metadata["tensor"], f.metadata["source"])
+                for f in dataclasses.fields(self) if f.name != "assumptions"]
+
+
+SAVED_FIELDS = (
+    "layer_input_bytes", "router_input_copy_bytes", "router_weight_copy_bytes",
+    "router_scores_bytes", "top_k_index_bytes", "top_k_scores_bytes", "renorm_sum_bytes",
+    "top_k_weights_bytes", "aux_loss_bytes", "z_loss_bytes", "pre_activation_bytes",
+    "routing_index_bytes", "gathered_input_bytes", "activation_output_bytes",
+    "combine_copy_bytes",
+)
+"""The :class:`MemoryBreakdown` fields that sum to ``saved_bytes``."""
+
+
+def mode_settings(mode: str, num_chunks: int = 1) -> tuple[str, int, str]:
+    """``(experts_impl, num_chunks, recompute)`` of an execution mode name.
+
+    Raises:
+        ValueError: on an unknown mode, or ``chunked`` with fewer than 2 chunks.
+    """
+    if mode == "plain":
+        return "plain", 1, "none"
+    if mode == "fused":
+        return "fused", 1, "none"
+    if mode == "full":
+        return "fused", 1, "full"
+    if mode == "chunked":
+        if num_chunks < 2:
+            raise ValueError(f"mode 'chunked' needs num_chunks >= 2, got {num_chunks}")
+        return "fused", num_chunks, "experts"
+    raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def _check(moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
+           recompute: str) -> None:
+    if not isinstance(moe, MoEConfig):
+        raise ValueError(f"moe must be a MoEConfig, got {type(moe).__name__}")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if dtype_bytes not in (2, 4, 8):
+        raise ValueError(f"dtype_bytes must be 2, 4 or 8, got {dtype_bytes}")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    if recompute not in ("none", "experts", "full"):
+        raise ValueError(f"recompute must be 'none', 'experts' or 'full', got {recompute!r}")
+
+
+def _expert_saved(moe: MoEConfig, C: int, S: int, dt: int) -> dict[str, int]:
+    """Saved bytes of one chunk's expert path (no recompute), by field."""
+    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
+                     moe.top_k)
+    if moe.experts_impl == "fused":
+        return {"pre_activation_bytes": S * G * dt,
+                "routing_index_bytes": 4 * (2 * S + C * K + E + 1)}
+    keeps_h = moe.activation != "relu"  # relu saves its output A, not H
+    return {
+        "pre_activation_bytes": S * G * dt if keeps_h else 0,
+        "routing_index_bytes": 4 * (E + 1),  # offsets, saved by both grouped matmuls
+        "gathered_input_bytes": S * D * dt + S * 8,
+        "activation_output_bytes": S * N * dt * (2 if moe.gated else 1),
+        "combine_copy_bytes": C * K * (D * dt + dt + 8 + 2),
+    }
+
+
+def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
+                recompute: str = "none") -> dict[str, int]:
+    """Saved-for-backward bytes of one MoELayer forward, by :class:`MemoryBreakdown` field.
+
+    Counts each storage once and leaves out parameters, as the saved-tensor hooks do.
+
+    Args:
+        moe: the layer's config (its ``experts_impl`` selects the fused or plain path).
+        num_tokens: T.
+        dtype_bytes: D_t of x and the expert weights (2 bf16, 4 fp32, 8 float64).
+        num_chunks: c.
+        recompute: ``none``, ``experts`` or ``full`` (as :class:`memfine.config.ChunkConfig`).
+
+    Returns:
+        Field name → bytes (fields that are zero are included).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+    """
+    _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
+    T, D, E, K, dt = num_tokens, moe.hidden_size, moe.num_experts, moe.top_k, dtype_bytes
+    r = 8 if dt == 8 else 4
+    fused, ckpt = moe.experts_impl == "fused", recompute != "none"
+    items = dict.fromkeys(SAVED_FIELDS, 0)
+    # x is saved by the fp32 router matmul, else by the fused Function or the checkpoint.
+    items["layer_input_bytes"] = T * D * dt if (dt == r or fused or ckpt) else 0
+    if dt != r:
+        items["router_input_copy_bytes"] = T * D * r
+        items["router_weight_copy_bytes"] = E * D * r
+    items["router_scores_bytes"] = T * E * r
+    items["top_k_index_bytes"] = T * K * 8
+    if moe.renormalize:
+        items["top_k_scores_bytes"] = T * K * r
+        items["renorm_sum_bytes"] = T * r
+    items["top_k_weights_bytes"] = T * K * dt if (fused or ckpt) else 0
+    items["aux_loss_bytes"] = T * E * r + E * r
+    items["z_loss_bytes"] = T * E * r + T * r
+    if not ckpt:
+        for C in tlm.chunk_tokens(T, num_chunks):
+            for name, nbytes in _expert_saved(moe, C, C * K, dt).items():
+                items[name] += nbytes
+    return items
+
+
+def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
+                       num_chunks: int = 1, recompute: str = "none") -> tlm.Timeline:
+    """The allocation timeline of one MoELayer forward + backward (live set at the peak included).
+
+    Args: as :func:`moe_layer_memory`.
+
+    Returns:
+        A :class:`memfine.schedule._moe_timeline.Timeline`: ``peak``, ``peak_live`` (tensor name →
+        bytes alive at the peak), ``marks`` and ``phase_peaks`` (``forward``, ``end``).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+    """
+    _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
+    return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
+                              recompute=recompute)
+
+
+def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
+                     num_chunks: int = 1, recompute: str = "none",
+                     optimizer_bytes_per_param: int = 0) -> MemoryBreakdown:
+    """Itemised bytes of one :class:`memfine.nn.MoELayer` forward + backward on one device.
+
+    Args:
+        moe: the layer config (``experts_impl`` ``fused`` or ``plain``).
+        num_tokens: T, tokens entering the layer.
+        dtype_bytes: D_t, bytes per element of x and the parameters (2, 4 or 8).
+        num_chunks: c, token chunks of the expert part (:class:`memfine.config.ChunkConfig`).
+        recompute: ``none``, ``experts`` or ``full``.
+        optimizer_bytes_per_param: optimizer state per parameter, bytes (e.g. 8 for Adam's two
+            fp32 moments); 0 when no optimizer is held.
+
+    Returns:
+        The :class:`MemoryBreakdown`.
+
+    Raises:
+        ValueError: on out-of-range arguments.
+
+    Reference: MemFine Eq. 1-3 and Table 2 (items), DESIGN.md §5; the peak is our timeline.
+    """
+    if optimizer_bytes_per_param < 0:
+        raise ValueError(f"optimizer_bytes_per_param must be >= 0, got "
+                         f"{optimizer_bytes_per_param}")
+    items = saved_items(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
+                        recompute=recompute)
+    tl = moe_layer_timeline(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
+                            recompute=recompute)
+    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
+                     moe.top_k)
+    dt = dtype_bytes
+    C = tlm.chunk_tokens(num_tokens, num_chunks)[0]
+    S_c = C * K
+    num_params = E * D * G + E * N * D + E * D
+    return MemoryBreakdown(
+        parameter_bytes=num_params * dt,
+        gradient_bytes=num_params * dt,
+        optimizer_state_bytes=num_params * optimizer_bytes_per_param,
+        **items,
+        saved_bytes=sum(items.values()),
+        transient_gathered_rows_bytes=S_c * D * dt,
+        transient_pre_activation_grad_bytes=S_c * G * dt,
+        transient_expanded_dx_bytes=C * K * D * dt,
+        transient_index_build_bytes=C * (E + 1) * 8 + 2 * C * E * 8,
+        all_to_all_bytes=0,
+        forward_peak_bytes=tl.phase_peaks["forward"],
+        backward_peak_bytes=tl.phase_peaks["end"],
+        peak_bytes=tl.peak,
+        total_bytes=num_params * (dt + optimizer_bytes_per_param) + tl.peak,
+    )
+
+
+def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int) -> list[int]:
+    """Live bytes after each event of one chunk's (re)computation and backward, from zero."""
+    s = tlm.Shape(moe, tokens, dtype_bytes)
+    tl = tlm.Timeline()
+    saved, _ = tlm.experts_forward(tl, s, tokens, tokens * moe.top_k,
+                                   plain=moe.experts_impl == "plain", recompute=False,
+                                   rerun=recompute != "none")
+    if moe.experts_impl == "plain":
+        tlm.plain_backward(tl, s, tokens, tokens * moe.top_k, saved, tlm.WeightGrads(tl))
+    else:
+        tlm.fused_backward(tl, s, tokens, tokens * moe.top_k, saved)
+    return tl.trace
+
+
+@functools.lru_cache(maxsize=256)
+def _row_bytes(moe: MoEConfig, dtype_bytes: int, recompute: str) -> int:
+    best = 0
+    for builder in ("sort_free", "argsort"):
+        cfg = dataclasses.replace(moe, index_builder=builder)
+        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n) for n in (1, 2))
+        best = max(best, max(b - a for a, b in zip(one, two, strict=True)))
+    return -(-best // moe.top_k)
 
 
 def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "experts") -> int:
-    """Peak bytes that scale with the received rows of one chunk, per row (s′ = 1).
+    """Peak bytes that scale with the received rows of one chunk, per row.
 
-    Saved H (G) plus the backward transients of one chunk (gathered x and dO: 2·d; A, dA: 2·n;
-    dH: G; dx rows: d), in elements × ``dtype_bytes``, plus int32 index bytes.
+    The largest per-row slope over one chunk's (re)computation and backward: its saved H and
+    index arrays, gathered rows, dA, A, dH, dx rows and the (C, k, d) per-token gather, and the
+    routing-index builder's dense map, whichever point of the chunk's life is largest per row.
+    Per-token sizes count as 1/k per row (S_c = C·k: every token sends k rows).
+
+    Args:
+        moe: the layer config (E = experts on this rank).
+        dtype_bytes: D_t.
+        recompute: ``none``, ``experts`` or ``full`` (the slope is the same: a chunk's own
+            tensors; under ``none`` the other chunks' saved H is in :func:`expert_fixed_bytes`).
+
+    Returns:
+        Bytes per row (> 0), an int rounded up.
+
+    Reference: MemFine Eq. 8 denominator (there: D_t·(2d + 2n) per row for Megatron's tensors);
+    our timeline for memfine's own path.
     """
-    G, D, N = moe.up_width, moe.hidden_size, moe.intermediate_size
-    return (G + 3 * D + 2 * N + G) * dtype_bytes + 16
+    _check(moe, 0, dtype_bytes, 1, recompute)
+    return _row_bytes(moe, dtype_bytes, recompute)
+
+
+MAX_BOUNDED_CHUNKS = 16
+
+
+@functools.lru_cache(maxsize=256)
+def _fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, recompute: str) -> int:
+    row = expert_row_bytes(moe, dtype_bytes, recompute=recompute)
+    fixed = 0
+    for c in range(1, MAX_BOUNDED_CHUNKS + 1):
+        peak = tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=c,
+                                  recompute=recompute, record=False).peak
+        rows = tlm.chunk_tokens(num_tokens, c)[0] * moe.top_k
+        fixed = max(fixed, peak - row * rows)
+    return fixed
 
 
 def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
                        recompute: str = "experts") -> int:
-    """Bytes of the expert part that do not scale with the received rows (first cut: x and dx)."""
-    return 2 * num_tokens * moe.hidden_size * dtype_bytes
+    """Bytes of the layer's peak that do not scale with the rows of one chunk.
+
+    Defined so that ``expert_fixed_bytes(T) + expert_row_bytes() · ⌈T/c⌉·k`` is at least the
+    timeline peak of the whole MoELayer forward + backward for every c in 1..16: router and loss
+    tensors, the output, weight gradients (twice while the chunks' gradients are summed), the
+    other chunks' input gradients and, under ``none``, the other chunks' saved H.
+
+    Args:
+        num_tokens: T, tokens entering the layer on this rank.
+        moe: the layer config (E = experts on this rank).
+        dtype_bytes: D_t.
+        recompute: ``none``, ``experts`` or ``full``.
+
+    Returns:
+        Bytes (≥ 0).
+
+    Reference: MemFine Eq. 8 numerator (the memory that does not scale with s′); our timeline.
+    """
+    _check(moe, num_tokens, dtype_bytes, 1, recompute)
+    return _fixed_bytes(num_tokens, moe, dtype_bytes, recompute)

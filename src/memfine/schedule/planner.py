@@ -80,3 +80,46 @@ def choose_num_chunks(recv_tokens: int, s_max_tokens: int, bins: tuple[int, ...]
             return b
     raise ValueError(f"c = ceil({recv_tokens} / {s_max_tokens}) = {needed} exceeds the largest "
                      f"bin {bins[-1]}")
+
+
+def s_prime_max_memfine(*, device_memory_bytes: int, alpha: float, static_bytes: int,
+                        in_flight: int, t: int, cp: int, dtype_bytes: int, micro_batch: int,
+                        seq_len: int, attention_width: int, expert_width: int) -> int:
+    """MemFine Eq. 8 as printed: the largest tolerable received rows s′ per sequence.
+
+    s′_max = ⌊(α·M_device − M_sta − (m_g/(t·cp))·D_t·b·s·A) / ((m_g/(t·cp))·D_t·b·B)⌋ with
+    A = 5d + a·h_d + 2·k_a·h_d + E (attention/router width) and B = 2d + 2n (expert width), both
+    from MemFine Table 2; α·M_device is taken as ``int(alpha * device_memory_bytes)`` bytes.
+
+    Args:
+        device_memory_bytes: M_device, bytes.
+        alpha: usable fraction α in (0, 1].
+        static_bytes: M_sta, bytes (parameters, gradients, optimizer state; add here anything
+            else that does not scale with s′, e.g. checkpointed layer inputs).
+        in_flight: m_g (1 under full recomputation).
+        t: tensor-parallel size. cp: context-parallel size.
+        dtype_bytes: D_t.
+        micro_batch: b.
+        seq_len: s.
+        attention_width: A in elements per token.
+        expert_width: B in elements per received row.
+
+    Returns:
+        s′_max in rows per sequence; ≤ 0 when the budget does not cover the rest.
+
+    Raises:
+        ValueError: if a size is < 1 or alpha is outside (0, 1].
+
+    Reference: MemFine (arXiv 2511.21431) Eq. 8.
+    """
+    for name, value in (("in_flight", in_flight), ("t", t), ("cp", cp),
+                        ("dtype_bytes", dtype_bytes), ("micro_batch", micro_batch),
+                        ("seq_len", seq_len), ("expert_width", expert_width)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not 0 < alpha <= 1:
+        raise ValueError(f"alpha must be in (0, 1], got {alpha}")
+    scale = in_flight * dtype_bytes * micro_batch
+    numerator = ((int(alpha * device_memory_bytes) - static_bytes) * t * cp
+                 - scale * seq_len * attention_width)
+    return numerator // (scale * expert_width)

@@ -1,0 +1,249 @@
+"""Expert-parallel peak memory per rank as routing skew grows: no chunks vs MACT (CPU, gloo).
+
+Each of e spawned ranks (gloo on 127.0.0.1) holds T tokens and E/e experts. A skew s ∈ [0, 1]
+sends a random share s of every rank's tokens to experts 0..k-1, all held by rank 0 (the hot
+rank); the other tokens pick k distinct experts uniformly. At s = 1 rank 0 receives every row of
+the group: e times its balanced share, MemFine's failure case. Per rank and skew, one forward +
+backward of the EP experts is measured with :class:`memfine.measure.peak.PeakMemoryTracker`
+(peak bytes of tensors created inside the region; x, the routing and the weights exist before).
+
+Providers:
+- ``c1_none``: no chunks, no recompute (every received row's saved tensors live until backward);
+- ``c1_experts``: no chunks, the expert part recomputed in backward;
+- ``mact``: the MemFine chunk policy (:class:`memfine.schedule.policy.ChunkPolicy`) with a byte
+  budget that fits the balanced load with c = 1; c is chosen per rank from the received rows s″
+  and agreed (maximum) over the EP group; recompute ``experts``.
+
+Output: a printed table, a CSV (STYLE.md §6 columns plus ``rank``, ``ep_size``, ``budget_bytes``)
+with metrics ``peak_bytes`` (bytes), ``recv_rows`` (rows), ``num_chunks`` (c) and
+``peak_over_budget`` (ratio), and a PNG of peak MiB vs skew per rank with the budget line.
+Usage: ``python benchmarks/bench_ep.py [--ep-sizes 2 4] [--tokens 2048] [--out-dir DIR]``.
+Legend: T tokens per rank, K top-k slots, E experts, D = d, N = n.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import platform
+import socket
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import memfine
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.measure.peak import PeakMemoryTracker
+from memfine.parallel import (
+    ExpertParallelExperts,
+    agree_num_chunks,
+    build_context,
+    exchange_counts,
+)
+from memfine.schedule.policy import ChunkPolicy
+
+BENCHMARK = "ep_peak"
+PROVIDERS = ("c1_none", "c1_experts", "mact")
+CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
+               "p50", "p80", "device", "torch_version", "threads", "memfine_version", "git_sha",
+               "utc_timestamp", "config_json", "rank", "ep_size", "budget_bytes")
+RESULTS = Path(__file__).parent / "results"
+BALANCED_HEADROOM = 1.25  # the budget fits 1.25× the balanced received rows in one chunk
+
+
+def skewed_routing(T: int, E: int, k: int, skew: float, g: torch.Generator) -> torch.Tensor:
+    """(T, k) int64: a random share ``skew`` of tokens picks experts 0..k-1, the rest uniform."""
+    idx_TK = torch.rand(T, E, generator=g).argsort(dim=1)[:, :k]
+    hot_T = torch.randperm(T, generator=g)[: round(skew * T)]
+    idx_TK[hot_T] = torch.arange(k)
+    return idx_TK
+
+
+def _budget(moe: MoEConfig, tokens: int) -> int:
+    """A budget whose s′_max is 1.25× the balanced received rows T·k (MemFine Eq. 8 inverted)."""
+    probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
+    rows = math.ceil(BALANCED_HEADROOM * tokens * moe.top_k)
+    return probe.fixed_bytes(tokens, 4) + rows * probe.row_bytes(4)
+
+
+def _measure(module: ExpertParallelExperts, x_TD: torch.Tensor, idx_TK: torch.Tensor,
+             w_TK: torch.Tensor, grad_TD: torch.Tensor, **run_kwargs: Any) -> tuple[int, int]:
+    """Peak bytes of one forward + backward, and the chunk count used."""
+    for p in (x_TD, w_TK, module.w_up, module.w_down):
+        p.grad = None
+    with PeakMemoryTracker("cpu") as tracker:
+        out, c = module.run(x_TD, idx_TK, w_TK, **run_kwargs)
+        out.backward(grad_TD)
+        del out
+    return tracker.peak_bytes, c
+
+
+def _worker(rank: int, ep_size: int, port: int, args: argparse.Namespace, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=ep_size, timeout=datetime.timedelta(seconds=300))
+    ctx = build_context(ep_size)
+    E, k, T = args.experts_per_rank * ep_size, args.top_k, args.tokens
+    moe = MoEConfig(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                    num_experts=E, top_k=k)
+    budget = _budget(moe, T)
+    g = torch.Generator().manual_seed(0)
+    w_up = torch.randn(E, moe.hidden_size, moe.up_width, generator=g) * 0.05
+    w_down = torch.randn(E, moe.intermediate_size, moe.hidden_size, generator=g) * 0.05
+    module = ExpertParallelExperts.from_full(w_up, w_down, moe, ctx)
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute="experts",
+                                     allow_over_budget=True), moe)
+    policy.agree_num_chunks = lambda c: agree_num_chunks(c, ctx.ep_group)
+    runs = {"c1_none": {"num_chunks": 1, "recompute": "none"},
+            "c1_experts": {"num_chunks": 1, "recompute": "experts"},
+            "mact": {"policy": policy}}
+    records = []
+    for skew in args.skews:
+        g_rank = torch.Generator().manual_seed(1000 * rank + int(skew * 100))
+        x_TD = torch.randn(T, moe.hidden_size, generator=g_rank).requires_grad_()
+        idx_TK = skewed_routing(T, E, k, skew, g_rank)
+        w_TK = torch.rand(T, k, generator=g_rank).requires_grad_()
+        grad_TD = torch.randn(T, moe.hidden_size, generator=g_rank)
+        recv = exchange_counts(idx_TK, E, (1,), ctx.ep_group).recv_tokens
+        for name in args.providers:
+            _measure(module, x_TD, idx_TK, w_TK, grad_TD, **runs[name])  # warm-up
+            peak, c = _measure(module, x_TD, idx_TK, w_TK, grad_TD, **runs[name])
+            records.append({"provider": name, "skew": skew, "rank": rank, "peak_bytes": peak,
+                            "num_chunks": c, "recv_rows": recv})
+    gathered: list[Any] = [None] * ep_size
+    dist.all_gather_object(gathered, records)
+    if rank == 0:
+        meta = {"ep_size": ep_size, "budget_bytes": budget, "moe": moe.to_dict(),
+                "tokens_per_rank": T}
+        Path(out).write_text(json.dumps({"meta": meta,
+                                         "records": [r for rs in gathered for r in rs]}))
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_ep_size(ep_size: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Spawn ``ep_size`` gloo ranks, measure every skew and provider; return meta + records."""
+    out = RESULTS / f".ep_{ep_size}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_worker, args=(ep_size, _free_port(), args, str(out)), nprocs=ep_size,
+                       start_method="spawn", join=True)
+    data: dict[str, Any] = json.loads(out.read_text())
+    out.unlink()
+    return data
+
+
+def _environment() -> dict[str, str]:
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        sha = "unknown"
+    return {"device": f"cpu:{platform.machine()}", "torch_version": torch.__version__,
+            "threads": "1 per rank", "memfine_version": memfine.__version__, "git_sha": sha,
+            "utc_timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                timespec="seconds")}
+
+
+def to_rows(data: dict[str, Any]) -> list[dict[str, str]]:
+    """CSV rows: one per (rank, skew, provider, metric)."""
+    env, meta = _environment(), data["meta"]
+    budget = meta["budget_bytes"]
+    rows = []
+    for r in data["records"]:
+        metrics = [("peak_bytes", "bytes", r["peak_bytes"]), ("recv_rows", "rows", r["recv_rows"]),
+                   ("num_chunks", "chunks", r["num_chunks"]),
+                   ("peak_over_budget", "ratio", r["peak_bytes"] / budget)]
+        for metric, unit, value in metrics:
+            rows.append({"benchmark": BENCHMARK, "provider": r["provider"], "mode": "full",
+                         "metric": metric, "unit": unit, "x_name": "skew",
+                         "x_value": f"{r['skew']:g}", "p20": f"{value:.6g}",
+                         "p50": f"{value:.6g}", "p80": f"{value:.6g}", **env,
+                         "config_json": json.dumps(meta, sort_keys=True), "rank": str(r["rank"]),
+                         "ep_size": str(meta["ep_size"]), "budget_bytes": str(budget)})
+    return rows
+
+
+def print_table(data: dict[str, Any]) -> None:
+    """Per skew and rank: received rows, then peak MiB (and c) of every provider."""
+    meta, mib = data["meta"], 2**20
+    print(f"ep={meta['ep_size']}  T={meta['tokens_per_rank']} per rank  "
+          f"budget {meta['budget_bytes'] / mib:.2f} MiB")
+    by_key: dict[tuple[float, int], dict[str, Any]] = {}
+    for r in data["records"]:
+        by_key.setdefault((r["skew"], r["rank"]), {})[r["provider"]] = r
+    for (skew, rank), provs in sorted(by_key.items()):
+        recv = next(iter(provs.values()))["recv_rows"]
+        cells = "  ".join(f"{name} {p['peak_bytes'] / mib:7.2f} MiB (c={p['num_chunks']})"
+                          for name, p in provs.items())
+        print(f"  skew {skew:4.2f} rank {rank}: s''={recv:6d}  {cells}")
+
+
+def plot(datas: list[dict[str, Any]], path: Path) -> None:
+    """Peak MiB vs skew, one panel per EP size: hot rank solid, a cold rank dashed, budget line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(datas), figsize=(6 * len(datas), 4.2), squeeze=False)
+    for ax, data in zip(axes[0], datas, strict=True):
+        meta, mib = data["meta"], 2**20
+        for i, name in enumerate(PROVIDERS):
+            for rank, style in ((0, "-"), (meta["ep_size"] - 1, "--")):
+                pts = sorted((r["skew"], r["peak_bytes"] / mib) for r in data["records"]
+                             if r["provider"] == name and r["rank"] == rank)
+                if pts:
+                    ax.plot(*zip(*pts, strict=True), style, marker="o", color=f"C{i}",
+                            label=f"{name} rank {rank}{' (hot)' if rank == 0 else ''}")
+        ax.axhline(meta["budget_bytes"] / mib, color="k", lw=1, ls=":", label="MACT budget")
+        ax.set(title=f"EP size {meta['ep_size']}, T={meta['tokens_per_rank']} tokens per rank",
+               xlabel="skew (share of tokens sent to rank 0's experts)",
+               ylabel="peak bytes of EP experts fwd+bwd (MiB)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every EP size; print tables, write the CSV and the PNG."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ep-sizes", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--tokens", type=int, default=2048, help="tokens T per rank")
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+    parser.add_argument("--experts-per-rank", type=int, default=2)
+    parser.add_argument("--top-k", type=int, default=2)
+    parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    datas = [run_ep_size(e, args) for e in args.ep_sizes]
+    rows = []
+    for data in datas:
+        print_table(data)
+        rows += to_rows(data)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    csv_path, png_path = args.out_dir / "ep_peak_cpu.csv", args.out_dir / "ep_peak_cpu.png"
+    with csv_path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    plot(datas, png_path)
+    print(f"wrote {csv_path} and {png_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

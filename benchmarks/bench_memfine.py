@@ -1,0 +1,329 @@
+"""MemFine at CPU scale: memory and speed of one MoE transformer block as routing skew grows.
+
+MemFine's comparison (arXiv 2511.21431, Table 4), side by side in one run, on one block
+(attention + MoE, memfine's ``nn.model.Block``) fed the same input, weights and routing:
+
+- ``full_recompute``: no chunks, the whole block recomputed in backward (``recompute="full"``, c=1);
+- ``fixed_c8``: c = 8 token chunks, the expert part recomputed chunk by chunk (``experts``);
+- ``mact``: c chosen per step from a memory budget (MACT, Eq. 8-9), ``experts`` recompute;
+- ``no_recompute``: no chunks, nothing recomputed (c = 1, ``none``).
+
+Skew on one CPU: the block plays one rank of an expert-parallel group of size ``--ep``. Its MoE
+layer holds experts 0..E/ep-1 and sees the group's tokens; slots routed to the other ranks'
+experts become sentinels (computed elsewhere), so s″ = rows routed to the local experts, from
+T·k/ep (balanced) up to T·k (every token sends both slots here: MemFine's worst case). The skew
+is set with the experiment knob ``MoEConfig.skew_hot_experts``/``skew_bias`` (a selection bias on
+the local experts), calibrated to hit each target share; ``skew`` = s″ / (T·k/ep).
+
+The MACT budget covers the MoE layer: s′_max = 1.25·T·k/ep rows (Eq. 8 with memfine's memory
+model), so the balanced case runs in one chunk and the worst needs four.
+
+Metrics (CSV, STYLE.md §6 columns, one row per provider, skew level and metric):
+``block_peak_bytes`` and ``moe_peak_bytes`` (peak live bytes of forward + backward of the block,
+and of its MoE layer alone, above what existed before; CPU storage tracker), ``saved_bytes``
+(bytes the block holds for backward: alive at the end of forward, output excluded),
+``time`` (forward + backward of the block, ms, p20/p50/p80 over interleaved repetitions),
+``tokens_per_s`` (T / p50 time) and ``num_chunks`` (c chosen), plus ``budget_bytes``.
+
+Usage: ``python benchmarks/bench_memfine.py [--reps 5] [--seq 512] [--out PATH]``; writes the CSV
+and a PNG next to it. It runs with one intra-op thread by default: with other jobs on the cores,
+multi-threaded matmuls wait on each other and times vary several-fold. Run it twice.
+Legend: B batch, Q sequence, T = B·Q tokens, D = d, K = k, E experts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import math
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import memfine
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig
+from memfine.measure.peak import PeakMemoryTracker
+from memfine.nn.model import Block
+from memfine.nn.moe import MoELayer
+from memfine.schedule.policy import ChunkPolicy
+
+BENCHMARK = "memfine"
+PROVIDERS = ("full_recompute", "fixed_c8", "mact", "no_recompute")
+SHARES = (0.25, 0.4, 0.6, 0.8, 1.0)  # targets for the share of slots on the local experts
+CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
+               "p50", "p80", "device", "torch_version", "threads", "memfine_version", "git_sha",
+               "utc_timestamp", "config_json")
+
+
+def model_config(args: argparse.Namespace, chunk: ChunkConfig, skew_bias: float = 0.0
+                 ) -> ModelConfig:
+    """The one-block model of the benchmark (skew knob on the ``E/ep`` local experts)."""
+    local = args.experts // args.ep
+    moe = MoEConfig(hidden_size=args.hidden, intermediate_size=args.intermediate,
+                    num_experts=args.experts, top_k=args.top_k, skew_hot_experts=local,
+                    skew_bias=skew_bias)
+    return ModelConfig(num_layers=1, num_heads=args.heads, max_seq_len=args.seq, moe=moe,
+                       chunk=chunk)
+
+
+def local_rank_view(layer: MoELayer, num_local: int) -> None:
+    """Make ``layer`` compute only experts 0..num_local-1: other slots become sentinels."""
+    inner = layer.run_experts
+    E = layer.config.num_experts
+
+    def run_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+                    ) -> tuple[torch.Tensor, int]:
+        local_TK = torch.where(top_k_index < num_local, top_k_index, E)
+        return inner(x_TD, local_TK, top_k_weights)
+
+    layer.run_experts = run_experts  # type: ignore[method-assign]
+
+
+def calibrate(block: Block, x_BQD: torch.Tensor, share: float, num_local: int) -> float:
+    """Selection bias on the local experts that puts ``share`` of all slots on them."""
+    with torch.no_grad():
+        normed = block._attention_part(x_BQD)[1].reshape(-1, x_BQD.shape[-1])
+        router = block.moe.router
+
+        def share_of(bias: float) -> float:
+            router.selection_bias.zero_()
+            router.selection_bias[:num_local] = bias
+            return float((router(normed).top_k_index < num_local).float().mean())
+
+        lo, hi = 0.0, 2.0
+        if share_of(lo) >= share:
+            return 0.0
+        for _ in range(30):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if share_of(mid) < share else (lo, mid)
+        router.selection_bias.zero_()
+    return hi
+
+
+def build(args: argparse.Namespace, chunk: ChunkConfig, bias: float,
+          state: dict[str, torch.Tensor]) -> Block:
+    """A block with the shared weights, the given chunking and skew, as one EP rank."""
+    block = Block(model_config(args, chunk, bias))
+    state = {k: v for k, v in state.items() if k != "moe.router.selection_bias"}
+    block.load_state_dict(state, strict=False)
+    local_rank_view(block.moe, args.experts // args.ep)
+    return block
+
+
+def fwd_bwd_ms(block: Block, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, int]:
+    """One timed forward + backward (loss = output·grad + aux); returns (ms, c)."""
+    x = x.detach().requires_grad_(True)
+    block.zero_grad(set_to_none=True)
+    start = time.perf_counter()
+    out, aux = block(x)
+    torch.autograd.backward([out, aux.load_balancing_loss], [grad, torch.ones(())])
+    return (time.perf_counter() - start) * 1e3, aux.num_chunks
+
+
+def memory(block: Block, x: torch.Tensor, grad: torch.Tensor) -> dict[str, int]:
+    """Block peak and saved bytes, and the MoE layer's own peak (fresh gradients each time)."""
+    x = x.detach().requires_grad_(True)
+    block.zero_grad(set_to_none=True)
+    with PeakMemoryTracker() as tracker:
+        out, aux = block(x)
+        saved = tracker.mark("forward") - out.untyped_storage().nbytes()
+        torch.autograd.backward([out, aux.load_balancing_loss], [grad, torch.ones(())])
+    block_peak = tracker.peak_bytes
+    with torch.no_grad():
+        normed = block._attention_part(x)[1].detach().requires_grad_(True)
+    block.zero_grad(set_to_none=True)
+    with PeakMemoryTracker() as tracker:
+        moe_out, aux = block.moe(normed)
+        torch.autograd.backward([moe_out, aux.load_balancing_loss], [grad, torch.ones(())])
+    return {"block_peak_bytes": block_peak, "moe_peak_bytes": tracker.peak_bytes,
+            "saved_bytes": saved}
+
+
+def quantiles(values: list[float]) -> tuple[float, float, float]:
+    """(p20, p50, p80) by linear interpolation."""
+    q = torch.tensor(values, dtype=torch.float64).quantile(
+        torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64))
+    return float(q[0]), float(q[1]), float(q[2])
+
+
+def run_level(args: argparse.Namespace, share: float, budget: int, x: torch.Tensor,
+              grad: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str, dict[str, object]]:
+    """Every provider at one skew level: memory once, then interleaved timed repetitions."""
+    chunks = {"full_recompute": ChunkConfig(num_chunks=1, recompute="full"),
+              "fixed_c8": ChunkConfig(num_chunks=8, recompute="experts"),
+              "mact": ChunkConfig(memory_budget_bytes=budget, recompute="experts"),
+              "no_recompute": ChunkConfig(num_chunks=1, recompute="none")}
+    probe = build(args, chunks["no_recompute"], 0.0, state)
+    bias = calibrate(probe, x, share, args.experts // args.ep)
+    blocks = {name: build(args, chunks[name], bias, state) for name in PROVIDERS}
+    with torch.no_grad():
+        normed = blocks["mact"]._attention_part(x)[1].reshape(-1, args.hidden)
+        routed = blocks["mact"].moe.router(normed).top_k_index
+    local_rows = int((routed < args.experts // args.ep).sum())
+    T = x.shape[0] * x.shape[1]
+    results: dict[str, dict[str, object]] = {
+        name: {**memory(block, x, grad), "times_ms": [], "num_chunks": 0}
+        for name, block in blocks.items()}
+    names = list(PROVIDERS)
+    for rep in range(args.warmup + args.reps):
+        shift = rep % len(names)
+        for name in names[shift:] + names[:shift]:
+            ms, c = fwd_bwd_ms(blocks[name], x, grad)
+            results[name]["num_chunks"] = c
+            if rep >= args.warmup:
+                results[name]["times_ms"].append(ms)  # type: ignore[union-attr]
+    skew = local_rows / (T * args.top_k / args.ep)
+    for res in results.values():
+        res["skew"], res["recv_rows"], res["bias"] = skew, local_rows, bias
+    return results
+
+
+def environment() -> dict[str, str]:
+    """Device, versions, thread count, git SHA and UTC time for the CSV rows."""
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        sha = "unknown"
+    return {"device": f"cpu:{platform.machine()}", "torch_version": torch.__version__,
+            "threads": str(torch.get_num_threads()), "memfine_version": memfine.__version__,
+            "git_sha": sha, "utc_timestamp": datetime.datetime.now(
+                datetime.timezone.utc).isoformat(timespec="seconds")}
+
+
+def to_rows(args: argparse.Namespace, budget: int, levels: list[dict[str, dict[str, object]]]
+            ) -> list[dict[str, str]]:
+    """CSV rows (STYLE.md §6 columns)."""
+    env = environment()
+    T = args.batch * args.seq
+    config = {k: v for k, v in vars(args).items() if k != "out"}
+    rows = []
+    for level in levels:
+        for name, res in level.items():
+            times = quantiles(res["times_ms"])  # type: ignore[arg-type]
+            cfg = json.dumps({**config, "recv_rows": res["recv_rows"],
+                              "skew_bias": res["bias"]}, sort_keys=True)
+            metrics = [("time", "ms", "full", times),
+                       ("tokens_per_s", "tokens/s", "full",  # p20 of tokens/s is T / p80 time
+                        tuple(T / (t / 1e3) for t in reversed(times))),
+                       ("num_chunks", "chunks", "fwd", (res["num_chunks"],) * 3),
+                       ("budget_bytes", "bytes", "fwd", (budget,) * 3)]
+            metrics += [(m, "bytes", "full", (res[m],) * 3)
+                        for m in ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")]
+            for metric, unit, mode, (p20, p50, p80) in metrics:
+                rows.append({"benchmark": BENCHMARK, "provider": name, "mode": mode,
+                             "metric": metric, "unit": unit, "x_name": "skew",
+                             "x_value": f"{res['skew']:.3f}", "p20": f"{p20:.6g}",
+                             "p50": f"{p50:.6g}", "p80": f"{p80:.6g}", **env,
+                             "config_json": cfg})
+    return rows
+
+
+def print_level(level: dict[str, dict[str, object]], budget: int, T: int) -> None:
+    """One line per provider: c, peaks, saved, time, tokens/s, time relative to full recompute."""
+    first = next(iter(level.values()))
+    print(f"skew {first['skew']:.2f}× balanced (s''={first['recv_rows']} rows), "
+          f"MoE budget {budget / 2**20:.2f} MiB")
+    base = quantiles(level["full_recompute"]["times_ms"])[1]  # type: ignore[arg-type]
+    for name, res in level.items():
+        p50 = quantiles(res["times_ms"])[1]  # type: ignore[arg-type]
+        mib = {m: int(res[m]) / 2**20  # type: ignore[call-overload]
+               for m in ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")}
+        print(f"  {name:<15} c={res['num_chunks']!s:<2} block peak {mib['block_peak_bytes']:7.2f}"
+              f" MiB  moe peak {mib['moe_peak_bytes']:7.2f} MiB  saved {mib['saved_bytes']:7.2f}"
+              f" MiB  time {p50:7.1f} ms  {T / (p50 / 1e3):8.0f} tokens/s  "
+              f"time/full_recompute {p50 / base:5.3f}")
+
+
+def plot(levels: list[dict[str, dict[str, object]]], budget: int, T: int, path: Path) -> None:
+    """Four panels against skew: block peak, MoE peak (with the budget), saved bytes, tokens/s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    skews = [float(next(iter(lv.values()))["skew"]) for lv in levels]  # type: ignore[arg-type]
+    styles = {"full_recompute": ("o", "-"), "fixed_c8": ("s", "--"), "mact": ("^", "-"),
+              "no_recompute": ("x", ":")}
+    for name in PROVIDERS:
+        series = [[int(lv[name][m]) / 2**20 for lv in levels]  # type: ignore[call-overload]
+                  for m in ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")]
+        series.append([T / (quantiles(lv[name]["times_ms"])[1] / 1e3)  # type: ignore[arg-type]
+                       for lv in levels])
+        marker, line = styles[name]
+        for ax, ys in zip(axes, series, strict=True):
+            ax.plot(skews, ys, marker=marker, linestyle=line, label=name)
+        if name == "mact":
+            for sk, y, lv in zip(skews, series[3], levels, strict=True):
+                axes[3].annotate(f"c={lv[name]['num_chunks']}", (sk, y), fontsize=8,
+                                 textcoords="offset points", xytext=(0, 6))
+    axes[1].axhline(budget / 2**20, color="k", linestyle="--", label="MACT budget")
+    titles = ("block peak (MiB)", "MoE layer peak (MiB)", "block saved for backward (MiB)",
+              "block tokens/s")
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("skew: received rows / balanced share")
+        ax.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run every skew level, print the tables, write the CSV and the PNG."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--hidden", type=int, default=128, help="d")
+    parser.add_argument("--intermediate", type=int, default=256, help="n")
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=8, help="E (global)")
+    parser.add_argument("--top-k", type=int, default=2, help="k (<= E/ep for the worst case)")
+    parser.add_argument("--ep", type=int, default=4, help="expert-parallel size emulated")
+    parser.add_argument("--batch", type=int, default=4, help="B sequences")
+    parser.add_argument("--seq", type=int, default=512, help="Q tokens per sequence")
+    parser.add_argument("--shares", type=float, nargs="+", default=list(SHARES),
+                        help="target shares of the slots on the local experts")
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per provider")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (0: torch's default); 1 keeps timings "
+                             "stable on a shared machine")
+    parser.add_argument("--out", type=Path,
+                        default=Path(__file__).parent / "results" / "memfine_cpu.csv")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    state = Block(model_config(args, ChunkConfig())).state_dict()
+    g = torch.Generator().manual_seed(args.seed + 1)
+    x = torch.randn(args.batch, args.seq, args.hidden, generator=g)
+    grad = torch.randn(args.batch, args.seq, args.hidden, generator=g)
+    T = args.batch * args.seq
+    moe = model_config(args, ChunkConfig()).moe
+    probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
+    s_max = math.ceil(1.25 * T * args.top_k / args.ep)
+    budget = probe.fixed_bytes(T, 4) + s_max * probe.row_bytes(4)
+    levels = []
+    for share in args.shares:
+        level = run_level(args, share, budget, x, grad, state)
+        print_level(level, budget, T)
+        levels.append(level)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(to_rows(args, budget, levels))
+    png = args.out.with_suffix(".png")
+    plot(levels, budget, T, png)
+    print(f"wrote {args.out} and {png}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

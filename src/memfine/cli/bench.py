@@ -1,0 +1,157 @@
+"""``memfine bench``: memory and speed of MoE methods side by side, on your shapes and machine.
+
+Suites: ``experts`` (one MoE layer forward + backward: plain PyTorch, per-expert loop, grouped_mm,
+memfine fused, fused + MACT, full-layer recompute), ``chunking`` (MemFine's methods as routing
+skew grows), ``model`` (a training step of the small MoE language model) and ``hf`` (transformers'
+experts block; needs ``memfine[hf]``). Every method of a point runs in this process, in
+interleaved order, after warm-up; for each: time (p20/p50/p80 over repeats), tokens/s, bytes
+saved for backward, peak live bytes, and the memory model's prediction next to the measured
+values. On a GPU the same command times with CUDA events and reads the allocator's statistics.
+
+Output in ``--out``: ``bench_config.json`` (resolved options and environment, written first),
+``bench_<suite>.csv`` (STYLE.md §6 columns, with units and environment) and
+``bench_<suite>_{time,memory,predicted[,skew]}.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from memfine.cli.benchsuites import SUITE_MODULES, SUITES, BenchOptions, select_methods
+from memfine.cli.benchsuites.options import DEVICES, DTYPES, TABLE1
+from memfine.cli.benchsuites.output import plot_points, print_point
+from memfine.measure.harness import collect_environment, result_rows, write_csv
+from memfine.schedule.planner import parse_bytes
+
+
+class _QuickDefault:
+    """Default of a flag that differs under ``--quick``."""
+
+    __slots__ = ("normal", "quick")
+
+    def __init__(self, normal: int, quick: int) -> None:
+        self.normal, self.quick = normal, quick
+
+    def __repr__(self) -> str:
+        return f"{self.normal} ({self.quick} with --quick)"
+
+    def resolve(self, quick: bool) -> int:
+        """The value for this run."""
+        return self.quick if quick else self.normal
+
+
+def _levels(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
+                                         f"{text!r}") from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``memfine bench`` flags (one per :class:`BenchOptions` field)."""
+    parser.add_argument("--suite", nargs="+", choices=(*SUITES, "all"), default=["all"],
+                        help="suites to run")
+    parser.add_argument("--config", type=int, nargs="+", choices=sorted(TABLE1), default=None,
+                        help="MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, chunking "
+                             "and hf suites (default: experts 1 2 3 5, hf 1 5, chunking its "
+                             "skew_demo shape)")
+    parser.add_argument("--scale-down", type=int, default=256,
+                        help="divide the paper's batch x seq by this factor (d, E, k, n kept)")
+    parser.add_argument("--tokens", type=int, help="T, tokens per layer call (model: per step)")
+    parser.add_argument("--hidden-size", type=int, help="d")
+    parser.add_argument("--intermediate-size", type=int,
+                        help="n per GLU branch (default 4d when --hidden-size is given)")
+    parser.add_argument("--num-experts", type=int, help="E")
+    parser.add_argument("--top-k", type=int, help="k, experts per token")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="activation and weight dtype (bf16 matmuls are slow on CPUs)")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--repeats", type=int, default=_QuickDefault(5, 1),
+                        help="timed rounds per method")
+    parser.add_argument("--warmup", type=int, default=_QuickDefault(1, 0),
+                        help="untimed rounds per method first")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench"),
+                        help="output folder: bench_config.json, bench_<suite>.csv and PNGs")
+    parser.add_argument("--quick", action="store_true",
+                        help="smoke run: tiny shapes, 1 round, no warm-up (under a minute)")
+    parser.add_argument("--methods", nargs="+", default=None,
+                        help="run only these methods (names as in the table)")
+    parser.add_argument("--budget", default="auto",
+                        help="MACT memory budget per MoE layer, e.g. 512MiB; 'auto': the "
+                             "suite's own (experts/model: half the received rows per chunk; "
+                             "chunking: the worst skew level with c = 8)")
+    parser.add_argument("--skew-levels", type=_levels, default=(1, 2, 4, 8),
+                        help="chunking suite: received rows as multiples of the balanced share")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="cuda when available with 'auto'")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, inputs, routing")
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: CUDA is not available in this torch build or machine")
+    return torch.device(choice)
+
+
+def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOptions:
+    """Resolve the parsed flags into :class:`BenchOptions`.
+
+    Raises:
+        ValueError: on invalid values (the message names the option).
+    """
+    suites = SUITES if "all" in args.suite else tuple(dict.fromkeys(args.suite))
+    repeats, warmup = args.repeats, args.warmup
+    return BenchOptions(
+        suites=suites, configs=tuple(args.config or ()), scale_down=args.scale_down,
+        tokens=args.tokens, hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size, num_experts=args.num_experts,
+        top_k=args.top_k, dtype=args.dtype, threads=args.threads,
+        repeats=repeats.resolve(args.quick) if isinstance(repeats, _QuickDefault) else repeats,
+        warmup=warmup.resolve(args.quick) if isinstance(warmup, _QuickDefault) else warmup,
+        out=str(args.out), quick=args.quick, methods=tuple(args.methods or ()),
+        budget_bytes=None if str(args.budget).lower() == "auto" else parse_bytes(args.budget),
+        skew_levels=tuple(args.skew_levels), device=device.type, seed=args.seed)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the selected suites; print tables, write CSV, PNG and JSON; return 0."""
+    device = _device(args.device)
+    opts = options_from_args(args, device)
+    for suite in opts.suites:
+        select_methods(suite, opts.methods)  # fail on unknown names before any work
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = collect_environment(device)
+    resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
+    print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
+    (out / "bench_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+    for suite in opts.suites:
+        names = select_methods(suite, opts.methods)
+        if not names:
+            print(f"{suite}: skipped: none of --methods belongs to this suite")
+            continue
+        start = time.perf_counter()
+        points = SUITE_MODULES[suite].run(opts, device, names)
+        rows = []
+        for point in points:
+            print_point(point)
+            rows += result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
+                                x_value=point.x_value, config=point.config, env=env)
+        if not points:
+            continue
+        written = [write_csv(rows, out / f"bench_{suite}.csv"), *plot_points(points, out, suite)]
+        print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
+              + ", ".join(str(p) for p in written))
+    print(f"environment: {env.line()}")
+    return 0

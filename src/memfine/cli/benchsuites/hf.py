@@ -1,0 +1,127 @@
+"""``hf`` suite: transformers' own experts block (Qwen3-MoE) through its experts interface.
+
+Needs transformers (``pip install 'memfine[hf]'``); skipped without it. One
+``Qwen3MoeExperts`` module with N(0, 0.02²) weights is called with each implementation on the
+same hidden states, routing (softmax top-k, renormalised; weights require grad as a router's do)
+and incoming gradient. Routing is outside the timed region; memfine's index build and
+transformers' sort are inside.
+
+Methods: ``hf_eager`` (transformers' per-expert loop), ``hf_grouped_mm`` (its sort +
+``torch._grouped_mm`` path, the CPU default; it fails where ``_grouped_mm``'s alignment rules do
+not hold), ``memfine`` (``memfine_experts_forward``: the fused path), ``memfine_c4`` (4 token
+chunks with per-chunk recompute). The memory model covers memfine's own layer, not this module:
+predictions read "not modelled".
+
+Shapes: MoEBlaze Table 1 rows 1 and 5 scaled down (as the ``experts`` suite).
+Reference: DESIGN.md §7 (the experts interface); ``benchmarks/bench_hf.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfine._optional import is_available
+from memfine.cli.benchsuites.layers import add_ratios
+from memfine.cli.benchsuites.options import (
+    BenchOptions,
+    LayerShape,
+    Point,
+    resolve_shapes,
+    table1_shape,
+)
+from memfine.measure.harness import Method, run_methods
+from memfine.measure.report import format_bytes
+
+NAME = "hf"
+METHODS = ("hf_eager", "hf_grouped_mm", "memfine", "memfine_c4")
+REFERENCE = "memfine"
+DEFAULT_CONFS = (1, 5)
+QUICK = LayerShape(name="quick", tokens=64, hidden_size=64, intermediate_size=128,
+                   num_experts=4, top_k=2)
+
+
+def available() -> bool:
+    """True when transformers can be imported."""
+    return is_available("transformers")
+
+
+def make_experts(shape: LayerShape, opts: BenchOptions, device: torch.device) -> Any:
+    """A transformers ``Qwen3MoeExperts`` of this shape, seeded N(0, 0.02²) weights."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    config = Qwen3MoeConfig(hidden_size=shape.hidden_size,
+                            moe_intermediate_size=shape.intermediate_size,
+                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k)
+    torch.manual_seed(opts.seed)
+    experts = Qwen3MoeExperts(config)
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(std=0.02)
+    return experts.to(device=device, dtype=opts.torch_dtype)
+
+
+def _inputs(shape: LayerShape, opts: BenchOptions, device: torch.device
+            ) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(opts.seed + 1)
+    T, D, E, K = shape.tokens, shape.hidden_size, shape.num_experts, shape.top_k
+    x_TD = torch.randn(T, D, generator=gen)
+    weights_TK, index_TK = torch.randn(T, E, generator=gen).softmax(-1).topk(K, dim=-1)
+    weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+    grad_TD = torch.randn(T, D, generator=gen)
+    dtype = opts.torch_dtype
+    return {"x": x_TD.to(device, dtype).requires_grad_(True), "index": index_TK.to(device),
+            "weights": weights_TK.to(device, dtype).requires_grad_(True),
+            "grad": grad_TD.to(device, dtype)}
+
+
+def build_methods(experts: Any, inp: dict[str, torch.Tensor], names: tuple[str, ...]
+                  ) -> list[Method]:
+    """The selected methods on one experts module."""
+    from memfine.integrations.transformers import make_config, memfine_experts_forward
+
+    def hf(impl: str) -> Any:
+        def call() -> torch.Tensor:
+            experts.config._experts_implementation = impl
+            return experts(inp["x"], inp["index"], inp["weights"])  # type: ignore[no-any-return]
+        return call
+
+    def memfine(num_chunks: int | None) -> Any:
+        config = make_config(num_chunks=num_chunks)
+        return lambda: memfine_experts_forward(experts, inp["x"], inp["index"], inp["weights"],
+                                               config=config)
+
+    calls = {"hf_eager": hf("eager"), "hf_grouped_mm": hf("grouped_mm"),
+             "memfine": memfine(None), "memfine_c4": memfine(4)}
+
+    def zero_grad() -> None:
+        for t in [*experts.parameters(), inp["x"], inp["weights"]]:
+            t.grad = None
+
+    return [Method(name=name, forward=calls[name],
+                   backward=lambda out: out.backward(inp["grad"]), zero_grad=zero_grad,
+                   tokens=inp["x"].shape[0]) for name in names]
+
+
+def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> list[Point]:
+    """Run the suite (no points, with a message, when transformers is missing)."""
+    if not available():
+        print("hf: skipped: transformers is not installed (pip install 'memfine[hf]')")
+        return []
+    dt = torch.empty((), dtype=opts.torch_dtype).element_size()
+    points = []
+    defaults = [table1_shape(c, opts.scale_down) for c in DEFAULT_CONFS]
+    for shape in resolve_shapes(opts, defaults, QUICK):
+        experts = make_experts(shape, opts, device)
+        methods = build_methods(experts, _inputs(shape, opts, device), names)
+        results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
+        add_ratios(results, floor_bytes=shape.floor_bytes(dt))
+        config = {**shape.to_dict(), "dtype": opts.dtype, "module": "Qwen3MoeExperts",
+                  "floor_bytes": shape.floor_bytes(dt), "scale_down": opts.scale_down}
+        label = (f"transformers Qwen3MoeExperts, {shape.label()} {opts.dtype}; x + H floor "
+                 f"{format_bytes(shape.floor_bytes(dt))}")
+        points.append(Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
+                            config=config, results=results, reference=REFERENCE))
+    return points

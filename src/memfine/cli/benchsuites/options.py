@@ -1,0 +1,223 @@
+"""Options of ``memfine bench`` (one field per flag) and the shapes they select.
+
+Shapes: the MoEBlaze Table 1 configurations (DESIGN.md §3: ffn n = 4d, SwiGLU) keep d, E, k and
+n, and divide the paper's batch × seq by ``scale_down`` (default 256) so that they run on a few CPU
+cores. Explicit sizes override fields of the selected configurations; without ``--config`` they
+describe one custom shape (the fields not given come from the suite's first default shape).
+
+Reference: MoEBlaze (arXiv 2601.05296) Table 1; DESIGN.md §3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+SUITES = ("experts", "chunking", "model", "hf")
+DTYPES = ("float32", "bfloat16")
+DEVICES = ("auto", "cpu", "cuda")
+# MoEBlaze Table 1: conf → (d, E, k, batch, seq); n = 4d.
+TABLE1: dict[int, tuple[int, int, int, int, int]] = {
+    1: (512, 4, 1, 32, 2048),
+    2: (1024, 8, 2, 32, 2048),
+    3: (1024, 16, 4, 32, 2048),
+    4: (2048, 16, 4, 32, 1024),
+    5: (512, 16, 4, 32, 1024),
+    6: (1024, 16, 4, 16, 1024),
+    7: (2048, 8, 4, 16, 512),
+}
+SIZE_FIELDS = ("tokens", "hidden_size", "intermediate_size", "num_experts", "top_k")
+
+
+def _fail(name: str, allowed: str, value: object) -> None:
+    raise ValueError(f"BenchOptions.{name} must be {allowed}, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class BenchOptions:
+    """Resolved options of one ``memfine bench`` run (plain values; see ``--help`` per flag).
+
+    Attributes:
+        suites: suites to run, from :data:`SUITES`.
+        configs: MoEBlaze Table 1 rows (empty: each suite's default).
+        scale_down: the paper's batch × seq is divided by this (d, E, k, n unchanged).
+        tokens: T, overriding the selected shapes (tokens per step for the model suite).
+        hidden_size: d override. intermediate_size: n override (default 4d with a new d).
+        num_experts: E override. top_k: k override.
+        dtype: ``float32`` or ``bfloat16`` (activations and weights; routers stay fp32).
+        threads: torch intra-op threads (``None``: torch's default).
+        repeats: timed rounds per method. warmup: untimed rounds first.
+        out: output folder (CSV, PNG, JSON).
+        quick: tiny shapes, one round, no warm-up (smoke run).
+        methods: subset of each suite's methods (empty: all).
+        budget_bytes: MACT byte budget per MoE layer (``None``: the suite's automatic budget).
+        skew_levels: received rows as multiples of the balanced share (chunking suite).
+        device: ``cpu`` or ``cuda`` (resolved from ``auto``).
+        seed: seeds weights, inputs and routing.
+    """
+
+    suites: tuple[str, ...] = SUITES
+    configs: tuple[int, ...] = ()
+    scale_down: int = 256
+    tokens: int | None = None
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    dtype: str = "float32"
+    threads: int | None = None
+    repeats: int = 5
+    warmup: int = 1
+    out: str = "runs/bench"
+    quick: bool = False
+    methods: tuple[str, ...] = ()
+    budget_bytes: int | None = None
+    skew_levels: tuple[int, ...] = (1, 2, 4, 8)
+    device: str = "cpu"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.suites or any(s not in SUITES for s in self.suites):
+            _fail("suites", f"a non-empty subset of {SUITES}", self.suites)
+        if any(c not in TABLE1 for c in self.configs):
+            _fail("configs", f"Table 1 rows in {sorted(TABLE1)}", self.configs)
+        for name in ("scale_down", "repeats", *SIZE_FIELDS, "threads", "budget_bytes"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                _fail(name, "an int >= 1" + ("" if name in ("scale_down", "repeats")
+                                             else " or None"), value)
+        if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
+            _fail("warmup", "an int >= 0", self.warmup)
+        if self.dtype not in DTYPES:
+            _fail("dtype", f"one of {DTYPES}", self.dtype)
+        if self.device not in ("cpu", "cuda"):
+            _fail("device", "'cpu' or 'cuda'", self.device)
+        if not self.skew_levels or any(s < 1 for s in self.skew_levels) or list(
+                self.skew_levels) != sorted(set(self.skew_levels)):
+            _fail("skew_levels", "strictly increasing ints >= 1", self.skew_levels)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The torch dtype of ``dtype``."""
+        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fields as a JSON-ready dict."""
+        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
+                for f in dataclasses.fields(self)}
+
+    def explicit_sizes(self) -> dict[str, int]:
+        """The size overrides that were given (field → value)."""
+        return {name: getattr(self, name) for name in SIZE_FIELDS
+                if getattr(self, name) is not None}
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LayerShape:
+    """The sizes of one benchmarked MoE layer.
+
+    Attributes:
+        name: ``conf<N>`` for a Table 1 row, ``custom`` or ``quick``.
+        tokens: T, tokens entering the layer.
+        hidden_size: d. intermediate_size: n (per GLU branch). num_experts: E. top_k: k.
+        paper_tokens: the paper's batch × seq for a Table 1 row, else ``None``.
+    """
+
+    name: str
+    tokens: int
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    paper_tokens: int | None = None
+
+    def label(self) -> str:
+        """``conf3: d=1024 n=4096 E=16 k=4 T=256 (paper 65536 = T × 256)``."""
+        text = (f"{self.name}: d={self.hidden_size} n={self.intermediate_size} "
+                f"E={self.num_experts} k={self.top_k} T={self.tokens}")
+        if self.paper_tokens is not None:
+            text += f" (paper batch×seq {self.paper_tokens})"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        """Fields as a JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    def floor_bytes(self, dtype_bytes: int) -> int:
+        """(T·d + 2·T·k·n) · D_t: x + H, the no-recompute floor (DESIGN.md §5; SwiGLU)."""
+        T, D, N, K = self.tokens, self.hidden_size, self.intermediate_size, self.top_k
+        return (T * D + 2 * T * K * N) * dtype_bytes
+
+
+def table1_shape(conf: int, scale_down: int) -> LayerShape:
+    """Table 1 row ``conf`` with T = batch · seq / scale_down (at least 1)."""
+    d, E, k, batch, seq = TABLE1[conf]
+    return LayerShape(name=f"conf{conf}", tokens=max(1, batch * seq // scale_down),
+                      hidden_size=d, intermediate_size=4 * d, num_experts=E, top_k=k,
+                      paper_tokens=batch * seq)
+
+
+def _override(shape: LayerShape, sizes: dict[str, int], name: str | None = None) -> LayerShape:
+    fields = {"tokens": shape.tokens, "hidden_size": shape.hidden_size,
+              "intermediate_size": shape.intermediate_size, "num_experts": shape.num_experts,
+              "top_k": shape.top_k}
+    if "hidden_size" in sizes and "intermediate_size" not in sizes:
+        fields["intermediate_size"] = 4 * sizes["hidden_size"]
+    fields.update(sizes)
+    paper = shape.paper_tokens if fields["tokens"] == shape.tokens and not name else None
+    return LayerShape(name=name or shape.name, paper_tokens=paper, **fields)
+
+
+def resolve_shapes(opts: BenchOptions, defaults: Sequence[LayerShape], quick: LayerShape
+                   ) -> list[LayerShape]:
+    """The shapes a layer suite runs.
+
+    ``--config``: those Table 1 rows, each with the explicit sizes applied. Otherwise
+    ``--quick``: ``quick`` with the explicit sizes applied. Otherwise explicit sizes: one
+    ``custom`` shape, the fields not given from the first default. Otherwise the defaults.
+
+    Raises:
+        ValueError: when the sizes give k > E.
+    """
+    sizes = opts.explicit_sizes()
+    if opts.configs:
+        shapes = [_override(table1_shape(c, opts.scale_down), sizes) for c in opts.configs]
+    elif opts.quick:
+        shapes = [_override(quick, sizes)]
+    elif sizes:
+        shapes = [_override(defaults[0], sizes, "custom")]
+    else:
+        shapes = list(defaults)
+    for s in shapes:
+        if s.top_k > s.num_experts:
+            raise ValueError(f"top_k must be <= num_experts, got k={s.top_k} E={s.num_experts} "
+                             f"({s.name})")
+    return shapes
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Point:
+    """The results of one benchmark point (one shape, or one skew level).
+
+    Attributes:
+        suite: suite name (the CSV's ``benchmark``).
+        x_name: what varies across the suite's points (``table1_conf``, ``skew``, ...).
+        x_value: this point's value.
+        label: one human line (shape, tokens, budget).
+        config: the point's configuration, written as JSON in every CSV row.
+        results: one :class:`memfine.measure.harness.MethodResult` per method.
+        reference: the method that ratios in the terminal table are taken against.
+    """
+
+    suite: str
+    x_name: str
+    x_value: str
+    label: str
+    config: dict[str, Any]
+    results: list[Any]
+    reference: str

@@ -1,0 +1,293 @@
+"""transformers experts backend: ``experts_implementation="memfine"`` for HF MoE models.
+
+Usage::
+
+    from memfine.integrations.transformers import register
+    register()                                   # once per process; options below
+    model = AutoModelForCausalLM.from_pretrained(path, experts_implementation="memfine")
+    # or: model.set_experts_implementation("memfine")
+
+``register(num_chunks=4)`` or ``register(memory_budget="256MiB")`` turns on token chunking with
+per-chunk recompute (MemFine); :func:`configure` sets the same options on one model (stored in its
+config as ``memfine_experts``, saved with it, taking precedence over ``register``'s).
+
+Nothing happens on import: transformers is imported by :func:`register` only (extra
+``memfine[hf]``), and nothing in transformers is patched; the function is added to
+``transformers.integrations.moe.ExpertsInterface`` under its name.
+
+Legend: T tokens, K top-k slots, E experts, D = d, N = n, C chunks.
+Reference: DESIGN.md §7 (the experts interface); MoEBlaze §4-§5; MemFine §4 (chunks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from memfine._optional import require
+from memfine.config import ChunkConfig, _check_choice, _ConfigBase, _fail
+from memfine.integrations.hf_experts import run_module
+from memfine.integrations.hf_layout import ExpertsPlan, expert_weights, plan_experts
+
+MIN_TRANSFORMERS_VERSION = (5, 7, 0)
+IMPLEMENTATION_NAME = "memfine"
+CONFIG_ATTRIBUTE = "memfine_experts"
+
+Impl = Literal["auto", "fused", "plain"]
+GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
+IndexBuilder = Literal["auto", "sort_free", "argsort"]
+ExpertsFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class HFExpertsConfig(_ConfigBase):
+    """Options of the ``memfine`` experts implementation.
+
+    Attributes:
+        impl: ``auto`` (fused where the module's layout allows it, else plain), ``fused``
+            (raise where it does not) or ``plain``.
+        gemm_backend: grouped GEMM backend; ``auto`` uses ``torch._grouped_mm`` where its
+            alignment rules hold and a per-expert loop elsewhere.
+        index_builder: routing-index builder (``auto``, ``sort_free``, ``argsort``).
+        chunk: token chunking (:class:`memfine.config.ChunkConfig`): a fixed ``num_chunks`` or a
+            ``memory_budget_bytes`` per experts block, and the recompute mode (``experts`` and
+            ``full`` checkpoint each chunk; ``none`` only splits).
+    """
+
+    impl: Impl = "auto"
+    gemm_backend: GemmBackend = "auto"
+    index_builder: IndexBuilder = "auto"
+    chunk: ChunkConfig = field(default_factory=ChunkConfig)
+
+    def __post_init__(self) -> None:
+        _check_choice(self, "impl", Impl)
+        _check_choice(self, "gemm_backend", GemmBackend)
+        _check_choice(self, "index_builder", IndexBuilder)
+        if not isinstance(self.chunk, ChunkConfig):
+            _fail(self, "chunk", "a ChunkConfig", self.chunk)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HFExpertsConfig:
+        """Build from :meth:`to_dict` output (``chunk`` as a nested dict).
+
+        Raises:
+            ValueError: on unknown keys, here or in ``chunk``.
+        """
+        if isinstance(data, dict) and isinstance(data.get("chunk"), dict):
+            data = {**data, "chunk": ChunkConfig.from_dict(data["chunk"])}
+        return super(HFExpertsConfig, cls).from_dict(data)
+
+
+def _parse_version(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", text.split("+")[0])[:3])
+
+
+def require_transformers() -> Any:
+    """Import transformers and check it has the experts interface memfine plugs into.
+
+    Returns:
+        The ``transformers.integrations.moe`` module.
+
+    Raises:
+        ImportError: when transformers is missing or older than 5.7.0 (the first version whose
+            ``from_pretrained``/``set_experts_implementation`` accept registered names).
+    """
+    minimum = ".".join(map(str, MIN_TRANSFORMERS_VERSION))
+    try:
+        transformers = require("transformers")
+    except ImportError as err:
+        raise ImportError(f"memfine's experts backend needs transformers>={minimum}: "
+                          f"pip install 'memfine[hf]'") from err
+    version = getattr(transformers, "__version__", "0")
+    if _parse_version(version) < MIN_TRANSFORMERS_VERSION:
+        raise ImportError(f"memfine's experts backend needs transformers>={minimum} "
+                          f"(ExpertsInterface accepting registered names), found {version}: "
+                          f"pip install -U 'memfine[hf]'")
+    moe = require("transformers.integrations.moe")
+    if not hasattr(moe, "ExpertsInterface"):
+        raise ImportError(f"transformers {version} has no integrations.moe.ExpertsInterface; "
+                          f"memfine needs transformers>={minimum}")
+    return moe
+
+
+def make_config(config: HFExpertsConfig | None = None, *, num_chunks: int | None = None,
+                memory_budget: int | str | None = None, **overrides: Any) -> HFExpertsConfig:
+    """Build an :class:`HFExpertsConfig` from a base config and keyword shortcuts.
+
+    Args:
+        config: base options (default :class:`HFExpertsConfig`).
+        num_chunks: fixed chunk count c (sets ``chunk.num_chunks``).
+        memory_budget: bytes, or a size such as ``"256MiB"`` (sets ``chunk.memory_budget_bytes``;
+            c is then chosen per call from the received rows, MemFine Eq. 8-9).
+        **overrides: other :class:`HFExpertsConfig` fields (``impl``, ``gemm_backend``, ...).
+
+    Raises:
+        ValueError: on an invalid field value or size string.
+    """
+    cfg = config if config is not None else HFExpertsConfig()
+    chunk = cfg.chunk
+    if num_chunks is not None:
+        chunk = dataclasses.replace(chunk, num_chunks=num_chunks)
+    if memory_budget is not None:
+        from memfine.schedule.planner import parse_bytes
+
+        chunk = dataclasses.replace(chunk, memory_budget_bytes=parse_bytes(memory_budget))
+    return dataclasses.replace(cfg, chunk=chunk, **overrides)
+
+
+def _module_config(module: nn.Module, default: HFExpertsConfig) -> HFExpertsConfig:
+    data = getattr(getattr(module, "config", None), CONFIG_ATTRIBUTE, None)
+    if data is None:
+        return default
+    if isinstance(data, HFExpertsConfig):
+        return data
+    return HFExpertsConfig.from_dict(dict(data))
+
+
+def resolve_plan(module: nn.Module, impl: Impl) -> ExpertsPlan:
+    """The path memfine takes for ``module`` under ``impl``.
+
+    Raises:
+        ValueError: when ``impl="fused"`` and the module needs the plain path (says why).
+    """
+    plan = plan_experts(module)
+    if impl == "plain":
+        return ExpertsPlan(path="plain", activation=None, reason="impl='plain'")
+    if impl == "fused" and plan.path != "fused":
+        raise ValueError(f"HFExpertsConfig.impl='fused' is not possible for "
+                         f"{type(module).__name__}: {plan.reason}; use impl='auto' or 'plain'")
+    return plan
+
+
+def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
+                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *,
+                            config: HFExpertsConfig | None = None) -> torch.Tensor:
+    """The experts-interface function: ``(module, hidden_states, top_k_index, top_k_weights)``.
+
+    Args:
+        module: a transformers experts module (``@use_experts_implementation``).
+        hidden_states: (T, d) activations (cast to the weights' dtype, as transformers'
+            ``grouped_mm`` does).
+        top_k_index: (T, k) int64 expert ids; ids outside [0, num_experts) are sentinels
+            (expert parallelism) and contribute exactly zero.
+        top_k_weights: (T, k) routing weights.
+        config: options; the module's ``config.memfine_experts`` (see :func:`configure`) wins.
+
+    Returns:
+        (T, d) tensor in ``hidden_states``' dtype.
+
+    Raises:
+        ValueError: on shapes that do not fit the module, or an impossible ``impl``.
+
+    Memory: fused path, unchunked: x (T·d) + H (S·G) + weights and int32 indices saved
+    (:class:`memfine.ops.FusedExpertsFunction`); chunked with recompute: x and the routing
+    tensors only, each chunk's H is recomputed in backward (peak: one chunk).
+    """
+    cfg = _module_config(module, config if config is not None else HFExpertsConfig())
+    weights = expert_weights(module)
+    D = weights.w_up_EDG.shape[1]
+    if hidden_states.dim() != 2 or hidden_states.shape[1] != D:
+        raise ValueError(f"hidden_states must be (T, d) with d={D}, got "
+                         f"{tuple(hidden_states.shape)}")
+    T = hidden_states.shape[0]
+    shape_TK = tuple(top_k_index.shape)
+    if top_k_index.dim() != 2 or shape_TK[0] != T or tuple(top_k_weights.shape) != shape_TK:
+        raise ValueError(f"top_k_index and top_k_weights must be (T, k) with T={T}, got "
+                         f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
+    plan = resolve_plan(module, cfg.impl)
+    if not getattr(module, "_memfine_plan_logged", False):
+        _log.info("memfine experts for %s: %s path%s", type(module).__name__, plan.path,
+                  f" ({plan.reason})" if plan.reason else f", activation {plan.activation}")
+        module._memfine_plan_logged = True
+    x_TD = hidden_states.to(weights.w_up_EDG.dtype)
+    out_TD = run_module(module, plan, weights, x_TD, top_k_index, top_k_weights,
+                        chunk=cfg.chunk, backend=cfg.gemm_backend,
+                        index_builder=cfg.index_builder)
+    return out_TD.to(hidden_states.dtype)
+
+
+def _bind(config: HFExpertsConfig) -> ExpertsFn:
+    def memfine_experts(module: nn.Module, hidden_states: torch.Tensor,
+                        top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        return memfine_experts_forward(module, hidden_states, top_k_index, top_k_weights,
+                                       config=config)
+
+    memfine_experts.__doc__ = memfine_experts_forward.__doc__
+    return memfine_experts
+
+
+def register(config: HFExpertsConfig | None = None, *, num_chunks: int | None = None,
+             memory_budget: int | str | None = None, name: str = IMPLEMENTATION_NAME,
+             **overrides: Any) -> ExpertsFn:
+    """Register memfine in transformers' ``ExpertsInterface`` under ``name``.
+
+    Calling it again replaces the registration (e.g. with other chunk options).
+
+    Args:
+        config: options (default :class:`HFExpertsConfig`: fused where possible, no chunks).
+        num_chunks: fixed chunk count c per experts block (recompute per chunk).
+        memory_budget: per-block activation budget, bytes or ``"256MiB"``; c from MemFine Eq. 8-9.
+        name: the ``experts_implementation`` name.
+        **overrides: other :class:`HFExpertsConfig` fields (``impl``, ``gemm_backend``, ...).
+
+    Returns:
+        The registered function ``(module, hidden_states, top_k_index, top_k_weights) -> out``.
+
+    Raises:
+        ImportError: if transformers is missing or older than 5.7.0.
+        ValueError: on invalid options.
+
+    Side effects: adds ``name`` to ``transformers.integrations.moe.ExpertsInterface``
+    (process-wide, as transformers' own registrations are).
+    """
+    moe = require_transformers()
+    fn = _bind(make_config(config, num_chunks=num_chunks, memory_budget=memory_budget,
+                           **overrides))
+    moe.ExpertsInterface.register(name, fn)
+    return fn
+
+
+def _is_experts_module(module: nn.Module) -> bool:
+    has_up = hasattr(module, "gate_up_proj") or hasattr(module, "up_proj")
+    down = getattr(module, "down_proj", None)
+    return has_up and hasattr(module, "num_experts") and isinstance(down, torch.Tensor)
+
+
+def configure(model: nn.Module, config: HFExpertsConfig | None = None, *,
+              num_chunks: int | None = None, memory_budget: int | str | None = None,
+              **overrides: Any) -> HFExpertsConfig:
+    """Set memfine options on one model (every experts module's config gets ``memfine_experts``).
+
+    The options are stored as a plain dict on the (sub-)configs of the model's experts modules,
+    so ``save_pretrained`` keeps them and ``from_pretrained(..., memfine_experts={...})`` sets
+    them. They take precedence over :func:`register`'s. Selecting the implementation is still
+    ``model.set_experts_implementation("memfine")``.
+
+    Args:
+        model: a transformers model (or any module containing experts modules).
+        config, num_chunks, memory_budget, overrides: as in :func:`register`.
+
+    Returns:
+        The resolved :class:`HFExpertsConfig`.
+
+    Raises:
+        ValueError: on invalid options, or when the model has no experts module.
+    """
+    cfg = make_config(config, num_chunks=num_chunks, memory_budget=memory_budget, **overrides)
+    configs = {id(m.config): m.config for m in model.modules()
+               if _is_experts_module(m) and getattr(m, "config", None) is not None}
+    if not configs:
+        raise ValueError(f"{type(model).__name__} has no transformers experts module "
+                         f"(gate_up_proj/up_proj + down_proj with num_experts)")
+    for model_config in configs.values():
+        setattr(model_config, CONFIG_ATTRIBUTE, cfg.to_dict())
+    return cfg

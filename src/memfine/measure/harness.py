@@ -1,0 +1,449 @@
+"""Benchmark harness shared by ``memfine bench`` and ``benchmarks/``: time and memory of methods.
+
+A *method* is a named pair of callables, ``forward() -> out`` and ``backward(out)``, plus a
+``zero_grad()`` run before every call (gradients are set to ``None``, so each call creates its
+gradients as a training step does). :func:`run_methods` runs a list of methods in one process:
+
+1. warm-up: ``warmup`` untimed rounds;
+2. memory: one call per method under :func:`memfine.measure.report.measure_memory` (saved-for-
+   backward bytes counted during forward, peak live bytes over forward + backward; CUDA allocator
+   statistics on a GPU);
+3. timing: ``repeats`` rounds; each call is timed in two parts, forward (mode ``fwd``) and
+   backward (mode ``bwd``), and as a whole (mode ``full``). On a GPU the marks are CUDA events,
+   read after one synchronisation per call; on the CPU ``time.perf_counter``.
+
+Every round (warm-up and timed) calls the methods in *interleaved order*: round r starts at method
+r mod M and wraps around, so a load change on a shared machine hits every method alike and no
+method always runs first. A method that raises is recorded with its error and dropped.
+
+The predictions of a method (its ``predict()`` callable, typically the memory model of
+:mod:`memfine.schedule.memory_model`) are read after its calls, so they may depend on decisions
+taken at run time (e.g. MACT's chunk count). :func:`result_rows` turns the results into CSV rows
+with the STYLE.md §6 schema (:data:`CSV_COLUMNS`); a value that was not measured is written as
+``"not measured"`` and a missing prediction as ``"not modelled"``, never 0 or -1.
+
+Units: times in seconds inside the harness and milliseconds in the rows; bytes are ints;
+throughput in tokens/s. The harness imports no other memfine layer (it takes callables).
+Reference: STYLE.md §6 (benchmarks) and §7 (predicted next to measured).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import subprocess
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfine.measure.report import NOT_MEASURED, MemoryReport, measure_memory
+
+MODES = ("fwd", "bwd", "full")
+QUANTILES = (0.2, 0.5, 0.8)
+NOT_MODELLED = "not modelled"
+CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
+               "p50", "p80", "device", "cpu_model", "threads", "torch_version", "triton_version",
+               "memfine_version", "git_sha", "utc_timestamp", "config_json")
+# Errors a method may raise that the harness records instead of stopping the run (alignment
+# rules of torch._grouped_mm, out-of-memory, a backend missing on this device).
+METHOD_ERRORS = (RuntimeError, ValueError, NotImplementedError, ImportError)
+
+Value = int | float | None
+Extra = tuple[Value, str]
+"""An extra metric of a method: ``(value, unit)``; ``None`` when not measured."""
+
+
+def _nothing() -> None:
+    return None
+
+
+def _no_tensors() -> Iterable[torch.Tensor]:
+    return ()
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Method:
+    """One way of doing the benchmarked work (a "provider" in the CSV).
+
+    Attributes:
+        name: provider name, unique within a run (e.g. ``fused``, ``grouped_mm``).
+        forward: runs the forward pass; returns what ``backward`` needs (e.g. the output).
+        backward: runs the backward pass (and an optimizer step, for training steps).
+        zero_grad: called before every call; must set the gradients it owns to ``None``.
+        tokens: tokens processed per call (for tokens/s); 0 leaves tokens/s not measured.
+        exclude: tensors whose storages the saved-bytes count leaves out (parameters are always
+            left out), e.g. the module's buffers.
+        predict: the model's prediction after the calls: ``{"saved_bytes": int | None,
+            "peak_bytes": int | None}``; ``None`` when the memory model does not cover the method.
+        extras: further metrics after the calls: ``{metric: (value, unit)}``.
+    """
+
+    name: str
+    forward: Callable[[], Any]
+    backward: Callable[[Any], None]
+    zero_grad: Callable[[], None] = _nothing
+    tokens: int = 0
+    exclude: Callable[[], Iterable[torch.Tensor]] = _no_tensors
+    predict: Callable[[], Mapping[str, int | None]] | None = None
+    extras: Callable[[], Mapping[str, Extra]] | None = None
+
+
+@dataclass(kw_only=True, slots=True)
+class MethodResult:
+    """What :func:`run_methods` measured for one method.
+
+    Attributes:
+        name: the method's name.
+        tokens: tokens per call.
+        times_s: mode (``fwd``, ``bwd``, ``full``) → seconds of each timed call, in order.
+        memory: the memory report of the measured call; ``None`` when not measured.
+        predicted: ``saved_bytes``/``peak_bytes`` → predicted bytes (``None``: not modelled).
+        extras: metric → (value, unit).
+        error: ``"<Type>: <message>"`` when the method raised (it was then dropped).
+    """
+
+    name: str
+    tokens: int = 0
+    times_s: dict[str, list[float]] = field(default_factory=lambda: {m: [] for m in MODES})
+    memory: MemoryReport | None = None
+    predicted: dict[str, int | None] = field(
+        default_factory=lambda: {"saved_bytes": None, "peak_bytes": None})
+    extras: dict[str, Extra] = field(default_factory=dict)
+    error: str | None = None
+
+    def time_ms(self, mode: str = "full") -> tuple[float, float, float] | None:
+        """(p20, p50, p80) of ``mode`` in milliseconds; ``None`` when not measured."""
+        values = self.times_s.get(mode, [])
+        if not values:
+            return None
+        p20, p50, p80 = percentiles([1e3 * v for v in values])
+        return p20, p50, p80
+
+    def tokens_per_s(self) -> tuple[float, float, float] | None:
+        """(p20, p50, p80) of tokens/s over the ``full`` calls; ``None`` when not measured."""
+        values = [self.tokens / t for t in self.times_s["full"] if t > 0]
+        if not self.tokens or not values:
+            return None
+        p20, p50, p80 = percentiles(values)
+        return p20, p50, p80
+
+    @property
+    def saved_bytes(self) -> int | None:
+        """Measured saved-for-backward bytes (``None``: not measured)."""
+        return None if self.memory is None else self.memory.saved_bytes
+
+    @property
+    def peak_bytes(self) -> int | None:
+        """Measured peak live bytes of forward + backward (``None``: not measured)."""
+        return None if self.memory is None else self.memory.peak_bytes
+
+
+def percentiles(values: Sequence[float], qs: Sequence[float] = QUANTILES) -> tuple[float, ...]:
+    """Quantiles by linear interpolation between closest ranks (numpy's default method).
+
+    Args:
+        values: samples (any order), at least one.
+        qs: quantiles in [0, 1].
+
+    Returns:
+        One value per quantile; with one sample, that sample for every quantile.
+
+    Raises:
+        ValueError: on no samples or a quantile outside [0, 1].
+    """
+    if not values:
+        raise ValueError("percentiles needs at least one value, got none")
+    ordered = sorted(float(v) for v in values)
+    out = []
+    for q in qs:
+        if not 0.0 <= q <= 1.0:
+            raise ValueError(f"quantile must be in [0, 1], got {q}")
+        pos = q * (len(ordered) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(ordered) - 1)
+        out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
+    return tuple(out)
+
+
+def interleaved_order(names: Sequence[str], round_index: int) -> list[str]:
+    """The call order of round ``round_index``: start at ``round_index mod M``, wrap around."""
+    if not names:
+        return []
+    shift = round_index % len(names)
+    return list(names[shift:]) + list(names[:shift])
+
+
+class _Stopwatch:
+    """Time marks on one device: CUDA events on a GPU, else a clock in seconds."""
+
+    def __init__(self, device: torch.device, clock: Callable[[], float] | None) -> None:
+        self.cuda = device.type == "cuda" and clock is None
+        self.device = device
+        self.clock = clock or time.perf_counter
+
+    def start(self) -> Any:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+        return self.mark()
+
+    def mark(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return self.clock()
+
+    def seconds(self, marks: Sequence[Any]) -> list[float]:
+        """Seconds between consecutive marks (synchronises once on a GPU)."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(marks, marks[1:], strict=False)]
+        return [float(b - a) for a, b in zip(marks, marks[1:], strict=False)]
+
+
+def _timed_call(method: Method, watch: _Stopwatch) -> tuple[float, float]:
+    """One zero_grad + forward + backward; returns (forward, backward) seconds."""
+    method.zero_grad()
+    t0 = watch.start()
+    out = method.forward()
+    t1 = watch.mark()
+    method.backward(out)
+    t2 = watch.mark()
+    del out
+    fwd_s, bwd_s = watch.seconds([t0, t1, t2])
+    return fwd_s, bwd_s
+
+
+def _measure_call(method: Method, device: torch.device) -> MemoryReport:
+    """One call under the saved-bytes and peak trackers."""
+    method.zero_grad()
+    with measure_memory(device, exclude=list(method.exclude())) as m:
+        out = method.forward()
+        m.end_forward()
+        method.backward(out)
+        del out
+    return m.report()
+
+
+def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
+                device: str | torch.device = "cpu", measure: bool = True,
+                clock: Callable[[], float] | None = None) -> list[MethodResult]:
+    """Warm up, measure memory and time every method, interleaved, in this process.
+
+    Args:
+        methods: the methods, names unique.
+        repeats: timed rounds (≥ 1).
+        warmup: untimed rounds first (≥ 0).
+        device: device of the work; ``cuda`` devices are timed with CUDA events and measured
+            with the allocator statistics.
+        measure: run the memory measurement call (one per method).
+        clock: a clock in seconds replacing ``time.perf_counter`` (and CUDA events); for tests.
+
+    Returns:
+        One :class:`MethodResult` per method, in the order given.
+
+    Raises:
+        ValueError: on repeats < 1, warmup < 0 or duplicate names.
+
+    Side effects: runs the methods (their parameters' gradients and optimizer state change).
+    """
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats} and {warmup}")
+    names = [m.name for m in methods]
+    if len(set(names)) != len(names):
+        raise ValueError(f"method names must be unique, got {names}")
+    dev = torch.device(device)
+    watch = _Stopwatch(dev, clock)
+    by_name = {m.name: m for m in methods}
+    results = {m.name: MethodResult(name=m.name, tokens=m.tokens) for m in methods}
+    live = list(names)
+
+    def attempt(name: str, fn: Callable[..., Any], arg: Any) -> Any:
+        """``fn(method, arg)``; a method that raises is recorded and dropped."""
+        try:
+            return fn(by_name[name], arg)
+        except METHOD_ERRORS as err:
+            results[name].error = f"{type(err).__name__}: {err}"
+            live.remove(name)
+            return None
+
+    for r in range(warmup):
+        for name in interleaved_order(live, r):
+            attempt(name, _timed_call, watch)
+    if measure:
+        for name in list(live):
+            results[name].memory = attempt(name, _measure_call, dev)
+    for r in range(repeats):
+        for name in interleaved_order(live, r):
+            fwd_bwd = attempt(name, _timed_call, watch)
+            if fwd_bwd is not None:
+                times = results[name].times_s
+                times["fwd"].append(fwd_bwd[0])
+                times["bwd"].append(fwd_bwd[1])
+                times["full"].append(fwd_bwd[0] + fwd_bwd[1])
+    for name in live:
+        method, res = by_name[name], results[name]
+        if method.predict is not None:
+            res.predicted.update(method.predict())
+        if method.extras is not None:
+            res.extras.update(method.extras())
+    return [results[name] for name in names]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Environment:
+    """Where and with what a benchmark ran (the CSV's environment columns).
+
+    Attributes:
+        device: ``cpu`` or ``cuda:<i> (<GPU name>)``.
+        cpu_model: the CPU's model name.
+        threads: torch intra-op threads.
+        torch_version: ``torch.__version__``.
+        triton_version: installed triton version, or ``not installed``.
+        memfine_version: installed memfine version.
+        git_sha: short commit of the memfine checkout (``-dirty`` with local changes), or
+            ``unknown`` outside a git checkout.
+        utc_timestamp: ISO 8601 UTC time, seconds.
+    """
+
+    device: str
+    cpu_model: str
+    threads: int
+    torch_version: str
+    triton_version: str
+    memfine_version: str
+    git_sha: str
+    utc_timestamp: str
+
+    def line(self) -> str:
+        """One human line: device, CPU, threads, versions, commit, date."""
+        return (f"{self.device}; CPU {self.cpu_model}; {self.threads} threads; torch "
+                f"{self.torch_version}; triton {self.triton_version}; memfine "
+                f"{self.memfine_version} ({self.git_sha}); {self.utc_timestamp}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _version(package: str) -> str:
+    if importlib.util.find_spec(package) is None:
+        return "not installed"
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _git_sha() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, text=True,
+                             capture_output=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True, check=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{sha}-dirty" if dirty else sha
+
+
+def collect_environment(device: str | torch.device = "cpu") -> Environment:
+    """Describe this process's environment (no tensors are allocated)."""
+    dev = torch.device(device)
+    name = str(dev)
+    if dev.type == "cuda":
+        name = f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return Environment(
+        device=name, cpu_model=_cpu_model(), threads=torch.get_num_threads(),
+        torch_version=torch.__version__, triton_version=_version("triton"),
+        memfine_version=_version("memfine"), git_sha=_git_sha(),
+        utc_timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def format_value(value: Value, *, missing: str = NOT_MEASURED) -> str:
+    """CSV text of a value: ints exactly, floats with 6 significant digits, ``None`` as missing."""
+    if value is None:
+        return missing
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"value must be an int, a float or None, got {value!r}")
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def _ratio(num: int | None, den: int | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def _metrics(res: MethodResult) -> list[tuple[str, str, str, tuple[Value, ...] | Value]]:
+    """(metric, mode, unit, values) of one result; values a (p20, p50, p80) or one value."""
+    rows: list[tuple[str, str, str, tuple[Value, ...] | Value]] = [
+        ("time", mode, "ms", res.time_ms(mode)) for mode in MODES]
+    rows.append(("tokens_per_s", "full", "tokens/s", res.tokens_per_s()))
+    for item, mode in (("saved_bytes", "fwd"), ("peak_bytes", "full")):
+        measured = getattr(res, item)
+        predicted = res.predicted.get(item)
+        rows += [(item, mode, "bytes", measured),
+                 (f"{item}_predicted", mode, "bytes", predicted),
+                 (f"{item}_predicted_over_measured", mode, "ratio", _ratio(predicted, measured))]
+    rows += [(name, "full", unit, value) for name, (value, unit) in res.extras.items()]
+    return rows
+
+
+def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str, x_value: object,
+                config: Mapping[str, Any], env: Environment) -> list[dict[str, str]]:
+    """CSV rows (:data:`CSV_COLUMNS`) of one benchmark point, one row per method and metric.
+
+    Metrics: ``time`` (ms; modes fwd, bwd, full), ``tokens_per_s`` (tokens/s), ``saved_bytes``
+    and ``peak_bytes`` (bytes), each with ``*_predicted`` (bytes) and
+    ``*_predicted_over_measured`` (ratio), then the method's extras. A single value fills p20,
+    p50 and p80. Missing values read ``not measured``; missing predictions ``not modelled``.
+
+    Args:
+        results: from :func:`run_methods`.
+        benchmark: suite name (e.g. ``experts``).
+        x_name: what varies across points (e.g. ``table1_conf``, ``skew``).
+        x_value: this point's value.
+        config: the point's configuration (shapes, dtype, budget, ...), written as JSON.
+        env: from :func:`collect_environment`.
+    """
+    common = {"benchmark": benchmark, "x_name": x_name, "x_value": str(x_value),
+              "device": env.device, "cpu_model": env.cpu_model, "threads": str(env.threads),
+              "torch_version": env.torch_version, "triton_version": env.triton_version,
+              "memfine_version": env.memfine_version, "git_sha": env.git_sha,
+              "utc_timestamp": env.utc_timestamp,
+              "config_json": json.dumps(dict(config), sort_keys=True, default=str)}
+    rows = []
+    for res in results:
+        for metric, mode, unit, values in _metrics(res):
+            missing = NOT_MODELLED if "_predicted" in metric else NOT_MEASURED
+            triple = values if isinstance(values, tuple) else (values,) * 3
+            p20, p50, p80 = (format_value(v, missing=missing) for v in triple)
+            row = {**common, "provider": res.name, "mode": mode, "metric": metric,
+                   "unit": unit, "p20": p20, "p50": p50, "p80": p80}
+            rows.append({column: row[column] for column in CSV_COLUMNS})
+    return rows
+
+
+def write_csv(rows: Iterable[Mapping[str, str]], path: str | Path) -> Path:
+    """Write rows under the :data:`CSV_COLUMNS` header (parent folders are created)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return out

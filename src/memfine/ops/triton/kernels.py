@@ -1,0 +1,141 @@
+"""Triton kernels of the fused expert path (imported on first launch, never at package import).
+
+Legend: S routed rows, T tokens, K top-k slots, E experts, I input / O output features,
+D = d, N = n. Tensors are addressed through explicit strides; all accumulation is fp32.
+- ``_grouped_gemm_kernel``: out[r] = x[src(r)] · w[e(r)] (optionally × a per-row scale), where
+  src(r) = expert_token_indices[r] when GATHER (gather fused into the load, no gathered copy)
+  and r otherwise; programs walk a host-built tile schedule (one row tile never spans experts).
+- ``_gather_up_kernel``: H = x[expert_token_indices] · w_up[e] with the activation in the
+  epilogue: writes H (S, G) and A (S, n); gated activations keep two accumulators (gate, up).
+- ``_combine_kernel``: out[t] = Σ_j rows[token_index_map[t, j]] over valid slots, in slot order
+  (a per-token reduction: deterministic, no atomics; sentinel slots masked, never multiplied).
+UPCAST converts tile operands to fp32 before ``tl.dot`` (the CPU interpreter computes bf16 dots
+wrongly); IEEE asks for exact fp32 dots (no TF32) when the inputs are fp32.
+Reference: MoEBlaze §4 (gather-fused GEMM, epilogue activation, per-token combine).
+"""
+
+from __future__ import annotations
+
+from memfine._optional import require
+
+triton = require("triton")
+tl = require("triton.language")
+
+ACT_SILU, ACT_GELU, ACT_RELU = 0, 1, 2
+
+
+@triton.jit
+def _dot(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    if UPCAST:
+        a = a.to(tl.float32)
+        b = b.to(tl.float32)
+    if IEEE:
+        return tl.dot(a, b, acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _activate(v, ACT: tl.constexpr):
+    if ACT == 0:  # silu
+        return v / (1.0 + tl.exp(-v))
+    if ACT == 1:  # gelu, tanh approximation; tanh(u) = 2·sigmoid(2u) − 1
+        u = 0.7978845608028654 * (v + 0.044715 * v * v * v)
+        return v * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * u)))
+    return tl.where(v > 0, v, 0.0)  # relu
+
+
+@triton.jit
+def _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, BM: tl.constexpr,
+               GATHER: tl.constexpr):
+    pid_m = tl.program_id(0)
+    e = tl.load(tile_expert_ptr + pid_m)
+    start = tl.load(tile_start_ptr + pid_m)
+    end = tl.load(offsets_ptr + e + 1)
+    offs_m = start + tl.arange(0, BM)
+    mask_m = offs_m < end
+    if GATHER:
+        src = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
+    else:
+        src = offs_m.to(tl.int64)
+    return e.to(tl.int64), offs_m.to(tl.int64), mask_m, src
+
+
+@triton.jit
+def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, scale_ptr, tile_expert_ptr,
+                         tile_start_ptr, offsets_ptr, in_features, out_features, stride_xs,
+                         stride_xi, stride_we, stride_wi, stride_wo, stride_os, stride_oo,
+                         GATHER: tl.constexpr, SCALE: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                         BK: tl.constexpr):
+    e, offs_m, mask_m, src = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr,
+                                        BM, GATHER)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < out_features
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, in_features, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < in_features
+        a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        b = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wi
+                    + offs_n[None, :] * stride_wo,
+                    mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        acc = _dot(a, b, acc, UPCAST, IEEE)
+    if SCALE:
+        acc = acc * tl.load(scale_ptr + offs_m, mask=mask_m, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptr + offs_m[:, None] * stride_os + offs_n[None, :] * stride_oo,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gather_up_kernel(x_ptr, w_ptr, h_ptr, a_ptr, rows_ptr, tile_expert_ptr, tile_start_ptr,
+                      offsets_ptr, in_features, N, stride_xs, stride_xi, stride_we, stride_wi,
+                      stride_wo, stride_hs, stride_hg, stride_as, stride_an, GATED: tl.constexpr,
+                      ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    e, offs_m, mask_m, src = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr,
+                                        BM, True)
+    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    mask_n = offs_n < N
+    acc = tl.zeros((BM, BN), dtype=tl.float32)
+    acc_up = tl.zeros((BM, BN), dtype=tl.float32)
+    for k0 in range(0, in_features, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        mask_k = offs_k < in_features
+        a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w_tile = w_ptr + e * stride_we + offs_k[:, None] * stride_wi + offs_n[None, :] * stride_wo
+        mask_w = mask_k[:, None] & mask_n[None, :]
+        acc = _dot(a, tl.load(w_tile, mask=mask_w, other=0.0), acc, UPCAST, IEEE)
+        if GATED:  # the up half sits n columns to the right of the gate half
+            up = tl.load(w_tile + N * stride_wo, mask=mask_w, other=0.0)
+            acc_up = _dot(a, up, acc_up, UPCAST, IEEE)
+    mask = mask_m[:, None] & mask_n[None, :]
+    h_tile = h_ptr + offs_m[:, None] * stride_hs + offs_n[None, :] * stride_hg
+    h = acc.to(h_ptr.dtype.element_ty)
+    tl.store(h_tile, h, mask=mask)
+    act = _activate(h.to(tl.float32), ACT)  # from the rounded H, as the backward recomputes it
+    if GATED:
+        h_up = acc_up.to(h_ptr.dtype.element_ty)
+        tl.store(h_tile + N * stride_hg, h_up, mask=mask)
+        act = act.to(h_ptr.dtype.element_ty).to(tl.float32) * h_up.to(tl.float32)
+    tl.store(a_ptr + offs_m[:, None] * stride_as + offs_n[None, :] * stride_an,
+             act.to(a_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _combine_kernel(rows_ptr, map_ptr, out_ptr, T, D, K, stride_rs, stride_rd, stride_mt,
+                    stride_mk, stride_ot, stride_od, BT: tl.constexpr, BD: tl.constexpr):
+    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
+    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask_t = offs_t < T
+    mask_d = offs_d < D
+    acc = tl.zeros((BT, BD), dtype=tl.float32)
+    for j in range(0, K):
+        r = tl.load(map_ptr + offs_t * stride_mt + j * stride_mk, mask=mask_t, other=-1)
+        valid = r >= 0
+        rows = tl.load(rows_ptr + r.to(tl.int64)[:, None] * stride_rs + offs_d[None, :] * stride_rd,
+                       mask=valid[:, None] & mask_d[None, :], other=0.0)
+        acc += rows.to(tl.float32)
+    tl.store(out_ptr + offs_t[:, None] * stride_ot + offs_d[None, :] * stride_od,
+             acc.to(out_ptr.dtype.element_ty), mask=mask_t[:, None] & mask_d[None, :])

@@ -1,0 +1,186 @@
+"""Token-chunked execution of the MoE expert part with per-chunk recomputation (MemFine §4).
+
+The router runs once on all T tokens, outside this module. The tokens are split into c contiguous
+chunks; each chunk runs dispatch (its own :class:`~memfine.dispatch.RoutingIndex`) → experts →
+combine, and the chunk outputs are concatenated. With recomputation every chunk runs under
+``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, so backward recomputes and
+back-propagates one chunk at a time and the expert part's peak is that of one chunk, not of the
+whole layer.
+
+Recompute modes (:data:`memfine.config.Recompute`), what survives forward for backward:
+
+- ``none``: no checkpointing. Every chunk saves what its expert path saves (fused: the chunk's H,
+  S_c·G elements, plus the int32 index arrays), so saved bytes add up to the unchunked ones;
+  chunking still bounds the forward transients (gathered x, A, Y: S_c rows each) and the
+  backward transients (dH, dA, dx rows) by one chunk.
+- ``experts``: every chunk is checkpointed. Only the layer input ``x_TD`` and the routing
+  (``top_k_index`` int64, ``top_k_weights``) survive forward; the routing index, H and everything
+  else of a chunk are rebuilt in backward, one chunk at a time.
+- ``full``: here exactly as ``experts``; the transformer block
+  (:class:`memfine.nn.model.Block`) additionally checkpoints its attention sub-layer, so a block
+  keeps only its input, the router input and the routing (see ``Block``).
+
+Recomputation never re-decides routing: the routing tensors are inputs of every checkpointed
+region and are reused as they are (DESIGN.md §2, STYLE.md §9).
+
+Legend: T tokens, C tokens of one chunk, K top-k slots, E experts, D = d, S routed rows,
+G = 2n (gated) or n.
+Reference: MemFine (arXiv 2511.21431) §4 (chunked scheduling); DESIGN.md §4-§5.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from memfine.config import MoEConfig, Recompute
+from memfine.dispatch import build_routing_index
+from memfine.ops import run_experts
+
+ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""One chunk's expert part: ``(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``."""
+
+RECOMPUTE_MODES: tuple[str, ...] = ("none", "experts", "full")
+
+
+def chunk_sizes(num_tokens: int, num_chunks: int) -> list[int]:
+    """Split T tokens into c contiguous chunks as evenly as possible.
+
+    Args:
+        num_tokens: T ≥ 0.
+        num_chunks: c ≥ 1 (may exceed T: the trailing chunks are then empty).
+
+    Returns:
+        c chunk lengths in tokens; the first ``T mod c`` chunks hold ⌈T/c⌉ tokens, the rest
+        ⌊T/c⌋ (as ``torch.tensor_split``). They sum to T.
+
+    Raises:
+        ValueError: if num_tokens < 0 or num_chunks < 1.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if num_chunks < 1:
+        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
+    base, extra = divmod(num_tokens, num_chunks)
+    return [base + 1 if i < extra else base for i in range(num_chunks)]
+
+
+def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *, num_chunks: int,
+                recompute: Recompute = "experts") -> torch.Tensor:
+    """Run ``chunk_fn`` on c contiguous token chunks and concatenate the results.
+
+    The generic chunk loop: :func:`chunked_experts` uses it with the local expert path; an
+    expert-parallel layer passes a ``chunk_fn`` that also does the chunk's all-to-all (every rank
+    must then use the same ``num_chunks``, see :class:`memfine.schedule.policy.ChunkPolicy`).
+
+    Args:
+        chunk_fn: ``(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``; pure in its tensor
+            inputs and the parameters it closes over (it is re-run in backward when recomputing).
+        x_TD: (T, d) float layer input.
+        top_k_index: (T, k) int64 expert ids from the router (sentinels ≥ E allowed).
+        top_k_weights: (T, k) routing weights (differentiable: the router gets its gradient
+            through them).
+        num_chunks: c ≥ 1; c > T is allowed (empty chunks are skipped).
+        recompute: ``none`` runs the chunks plainly; ``experts`` and ``full`` checkpoint each chunk.
+
+    Returns:
+        (T, d) output, ``torch.cat`` of the chunk outputs. With T = 0 one empty chunk still runs,
+        so parameters get (zero) gradients.
+
+    Raises:
+        ValueError: on an unknown recompute mode, c < 1, or (T, k) shapes that do not match x.
+
+    Memory: per chunk, with ``experts``/``full`` nothing but the chunk's inputs (views of the
+    layer's x_TD, top_k_index, top_k_weights) is kept for backward; with ``none`` whatever
+    ``chunk_fn`` saves. The split of x and the weights is one ``split_with_sizes`` node, so its
+    backward concatenates the chunk gradients once (T·d, not c × T·d zero-filled slices).
+    Side effects: none (routing counters and losses belong to the caller, outside recompute).
+
+    Reference: MemFine §4 (per-chunk recompute; router outside the chunk loop).
+    """
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if x_TD.dim() != 2:
+        raise ValueError(f"x must be (T, d), got {tuple(x_TD.shape)}")
+    T = x_TD.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"top_k_index must be (T, k) with T={T}, got {tuple(top_k_index.shape)}")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"top_k_weights must be (T, k)={tuple(top_k_index.shape)}, "
+                         f"got {tuple(top_k_weights.shape)}")
+    sizes = chunk_sizes(T, num_chunks)
+    if num_chunks == 1 or T == 0:  # one piece: the layer's own tensors, no split node
+        pieces = [(x_TD, top_k_index, top_k_weights)]
+    else:
+        pieces = list(zip(torch.split(x_TD, sizes), torch.split(top_k_index, sizes),
+                          torch.split(top_k_weights, sizes), strict=True))
+    outs = []
+    for x_CD, index_CK, weights_CK in pieces:
+        if x_CD.shape[0] == 0 and T > 0:
+            continue  # c > T: an empty chunk has nothing to dispatch
+        if recompute == "none" or not torch.is_grad_enabled():  # no backward: nothing to drop
+            outs.append(chunk_fn(x_CD, index_CK, weights_CK))
+        else:
+            # NOTE(memory): only the chunk inputs (views of the layer's tensors) are kept; H
+            # (S_c·G·D_t bytes) and the index arrays are rebuilt in backward, one chunk at a time.
+            outs.append(checkpoint(chunk_fn, x_CD, index_CK, weights_CK, use_reentrant=False,
+                                   preserve_rng_state=False))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoEConfig) -> ChunkFn:
+    """The chunk function of the local (single-rank) expert path.
+
+    Args:
+        w_up_EDG: (E, d, G) up-projection weights.
+        w_down_END: (E, n, d) down-projection weights.
+        moe: the layer's config (activation, ``experts_impl``, ``gemm_backend``, index builder).
+
+    Returns:
+        ``chunk_fn(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``: builds the chunk's
+        :class:`~memfine.dispatch.RoutingIndex` and calls :func:`memfine.ops.run_experts`.
+    """
+    def chunk_fn(x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
+                 top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+        index = build_routing_index(top_k_index_CK, moe.num_experts, moe.index_builder)
+        return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,
+                           activation=moe.activation, impl=moe.experts_impl,
+                           backend=moe.gemm_backend)
+
+    return chunk_fn
+
+
+def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, *, moe: MoEConfig,
+                    num_chunks: int = 1, recompute: Recompute = "experts") -> torch.Tensor:
+    """Routed experts over c token chunks: dispatch → experts → combine per chunk, concatenated.
+
+    Args:
+        x_TD: (T, d) float activations.
+        top_k_index: (T, k) int64 expert ids decided by the router (sentinels ≥ E contribute 0).
+        top_k_weights: (T, k) routing weights.
+        w_up_EDG: (E, d, G) up-projection.
+        w_down_END: (E, n, d) down-projection.
+        moe: the layer's :class:`MoEConfig`.
+        num_chunks: c ≥ 1 (c > T allowed).
+        recompute: ``none``, ``experts`` or ``full`` (see the module docstring).
+
+    Returns:
+        (T, d) in x's dtype, equal to the unchunked :func:`memfine.ops.run_experts` up to the
+        summation order of the weight gradients.
+
+    Raises:
+        ValueError: as :func:`run_chunked` and :func:`memfine.ops.run_experts`.
+
+    Memory: ``experts``/``full`` keep x_TD and the routing only; backward holds one chunk's H
+    (S_c·G·D_t) and its transients (dH S_c·G, dA S_c·n, gathered rows S_c·d, dx rows S_c·d), with
+    S_c the rows of the chunk. ``none`` keeps every chunk's H (S·G·D_t in all).
+
+    Reference: MemFine §4; DESIGN.md §4.
+    """
+    fn = local_expert_fn(w_up_EDG, w_down_END, moe)
+    return run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                       recompute=recompute)

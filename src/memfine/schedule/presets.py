@@ -1,0 +1,168 @@
+"""Model shapes for ``memfine plan``: public MoE models and the two reduced models of MemFine.
+
+Each preset holds the sizes the memory model needs (MemFine Table 2 symbols: d, n, E, k, a, h_d,
+k_a, V) plus the parameter counts of the parts the model does not derive from them (attention
+projections). The MemFine presets also carry the paper's run settings (device memory, dtype,
+micro-batch, sequence length, recompute) and a parallel layout of our choosing, so that
+``memfine plan --preset memfine-paper-II`` reproduces the setting of MemFine Table 4.
+
+Reference: DESIGN.md §4 (MemFine setup), §7 (real configs); the models' published configs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class PaperSetting:
+    """Run settings that come with a preset (the paper's, or our reading where it is silent).
+
+    Attributes:
+        device_memory: device memory as a byte-size string (e.g. ``"64GiB"``).
+        dtype: activation and parameter dtype name (``bfloat16``).
+        micro_batch: b, sequences per micro-batch.
+        seq_len: s, tokens per sequence.
+        recompute: ``full``, ``experts`` or ``none``.
+        static_memory: measured static memory as a byte-size string, or ``None`` (use Eq. 1).
+        t: tensor-parallel size. p: pipeline-parallel size. e: expert-parallel size.
+        dp: data-parallel size. cp: context-parallel size. v: virtual stages per pipeline rank.
+        note: where the setting comes from.
+    """
+
+    device_memory: str
+    dtype: str
+    micro_batch: int
+    seq_len: int
+    recompute: str
+    static_memory: str | None
+    t: int
+    p: int
+    e: int
+    dp: int
+    cp: int
+    v: int
+    note: str
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class ModelPreset:
+    """Sizes of an MoE transformer, as the memory model uses them.
+
+    Attributes:
+        name: preset name.
+        hidden_size: d.
+        moe_intermediate_size: n, routed-expert width per GLU branch.
+        num_experts: E, routed experts per MoE layer.
+        top_k: k.
+        num_layers: transformer layers L.
+        num_dense_layers: leading layers with a dense FFN instead of experts.
+        dense_intermediate_size: width of the dense FFN (per GLU branch).
+        num_shared_experts: always-on experts per MoE layer.
+        shared_intermediate_size: width of one shared expert (per GLU branch).
+        num_heads: a, attention (query) heads.
+        num_kv_heads: k_a, key/value heads as materialised in the attention (GQA groups; MLA
+            materialises one per query head).
+        head_dim: h_d.
+        attention_params: parameters of one attention block (projections and norms inside it).
+        vocab_size: V.
+        tied_embeddings: input and output embeddings share one matrix.
+        source: where the sizes come from.
+        setting: run settings that come with the preset, or ``None``.
+    """
+
+    name: str
+    hidden_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k: int
+    num_layers: int
+    num_dense_layers: int
+    dense_intermediate_size: int
+    num_shared_experts: int
+    shared_intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    attention_params: int
+    vocab_size: int
+    tied_embeddings: bool
+    source: str
+    setting: PaperSetting | None = None
+
+    @property
+    def num_moe_layers(self) -> int:
+        """MoE layers: L minus the leading dense layers."""
+        return self.num_layers - self.num_dense_layers
+
+
+def _gqa_params(d: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Q, K, V and output projections of grouped-query attention (no biases)."""
+    return 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
+
+
+# DeepSeek-V3 multi-head latent attention: q_a (d×1536), q_b (1536×a·192), kv_a (d×(512+64)),
+# kv_b (512×a·(128+128)), o (a·128×d), plus the q_a and kv_a norms.
+_MLA_PARAMS = (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
+               + 128 * 128 * 7168 + 1536 + 512)
+
+
+def _deepseek(name: str, num_layers: int, source: str,
+              setting: PaperSetting | None = None) -> ModelPreset:
+    return ModelPreset(
+        name=name, hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8,
+        num_layers=num_layers, num_dense_layers=3, dense_intermediate_size=18432,
+        num_shared_experts=1, shared_intermediate_size=2048, num_heads=128, num_kv_heads=128,
+        head_dim=128, attention_params=_MLA_PARAMS, vocab_size=129280, tied_embeddings=False,
+        source=source, setting=setting)
+
+
+def _paper_setting(p: int, static_memory: str | None) -> PaperSetting:
+    return PaperSetting(
+        device_memory="64GiB", dtype="bfloat16", micro_batch=1, seq_len=4096,
+        recompute="full", static_memory=static_memory, t=1, p=p, e=32 // p, dp=32 // p, cp=1,
+        v=1,
+        note="MemFine §5: 32 devices × 64 GB (read as GiB), bf16, b=1, s=4096, full recompute; "
+             "static memory as measured in Table 4 where given; the parallel layout (t, p, e, "
+             "dp) is our assumption (not in our notes)")
+
+
+PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
+    "deepseek-v3": _deepseek("deepseek-v3", 61, "DeepSeek-V3 config.json (61 layers, 3 dense)"),
+    "qwen3-30b-a3b": ModelPreset(
+        name="qwen3-30b-a3b", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+        top_k=8, num_layers=48, num_dense_layers=0, dense_intermediate_size=0,
+        num_shared_experts=0, shared_intermediate_size=0, num_heads=32, num_kv_heads=4,
+        head_dim=128, attention_params=_gqa_params(2048, 32, 4, 128) + 2 * 128,
+        vocab_size=151936, tied_embeddings=False, source="Qwen3-30B-A3B config.json"),
+    "mixtral-8x7b": ModelPreset(
+        name="mixtral-8x7b", hidden_size=4096, moe_intermediate_size=14336, num_experts=8,
+        top_k=2, num_layers=32, num_dense_layers=0, dense_intermediate_size=0,
+        num_shared_experts=0, shared_intermediate_size=0, num_heads=32, num_kv_heads=8,
+        head_dim=128, attention_params=_gqa_params(4096, 32, 8, 128), vocab_size=32000,
+        tied_embeddings=False, source="Mixtral-8x7B config.json"),
+    "olmoe-1b-7b": ModelPreset(
+        name="olmoe-1b-7b", hidden_size=2048, moe_intermediate_size=1024, num_experts=64,
+        top_k=8, num_layers=16, num_dense_layers=0, dense_intermediate_size=0,
+        num_shared_experts=0, shared_intermediate_size=0, num_heads=16, num_kv_heads=16,
+        head_dim=128, attention_params=_gqa_params(2048, 16, 16, 128) + 2 * 2048,
+        vocab_size=50304, tied_embeddings=False, source="OLMoE-1B-7B-0924 config.json"),
+    "memfine-paper-I": _deepseek(
+        "memfine-paper-I", 16, "MemFine Table 3 model I: DeepSeek-V3 cut to 16 layers",
+        _paper_setting(p=2, static_memory=None)),
+    "memfine-paper-II": _deepseek(
+        "memfine-paper-II", 8, "MemFine Table 3 model II: DeepSeek-V3 cut to 8 layers",
+        _paper_setting(p=1, static_memory="39.5GiB")),
+})
+
+
+def get_preset(name: str) -> ModelPreset:
+    """Return the preset called ``name``.
+
+    Raises:
+        ValueError: on an unknown name (the message lists the presets).
+    """
+    if name not in PRESETS:
+        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
+    return PRESETS[name]

@@ -1,0 +1,133 @@
+"""Training metrics: ``metrics.jsonl`` lines, expert-load statistics, and plots.
+
+Legend: L MoE layers, E experts.
+
+Each logged step is one JSON object in ``DIR/metrics.jsonl`` with at least ``step``,
+``train_loss`` (nats/byte), ``lr``, ``tokens_per_s``, ``load_balancing_loss``, ``z_loss``,
+``num_chunks`` (one per layer), ``tokens_per_expert`` (per layer, summed over the steps since the
+previous line), ``expert_load_max_over_mean`` (per layer) and, on evaluation steps, ``val_loss``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfine._optional import require
+
+METRICS_NAME = "metrics.jsonl"
+
+
+def load_max_over_mean(tokens_per_expert_E: torch.Tensor) -> float:
+    """Hottest expert's assignments over the mean per expert (1.0 = perfectly balanced).
+
+    Args:
+        tokens_per_expert_E: (E,) integer assignment counts.
+
+    Returns:
+        max/mean; 0.0 when no token was routed.
+    """
+    counts = tokens_per_expert_E.double()
+    mean = counts.mean()
+    return float(counts.max() / mean) if mean > 0 else 0.0
+
+
+def format_expert_load(tokens_per_expert_LE: torch.Tensor) -> str:
+    """One line per layer: tokens per expert and max/mean."""
+    lines = []
+    for i, counts_E in enumerate(tokens_per_expert_LE):
+        lines.append(f"  layer {i}: tokens/expert {counts_E.tolist()}  "
+                     f"max/mean {load_max_over_mean(counts_E):.2f}")
+    return "\n".join(lines)
+
+
+def nats_to_bits(nats: float) -> float:
+    """Convert nats to bits (÷ ln 2)."""
+    return nats / math.log(2)
+
+
+class MetricsLog:
+    """Append-only writer of ``metrics.jsonl`` (one flushed line per record).
+
+    Args:
+        path: the jsonl file.
+        keep_until_step: on resume, lines with ``step`` above this are dropped first (they were
+            logged after the checkpoint and will be logged again). ``None`` starts a new file.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, keep_until_step: int | None = None
+                 ) -> None:
+        """Create (or, on resume, trim) the file."""
+        self.path = Path(path)
+        kept = []
+        if keep_until_step is not None and self.path.exists():
+            kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until_step]
+        with self.path.open("w", encoding="utf-8") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def write(self, record: dict[str, Any]) -> None:
+        """Append one JSON line and flush it."""
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Read ``metrics.jsonl`` (a truncated last line, from a killed run, is ignored)."""
+    records = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def plot_run(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Write ``chunks.png`` (num_chunks heatmap, layer × step) and ``loss.png`` from the metrics.
+
+    Returns:
+        The written paths.
+
+    Raises:
+        ImportError: naming the ``train`` extra when matplotlib is missing.
+
+    Reference: the chunks heatmap follows MemFine Fig. 5 (chunk count per layer over steps).
+    """
+    matplotlib = require("matplotlib")
+    matplotlib.use("Agg")
+    plt = require("matplotlib.pyplot")
+    out_dir = Path(out_dir)
+    records = read_metrics(out_dir / METRICS_NAME)
+    steps = [r["step"] for r in records]
+    chunks_LS = torch.tensor([r["num_chunks"] for r in records], dtype=torch.float64).T
+
+    fig, ax = plt.subplots(figsize=(8, 3))
+    image = ax.imshow(chunks_LS.numpy(), aspect="auto", interpolation="nearest", origin="lower",
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, chunks_LS.shape[0] - 0.5))
+    ax.set_xlabel("step")
+    ax.set_ylabel("layer")
+    ax.set_title("MoE chunk count c per layer")
+    fig.colorbar(image, ax=ax, label="num_chunks")
+    fig.tight_layout()
+    chunks_png = out_dir / "chunks.png"
+    fig.savefig(chunks_png, dpi=120)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(steps, [r["train_loss"] for r in records], label="train")
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    if val:
+        ax.plot(*zip(*val, strict=True), marker="o", label="validation")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.legend()
+    fig.tight_layout()
+    loss_png = out_dir / "loss.png"
+    fig.savefig(loss_png, dpi=120)
+    plt.close(fig)
+    return [chunks_png, loss_png]

@@ -1,0 +1,181 @@
+"""``memfine bench``: the flag set, the shapes, and smoke runs that check files and columns.
+
+The smoke runs check what was written and exact invariants (the memory model equals the
+measurement on the CPU; MACT stays inside its budget), never timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from memfine._optional import is_available
+from memfine.cli import bench
+from memfine.cli.benchsuites import experts, select_methods
+from memfine.cli.benchsuites.options import BenchOptions, resolve_shapes, table1_shape
+from memfine.cli.benchsuites.output import format_plain, table_rows
+from memfine.cli.main import main
+from memfine.measure.harness import CSV_COLUMNS, NOT_MODELLED, MethodResult
+from memfine.measure.report import NOT_MEASURED
+
+BENCH_FLAGS = {
+    "--suite", "--config", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
+    "--num-experts", "--top-k", "--dtype", "--threads", "--repeats", "--warmup", "--out",
+    "--quick", "--methods", "--budget", "--skew-levels", "--device", "--seed", "-h", "--help",
+}
+MEMORY_METRICS = ("saved_bytes", "saved_bytes_predicted", "peak_bytes", "peak_bytes_predicted")
+Table = dict[str, dict[str, dict[str, str]]]
+
+
+def test_bench_flag_set_is_pinned() -> None:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    flags = {s for action in parser._actions for s in action.option_strings}
+    assert flags == BENCH_FLAGS
+
+
+def _read(path: Path) -> tuple[tuple[str, ...], Table]:
+    """CSV header and ``{x_value/provider: {metric/mode: row}}``."""
+    with path.open() as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+        header = tuple(reader.fieldnames or ())
+    table: Table = defaultdict(dict)
+    for r in rows:
+        table[f"{r['x_value']}/{r['provider']}"][f"{r['metric']}/{r['mode']}"] = r
+    return header, table
+
+
+def _run(tmp_path: Path, *argv: str) -> Path:
+    assert main(["bench", "--quick", "--out", str(tmp_path), *argv]) == 0
+    return tmp_path
+
+
+def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--suite", "experts")
+    header, table = _read(out / "bench_experts.csv")
+    assert header == CSV_COLUMNS
+    assert set(table) == {f"quick/{m}" for m in experts.METHODS}
+    for name in experts.METHODS:
+        rows = table[f"quick/{name}"]
+        for key in ("time/fwd", "time/bwd", "time/full", "tokens_per_s/full", "saved_bytes/fwd",
+                    "peak_bytes/full", "saved_bytes_predicted/fwd", "peak_bytes_predicted/full"):
+            assert key in rows, (name, key)
+        assert rows["time/full"]["unit"] == "ms"
+        assert rows["peak_bytes/full"]["unit"] == "bytes"
+        assert rows["tokens_per_s/full"]["unit"] == "tokens/s"
+        assert rows["time/full"]["threads"].isdigit()
+        assert json.loads(rows["time/full"]["config_json"])["tokens"] == 64
+    # The memory model is exact on the CPU for the methods it covers.
+    for name in ("plain", "grouped_mm", "fused", "fused_mact"):
+        rows = table[f"quick/{name}"]
+        for item, mode in (("saved_bytes", "fwd"), ("peak_bytes", "full")):
+            assert rows[f"{item}/{mode}"]["p50"] == rows[f"{item}_predicted/{mode}"]["p50"], name
+    for name in ("expert_loop", "full_recompute"):
+        assert table[f"quick/{name}"]["peak_bytes_predicted/full"]["p50"] == NOT_MODELLED
+    saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in experts.METHODS}
+    assert saved["fused"] < saved["grouped_mm"] == saved["plain"]
+    assert saved["fused_mact"] < saved["fused"]
+    assert int(table["quick/fused_mact"]["num_chunks/full"]["p50"]) == 2
+    for kind in ("time", "memory", "predicted"):
+        assert (out / f"bench_experts_{kind}.png").stat().st_size > 0
+    config = json.loads((out / "bench_config.json").read_text())
+    assert config["options"]["quick"] is True and config["options"]["repeats"] == 1
+
+
+def test_chunking_quick_mact_within_budget(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--suite", "chunking", "--skew-levels", "1,8",
+               "--methods", "mact", "no_recompute")
+    _, table = _read(out / "bench_chunking.csv")
+    chunks = {s: int(table[f"{s}/mact"]["num_chunks/full"]["p50"]) for s in ("1", "8")}
+    assert chunks == {"1": 1, "8": 8}
+    for skew in ("1", "8"):
+        rows = table[f"{skew}/mact"]
+        assert int(rows["peak_bytes/full"]["p50"]) <= int(rows["budget_bytes/full"]["p50"])
+        assert float(rows["peak_over_budget/full"]["p50"]) <= 1.0
+    assert (out / "bench_chunking_skew.png").stat().st_size > 0
+
+
+def test_model_quick_full_recompute_saves_less(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--suite", "model", "--methods", "fused", "full_recompute")
+    _, table = _read(out / "bench_model.csv")
+    saved = {n: int(table[f"tiny/{n}"]["saved_bytes/fwd"]["p50"])
+             for n in ("fused", "full_recompute")}
+    assert saved["full_recompute"] < saved["fused"]
+    assert table["tiny/fused"]["saved_bytes_predicted/fwd"]["p50"] == NOT_MODELLED
+
+
+@pytest.mark.skipif(not is_available("transformers"), reason="transformers not installed")
+def test_hf_quick_memfine_saves_less_than_eager(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--suite", "hf", "--methods", "hf_eager", "memfine")
+    _, table = _read(out / "bench_hf.csv")
+    saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in ("hf_eager", "memfine")}
+    assert saved["memfine"] < saved["hf_eager"]
+
+
+def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]
+                                         ) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--quick", "--out", str(tmp_path), "--methods", "nope"])
+    assert exit_info.value.code == 2
+    assert "--methods: unknown ['nope']" in capsys.readouterr().err
+
+
+# --- shapes and table ---------------------------------------------------------------------------
+
+def test_table1_scaled_down() -> None:
+    shape = table1_shape(3, 256)
+    assert (shape.tokens, shape.hidden_size, shape.intermediate_size, shape.num_experts,
+            shape.top_k, shape.paper_tokens) == (256, 1024, 4096, 16, 4, 32 * 2048)
+    assert shape.floor_bytes(4) == (256 * 1024 + 2 * 256 * 4 * 4096) * 4
+
+
+def test_resolve_shapes_overrides() -> None:
+    quick, defaults = experts.QUICK, [table1_shape(2, 256)]
+    opts = BenchOptions(configs=(1, 5), tokens=100)
+    assert [(s.name, s.tokens, s.hidden_size) for s in resolve_shapes(opts, defaults, quick)] == [
+        ("conf1", 100, 512), ("conf5", 100, 512)]
+    custom = resolve_shapes(BenchOptions(hidden_size=256), defaults, quick)
+    assert [(s.name, s.hidden_size, s.intermediate_size, s.num_experts) for s in custom] == [
+        ("custom", 256, 1024, 8)]
+    assert resolve_shapes(BenchOptions(), defaults, quick) == defaults
+    assert resolve_shapes(BenchOptions(quick=True, top_k=1), defaults, quick)[0].top_k == 1
+    with pytest.raises(ValueError, match="top_k must be <= num_experts"):
+        resolve_shapes(BenchOptions(configs=(1,), top_k=5), defaults, quick)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"suites": ("nope",)}, r"BenchOptions.suites must be"),
+    ({"configs": (9,)}, r"BenchOptions.configs must be Table 1 rows"),
+    ({"repeats": 0}, r"BenchOptions.repeats must be an int >= 1, got 0"),
+    ({"skew_levels": (4, 2)}, r"BenchOptions.skew_levels must be strictly increasing"),
+], ids=["suite", "config", "repeats", "skew_levels"])
+def test_options_validation(kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        BenchOptions(**kwargs)  # type: ignore[arg-type]
+
+
+def test_select_methods() -> None:
+    assert select_methods("experts", ()) == experts.METHODS
+    assert select_methods("experts", ("fused", "mact")) == ("fused",)
+    assert select_methods("chunking", ("fused",)) == ()
+
+
+def test_table_rows_show_missing_and_failed() -> None:
+    from memfine.cli.benchsuites.options import Point
+
+    failed = MethodResult(name="grouped_mm", error="RuntimeError: strides")
+    unmeasured = MethodResult(name="fused")
+    point = Point(suite="experts", x_name="shape", x_value="quick", label="quick", config={},
+                  results=[failed, unmeasured], reference="fused")
+    rows = table_rows(point)
+    assert rows[0][1] == "failed: RuntimeError: strides"
+    assert rows[1][1] == NOT_MEASURED and rows[1][5] == NOT_MEASURED
+    assert rows[1][6] == NOT_MODELLED
+    text = format_plain("title", ("a", "bb"), [("xxx", "y")])
+    assert text.splitlines() == ["title", "a    bb", "xxx  y "]

@@ -1,0 +1,201 @@
+"""``memfine train``: golden losses, resume, flags, bad input, Ctrl-C (memfine.cli.train)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memfine.cli.main import build_parser, main
+from memfine.train import load_checkpoint
+from memfine.train.metrics import read_metrics
+from tolerances import LOSS_ATOL
+
+ASSETS = Path(__file__).parents[1] / "assets"
+CORPUS = str(ASSETS / "pydoc_topics_sample.txt")
+FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
+
+# Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
+TRAIN_FLAGS = sorted([
+    "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size", "--chunk-bins",
+    "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every", "--experts-impl",
+    "--gemm-backend", "--grad-clip", "--help", "--hidden-size", "--index-builder",
+    "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps", "--max-steps",
+    "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget", "--no-progress",
+    "--no-renormalize", "--num-experts", "--num-heads", "--num-layers", "--out", "--plot",
+    "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens", "--score-func",
+    "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--threads", "--top-k",
+    "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
+])
+
+
+def _train(*args: str) -> int:
+    return main(["train", *FAST, *args])
+
+
+def _losses(out: Path) -> list[float]:
+    return [r["train_loss"] for r in read_metrics(out / "metrics.jsonl")]
+
+
+def _golden() -> list[tuple[int, float]]:
+    lines = (ASSETS / "golden_loss_cpu.txt").read_text().splitlines()
+    rows = [line.split() for line in lines if line.strip() and not line.startswith("#")]
+    return [(int(step), float(loss)) for step, loss in rows]
+
+
+@pytest.mark.parametrize("chunking", [
+    pytest.param([], id="unchunked"),
+    pytest.param(["--moe-chunks", "2"], id="chunks2"),
+])
+def test_smoke_losses_match_golden(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   chunking: list[str]) -> None:
+    assert _train("--max-steps", "8", "--out", str(tmp_path), *chunking) == 0
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    golden = _golden()
+    assert [r["step"] for r in records] == [step for step, _ in golden]
+    for record, (step, loss) in zip(records, golden, strict=True):
+        assert abs(record["train_loss"] - loss) <= LOSS_ATOL, f"step {step}"
+    expected_chunks = 2 if chunking else 1
+    assert all(r["num_chunks"] == [expected_chunks] * 2 for r in records)
+    out = capsys.readouterr().out
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["max_steps"] == 8 and config["model"]["chunk"]["num_chunks"] == expected_chunks
+    assert "final validation loss:" in out and "bits/byte" in out
+    assert "unigram (byte-frequency) entropy of the validation split" in out
+
+
+def test_resume_equals_straight_run(tmp_path: Path) -> None:
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    assert _train("--max-steps", "14", "--out", str(straight)) == 0
+    assert _train("--max-steps", "7", "--lr-decay-steps", "14", "--out", str(split)) == 0
+    assert main(["train", "--resume", "--max-steps", "14", "--out", str(split),
+                 "--no-progress", "--threads", "1"]) == 0
+    got, want = _losses(split), _losses(straight)
+    assert len(got) == len(want) == 14
+    assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOSS_ATOL
+    final = [read_metrics(d / "metrics.jsonl")[-1]["val_loss"] for d in (split, straight)]
+    assert abs(final[0] - final[1]) <= LOSS_ATOL
+
+
+def test_flag_set_is_pinned() -> None:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    train_parser = subparsers.choices["train"]
+    flags = sorted(s for a in train_parser._actions for s in a.option_strings)
+    assert flags == TRAIN_FLAGS
+
+
+def test_help_shows_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--preset {small,tiny}" in text and "(default: small)" in text
+    assert "model width d (default: tiny: 64, small: 128)" in text
+    assert "(default: pydoc)" in text
+
+
+def _write(tmp_path: Path, name: str, content: bytes) -> str:
+    path = tmp_path / name
+    path.write_bytes(content)
+    return str(path)
+
+
+BAD_INPUTS = [
+    pytest.param(lambda p: ["--hidden-size", "-4"],
+                 "MoEConfig.hidden_size must be >= 1, got -4", id="negative_hidden_size"),
+    pytest.param(lambda p: ["--batch-size", "-1"],
+                 "TrainConfig.batch_size must be >= 1, got -1", id="negative_batch_size"),
+    pytest.param(lambda p: ["--num-experts", "4", "--top-k", "5"],
+                 "MoEConfig.top_k must be in [1, num_experts=4], got 5", id="top_k_gt_experts"),
+    pytest.param(lambda p: ["--activation", "swish"], "invalid choice: 'swish'",
+                 id="unknown_activation"),
+    pytest.param(lambda p: ["--moe-memory-budget", "12XB"], "byte size must look like",
+                 id="bad_memory_budget"),
+    pytest.param(lambda p: ["--data", _write(p, "empty.txt", b"")], "empty.txt' is empty",
+                 id="empty_data_file"),
+    pytest.param(lambda p: ["--data", str(p / "missing.txt")], "missing.txt' does not exist",
+                 id="missing_data_file"),
+    pytest.param(lambda p: ["--data", _write(p, "junk.bin", bytes(range(256)) * 4)],
+                 "junk.bin' does not look like text", id="binary_data_file"),
+    pytest.param(lambda p: ["--data", _write(p, "short.txt", b"too short")],
+                 "is too small for seq_len=64", id="data_too_small"),
+    pytest.param(lambda p: ["--resume"], "no checkpoint at", id="resume_without_checkpoint"),
+    pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
+                 id="resume_with_preset"),
+]
+
+
+@pytest.mark.parametrize(("make_args", "message"), BAD_INPUTS)
+def test_bad_input_exits_2_with_a_clear_message(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], make_args, message: str) -> None:
+    args = make_args(tmp_path)
+    base = ["--no-progress"] if "--resume" in args else [*FAST]
+    with pytest.raises(SystemExit) as info:
+        main(["train", *base, "--out", str(tmp_path), *args])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage"])
+def test_corrupt_checkpoint_exits_2_naming_the_path(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: str) -> None:
+    assert _train("--max-steps", "2", "--out", str(tmp_path)) == 0
+    path = tmp_path / "checkpoint.pt"
+    raw = path.read_bytes()
+    path.write_bytes(raw[: len(raw) // 3] if damage == "truncated" else b"\x00junk" * 50)
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", "--out", str(tmp_path), "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint '{path}' is corrupt or truncated" in err and "Traceback" not in err
+
+
+def test_resume_rejects_model_flag_change(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train("--max-steps", "2", "--out", str(tmp_path)) == 0
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", "--hidden-size", "32", "--out", str(tmp_path)])
+    assert info.value.code == 2
+    assert "--hidden-size cannot change on --resume" in capsys.readouterr().err
+
+
+def test_plot_writes_chunks_and_loss_png(tmp_path: Path) -> None:
+    assert _train("--max-steps", "3", "--out", str(tmp_path), "--plot") == 0
+    for name in ("chunks.png", "loss.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
+    """Ctrl-C on `python -m memfine train`: checkpoint of the finished step, exit 130."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfine", "train", *FAST, "--max-steps", "100000",
+         "--eval-every", "100000", "--out", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            metrics = tmp_path / "metrics.jsonl"
+            if metrics.exists() and len(read_metrics(metrics)) >= 2:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.communicate()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted: checkpoint of step" in out and "Traceback" not in err
+    step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
+    assert step >= 2 and step == read_metrics(tmp_path / "metrics.jsonl")[-1]["step"]

@@ -1,0 +1,216 @@
+"""The benchmark harness: percentiles, interleaved order, timing arithmetic, memory, CSV schema.
+
+Fake methods and a fake clock make every expected value exact; nothing here depends on how fast
+the machine is (no wall-clock assertions).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.measure.harness import (
+    CSV_COLUMNS,
+    MODES,
+    NOT_MODELLED,
+    Method,
+    MethodResult,
+    collect_environment,
+    format_value,
+    interleaved_order,
+    percentiles,
+    result_rows,
+    run_methods,
+    write_csv,
+)
+from memfine.measure.report import NOT_MEASURED, MemoryReport
+
+
+class FakeClock:
+    """A clock that advances by a fixed step on every read (seconds)."""
+
+    def __init__(self, step_s: float) -> None:
+        self.now, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.now += self.step_s
+        return self.now
+
+
+def recording_method(name: str, log: list[str], **kwargs: object) -> Method:
+    """A method that appends its name to ``log`` on every forward."""
+    def forward() -> str:
+        log.append(name)
+        return name
+
+    return Method(name=name, forward=forward, backward=lambda out: None, **kwargs)  # type: ignore[arg-type]
+
+
+# --- percentiles and order ----------------------------------------------------------------------
+
+def test_percentiles_hand_values() -> None:
+    # Sorted [10..60], 6 samples: positions 0.2·5 = 1, 0.5·5 = 2.5, 0.8·5 = 4 (linear method).
+    assert percentiles([60, 10, 50, 20, 40, 30]) == (20.0, 35.0, 50.0)
+    assert percentiles([7.0]) == (7.0, 7.0, 7.0)
+    assert percentiles([1, 3], qs=(0.0, 0.5, 1.0)) == (1.0, 2.0, 3.0)
+
+
+@pytest.mark.parametrize("values, qs", [([], (0.5,)), ([1.0], (1.5,))], ids=["empty", "q_above_1"])
+def test_percentiles_rejects(values: list[float], qs: tuple[float, ...]) -> None:
+    with pytest.raises(ValueError, match="percentiles needs|quantile must be in"):
+        percentiles(values, qs)
+
+
+def test_interleaved_order_rotates() -> None:
+    names = ["a", "b", "c"]
+    assert [interleaved_order(names, r) for r in range(4)] == [
+        ["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert interleaved_order([], 3) == []
+
+
+def test_run_methods_call_order() -> None:
+    """Warm-up rounds interleaved, one memory call each, then timed rounds interleaved."""
+    log: list[str] = []
+    methods = [recording_method(n, log) for n in "abc"]
+    run_methods(methods, repeats=3, warmup=2, clock=FakeClock(1.0))
+    assert log == (["a", "b", "c", "b", "c", "a"]  # warm-up rounds 0, 1
+                   + ["a", "b", "c"]  # memory
+                   + ["a", "b", "c", "b", "c", "a", "c", "a", "b"])  # timed rounds 0, 1, 2
+
+
+def test_run_methods_times_from_clock() -> None:
+    """Each call reads the clock 3 times: forward and backward take one step each."""
+    log: list[str] = []
+    zeroed: list[str] = []
+    method = recording_method("a", log, tokens=500, zero_grad=lambda: zeroed.append("a"))
+    (res,) = run_methods([method], repeats=4, warmup=1, measure=False, clock=FakeClock(0.25))
+    assert res.times_s == {"fwd": [0.25] * 4, "bwd": [0.25] * 4, "full": [0.5] * 4}
+    assert res.time_ms("full") == (500.0, 500.0, 500.0)
+    assert res.tokens_per_s() == (1000.0, 1000.0, 1000.0)
+    assert res.memory is None and res.saved_bytes is None
+    assert len(zeroed) == len(log) == 5  # zero_grad before every call
+
+
+def test_run_methods_memory_and_prediction() -> None:
+    """exp saves its (T, d) fp32 output; backward adds dx: peak 2·T·d·4 bytes, exactly."""
+    x = torch.randn(64, 32, requires_grad=True)
+    grad = torch.randn(64, 32)
+    nbytes = x.numel() * 4
+
+    def zero() -> None:
+        x.grad = None
+
+    method = Method(name="exp", forward=lambda: x.exp(), backward=lambda y: y.backward(grad),
+                    zero_grad=zero, tokens=64,
+                    predict=lambda: {"saved_bytes": nbytes, "peak_bytes": None},
+                    extras=lambda: {"dtype_bytes": (x.element_size(), "bytes")})
+    (res,) = run_methods([method], repeats=2, warmup=1)
+    assert isinstance(res.memory, MemoryReport)
+    assert (res.saved_bytes, res.peak_bytes) == (nbytes, 2 * nbytes)
+    assert res.predicted == {"saved_bytes": nbytes, "peak_bytes": None}
+    assert res.extras == {"dtype_bytes": (4, "bytes")}
+    assert len(res.times_s["full"]) == 2
+
+
+def test_run_methods_records_a_failing_method() -> None:
+    log: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("strides should be multiple of 16 bytes")
+
+    methods = [recording_method("ok", log),
+               Method(name="bad", forward=broken, backward=lambda out: None)]
+    ok, bad = run_methods(methods, repeats=2, warmup=1, clock=FakeClock(1.0))
+    assert bad.error == "RuntimeError: strides should be multiple of 16 bytes"
+    assert bad.time_ms() is None and bad.memory is None
+    assert ok.error is None and len(ok.times_s["full"]) == 2
+    assert log == ["ok"] * 4  # warm-up, memory, 2 timed
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"repeats": 0}, "repeats must be >= 1"),
+    ({"repeats": 1, "warmup": -1}, "warmup >= 0"),
+], ids=["repeats_0", "warmup_negative"])
+def test_run_methods_validates(kwargs: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        run_methods([recording_method("a", [])], **kwargs)
+
+
+def test_run_methods_rejects_duplicate_names() -> None:
+    with pytest.raises(ValueError, match="method names must be unique"):
+        run_methods([recording_method("a", []), recording_method("a", [])], repeats=1)
+
+
+# --- rows and CSV -------------------------------------------------------------------------------
+
+def _result(**kwargs: object) -> MethodResult:
+    res = MethodResult(name="fused", tokens=100, **kwargs)  # type: ignore[arg-type]
+    for mode, seconds in zip(MODES, (0.01, 0.03, 0.04), strict=True):
+        res.times_s[mode] = [seconds]
+    return res
+
+
+def _rows(res: MethodResult) -> dict[str, dict[str, str]]:
+    env = collect_environment()
+    rows = result_rows([res], benchmark="experts", x_name="shape", x_value="conf3",
+                       config={"tokens": 256}, env=env)
+    return {f"{r['metric']}/{r['mode']}": r for r in rows}
+
+
+def test_rows_schema_and_values() -> None:
+    memory = MemoryReport(saved_bytes=1000, peak_bytes=4000)
+    res = _result(memory=memory, predicted={"saved_bytes": 1000, "peak_bytes": 4400},
+                  extras={"num_chunks": (2, "chunks")})
+    rows = _rows(res)
+    assert all(tuple(r) == CSV_COLUMNS for r in rows.values())
+    full = rows["time/full"]
+    assert (full["unit"], full["p50"], full["provider"]) == ("ms", "40", "fused")
+    assert (full["x_name"], full["x_value"], full["config_json"]) == (
+        "shape", "conf3", '{"tokens": 256}')
+    assert rows["tokens_per_s/full"]["p50"] == "2500"
+    assert [rows["saved_bytes/fwd"][p] for p in ("p20", "p50", "p80")] == ["1000"] * 3
+    assert rows["peak_bytes_predicted/full"]["p50"] == "4400"
+    assert rows["peak_bytes_predicted_over_measured/full"]["p50"] == "1.1"
+    assert (rows["num_chunks/full"]["p50"], rows["num_chunks/full"]["unit"]) == ("2", "chunks")
+
+
+def test_rows_show_missing_values_as_text() -> None:
+    """None is 'not measured' (measured metrics) or 'not modelled' (predictions), never 0/-1."""
+    rows = _rows(_result())
+    assert rows["saved_bytes/fwd"]["p50"] == NOT_MEASURED == "not measured"
+    assert rows["peak_bytes/full"]["p80"] == NOT_MEASURED
+    assert rows["saved_bytes_predicted/fwd"]["p20"] == NOT_MODELLED == "not modelled"
+    assert rows["saved_bytes_predicted_over_measured/fwd"]["p50"] == NOT_MODELLED
+    no_tokens = MethodResult(name="x", tokens=0)
+    assert _rows(no_tokens)["tokens_per_s/full"]["p50"] == NOT_MEASURED
+    assert _rows(no_tokens)["time/fwd"]["p50"] == NOT_MEASURED
+
+
+@pytest.mark.parametrize("value, text", [(17642200, "17642200"), (0.123456789, "0.123457"),
+                                         (None, NOT_MEASURED)], ids=["int", "float", "none"])
+def test_format_value(value: int | float | None, text: str) -> None:
+    assert format_value(value) == text
+
+
+def test_write_csv_header(tmp_path: Path) -> None:
+    rows = list(_rows(_result()).values())
+    path = write_csv(rows, tmp_path / "sub" / "bench.csv")
+    with path.open() as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames or ()) == CSV_COLUMNS
+        assert len(list(reader)) == len(rows)
+
+
+def test_environment_fields() -> None:
+    env = collect_environment("cpu")
+    assert (env.device, env.threads, env.torch_version) == (
+        "cpu", torch.get_num_threads(), torch.__version__)
+    stamp = datetime.datetime.fromisoformat(env.utc_timestamp)
+    assert stamp.utcoffset() == datetime.timedelta(0)
+    assert env.memfine_version and env.git_sha and env.cpu_model
+    assert env.torch_version in env.line()
+

@@ -1,0 +1,169 @@
+"""Triton expert kernels (memfine[triton]) on CPU under TRITON_INTERPRET=1, at tiny sizes.
+
+Every kernel is compared with the torch path it replaces (loop backend, combine_rows,
+apply_activation) and the fused Function on the triton backend with the per-token reference.
+GPU-only checks are marked ``gpu``. Reference: MoEBlaze §4; STYLE.md §6, §9.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from memfine._optional import is_available
+from memfine.dispatch import RoutingIndex, build_routing_index
+from memfine.ops import run_experts
+from memfine.ops.activations import apply_activation
+from memfine.ops.combine import combine_rows, gather_rows
+from memfine.ops.grouped import grouped_mm as torch_grouped_mm
+from memfine.reference import reference_experts
+from tolerances import assert_close
+
+_USABLE = is_available("triton") and (torch.cuda.is_available()
+                                      or os.environ.get("TRITON_INTERPRET") == "1")
+pytestmark = pytest.mark.skipif(
+    not _USABLE, reason="needs triton (pip install 'memfine[triton]') and CUDA or "
+                        "TRITON_INTERPRET=1")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [pytest.param(torch.float32, id="fp32"), pytest.param(torch.bfloat16, id="bf16")]
+
+
+def _routing(T: int, E: int, k: int, sentinels: int = 2) -> torch.Tensor:
+    """(T, k) int64 ids: expert E-1 left empty, the last ``sentinels`` slots set to E."""
+    idx = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)])
+    idx.view(-1)[idx.numel() - sentinels:] = E
+    return idx
+
+
+def _index(T: int = 9, E: int = 4, k: int = 2) -> RoutingIndex:
+    index = build_routing_index(_routing(T, E, k), E)
+    return dataclasses.replace(index, **{
+        f.name: getattr(index, f.name).to(DEVICE) for f in dataclasses.fields(index)
+        if f.name != "num_experts"})
+
+
+def test_tile_schedule() -> None:
+    from memfine.ops.triton import tile_schedule
+
+    offsets = torch.tensor([0, 5, 5, 21, 22], dtype=torch.int32)
+    tile_expert, tile_start = tile_schedule(offsets, 8)
+    assert tile_expert.tolist() == [0, 2, 2, 3]
+    assert tile_start.tolist() == [0, 5, 13, 21]
+    empty_expert, empty_start = tile_schedule(torch.zeros(4, dtype=torch.int32), 8)
+    assert empty_expert.numel() == 0 and empty_start.numel() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("transposed", [False, True], ids=["contiguous_w", "transposed_w"])
+def test_grouped_mm_matches_loop(dtype: torch.dtype, transposed: bool) -> None:
+    from memfine.ops.triton import grouped_mm
+
+    index = _index()
+    E, num_in, num_out = 4, 12, 20
+    x_SI = torch.randn(index.num_rows, num_in, dtype=dtype, device=DEVICE)
+    w_EIO = (torch.randn(E, num_out, num_in, dtype=dtype, device=DEVICE).transpose(1, 2)
+             if transposed else torch.randn(E, num_in, num_out, dtype=dtype, device=DEVICE))
+    got = grouped_mm(x_SI, w_EIO, index.expert_token_offsets)
+    want = torch_grouped_mm(x_SI.double(), w_EIO.double(), index.expert_token_offsets, "loop")
+    assert_close(got, want, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "relu", "silu"])
+def test_gather_up_matches_torch(activation: str, dtype: torch.dtype) -> None:
+    from memfine.ops.triton import gather_up
+
+    index = _index()
+    E, D, N = 4, 12, 10
+    G = 2 * N if activation in ("swiglu", "geglu") else N
+    x_TD = torch.randn(index.num_tokens, D, dtype=dtype, device=DEVICE)
+    w_EDG = (torch.randn(E, D, G, device=DEVICE) / D ** 0.5).to(dtype)
+    h_SG, a_SN = gather_up(x_TD, w_EDG, index.expert_token_indices, index.expert_token_offsets,
+                           activation)
+    h_want = torch_grouped_mm(gather_rows(x_TD.double(), index.expert_token_indices),
+                              w_EDG.double(), index.expert_token_offsets, "loop")
+    assert_close(h_SG, h_want, dtype=dtype)
+    assert_close(a_SN, apply_activation(h_want, activation), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_down_combine_matches_torch(dtype: torch.dtype) -> None:
+    from memfine.ops.triton import down_combine
+
+    index = _index()
+    E, D, N = 4, 12, 10
+    a_SN = torch.randn(index.num_rows, N, dtype=dtype, device=DEVICE)
+    w_END = (torch.randn(E, N, D, device=DEVICE) / N ** 0.5).to(dtype)
+    valid_TK = index.token_index_map >= 0
+    weights_TK = torch.where(valid_TK, torch.rand(valid_TK.shape, device=DEVICE), float("nan"))
+    w_S = weights_TK.reshape(-1)[index.expert_slot_indices.long()].to(dtype)
+    out_TD = down_combine(a_SN, w_END, index.expert_token_offsets, w_S, index.token_index_map)
+    y_SD = torch_grouped_mm(a_SN.double(), w_END.double(), index.expert_token_offsets, "loop")
+    want = combine_rows(y_SD, weights_TK.double(), index.token_index_map)
+    assert torch.isfinite(out_TD).all()  # NaN weights of sentinel slots are never read
+    assert_close(out_TD, want, dtype=dtype)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "relu"])
+def test_fused_triton_backend_matches_reference(activation: str) -> None:
+    T, E, k, D, N = 9, 4, 2, 12, 10
+    G = 2 * N if activation == "swiglu" else N
+    idx = _routing(T, E, k)
+    leaves = [torch.randn(T, D), torch.rand(T, k), torch.randn(E, D, G) / D ** 0.5,
+              torch.randn(E, N, D) / N ** 0.5]
+    x, w, w_up, w_down = (t.to(DEVICE).requires_grad_() for t in leaves)
+    out = run_experts(x, w, build_routing_index(idx.to(DEVICE), E), w_up, w_down,
+                      activation=activation, backend="triton")
+    ref_leaves = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference_experts(ref_leaves[0], idx, *ref_leaves[1:], activation=activation)
+    assert_close(out.cpu(), ref.detach(), dtype=torch.float32)
+    grad_out = torch.randn(T, D)
+    out.backward(grad_out.to(DEVICE))
+    ref.backward(grad_out.double())
+    for got, want in zip((x, w, w_up, w_down), ref_leaves, strict=True):
+        assert got.grad is not None and want.grad is not None
+        assert_close(got.grad.cpu(), want.grad, grad=True, dtype=torch.float32)
+
+
+def test_fake_impls_give_shapes() -> None:
+    from memfine.ops.triton import down_combine, gather_up, grouped_mm
+
+    real = _index()
+    S, T, k = real.num_rows, real.num_tokens, real.top_k
+    with FakeTensorMode() as mode:
+        idx_S, off_E1, map_TK = (mode.from_tensor(t) for t in (
+            real.expert_token_indices, real.expert_token_offsets, real.token_index_map))
+        x_TD = torch.empty(T, 8, dtype=torch.bfloat16)
+        h_SG, a_SN = gather_up(x_TD, torch.empty(4, 8, 12, dtype=torch.bfloat16), idx_S, off_E1,
+                               "swiglu")
+        y_SO = grouped_mm(a_SN, torch.empty(4, 6, 5, dtype=torch.bfloat16), off_E1)
+        out_TD = down_combine(a_SN, torch.empty(4, 6, 8, dtype=torch.bfloat16), off_E1,
+                              torch.empty(S, dtype=torch.bfloat16), map_TK)
+    assert (h_SG.shape, a_SN.shape, y_SO.shape, out_TD.shape) == ((S, 12), (S, 6), (S, 5), (T, 8))
+    assert k == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_triton_matches_grouped_mm_on_gpu(dtype: torch.dtype) -> None:
+    T, E, k, D, N = 512, 8, 2, 256, 128
+    idx = torch.rand(T, E).topk(k).indices.cuda()
+    index = build_routing_index(idx, E)
+    x = torch.randn(T, D, device="cuda", dtype=dtype)
+    w = torch.rand(T, k, device="cuda", dtype=dtype)
+    w_up = (torch.randn(E, D, 2 * N, device="cuda") / D ** 0.5).to(dtype)
+    w_down = (torch.randn(E, N, D, device="cuda") / N ** 0.5).to(dtype)
+    outs = []
+    for backend in ("triton", "loop"):
+        leaves = [t.clone().requires_grad_() for t in (x, w, w_up, w_down)]
+        out = run_experts(*leaves[:2], index, *leaves[2:], backend=backend)
+        out.backward(torch.ones_like(out))
+        outs.append([out.detach(), *(t.grad for t in leaves)])
+    for got, want in zip(*outs, strict=True):
+        assert_close(got.float(), want.float(), grad=True, dtype=dtype)

@@ -1,0 +1,203 @@
+"""The MoE-layer memory model against measurement: saved bytes exact, peak within PEAK_RTOL.
+
+Protocol (the model's): x exists before and requires grad, parameters have no ``.grad``, the
+output and the two aux losses get gradients that exist before; saved bytes are counted by the
+saved-tensor hooks during forward, peak bytes by the live-storage tracker over forward + backward.
+Skewed routing sends every token to experts 0..k-1 (the router's selection-bias knob).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.measure import MemoryReport, measure_backward
+from memfine.nn import MoELayer
+from memfine.schedule import memory_model
+from memfine.schedule.memory_model import (
+    MemoryBreakdown,
+    expert_fixed_bytes,
+    expert_row_bytes,
+    mode_settings,
+    moe_layer_memory,
+    saved_items,
+)
+from tolerances import PEAK_RTOL
+
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def _layer_config(d: int, n: int, E: int, k: int, *, skewed: bool, impl: str,
+                  activation: str = "swiglu") -> MoEConfig:
+    return MoEConfig(hidden_size=d, intermediate_size=n, num_experts=E, top_k=k,
+                     renormalize=k > 1, experts_impl=impl, activation=activation,
+                     skew_hot_experts=k if skewed else 0, skew_bias=100.0 if skewed else 0.0)
+
+
+def measure_layer(moe: MoEConfig, T: int, dtype: torch.dtype, num_chunks: int,
+                  recompute: str) -> MemoryReport:
+    """Measured saved and peak bytes of one MoELayer forward + backward (the model's protocol)."""
+    layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=num_chunks, recompute=recompute))
+    layer = layer.to(dtype)
+    x = torch.randn(T, moe.hidden_size, dtype=dtype, requires_grad=True)
+    grads = [torch.randn(T, moe.hidden_size, dtype=dtype), torch.tensor(0.01),
+             torch.tensor(0.001)]
+
+    def forward() -> list[torch.Tensor]:
+        out, aux = layer(x)
+        return [out, aux.load_balancing_loss, aux.z_loss]
+
+    return measure_backward(forward, grads, exclude=layer.parameters())
+
+
+# (dtype, T, d, n, E, k, skewed, mode, c): ≥ 12 layer configurations over dtypes, k, E, routing
+# and every execution mode; bf16 sizes stay tiny (bf16 matmuls are slow on this CPU).
+GRID = [
+    pytest.param(F32, 96, 32, 32, 16, 1, False, "fused", 1, id="fp32-k1-E16-balanced-fused"),
+    pytest.param(F32, 96, 32, 32, 16, 1, True, "plain", 1, id="fp32-k1-E16-skewed-plain"),
+    pytest.param(F32, 64, 32, 64, 8, 2, False, "full", 1, id="fp32-k2-E8-balanced-full-c1"),
+    pytest.param(F32, 64, 32, 64, 8, 2, True, "chunked", 2, id="fp32-k2-E8-skewed-chunked-c2"),
+    pytest.param(F32, 64, 32, 64, 8, 2, False, "chunked", 4,
+                 id="fp32-k2-E8-balanced-chunked-c4"),
+    pytest.param(F32, 72, 16, 16, 64, 8, False, "chunked", 8,
+                 id="fp32-k8-E64-balanced-chunked-c8"),
+    pytest.param(F32, 72, 16, 16, 64, 8, True, "fused", 1, id="fp32-k8-E64-skewed-fused"),
+    pytest.param(F32, 48, 16, 32, 32, 8, False, "plain", 1, id="fp32-k8-E32-balanced-plain"),
+    pytest.param(F32, 77, 32, 16, 64, 2, True, "chunked", 8,
+                 id="fp32-k2-E64-skewed-chunked-c8-T_not_divisible_by_c"),
+    pytest.param(F32, 64, 32, 64, 8, 2, True, "full", 1, id="fp32-k2-E8-skewed-full-c1"),
+    pytest.param(BF16, 32, 16, 16, 8, 2, False, "fused", 1, id="bf16-k2-E8-balanced-fused"),
+    pytest.param(BF16, 32, 16, 16, 8, 2, True, "chunked", 4, id="bf16-k2-E8-skewed-chunked-c4"),
+    pytest.param(BF16, 24, 16, 8, 64, 8, True, "full", 1, id="bf16-k8-E64-skewed-full-c1"),
+    pytest.param(BF16, 32, 16, 16, 4, 1, False, "plain", 1, id="bf16-k1-E4-balanced-plain"),
+    pytest.param(BF16, 24, 16, 16, 16, 8, False, "chunked", 2,
+                 id="bf16-k8-E16-balanced-chunked-c2"),
+    pytest.param(BF16, 24, 16, 8, 64, 8, False, "chunked", 8,
+                 id="bf16-k8-E64-balanced-chunked-c8"),
+]
+
+
+@pytest.mark.parametrize(("dtype", "T", "d", "n", "E", "k", "skewed", "mode", "c"), GRID)
+def test_model_matches_measurement(dtype: torch.dtype, T: int, d: int, n: int, E: int, k: int,
+                                   skewed: bool, mode: str, c: int) -> None:
+    impl, num_chunks, recompute = mode_settings(mode, c)
+    moe = _layer_config(d, n, E, k, skewed=skewed, impl=impl)
+    measured = measure_layer(moe, T, dtype, num_chunks, recompute)
+    predicted = moe_layer_memory(moe, T, dtype.itemsize, num_chunks=num_chunks,
+                                 recompute=recompute)
+    assert predicted.saved_bytes == measured.saved_bytes
+    assert measured.peak_bytes is not None
+    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= PEAK_RTOL, (
+        predicted.peak_bytes, measured.peak_bytes)
+    assert predicted.forward_peak_bytes == pytest.approx(measured.forward_peak_bytes,
+                                                         rel=PEAK_RTOL)
+
+
+@pytest.mark.parametrize("activation", ["geglu", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("mode", ["plain", "fused", "chunked"])
+def test_activations(activation: str, mode: str) -> None:
+    impl, c, recompute = mode_settings(mode, 3)
+    moe = _layer_config(32, 24, 6, 2, skewed=False, impl=impl, activation=activation)
+    measured = measure_layer(moe, 40, F32, c, recompute)
+    predicted = moe_layer_memory(moe, 40, 4, num_chunks=c, recompute=recompute)
+    assert predicted.saved_bytes == measured.saved_bytes
+    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= PEAK_RTOL
+
+
+def test_fused_saved_items_by_hand() -> None:
+    """T=10, d=8, n=4 (G=8), E=4, k=2, fp32, fused, softmax with renormalisation."""
+    moe = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2)
+    items = saved_items(moe, 10, 4)
+    S = 20
+    assert items["layer_input_bytes"] == 10 * 8 * 4
+    assert items["router_scores_bytes"] == 10 * 4 * 4
+    assert items["top_k_index_bytes"] == 10 * 2 * 8
+    assert items["top_k_scores_bytes"] == items["top_k_weights_bytes"] == 10 * 2 * 4
+    assert items["renorm_sum_bytes"] == 10 * 4
+    assert items["aux_loss_bytes"] == 10 * 4 * 4 + 4 * 4
+    assert items["z_loss_bytes"] == 10 * 4 * 4 + 10 * 4
+    assert items["pre_activation_bytes"] == S * 8 * 4
+    assert items["routing_index_bytes"] == 4 * (2 * S + 20 + 5)
+    assert sum(items.values()) == 320 + 160 + 160 + 80 + 40 + 80 + 176 + 200 + 640 + 260
+
+
+def test_recompute_keeps_only_input_and_routing() -> None:
+    """Full/chunked recompute: the expert part saves nothing (DESIGN.md §5, full recompute row)."""
+    moe = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
+    fused = saved_items(moe, 256, 4)
+    for c in (1, 2, 8):
+        chunked = saved_items(moe, 256, 4, num_chunks=c, recompute="experts")
+        assert chunked["pre_activation_bytes"] == chunked["routing_index_bytes"] == 0
+        expert_part = fused["pre_activation_bytes"] + fused["routing_index_bytes"]
+        assert sum(fused.values()) - sum(chunked.values()) == expert_part
+
+
+def test_breakdown_fields_and_sources() -> None:
+    moe = MoEConfig(hidden_size=32, intermediate_size=64, num_experts=8, top_k=2)
+    b = moe_layer_memory(moe, 64, 4, optimizer_bytes_per_param=8)
+    for f in dataclasses.fields(MemoryBreakdown):
+        if f.name == "assumptions":
+            continue
+        assert f.name.endswith("_bytes") and isinstance(getattr(b, f.name), int)
+        assert f.metadata["tensor"] and f.metadata["source"]
+    saved = saved_items(moe, 64, 4)
+    assert b.saved_bytes == sum(saved.values())
+    assert b.total_bytes == b.parameter_bytes + b.optimizer_state_bytes + b.peak_bytes
+    assert b.optimizer_state_bytes == b.parameter_bytes // 4 * 8
+    assert b.peak_bytes == max(b.forward_peak_bytes, b.backward_peak_bytes)
+    assert any("all-to-all" in a for a in b.assumptions)
+    assert [r[0] for r in b.rows()][:3] == ["parameter_bytes", "gradient_bytes",
+                                            "optimizer_state_bytes"]
+
+
+@pytest.mark.parametrize(("c", "skewed"), [(1, False), (2, True), (4, False), (8, True)])
+def test_budget_functions_bound_the_measured_peak(c: int, skewed: bool) -> None:
+    """fixed(T) + row · rows-per-chunk is at least the measured layer peak (the planner's use)."""
+    moe = _layer_config(32, 64, 8, 2, skewed=skewed, impl="fused")
+    T = 96
+    measured = measure_layer(moe, T, F32, c, "experts").peak_bytes
+    assert measured is not None
+    rows = -(-T // c) * moe.top_k
+    bound = expert_fixed_bytes(T, moe, 4) + expert_row_bytes(moe, 4) * rows
+    assert bound >= measured
+
+
+def test_budget_bound_holds_for_every_chunk_count_on_the_timeline() -> None:
+    moe = MoEConfig(hidden_size=16, intermediate_size=48, num_experts=32, top_k=4)
+    T = 100
+    fixed, row = expert_fixed_bytes(T, moe, 2), expert_row_bytes(moe, 2)
+    slack = []
+    for c in range(1, memory_model.MAX_BOUNDED_CHUNKS + 1):
+        peak = moe_layer_memory(moe, T, 2, num_chunks=c, recompute="experts").peak_bytes
+        slack.append(fixed + row * (-(-T // c) * moe.top_k) - peak)
+    assert min(slack) == 0  # an upper bound for every c, attained for one
+
+
+def test_chunking_divides_the_expert_transients() -> None:
+    moe = MoEConfig(hidden_size=64, intermediate_size=256, num_experts=8, top_k=2)
+    one = moe_layer_memory(moe, 1024, 4, num_chunks=1, recompute="experts")
+    eight = moe_layer_memory(moe, 1024, 4, num_chunks=8, recompute="experts")
+    assert eight.transient_pre_activation_grad_bytes * 8 == one.transient_pre_activation_grad_bytes
+    assert eight.peak_bytes < one.peak_bytes
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"num_tokens": -1}, "num_tokens must be >= 0"),
+    ({"dtype_bytes": 3}, "dtype_bytes must be 2, 4 or 8"),
+    ({"num_chunks": 0}, "num_chunks must be >= 1"),
+    ({"recompute": "some"}, "recompute must be"),
+])
+def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    args = {"num_tokens": 8, "dtype_bytes": 4, "num_chunks": 1, "recompute": "none"} | kwargs
+    moe = MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=2)
+    with pytest.raises(ValueError, match=match):
+        moe_layer_memory(moe, args["num_tokens"], args["dtype_bytes"],  # type: ignore[arg-type]
+                         num_chunks=args["num_chunks"],  # type: ignore[arg-type]
+                         recompute=args["recompute"])  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="mode must be one of"):
+        mode_settings("other")
+    with pytest.raises(ValueError, match="needs num_chunks >= 2"):
+        mode_settings("chunked", 1)

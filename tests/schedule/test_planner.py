@@ -1,0 +1,64 @@
+"""Planner: byte sizes, s′_max (MemFine Eq. 8) and the binned chunk count (Eq. 9), hand-worked."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfine.schedule.planner import choose_num_chunks, parse_bytes, s_prime_max
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512MiB", 512 * 2**20),
+    ("2GiB", 2 * 2**30),
+    ("1.5GiB", 3 * 2**29),
+    ("64GB", 64 * 10**9),
+    ("4096", 4096),
+    (" 1 KiB ", 1024),
+    (123, 123),
+])
+def test_parse_bytes(text: str | int, expected: int) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "MiB", "12 parsecs", "-1GiB", "0", 0, "1..2MiB"])
+def test_parse_bytes_rejects(text: str | int) -> None:
+    with pytest.raises(ValueError, match="byte size"):
+        parse_bytes(text)
+
+
+@pytest.mark.parametrize(("budget", "fixed", "row", "expected"), [
+    (10_000, 2_000, 100, 80),     # (10000 - 2000) / 100
+    (10_099, 2_000, 100, 80),     # floored
+    (10_100, 2_000, 100, 81),
+    (2_000, 2_000, 100, 0),       # only the fixed part fits
+    (1_000, 2_000, 100, -10),     # not even the fixed part
+])
+def test_s_prime_max_eq8(budget: int, fixed: int, row: int, expected: int) -> None:
+    assert s_prime_max(budget, fixed, row) == expected
+
+
+def test_s_prime_max_rejects_row_bytes() -> None:
+    with pytest.raises(ValueError, match="row_bytes"):
+        s_prime_max(100, 0, 0)
+
+
+@pytest.mark.parametrize(("recv", "s_max", "expected"), [
+    (0, 512, 1),        # nothing received: the smallest bin
+    (512, 512, 1),
+    (513, 512, 2),      # ceil(513/512) = 2
+    (1025, 512, 4),     # ceil = 3 → bin 4
+    (4096, 512, 8),
+    (8192, 512, 16),    # needs the bin 16
+])
+def test_choose_num_chunks_eq9(recv: int, s_max: int, expected: int) -> None:
+    assert choose_num_chunks(recv, s_max, (1, 2, 4, 8, 16)) == expected
+
+
+def test_choose_num_chunks_over_largest_bin() -> None:
+    with pytest.raises(ValueError, match=r"c = ceil\(4097 / 512\) = 9 exceeds the largest bin 8"):
+        choose_num_chunks(4097, 512, (1, 2, 4, 8))
+
+
+def test_choose_num_chunks_rejects_non_positive_s_max() -> None:
+    with pytest.raises(ValueError, match="s_max_tokens must be > 0"):
+        choose_num_chunks(10, 0, (1, 2))

@@ -1,0 +1,118 @@
+"""Training loop: determinism, resume equality, Ctrl-C, LR schedule (memfine.train.loop)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from memfine.config import ModelConfig, MoEConfig, TrainConfig
+from memfine.train import load_checkpoint, train
+from memfine.train.loop import lr_factor
+from memfine.train.metrics import read_metrics
+from tolerances import LOSS_ATOL
+
+ASSET = Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt"
+
+
+def _config(**overrides: object) -> TrainConfig:
+    model = ModelConfig(num_layers=2, num_heads=2, max_seq_len=32,
+                        moe=MoEConfig(hidden_size=32, intermediate_size=32, num_experts=4,
+                                      top_k=2))
+    base = TrainConfig(model=model, data=str(ASSET), seq_len=32, batch_size=4, max_steps=8,
+                       lr=3e-3, warmup_steps=2, eval_every=4, eval_batches=1, log_every=1,
+                       sample_tokens=0)
+    return dataclasses.replace(base, **overrides)
+
+
+def _run(config: TrainConfig, out: Path, **kwargs: object):
+    return train(config, out, progress=False, threads=1, **kwargs)
+
+
+def test_same_seed_gives_identical_losses_other_seed_differs(tmp_path: Path) -> None:
+    cfg = _config(max_steps=4)
+    a = _run(cfg, tmp_path / "a")
+    b = _run(cfg, tmp_path / "b")
+    c = _run(dataclasses.replace(cfg, seed=1), tmp_path / "c")
+    assert len(a.train_losses) == 4
+    assert a.train_losses == b.train_losses  # bitwise
+    assert a.final_val_loss == b.final_val_loss
+    assert a.train_losses != c.train_losses
+
+
+def test_interrupt_then_resume_equals_straight_run(tmp_path: Path) -> None:
+    cfg = _config()
+    straight = _run(cfg, tmp_path / "straight")
+
+    def interrupt_at_3(step: int) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    first = _run(cfg, tmp_path / "resumed", on_step=interrupt_at_3)
+    assert first.interrupted and first.step == 3 and first.final_val_loss is None
+    assert load_checkpoint(tmp_path / "resumed" / "checkpoint.pt")["step"] == 3
+    second = _run(cfg, tmp_path / "resumed", resume=True)
+    assert not second.interrupted and second.step == 8
+    joined = first.train_losses + second.train_losses
+    assert len(joined) == len(straight.train_losses)
+    for got, want in zip(joined, straight.train_losses, strict=True):
+        assert abs(got - want) <= LOSS_ATOL
+    assert second.final_val_loss is not None and straight.final_val_loss is not None
+    assert abs(second.final_val_loss - straight.final_val_loss) <= LOSS_ATOL
+    # metrics.jsonl of the resumed run lists each step once, as the straight run's does
+    steps = [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")]
+    assert steps == list(range(1, 9))
+
+
+def test_keyboard_interrupt_saves_checkpoint_and_leaves_no_temp_file(tmp_path: Path) -> None:
+    def interrupt_at_2(step: int) -> None:
+        if step == 2:
+            raise KeyboardInterrupt
+
+    result = _run(_config(eval_every=100), tmp_path, on_step=interrupt_at_2)
+    assert result.interrupted and result.step == 2
+    payload = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert payload["step"] == 2
+    assert TrainConfig.from_dict(payload["config"]) == _config(eval_every=100, lr_decay_steps=8)
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_resume_rejects_a_changed_model(tmp_path: Path) -> None:
+    _run(_config(max_steps=2), tmp_path)
+    other = _config(max_steps=4, model=dataclasses.replace(_config().model, num_layers=3))
+    with pytest.raises(ValueError, match=r"cannot resume .* different \['model'\]"):
+        _run(other, tmp_path, resume=True)
+
+
+def test_outputs_written(tmp_path: Path) -> None:
+    result = _run(_config(max_steps=4, sample_tokens=10), tmp_path)
+    config = TrainConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
+    assert config == _config(max_steps=4, sample_tokens=10, lr_decay_steps=4)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert [r["train_loss"] for r in records] == list(result.train_losses)
+    last = records[-1]
+    assert last["val_loss"] == result.final_val_loss
+    assert last["num_chunks"] == [1, 1]
+    assert [sum(c) for c in last["tokens_per_expert"]] == [4 * 32 * 2] * 2  # B·Q·k per layer
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["final_val_loss_nats_per_byte"] == result.final_val_loss
+    assert summary["final_val_loss_bits_per_byte"] == pytest.approx(
+        result.final_val_loss / math.log(2))
+    assert len((tmp_path / "sample.txt").read_bytes()) > 0
+
+
+@pytest.mark.parametrize(("step", "expected"), [
+    pytest.param(0, 0.25, id="warmup_first"),
+    pytest.param(3, 1.0, id="warmup_last"),
+    pytest.param(4, 1.0, id="cosine_start"),
+    pytest.param(9, 0.1 + 0.9 * 0.5, id="cosine_middle"),
+    pytest.param(14, 0.1, id="cosine_end"),
+    pytest.param(100, 0.1, id="after_decay"),
+])
+def test_lr_factor(step: int, expected: float) -> None:
+    got = lr_factor(step, warmup_steps=4, decay_steps=14, min_ratio=0.1)
+    assert got == pytest.approx(expected, abs=1e-12)
