@@ -65,8 +65,11 @@ def _method(moe: MoEConfig, T: int, dtype: torch.dtype, mode: str, c: int) -> Me
     grads = [torch.randn(T, moe.hidden_size, dtype=dtype), torch.tensor(0.01),
              torch.tensor(0.001)]
 
+    kept: list[object] = []  # the caller keeps MoEAux (its counters), as the model's protocol says
+
     def forward() -> list[torch.Tensor]:
         out, aux = layer(x)
+        kept[:] = [aux]
         return [out, aux.load_balancing_loss, aux.z_loss]
 
     def zero_grad() -> None:

@@ -104,7 +104,7 @@ BAD_CHUNK = [
                  "increasing tuple of ints >= 1, got (1, 2.0)", id="bins_float"),
     pytest.param({"bins": 4}, "ChunkConfig.bins must be a non-empty, strictly increasing tuple "
                  "of ints >= 1, got 4", id="bins_scalar"),
-    pytest.param({"recompute": "all"}, "ChunkConfig.recompute must be one of ('none', "
+    pytest.param({"recompute": "all"}, "ChunkConfig.recompute must be one of ('auto', 'none', "
                  "'experts', 'full'), got 'all'", id="recompute"),
     pytest.param({"allow_over_budget": "no"}, "ChunkConfig.allow_over_budget must be a bool, "
                  "got 'no'", id="allow_over_budget"),

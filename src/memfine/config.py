@@ -18,7 +18,7 @@ Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
 ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
-Recompute = Literal["none", "experts", "full"]
+Recompute = Literal["auto", "none", "experts", "full"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
@@ -188,7 +188,10 @@ class ChunkConfig(_ConfigBase):
             step and layer from the received tokens (MACT, MemFine Eq. 8-9).
         bins: allowed chunk counts, strictly increasing ints >= 1, e.g. (1, 2, 4, 8).
         recompute: ``none`` (no checkpointing), ``experts`` (checkpoint each chunk of the expert
-            part), ``full`` (checkpoint the whole transformer layer).
+            part), ``full`` (checkpoint the whole transformer layer), or ``auto`` (the default:
+            ``experts`` when chunking is asked for — ``num_chunks > 1`` or a memory budget —
+            else ``none``, so an unchunked layer pays no recompute). Read the concrete mode from
+            :attr:`resolved_recompute`.
         allow_over_budget: when no bin meets the budget, use the largest bin and warn once
             instead of raising.
     """
@@ -196,8 +199,16 @@ class ChunkConfig(_ConfigBase):
     num_chunks: int = 1
     memory_budget_bytes: int | None = None
     bins: tuple[int, ...] = (1, 2, 4, 8)
-    recompute: Recompute = "experts"
+    recompute: Recompute = "auto"
     allow_over_budget: bool = False
+
+    @property
+    def resolved_recompute(self) -> Literal["none", "experts", "full"]:
+        """The concrete recompute mode (``auto`` resolved as documented on the class)."""
+        if self.recompute != "auto":
+            return self.recompute
+        chunked = self.num_chunks > 1 or self.memory_budget_bytes is not None
+        return "experts" if chunked else "none"
 
     def __post_init__(self) -> None:
         _check_int(self, "num_chunks", 1)
@@ -337,6 +348,9 @@ class TrainConfig(_ConfigBase):
         _check_int(self, "log_every", 1)
         _check_int(self, "sample_tokens", 0)
         _check_choice(self, "dtype", DType)
+        if self.dtype == "float16":
+            _fail(self, "dtype", "'float32', 'bfloat16' or 'float64' (float16 training would "
+                  "need loss scaling, which memfine does not do)", self.dtype)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             _fail(self, "device", "'cpu' or 'cuda[:i]'", self.device)
 

@@ -127,3 +127,24 @@ def test_missing_sizes_message(capsys: pytest.CaptureFixture[str]) -> None:
     assert exc.value.code == 2
     assert "give --preset or the model sizes; missing --moe-intermediate-size" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("preset", sorted(plan_cli.PRESETS))
+def test_every_preset_plans(preset: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(["--preset", preset, "--skew", "1", "--json"], capsys)
+    plan = json.loads(out)
+    assert code == (0 if plan["fits"] else 1)
+    assert (code == 1) == ("infeasible" in err)
+    assert plan["config"]["model"]["name"] == preset
+
+
+def test_memfine_expert_model_uses_the_fused_row_bytes(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    from memfine.config import MoEConfig
+    from memfine.schedule.memory_model import expert_row_bytes
+
+    code, out, _ = _run([*SMALL, "--expert-model", "memfine", "--json"], capsys)
+    local = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=2, top_k=2)
+    assert code == 0
+    assert json.loads(out)["stages"][0]["row_bytes"] == expert_row_bytes(local, 2,
+                                                                         recompute="full")

@@ -203,11 +203,9 @@ def _timeout_is_an_error(ctx: ParallelContext) -> None:
 def _lm_step_equals_single_process(ctx: ParallelContext, chunk: ChunkConfig) -> None:
     """One training step of the LM: EP (+DP) gradients, clipped norm, full states == one process.
 
-    The load-balancing loss is off: it is computed per rank on local tokens (not the global-batch
-    value); the z-loss, a per-token mean, is on.
+    The load-balancing loss (global-batch f, local P) and the z-loss are both on.
     """
-    moe = MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2,
-                    aux_loss_coef=0.0)
+    moe = MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2)
     config = ModelConfig(num_layers=2, num_heads=2, max_seq_len=16, moe=moe, chunk=chunk)
     torch.manual_seed(0)
     ref = MoETransformerLM(config)
@@ -221,7 +219,8 @@ def _lm_step_equals_single_process(ctx: ParallelContext, chunk: ChunkConfig) -> 
 
     def step(lm: MoETransformerLM, x: torch.Tensor, y: torch.Tensor) -> torch.optim.Optimizer:
         out = lm(x, y)
-        (out.loss + moe.z_loss_coef * out.z_loss).backward()
+        (out.loss + moe.aux_loss_coef * out.load_balancing_loss
+         + moe.z_loss_coef * out.z_loss).backward()
         return torch.optim.AdamW(lm.parameters(), lr=1e-2)
 
     ref_opt = step(ref, x_BQ, y_BQ)

@@ -101,3 +101,25 @@ def test_z_loss_mask() -> None:
     logits = torch.randn(T, E)
     mask = torch.arange(T) % 3 == 0
     assert_close(z_loss(logits, mask), z_loss(logits[mask]))
+
+
+def test_global_counts_make_the_mean_of_shard_losses_the_whole_batch_loss() -> None:
+    """Data/expert parallel: f from the global counts, P local → mean over shards == one process."""
+    T, E, k = 12, 6, 2
+    logits = torch.randn(T, E, dtype=torch.float64, requires_grad=True)
+    index = logits.detach().topk(k, dim=-1).indices
+    whole = load_balancing_loss(logits, index)
+    counts = torch.bincount(index.reshape(-1), minlength=E)
+    shards = [load_balancing_loss(logits[s], index[s], counts_E=counts)
+              for s in (slice(0, T // 2), slice(T // 2, T))]
+    assert_close(torch.stack(shards).mean(), whole)
+    (g_whole,) = torch.autograd.grad(whole, logits)
+    (g_shards,) = torch.autograd.grad(torch.stack(shards).mean(), logits)
+    assert_close(g_shards, g_whole, grad=True)
+
+
+def test_global_counts_shape_is_checked() -> None:
+    logits = torch.zeros(4, 3)
+    with pytest.raises(ValueError, match=r"counts_E must be \(E,\) with E=3"):
+        load_balancing_loss(logits, torch.zeros(4, 1, dtype=torch.long),
+                            counts_E=torch.ones(4, dtype=torch.long))

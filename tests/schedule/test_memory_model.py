@@ -46,8 +46,11 @@ def measure_layer(moe: MoEConfig, T: int, dtype: torch.dtype, num_chunks: int,
     grads = [torch.randn(T, moe.hidden_size, dtype=dtype), torch.tensor(0.01),
              torch.tensor(0.001)]
 
+    kept: list[object] = []  # the caller keeps MoEAux (its counters), as the model's protocol says
+
     def forward() -> list[torch.Tensor]:
         out, aux = layer(x)
+        kept[:] = [aux]
         return [out, aux.load_balancing_loss, aux.z_loss]
 
     return measure_backward(forward, grads, exclude=layer.parameters())

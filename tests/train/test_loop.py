@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from memfine.config import ModelConfig, MoEConfig, TrainConfig
+from memfine.nn import LMOutput, MoETransformerLM
 from memfine.train import load_checkpoint, train
 from memfine.train.loop import lr_factor
 from memfine.train.metrics import read_metrics
@@ -116,3 +117,20 @@ def test_outputs_written(tmp_path: Path) -> None:
 def test_lr_factor(step: int, expected: float) -> None:
     got = lr_factor(step, warmup_steps=4, decay_steps=14, min_ratio=0.1)
     assert got == pytest.approx(expected, abs=1e-12)
+
+
+def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    class NaNFromStep2(MoETransformerLM):
+        calls = 0
+
+        def forward(self, *args: object, **kwargs: object) -> LMOutput:
+            out = super().forward(*args, **kwargs)
+            if self.training:
+                type(self).calls += 1
+                if type(self).calls >= 2:
+                    return dataclasses.replace(out, loss=out.loss * float("nan"))
+            return out
+
+    monkeypatch.setattr("memfine.train.loop.MoETransformerLM", NaNFromStep2)
+    with pytest.raises(ValueError, match="training diverged at step 2: train loss nan"):
+        _run(_config(), tmp_path)

@@ -142,10 +142,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{suite}: skipped: none of --methods belongs to this suite")
             continue
         start = time.perf_counter()
-        points = SUITE_MODULES[suite].run(opts, device, names)
-        rows = []
-        for point in points:
+        points, rows = [], []
+        for point in SUITE_MODULES[suite].run(opts, device, names):
             print_point(point)
+            points.append(point)
             rows += result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
                                 x_value=point.x_value, config=point.config, env=env)
         if not points:

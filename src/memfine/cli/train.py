@@ -91,7 +91,7 @@ _CONFIG_FLAGS = (
     _Flag("--log-every", ("log_every",), "write a metrics.jsonl line every N steps"),
     _Flag("--sample-tokens", ("sample_tokens",), "bytes of text generated at the end"),
     _Flag("--dtype", ("dtype",), "parameter dtype (bf16 is slow on CPUs without bf16 units)",
-          str, get_args(DType)),
+          str, tuple(d for d in get_args(DType) if d != "float16")),
     _Flag("--device", ("device",), "torch device: cpu or cuda[:i]", str),
     _Flag("--hidden-size", ("model.moe.hidden_size",), "model width d"),
     _Flag("--num-layers", ("model.num_layers",), "transformer blocks"),

@@ -113,7 +113,8 @@ def _policy(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, top_k:
     E, D, G = weights.w_up_EDG.shape
     N = weights.w_down_END.shape[1]
     activation = plan.activation or ("swiglu" if G == 2 * N else "silu")
-    moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=top_k,
+    # k ≤ E_local need not hold under expert parallelism; the memory model is per received row.
+    moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=min(top_k, E),
                     renormalize=False, activation=activation)
     cached = getattr(module, "_memfine_chunk_policy", None)
     if cached is not None and cached.config == chunk and cached.moe == moe:

@@ -87,7 +87,7 @@ class Block(nn.Module):
     def __init__(self, config: ModelConfig, *, policy: ChunkPolicy | None = None) -> None:
         super().__init__()
         D = config.moe.hidden_size
-        self.recompute = config.chunk.recompute
+        self.recompute = config.chunk.resolved_recompute
         self.attn_norm = nn.RMSNorm(D, eps=config.norm_eps)
         self.attn = CausalSelfAttention(config)
         self.moe_norm = nn.RMSNorm(D, eps=config.norm_eps)

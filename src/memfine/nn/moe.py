@@ -6,6 +6,7 @@ Reference: DESIGN.md §2-§4; MemFine §4 (chunked scheduling, MACT).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -69,6 +70,9 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer policy.moe must equal config, got {policy.moe} vs {config}")
         self.config = config
         self.policy = policy or ChunkPolicy(chunk or NO_CHUNKING, config)
+        # Runtime hook (not config): maps this rank's (E,) assignment counts to the global
+        # batch's, e.g. an all-reduce SUM under data/expert parallelism; None on one process.
+        self.reduce_expert_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize)
         self.experts = GroupedExperts(config, depth=depth)
@@ -109,7 +113,7 @@ class MoELayer(nn.Module):
         recv = self.received_rows(top_k_index) if policy.budgeted else 0
         num_chunks = policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
         out_TD = self.experts(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                              recompute=policy.config.recompute)
+                              recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None
@@ -141,8 +145,12 @@ class MoELayer(nn.Module):
             x_TD = torch.where(mask_T[:, None], x_TD, torch.zeros((), dtype=x.dtype))
         routing = self.router(x_TD, mask_T)
         out_TD, num_chunks = self.run_experts(x_TD, routing.top_k_index, routing.top_k_weights)
+        global_counts_E = None
+        if self.reduce_expert_counts is not None:
+            global_counts_E = self.reduce_expert_counts(routing.tokens_per_expert.clone())
         aux = MoEAux(
-            load_balancing_loss=load_balancing_loss(routing.logits, routing.top_k_index, mask_T),
+            load_balancing_loss=load_balancing_loss(routing.logits, routing.top_k_index, mask_T,
+                                                    counts_E=global_counts_E),
             z_loss=z_loss(routing.logits, mask_T),
             tokens_per_expert=routing.tokens_per_expert,
             num_chunks=num_chunks,

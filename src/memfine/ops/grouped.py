@@ -111,6 +111,9 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
                backend: str = "auto") -> torch.Tensor:
     """Y[rows of e] = X[rows of e] · W[e] for every expert e.
 
+    Not an autograd op (the ``loop`` and ``triton`` custom ops have no derivative): call it from
+    a custom Function, or use :class:`memfine.ops.GroupedMatmulFunction` for autograd.
+
     Args:
         x_SI: (S, I) rows grouped by expert, float.
         w_EIO: (E, I, O) per-expert weights (any strides; transposed views are fine).

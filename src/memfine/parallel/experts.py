@@ -175,7 +175,7 @@ class ExpertParallelExperts(nn.Module):
                              f"(T, k); got {tuple(x_TD.shape)}, {tuple(top_k_index.shape)}, "
                              f"{tuple(top_k_weights.shape)}")
         if policy is not None:
-            recompute = policy.config.recompute
+            recompute = policy.config.resolved_recompute
         if recompute not in RECOMPUTE_MODES:
             raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
         E, group = self.config.num_experts, self.context.ep_group

@@ -50,6 +50,7 @@ def shard_moe_layers(model: torch.nn.Module, context: ParallelContext) -> int:
         ValueError: if an MoE layer's num_experts is not divisible by the EP size.
     """
     agree = functools.partial(agree_num_chunks, group=context.ep_group)
+    reduce_counts = functools.partial(_sum_over_world, group=None)  # None: every rank
     layers = [m for m in model.modules() if hasattr(getattr(m, "experts", None), "w_up")
               and not isinstance(m.experts, ExpertParallelExperts)]
     for layer in layers:
@@ -57,10 +58,17 @@ def shard_moe_layers(model: torch.nn.Module, context: ParallelContext) -> int:
         layer.experts = ExpertParallelExperts.from_full(full.w_up.detach(), full.w_down.detach(),
                                                         full.config, context)
         layer.run_experts = functools.partial(_run_experts_ep, layer)
+        layer.reduce_expert_counts = reduce_counts  # global-batch f in the balancing loss
         policy = getattr(layer, "policy", None)
         if policy is not None:
             policy.agree_num_chunks = agree
     return len(layers)
+
+
+def _sum_over_world(counts_E: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """All-reduce SUM of per-expert assignment counts over every rank (the global batch)."""
+    dist.all_reduce(counts_E, op=dist.ReduceOp.SUM, group=group)
+    return counts_E
 
 
 def _gather_experts(local: torch.Tensor, context: ParallelContext) -> torch.Tensor:

@@ -19,7 +19,8 @@ def _valid_rows(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.T
 
 
 def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
-                        valid_mask_T: torch.Tensor | None = None) -> torch.Tensor:
+                        valid_mask_T: torch.Tensor | None = None, *,
+                        counts_E: torch.Tensor | None = None) -> torch.Tensor:
     """Switch load-balancing loss E·Σ_i f_i·P_i.
 
     Args:
@@ -27,6 +28,10 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
             valid tokens of the full softmax of these logits, whatever the router's score function.
         top_k_index_TK: (T, k) int64 expert ids; ids outside [0, E) (sentinels) are not counted.
         valid_mask_T: optional (T,) bool; padding tokens are excluded by selection.
+        counts_E: optional (E,) int assignment counts over the *global* batch (e.g. summed over
+            the ranks of a data- or expert-parallel run). When given, f_i = counts_i / Σ counts
+            replaces the local fraction and P stays local, so the mean of the per-rank losses
+            equals the loss of one process on the whole batch (equal tokens per rank).
 
     Returns:
         0-dim fp32 tensor. 1.0 for uniform routing with balanced assignments (any k); ≈E when every
@@ -42,11 +47,16 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
     t_valid = probs_TE.shape[0]
     if t_valid == 0:
         return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
+    p_E = probs_TE.mean(0)
+    if counts_E is not None:
+        if counts_E.shape != (E,):
+            raise ValueError(f"counts_E must be (E,) with E={E}, got {tuple(counts_E.shape)}")
+        f_E = counts_E.to(p_E.dtype) / counts_E.sum().clamp(min=1).to(p_E.dtype)
+        return E * (f_E * p_E).sum()
     ids_M = index_TK.reshape(-1).long()
     ids_M = torch.where((ids_M >= 0) & (ids_M < E), ids_M, E)  # sentinels → spare bin E
-    counts_E = torch.bincount(ids_M, minlength=E + 1)[:E]
-    p_E = probs_TE.mean(0)
-    f_E = counts_E.to(p_E.dtype) / (t_valid * k)
+    local_E = torch.bincount(ids_M, minlength=E + 1)[:E]
+    f_E = local_E.to(p_E.dtype) / (t_valid * k)
     return E * (f_E * p_E).sum()
 
 

@@ -147,13 +147,14 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
 
 
 def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
-                   recompute: str = "none", record: bool = True) -> Timeline:
+                   recompute: str = "none", record: bool = True,
+                   keep_aux: bool = True) -> Timeline:
     """Replay one MoELayer forward + backward (loss gradients given from outside).
 
     Protocol (what the measurement does): x (T, d) requires grad and exists before; parameters
-    have no ``.grad``; forward keeps out and the two aux losses (the rest of MoEAux is dropped);
-    backward runs from them with gradients that exist before. The timeline marks ``forward`` at
-    the end of forward.
+    have no ``.grad``; the caller keeps out and MoEAux (``keep_aux=False``: only out and the two
+    losses); backward runs from out and the two losses with gradients that exist before.
+    The timeline marks ``forward`` at the end of forward.
     """
     s = Shape(moe, num_tokens, dtype_bytes)
     T, D, K, dt = s.T, moe.hidden_size, moe.top_k, s.dt
@@ -173,7 +174,8 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
     if not weights_held:
         tl.free(rt["weights"])
-    tl.free(rt["counts"])  # MoEAux (tokens_per_expert) is dropped; the outputs are kept
+    if not keep_aux:  # the caller drops MoEAux (tokens_per_expert) after forward
+        tl.free(rt["counts"])
     tl.mark("forward")
     grad_logits = losses_backward(tl, s, rt, ls)
     tl.mark("losses_backward")

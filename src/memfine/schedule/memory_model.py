@@ -47,9 +47,8 @@ ASSUMPTIONS = (
     "one device: no expert parallelism, so no all-to-all buffers (all_to_all_bytes = 0)",
     "no padding mask (every token valid) and S = T·k received rows",
     "sizes of at most 8 bytes (scalars) are left out of the peak",
-    "measured protocol: x exists before and requires grad; parameters have no .grad; forward "
-    "keeps out and the two aux losses (the rest of MoEAux is dropped), whose gradients exist "
-    "before backward",
+    "measured protocol: x exists before and requires grad; parameters have no .grad; the "
+    "caller keeps out and MoEAux; out and the two aux losses get gradients that exist before",
     "not modelled: allocator rounding and caching, fragmentation, CUDA context, kernel "
     "workspaces that never become tensors (BLAS packing, cuBLAS workspace)",
     "argsort index builder (T·E > 2^22 cells): its sort temporaries are approximated",
@@ -364,9 +363,10 @@ def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
     """Bytes of the layer's peak that do not scale with the rows of one chunk.
 
     Defined so that ``expert_fixed_bytes(T) + expert_row_bytes() · ⌈T/c⌉·k`` is at least the
-    timeline peak of the whole MoELayer forward + backward for every c in 1..16: router and loss
-    tensors, the output, weight gradients (twice while the chunks' gradients are summed), the
-    other chunks' input gradients and, under ``none``, the other chunks' saved H.
+    timeline peak of the whole MoELayer forward + backward for every c in 1..16 (the caller may
+    keep MoEAux): router and loss tensors, the output, weight gradients (twice while the chunks'
+    gradients are summed), the other chunks' input gradients and, under ``none``, the other
+    chunks' saved H.
 
     Args:
         num_tokens: T, tokens entering the layer on this rank.

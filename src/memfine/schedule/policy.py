@@ -91,7 +91,7 @@ class ChunkPolicy:
         """Peak bytes per received row of one chunk (memory model, this recompute mode)."""
         if dtype_bytes not in self._row_cache:
             self._row_cache[dtype_bytes] = memory_model.expert_row_bytes(
-                self.moe, dtype_bytes, recompute=self.config.recompute)
+                self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
         return self._row_cache[dtype_bytes]
 
     def fixed_bytes(self, num_tokens: int, dtype_bytes: int) -> int:
@@ -101,7 +101,7 @@ class ChunkPolicy:
             if len(self._fixed_cache) >= 64:  # varying T (e.g. last batch): keep it small
                 self._fixed_cache.clear()
             self._fixed_cache[key] = memory_model.expert_fixed_bytes(
-                num_tokens, self.moe, dtype_bytes, recompute=self.config.recompute)
+                num_tokens, self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
         return self._fixed_cache[key]
 
     def s_prime_max(self, num_tokens: int, dtype_bytes: int) -> int:

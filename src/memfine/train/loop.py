@@ -43,6 +43,7 @@ from memfine.train.metrics import (
     load_max_over_mean,
     nats_to_bits,
     plot_run,
+    report_final,
 )
 
 ADAM_BETAS = (0.9, 0.95)
@@ -184,7 +185,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
 
     Raises:
         ValueError: on bad data, a missing/corrupt checkpoint or a config that does not match
-            it, or ``threads < 1``.
+            it, ``threads < 1``, or a non-finite training loss (divergence).
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
@@ -243,7 +244,7 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)
     bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
-                               dynamic_ncols=True) if progress and main else None
+                               dynamic_ncols=True, mininterval=0.5) if progress and main else None
     say = bar.write if bar is not None else print if main else lambda *_: None
 
     def checkpoint(step: int) -> None:
@@ -287,6 +288,10 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                 dt = time.perf_counter() - t0
                 run_time, log_time, log_steps = run_time + dt, log_time + dt, log_steps + 1
                 losses.append((out.loss if parallel is None else parallel.mean(out.loss)).item())
+                if not math.isfinite(losses[-1]):
+                    raise ValueError(f"training diverged at step {step}: train loss "
+                                     f"{losses[-1]}; lower --lr or --grad-clip ({ckpt_path} "
+                                     f"keeps the last evaluated step)")
                 load_LE = torch.stack([a.tokens_per_expert for a in out.aux])
                 load_LE = (load_LE if parallel is None else parallel.sum(load_LE)).cpu()
                 load_log_LE = load_LE if load_log_LE is None else load_log_LE + load_LE
@@ -347,7 +352,9 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                          tokens_per_s=_rate(losses, tokens_per_step, run_time),
                          wall_s=time.perf_counter() - t_start, sample=sample, interrupted=False)
     if main:
-        _report(result, out_dir)
+        report_final(out_dir, step=result.step, val_loss=val_loss, unigram=unigram,
+                     tokens_per_s=result.tokens_per_s, wall_s=result.wall_s, sample=sample,
+                     temperature=SAMPLE_TEMPERATURE)
     if plot and main:
         print("plots: " + ", ".join(str(p) for p in plot_run(out_dir)))
     return result
@@ -359,34 +366,19 @@ def _rate(losses: list[float], tokens_per_step: int, seconds: float) -> float:
 
 def _sample(model: MoETransformerLM, corpus: ByteCorpus, config: TrainConfig,
             device: torch.device) -> str:
-    """Generate ``sample_tokens`` bytes after a prompt taken from the validation split."""
+    """Generate ``sample_tokens`` bytes after a prompt from the validation split.
+
+    The prompt is the split's first ``SAMPLE_PROMPT_BYTES`` bytes after its first newline (so it
+    starts at a line), at most ``seq_len``.
+    """
     if config.sample_tokens == 0:
         return ""
-    prompt_1Q = corpus.val_ids[:min(SAMPLE_PROMPT_BYTES, config.seq_len)][None].to(device)
+    val = corpus.val_ids
+    newlines = (val[:SAMPLE_PROMPT_BYTES] == ord("\n")).nonzero()
+    start = int(newlines[0]) + 1 if newlines.numel() else 0
+    prompt_1Q = val[start:start + min(SAMPLE_PROMPT_BYTES, config.seq_len)][None].to(device)
     gen = torch.Generator(device=device).manual_seed(config.seed)
     model.eval()
     ids = model.generate(prompt_1Q, config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
                          generator=gen)
     return decode(ids[0].cpu())
-
-
-def _report(result: TrainResult, out_dir: Path) -> None:
-    """Print the final numbers and write ``summary.json`` and ``sample.txt``."""
-    val, uni = result.final_val_loss or 0.0, result.unigram_entropy
-    below = 100.0 * (1.0 - val / uni) if uni > 0 else 0.0
-    relation = f"{below:.1f}% below" if below >= 0 else f"{-below:.1f}% above"
-    summary = {"step": result.step, "final_val_loss_nats_per_byte": val,
-               "final_val_loss_bits_per_byte": nats_to_bits(val),
-               "unigram_entropy_nats_per_byte": uni,
-               "unigram_entropy_bits_per_byte": nats_to_bits(uni),
-               "percent_below_unigram": below, "tokens_per_s": result.tokens_per_s,
-               "wall_s": result.wall_s}
-    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    (out_dir / "sample.txt").write_text(result.sample, encoding="utf-8")
-    if result.sample:
-        print(f"sample (temperature {SAMPLE_TEMPERATURE}):\n{result.sample}\n")
-    print(f"final validation loss: {val:.4f} nats/byte = {nats_to_bits(val):.4f} bits/byte")
-    print(f"unigram (byte-frequency) entropy of the validation split: {uni:.4f} nats/byte = "
-          f"{nats_to_bits(uni):.4f} bits/byte")
-    print(f"validation loss is {relation} the unigram baseline; "
-          f"{result.step} steps, {result.tokens_per_s:,.0f} tokens/s, {result.wall_s:.0f} s")

@@ -1,4 +1,4 @@
-"""Training metrics: ``metrics.jsonl`` lines, expert-load statistics, and plots.
+"""Training metrics: ``metrics.jsonl`` lines, expert-load statistics, plots, final summary.
 
 Legend: L MoE layers, E experts.
 
@@ -131,3 +131,37 @@ def plot_run(out_dir: str | os.PathLike[str]) -> list[Path]:
     fig.savefig(loss_png, dpi=120)
     plt.close(fig)
     return [chunks_png, loss_png]
+
+
+def report_final(out_dir: str | os.PathLike[str], *, step: int, val_loss: float, unigram: float,
+                 tokens_per_s: float, wall_s: float, sample: str, temperature: float) -> None:
+    """Print the end-of-run numbers; write ``summary.json`` and ``sample.txt``.
+
+    Args:
+        out_dir: the run directory.
+        step: completed steps.
+        val_loss: final validation loss, nats/byte.
+        unigram: byte-unigram entropy of the validation split, nats/byte (the baseline).
+        tokens_per_s: training throughput, tokens/s.
+        wall_s: run time, seconds.
+        sample: generated text ("" when skipped).
+        temperature: sampling temperature of ``sample``.
+    """
+    out_dir = Path(out_dir)
+    below = 100.0 * (1.0 - val_loss / unigram) if unigram > 0 else 0.0
+    relation = f"{below:.1f}% below" if below >= 0 else f"{-below:.1f}% above"
+    summary = {"step": step, "final_val_loss_nats_per_byte": val_loss,
+               "final_val_loss_bits_per_byte": nats_to_bits(val_loss),
+               "unigram_entropy_nats_per_byte": unigram,
+               "unigram_entropy_bits_per_byte": nats_to_bits(unigram),
+               "percent_below_unigram": below, "tokens_per_s": tokens_per_s, "wall_s": wall_s}
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (out_dir / "sample.txt").write_text(sample, encoding="utf-8")
+    if sample:
+        print(f"sample (temperature {temperature}):\n{sample}\n")
+    print(f"final validation loss: {val_loss:.4f} nats/byte = "
+          f"{nats_to_bits(val_loss):.4f} bits/byte")
+    print(f"unigram (byte-frequency) entropy of the validation split: {unigram:.4f} nats/byte = "
+          f"{nats_to_bits(unigram):.4f} bits/byte")
+    print(f"validation loss is {relation} the unigram baseline; "
+          f"{step} steps, {tokens_per_s:,.0f} tokens/s, {wall_s:.0f} s")

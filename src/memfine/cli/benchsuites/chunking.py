@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -37,7 +38,13 @@ from memfine.cli.benchsuites.layers import (
     layer_method,
     sharing,
 )
-from memfine.cli.benchsuites.options import BenchOptions, LayerShape, Point, resolve_shapes
+from memfine.cli.benchsuites.options import (
+    BenchOptions,
+    LayerShape,
+    Point,
+    announce,
+    resolve_shapes,
+)
 from memfine.config import ChunkConfig
 from memfine.measure.harness import run_methods
 from memfine.measure.report import format_bytes
@@ -64,7 +71,8 @@ def chunk_configs(budget: int) -> dict[str, ChunkConfig]:
     }
 
 
-def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> list[Point]:
+def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
+        ) -> Iterator[Point]:
     """Run the suite: one point per skew level σ (the first selected shape only)."""
     shapes = resolve_shapes(opts, [SKEW_DEMO], QUICK)
     if len(shapes) > 1:
@@ -78,9 +86,9 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> lis
         moe, worst_tokens, dt, math.ceil(worst_tokens * moe.top_k / BINS[-1]))
     base = base_layer(moe, dtype=dtype, device=device, seed=opts.seed)
     chunks = chunk_configs(budget)
-    points = []
     for skew in opts.skew_levels:
         level = dataclasses.replace(shape, tokens=shape.tokens * skew, paper_tokens=None)
+        announce(NAME, f"skew {skew}x: {level.label()}", opts, len(names))
         x_TD, grad_TD = layer_inputs(level, dtype=dtype, device=device, seed=opts.seed)
         methods = [layer_method(name, sharing(base, moe, chunk=chunks[name]), x_TD, grad_TD,
                                 budget_bytes=budget if name == "mact" else None)
@@ -95,6 +103,5 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> lis
                   "scale_down": opts.scale_down}
         label = (f"skew {skew}x: {level.label()} {opts.dtype}; s''={rows} rows; MACT budget "
                  f"{format_bytes(budget)}")
-        points.append(Point(suite=NAME, x_name="skew", x_value=str(skew), label=label,
-                            config=config, results=results, reference=REFERENCE))
-    return points
+        yield Point(suite=NAME, x_name="skew", x_value=str(skew), label=label,
+                    config=config, results=results, reference=REFERENCE)

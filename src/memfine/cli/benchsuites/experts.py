@@ -19,7 +19,7 @@ Reference: MoEBlaze §5 and Table 1; MemFine §4; DESIGN.md §3, §5, §7.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -37,6 +37,7 @@ from memfine.cli.benchsuites.options import (
     BenchOptions,
     LayerShape,
     Point,
+    announce,
     resolve_shapes,
     table1_shape,
 )
@@ -87,12 +88,13 @@ def build_methods(shape: LayerShape, opts: BenchOptions, device: torch.device,
     return [builders[name]() for name in names], budget
 
 
-def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> list[Point]:
+def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
+        ) -> Iterator[Point]:
     """Run the suite: one point per shape."""
-    points = []
     dt = torch.empty((), dtype=opts.torch_dtype).element_size()
     defaults = [table1_shape(c, opts.scale_down) for c in DEFAULT_CONFS]
     for shape in resolve_shapes(opts, defaults, QUICK):
+        announce(NAME, shape.label(), opts, len(names))
         methods, budget = build_methods(shape, opts, device, names)
         results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
         add_ratios(results, floor_bytes=shape.floor_bytes(dt),
@@ -102,6 +104,5 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> lis
                   "floor_bytes": shape.floor_bytes(dt)}
         label = (f"{shape.label()} {opts.dtype}; MACT budget {format_bytes(budget)}; "
                  f"x + H floor {format_bytes(shape.floor_bytes(dt))}")
-        points.append(Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
-                            config=config, results=results, reference=REFERENCE))
-    return points
+        yield Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
+                    config=config, results=results, reference=REFERENCE)

@@ -18,6 +18,7 @@ Reference: DESIGN.md §7 (the experts interface); ``benchmarks/bench_hf.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -28,6 +29,7 @@ from memfine.cli.benchsuites.options import (
     BenchOptions,
     LayerShape,
     Point,
+    announce,
     resolve_shapes,
     table1_shape,
 )
@@ -105,15 +107,16 @@ def build_methods(experts: Any, inp: dict[str, torch.Tensor], names: tuple[str, 
                    tokens=inp["x"].shape[0]) for name in names]
 
 
-def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> list[Point]:
+def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
+        ) -> Iterator[Point]:
     """Run the suite (no points, with a message, when transformers is missing)."""
     if not available():
         print("hf: skipped: transformers is not installed (pip install 'memfine[hf]')")
-        return []
+        return
     dt = torch.empty((), dtype=opts.torch_dtype).element_size()
-    points = []
     defaults = [table1_shape(c, opts.scale_down) for c in DEFAULT_CONFS]
     for shape in resolve_shapes(opts, defaults, QUICK):
+        announce(NAME, shape.label(), opts, len(names))
         experts = make_experts(shape, opts, device)
         methods = build_methods(experts, _inputs(shape, opts, device), names)
         results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
@@ -122,6 +125,5 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> lis
                   "floor_bytes": shape.floor_bytes(dt), "scale_down": opts.scale_down}
         label = (f"transformers Qwen3MoeExperts, {shape.label()} {opts.dtype}; x + H floor "
                  f"{format_bytes(shape.floor_bytes(dt))}")
-        points.append(Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
-                            config=config, results=results, reference=REFERENCE))
-    return points
+        yield Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
+                    config=config, results=results, reference=REFERENCE)

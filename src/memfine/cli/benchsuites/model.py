@@ -18,12 +18,13 @@ Reference: MemFine §4 (full recompute vs chunked MoE recompute); DESIGN.md §4.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from memfine.cli.benchsuites.layers import half_rows_budget
-from memfine.cli.benchsuites.options import BenchOptions, Point
+from memfine.cli.benchsuites.options import BenchOptions, Point, announce
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.measure.harness import Extra, Method, run_methods
 from memfine.measure.report import format_bytes
@@ -89,9 +90,12 @@ def step_method(name: str, model: MoETransformerLM, ids_BQ: torch.Tensor,
                   tokens=ids_BQ.numel(), exclude=lambda: list(model.buffers()), extras=extras)
 
 
-def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> list[Point]:
-    """Run the suite: one point (the model shape)."""
+def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
+        ) -> Iterator[Point]:
+    """Run the suite: one point (the model shape); at least one warm-up step (optimizer state)."""
+    opts = dataclasses.replace(opts, warmup=max(1, opts.warmup))
     config, batch, seq = model_shape(opts)
+    moe = config.moe
     dtype = opts.torch_dtype
     dt = torch.empty((), dtype=dtype).element_size()
     budget = opts.budget_bytes or half_rows_budget(config.moe, batch * seq, dt)
@@ -105,13 +109,12 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> lis
         model.load_state_dict(state)
         model.to(device=device, dtype=dtype)
         methods.append(step_method(name, model, data_BQ[:, :-1], data_BQ[:, 1:]))
-    results = run_methods(methods, repeats=opts.repeats, warmup=max(1, opts.warmup),
-                          device=device)
-    moe = config.moe
+    announce(NAME, f"MoE LM, {batch * seq} tokens per step", opts, len(names))
+    results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
     label = (f"MoE LM: {config.num_layers} layers, d={moe.hidden_size} n={moe.intermediate_size} "
              f"E={moe.num_experts} k={moe.top_k}, B={batch} x Q={seq} = {batch * seq} tokens, "
              f"{opts.dtype}; MACT budget {format_bytes(budget)} per layer")
     cfg = {"model": config.to_dict(), "batch_size": batch, "seq_len": seq, "dtype": opts.dtype,
            "budget_bytes": budget, "optimizer": f"AdamW lr={LR}"}
-    return [Point(suite=NAME, x_name="model", x_value="small" if not opts.quick else "tiny",
-                  label=label, config=cfg, results=results, reference=REFERENCE)]
+    yield Point(suite=NAME, x_name="model", x_value="small" if not opts.quick else "tiny",
+                label=label, config=cfg, results=results, reference=REFERENCE)

@@ -221,3 +221,9 @@ class Point:
     config: dict[str, Any]
     results: list[Any]
     reference: str
+
+
+def announce(suite: str, what: str, opts: BenchOptions, num_methods: int) -> None:
+    """Print the start of one point (flushed, so progress shows in logs)."""
+    print(f"[{suite}] {what}: {num_methods} methods x ({opts.warmup} warm-up + 1 memory + "
+          f"{opts.repeats} timed) calls, interleaved", flush=True)

@@ -1,0 +1,66 @@
+"""Whole-model memory (MemFine Eq. 1-2): pipeline layout, in-flight chunks, static bytes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from memfine.schedule.model_memory import (
+    PlanConfig,
+    in_flight_chunks,
+    layer_activation,
+    stage_layers,
+    static_memory,
+)
+from memfine.schedule.presets import get_preset
+
+TINY = dataclasses.replace(
+    get_preset("olmoe-1b-7b"), hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2,
+    num_layers=4, num_heads=2, num_kv_heads=2, head_dim=4, attention_params=100, vocab_size=10)
+
+
+def test_stage_layers_interleaved() -> None:
+    assert stage_layers(8, 2, 2) == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+    assert stage_layers(5, 2, 1) == [[[0, 1, 2]], [[3, 4]]]
+
+
+@pytest.mark.parametrize(("p", "v", "rank", "m_g"), [
+    (1, 1, 0, 1), (4, 1, 0, 4), (4, 1, 3, 1), (4, 2, 0, 11), (4, 2, 3, 5)])
+def test_in_flight_chunks(p: int, v: int, rank: int, m_g: int) -> None:
+    """1F1B keeps p − r micro-batches; interleaved v·p + p − 2r − 1 chunks (MemFine Eq. 2)."""
+    assert in_flight_chunks(p, v, rank) == m_g
+
+
+def test_static_memory_by_hand() -> None:
+    """4 MoE layers on one rank, t=1, e=2 (2 local experts), dp=2: Eq. 1 per parameter."""
+    cfg = PlanConfig(model=TINY, device_memory_bytes=1 << 30, e=2, dp=2)
+    st = static_memory(cfg, 0)
+    per_layer_dense = 100 + 2 * 8 + 4 * 8  # attention, two norms, router
+    assert st.dense_params == 4 * per_layer_dense + 10 * 8 + 10 * 8 + 8  # embeddings, final norm
+    assert st.expert_params == 4 * 2 * 3 * 8 * 4
+    n = st.dense_params + st.expert_params
+    assert st.parameter_bytes == 2 * n and st.gradient_bytes == 4 * n
+    # dense state sharded over dp·cp = 2, expert state over t·dp·cp/e = 1
+    assert st.optimizer_state_bytes == 12 * st.dense_params // 2 + 12 * st.expert_params
+    assert st.static_bytes == st.parameter_bytes + st.gradient_bytes + st.optimizer_state_bytes
+
+
+def test_layer_activation_table2_widths() -> None:
+    cfg = PlanConfig(model=TINY, device_memory_bytes=1 << 30, seq_len=16, t=2, dp=2)
+    moe = layer_activation(cfg, moe_layer=True)
+    assert moe.attention_bytes == 2 * 16 * (5 * 8 + 2 * 4 + 2 * 2 * 4 + 4) // 2  # /(t·cp)
+    assert moe.expert_row_bytes == 2 * (2 * 8 + 2 * 4) // 2
+    assert moe.layer_input_bytes == 2 * 16 * 8 // 2
+
+
+@pytest.mark.parametrize(("field", "value", "match"), [
+    ("e", 3, "PlanConfig.e must be a divisor of num_experts=4"),
+    ("alpha", 1.5, r"PlanConfig.alpha must be in \(0, 1\]"),
+    ("skews", (0.5,), "PlanConfig.skews must be"),
+    ("bins", (2, 1), "PlanConfig.bins must be"),
+    ("recompute", "some", "PlanConfig.recompute must be one of"),
+])
+def test_plan_config_rejects(field: str, value: object, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        PlanConfig(model=TINY, device_memory_bytes=1 << 30, **{field: value})  # type: ignore[arg-type]
