@@ -7,7 +7,7 @@ the loss curves side by side (equal to fp32 rounding until a rounding difference
 routing decision; from there on the runs diverge, as transformers' own eager and grouped_mm do),
 the time per step and the bytes the forward pass saves for backward.
 
-    python examples/hf_finetune.py                        # eager, grouped_mm, memfine; 200 steps
+    python examples/hf_finetune.py                        # eager, grouped_mm, memfine; 300 steps
     python examples/hf_finetune.py --steps 400 --num-chunks 4 --csv out.csv --plot out.png
 
 The only memfine-specific lines are ``register()`` and ``set_experts_implementation("memfine")``.
@@ -133,7 +133,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--impls", default="eager,grouped_mm,memfine",
                    help="comma-separated experts implementations (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=200, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
     p.add_argument("--hidden-size", type=int, default=64, help="d")

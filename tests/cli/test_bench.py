@@ -13,6 +13,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+import torch
 
 from memfine._optional import is_available
 from memfine.cli import bench
@@ -57,7 +58,9 @@ def _run(tmp_path: Path, *argv: str) -> Path:
 
 
 def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
+    threads = torch.get_num_threads()
     out = _run(tmp_path, "--suite", "experts")
+    assert torch.get_num_threads() == threads  # --quick runs on 1 thread, then restores
     header, table = _read(out / "bench_experts.csv")
     assert header == CSV_COLUMNS
     assert set(table) == {f"quick/{m}" for m in experts.METHODS}
@@ -85,7 +88,10 @@ def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
     for kind in ("time", "memory", "predicted"):
         assert (out / f"bench_experts_{kind}.png").stat().st_size > 0
     config = json.loads((out / "bench_config.json").read_text())
-    assert config["options"]["quick"] is True and config["options"]["repeats"] == 1
+    options = config["options"]
+    assert (options["quick"], options["repeats"], options["warmup"], options["threads"]) == (
+        True, 1, 0, 1)
+    assert config["environment"]["threads"] == 1
 
 
 def test_chunking_quick_mact_within_budget(tmp_path: Path) -> None:

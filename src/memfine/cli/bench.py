@@ -20,6 +20,7 @@ import dataclasses
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -46,6 +47,22 @@ class _QuickDefault:
         return self.quick if quick else self.normal
 
 
+class _Unset:
+    """Default of a flag that was not given (resolved to ``None``); ``--help`` prints ``text``."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _given(value: Any) -> Any:
+    return None if isinstance(value, _Unset) else value
+
+
 def _levels(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(v) for v in text.split(","))
@@ -56,23 +73,26 @@ def _levels(text: str) -> tuple[int, ...]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``memfine bench`` flags (one per :class:`BenchOptions` field)."""
-    parser.add_argument("--suite", nargs="+", choices=(*SUITES, "all"), default=["all"],
+    parser.add_argument("--suite", nargs="+", choices=(*SUITES, "all"), default=_Unset("all"),
                         help="suites to run")
-    parser.add_argument("--config", type=int, nargs="+", choices=sorted(TABLE1), default=None,
+    parser.add_argument("--config", type=int, nargs="+", choices=sorted(TABLE1),
+                        default=_Unset("experts 1 2 3 5, hf 1 5, chunking its skew_demo shape"),
                         help="MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, chunking "
-                             "and hf suites (default: experts 1 2 3 5, hf 1 5, chunking its "
-                             "skew_demo shape)")
+                             "and hf suites")
     parser.add_argument("--scale-down", type=int, default=256,
                         help="divide the paper's batch x seq by this factor (d, E, k, n kept)")
-    parser.add_argument("--tokens", type=int, help="T, tokens per layer call (model: per step)")
-    parser.add_argument("--hidden-size", type=int, help="d")
-    parser.add_argument("--intermediate-size", type=int,
-                        help="n per GLU branch (default 4d when --hidden-size is given)")
-    parser.add_argument("--num-experts", type=int, help="E")
-    parser.add_argument("--top-k", type=int, help="k, experts per token")
+    from_shape = _Unset("the shape's")
+    parser.add_argument("--tokens", type=int, default=from_shape,
+                        help="T, tokens per layer call (model: per step)")
+    parser.add_argument("--hidden-size", type=int, default=from_shape, help="d")
+    parser.add_argument("--intermediate-size", type=int, default=_Unset("4d with --hidden-size"),
+                        help="n per GLU branch")
+    parser.add_argument("--num-experts", type=int, default=from_shape, help="E")
+    parser.add_argument("--top-k", type=int, default=from_shape, help="k, experts per token")
     parser.add_argument("--dtype", choices=DTYPES, default="float32",
                         help="activation and weight dtype (bf16 matmuls are slow on CPUs)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--threads", type=int, default=_Unset("torch's choice; 1 with --quick"),
+                        help="torch intra-op threads (restored when the run ends)")
     parser.add_argument("--repeats", type=int, default=_QuickDefault(5, 1),
                         help="timed rounds per method")
     parser.add_argument("--warmup", type=int, default=_QuickDefault(1, 0),
@@ -80,14 +100,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/bench"),
                         help="output folder: bench_config.json, bench_<suite>.csv and PNGs")
     parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny shapes, 1 round, no warm-up (under a minute)")
-    parser.add_argument("--methods", nargs="+", default=None,
+                        help="smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under a "
+                             "minute)")
+    parser.add_argument("--methods", nargs="+", default=_Unset("all of each suite"),
                         help="run only these methods (names as in the table)")
     parser.add_argument("--budget", default="auto",
                         help="MACT memory budget per MoE layer, e.g. 512MiB; 'auto': the "
                              "suite's own (experts/model: half the received rows per chunk; "
                              "chunking: the worst skew level with c = 8)")
-    parser.add_argument("--skew-levels", type=_levels, default=(1, 2, 4, 8),
+    parser.add_argument("--skew-levels", type=_levels, default="1,2,4,8",
                         help="chunking suite: received rows as multiples of the balanced share")
     parser.add_argument("--device", choices=DEVICES, default="auto",
                         help="cuda when available with 'auto'")
@@ -108,16 +129,20 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
     Raises:
         ValueError: on invalid values (the message names the option).
     """
-    suites = SUITES if "all" in args.suite else tuple(dict.fromkeys(args.suite))
+    chosen = _given(args.suite) or ["all"]
+    suites = SUITES if "all" in chosen else tuple(dict.fromkeys(chosen))
     repeats, warmup = args.repeats, args.warmup
     return BenchOptions(
-        suites=suites, configs=tuple(args.config or ()), scale_down=args.scale_down,
-        tokens=args.tokens, hidden_size=args.hidden_size,
-        intermediate_size=args.intermediate_size, num_experts=args.num_experts,
-        top_k=args.top_k, dtype=args.dtype, threads=args.threads,
+        suites=suites, configs=tuple(_given(args.config) or ()),
+        scale_down=args.scale_down, tokens=_given(args.tokens),
+        hidden_size=_given(args.hidden_size),
+        intermediate_size=_given(args.intermediate_size),
+        num_experts=_given(args.num_experts), top_k=_given(args.top_k),
+        dtype=args.dtype, threads=_given(args.threads) or (1 if args.quick else None),
         repeats=repeats.resolve(args.quick) if isinstance(repeats, _QuickDefault) else repeats,
         warmup=warmup.resolve(args.quick) if isinstance(warmup, _QuickDefault) else warmup,
-        out=str(args.out), quick=args.quick, methods=tuple(args.methods or ()),
+        out=str(args.out), quick=args.quick,
+        methods=tuple(_given(args.methods) or ()),
         budget_bytes=None if str(args.budget).lower() == "auto" else parse_bytes(args.budget),
         skew_levels=tuple(args.skew_levels), device=device.type, seed=args.seed)
 
@@ -128,8 +153,18 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args, device)
     for suite in opts.suites:
         select_methods(suite, opts.methods)  # fail on unknown names before any work
+    threads = torch.get_num_threads()
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
+    try:
+        _run_suites(opts, device)
+    finally:
+        torch.set_num_threads(threads)
+    return 0
+
+
+def _run_suites(opts: BenchOptions, device: torch.device) -> None:
+    """Write bench_config.json, then run each suite: tables as points finish, CSV and PNGs."""
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     env = collect_environment(device)
@@ -154,4 +189,3 @@ def run(args: argparse.Namespace) -> int:
         print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
               + ", ".join(str(p) for p in written))
     print(f"environment: {env.line()}")
-    return 0

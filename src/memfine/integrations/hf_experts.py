@@ -174,6 +174,6 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
     if not chunked:
         return chunk_fn(x_TD, top_k_index, top_k_weights)
     c = num_chunks_for(module, plan, weights, x_TD, top_k_index, chunk)
-    recompute = chunk.recompute if torch.is_grad_enabled() else "none"
+    recompute = chunk.resolved_recompute if torch.is_grad_enabled() else "none"
     return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=c,
                        recompute=recompute)

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-Path = Literal["fused", "plain"]
+ExpertsPath = Literal["fused", "plain"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,7 +56,7 @@ class ExpertsPlan:
         reason: why the plain path was taken ("" on the fused path).
     """
 
-    path: Path
+    path: ExpertsPath
     activation: str | None
     reason: str = ""
 

@@ -121,19 +121,12 @@ class MethodResult:
 
     def time_ms(self, mode: str = "full") -> tuple[float, float, float] | None:
         """(p20, p50, p80) of ``mode`` in milliseconds; ``None`` when not measured."""
-        values = self.times_s.get(mode, [])
-        if not values:
-            return None
-        p20, p50, p80 = percentiles([1e3 * v for v in values])
-        return p20, p50, p80
+        return _p20_p50_p80([1e3 * v for v in self.times_s.get(mode, [])])
 
     def tokens_per_s(self) -> tuple[float, float, float] | None:
         """(p20, p50, p80) of tokens/s over the ``full`` calls; ``None`` when not measured."""
-        values = [self.tokens / t for t in self.times_s["full"] if t > 0]
-        if not self.tokens or not values:
-            return None
-        p20, p50, p80 = percentiles(values)
-        return p20, p50, p80
+        return _p20_p50_p80([self.tokens / t for t in self.times_s["full"] if t > 0]
+                            if self.tokens else [])
 
     @property
     def saved_bytes(self) -> int | None:
@@ -171,6 +164,13 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = QUANTILES) -> tup
         hi = min(lo + 1, len(ordered) - 1)
         out.append(ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo))
     return tuple(out)
+
+
+def _p20_p50_p80(values: Sequence[float]) -> tuple[float, float, float] | None:
+    if not values:
+        return None
+    p20, p50, p80 = percentiles(values)
+    return p20, p50, p80
 
 
 def interleaved_order(names: Sequence[str], round_index: int) -> list[str]:
@@ -325,7 +325,8 @@ class Environment:
 
     def line(self) -> str:
         """One human line: device, CPU, threads, versions, commit, date."""
-        return (f"{self.device}; CPU {self.cpu_model}; {self.threads} threads; torch "
+        threads = f"{self.threads} thread" + ("s" if self.threads != 1 else "")
+        return (f"{self.device}; CPU {self.cpu_model}; {threads}; torch "
                 f"{self.torch_version}; triton {self.triton_version}; memfine "
                 f"{self.memfine_version} ({self.git_sha}); {self.utc_timestamp}")
 

@@ -13,6 +13,7 @@ Methods (same weights, input, routing and incoming gradients):
   checkpointing, as torchtitan's full AC does).
 
 Shapes: MoEBlaze Table 1 rows 1, 2, 3, 5 (d ≤ 1024) with batch × seq / 256 by default.
+Legend: T tokens, D = d.
 Reference: MoEBlaze §5 and Table 1; MemFine §4; DESIGN.md §3, §5, §7.
 """
 

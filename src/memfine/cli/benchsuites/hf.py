@@ -13,6 +13,7 @@ chunks with per-chunk recompute). The memory model covers memfine's own layer, n
 predictions read "not modelled".
 
 Shapes: MoEBlaze Table 1 rows 1 and 5 scaled down (as the ``experts`` suite).
+Legend: T tokens, K top-k slots, E experts, D = d.
 Reference: DESIGN.md §7 (the experts interface); ``benchmarks/bench_hf.py``.
 """
 

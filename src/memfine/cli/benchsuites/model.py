@@ -12,6 +12,7 @@ c = 2), ``full_recompute`` (each transformer block recomputed in backward, routi
 Shapes: the ``small`` training preset (what ``make train`` runs: d 128, n 128, E 8, k 2,
 4 layers, 32 × 128 tokens per step); ``--quick`` uses the ``tiny`` preset with 4 sequences.
 The memory model covers one MoE layer, not a whole model: predictions read "not modelled".
+Legend: B batch, Q sequence.
 Reference: MemFine §4 (full recompute vs chunked MoE recompute); DESIGN.md §4.
 """
 

@@ -52,7 +52,7 @@ class BenchOptions:
         threads: torch intra-op threads (``None``: torch's default).
         repeats: timed rounds per method. warmup: untimed rounds first.
         out: output folder (CSV, PNG, JSON).
-        quick: tiny shapes, one round, no warm-up (smoke run).
+        quick: tiny shapes, one round, no warm-up, one thread (smoke run).
         methods: subset of each suite's methods (empty: all).
         budget_bytes: MACT byte budget per MoE layer (``None``: the suite's automatic budget).
         skew_levels: received rows as multiples of the balanced share (chunking suite).

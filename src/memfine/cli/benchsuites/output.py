@@ -218,13 +218,15 @@ def plot_skew(plt: Any, points: Sequence[Point], path: Path) -> Path:
     names = _methods(points)
     skews = [float(p.x_value) for p in points]
     for i, name in enumerate(names):
-        peaks = [getattr(_result(p, name), "peak_bytes", None) for p in points]
-        times = [(_result(p, name).time_ms() or (None, None, None))[1]  # type: ignore[union-attr]
-                 if _result(p, name) is not None else None for p in points]
+        found = [_result(p, name) for p in points]
+        peaks = [None if r is None else r.peak_bytes for r in found]
+        times = [None if r is None or r.time_ms() is None else r.time_ms()[1]  # type: ignore[index]
+                 for r in found]
         for ax, ys, scale in ((axes[0], peaks, 1 / _MiB), (axes[1], times, 1.0)):
             xy = [(s, y * scale) for s, y in zip(skews, ys, strict=True) if y is not None]
             if xy:
-                ax.plot(*zip(*xy, strict=True), marker="o", color=f"C{i}", label=name)
+                ax.plot(*zip(*xy, strict=True), marker="os^D"[i % 4], color=f"C{i}",
+                        linestyle=("-", "--", ":", "-.")[i % 4], label=name)
     budget = points[0].config.get("budget_bytes")
     if budget:
         axes[0].axhline(budget / _MiB, color="black", linestyle="--", label="MACT budget")
@@ -232,6 +234,7 @@ def plot_skew(plt: Any, points: Sequence[Point], path: Path) -> Path:
     axes[1].set_ylabel("forward + backward p50, ms")
     for ax in axes:
         ax.set_xscale("log", base=2)
+        ax.set_xticks(skews, [p.x_value for p in points])
         ax.set_xlabel("received rows ÷ balanced share (skew)")
     axes[0].legend(fontsize=8)
     fig.suptitle("memfine bench chunking: memory and time vs routing skew")
