@@ -112,7 +112,7 @@ class FusedExpertsFunction(torch.autograd.Function):
                                              tuple(weights_TK.shape))
             if need_down:  # dW_down[e] = A_eᵀ · (w ⊙ dO)_e
                 grad_down = grouped_weight_grad(a_SN, grad_out_SD.mul_(w_S1), offsets_E1, E,
-                                                backend)
+                                                backend, like=w_down_END)
             del a_SN
         del grad_out_SD
         grad_h_SG = activation_backward(h_SG, grad_a_SN.mul_(w_S1), act)
@@ -120,7 +120,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         grad_x = grad_up = None
         if need_up:
             x_SD = gather_rows(x_TD, token_idx_S)  # NOTE(memory): recomputed gather, S·d
-            grad_up = grouped_weight_grad(x_SD, grad_h_SG, offsets_E1, E, backend)
+            grad_up = grouped_weight_grad(x_SD, grad_h_SG, offsets_E1, E, backend,
+                                          like=w_up_EDG)
             del x_SD
         if need_x:
             grad_x_SD = grouped_mm(grad_h_SG, w_up_EDG.transpose(1, 2), offsets_E1, backend)

@@ -137,8 +137,14 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
     return out
 
 
+def _is_transposed_view(w_EIO: torch.Tensor) -> bool:
+    """True for an (E, I, O) weight stored as (E, O, I) (e.g. a transposed HF weight)."""
+    return w_EIO.dim() == 3 and w_EIO.stride(1) == 1 and w_EIO.stride(2) != 1
+
+
 def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1: torch.Tensor,
-                        num_experts: int, backend: str = "auto") -> torch.Tensor:
+                        num_experts: int, backend: str = "auto", *,
+                        like: torch.Tensor | None = None) -> torch.Tensor:
     """dW[e] = X[rows of e]ᵀ · dY[rows of e]; experts with no rows get exact zeros.
 
     Args:
@@ -147,13 +153,21 @@ def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1:
         offsets_E1: (E + 1,) int32 offsets.
         num_experts: E.
         backend: as in :func:`grouped_mm` (``triton`` uses the loop here).
+        like: optional (E, I, O) weight whose memory layout the result takes. When it is a
+            transposed view of an (E, O, I) tensor, dWᵀ = dYᵀ·X is computed as (E, O, I) and
+            returned transposed, so autograd hands the base parameter a gradient in its own
+            layout (no strided copy of E·I·O elements in AccumulateGrad).
 
     Returns:
-        (E, I, O) new tensor, exactly zero for empty experts.
+        (E, I, O) tensor (a transposed view when ``like`` is transposed), exactly zero for
+        empty experts.
 
     Raises:
         ValueError: for an unknown or unusable backend.
     """
+    if like is not None and _is_transposed_view(like):
+        return grouped_weight_grad(grad_y_SO, x_SI, offsets_E1, num_experts,
+                                   backend).transpose(1, 2)
     # dW = Xᵀ·dY is a grouped GEMM with operands (I, S) and (S, O): the same rules as
     # grouped_mm(x (S, I), w (E, I, O)) with row lengths I and O.
     w_like = x_SI.new_empty(1, x_SI.shape[-1], grad_y_SO.shape[-1])

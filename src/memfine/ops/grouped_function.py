@@ -38,5 +38,5 @@ class GroupedMatmulFunction(torch.autograd.Function):
             grad_x = grouped_mm(grad_y_SO, w_EIO.transpose(1, 2), offsets_E1, ctx.backend)
         if ctx.needs_input_grad[1]:
             grad_w = grouped_weight_grad(x_SI, grad_y_SO, offsets_E1, w_EIO.shape[0],
-                                         ctx.backend)
+                                         ctx.backend, like=w_EIO)
         return grad_x, grad_w, None, None  # None: offsets_E1, backend
