@@ -14,9 +14,10 @@ Providers:
   budget that fits the balanced load with c = 1; c is chosen per rank from the received rows s″
   and agreed (maximum) over the EP group; recompute ``experts``.
 
-Output: a printed table, a CSV (STYLE.md §6 columns plus ``rank``, ``ep_size``, ``budget_bytes``)
-with metrics ``peak_bytes`` (bytes), ``recv_rows`` (rows), ``num_chunks`` (c) and
-``peak_over_budget`` (ratio), and a PNG of peak MiB vs skew per rank with the budget line.
+Output: a printed table, a CSV (STYLE.md §6 columns of :mod:`memfine.measure.results`, with
+``threads`` = 1 per rank, plus ``rank``, ``ep_size``, ``budget_bytes``) with metrics
+``peak_bytes`` (bytes), ``recv_rows`` (rows), ``num_chunks`` (c) and ``peak_over_budget``
+(ratio), and a PNG of peak MiB vs skew per rank with the budget line.
 Usage: ``python benchmarks/bench_ep.py [--ep-sizes 2 4] [--tokens 2048] [--out-dir DIR]``.
 Legend: T tokens per rank, K top-k slots, E experts, D = d, N = n.
 """
@@ -24,13 +25,11 @@ Legend: T tokens per rank, K top-k slots, E experts, D = d, N = n.
 from __future__ import annotations
 
 import argparse
-import csv
+import dataclasses
 import datetime
 import json
 import math
-import platform
 import socket
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -38,9 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-import memfine
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.measure.results import CSV_COLUMNS, collect_environment, csv_row, write_csv
 from memfine.parallel import (
     ExpertParallelExperts,
     agree_num_chunks,
@@ -51,9 +50,7 @@ from memfine.schedule.policy import ChunkPolicy
 
 BENCHMARK = "ep_peak"
 PROVIDERS = ("c1_none", "c1_experts", "mact")
-CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
-               "p50", "p80", "device", "torch_version", "threads", "memfine_version", "git_sha",
-               "utc_timestamp", "config_json", "rank", "ep_size", "budget_bytes")
+COLUMNS = (*CSV_COLUMNS, "rank", "ep_size", "budget_bytes")
 RESULTS = Path(__file__).parent / "results"
 BALANCED_HEADROOM = 1.25  # the budget fits 1.25× the balanced received rows in one chunk
 
@@ -144,34 +141,21 @@ def run_ep_size(ep_size: int, args: argparse.Namespace) -> dict[str, Any]:
     return data
 
 
-def _environment() -> dict[str, str]:
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "unknown"
-    return {"device": f"cpu:{platform.machine()}", "torch_version": torch.__version__,
-            "threads": "1 per rank", "memfine_version": memfine.__version__, "git_sha": sha,
-            "utc_timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                timespec="seconds")}
-
-
 def to_rows(data: dict[str, Any]) -> list[dict[str, str]]:
-    """CSV rows: one per (rank, skew, provider, metric)."""
-    env, meta = _environment(), data["meta"]
+    """CSV rows (:data:`COLUMNS`): one per (rank, skew, provider, metric)."""
+    env = dataclasses.replace(collect_environment("cpu"), threads=1)  # the ranks' thread count
+    meta = data["meta"]
     budget = meta["budget_bytes"]
+    extra = {"ep_size": str(meta["ep_size"]), "budget_bytes": str(budget)}
     rows = []
     for r in data["records"]:
         metrics = [("peak_bytes", "bytes", r["peak_bytes"]), ("recv_rows", "rows", r["recv_rows"]),
                    ("num_chunks", "chunks", r["num_chunks"]),
                    ("peak_over_budget", "ratio", r["peak_bytes"] / budget)]
-        for metric, unit, value in metrics:
-            rows.append({"benchmark": BENCHMARK, "provider": r["provider"], "mode": "full",
-                         "metric": metric, "unit": unit, "x_name": "skew",
-                         "x_value": f"{r['skew']:g}", "p20": f"{value:.6g}",
-                         "p50": f"{value:.6g}", "p80": f"{value:.6g}", **env,
-                         "config_json": json.dumps(meta, sort_keys=True), "rank": str(r["rank"]),
-                         "ep_size": str(meta["ep_size"]), "budget_bytes": str(budget)})
+        rows += [{**csv_row(benchmark=BENCHMARK, provider=r["provider"], mode="full",
+                            metric=metric, unit=unit, x_name="skew", x_value=f"{r['skew']:g}",
+                            values=value, config=meta, env=env),
+                  "rank": str(r["rank"]), **extra} for metric, unit, value in metrics]
     return rows
 
 
@@ -236,10 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += to_rows(data)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     csv_path, png_path = args.out_dir / "ep_peak_cpu.csv", args.out_dir / "ep_peak_cpu.png"
-    with csv_path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, csv_path, columns=COLUMNS)
     plot(datas, png_path)
     print(f"wrote {csv_path} and {png_path}")
     return 0

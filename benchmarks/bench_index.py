@@ -1,9 +1,10 @@
 """Routing-index builders: sort-free (dense T×E map, MoEBlaze §3) vs argsort, build time.
 
 For each (T, E, k) the two builders (and ``auto``, which picks by the dense map size T·E against
-``memfine.dispatch.index.SORT_FREE_MAX_CELLS``) run interleaved on the same random routing;
-rows report p20/p50/p80 build time in ms (mode ``fwd``) per provider. The CSV uses the STYLE.md §6
-columns (shared with bench_experts.py).
+``memfine.dispatch.index.SORT_FREE_MAX_CELLS``) run interleaved on the same random routing through
+the shared harness (:func:`memfine.measure.harness.run_methods`, the build as the forward, no
+backward); rows report p20/p50/p80 build time in ms (mode ``fwd``) per provider. The CSV uses the
+STYLE.md §6 columns (:func:`memfine.measure.results.csv_row`).
 
 Usage: ``python benchmarks/bench_index.py [--reps 15] [--out PATH]``.
 Legend: T tokens, E experts, K top-k slots.
@@ -12,15 +13,14 @@ Legend: T tokens, E experts, K top-k slots.
 from __future__ import annotations
 
 import argparse
-import json
-import time
 from pathlib import Path
 
 import torch
-from bench_experts import environment, quantiles, write_csv
 
 from memfine.dispatch import build_index_argsort, build_index_sort_free, build_routing_index
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+from memfine.measure.harness import Method, run_methods
+from memfine.measure.results import collect_environment, csv_row, write_csv
 
 BENCHMARK = "index_build"
 BUILDERS = {
@@ -34,17 +34,13 @@ GRID = [(1024, 8, 2), (8192, 16, 4), (65536, 16, 4), (4096, 64, 8), (16384, 128,
 
 
 def time_builders(T: int, E: int, k: int, reps: int, warmup: int = 2
-                  ) -> dict[str, list[float]]:
-    """Interleaved build times in ms of every builder on one random (T, k) routing."""
+                  ) -> dict[str, tuple[float, float, float]]:
+    """(p20, p50, p80) build times in ms of every builder on one random (T, k) routing."""
     top_k_index = torch.rand(T, E).topk(k, dim=-1).indices
-    times: dict[str, list[float]] = {name: [] for name in BUILDERS}
-    for rep in range(warmup + reps):
-        for name, build in BUILDERS.items():
-            start = time.perf_counter()
-            build(top_k_index, E)
-            if rep >= warmup:
-                times[name].append((time.perf_counter() - start) * 1e3)
-    return times
+    methods = [Method(name=name, forward=lambda build=build: build(top_k_index, E),
+                      backward=lambda index: None) for name, build in BUILDERS.items()]
+    results = run_methods(methods, repeats=reps, warmup=warmup, measure=False)
+    return {res.name: res.time_ms("fwd") for res in results}  # type: ignore[misc]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,24 +50,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path,
                         default=Path(__file__).parent / "results" / "bench_index_cpu.csv")
     args = parser.parse_args(argv)
-    env, rows = environment(), []
+    env, rows = collect_environment("cpu"), []
     print(f"auto: sort-free while T·E <= {SORT_FREE_MAX_CELLS} cells")
     print(f"{'T':>6} {'E':>4} {'k':>2} {'T·E':>9} | "
           + " | ".join(f"{name:>9} p50 ms" for name in BUILDERS) + " | argsort/sort_free")
     for T, E, k in GRID:
         times = time_builders(T, E, k, args.reps)
-        p50 = {name: quantiles(t)[1] for name, t in times.items()}
+        p50 = {name: t[1] for name, t in times.items()}
         print(f"{T:>6} {E:>4} {k:>2} {T * E:>9} | "
               + " | ".join(f"{p50[name]:>16.3f}" for name in BUILDERS)
               + f" | {p50['argsort'] / p50['sort_free']:>6.2f}")
-        config_json = json.dumps({"num_tokens": T, "num_experts": E, "top_k": k,
-                                  "sort_free_max_cells": SORT_FREE_MAX_CELLS}, sort_keys=True)
-        for name, t in times.items():
-            p20, p50_ms, p80 = quantiles(t)
-            rows.append({"benchmark": BENCHMARK, "provider": name, "mode": "fwd",
-                         "metric": "time", "unit": "ms", "x_name": "dense_map_cells",
-                         "x_value": str(T * E), "p20": f"{p20:.6g}", "p50": f"{p50_ms:.6g}",
-                         "p80": f"{p80:.6g}", **env, "config_json": config_json})
+        config = {"num_tokens": T, "num_experts": E, "top_k": k,
+                  "sort_free_max_cells": SORT_FREE_MAX_CELLS}
+        rows += [csv_row(benchmark=BENCHMARK, provider=name, mode="fwd", metric="time",
+                         unit="ms", x_name="dense_map_cells", x_value=T * E, values=t,
+                         config=config, env=env) for name, t in times.items()]
     write_csv(rows, args.out)
     print(f"wrote {args.out}")
     return 0

@@ -22,8 +22,10 @@ Metrics (CSV, STYLE.md §6 columns, one row per provider, skew level and metric)
 ``block_peak_bytes`` and ``moe_peak_bytes`` (peak live bytes of forward + backward of the block,
 and of its MoE layer alone, above what existed before; CPU storage tracker), ``saved_bytes``
 (bytes the block holds for backward: alive at the end of forward, output excluded),
-``time`` (forward + backward of the block, ms, p20/p50/p80 over interleaved repetitions),
-``tokens_per_s`` (T / p50 time) and ``num_chunks`` (c chosen), plus ``budget_bytes``.
+``time`` (forward + backward of the block, ms, p20/p50/p80 over repetitions interleaved by the
+shared harness, :func:`memfine.measure.harness.run_methods`), ``tokens_per_s`` (T / time, per
+call) and ``num_chunks`` (c chosen), plus ``budget_bytes``; rows as
+:func:`memfine.measure.results.csv_row` writes them.
 
 Usage: ``python benchmarks/bench_memfine.py [--reps 5] [--seq 512] [--out PATH]``; writes the CSV
 and a PNG next to it. It runs with one intra-op thread by default: with other jobs on the cores,
@@ -34,20 +36,16 @@ Legend: B batch, Q sequence, T = B·Q tokens, D = d, K = k, E experts.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
-import json
 import math
-import platform
-import subprocess
-import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
-import memfine
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
+from memfine.measure.harness import Method, MethodResult, run_methods
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.measure.results import collect_environment, csv_row, write_csv
 from memfine.nn.model import Block
 from memfine.nn.moe import MoELayer
 from memfine.schedule.policy import ChunkPolicy
@@ -55,9 +53,7 @@ from memfine.schedule.policy import ChunkPolicy
 BENCHMARK = "memfine"
 PROVIDERS = ("full_recompute", "fixed_c8", "mact", "no_recompute")
 SHARES = (0.25, 0.4, 0.6, 0.8, 1.0)  # targets for the share of slots on the local experts
-CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
-               "p50", "p80", "device", "torch_version", "threads", "memfine_version", "git_sha",
-               "utc_timestamp", "config_json")
+MEMORY_METRICS = ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")
 
 
 def model_config(args: argparse.Namespace, chunk: ChunkConfig, skew_bias: float = 0.0
@@ -115,14 +111,27 @@ def build(args: argparse.Namespace, chunk: ChunkConfig, bias: float,
     return block
 
 
-def fwd_bwd_ms(block: Block, x: torch.Tensor, grad: torch.Tensor) -> tuple[float, int]:
-    """One timed forward + backward (loss = output·grad + aux); returns (ms, c)."""
-    x = x.detach().requires_grad_(True)
-    block.zero_grad(set_to_none=True)
-    start = time.perf_counter()
-    out, aux = block(x)
-    torch.autograd.backward([out, aux.load_balancing_loss], [grad, torch.ones(())])
-    return (time.perf_counter() - start) * 1e3, aux.num_chunks
+def block_method(name: str, block: Block, x: torch.Tensor, grad: torch.Tensor) -> Method:
+    """A harness method: one forward + backward of ``block`` (loss = output·grad + aux) on a
+    fresh leaf copy of x, gradients set to ``None`` first; the extra ``num_chunks`` is c."""
+    state: dict[str, Any] = {"num_chunks": 0}
+
+    def zero_grad() -> None:
+        block.zero_grad(set_to_none=True)
+        state["x"] = x.detach().requires_grad_(True)
+
+    def forward() -> Any:
+        out, aux = block(state["x"])
+        state["num_chunks"] = aux.num_chunks
+        return out, aux
+
+    def backward(res: Any) -> None:
+        out, aux = res
+        torch.autograd.backward([out, aux.load_balancing_loss], [grad, torch.ones(())])
+
+    return Method(name=name, forward=forward, backward=backward, zero_grad=zero_grad,
+                  tokens=x.shape[0] * x.shape[1],
+                  extras=lambda: {"num_chunks": (state["num_chunks"], "chunks")})
 
 
 def memory(block: Block, x: torch.Tensor, grad: torch.Tensor) -> dict[str, int]:
@@ -144,16 +153,14 @@ def memory(block: Block, x: torch.Tensor, grad: torch.Tensor) -> dict[str, int]:
             "saved_bytes": saved}
 
 
-def quantiles(values: list[float]) -> tuple[float, float, float]:
-    """(p20, p50, p80) by linear interpolation."""
-    q = torch.tensor(values, dtype=torch.float64).quantile(
-        torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64))
-    return float(q[0]), float(q[1]), float(q[2])
-
-
 def run_level(args: argparse.Namespace, share: float, budget: int, x: torch.Tensor,
-              grad: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str, dict[str, object]]:
-    """Every provider at one skew level: memory once, then interleaved timed repetitions."""
+              grad: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str, dict[str, Any]]:
+    """Every provider at one skew level: memory once, then interleaved timed repetitions.
+
+    Returns:
+        provider → the memory metrics (bytes), ``result`` (its :class:`MethodResult`),
+        ``num_chunks``, ``skew``, ``recv_rows`` and ``bias``.
+    """
     chunks = {"full_recompute": ChunkConfig(num_chunks=1, recompute="full"),
               "fixed_c8": ChunkConfig(num_chunks=8, recompute="experts"),
               "mact": ChunkConfig(memory_budget_bytes=budget, recompute="experts"),
@@ -166,81 +173,57 @@ def run_level(args: argparse.Namespace, share: float, budget: int, x: torch.Tens
         routed = blocks["mact"].moe.router(normed).top_k_index
     local_rows = int((routed < args.experts // args.ep).sum())
     T = x.shape[0] * x.shape[1]
-    results: dict[str, dict[str, object]] = {
-        name: {**memory(block, x, grad), "times_ms": [], "num_chunks": 0}
-        for name, block in blocks.items()}
-    names = list(PROVIDERS)
-    for rep in range(args.warmup + args.reps):
-        shift = rep % len(names)
-        for name in names[shift:] + names[:shift]:
-            ms, c = fwd_bwd_ms(blocks[name], x, grad)
-            results[name]["num_chunks"] = c
-            if rep >= args.warmup:
-                results[name]["times_ms"].append(ms)  # type: ignore[union-attr]
+    memories = {name: memory(block, x, grad) for name, block in blocks.items()}
+    timed = run_methods([block_method(name, blocks[name], x, grad) for name in PROVIDERS],
+                        repeats=args.reps, warmup=args.warmup, measure=False)
     skew = local_rows / (T * args.top_k / args.ep)
-    for res in results.values():
-        res["skew"], res["recv_rows"], res["bias"] = skew, local_rows, bias
-    return results
+    return {res.name: {**memories[res.name], "result": res, "num_chunks":
+                       res.extras["num_chunks"][0], "skew": skew, "recv_rows": local_rows,
+                       "bias": bias} for res in timed}
 
 
-def environment() -> dict[str, str]:
-    """Device, versions, thread count, git SHA and UTC time for the CSV rows."""
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, check=True, cwd=Path(__file__).parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        sha = "unknown"
-    return {"device": f"cpu:{platform.machine()}", "torch_version": torch.__version__,
-            "threads": str(torch.get_num_threads()), "memfine_version": memfine.__version__,
-            "git_sha": sha, "utc_timestamp": datetime.datetime.now(
-                datetime.timezone.utc).isoformat(timespec="seconds")}
+def _p50_ms(res: MethodResult) -> float:
+    return res.time_ms()[1]  # type: ignore[index]
 
 
-def to_rows(args: argparse.Namespace, budget: int, levels: list[dict[str, dict[str, object]]]
+def to_rows(args: argparse.Namespace, budget: int, levels: list[dict[str, dict[str, Any]]]
             ) -> list[dict[str, str]]:
     """CSV rows (STYLE.md §6 columns)."""
-    env = environment()
-    T = args.batch * args.seq
+    env = collect_environment("cpu")
     config = {k: v for k, v in vars(args).items() if k != "out"}
     rows = []
     for level in levels:
         for name, res in level.items():
-            times = quantiles(res["times_ms"])  # type: ignore[arg-type]
-            cfg = json.dumps({**config, "recv_rows": res["recv_rows"],
-                              "skew_bias": res["bias"]}, sort_keys=True)
-            metrics = [("time", "ms", "full", times),
-                       ("tokens_per_s", "tokens/s", "full",  # p20 of tokens/s is T / p80 time
-                        tuple(T / (t / 1e3) for t in reversed(times))),
-                       ("num_chunks", "chunks", "fwd", (res["num_chunks"],) * 3),
-                       ("budget_bytes", "bytes", "fwd", (budget,) * 3)]
-            metrics += [(m, "bytes", "full", (res[m],) * 3)
-                        for m in ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")]
-            for metric, unit, mode, (p20, p50, p80) in metrics:
-                rows.append({"benchmark": BENCHMARK, "provider": name, "mode": mode,
-                             "metric": metric, "unit": unit, "x_name": "skew",
-                             "x_value": f"{res['skew']:.3f}", "p20": f"{p20:.6g}",
-                             "p50": f"{p50:.6g}", "p80": f"{p80:.6g}", **env,
-                             "config_json": cfg})
+            timed: MethodResult = res["result"]
+            metrics = [("time", "ms", "full", timed.time_ms()),
+                       ("tokens_per_s", "tokens/s", "full", timed.tokens_per_s()),
+                       ("num_chunks", "chunks", "fwd", res["num_chunks"]),
+                       ("budget_bytes", "bytes", "fwd", budget)]
+            metrics += [(m, "bytes", "full", res[m]) for m in MEMORY_METRICS]
+            rows += [csv_row(benchmark=BENCHMARK, provider=name, mode=mode, metric=metric,
+                             unit=unit, x_name="skew", x_value=f"{res['skew']:.3f}",
+                             values=values, config={**config, "recv_rows": res["recv_rows"],
+                                                    "skew_bias": res["bias"]}, env=env)
+                     for metric, unit, mode, values in metrics]
     return rows
 
 
-def print_level(level: dict[str, dict[str, object]], budget: int, T: int) -> None:
+def print_level(level: dict[str, dict[str, Any]], budget: int, T: int) -> None:
     """One line per provider: c, peaks, saved, time, tokens/s, time relative to full recompute."""
     first = next(iter(level.values()))
     print(f"skew {first['skew']:.2f}× balanced (s''={first['recv_rows']} rows), "
           f"MoE budget {budget / 2**20:.2f} MiB")
-    base = quantiles(level["full_recompute"]["times_ms"])[1]  # type: ignore[arg-type]
+    base = _p50_ms(level["full_recompute"]["result"])
     for name, res in level.items():
-        p50 = quantiles(res["times_ms"])[1]  # type: ignore[arg-type]
-        mib = {m: int(res[m]) / 2**20  # type: ignore[call-overload]
-               for m in ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")}
+        p50 = _p50_ms(res["result"])
+        mib = {m: res[m] / 2**20 for m in MEMORY_METRICS}
         print(f"  {name:<15} c={res['num_chunks']!s:<2} block peak {mib['block_peak_bytes']:7.2f}"
               f" MiB  moe peak {mib['moe_peak_bytes']:7.2f} MiB  saved {mib['saved_bytes']:7.2f}"
               f" MiB  time {p50:7.1f} ms  {T / (p50 / 1e3):8.0f} tokens/s  "
               f"time/full_recompute {p50 / base:5.3f}")
 
 
-def plot(levels: list[dict[str, dict[str, object]]], budget: int, T: int, path: Path) -> None:
+def plot(levels: list[dict[str, dict[str, Any]]], budget: int, T: int, path: Path) -> None:
     """Four panels against skew: block peak, MoE peak (with the budget), saved bytes, tokens/s."""
     import matplotlib
 
@@ -248,14 +231,12 @@ def plot(levels: list[dict[str, dict[str, object]]], budget: int, T: int, path: 
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
-    skews = [float(next(iter(lv.values()))["skew"]) for lv in levels]  # type: ignore[arg-type]
+    skews = [float(next(iter(lv.values()))["skew"]) for lv in levels]
     styles = {"full_recompute": ("o", "-"), "fixed_c8": ("s", "--"), "mact": ("^", "-"),
               "no_recompute": ("x", ":")}
     for name in PROVIDERS:
-        series = [[int(lv[name][m]) / 2**20 for lv in levels]  # type: ignore[call-overload]
-                  for m in ("block_peak_bytes", "moe_peak_bytes", "saved_bytes")]
-        series.append([T / (quantiles(lv[name]["times_ms"])[1] / 1e3)  # type: ignore[arg-type]
-                       for lv in levels])
+        series = [[lv[name][m] / 2**20 for lv in levels] for m in MEMORY_METRICS]
+        series.append([T / (_p50_ms(lv[name]["result"]) / 1e3) for lv in levels])
         marker, line = styles[name]
         for ax, ys in zip(axes, series, strict=True):
             ax.plot(skews, ys, marker=marker, linestyle=line, label=name)
@@ -314,11 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         level = run_level(args, share, budget, x, grad, state)
         print_level(level, budget, T)
         levels.append(level)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(to_rows(args, budget, levels))
+    write_csv(to_rows(args, budget, levels), args.out)
     png = args.out.with_suffix(".png")
     plot(levels, budget, T, png)
     print(f"wrote {args.out} and {png}")

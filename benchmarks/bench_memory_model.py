@@ -22,22 +22,19 @@ Legend: T tokens, D = d, N = n, E experts, K = k.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from memfine.cli.benchsuites.layers import layer_method
 from memfine.config import ChunkConfig, MoEConfig
-from memfine.measure.harness import (
-    Method,
-    collect_environment,
-    result_rows,
-    run_methods,
-    write_csv,
-)
+from memfine.measure.harness import Method, run_methods
 from memfine.measure.report import compare, format_table
+from memfine.measure.results import collect_environment, result_rows, write_csv
 from memfine.nn import MoELayer
-from memfine.schedule.memory_model import mode_settings, moe_layer_memory
+from memfine.schedule.memory_model import mode_settings
 
 BENCHMARK = "memory_model"
 MODES = (("plain", 1), ("fused", 1), ("full", 1), ("chunked", 2), ("chunked", 4),
@@ -56,35 +53,15 @@ GRID = (
 
 
 def _method(moe: MoEConfig, T: int, dtype: torch.dtype, mode: str, c: int) -> Method:
-    """A harness method running one MoELayer forward + backward in ``mode``."""
+    """A harness method running one MoELayer forward + backward in ``mode`` (the model's
+    protocol and prediction: :func:`memfine.cli.benchsuites.layers.layer_method`)."""
     impl, num_chunks, recompute = mode_settings(mode, c)
-    moe = MoEConfig(**{**moe.to_dict(), "experts_impl": impl})
+    moe = dataclasses.replace(moe, experts_impl=impl)
     layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=num_chunks, recompute=recompute))
     layer = layer.to(dtype)
-    x = torch.randn(T, moe.hidden_size, dtype=dtype, requires_grad=True)
-    grads = [torch.randn(T, moe.hidden_size, dtype=dtype), torch.tensor(0.01),
-             torch.tensor(0.001)]
-
-    kept: list[object] = []  # the caller keeps MoEAux (its counters), as the model's protocol says
-
-    def forward() -> list[torch.Tensor]:
-        out, aux = layer(x)
-        kept[:] = [aux]
-        return [out, aux.load_balancing_loss, aux.z_loss]
-
-    def zero_grad() -> None:
-        layer.zero_grad(set_to_none=True)
-        x.grad = None
-
-    def predict() -> dict[str, int | None]:
-        b = moe_layer_memory(moe, T, dtype.itemsize, num_chunks=num_chunks, recompute=recompute)
-        return {"saved_bytes": b.saved_bytes, "peak_bytes": b.peak_bytes}
-
-    name = mode if mode != "chunked" else f"chunked_c{c}"
-    return Method(name=name, forward=forward,
-                  backward=lambda outs: torch.autograd.backward(outs, grads),
-                  zero_grad=zero_grad, tokens=T, exclude=lambda: list(layer.parameters()),
-                  predict=predict)
+    x_TD = torch.randn(T, moe.hidden_size, dtype=dtype, requires_grad=True)
+    grad_TD = torch.randn(T, moe.hidden_size, dtype=dtype)
+    return layer_method(mode if mode != "chunked" else f"chunked_c{c}", layer, x_TD, grad_TD)
 
 
 def _label(dtype: torch.dtype, T: int, D: int, N: int, E: int, K: int, skewed: bool) -> str:

@@ -1,6 +1,7 @@
 """Optional dependencies: ``is_available(name)`` and ``require(name)``, imported lazily.
 
-Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` → ``pip install memfine[hf]``.
+Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
+``pip install memfine[hf]``.
 """
 
 from __future__ import annotations

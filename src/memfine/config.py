@@ -3,13 +3,15 @@
 Every check raises ``ValueError`` naming the class, the field, what is allowed and the value
 received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``. Configs hold plain values
 only; derive new ones with :func:`dataclasses.replace`; ``to_dict``/``from_dict`` round-trip and
-reject unknown keys.
+reject unknown keys. :func:`format_bytes` shows byte counts to humans (MiB = 2^20, GiB = 2^30)
+in configs' errors, plans and reports alike.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, TypeVar, get_args
 
@@ -24,6 +26,28 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 _C = TypeVar("_C", bound="_ConfigBase")
+_V = TypeVar("_V")
+
+MiB, GiB = 1 << 20, 1 << 30
+NOT_MEASURED = "not measured"
+
+
+def format_bytes(num_bytes: int | None, *, digits: int = 2, exact: bool = False) -> str:
+    """Human form of a byte count: ``"1.50 GiB"`` from 1 GiB on, else ``"12.25 MiB"``.
+
+    Args:
+        num_bytes: bytes, or ``None`` for a value that was not measured.
+        digits: decimals shown.
+        exact: prefix the exact count, ``"<bytes> bytes (<x> MiB)"`` (error messages).
+
+    Returns:
+        The string; ``"not measured"`` for ``None``. Units are binary (MiB = 2^20, GiB = 2^30).
+    """
+    if num_bytes is None:
+        return NOT_MEASURED
+    unit, scale = ("GiB", GiB) if abs(num_bytes) >= GiB else ("MiB", MiB)
+    scaled = f"{num_bytes / scale:.{digits}f} {unit}"
+    return f"{num_bytes} bytes ({scaled})" if exact else scaled
 
 
 def _fail(obj: object, name: str, allowed: str, value: object) -> None:
@@ -51,10 +75,28 @@ def _check_float(obj: object, name: str, lo: float, hi: float | None = None, *,
 
 
 def _check_choice(obj: object, name: str, literal: Any) -> None:
+    """``literal`` is a ``Literal`` type or a tuple of the allowed values."""
     value = getattr(obj, name)
-    allowed = get_args(literal)
+    allowed = literal if isinstance(literal, tuple) else get_args(literal)
     if value not in allowed:
         _fail(obj, name, f"one of {allowed}", value)
+
+
+def _lookup(table: Mapping[str, _V], name: str, what: str) -> _V:
+    """``table[name]``; an unknown name raises ValueError naming ``what`` and the known names."""
+    if name not in table:
+        raise ValueError(f"{what} must be one of {sorted(table)}, got {name!r}")
+    return table[name]
+
+
+def _check_bins(obj: object, name: str = "bins") -> tuple[int, ...]:
+    """Check chunk-count bins (non-empty, strictly increasing ints >= 1); return them as a tuple."""
+    value = getattr(obj, name)
+    bins = tuple(value) if isinstance(value, (tuple, list)) else ()
+    if (not bins or any(isinstance(b, bool) or not isinstance(b, int) for b in bins)
+            or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))):
+        _fail(obj, name, "a non-empty, strictly increasing tuple of ints >= 1", value)
+    return bins
 
 
 class _ConfigBase:
@@ -214,11 +256,7 @@ class ChunkConfig(_ConfigBase):
         _check_int(self, "num_chunks", 1)
         if self.memory_budget_bytes is not None:
             _check_int(self, "memory_budget_bytes", 1)
-        bins = tuple(self.bins) if isinstance(self.bins, (tuple, list)) else ()
-        if (not bins or any(isinstance(b, bool) or not isinstance(b, int) for b in bins)
-                or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))):
-            _fail(self, "bins", "a non-empty, strictly increasing tuple of ints >= 1", self.bins)
-        object.__setattr__(self, "bins", bins)
+        object.__setattr__(self, "bins", _check_bins(self))
         _check_choice(self, "recompute", Recompute)
         if not isinstance(self.allow_over_budget, bool):
             _fail(self, "allow_over_budget", "a bool", self.allow_over_budget)

@@ -21,8 +21,9 @@ from memfine.cli.benchsuites import experts, select_methods
 from memfine.cli.benchsuites.options import BenchOptions, resolve_shapes, table1_shape
 from memfine.cli.benchsuites.output import format_plain, table_rows
 from memfine.cli.main import main
-from memfine.measure.harness import CSV_COLUMNS, NOT_MODELLED, MethodResult
+from memfine.measure.harness import MethodResult
 from memfine.measure.report import NOT_MEASURED
+from memfine.measure.results import CSV_COLUMNS, NOT_MODELLED
 
 BENCH_FLAGS = {
     "--suite", "--config", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",

@@ -1,4 +1,8 @@
-"""RoutingIndex invariants (STYLE.md §6), the DESIGN.md §3 worked example, builder agreement."""
+"""RoutingIndex invariants (STYLE.md §6), the DESIGN.md §3 worked example, builder agreement.
+
+The sort-free and argsort builders give identical arrays on any routing; ``auto`` picks by the
+dense map size; ``MoEConfig.index_builder`` forces one. Reference: MoEBlaze §3; DESIGN.md §3.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import memfine.dispatch.index as index_module
+from memfine.config import MoEConfig
 from memfine.dispatch import (
     RoutingIndex,
     build_index_argsort,
     build_index_sort_free,
     build_routing_index,
 )
+from memfine.nn.experts import GroupedExperts
 
 BUILDERS = [pytest.param(build_index_sort_free, id="sort_free"),
             pytest.param(build_index_argsort, id="argsort")]
@@ -56,8 +63,11 @@ def check_invariants(index: RoutingIndex, top_k_index: torch.Tensor, num_experts
 
 
 def assert_same_index(a: RoutingIndex, b: RoutingIndex) -> None:
+    """The five int32 arrays are identical, and so is E."""
     for name in FIELDS:
-        assert torch.equal(getattr(a, name), getattr(b, name)), name
+        left, right = getattr(a, name), getattr(b, name)
+        assert left.dtype == right.dtype == torch.int32, name
+        assert torch.equal(left, right), name
     assert a.num_experts == b.num_experts
 
 
@@ -78,10 +88,14 @@ def test_worked_example(builder: Builder) -> None:
 
 EDGES = [
     pytest.param(torch.tensor([[0, 2], [2, 0], [3, 0]]), 5, id="empty_experts"),
+    pytest.param(torch.tensor([[1, 0]] * 5), 6, id="empty_expert"),
     pytest.param(torch.tensor([[1], [0], [1], [1]]), 3, id="k1"),
+    pytest.param(torch.tensor([[3], [1], [3], [0]]), 5, id="k1_E5"),
     pytest.param(torch.tensor([[2, 0, 1], [0, 1, 2]]), 3, id="k_equals_E"),
-    pytest.param(torch.zeros(0, 2, dtype=torch.long), 4, id="T0"),
+    pytest.param(torch.stack([torch.randperm(4) for _ in range(6)]), 4, id="k_equals_E_random"),
+    pytest.param(torch.zeros(0, 2, dtype=torch.long), 4, id="empty_batch"),
     pytest.param(torch.tensor([[0, 4], [4, 1], [-1, 4], [2, 7]]), 4, id="sentinels"),
+    pytest.param(torch.tensor([[2, 4], [4, 4], [0, 1]]), 4, id="sentinels_one_token_all"),
     pytest.param(torch.full((3, 2), 4), 4, id="all_sentinels"),
     pytest.param(torch.tensor([[3, 1]], dtype=torch.int32), 4, id="int32_T1"),
 ]
@@ -97,20 +111,25 @@ def test_edges(builder: Builder, top_k_index: torch.Tensor, num_experts: int) ->
 
 @st.composite
 def routings(draw: st.DrawFn) -> tuple[torch.Tensor, int]:
-    """Random (T, k) routings, distinct experts per token, some slots set to sentinel ids."""
-    E = draw(st.integers(1, 8))
+    """(T, k) int64 top_k_index with distinct experts per token and random sentinel slots.
+
+    Tokens choose among the first ``used`` experts only, so experts ``used..E-1`` may stay empty;
+    each slot is a sentinel id (outside [0, E)) with probability ``sentinel_p`` (0: none, 1: all).
+    """
+    E = draw(st.integers(1, 10))
     k = draw(st.integers(1, E))
-    T = draw(st.integers(0, 12))
+    used = draw(st.integers(k, E))
+    T = draw(st.integers(0, 24))
+    sentinel_p = draw(st.sampled_from([0.0, 0.25, 0.5, 1.0]))
     rows = []
     for _ in range(T):
-        row = draw(st.permutations(range(E)))[:k]
-        sentinel = draw(st.lists(st.sampled_from([None, None, None, E, E + 2, -1]),
-                                 min_size=k, max_size=k))
-        rows.append([e if s is None else s for e, s in zip(row, sentinel, strict=True)])
-    return torch.tensor(rows, dtype=torch.long).view(T, k), E
+        experts = draw(st.permutations(range(used)))[:k]
+        rows.append([draw(st.sampled_from([E, E + 2, E + 3, -1]))
+                     if draw(st.floats(0, 1)) < sentinel_p else e for e in experts])
+    return torch.tensor(rows, dtype=torch.int64).view(T, k), E
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(routings())
 def test_sort_free_equals_argsort(routing: tuple[torch.Tensor, int]) -> None:
     top_k_index, E = routing
@@ -118,17 +137,20 @@ def test_sort_free_equals_argsort(routing: tuple[torch.Tensor, int]) -> None:
     check_invariants(sort_free, top_k_index, E)
     assert_same_index(sort_free, build_index_argsort(top_k_index, E))
     assert_same_index(sort_free, build_routing_index(top_k_index, E, "auto"))
+    assert_same_index(sort_free, build_index_sort_free(top_k_index.int(), E))
 
 
-def test_sort_free_rejects_repeated_expert() -> None:
+@pytest.mark.parametrize("top_k_index", [
+    pytest.param(torch.tensor([[1, 1]]), id="one_token"),
+    pytest.param(torch.tensor([[0, 1], [2, 2]]), id="second_token"),
+])
+def test_sort_free_rejects_repeated_expert(top_k_index: torch.Tensor) -> None:
     with pytest.raises(ValueError, match="^top_k_index must hold distinct experts within each"):
-        build_index_sort_free(torch.tensor([[0, 1], [2, 2]]), 4)
+        build_index_sort_free(top_k_index, 4)
 
 
 def test_auto_switches_to_argsort_above_the_dense_map_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import memfine.dispatch.index as index_module
-
     monkeypatch.setattr(index_module, "SORT_FREE_MAX_CELLS", 8)
     repeated = torch.tensor([[1, 1], [0, 2], [2, 0]])  # only the sort-free builder rejects this
     assert_same_index(build_routing_index(repeated, 4), build_index_argsort(repeated, 4))
@@ -146,13 +168,58 @@ def test_bad_arguments(builder: Builder) -> None:
         builder(torch.zeros(4, 1, dtype=torch.long), 0)
 
 
-def test_unknown_builder() -> None:
+@pytest.mark.parametrize(("top_k_index", "num_experts", "builder"), [
+    pytest.param(WORKED_TOP_K, 4, "radix", id="radix"),
+    pytest.param(torch.zeros(2, 1, dtype=torch.int64), 2, "bucket", id="bucket"),
+])
+def test_unknown_builder(top_k_index: torch.Tensor, num_experts: int, builder: str) -> None:
     with pytest.raises(ValueError, match=r"^builder must be 'auto', 'sort_free' or 'argsort', "
-                                         r"got 'radix'$"):
-        build_routing_index(WORKED_TOP_K, 4, "radix")  # type: ignore[arg-type]
+                                         rf"got '{builder}'$"):
+        build_routing_index(top_k_index, num_experts, builder)  # type: ignore[arg-type]
 
 
 def test_index_is_frozen() -> None:
     index = build_routing_index(WORKED_TOP_K, 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         index.num_experts = 5  # type: ignore[misc]
+
+
+def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    calls: list[str] = []
+    for name in ("build_index_sort_free", "build_index_argsort"):
+        real = getattr(index_module, name)
+
+        def spy(*args: object, _real=real, _name=name) -> RoutingIndex:  # type: ignore[no-untyped-def]
+            calls.append(_name.removeprefix("build_index_"))
+            return _real(*args)
+
+        monkeypatch.setattr(index_module, name, spy)
+    return calls
+
+
+def test_auto_picks_by_dense_map_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spy(monkeypatch)
+    monkeypatch.setattr(index_module, "SORT_FREE_MAX_CELLS", 40)
+    top_k_index = torch.stack([torch.randperm(4)[:2] for _ in range(11)])
+    small = build_routing_index(top_k_index[:10], 4)  # T·E = 40 cells: sort-free
+    large = build_routing_index(top_k_index, 4)  # 44 cells: argsort
+    assert calls == ["sort_free", "argsort"]
+    assert small.num_rows == 20 and large.num_rows == 22
+
+
+@pytest.mark.parametrize("builder", ["sort_free", "argsort"])
+def test_config_forces_builder(monkeypatch: pytest.MonkeyPatch, builder: str) -> None:
+    calls = _spy(monkeypatch)
+    config = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2,
+                       index_builder=builder)  # type: ignore[arg-type]
+    experts = GroupedExperts(config)
+    x_TD = torch.randn(6, 8)
+    top_k_index = torch.stack([torch.randperm(4)[:2] for _ in range(6)])
+    weights_TK = torch.rand(6, 2)
+    out = experts(x_TD, top_k_index, weights_TK)
+    assert calls == [builder]
+    other = "argsort" if builder == "sort_free" else "sort_free"
+    forced = GroupedExperts(dataclasses.replace(config, index_builder=other))
+    forced.load_state_dict(experts.state_dict())
+    assert torch.equal(forced(x_TD, top_k_index, weights_TK), out)  # identical index → bitwise
+    assert calls == [builder, other]

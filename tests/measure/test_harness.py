@@ -1,4 +1,4 @@
-"""The benchmark harness: percentiles, interleaved order, timing arithmetic, memory, CSV schema.
+"""The benchmark harness: percentiles, interleaved order, timing arithmetic, memory.
 
 Fake methods and a fake clock make every expected value exact; nothing here depends on how fast
 the machine is (no wall-clock assertions).
@@ -6,28 +6,11 @@ the machine is (no wall-clock assertions).
 
 from __future__ import annotations
 
-import csv
-import datetime
-from pathlib import Path
-
 import pytest
 import torch
 
-from memfine.measure.harness import (
-    CSV_COLUMNS,
-    MODES,
-    NOT_MODELLED,
-    Method,
-    MethodResult,
-    collect_environment,
-    format_value,
-    interleaved_order,
-    percentiles,
-    result_rows,
-    run_methods,
-    write_csv,
-)
-from memfine.measure.report import NOT_MEASURED, MemoryReport
+from memfine.measure.harness import Method, interleaved_order, percentiles, run_methods
+from memfine.measure.report import MemoryReport
 
 
 class FakeClock:
@@ -49,8 +32,6 @@ def recording_method(name: str, log: list[str], **kwargs: object) -> Method:
 
     return Method(name=name, forward=forward, backward=lambda out: None, **kwargs)  # type: ignore[arg-type]
 
-
-# --- percentiles and order ----------------------------------------------------------------------
 
 def test_percentiles_hand_values() -> None:
     # Sorted [10..60], 6 samples: positions 0.2·5 = 1, 0.5·5 = 2.5, 0.8·5 = 4 (linear method).
@@ -143,74 +124,3 @@ def test_run_methods_validates(kwargs: dict[str, int], match: str) -> None:
 def test_run_methods_rejects_duplicate_names() -> None:
     with pytest.raises(ValueError, match="method names must be unique"):
         run_methods([recording_method("a", []), recording_method("a", [])], repeats=1)
-
-
-# --- rows and CSV -------------------------------------------------------------------------------
-
-def _result(**kwargs: object) -> MethodResult:
-    res = MethodResult(name="fused", tokens=100, **kwargs)  # type: ignore[arg-type]
-    for mode, seconds in zip(MODES, (0.01, 0.03, 0.04), strict=True):
-        res.times_s[mode] = [seconds]
-    return res
-
-
-def _rows(res: MethodResult) -> dict[str, dict[str, str]]:
-    env = collect_environment()
-    rows = result_rows([res], benchmark="experts", x_name="shape", x_value="conf3",
-                       config={"tokens": 256}, env=env)
-    return {f"{r['metric']}/{r['mode']}": r for r in rows}
-
-
-def test_rows_schema_and_values() -> None:
-    memory = MemoryReport(saved_bytes=1000, peak_bytes=4000)
-    res = _result(memory=memory, predicted={"saved_bytes": 1000, "peak_bytes": 4400},
-                  extras={"num_chunks": (2, "chunks")})
-    rows = _rows(res)
-    assert all(tuple(r) == CSV_COLUMNS for r in rows.values())
-    full = rows["time/full"]
-    assert (full["unit"], full["p50"], full["provider"]) == ("ms", "40", "fused")
-    assert (full["x_name"], full["x_value"], full["config_json"]) == (
-        "shape", "conf3", '{"tokens": 256}')
-    assert rows["tokens_per_s/full"]["p50"] == "2500"
-    assert [rows["saved_bytes/fwd"][p] for p in ("p20", "p50", "p80")] == ["1000"] * 3
-    assert rows["peak_bytes_predicted/full"]["p50"] == "4400"
-    assert rows["peak_bytes_predicted_over_measured/full"]["p50"] == "1.1"
-    assert (rows["num_chunks/full"]["p50"], rows["num_chunks/full"]["unit"]) == ("2", "chunks")
-
-
-def test_rows_show_missing_values_as_text() -> None:
-    """None is 'not measured' (measured metrics) or 'not modelled' (predictions), never 0/-1."""
-    rows = _rows(_result())
-    assert rows["saved_bytes/fwd"]["p50"] == NOT_MEASURED == "not measured"
-    assert rows["peak_bytes/full"]["p80"] == NOT_MEASURED
-    assert rows["saved_bytes_predicted/fwd"]["p20"] == NOT_MODELLED == "not modelled"
-    assert rows["saved_bytes_predicted_over_measured/fwd"]["p50"] == NOT_MODELLED
-    no_tokens = MethodResult(name="x", tokens=0)
-    assert _rows(no_tokens)["tokens_per_s/full"]["p50"] == NOT_MEASURED
-    assert _rows(no_tokens)["time/fwd"]["p50"] == NOT_MEASURED
-
-
-@pytest.mark.parametrize("value, text", [(17642200, "17642200"), (0.123456789, "0.123457"),
-                                         (None, NOT_MEASURED)], ids=["int", "float", "none"])
-def test_format_value(value: int | float | None, text: str) -> None:
-    assert format_value(value) == text
-
-
-def test_write_csv_header(tmp_path: Path) -> None:
-    rows = list(_rows(_result()).values())
-    path = write_csv(rows, tmp_path / "sub" / "bench.csv")
-    with path.open() as handle:
-        reader = csv.DictReader(handle)
-        assert tuple(reader.fieldnames or ()) == CSV_COLUMNS
-        assert len(list(reader)) == len(rows)
-
-
-def test_environment_fields() -> None:
-    env = collect_environment("cpu")
-    assert (env.device, env.threads, env.torch_version) == (
-        "cpu", torch.get_num_threads(), torch.__version__)
-    stamp = datetime.datetime.fromisoformat(env.utc_timestamp)
-    assert stamp.utcoffset() == datetime.timedelta(0)
-    assert env.memfine_version and env.git_sha and env.cpu_model
-    assert env.torch_version in env.line()
-

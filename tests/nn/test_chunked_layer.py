@@ -8,7 +8,6 @@ budget, the agreement hook) is honoured; 50 training steps with c=4 match c=1; t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -18,30 +17,11 @@ from memfine.measure.peak import PeakMemoryTracker
 from memfine.nn import MoELayer, MoETransformerLM
 from memfine.nn.model import Block
 from memfine.schedule.policy import ChunkPolicy
-from tolerances import CHUNKED_ATOL, LOSS_ATOL
+from tolerances import LOSS_ATOL, assert_chunked_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 D, N, E, K = 16, 24, 6, 2
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small tensors: one intra-op thread (on a busy machine, threads wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 MOE = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
-
-
-def _assert_chunked_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
-    """As in tests/schedule/test_chunked.py: relative too (per-row GEMM results differ by a few
-    ulps with the row count); expert weight gradients, summed chunk by chunk, get CHUNKED_ATOL
-    times their largest entry."""
-    atol = CHUNKED_ATOL
-    if "w_up" in name or "w_down" in name:
-        atol *= max(1.0, float(expected.abs().max()))
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=CHUNKED_ATOL,
-                               msg=lambda m: f"{name}: {m}")
 
 
 def _layer_run(chunk: ChunkConfig, T: int = 29) -> dict[str, torch.Tensor]:
@@ -74,7 +54,7 @@ def test_layer_chunked_equals_unchunked(c: int, recompute: str) -> None:
     for name in ("lbl", "z", "counts"):  # routing, losses and counters: exactly equal
         assert torch.equal(got[name], want[name]), name
     for name in ("out", "grad_x", "grad_router", "grad_w_up", "grad_w_down"):
-        _assert_chunked_close(got[name], want[name], name)
+        assert_chunked_close(got[name], want[name], name)
 
 
 class _CountingRouter(torch.nn.Module):
@@ -133,7 +113,7 @@ def test_block_recompute_modes_match_and_keep_less() -> None:
     want = runs["none"][0]
     for mode in ("experts", "full"):
         for name, value in runs[mode][0].items():
-            _assert_chunked_close(value, want[name], f"{mode} {name}")
+            assert_chunked_close(value, want[name], f"{mode} {name}")
     assert runs["full"][1] < runs["experts"][1] < runs["none"][1]
 
 
@@ -188,7 +168,7 @@ def test_model_budget_chooses_c_per_layer_and_agrees() -> None:
     ref.load_state_dict(model.state_dict())
     ref_out = ref(ids, ids)
     assert ref_out.loss is not None
-    _assert_chunked_close(out.loss.detach(), ref_out.loss.detach(), "loss")
+    assert_chunked_close(out.loss.detach(), ref_out.loss.detach(), "loss")
 
 
 def test_layer_takes_chunk_or_policy() -> None:
@@ -216,7 +196,7 @@ def test_skew_knob_routes_every_token_to_the_hot_experts() -> None:
                            if k != "router.selection_bias"}, strict=False)
     scores = torch.softmax(x @ layer.router.weight.t(), -1)[:, :K]
     want = plain.experts(x, torch.tensor([0, 1]).expand(50, K), scores / scores.sum(-1, True))
-    _assert_chunked_close(layer(x)[0].detach(), want.detach(), "out")
+    assert_chunked_close(layer(x)[0].detach(), want.detach(), "out")
 
 
 @pytest.mark.parametrize(("kwargs", "message"), [

@@ -21,7 +21,8 @@ ACTIVATIONS = ["swiglu", "geglu", "gelu", "relu", "silu"]
 IMPLS = ["fused", "plain"]
 
 
-def _backend_param(name: str) -> object:
+def _backend_param(name: str, dtype: torch.dtype | None = None) -> object:
+    """``pytest.param(name)``, or ``(dtype, name)`` with a dtype; skipped where unavailable."""
     marks = []
     if name == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
         marks.append(pytest.mark.skip(reason="torch._grouped_mm is not in this torch build"))
@@ -34,11 +35,16 @@ def _backend_param(name: str) -> object:
         if not usable:
             marks.append(pytest.mark.skip(reason="triton backend needs memfine[triton] and CUDA "
                                           "(or TRITON_INTERPRET=1)"))
-    return pytest.param(name, marks=marks, id=name)
+    if dtype is None:
+        return pytest.param(name, marks=marks, id=name)
+    return pytest.param(dtype, name, marks=marks, id=f"{str(dtype)[6:]}-{name}")
 
 
-BACKENDS = [_backend_param(b) for b in ("loop", "grouped_mm", "auto", "triton")]
-F64_BACKENDS = [_backend_param(b) for b in ("loop", "auto")]  # grouped_mm has no float64
+ALL_BACKENDS = ("loop", "grouped_mm", "auto", "triton")
+BACKENDS = [_backend_param(b) for b in ALL_BACKENDS]
+# float64 on the backends that have it (grouped_mm has no float64), fp32 on every backend.
+PRECISIONS = ([_backend_param(b, torch.float64) for b in ("loop", "auto")]
+              + [_backend_param(b, torch.float32) for b in ALL_BACKENDS])
 
 
 @dataclass
@@ -121,18 +127,10 @@ def assert_matches_reference(problem: Problem, dtype: torch.dtype, impl: str, ba
 
 @pytest.mark.parametrize("activation", ACTIVATIONS)
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("backend", F64_BACKENDS)
-def test_float64_matches_reference(backend: str, impl: str, activation: str) -> None:
+@pytest.mark.parametrize(("dtype", "backend"), PRECISIONS)
+def test_matches_reference(dtype: torch.dtype, backend: str, impl: str, activation: str) -> None:
     problem = make_problem(T=8, E=4, k=2, d=8, n=8, activation=activation)
-    assert_matches_reference(problem, torch.float64, impl, backend)
-
-
-@pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_float32_matches_reference(backend: str, impl: str, activation: str) -> None:
-    problem = make_problem(T=8, E=4, k=2, d=8, n=8, activation=activation)
-    assert_matches_reference(problem, torch.float32, impl, backend)
+    assert_matches_reference(problem, dtype, impl, backend)
 
 
 EDGES = [

@@ -27,6 +27,13 @@ def _weights(E: int, d: int, n: int, dtype: torch.dtype) -> tuple[torch.Tensor, 
     return w_up, w_down
 
 
+def _fp32_problem(T: int, d: int, n: int, E: int, k: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 expert weights and a (T, k) routing with k distinct random experts per token."""
+    w_up, w_down = _weights(E, d, n, torch.float32)
+    return w_up, w_down, torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+
+
 def _routing_for_group_sizes() -> torch.Tensor:
     """T=5, k=2, E=5 routing whose per-expert row counts are [3, 0, 5, 2, 0]."""
     return torch.tensor([[2, 0], [0, 2], [2, 0], [3, 2], [2, 3]])
@@ -74,8 +81,7 @@ def test_empty_expert_grads(all_empty: bool, dtype: torch.dtype, backend: str) -
 def test_nan_padding(case: str, backend: str) -> None:
     """8 of 16 slots are padding: sentinel ids, NaN weights, and NaN rows for padding tokens."""
     T, d, n, E, k = 8, 4, 8, 4, 2
-    w_up, w_down = _weights(E, d, n, torch.float32)
-    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w_up, w_down, idx = _fp32_problem(T, d, n, E, k)
     pad_TK = torch.zeros(T, k, dtype=torch.bool)
     pad_TK[6:] = True  # tokens 6, 7: every slot is padding (4 slots)
     pad_TK[:4, 1] = True  # tokens 0-3: second slot is padding (4 slots)
@@ -104,8 +110,7 @@ def test_nan_padding(case: str, backend: str) -> None:
 @pytest.mark.parametrize("case", ["determinism"])
 def test_determinism(case: str, backend: str) -> None:
     T, d, n, E, k = 16, 32, 16, 8, 4
-    w_up, w_down = _weights(E, d, n, torch.float32)
-    idx = torch.stack([torch.randperm(E)[:k] for _ in range(T)])
+    w_up, w_down, idx = _fp32_problem(T, d, n, E, k)
     x = torch.randn(T, d).requires_grad_()
     weights = torch.rand(T, k).requires_grad_()
     grad_out = torch.randn(T, d)

@@ -12,15 +12,15 @@ from tolerances import assert_close
 
 @pytest.mark.parametrize("backend", ["loop", "grouped_mm"])
 def test_transposed_like_gives_the_same_values_in_the_weight_layout(backend: str) -> None:
-    S, I, O, E = 24, 8, 12, 3
-    x, dy = torch.randn(S, I), torch.randn(S, O)
+    S, in_features, out_features, E = 24, 8, 12, 3
+    x, dy = torch.randn(S, in_features), torch.randn(S, out_features)
     offsets = torch.tensor([0, 10, 10, S], dtype=torch.int32)
-    base_EOI = torch.randn(E, O, I)
+    base_EOI = torch.randn(E, out_features, in_features)  # O: out, I: in features
     plain = grouped_weight_grad(x, dy, offsets, E, backend)
     shaped = grouped_weight_grad(x, dy, offsets, E, backend, like=base_EOI.transpose(1, 2))
     assert_close(shaped, plain)
     assert shaped.transpose(1, 2).is_contiguous()
-    assert torch.equal(shaped[1], torch.zeros(I, O))  # empty expert: exact zeros
+    assert torch.equal(shaped[1], torch.zeros(in_features, out_features))  # empty: exact zeros
 
 
 def test_fused_path_on_transposed_parameters_accumulates_in_their_layout() -> None:

@@ -5,12 +5,10 @@ relative. The grouped GEMMs of a chunk have fewer rows, and the CPU kernels bloc
 differently for different row counts, so per-row results differ by a few ulps (a value of size m
 by ~m·2^-23 each; measured worst: 1.9e-6 on a routing-weight gradient of 5.5, i.e. 3.5e-7
 relative). Expert weight gradients are summed chunk by chunk in another order: see
-``_assert_chunked_close``.
+``tolerances.assert_chunked_close``.
 """
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,30 +22,10 @@ from memfine.nn import MoELayer
 from memfine.ops import run_experts
 from memfine.schedule import memory_model
 from memfine.schedule.chunked import chunk_sizes, chunked_experts, run_chunked
-from tolerances import CHUNKED_ATOL
+from tolerances import assert_chunked_close
 
+pytestmark = pytest.mark.usefixtures("one_thread")
 D, N, E, K = 16, 24, 6, 2
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Small tensors: one intra-op thread (on a busy machine, threads wait on each other)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def _assert_chunked_close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
-    """Within CHUNKED_ATOL, absolute and relative; expert weight gradients (``grad_w_*``) are
-    sums of per-chunk partial sums, whose rounding scales with the tensor's largest entry, so
-    their absolute bound is CHUNKED_ATOL times that (measured worst: 1.09e-6 on an entry of
-    0.058 with c=8)."""
-    atol = CHUNKED_ATOL
-    if name.startswith("grad_w_") and expected.numel():
-        atol *= max(1.0, float(expected.abs().max()))
-    torch.testing.assert_close(actual, expected, atol=atol, rtol=CHUNKED_ATOL,
-                               msg=lambda m: f"{name}: {m}")
 
 
 def _inputs(T: int, sentinel_every: int = 0) -> list[torch.Tensor]:
@@ -96,7 +74,7 @@ def test_chunked_equals_unchunked(T: int, c: int, recompute: str, impl: str) -> 
     got = _run(inputs, c, recompute, impl)
     names = ["out", "grad_x", "grad_weights", "grad_w_up", "grad_w_down"]
     for name, a, b in zip(names, got, want, strict=True):
-        _assert_chunked_close(a, b, name)
+        assert_chunked_close(a, b, name)
 
 
 def test_single_chunk_is_bitwise_the_unchunked_op() -> None:
@@ -285,8 +263,8 @@ def test_skew_peak_output(case: str, skew_runs: SkewRuns) -> None:
     out, c, _, _, dx = skew_runs["budget"]
     ref_out, ref_c, _, _, ref_dx = skew_runs["none_c1"]
     assert (c, ref_c) == (16, 1)
-    _assert_chunked_close(out, ref_out, "out")
-    _assert_chunked_close(dx, ref_dx, "grad_x")
+    assert_chunked_close(out, ref_out, "out")
+    assert_chunked_close(dx, ref_dx, "grad_x")
 
 
 @SKEW_CASE
@@ -318,4 +296,4 @@ def test_no_grad_runs_chunks_without_checkpoint() -> None:
     with torch.no_grad():
         got = chunked_experts(x, idx, w, w_up, w_down, moe=moe, num_chunks=4)
     want = run_experts(x, w, build_routing_index(idx, E), w_up, w_down)
-    _assert_chunked_close(got, want.detach(), "out")
+    assert_chunked_close(got, want.detach(), "out")

@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import ChunkConfig, MoEConfig, format_bytes
 from memfine.schedule import memory_model
-from memfine.schedule.policy import ChunkPolicy, format_bytes, identity_agreement
+from memfine.schedule.policy import ChunkPolicy, identity_agreement
 
 MOE = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
 T, DTYPE_BYTES = 2048, 4
@@ -147,8 +147,8 @@ def test_identity_agreement() -> None:
     (3 * 2**29, "1610612736 bytes (1.50 GiB)"),
     (1000, "1000 bytes (0.00 MiB)"),
 ])
-def test_format_bytes(num_bytes: int, text: str) -> None:
-    assert format_bytes(num_bytes) == text
+def test_format_bytes_exact(num_bytes: int, text: str) -> None:
+    assert format_bytes(num_bytes, exact=True) == text
 
 
 def test_negative_rows_rejected() -> None:

@@ -27,7 +27,7 @@ import torch
 from memfine.cli.benchsuites import SUITE_MODULES, SUITES, BenchOptions, select_methods
 from memfine.cli.benchsuites.options import DEVICES, DTYPES, TABLE1
 from memfine.cli.benchsuites.output import plot_points, print_point
-from memfine.measure.harness import collect_environment, result_rows, write_csv
+from memfine.measure.results import collect_environment, result_rows, write_csv
 from memfine.schedule.planner import parse_bytes
 
 

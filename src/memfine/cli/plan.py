@@ -19,9 +19,10 @@ import argparse
 import dataclasses
 import json
 import sys
+from collections.abc import Sequence
 from typing import Any
 
-from memfine.measure.report import format_bytes
+from memfine.config import format_bytes
 from memfine.schedule.model_memory import (
     DTYPE_BYTES,
     EXPERT_MODELS,
@@ -51,6 +52,26 @@ _SIZE_FLAGS = (
      "(default: GQA projections)"),
     ("--vocab-size", "vocab_size", "V, vocabulary size"),
 )
+# (flag, help, type, choices) of the run settings; the flag's dest keys _DEFAULTS.
+_SETTING_FLAGS: tuple[tuple[str, str, type | None, Sequence[str] | None], ...] = (
+    ("--device-memory", "device memory M_device, e.g. 64GiB", None, None),
+    ("--alpha", "usable fraction α of device memory", float, None),
+    ("--micro-batch", "b, sequences per micro-batch", int, None),
+    ("--seq-len", "s, tokens per sequence", int, None),
+    ("--dtype", "activation/parameter dtype", None, sorted(DTYPE_BYTES)),
+    ("--recompute", "recompute mode", None, RECOMPUTE_MODES),
+    ("--t", "tensor-parallel size t", int, None),
+    ("--p", "pipeline-parallel size p", int, None),
+    ("--e", "expert-parallel size e", int, None),
+    ("--dp", "data-parallel size dp", int, None),
+    ("--cp", "context-parallel size cp", int, None),
+    ("--v", "virtual pipeline stages per rank v", int, None),
+    ("--skew", "received rows as multiples of the balanced share s·k, comma-separated; "
+     "'worst' = e·min(k, E/e)/k", None, None),
+    ("--bins", "allowed chunk counts", None, None),
+    ("--grad-bytes", "gradient bytes per parameter", int, None),
+    ("--optimizer-bytes", "optimizer-state bytes per parameter", int, None),
+)
 _UNSET = argparse.SUPPRESS  # a flag not given leaves no attribute: preset, then default
 _REQUIRED_SIZES = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "num_layers",
                    "num_heads")
@@ -73,33 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, _, text in _SIZE_FLAGS:
         parser.add_argument(flag, type=int, default=_UNSET,
                             help=f"{text} (overrides the preset)")
-    parser.add_argument("--device-memory", default=_UNSET,
-                        help=_help("device memory M_device, e.g. 64GiB", "device_memory"))
-    parser.add_argument("--alpha", type=float, default=_UNSET,
-                        help=_help("usable fraction α of device memory", "alpha"))
-    parser.add_argument("--micro-batch", type=int, default=_UNSET,
-                        help=_help("b, sequences per micro-batch", "micro_batch"))
-    parser.add_argument("--seq-len", type=int, default=_UNSET,
-                        help=_help("s, tokens per sequence", "seq_len"))
-    parser.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=_UNSET,
-                        help=_help("activation/parameter dtype", "dtype"))
-    parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default=_UNSET,
-                        help=_help("recompute mode", "recompute"))
-    for name, text in (("t", "tensor-parallel size t"), ("p", "pipeline-parallel size p"),
-                       ("e", "expert-parallel size e"), ("dp", "data-parallel size dp"),
-                       ("cp", "context-parallel size cp"),
-                       ("v", "virtual pipeline stages per rank v")):
-        parser.add_argument(f"--{name}", type=int, default=_UNSET,
-                            help=_help(text, name))
-    parser.add_argument("--skew", default=_UNSET,
-                        help=_help("received rows as multiples of the balanced share s·k, "
-                                   "comma-separated; 'worst' = e·min(k, E/e)/k", "skew"))
-    parser.add_argument("--bins", default=_UNSET,
-                        help=_help("allowed chunk counts", "bins"))
-    parser.add_argument("--grad-bytes", type=int, default=_UNSET,
-                        help=_help("gradient bytes per parameter", "grad_bytes"))
-    parser.add_argument("--optimizer-bytes", type=int, default=_UNSET,
-                        help=_help("optimizer-state bytes per parameter", "optimizer_bytes"))
+    for flag, text, kind, choices in _SETTING_FLAGS:
+        parser.add_argument(flag, type=kind, choices=choices, default=_UNSET,
+                            help=_help(text, flag[2:].replace("-", "_")))
     parser.add_argument("--no-distributed-optimizer", action="store_true",
                         help="keep the full optimizer state on every data-parallel rank")
     parser.add_argument("--static-memory", default=_UNSET,

@@ -18,40 +18,28 @@ method always runs first. A method that raises is recorded with its error and dr
 
 The predictions of a method (its ``predict()`` callable, typically the memory model of
 :mod:`memfine.schedule.memory_model`) are read after its calls, so they may depend on decisions
-taken at run time (e.g. MACT's chunk count). :func:`result_rows` turns the results into CSV rows
-with the STYLE.md §6 schema (:data:`CSV_COLUMNS`); a value that was not measured is written as
-``"not measured"`` and a missing prediction as ``"not modelled"``, never 0 or -1.
+taken at run time (e.g. MACT's chunk count). :func:`memfine.measure.results.result_rows` turns
+the results into CSV rows with the STYLE.md §6 schema.
 
-Units: times in seconds inside the harness and milliseconds in the rows; bytes are ints;
-throughput in tokens/s. The harness imports no other memfine layer (it takes callables).
+Units: times in seconds inside the harness (milliseconds from :meth:`MethodResult.time_ms`); bytes
+are ints; throughput in tokens/s. The harness imports no other memfine layer (it takes
+callables).
 Reference: STYLE.md §6 (benchmarks) and §7 (predicted next to measured).
 """
 
 from __future__ import annotations
 
-import csv
-import datetime
-import importlib.metadata
-import importlib.util
-import json
-import platform
-import subprocess
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from memfine.measure.report import NOT_MEASURED, MemoryReport, measure_memory
+from memfine.measure.report import MemoryReport, measure_memory
 
 MODES = ("fwd", "bwd", "full")
 QUANTILES = (0.2, 0.5, 0.8)
-NOT_MODELLED = "not modelled"
-CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
-               "p50", "p80", "device", "cpu_model", "threads", "torch_version", "triton_version",
-               "memfine_version", "git_sha", "utc_timestamp", "config_json")
 # Errors a method may raise that the harness records instead of stopping the run (alignment
 # rules of torch._grouped_mm, out-of-memory, a backend missing on this device).
 METHOD_ERRORS = (RuntimeError, ValueError, NotImplementedError, ImportError)
@@ -296,155 +284,3 @@ def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
         if method.extras is not None:
             res.extras.update(method.extras())
     return [results[name] for name in names]
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Environment:
-    """Where and with what a benchmark ran (the CSV's environment columns).
-
-    Attributes:
-        device: ``cpu`` or ``cuda:<i> (<GPU name>)``.
-        cpu_model: the CPU's model name.
-        threads: torch intra-op threads.
-        torch_version: ``torch.__version__``.
-        triton_version: installed triton version, or ``not installed``.
-        memfine_version: installed memfine version.
-        git_sha: short commit of the memfine checkout (``-dirty`` with local changes), or
-            ``unknown`` outside a git checkout.
-        utc_timestamp: ISO 8601 UTC time, seconds.
-    """
-
-    device: str
-    cpu_model: str
-    threads: int
-    torch_version: str
-    triton_version: str
-    memfine_version: str
-    git_sha: str
-    utc_timestamp: str
-
-    def line(self) -> str:
-        """One human line: device, CPU, threads, versions, commit, date."""
-        threads = f"{self.threads} thread" + ("s" if self.threads != 1 else "")
-        return (f"{self.device}; CPU {self.cpu_model}; {threads}; torch "
-                f"{self.torch_version}; triton {self.triton_version}; memfine "
-                f"{self.memfine_version} ({self.git_sha}); {self.utc_timestamp}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _version(package: str) -> str:
-    if importlib.util.find_spec(package) is None:
-        return "not installed"
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _git_sha() -> str:
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, text=True,
-                             capture_output=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=here, text=True, capture_output=True, check=True,
-                               timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{sha}-dirty" if dirty else sha
-
-
-def collect_environment(device: str | torch.device = "cpu") -> Environment:
-    """Describe this process's environment (no tensors are allocated)."""
-    dev = torch.device(device)
-    name = str(dev)
-    if dev.type == "cuda":
-        name = f"{dev} ({torch.cuda.get_device_name(dev)})"
-    return Environment(
-        device=name, cpu_model=_cpu_model(), threads=torch.get_num_threads(),
-        torch_version=torch.__version__, triton_version=_version("triton"),
-        memfine_version=_version("memfine"), git_sha=_git_sha(),
-        utc_timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
-
-
-def format_value(value: Value, *, missing: str = NOT_MEASURED) -> str:
-    """CSV text of a value: ints exactly, floats with 6 significant digits, ``None`` as missing."""
-    if value is None:
-        return missing
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"value must be an int, a float or None, got {value!r}")
-    return str(value) if isinstance(value, int) else f"{value:.6g}"
-
-
-def _ratio(num: int | None, den: int | None) -> float | None:
-    return None if num is None or not den else num / den
-
-
-def _metrics(res: MethodResult) -> list[tuple[str, str, str, tuple[Value, ...] | Value]]:
-    """(metric, mode, unit, values) of one result; values a (p20, p50, p80) or one value."""
-    rows: list[tuple[str, str, str, tuple[Value, ...] | Value]] = [
-        ("time", mode, "ms", res.time_ms(mode)) for mode in MODES]
-    rows.append(("tokens_per_s", "full", "tokens/s", res.tokens_per_s()))
-    for item, mode in (("saved_bytes", "fwd"), ("peak_bytes", "full")):
-        measured = getattr(res, item)
-        predicted = res.predicted.get(item)
-        rows += [(item, mode, "bytes", measured),
-                 (f"{item}_predicted", mode, "bytes", predicted),
-                 (f"{item}_predicted_over_measured", mode, "ratio", _ratio(predicted, measured))]
-    rows += [(name, "full", unit, value) for name, (value, unit) in res.extras.items()]
-    return rows
-
-
-def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str, x_value: object,
-                config: Mapping[str, Any], env: Environment) -> list[dict[str, str]]:
-    """CSV rows (:data:`CSV_COLUMNS`) of one benchmark point, one row per method and metric.
-
-    Metrics: ``time`` (ms; modes fwd, bwd, full), ``tokens_per_s`` (tokens/s), ``saved_bytes``
-    and ``peak_bytes`` (bytes), each with ``*_predicted`` (bytes) and
-    ``*_predicted_over_measured`` (ratio), then the method's extras. A single value fills p20,
-    p50 and p80. Missing values read ``not measured``; missing predictions ``not modelled``.
-
-    Args:
-        results: from :func:`run_methods`.
-        benchmark: suite name (e.g. ``experts``).
-        x_name: what varies across points (e.g. ``table1_conf``, ``skew``).
-        x_value: this point's value.
-        config: the point's configuration (shapes, dtype, budget, ...), written as JSON.
-        env: from :func:`collect_environment`.
-    """
-    common = {"benchmark": benchmark, "x_name": x_name, "x_value": str(x_value),
-              "device": env.device, "cpu_model": env.cpu_model, "threads": str(env.threads),
-              "torch_version": env.torch_version, "triton_version": env.triton_version,
-              "memfine_version": env.memfine_version, "git_sha": env.git_sha,
-              "utc_timestamp": env.utc_timestamp,
-              "config_json": json.dumps(dict(config), sort_keys=True, default=str)}
-    rows = []
-    for res in results:
-        for metric, mode, unit, values in _metrics(res):
-            missing = NOT_MODELLED if "_predicted" in metric else NOT_MEASURED
-            triple = values if isinstance(values, tuple) else (values,) * 3
-            p20, p50, p80 = (format_value(v, missing=missing) for v in triple)
-            row = {**common, "provider": res.name, "mode": mode, "metric": metric,
-                   "unit": unit, "p20": p20, "p50": p50, "p80": p80}
-            rows.append({column: row[column] for column in CSV_COLUMNS})
-    return rows
-
-
-def write_csv(rows: Iterable[Mapping[str, str]], path: str | Path) -> Path:
-    """Write rows under the :data:`CSV_COLUMNS` header (parent folders are created)."""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
-    return out

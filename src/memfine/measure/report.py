@@ -19,28 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from memfine.config import NOT_MEASURED, format_bytes
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.measure.saved import SavedTensorsTracker
-
-_MiB, _GiB = 1 << 20, 1 << 30
-NOT_MEASURED = "not measured"
-
-
-def format_bytes(num_bytes: int | None, *, digits: int = 2) -> str:
-    """Human form of a byte count: ``"1.50 GiB"`` from 1 GiB on, else ``"12.25 MiB"``.
-
-    Args:
-        num_bytes: bytes, or ``None`` for a value that was not measured.
-        digits: decimals shown.
-
-    Returns:
-        The string; ``"not measured"`` for ``None``. Units are binary (MiB = 2^20, GiB = 2^30).
-    """
-    if num_bytes is None:
-        return NOT_MEASURED
-    if abs(num_bytes) >= _GiB:
-        return f"{num_bytes / _GiB:.{digits}f} GiB"
-    return f"{num_bytes / _MiB:.{digits}f} MiB"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-_MiB = 1 << 20
+from memfine.config import MiB
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +135,9 @@ class SavedTensorsTracker:
         lines = [f"{'shape':<24} {'dtype':<16} {'count':>5} {'MiB':>10}"]
         for g in self.groups():
             lines.append(f"{str(g.shape):<24} {str(g.dtype):<16} {g.count:>5} "
-                         f"{g.nbytes / _MiB:>10.3f}")
+                         f"{g.nbytes / MiB:>10.3f}")
         lines.append(f"{'total':<24} {'':<16} {len(self._items):>5} "
-                     f"{self.total_bytes / _MiB:>10.3f}")
+                     f"{self.total_bytes / MiB:>10.3f}")
         return "\n".join(lines)
 
 

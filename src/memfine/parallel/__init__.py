@@ -9,8 +9,6 @@ Reference: DESIGN.md §4.
 """
 
 from memfine.parallel.collectives import AllToAllFunction, agree_num_chunks, all_to_all
-from memfine.parallel.combine_rows import CombineRowsFunction, combine_returned_rows
-from memfine.parallel.dispatch_rows import DispatchRowsFunction, dispatch_rows
 from memfine.parallel.experts import ChunkPolicyLike, ExpertParallelExperts, ep_chunk_forward
 from memfine.parallel.grads import clip_grad_norm, is_expert_parameter, sync_gradients
 from memfine.parallel.groups import (
@@ -28,6 +26,7 @@ from memfine.parallel.notify import (
     exchange_counts,
     plan_chunks,
 )
+from memfine.parallel.rows import RowsFunction, combine_returned_rows, dispatch_rows
 from memfine.parallel.state import (
     full_optimizer_state_dict,
     full_state_dict,
@@ -41,12 +40,11 @@ __all__ = [
     "AllToAllFunction",
     "ChunkDispatch",
     "ChunkPolicyLike",
-    "CombineRowsFunction",
-    "DispatchRowsFunction",
     "ExpertCounts",
     "ExpertParallelExperts",
     "ExpertParallelTraining",
     "ParallelContext",
+    "RowsFunction",
     "agree_num_chunks",
     "all_to_all",
     "build_context",

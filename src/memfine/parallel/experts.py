@@ -31,10 +31,9 @@ from torch.utils.checkpoint import checkpoint
 from memfine.config import ChunkConfig, MoEConfig, Recompute
 from memfine.ops import run_experts
 from memfine.parallel.collectives import agree_num_chunks, all_to_all
-from memfine.parallel.combine_rows import combine_returned_rows
-from memfine.parallel.dispatch_rows import dispatch_rows
 from memfine.parallel.groups import ParallelContext, check_expert_sharding
 from memfine.parallel.notify import ChunkDispatch, exchange_counts, plan_chunks
+from memfine.parallel.rows import combine_returned_rows, dispatch_rows
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "experts", "full")
 

@@ -27,7 +27,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from memfine.config import MoEConfig
+from memfine.config import (
+    MoEConfig,
+    _check_bins,
+    _check_choice,
+    _check_float,
+    _check_int,
+    _fail,
+)
 from memfine.schedule.memory_model import expert_row_bytes
 from memfine.schedule.planner import s_prime_max
 from memfine.schedule.presets import ModelPreset
@@ -35,10 +42,6 @@ from memfine.schedule.presets import ModelPreset
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE_MODES = ("none", "full", "experts")
 EXPERT_MODELS = ("paper", "memfine")
-
-
-def _fail(name: str, allowed: str, value: object) -> None:
-    raise ValueError(f"PlanConfig.{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -90,34 +93,25 @@ class PlanConfig:
     def __post_init__(self) -> None:
         for name in ("device_memory_bytes", "micro_batch", "seq_len", "t", "p", "e", "dp", "cp",
                      "v"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                _fail(name, "an int >= 1", value)
-        if not 0 < self.alpha <= 1:
-            _fail("alpha", "in (0, 1]", self.alpha)
-        if self.dtype not in DTYPE_BYTES:
-            _fail("dtype", f"one of {tuple(DTYPE_BYTES)}", self.dtype)
-        if self.recompute not in RECOMPUTE_MODES:
-            _fail("recompute", f"one of {RECOMPUTE_MODES}", self.recompute)
-        if self.expert_model not in EXPERT_MODELS:
-            _fail("expert_model", f"one of {EXPERT_MODELS}", self.expert_model)
+            _check_int(self, name, 1)
+        _check_float(self, "alpha", 0, 1, lo_open=True)
+        _check_choice(self, "dtype", tuple(DTYPE_BYTES))
+        _check_choice(self, "recompute", RECOMPUTE_MODES)
+        _check_choice(self, "expert_model", EXPERT_MODELS)
         if not self.skews or any(not (isinstance(x, (int, float)) and x >= 1) for x in self.skews):
-            _fail("skews", "a non-empty tuple of numbers >= 1", self.skews)
-        bins = self.bins
-        if not bins or bins[0] < 1 or any(a >= b for a, b in zip(bins[:-1], bins[1:], strict=True)):
-            _fail("bins", "a non-empty, strictly increasing tuple of ints >= 1", bins)
+            _fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
+        object.__setattr__(self, "bins", _check_bins(self))
         m = self.model
         if m.num_experts % self.e:
-            _fail("e", f"a divisor of num_experts={m.num_experts}", self.e)
+            _fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
         if (self.t * self.dp * self.cp) % self.e:
-            _fail("e", f"a divisor of t·dp·cp={self.t * self.dp * self.cp}", self.e)
+            _fail(self, "e", f"a divisor of t·dp·cp={self.t * self.dp * self.cp}", self.e)
         if m.num_layers < self.p * self.v:
-            _fail("p", f"with v such that p·v <= num_layers={m.num_layers}", self.p)
-        if self.grad_bytes < 0 or self.optimizer_bytes < 0:
-            _fail("grad_bytes", "and optimizer_bytes >= 0", (self.grad_bytes,
-                                                            self.optimizer_bytes))
-        if self.static_bytes is not None and self.static_bytes < 0:
-            _fail("static_bytes", "None or >= 0", self.static_bytes)
+            _fail(self, "p", f"with v such that p·v <= num_layers={m.num_layers}", self.p)
+        _check_int(self, "grad_bytes", 0)
+        _check_int(self, "optimizer_bytes", 0)
+        if self.static_bytes is not None:
+            _check_int(self, "static_bytes", 0)
 
     @property
     def dtype_bytes(self) -> int:

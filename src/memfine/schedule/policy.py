@@ -21,7 +21,7 @@ import math
 import warnings
 from collections.abc import Callable
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import ChunkConfig, MoEConfig, format_bytes
 from memfine.schedule import memory_model
 from memfine.schedule.planner import choose_num_chunks, s_prime_max
 
@@ -35,19 +35,9 @@ all ranks reach the same verdict). It must return the maximum over the group (an
 the return value is used as is.
 """
 
-_MiB, _GiB = 1 << 20, 1 << 30
-
-
 def identity_agreement(num_chunks: int) -> int:
     """The single-process agreement: return ``num_chunks`` unchanged."""
     return num_chunks
-
-
-def format_bytes(num_bytes: int) -> str:
-    """``'<bytes> bytes (<x> MiB)'`` or ``(<x> GiB)`` from 1 GiB on; MiB = 2^20, GiB = 2^30."""
-    if num_bytes >= _GiB:
-        return f"{num_bytes} bytes ({num_bytes / _GiB:.2f} GiB)"
-    return f"{num_bytes} bytes ({num_bytes / _MiB:.2f} MiB)"
 
 
 class ChunkPolicy:
@@ -179,11 +169,12 @@ class ChunkPolicy:
             need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
             reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk need "
                       f"c={local} > largest bin {bins[-1]}; the smallest feasible budget is "
-                      f"{format_bytes(need)}")
+                      f"{format_bytes(need, exact=True)}")
         else:
             reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
                       f"bin {bins[-1]}")
-        msg = (f"ChunkConfig.memory_budget_bytes={format_bytes(budget)} cannot be met: {reason}")
+        msg = (f"ChunkConfig.memory_budget_bytes={format_bytes(budget, exact=True)} cannot be "
+               f"met: {reason}")
         if not self.config.allow_over_budget:
             raise ValueError(msg + "; raise the budget, add a larger bin, or set "
                              "allow_over_budget to run with the largest bin")

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from memfine.config import _lookup
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PaperSetting:
@@ -102,6 +104,20 @@ def _gqa_params(d: int, heads: int, kv_heads: int, head_dim: int) -> int:
     return 2 * d * heads * head_dim + 2 * d * kv_heads * head_dim
 
 
+def _gqa(name: str, *, d: int, n: int, E: int, k: int, L: int, heads: int, kv_heads: int, V: int,
+         source: str, norm_params: int = 0, head_dim: int = 128) -> ModelPreset:
+    """A model of MoE layers only (no dense or shared experts) with grouped-query attention.
+
+    ``norm_params``: parameters of the norms inside the attention block (e.g. q/k norms).
+    """
+    return ModelPreset(
+        name=name, hidden_size=d, moe_intermediate_size=n, num_experts=E, top_k=k,
+        num_layers=L, num_dense_layers=0, dense_intermediate_size=0, num_shared_experts=0,
+        shared_intermediate_size=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        attention_params=_gqa_params(d, heads, kv_heads, head_dim) + norm_params,
+        vocab_size=V, tied_embeddings=False, source=source)
+
+
 # DeepSeek-V3 multi-head latent attention: q_a (d×1536), q_b (1536×a·192), kv_a (d×(512+64)),
 # kv_b (512×a·(128+128)), o (a·128×d), plus the q_a and kv_a norms.
 _MLA_PARAMS = (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
@@ -130,24 +146,13 @@ def _paper_setting(p: int, static_memory: str | None) -> PaperSetting:
 
 PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
     "deepseek-v3": _deepseek("deepseek-v3", 61, "DeepSeek-V3 config.json (61 layers, 3 dense)"),
-    "qwen3-30b-a3b": ModelPreset(
-        name="qwen3-30b-a3b", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
-        top_k=8, num_layers=48, num_dense_layers=0, dense_intermediate_size=0,
-        num_shared_experts=0, shared_intermediate_size=0, num_heads=32, num_kv_heads=4,
-        head_dim=128, attention_params=_gqa_params(2048, 32, 4, 128) + 2 * 128,
-        vocab_size=151936, tied_embeddings=False, source="Qwen3-30B-A3B config.json"),
-    "mixtral-8x7b": ModelPreset(
-        name="mixtral-8x7b", hidden_size=4096, moe_intermediate_size=14336, num_experts=8,
-        top_k=2, num_layers=32, num_dense_layers=0, dense_intermediate_size=0,
-        num_shared_experts=0, shared_intermediate_size=0, num_heads=32, num_kv_heads=8,
-        head_dim=128, attention_params=_gqa_params(4096, 32, 8, 128), vocab_size=32000,
-        tied_embeddings=False, source="Mixtral-8x7B config.json"),
-    "olmoe-1b-7b": ModelPreset(
-        name="olmoe-1b-7b", hidden_size=2048, moe_intermediate_size=1024, num_experts=64,
-        top_k=8, num_layers=16, num_dense_layers=0, dense_intermediate_size=0,
-        num_shared_experts=0, shared_intermediate_size=0, num_heads=16, num_kv_heads=16,
-        head_dim=128, attention_params=_gqa_params(2048, 16, 16, 128) + 2 * 2048,
-        vocab_size=50304, tied_embeddings=False, source="OLMoE-1B-7B-0924 config.json"),
+    "qwen3-30b-a3b": _gqa("qwen3-30b-a3b", d=2048, n=768, E=128, k=8, L=48, heads=32,
+                          kv_heads=4, V=151936, norm_params=2 * 128,
+                          source="Qwen3-30B-A3B config.json"),
+    "mixtral-8x7b": _gqa("mixtral-8x7b", d=4096, n=14336, E=8, k=2, L=32, heads=32, kv_heads=8,
+                         V=32000, source="Mixtral-8x7B config.json"),
+    "olmoe-1b-7b": _gqa("olmoe-1b-7b", d=2048, n=1024, E=64, k=8, L=16, heads=16, kv_heads=16,
+                        V=50304, norm_params=2 * 2048, source="OLMoE-1B-7B-0924 config.json"),
     "memfine-paper-I": _deepseek(
         "memfine-paper-I", 16, "MemFine Table 3 model I: DeepSeek-V3 cut to 16 layers",
         _paper_setting(p=2, static_memory=None)),
@@ -163,6 +168,4 @@ def get_preset(name: str) -> ModelPreset:
     Raises:
         ValueError: on an unknown name (the message lists the presets).
     """
-    if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]
+    return _lookup(PRESETS, name, "preset")

@@ -8,38 +8,36 @@ test: a few seconds for tens of steps.
 
 from __future__ import annotations
 
-from memfine.config import ModelConfig, MoEConfig, TrainConfig
+from types import MappingProxyType
+from typing import Any
+
+from memfine.config import ModelConfig, MoEConfig, TrainConfig, _lookup
 
 DEFAULT_PRESET = "small"
 
 
-def _tiny() -> TrainConfig:
-    model = ModelConfig(num_layers=2, num_heads=2, max_seq_len=64,
-                        moe=MoEConfig(hidden_size=64, intermediate_size=64, num_experts=4,
-                                      top_k=2))
-    return TrainConfig(model=model, seq_len=64, batch_size=8, max_steps=200, lr=3e-3,
-                       warmup_steps=10, eval_every=50, eval_batches=2, log_every=1,
-                       sample_tokens=100)
+def _preset(*, num_layers: int, num_heads: int, width: int, num_experts: int, seq_len: int,
+            **train: Any) -> TrainConfig:
+    """Square experts (n = d), top-2 routing, context = ``seq_len``; ``train``: the rest."""
+    moe = MoEConfig(hidden_size=width, intermediate_size=width, num_experts=num_experts, top_k=2)
+    model = ModelConfig(num_layers=num_layers, num_heads=num_heads, max_seq_len=seq_len, moe=moe)
+    return TrainConfig(model=model, seq_len=seq_len, **train)
 
 
-def _small() -> TrainConfig:
-    model = ModelConfig(num_layers=4, num_heads=4, max_seq_len=128,
-                        moe=MoEConfig(hidden_size=128, intermediate_size=128, num_experts=8,
-                                      top_k=2))
-    return TrainConfig(model=model, seq_len=128, batch_size=32, max_steps=400, lr=2e-3,
-                       warmup_steps=40, eval_every=80, eval_batches=8, log_every=10,
-                       sample_tokens=300)
-
-
-PRESETS = {"tiny": _tiny, "small": _small}
+PRESETS: MappingProxyType[str, TrainConfig] = MappingProxyType({
+    "tiny": _preset(num_layers=2, num_heads=2, width=64, num_experts=4, seq_len=64,
+                    batch_size=8, max_steps=200, lr=3e-3, warmup_steps=10, eval_every=50,
+                    eval_batches=2, log_every=1, sample_tokens=100),
+    "small": _preset(num_layers=4, num_heads=4, width=128, num_experts=8, seq_len=128,
+                     batch_size=32, max_steps=400, lr=2e-3, warmup_steps=40, eval_every=80,
+                     eval_batches=8, log_every=10, sample_tokens=300),
+})
 
 
 def preset(name: str) -> TrainConfig:
-    """Return the :class:`TrainConfig` of preset ``name``.
+    """Return the :class:`TrainConfig` of preset ``name`` (frozen; derive others with ``replace``).
 
     Raises:
         ValueError: on an unknown name (the message lists the presets).
     """
-    if name not in PRESETS:
-        raise ValueError(f"preset must be one of {sorted(PRESETS)}, got {name!r}")
-    return PRESETS[name]()
+    return _lookup(PRESETS, name, "preset")

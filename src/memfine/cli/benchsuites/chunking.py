@@ -46,9 +46,8 @@ from memfine.cli.benchsuites.options import (
     announce,
     resolve_shapes,
 )
-from memfine.config import ChunkConfig
+from memfine.config import ChunkConfig, format_bytes
 from memfine.measure.harness import run_methods
-from memfine.measure.report import format_bytes
 
 NAME = "chunking"
 METHODS = ("full_recompute", "fixed_c8", "mact", "no_recompute")

@@ -27,24 +27,17 @@ import torch
 from memfine.cli.benchsuites.layers import (
     CheckpointedLayer,
     ExpertLoopMoELayer,
-    add_ratios,
+    ShapeRun,
     base_layer,
     half_rows_budget,
     layer_inputs,
     layer_method,
+    shape_points,
     sharing,
 )
-from memfine.cli.benchsuites.options import (
-    BenchOptions,
-    LayerShape,
-    Point,
-    announce,
-    resolve_shapes,
-    table1_shape,
-)
-from memfine.config import ChunkConfig, MoEConfig
-from memfine.measure.harness import Method, run_methods
-from memfine.measure.report import format_bytes
+from memfine.cli.benchsuites.options import BenchOptions, LayerShape, Point
+from memfine.config import ChunkConfig, MoEConfig, format_bytes
+from memfine.measure.harness import Method
 
 NAME = "experts"
 METHODS = ("plain", "expert_loop", "grouped_mm", "fused", "fused_mact", "full_recompute")
@@ -92,18 +85,12 @@ def build_methods(shape: LayerShape, opts: BenchOptions, device: torch.device,
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point per shape."""
-    dt = torch.empty((), dtype=opts.torch_dtype).element_size()
-    defaults = [table1_shape(c, opts.scale_down) for c in DEFAULT_CONFS]
-    for shape in resolve_shapes(opts, defaults, QUICK):
-        announce(NAME, shape.label(), opts, len(names))
+
+    def build(shape: LayerShape) -> ShapeRun:
         methods, budget = build_methods(shape, opts, device, names)
-        results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
-        add_ratios(results, floor_bytes=shape.floor_bytes(dt),
-                   budget_bytes={"fused_mact": budget})
-        config = {**shape.to_dict(), "dtype": opts.dtype, "activation": "swiglu",
-                  "budget_bytes": budget, "scale_down": opts.scale_down,
-                  "floor_bytes": shape.floor_bytes(dt)}
-        label = (f"{shape.label()} {opts.dtype}; MACT budget {format_bytes(budget)}; "
-                 f"x + H floor {format_bytes(shape.floor_bytes(dt))}")
-        yield Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
-                    config=config, results=results, reference=REFERENCE)
+        return (methods, {"activation": "swiglu", "budget_bytes": budget},
+                f"{shape.label()} {opts.dtype}; MACT budget {format_bytes(budget)}",
+                {"fused_mact": budget})
+
+    yield from shape_points(NAME, opts, device, names, confs=DEFAULT_CONFS, quick=QUICK,
+                            reference=REFERENCE, build=build)

@@ -25,24 +25,15 @@ from typing import Any
 import torch
 
 from memfine._optional import is_available
-from memfine.cli.benchsuites.layers import add_ratios
-from memfine.cli.benchsuites.options import (
-    BenchOptions,
-    LayerShape,
-    Point,
-    announce,
-    resolve_shapes,
-    table1_shape,
-)
-from memfine.measure.harness import Method, run_methods
-from memfine.measure.report import format_bytes
+from memfine.cli.benchsuites.experts import QUICK
+from memfine.cli.benchsuites.layers import ShapeRun, shape_points
+from memfine.cli.benchsuites.options import BenchOptions, LayerShape, Point
+from memfine.measure.harness import Method
 
 NAME = "hf"
 METHODS = ("hf_eager", "hf_grouped_mm", "memfine", "memfine_c4")
 REFERENCE = "memfine"
 DEFAULT_CONFS = (1, 5)
-QUICK = LayerShape(name="quick", tokens=64, hidden_size=64, intermediate_size=128,
-                   num_experts=4, top_k=2)
 
 
 def available() -> bool:
@@ -66,8 +57,10 @@ def make_experts(shape: LayerShape, opts: BenchOptions, device: torch.device) ->
     return experts.to(device=device, dtype=opts.torch_dtype)
 
 
-def _inputs(shape: LayerShape, opts: BenchOptions, device: torch.device
-            ) -> dict[str, torch.Tensor]:
+def make_inputs(shape: LayerShape, opts: BenchOptions, device: torch.device
+                ) -> dict[str, torch.Tensor]:
+    """Hidden states x (T, d), a renormalised softmax top-k routing (index (T, k) int64,
+    weights (T, k)) and the incoming gradient (T, d); x and the weights require grad."""
     gen = torch.Generator().manual_seed(opts.seed + 1)
     T, D, E, K = shape.tokens, shape.hidden_size, shape.num_experts, shape.top_k
     x_TD = torch.randn(T, D, generator=gen)
@@ -114,17 +107,12 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
     if not available():
         print("hf: skipped: transformers is not installed (pip install 'memfine[hf]')")
         return
-    dt = torch.empty((), dtype=opts.torch_dtype).element_size()
-    defaults = [table1_shape(c, opts.scale_down) for c in DEFAULT_CONFS]
-    for shape in resolve_shapes(opts, defaults, QUICK):
-        announce(NAME, shape.label(), opts, len(names))
+
+    def build(shape: LayerShape) -> ShapeRun:
         experts = make_experts(shape, opts, device)
-        methods = build_methods(experts, _inputs(shape, opts, device), names)
-        results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
-        add_ratios(results, floor_bytes=shape.floor_bytes(dt))
-        config = {**shape.to_dict(), "dtype": opts.dtype, "module": "Qwen3MoeExperts",
-                  "floor_bytes": shape.floor_bytes(dt), "scale_down": opts.scale_down}
-        label = (f"transformers Qwen3MoeExperts, {shape.label()} {opts.dtype}; x + H floor "
-                 f"{format_bytes(shape.floor_bytes(dt))}")
-        yield Point(suite=NAME, x_name="shape", x_value=shape.name, label=label,
-                    config=config, results=results, reference=REFERENCE)
+        methods = build_methods(experts, make_inputs(shape, opts, device), names)
+        return (methods, {"module": "Qwen3MoeExperts"},
+                f"transformers Qwen3MoeExperts, {shape.label()} {opts.dtype}", {})
+
+    yield from shape_points(NAME, opts, device, names, confs=DEFAULT_CONFS, quick=QUICK,
+                            reference=REFERENCE, build=build)

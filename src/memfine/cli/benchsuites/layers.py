@@ -8,8 +8,8 @@ exist before (:func:`memfine.schedule.memory_model.moe_layer_memory`).
 
 Baselines written here (not part of memfine's API):
 
-- :class:`ExpertLoopMoELayer`: the per-expert Python loop with index masks of transformers'
-  ``eager`` experts (gather, two matmuls, weighted ``index_add_``);
+- :func:`expert_loop` and :class:`ExpertLoopMoELayer`: the per-expert Python loop with index
+  masks of transformers' ``eager`` experts (gather, two matmuls, weighted ``index_add_``);
 - :class:`CheckpointedLayer`: ``torch.utils.checkpoint`` (non-reentrant) around the whole layer,
   router included, as full activation checkpointing of a layer does.
 
@@ -20,19 +20,59 @@ Reference: DESIGN.md §5 (memory per scheme), §7 (what users compare with).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfine.cli.benchsuites.options import LayerShape
-from memfine.config import ChunkConfig, MoEConfig
-from memfine.measure.harness import Extra, Method
+from memfine.cli.benchsuites.options import (
+    BenchOptions,
+    LayerShape,
+    Point,
+    announce,
+    resolve_shapes,
+    table1_shape,
+)
+from memfine.config import ChunkConfig, MoEConfig, format_bytes
+from memfine.measure.harness import Extra, Method, run_methods
 from memfine.nn import MoELayer
 from memfine.ops.activations import apply_activation
 from memfine.schedule import memory_model
 from memfine.schedule.policy import ChunkPolicy
+
+
+def expert_loop(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, activation: str = "swiglu"
+                ) -> torch.Tensor:
+    """Per expert: rows by mask → up-projection → activation → down-projection → index_add_.
+
+    The per-expert Python loop most PyTorch MoE code writes (transformers ``eager`` style).
+
+    Args:
+        x_TD: (T, d) input rows.
+        top_k_index: (T, k) int64 expert of each slot.
+        top_k_weights: (T, k) routing weights (cast to x's dtype).
+        w_up_EDG: (E, d, G) up-projection weights. w_down_END: (E, n, d) down-projection weights.
+        activation: the expert activation.
+
+    Returns:
+        (T, d) new tensor.
+
+    Memory: autograd saves, per expert, the gathered rows, H, the activation's tensors, the
+    output rows and the weights (as the plain path, plus the per-expert index tensors).
+    """
+    weights_TK = top_k_weights.to(x_TD.dtype)
+    out_TD = torch.zeros_like(x_TD)
+    for e in range(w_up_EDG.shape[0]):
+        token_R, slot_R = torch.where(top_k_index == e)
+        if token_R.numel() == 0:
+            continue
+        a_RN = apply_activation(x_TD[token_R] @ w_up_EDG[e], activation)
+        y_RD = (a_RN @ w_down_END[e]) * weights_TK[token_R, slot_R, None]
+        out_TD.index_add_(0, token_R, y_RD)
+    return out_TD
 
 
 class ExpertLoopMoELayer(MoELayer):
@@ -40,22 +80,9 @@ class ExpertLoopMoELayer(MoELayer):
 
     def run_experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Per expert: rows by mask → up-projection → activation → down-projection → index_add_.
-
-        Memory: autograd saves, per expert, the gathered rows, H, the activation's tensors, the
-        output rows and the weights (as the plain path, plus the per-expert index tensors).
-        """
-        w_up_EDG, w_down_END = self.experts.w_up, self.experts.w_down
-        weights_TK = top_k_weights.to(x_TD.dtype)
-        out_TD = torch.zeros_like(x_TD)
-        for e in range(self.config.num_experts):
-            token_R, slot_R = torch.where(top_k_index == e)
-            if token_R.numel() == 0:
-                continue
-            a_RN = apply_activation(x_TD[token_R] @ w_up_EDG[e], self.config.activation)
-            y_RD = (a_RN @ w_down_END[e]) * weights_TK[token_R, slot_R, None]
-            out_TD.index_add_(0, token_R, y_RD)
-        return out_TD, 1
+        """:func:`expert_loop` over the layer's expert weights; one chunk."""
+        return expert_loop(x_TD, top_k_index, top_k_weights, self.experts.w_up,
+                           self.experts.w_down, self.config.activation), 1
 
 
 class CheckpointedLayer(nn.Module):
@@ -186,3 +213,44 @@ def add_ratios(results: list[Any], *, floor_bytes: int | None = None,
         budget = (budget_bytes or {}).get(res.name)
         if budget and res.peak_bytes is not None:
             res.extras["peak_over_budget"] = (res.peak_bytes / budget, "ratio")
+
+
+ShapeRun = tuple[list[Method], dict[str, Any], str, dict[str, int]]
+"""What a suite builds for one shape: ``(methods, config, label, budgets)``: the methods to run,
+config entries beyond the shape's, the point's label (the x + H floor is appended) and the MACT
+budget of each budgeted method (bytes)."""
+ShapeBuild = Callable[[LayerShape], ShapeRun]
+
+
+def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tuple[str, ...],
+                 *, confs: tuple[int, ...], quick: LayerShape, reference: str,
+                 build: ShapeBuild) -> Iterator[Point]:
+    """Run a layer suite over its shapes: one point per shape, x_name ``shape``.
+
+    Args:
+        suite: the suite's name.
+        opts: the run's options (shapes, dtype, repeats, warm-up).
+        device: where the methods run.
+        names: the selected methods (for the progress line).
+        confs: the default shapes, as MoEBlaze Table 1 rows.
+        quick: the shape of ``--quick``.
+        reference: the method the terminal table's ratios are taken against.
+        build: builds the methods of one shape (see :data:`ShapeBuild`).
+
+    Yields:
+        One :class:`Point` per shape, with ``saved_over_floor`` (and ``peak_over_budget`` for the
+        budgeted methods) added to the results.
+    """
+    dt = torch.empty((), dtype=opts.torch_dtype).element_size()
+    defaults = [table1_shape(c, opts.scale_down) for c in confs]
+    for shape in resolve_shapes(opts, defaults, quick):
+        announce(suite, shape.label(), opts, len(names))
+        floor = shape.floor_bytes(dt)
+        methods, config, label, budgets = build(shape)
+        results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
+        add_ratios(results, floor_bytes=floor, budget_bytes=budgets)
+        yield Point(suite=suite, x_name="shape", x_value=shape.name,
+                    label=f"{label}; x + H floor {format_bytes(floor)}",
+                    config={**shape.to_dict(), "dtype": opts.dtype, "scale_down": opts.scale_down,
+                            "floor_bytes": floor, **config},
+                    results=results, reference=reference)

@@ -26,9 +26,8 @@ import torch
 
 from memfine.cli.benchsuites.layers import half_rows_budget
 from memfine.cli.benchsuites.options import BenchOptions, Point, announce
-from memfine.config import ChunkConfig, ModelConfig, MoEConfig
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig, format_bytes
 from memfine.measure.harness import Extra, Method, run_methods
-from memfine.measure.report import format_bytes
 from memfine.nn import MoETransformerLM
 from memfine.train.presets import preset
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from memfine.config import _check_choice, _fail
+
 SUITES = ("experts", "chunking", "model", "hf")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -31,10 +33,6 @@ TABLE1: dict[int, tuple[int, int, int, int, int]] = {
     7: (2048, 8, 4, 16, 512),
 }
 SIZE_FIELDS = ("tokens", "hidden_size", "intermediate_size", "num_experts", "top_k")
-
-
-def _fail(name: str, allowed: str, value: object) -> None:
-    raise ValueError(f"BenchOptions.{name} must be {allowed}, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -82,24 +80,23 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         if not self.suites or any(s not in SUITES for s in self.suites):
-            _fail("suites", f"a non-empty subset of {SUITES}", self.suites)
+            _fail(self, "suites", f"a non-empty subset of {SUITES}", self.suites)
         if any(c not in TABLE1 for c in self.configs):
-            _fail("configs", f"Table 1 rows in {sorted(TABLE1)}", self.configs)
+            _fail(self, "configs", f"Table 1 rows in {sorted(TABLE1)}", self.configs)
         for name in ("scale_down", "repeats", *SIZE_FIELDS, "threads", "budget_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
-                _fail(name, "an int >= 1" + ("" if name in ("scale_down", "repeats")
-                                             else " or None"), value)
+                _fail(self, name, "an int >= 1" + ("" if name in ("scale_down", "repeats")
+                                                   else " or None"), value)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            _fail("warmup", "an int >= 0", self.warmup)
-        if self.dtype not in DTYPES:
-            _fail("dtype", f"one of {DTYPES}", self.dtype)
+            _fail(self, "warmup", "an int >= 0", self.warmup)
+        _check_choice(self, "dtype", DTYPES)
         if self.device not in ("cpu", "cuda"):
-            _fail("device", "'cpu' or 'cuda'", self.device)
+            _fail(self, "device", "'cpu' or 'cuda'", self.device)
         if not self.skew_levels or any(s < 1 for s in self.skew_levels) or list(
                 self.skew_levels) != sorted(set(self.skew_levels)):
-            _fail("skew_levels", "strictly increasing ints >= 1", self.skew_levels)
+            _fail(self, "skew_levels", "strictly increasing ints >= 1", self.skew_levels)
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -13,16 +13,16 @@ from pathlib import Path
 from typing import Any
 
 from memfine.cli.benchsuites.options import Point
-from memfine.measure.harness import NOT_MODELLED, MethodResult
-from memfine.measure.report import NOT_MEASURED
+from memfine.config import NOT_MEASURED, MiB
+from memfine.measure.harness import MethodResult
+from memfine.measure.results import NOT_MODELLED
 
-_MiB = float(1 << 20)
 HEADERS = ("method", "fwd+bwd ms", "p20-p80 ms", "÷ ref", "tokens/s", "saved MiB", "model MiB",
            "peak MiB", "model MiB", "peak ÷ ref", "c")
 
 
 def _mib(value: int | None, missing: str = NOT_MEASURED) -> str:
-    return missing if value is None else f"{value / _MiB:.2f}"
+    return missing if value is None else f"{value / MiB:.2f}"
 
 
 def _ratio(a: float | None, b: float | None) -> str:
@@ -98,6 +98,15 @@ def _pyplot() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
+    """Title, lay out, write and close a figure; return its path."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def _methods(points: Sequence[Point]) -> list[str]:
     return list(dict.fromkeys(r.name for p in points for r in p.results))
 
@@ -147,11 +156,7 @@ def plot_time(plt: Any, points: Sequence[Point], path: Path) -> Path:
     _bars(ax, points, names, p50, errors=lambda r: (r.time_ms()[0], r.time_ms()[2]))
     ax.set_ylabel("forward + backward, ms (p50; whiskers p20-p80)")
     ax.legend(fontsize=8, ncol=3)
-    fig.suptitle(f"memfine bench {points[0].suite}: time")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"memfine bench {points[0].suite}: time", path)
 
 
 def plot_memory(plt: Any, points: Sequence[Point], path: Path) -> Path:
@@ -162,20 +167,17 @@ def plot_memory(plt: Any, points: Sequence[Point], path: Path) -> Path:
                             (axes[1], "peak_bytes", "peak live bytes (fwd + bwd), MiB")):
         def measured(r: MethodResult, item: str = item) -> float | None:
             v = getattr(r, item)
-            return None if v is None else v / _MiB
+            return None if v is None else v / MiB
 
         def predicted(r: MethodResult, item: str = item) -> float | None:
             v = r.predicted.get(item)
-            return None if v is None else v / _MiB
+            return None if v is None else v / MiB
 
         _bars(ax, points, names, measured, predicted=predicted)
         ax.set_ylabel(label)
     axes[1].legend(fontsize=8, ncol=2)
-    fig.suptitle(f"memfine bench {points[0].suite}: memory (measured bars, model ticks)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"memfine bench {points[0].suite}: memory (measured bars, model ticks)",
+                 path)
 
 
 def plot_predicted(plt: Any, points: Sequence[Point], path: Path) -> Path | None:
@@ -186,7 +188,7 @@ def plot_predicted(plt: Any, points: Sequence[Point], path: Path) -> Path | None
             for item in ("saved_bytes", "peak_bytes"):
                 pred, meas = r.predicted.get(item), getattr(r, item)
                 if pred is not None and meas is not None and pred > 0 and meas > 0:
-                    pairs.append((r.name, item, meas / _MiB, pred / _MiB))
+                    pairs.append((r.name, item, meas / MiB, pred / MiB))
     if not pairs:
         return None
     fig, ax = plt.subplots(figsize=(6, 6))
@@ -205,11 +207,7 @@ def plot_predicted(plt: Any, points: Sequence[Point], path: Path) -> Path | None
     ax.set_xlabel("measured, MiB")
     ax.set_ylabel("memory model, MiB")
     ax.legend(fontsize=8, title="o saved, ^ peak", title_fontsize=8)
-    fig.suptitle(f"memfine bench {points[0].suite}: predicted vs measured")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, f"memfine bench {points[0].suite}: predicted vs measured", path)
 
 
 def plot_skew(plt: Any, points: Sequence[Point], path: Path) -> Path:
@@ -222,14 +220,14 @@ def plot_skew(plt: Any, points: Sequence[Point], path: Path) -> Path:
         peaks = [None if r is None else r.peak_bytes for r in found]
         times = [None if r is None or r.time_ms() is None else r.time_ms()[1]  # type: ignore[index]
                  for r in found]
-        for ax, ys, scale in ((axes[0], peaks, 1 / _MiB), (axes[1], times, 1.0)):
+        for ax, ys, scale in ((axes[0], peaks, 1 / MiB), (axes[1], times, 1.0)):
             xy = [(s, y * scale) for s, y in zip(skews, ys, strict=True) if y is not None]
             if xy:
                 ax.plot(*zip(*xy, strict=True), marker="os^D"[i % 4], color=f"C{i}",
                         linestyle=("-", "--", ":", "-.")[i % 4], label=name)
     budget = points[0].config.get("budget_bytes")
     if budget:
-        axes[0].axhline(budget / _MiB, color="black", linestyle="--", label="MACT budget")
+        axes[0].axhline(budget / MiB, color="black", linestyle="--", label="MACT budget")
     axes[0].set_ylabel("peak live bytes, MiB")
     axes[1].set_ylabel("forward + backward p50, ms")
     for ax in axes:
@@ -237,11 +235,7 @@ def plot_skew(plt: Any, points: Sequence[Point], path: Path) -> Path:
         ax.set_xticks(skews, [p.x_value for p in points])
         ax.set_xlabel("received rows ÷ balanced share (skew)")
     axes[0].legend(fontsize=8)
-    fig.suptitle("memfine bench chunking: memory and time vs routing skew")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, "memfine bench chunking: memory and time vs routing skew", path)
 
 
 def plot_points(points: Sequence[Point], out_dir: Path, suite: str) -> list[Path]:

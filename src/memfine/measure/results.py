@@ -1,0 +1,218 @@
+"""Benchmark results as CSV rows: the STYLE.md §6 schema and the environment a run had.
+
+:func:`result_rows` turns the results of :func:`memfine.measure.harness.run_methods` into rows of
+:data:`CSV_COLUMNS`; :func:`csv_row` builds one row of a metric a script measures itself; both
+carry the :class:`Environment` (device, CPU, threads, torch/triton/memfine versions, git SHA, UTC
+time) of :func:`collect_environment`. A value that was not measured is written as
+``"not measured"`` and a missing prediction as ``"not modelled"``, never 0 or -1.
+
+Units: times in milliseconds; bytes are ints; throughput in tokens/s.
+Reference: STYLE.md §6 (benchmarks) and §7 (predicted next to measured).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+import importlib.metadata
+import importlib.util
+import json
+import platform
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfine.config import NOT_MEASURED
+from memfine.measure.harness import MODES, MethodResult, Value
+
+NOT_MODELLED = "not modelled"
+CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
+               "p50", "p80", "device", "cpu_model", "threads", "torch_version", "triton_version",
+               "memfine_version", "git_sha", "utc_timestamp", "config_json")
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Environment:
+    """Where and with what a benchmark ran (the CSV's environment columns).
+
+    Attributes:
+        device: ``cpu`` or ``cuda:<i> (<GPU name>)``.
+        cpu_model: the CPU's model name.
+        threads: torch intra-op threads.
+        torch_version: ``torch.__version__``.
+        triton_version: installed triton version, or ``not installed``.
+        memfine_version: installed memfine version.
+        git_sha: short commit of the memfine checkout (``-dirty`` with local changes), or
+            ``unknown`` outside a git checkout.
+        utc_timestamp: ISO 8601 UTC time, seconds.
+    """
+
+    device: str
+    cpu_model: str
+    threads: int
+    torch_version: str
+    triton_version: str
+    memfine_version: str
+    git_sha: str
+    utc_timestamp: str
+
+    def line(self) -> str:
+        """One human line: device, CPU, threads, versions, commit, date."""
+        threads = f"{self.threads} thread" + ("s" if self.threads != 1 else "")
+        return (f"{self.device}; CPU {self.cpu_model}; {threads}; torch "
+                f"{self.torch_version}; triton {self.triton_version}; memfine "
+                f"{self.memfine_version} ({self.git_sha}); {self.utc_timestamp}")
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _version(package: str) -> str:
+    if importlib.util.find_spec(package) is None:
+        return "not installed"
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _git_sha() -> str:
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, text=True,
+                             capture_output=True, check=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=here, text=True, capture_output=True, check=True,
+                               timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return f"{sha}-dirty" if dirty else sha
+
+
+def collect_environment(device: str | torch.device = "cpu") -> Environment:
+    """Describe this process's environment (no tensors are allocated)."""
+    dev = torch.device(device)
+    name = str(dev)
+    if dev.type == "cuda":
+        name = f"{dev} ({torch.cuda.get_device_name(dev)})"
+    return Environment(
+        device=name, cpu_model=_cpu_model(), threads=torch.get_num_threads(),
+        torch_version=torch.__version__, triton_version=_version("triton"),
+        memfine_version=_version("memfine"), git_sha=_git_sha(),
+        utc_timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def format_value(value: Value, *, missing: str = NOT_MEASURED) -> str:
+    """CSV text of a value: ints exactly, floats with 6 significant digits, ``None`` as missing."""
+    if value is None:
+        return missing
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"value must be an int, a float or None, got {value!r}")
+    return str(value) if isinstance(value, int) else f"{value:.6g}"
+
+
+def _ratio(num: int | None, den: int | None) -> float | None:
+    return None if num is None or not den else num / den
+
+
+def _metrics(res: MethodResult) -> list[tuple[str, str, str, tuple[Value, ...] | Value]]:
+    """(metric, mode, unit, values) of one result; values a (p20, p50, p80) or one value."""
+    rows: list[tuple[str, str, str, tuple[Value, ...] | Value]] = [
+        ("time", mode, "ms", res.time_ms(mode)) for mode in MODES]
+    rows.append(("tokens_per_s", "full", "tokens/s", res.tokens_per_s()))
+    for item, mode in (("saved_bytes", "fwd"), ("peak_bytes", "full")):
+        measured = getattr(res, item)
+        predicted = res.predicted.get(item)
+        rows += [(item, mode, "bytes", measured),
+                 (f"{item}_predicted", mode, "bytes", predicted),
+                 (f"{item}_predicted_over_measured", mode, "ratio", _ratio(predicted, measured))]
+    rows += [(name, "full", unit, value) for name, (value, unit) in res.extras.items()]
+    return rows
+
+
+def csv_row(*, benchmark: str, provider: str, mode: str, metric: str, unit: str, x_name: str,
+            x_value: object, values: Sequence[Value] | Value, config: Mapping[str, Any],
+            env: Environment, missing: str = NOT_MEASURED) -> dict[str, str]:
+    """One CSV row (:data:`CSV_COLUMNS`, in order) of one method, metric and point.
+
+    Args:
+        benchmark: suite or script name (e.g. ``experts``).
+        provider: the method's name.
+        mode: ``fwd``, ``bwd`` or ``full``.
+        metric: metric name (e.g. ``time``, ``peak_bytes``).
+        unit: the metric's unit (``ms``, ``bytes``, ``ratio``, ...).
+        x_name: what varies across points. x_value: this point's value.
+        values: (p20, p50, p80), or one value written in all three.
+        config: the point's configuration, written as JSON (keys sorted).
+        env: from :func:`collect_environment`.
+        missing: the text of a ``None`` value.
+    """
+    triple = tuple(values) if isinstance(values, Sequence) else (values,) * 3
+    p20, p50, p80 = (format_value(v, missing=missing) for v in triple)
+    row = {"benchmark": benchmark, "provider": provider, "mode": mode, "metric": metric,
+           "unit": unit, "x_name": x_name, "x_value": str(x_value), "p20": p20, "p50": p50,
+           "p80": p80, "device": env.device, "cpu_model": env.cpu_model,
+           "threads": str(env.threads), "torch_version": env.torch_version,
+           "triton_version": env.triton_version, "memfine_version": env.memfine_version,
+           "git_sha": env.git_sha, "utc_timestamp": env.utc_timestamp,
+           "config_json": json.dumps(dict(config), sort_keys=True, default=str)}
+    return {column: row[column] for column in CSV_COLUMNS}
+
+
+def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str, x_value: object,
+                config: Mapping[str, Any], env: Environment) -> list[dict[str, str]]:
+    """CSV rows (:data:`CSV_COLUMNS`) of one benchmark point, one row per method and metric.
+
+    Metrics: ``time`` (ms; modes fwd, bwd, full), ``tokens_per_s`` (tokens/s), ``saved_bytes``
+    and ``peak_bytes`` (bytes), each with ``*_predicted`` (bytes) and
+    ``*_predicted_over_measured`` (ratio), then the method's extras. A single value fills p20,
+    p50 and p80. Missing values read ``not measured``; missing predictions ``not modelled``.
+
+    Args:
+        results: from :func:`run_methods`.
+        benchmark: suite name (e.g. ``experts``).
+        x_name: what varies across points (e.g. ``table1_conf``, ``skew``).
+        x_value: this point's value.
+        config: the point's configuration (shapes, dtype, budget, ...), written as JSON.
+        env: from :func:`collect_environment`.
+    """
+    rows = []
+    for res in results:
+        for metric, mode, unit, values in _metrics(res):
+            rows.append(csv_row(benchmark=benchmark, provider=res.name, mode=mode,
+                                metric=metric, unit=unit, x_name=x_name, x_value=x_value,
+                                values=values, config=config, env=env,
+                                missing=NOT_MODELLED if "_predicted" in metric else NOT_MEASURED))
+    return rows
+
+
+def write_csv(rows: Iterable[Mapping[str, str]], path: str | Path,
+              columns: Sequence[str] = CSV_COLUMNS) -> Path:
+    """Write rows under the ``columns`` header (parent folders are created).
+
+    Args:
+        rows: from :func:`result_rows` or :func:`csv_row` (with any extra ``columns`` added).
+        path: the CSV file.
+        columns: the header: :data:`CSV_COLUMNS`, plus a script's own trailing columns.
+
+    Returns:
+        The path written.
+    """
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=columns)
+        writer.writeheader()
+        writer.writerows(rows)
+    return out

@@ -1,0 +1,118 @@
+"""Benchmark CSV rows: the STYLE.md §6 schema, missing values as text, the environment columns.
+
+Results are built by hand, so every expected value is exact (no wall-clock assertions).
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.measure.harness import MODES, MethodResult
+from memfine.measure.report import NOT_MEASURED, MemoryReport
+from memfine.measure.results import (
+    CSV_COLUMNS,
+    NOT_MODELLED,
+    collect_environment,
+    csv_row,
+    format_value,
+    result_rows,
+    write_csv,
+)
+
+
+def _result(**kwargs: object) -> MethodResult:
+    res = MethodResult(name="fused", tokens=100, **kwargs)  # type: ignore[arg-type]
+    for mode, seconds in zip(MODES, (0.01, 0.03, 0.04), strict=True):
+        res.times_s[mode] = [seconds]
+    return res
+
+
+def _rows(res: MethodResult) -> dict[str, dict[str, str]]:
+    env = collect_environment()
+    rows = result_rows([res], benchmark="experts", x_name="shape", x_value="conf3",
+                       config={"tokens": 256}, env=env)
+    return {f"{r['metric']}/{r['mode']}": r for r in rows}
+
+
+def test_rows_schema_and_values() -> None:
+    memory = MemoryReport(saved_bytes=1000, peak_bytes=4000)
+    res = _result(memory=memory, predicted={"saved_bytes": 1000, "peak_bytes": 4400},
+                  extras={"num_chunks": (2, "chunks")})
+    rows = _rows(res)
+    assert all(tuple(r) == CSV_COLUMNS for r in rows.values())
+    full = rows["time/full"]
+    assert (full["unit"], full["p50"], full["provider"]) == ("ms", "40", "fused")
+    assert (full["x_name"], full["x_value"], full["config_json"]) == (
+        "shape", "conf3", '{"tokens": 256}')
+    assert rows["tokens_per_s/full"]["p50"] == "2500"
+    assert [rows["saved_bytes/fwd"][p] for p in ("p20", "p50", "p80")] == ["1000"] * 3
+    assert rows["peak_bytes_predicted/full"]["p50"] == "4400"
+    assert rows["peak_bytes_predicted_over_measured/full"]["p50"] == "1.1"
+    assert (rows["num_chunks/full"]["p50"], rows["num_chunks/full"]["unit"]) == ("2", "chunks")
+
+
+def test_rows_show_missing_values_as_text() -> None:
+    """None is 'not measured' (measured metrics) or 'not modelled' (predictions), never 0/-1."""
+    rows = _rows(_result())
+    assert rows["saved_bytes/fwd"]["p50"] == NOT_MEASURED == "not measured"
+    assert rows["peak_bytes/full"]["p80"] == NOT_MEASURED
+    assert rows["saved_bytes_predicted/fwd"]["p20"] == NOT_MODELLED == "not modelled"
+    assert rows["saved_bytes_predicted_over_measured/fwd"]["p50"] == NOT_MODELLED
+    no_tokens = MethodResult(name="x", tokens=0)
+    assert _rows(no_tokens)["tokens_per_s/full"]["p50"] == NOT_MEASURED
+    assert _rows(no_tokens)["time/fwd"]["p50"] == NOT_MEASURED
+
+
+@pytest.mark.parametrize("value, text", [(17642200, "17642200"), (0.123456789, "0.123457"),
+                                         (None, NOT_MEASURED)], ids=["int", "float", "none"])
+def test_format_value(value: int | float | None, text: str) -> None:
+    assert format_value(value) == text
+
+
+def test_write_csv_header(tmp_path: Path) -> None:
+    rows = list(_rows(_result()).values())
+    path = write_csv(rows, tmp_path / "sub" / "bench.csv")
+    with path.open() as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames or ()) == CSV_COLUMNS
+        assert len(list(reader)) == len(rows)
+
+
+def test_environment_fields() -> None:
+    env = collect_environment("cpu")
+    assert (env.device, env.threads, env.torch_version) == (
+        "cpu", torch.get_num_threads(), torch.__version__)
+    stamp = datetime.datetime.fromisoformat(env.utc_timestamp)
+    assert stamp.utcoffset() == datetime.timedelta(0)
+    assert env.memfine_version and env.git_sha and env.cpu_model
+    assert env.torch_version in env.line()
+
+
+
+def test_csv_row_single_value_and_triple() -> None:
+    env = collect_environment()
+    one = csv_row(benchmark="ep_peak", provider="mact", mode="full", metric="peak_bytes",
+                  unit="bytes", x_name="skew", x_value=0.5, values=4096, config={"b": 1, "a": 2},
+                  env=env)
+    assert tuple(one) == CSV_COLUMNS
+    assert [one[p] for p in ("p20", "p50", "p80")] == ["4096"] * 3
+    assert (one["x_value"], one["config_json"]) == ("0.5", '{"a": 2, "b": 1}')
+    assert (one["threads"], one["git_sha"]) == (str(env.threads), env.git_sha)
+    triple = csv_row(benchmark="b", provider="p", mode="fwd", metric="time", unit="ms",
+                     x_name="x", x_value=1, values=(1.5, 2.0, None), config={}, env=env,
+                     missing=NOT_MODELLED)
+    assert [triple[p] for p in ("p20", "p50", "p80")] == ["1.5", "2", NOT_MODELLED]
+
+
+def test_write_csv_extra_columns(tmp_path: Path) -> None:
+    row = {**next(iter(_rows(_result()).values())), "rank": "0"}
+    path = write_csv([row], tmp_path / "ep.csv", columns=(*CSV_COLUMNS, "rank"))
+    with path.open() as handle:
+        reader = csv.DictReader(handle)
+        assert tuple(reader.fieldnames or ()) == (*CSV_COLUMNS, "rank")
+        assert [r["rank"] for r in reader] == ["0"]
