@@ -164,11 +164,13 @@ def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     """A budget that needs c=4 on the hot rank and c=1 elsewhere: every rank runs c=4."""
     moe = _moe(E)
     probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
+    probe.transport_row_elements = moe.hidden_size  # as the EP path sets it: received x rows
     T, rows_hot = tokens[ctx.rank], sum(tokens) * K
     fixed, row = probe.fixed_bytes(T, 4), probe.row_bytes(4)
     budget = fixed + math.ceil(rows_hot / 4) * row  # s'_max = rows_hot/4 → hot rank needs c=4
     chunk = ChunkConfig(memory_budget_bytes=budget, recompute="experts")
     local_policy = ChunkPolicy(chunk, moe)  # identity agreement: this rank's own choice
+    local_policy.transport_row_elements = moe.hidden_size
     idx = _to_rank0(T, E, torch.Generator())
     recv = exchange_counts(idx, E, (1,), ctx.ep_group).recv_tokens
     own = local_policy.num_chunks(recv, T, 4)

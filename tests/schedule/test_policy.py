@@ -159,3 +159,14 @@ def test_negative_rows_rejected() -> None:
 def test_s_prime_max_needs_a_budget() -> None:
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         ChunkPolicy(ChunkConfig(num_chunks=2), MOE).s_prime_max(T, DTYPE_BYTES)
+
+
+def test_transport_row_elements_add_to_the_per_row_bytes() -> None:
+    """Expert parallelism's received rows: d elements per row on top of the memory model."""
+    moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=1 << 20), moe)
+    base = policy.row_bytes(4)
+    policy.transport_row_elements = moe.hidden_size
+    assert policy.row_bytes(4) == base + moe.hidden_size * 4
+    assert policy.row_bytes(2) == memory_model.expert_row_bytes(
+        moe, 2, recompute="experts") + moe.hidden_size * 2

@@ -180,6 +180,9 @@ class ExpertParallelExperts(nn.Module):
         E, group = self.config.num_experts, self.context.ep_group
         if policy is not None and policy.budgeted:
             counts = exchange_counts(top_k_index, E, policy.config.bins, group)
+            # The received rows of x (one d-row per received row) stay alive beside the experts'
+            # own per-row bytes; the single-device memory model does not see them.
+            policy.transport_row_elements = self.config.hidden_size
             local = policy.num_chunks(counts.recv_tokens, x_TD.shape[0], x_TD.element_size())
             num_chunks = agree_num_chunks(local, group)  # no-op when the policy already agreed
             if num_chunks not in counts.candidates:  # a policy outside its bins: notify again

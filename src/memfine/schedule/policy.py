@@ -67,6 +67,10 @@ class ChunkPolicy:
         self.moe = moe
         self.agree_num_chunks: AgreeNumChunks = agree_num_chunks or identity_agreement
         self._warned = False
+        # Runtime (not config): elements per received row held outside the expert computation
+        # by a transport layer, e.g. expert parallelism's received copy of x and the gradient
+        # returning through the all-to-all; added to the memory model's per-row bytes.
+        self.transport_row_elements = 0
         # The memory model is pure in (config, T, D_t): cache its answers, since the policy is
         # asked on every step of every layer.
         self._row_cache: dict[int, int] = {}
@@ -82,7 +86,7 @@ class ChunkPolicy:
         if dtype_bytes not in self._row_cache:
             self._row_cache[dtype_bytes] = memory_model.expert_row_bytes(
                 self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
-        return self._row_cache[dtype_bytes]
+        return self._row_cache[dtype_bytes] + self.transport_row_elements * dtype_bytes
 
     def fixed_bytes(self, num_tokens: int, dtype_bytes: int) -> int:
         """Bytes of the layer that do not scale with the received rows (memory model)."""
