@@ -185,6 +185,11 @@ class MoEConfig(_ConfigBase):
     skew_bias: float = 0.0
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         _check_int(self, "hidden_size", 1)
         _check_int(self, "intermediate_size", 1)
         _check_int(self, "num_experts", 1)
@@ -253,6 +258,11 @@ class ChunkConfig(_ConfigBase):
         return "experts" if chunked else "none"
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule, and store ``bins`` as a tuple.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         _check_int(self, "num_chunks", 1)
         if self.memory_budget_bytes is not None:
             _check_int(self, "memory_budget_bytes", 1)
@@ -289,6 +299,11 @@ class ModelConfig(_ConfigBase):
     norm_eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         _check_int(self, "vocab_size", 1)
         _check_int(self, "num_layers", 1)
         _check_int(self, "num_heads", 1)
@@ -365,6 +380,11 @@ class TrainConfig(_ConfigBase):
     device: str = "cpu"
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         if not isinstance(self.model, ModelConfig):
             _fail(self, "model", "a ModelConfig", self.model)
         if not isinstance(self.data, str) or not self.data.strip():

@@ -41,7 +41,8 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
         x_TD: (T, d) input.
         top_k_index: (T, k) int expert ids; ids outside [0, E) contribute nothing.
         top_k_weights: (T, k) weights.
-        w_up_EDG: (E, d, G); w_down_END: (E, n, d).
+        w_up_EDG: (E, d, G) up-projection weights.
+        w_down_END: (E, n, d) down-projection weights.
         activation: as in :func:`memfine.ops.run_experts`.
 
     Returns:

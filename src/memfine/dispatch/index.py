@@ -50,7 +50,7 @@ class RoutingIndex:
 
     @property
     def top_k(self) -> int:
-        """k."""
+        """The number k of top-k slots per token."""
         return int(self.token_index_map.shape[1])
 
     @property

@@ -108,8 +108,10 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
 
 def _policy(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,
             chunk: ChunkConfig) -> ChunkPolicy:
-    """The module's :class:`ChunkPolicy` for a memory budget (kept on the module, so its
-    over-budget warning is given once)."""
+    """The module's :class:`ChunkPolicy` for a memory budget.
+
+    The policy is kept on the module, so its over-budget warning is given once.
+    """
     E, D, G = weights.w_up_EDG.shape
     N = weights.w_down_END.shape[1]
     activation = plan.activation or ("swiglu" if G == 2 * N else "silu")
@@ -129,7 +131,9 @@ def num_chunks_for(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights,
     """Chunk count c of this call: ``chunk.num_chunks``, or MemFine Eq. 8-9 from the budget.
 
     Args:
-        module, plan, weights: the experts module, its plan and weights.
+        module: the experts module (it keeps the budget's :class:`ChunkPolicy`).
+        plan: the module's :class:`ExpertsPlan` (its activation enters the memory model).
+        weights: the module's :class:`ExpertWeights` (E, d, n for the memory model).
         x_TD: (T, d) activations (T and the element size enter the memory model).
         top_k_index: (T, k) expert ids; the received rows s″ are the ids in [0, E).
         chunk: the chunk options.

@@ -133,7 +133,7 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
 
 
 def _elementwise_name(act_fn: object) -> str | None:
-    """memfine's name for a transformers activation module, or None when it has none.
+    """The memfine name of a transformers activation module, or None when it has none.
 
     Exact types only (a subclass may change the function): SiLU (``silu``/``swish``, or the
     function ``F.silu``), tanh GELU (``gelu_pytorch_tanh``, ``gelu_python_tanh``) and ReLU

@@ -69,6 +69,11 @@ class HFExpertsConfig(_ConfigBase):
     chunk: ChunkConfig = field(default_factory=ChunkConfig)
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         _check_choice(self, "impl", Impl)
         _check_choice(self, "gemm_backend", GemmBackend)
         _check_choice(self, "index_builder", IndexBuilder)
@@ -274,7 +279,11 @@ def configure(model: nn.Module, config: HFExpertsConfig | None = None, *,
 
     Args:
         model: a transformers model (or any module containing experts modules).
-        config, num_chunks, memory_budget, overrides: as in :func:`register`.
+        config: base options, as in :func:`register`.
+        num_chunks: fixed chunk count c, as in :func:`register`.
+        memory_budget: per-block activation budget, bytes or ``"256MiB"``, as in
+            :func:`register`.
+        **overrides: other :class:`HFExpertsConfig` fields, as in :func:`register`.
 
     Returns:
         The resolved :class:`HFExpertsConfig`.

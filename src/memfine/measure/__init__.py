@@ -1,5 +1,7 @@
-"""Measure what a forward + backward actually allocated: saved-for-backward bytes (saved-tensor
-hooks) and peak live bytes (a storage tracker on the CPU, allocator statistics on CUDA).
+"""Measure what a forward + backward actually allocated.
+
+Saved-for-backward bytes (saved-tensor hooks) and peak live bytes (a storage tracker on the CPU,
+allocator statistics on CUDA).
 
 Reference: DESIGN.md §8; STYLE.md §7.
 """

@@ -108,6 +108,7 @@ class PeakMemoryTracker:
 
     def __init__(self, device: str | torch.device = "cpu", *,
                  on_alloc: Callable[[str, int], None] | None = None) -> None:
+        """Create an unentered tracker; the arguments are described on the class."""
         self.device = torch.device(device)
         self.baseline_bytes: int | None = None
         self.marks: dict[str, int] = {}
@@ -128,6 +129,14 @@ class PeakMemoryTracker:
         return self.device.type == "cuda"
 
     def __enter__(self) -> PeakMemoryTracker:
+        """Start measuring (CUDA: read the baseline, reset the peak; CPU: install the tracker).
+
+        Returns:
+            This tracker.
+
+        Raises:
+            RuntimeError: when the tracker was entered before.
+        """
         if self._entered:
             raise RuntimeError("PeakMemoryTracker can be entered only once; create a new one")
         self._entered = self._inside = True
@@ -141,6 +150,10 @@ class PeakMemoryTracker:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        """Stop measuring: close the ``"end"`` phase, freeze the byte counts, drop the CPU tracker.
+
+        Exceptions raised inside the region are not suppressed.
+        """
         self._read()
         self._close_phase("end")
         self._final_current = self.current_bytes

@@ -66,6 +66,7 @@ class MemoryMeasurement:
     """
 
     def __init__(self, device: str | torch.device, exclude: Iterable[torch.Tensor]) -> None:
+        """Create the (unentered) peak and saved-tensor trackers; arguments as on the class."""
         self.peak = PeakMemoryTracker(device)
         self.saved = SavedTensorsTracker(exclude)
         self._saved_open = False
@@ -177,7 +178,7 @@ class ComparisonRow:
 
     @property
     def ratio(self) -> float | None:
-        """predicted / measured (``None`` when not measured or measured is 0)."""
+        """Ratio predicted / measured bytes (``None`` when not measured or measured is 0)."""
         if not self.measured_bytes:
             return None
         return self.predicted_bytes / self.measured_bytes

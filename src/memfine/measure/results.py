@@ -152,7 +152,8 @@ def csv_row(*, benchmark: str, provider: str, mode: str, metric: str, unit: str,
         mode: ``fwd``, ``bwd`` or ``full``.
         metric: metric name (e.g. ``time``, ``peak_bytes``).
         unit: the metric's unit (``ms``, ``bytes``, ``ratio``, ...).
-        x_name: what varies across points. x_value: this point's value.
+        x_name: what varies across points.
+        x_value: this point's value (written with ``str``).
         values: (p20, p50, p80), or one value written in all three.
         config: the point's configuration, written as JSON (keys sorted).
         env: from :func:`collect_environment`.

@@ -86,6 +86,7 @@ class SavedTensorsTracker:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        """Record the storages of ``exclude``; nothing is hooked until the tracker is entered."""
         self._exclude = {_storage_key(t) for t in exclude}
         self._items: dict[int, SavedTensor] = {}
         self._hooks: Any = None
@@ -143,7 +144,9 @@ class SavedTensorsTracker:
 
 @contextmanager
 def track_saved_tensors(exclude: Iterable[torch.Tensor] = ()) -> Iterator[SavedTensorsTracker]:
-    """Function form of :class:`SavedTensorsTracker`: ``with track_saved_tensors() as saved:``.
+    """Context-manager function form of :class:`SavedTensorsTracker`.
+
+    Use it as ``with track_saved_tensors() as saved:``.
 
     Args:
         exclude: tensors whose storages are not counted (parameters are always left out).

@@ -24,6 +24,7 @@ class GroupedExperts(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, *, init_std: float = 0.02, depth: int = 1) -> None:
+        """Allocate ``w_up``/``w_down`` and initialise them; arguments as on the class."""
         super().__init__()
         self.config = config
         E, D, N = config.num_experts, config.hidden_size, config.intermediate_size

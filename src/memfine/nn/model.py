@@ -40,6 +40,13 @@ class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE (SDPA kernel)."""
 
     def __init__(self, config: ModelConfig) -> None:
+        """Build the projections and the RoPE tables.
+
+        Args:
+            config: :class:`ModelConfig` (``moe.hidden_size`` d, ``num_heads``, ``max_seq_len``,
+                ``rope_theta``). The cos/sin tables are (max_seq_len, d / num_heads / 2)
+                non-persistent buffers, created in fp32 on the CPU.
+        """
         super().__init__()
         D = config.moe.hidden_size
         self.num_heads = config.num_heads
@@ -85,6 +92,7 @@ class Block(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, *, policy: ChunkPolicy | None = None) -> None:
+        """Build the norms, attention and MoE layer; arguments as on the class."""
         super().__init__()
         D = config.moe.hidden_size
         self.recompute = config.chunk.resolved_recompute
@@ -152,6 +160,7 @@ class MoETransformerLM(nn.Module):
 
     def __init__(self, config: ModelConfig, *,
                  agree_num_chunks: AgreeNumChunks | None = None) -> None:
+        """Build and initialise the embedding, blocks and final norm; arguments as on the class."""
         super().__init__()
         self.config = config
         D = config.moe.hidden_size

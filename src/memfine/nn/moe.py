@@ -63,6 +63,7 @@ class MoELayer(nn.Module):
 
     def __init__(self, config: MoEConfig, *, depth: int = 1, chunk: ChunkConfig | None = None,
                  policy: ChunkPolicy | None = None) -> None:
+        """Build the router and experts; arguments and exceptions as on the class."""
         super().__init__()
         if chunk is not None and policy is not None:
             raise ValueError("MoELayer takes chunk or policy, not both")

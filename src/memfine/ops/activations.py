@@ -71,7 +71,7 @@ def apply_activation(h_SG: torch.Tensor, activation: str) -> torch.Tensor:
 
 def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation: str
                         ) -> torch.Tensor:
-    """dH from the saved H and dA (no autograd; A itself is not needed).
+    """Compute dH from the saved H and dA (no autograd; A itself is not needed).
 
     Args:
         h_SG: (S, G) saved pre-activation.

@@ -1,5 +1,6 @@
-"""The MoEBlaze fused expert Function: gather → up-projection → activation → down-projection →
-weighted combine, saving only x and H.
+"""The MoEBlaze fused expert Function, saving only x and H.
+
+One Function runs gather → up-projection → activation → down-projection → weighted combine.
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n.
 Reference: MoEBlaze (arXiv 2601.05296) §4-§5 (buffer-free dispatch, smart checkpointing);
@@ -27,8 +28,11 @@ def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torc
                     offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
                     expert_slot_indices_S: torch.Tensor, activation: str
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, out) with the Triton kernels: gather fused into the up-projection, activation in its
-    epilogue, routing weight in the down-projection's epilogue, then a per-token combine."""
+    """(H, out) computed with the Triton kernels.
+
+    The gather is fused into the up-projection with the activation in its epilogue, the routing
+    weight is applied in the down-projection's epilogue, then a per-token combine sums the rows.
+    """
     from memfine.ops.triton import down_combine, gather_up
 
     h_SG, a_SN = gather_up(x_TD, w_up_EDG, expert_token_indices_S, offsets_E1, activation)
@@ -74,6 +78,10 @@ class FusedExpertsFunction(torch.autograd.Function):
                 expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
                 expert_slot_indices_S: torch.Tensor, activation: str, backend: str
                 ) -> torch.Tensor:
+        """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, w_up, w_down, indices.
+
+        Arguments, saved tensors and their bytes are described on the class.
+        """
         if backend == "triton":
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
@@ -96,6 +104,11 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out_TD: torch.Tensor) -> tuple[Any, ...]:
+        """Gradients of x, the routing weights, w_up and w_down from dO (T, d).
+
+        Recomputes the gathered rows and A from the saved H; a gradient whose input does not
+        need one is None, as are the entries of the index arrays, activation and backend.
+        """
         (x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, token_idx_S, offsets_E1, map_TK,
          slot_S) = ctx.saved_tensors
         act, backend = ctx.activation, ctx.backend

@@ -25,12 +25,17 @@ class GroupedMatmulFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor,
                 backend: str) -> torch.Tensor:
+        """Y (S, O) = X[rows of e] · W[e] for every expert e; save X, W and the offsets."""
         ctx.save_for_backward(x_SI, w_EIO, offsets_E1)
         ctx.backend = backend
         return grouped_mm(x_SI, w_EIO, offsets_E1, backend)
 
     @staticmethod
     def backward(ctx: Any, grad_y_SO: torch.Tensor) -> tuple[Any, ...]:
+        """Compute dX = dY · W[e]ᵀ and dW[e] = X_eᵀ · dY_e (each only if needed), same backend.
+
+        None for offsets_E1 and backend.
+        """
         x_SI, w_EIO, offsets_E1 = ctx.saved_tensors
         grad_y_SO = grad_y_SO.contiguous()
         grad_x = grad_w = None

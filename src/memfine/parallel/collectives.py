@@ -43,11 +43,13 @@ class AllToAllFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x_MD: torch.Tensor, out_splits: list[int], in_splits: list[int],
                 group: dist.ProcessGroup | None) -> torch.Tensor:
+        """Exchange the rows of x_MD; only the split lists and the group are kept in ``ctx``."""
         ctx.out_splits, ctx.in_splits, ctx.group = out_splits, in_splits, group
         return _exchange(x_MD, out_splits, in_splits, group)
 
     @staticmethod
     def backward(ctx: Any, grad_out_SD: torch.Tensor) -> tuple[Any, ...]:
+        """The inverse all-to-all of the gradient (splits swapped); None for the other inputs."""
         grad_x_MD = _exchange(grad_out_SD, ctx.in_splits, ctx.out_splits, ctx.group)
         # None: out_splits, in_splits, group
         return grad_x_MD, None, None, None

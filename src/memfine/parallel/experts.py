@@ -112,6 +112,7 @@ class ExpertParallelExperts(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, context: ParallelContext) -> None:
+        """Allocate this rank's zero-filled weights; arguments and exceptions as on the class."""
         super().__init__()
         check_expert_sharding(config.num_experts, context.ep_size)
         self.config, self.context = config, context

@@ -40,6 +40,7 @@ class RowsFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, rows: torch.Tensor, expert_token_indices_M: torch.Tensor,
                 token_index_map_TK: torch.Tensor, gather: bool) -> torch.Tensor:
+        """Apply the move chosen by ``gather``; save only the index array backward needs."""
         # NOTE(memory): only int32 indices are saved (the rows are not: saves rows·d·D_t bytes).
         ctx.gather = gather
         ctx.save_for_backward(token_index_map_TK if gather else expert_token_indices_M)
@@ -50,6 +51,7 @@ class RowsFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[Any, ...]:
+        """Apply the other move to the gradient; None for the index arrays and ``gather``."""
         (index,) = ctx.saved_tensors
         grad_rows = None
         if ctx.needs_input_grad[0]:

@@ -33,6 +33,7 @@ class StateView:
     """Exposes ``state_dict()`` for an already gathered state (for checkpoint writers)."""
 
     def __init__(self, state: dict[str, Any]) -> None:
+        """Wrap ``state`` (kept by reference, not copied)."""
         self._state = state
 
     def state_dict(self) -> dict[str, Any]:
@@ -52,6 +53,7 @@ class ExpertParallelTraining:
     """
 
     def __init__(self, context: ParallelContext) -> None:
+        """Keep ``context``; arguments as on the class."""
         self.context = context
         self.is_main = context.rank == 0
 

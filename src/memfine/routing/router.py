@@ -134,6 +134,11 @@ class TopKRouter(nn.Module):
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
                  score_func: ScoreFunc = "softmax", renormalize: bool = True) -> None:
+        """Create the weight (N(0, 0.02²)) and a zero selection bias; arguments as on the class.
+
+        Raises:
+            ValueError: if ``top_k`` is not in [1, num_experts].
+        """
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")

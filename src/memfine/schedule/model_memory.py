@@ -91,6 +91,11 @@ class PlanConfig:
     expert_model: str = "paper"
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule, and store ``bins`` as a tuple.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         for name in ("device_memory_bytes", "micro_batch", "seq_len", "t", "p", "e", "dp", "cp",
                      "v"):
             _check_int(self, name, 1)
@@ -247,8 +252,10 @@ def layer_activation(cfg: PlanConfig, *, moe_layer: bool) -> LayerActivation:
 
 
 def activation_split(cfg: PlanConfig, rank: int) -> tuple[int, int, int]:
-    """(F, R, floor): activation of pipeline rank ``rank`` at s′ rows per sequence and c chunks
-    is max(floor, F + R·⌈s′/c⌉) (recompute ``full``/``experts``) or F + R·s′ (``none``).
+    """(F, R, floor) in bytes: the activation model of pipeline rank ``rank``.
+
+    At s′ rows per sequence and c chunks the activation is max(floor, F + R·⌈s′/c⌉) (recompute
+    ``full``/``experts``) or F + R·s′ (``none``).
 
     F does not scale with s′; R is bytes per received row (for ``none`` summed over every
     in-flight MoE layer); ``floor`` is the activation while a dense layer is recomputed (``full``),

@@ -97,7 +97,8 @@ def s_prime_max_memfine(*, device_memory_bytes: int, alpha: float, static_bytes:
         static_bytes: M_sta, bytes (parameters, gradients, optimizer state; add here anything
             else that does not scale with s′, e.g. checkpointed layer inputs).
         in_flight: m_g (1 under full recomputation).
-        t: tensor-parallel size. cp: context-parallel size.
+        t: tensor-parallel size.
+        cp: context-parallel size.
         dtype_bytes: D_t.
         micro_batch: b.
         seq_len: s.

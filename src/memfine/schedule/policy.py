@@ -63,6 +63,7 @@ class ChunkPolicy:
 
     def __init__(self, chunk: ChunkConfig, moe: MoEConfig, *,
                  agree_num_chunks: AgreeNumChunks | None = None) -> None:
+        """Keep the configs and start with empty memory-model caches; arguments as on the class."""
         self.config = chunk
         self.moe = moe
         self.agree_num_chunks: AgreeNumChunks = agree_num_chunks or identity_agreement

@@ -59,8 +59,11 @@ def make_experts(shape: LayerShape, opts: BenchOptions, device: torch.device) ->
 
 def make_inputs(shape: LayerShape, opts: BenchOptions, device: torch.device
                 ) -> dict[str, torch.Tensor]:
-    """Hidden states x (T, d), a renormalised softmax top-k routing (index (T, k) int64,
-    weights (T, k)) and the incoming gradient (T, d); x and the weights require grad."""
+    """Seeded random inputs of one experts call: hidden states, routing and output gradient.
+
+    Hidden states x (T, d), a renormalised softmax top-k routing (index (T, k) int64,
+    weights (T, k)) and the incoming gradient (T, d); x and the weights require grad.
+    """
     gen = torch.Generator().manual_seed(opts.seed + 1)
     T, D, E, K = shape.tokens, shape.hidden_size, shape.num_experts, shape.top_k
     x_TD = torch.randn(T, D, generator=gen)

@@ -54,7 +54,8 @@ def expert_loop(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
         x_TD: (T, d) input rows.
         top_k_index: (T, k) int64 expert of each slot.
         top_k_weights: (T, k) routing weights (cast to x's dtype).
-        w_up_EDG: (E, d, G) up-projection weights. w_down_END: (E, n, d) down-projection weights.
+        w_up_EDG: (E, d, G) up-projection weights.
+        w_down_END: (E, n, d) down-projection weights.
         activation: the expert activation.
 
     Returns:

@@ -79,6 +79,11 @@ class BenchOptions:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Validate every field and cross-field rule.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
         if not self.suites or any(s not in SUITES for s in self.suites):
             _fail(self, "suites", f"a non-empty subset of {SUITES}", self.suites)
         if any(c not in TABLE1 for c in self.configs):

@@ -86,7 +86,9 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
     """Y[rows of e] = X[rows of e] · W[e] (any strides; fp32/bf16/fp16).
 
     Args:
-        x_SI: (S, I) grouped rows. w_EIO: (E, I, O). offsets_E1: (E + 1,) int32.
+        x_SI: (S, I) grouped rows (the rows of expert e are contiguous).
+        w_EIO: (E, I, O) per-expert weights.
+        offsets_E1: (E + 1,) int32 expert_token_offsets (expert e owns rows [off[e], off[e+1])).
 
     Returns:
         (S, O) new tensor in x's dtype.
@@ -108,7 +110,8 @@ def gather_up(x_TD: torch.Tensor, w_up_EDG: torch.Tensor, expert_token_indices_S
     Args:
         x_TD: (T, d) token-order input (rows are gathered inside the kernel: no (S, d) copy).
         w_up_EDG: (E, d, G) with [gate | up] halves for gated activations.
-        expert_token_indices_S: (S,) int32. offsets_E1: (E + 1,) int32.
+        expert_token_indices_S: (S,) int32 token id of each routed row.
+        offsets_E1: (E + 1,) int32 expert_token_offsets.
         activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` or ``relu``.
 
     Returns:
@@ -158,8 +161,11 @@ def down_combine(a_SN: torch.Tensor, w_down_END: torch.Tensor, offsets_E1: torch
     kernel then sums the k rows of every token in slot order (deterministic, no atomics).
 
     Args:
-        a_SN: (S, n) activation rows. w_down_END: (E, n, d). offsets_E1: (E + 1,) int32.
-        row_weights_S: (S,) routing weight of each row. token_index_map_TK: (T, k) int32.
+        a_SN: (S, n) activation rows.
+        w_down_END: (E, n, d) down-projection weights.
+        offsets_E1: (E + 1,) int32 expert_token_offsets.
+        row_weights_S: (S,) routing weight of each row.
+        token_index_map_TK: (T, k) int32 row of each slot, -1 for a sentinel slot.
 
     Returns:
         (T, d) new tensor in a's dtype.
