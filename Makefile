@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
+	$(VENV)/bin/ruff check src tests benchmarks examples scripts
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
