@@ -98,16 +98,13 @@ def test_bad_input_shapes(shape: tuple[int, ...], message: str) -> None:
         _model()(torch.zeros(shape, dtype=torch.long))
 
 
-@pytest.mark.xfail(strict=True, reason="MoETransformerLM.forward documents a ValueError for ids "
-                   "outside [0, V) but does not check them: nn.Embedding raises IndexError")
 @pytest.mark.parametrize("bad_id", [V, -1])
 def test_out_of_range_ids_raise_value_error(bad_id: int) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"input_ids must lie in \[0, vocab_size="):
         _model()(torch.tensor([[1, bad_id]]))
 
 
-@pytest.mark.xfail(strict=True, reason="an empty sequence (Q = 0) is not rejected up front and "
-                   "fails inside attention with a RuntimeError from a view of 0 elements")
-def test_empty_sequence_raises_value_error() -> None:
-    with pytest.raises(ValueError):
-        _model()(torch.zeros(1, 0, dtype=torch.long))
+@pytest.mark.parametrize("shape", [(1, 0), (0, 4)], ids=["Q0", "B0"])
+def test_empty_input_raises_value_error(shape: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="input_ids must hold at least one token"):
+        _model()(torch.zeros(shape, dtype=torch.long))

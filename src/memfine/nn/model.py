@@ -197,6 +197,14 @@ class MoETransformerLM(nn.Module):
         if input_ids.shape[1] > self.config.max_seq_len:
             raise ValueError(f"sequence length {input_ids.shape[1]} exceeds "
                              f"max_seq_len={self.config.max_seq_len}")
+        if input_ids.numel() == 0:
+            raise ValueError(f"input_ids must hold at least one token, got shape "
+                             f"{tuple(input_ids.shape)}")
+        V = self.config.vocab_size
+        lo, hi = int(input_ids.min()), int(input_ids.max())
+        if lo < 0 or hi >= V:
+            raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
+                             f"[{lo}, {hi}]")
         x_BQD = self.embed(input_ids)
         auxes = []
         for block in self.blocks:
