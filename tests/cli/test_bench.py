@@ -186,3 +186,13 @@ def test_table_rows_show_missing_and_failed() -> None:
     assert rows[1][6] == NOT_MODELLED
     text = format_plain("title", ("a", "bb"), [("xxx", "y")])
     assert text.splitlines() == ["title", "a    bb", "xxx  y "]
+
+
+def test_a_failing_method_makes_the_exit_code_non_zero(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "--suite", "experts", "--quick", "--methods", "fused", "fused_mact",
+                 "--budget", "1KiB", "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 1
+    assert "method failed: experts quick fused_mact: ValueError" in err
+    assert "smallest feasible budget" in err

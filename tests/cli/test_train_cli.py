@@ -29,10 +29,10 @@ TRAIN_FLAGS = sorted([
     "--gemm-backend", "--grad-clip", "--help", "--hidden-size", "--index-builder",
     "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps", "--max-steps",
     "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget", "--no-progress",
-    "--no-renormalize", "--num-experts", "--num-heads", "--num-layers", "--out", "--plot",
-    "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens", "--score-func",
-    "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--threads", "--top-k",
-    "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
+    "--no-renormalize", "--num-experts", "--num-heads", "--num-layers", "--out", "--overwrite",
+    "--plot", "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens",
+    "--score-func", "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--threads",
+    "--top-k", "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
 ])
 
 
@@ -199,3 +199,30 @@ def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
     assert "interrupted: checkpoint of step" in out and "Traceback" not in err
     step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
     assert step >= 2 and step == read_metrics(tmp_path / "metrics.jsonl")[-1]["step"]
+
+
+def test_existing_run_is_not_overwritten_without_overwrite(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train("--max-steps", "2", "--out", str(tmp_path)) == 0
+    checkpoint = (tmp_path / "checkpoint.pt").read_bytes()
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(SystemExit) as exc:
+        _train("--max-steps", "1", "--out", str(tmp_path))
+    assert exc.value.code == 2
+    assert "already holds a run" in capsys.readouterr().err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == checkpoint  # nothing lost
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    assert _train("--max-steps", "1", "--out", str(tmp_path), "--overwrite") == 0
+    assert len(_losses(tmp_path)) == 1
+
+
+def test_unwritable_out_is_a_one_line_error(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SystemExit) as exc:
+        _train("--max-steps", "1", "--out", str(blocker / "run"))
+    err = capsys.readouterr().err
+    assert exc.value.code == 1
+    assert err.startswith("memfine train: error:") and err.count("\n") == 1
+    assert "Traceback" not in err

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -148,7 +149,11 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the selected suites; print tables, write CSV, PNG and JSON; return 0."""
+    """Run the selected suites; print tables, write CSV, PNG and JSON.
+
+    Returns:
+        0, or 1 when any method failed (its error is printed in full after the tables).
+    """
     device = _device(args.device)
     opts = options_from_args(args, device)
     for suite in opts.suites:
@@ -157,14 +162,21 @@ def run(args: argparse.Namespace) -> int:
     if opts.threads is not None:
         torch.set_num_threads(opts.threads)
     try:
-        _run_suites(opts, device)
+        failures = _run_suites(opts, device)
     finally:
         torch.set_num_threads(threads)
-    return 0
+    for failure in failures:
+        print(f"memfine bench: method failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0
 
 
-def _run_suites(opts: BenchOptions, device: torch.device) -> None:
-    """Write bench_config.json, then run each suite: tables as points finish, CSV and PNGs."""
+def _run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
+    """Write bench_config.json, then run each suite: tables as points finish, CSV and PNGs.
+
+    Returns:
+        One ``"<suite> <point> <method>: <error>"`` line per method that raised.
+    """
+    failures: list[str] = []
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     env = collect_environment(device)
@@ -181,6 +193,8 @@ def _run_suites(opts: BenchOptions, device: torch.device) -> None:
         for point in SUITE_MODULES[suite].run(opts, device, names):
             print_point(point)
             points.append(point)
+            failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
+                         for res in point.results if res.error]
             rows += result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
                                 x_value=point.x_value, config=point.config, env=env)
         if not points:
@@ -189,3 +203,4 @@ def _run_suites(opts: BenchOptions, device: torch.device) -> None:
         print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
               + ", ".join(str(p) for p in written))
     print(f"environment: {env.line()}")
+    return failures

@@ -44,5 +44,11 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args))
     except ValueError as err:
         parser.exit(2, f"memfine {args.command}: error: {err}\n")
+    except BrokenPipeError:  # e.g. `memfine plan | head -1`: the reader left; not an error
+        sys.stderr.close()
+        return 0
+    except (OSError, RuntimeError) as err:  # files, devices, backends: one line, no traceback
+        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        parser.exit(1, f"memfine {args.command}: error: {type(err).__name__}: {first_line}\n")
     except KeyboardInterrupt:
         return 130

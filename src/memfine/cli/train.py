@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+import torch
+
 from memfine.config import (
     Activation,
     DType,
@@ -136,6 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", default=_Default(False),
                         help="continue from the checkpoint in --out (its config is used; only "
                              f"{', '.join(RESUMABLE_FIELDS)} may be changed by flags)")
+    parser.add_argument("--overwrite", action="store_true", default=_Default(False),
+                        help="replace the run already in --out (without it, an existing "
+                             "checkpoint there stops the run)")
     parser.add_argument("--plot", action="store_true", default=_Default(False),
                         help="write chunks.png (chunk count, layer x step) and loss.png to --out")
     parser.add_argument("--no-progress", action="store_true", default=_Default(False),
@@ -229,9 +234,13 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
 def run(args: argparse.Namespace) -> int:
     """Run ``memfine train``; returns 0, or 130 when stopped by Ctrl-C (checkpoint saved)."""
     config, out = resolve_config(args)
-    if not _value(args, "resume") and (out / CHECKPOINT_NAME).exists():
-        print(f"note: starting a new run in {out}; its checkpoint will be replaced "
-              f"(use --resume to continue it)")
+    if (not _value(args, "resume") and not _value(args, "overwrite")
+            and (out / CHECKPOINT_NAME).exists()):
+        raise ValueError(f"{out} already holds a run ({CHECKPOINT_NAME}); pass --resume to "
+                         f"continue it, --overwrite to replace it, or choose another --out")
+    if str(config.device).startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
+                         f"(torch {torch.__version__}); use --device cpu")
     parallel, ep = None, int(_value(args, "ep"))
     if ep < 1:
         raise ValueError(f"--ep must be >= 1, got {ep}")
@@ -239,11 +248,13 @@ def run(args: argparse.Namespace) -> int:
         from memfine.parallel.training import ExpertParallelTraining
 
         parallel = ExpertParallelTraining.from_environment(ep, device=config.device)
+    finished = False
     try:
         result = train(config, out, resume=bool(_value(args, "resume")),
                        progress=not _value(args, "no_progress"), plot=bool(_value(args, "plot")),
                        parallel=parallel, threads=_value(args, "threads"))
+        finished = True
     finally:
         if parallel is not None:
-            parallel.close()
+            parallel.close(barrier=finished)
     return 130 if result.interrupted else 0

@@ -127,7 +127,15 @@ class ExpertParallelTraining:
         load_full_state_dict(model, model_state, self.context)
         load_full_optimizer_state_dict(model, optimizer, optimizer_state, self.context)
 
-    def close(self) -> None:
-        """Leave the process group (local: safe after an error on this rank)."""
+    def close(self, *, barrier: bool = False) -> None:
+        """Leave the process group.
+
+        Args:
+            barrier: wait for every rank first (after a successful run, so no rank tears the
+                group down while another still finishes its last collective). Leave it False
+                after an error on this rank: the other ranks may be gone.
+        """
         if dist.is_initialized():
+            if barrier:
+                dist.barrier()
             dist.destroy_process_group()

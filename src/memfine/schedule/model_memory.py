@@ -107,6 +107,9 @@ class PlanConfig:
             _fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
         object.__setattr__(self, "bins", _check_bins(self))
         m = self.model
+        if not 1 <= m.top_k <= m.num_experts:
+            raise ValueError(f"{type(self).__name__}.model.top_k must be in "
+                             f"[1, num_experts={m.num_experts}], got {m.top_k}")
         if m.num_experts % self.e:
             _fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
         if (self.t * self.dp * self.cp) % self.e:
