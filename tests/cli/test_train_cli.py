@@ -226,3 +226,12 @@ def test_unwritable_out_is_a_one_line_error(tmp_path: Path,
     assert exc.value.code == 1
     assert err.startswith("memfine train: error:") and err.count("\n") == 1
     assert "Traceback" not in err
+
+
+def test_resume_with_nothing_left_to_train_is_an_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train("--max-steps", "3", "--out", str(tmp_path)) == 0
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--resume", "--max-steps", "2", "--out", str(tmp_path), "--no-progress"])
+    assert exc.value.code == 2
+    assert "already at step 3" in capsys.readouterr().err

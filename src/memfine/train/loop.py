@@ -235,6 +235,9 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
         parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
     start = _restore(payload, ckpt_path, model, optimizer, scheduler, parallel) if payload else 0
+    if resume and start >= config.max_steps:
+        raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
+                         f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params:,} parameters; {torch.get_num_threads()} CPU thread(s); "
           f"{'resuming at' if resume else 'starting at'} step {start} of {config.max_steps}; "
