@@ -16,17 +16,21 @@ from memfine.ops.combine import combine_rows, gather_rows
 from memfine.ops.fused import FusedExpertsFunction
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
+from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 
 IMPLS = ("fused", "plain")
 
 
 def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
-                        index: RoutingIndex, w_up_EDG: torch.Tensor,
+                        index: RoutingIndex, w_up_EDG: UpWeights,
                         w_down_END: torch.Tensor, activation: str) -> None:
     """Validate shapes of the expert inputs; raise ValueError naming the argument.
 
+    ``w_up_EDG`` is one (E, d, G) tensor or a (gate, up) pair of (E, d, n) halves.
+
     Raises:
-        ValueError: on any shape mismatch, an unknown activation, or mixed dtypes.
+        ValueError: on any shape mismatch, an unknown activation, mixed dtypes, or a pair of
+            halves with a non-gated activation.
     """
     check_activation(activation)
     if x_TD.dim() != 2:
@@ -39,21 +43,27 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
     if tuple(top_k_weights.shape) != (T, k):
         raise ValueError(f"top_k_weights must be (T, k)=({T}, {k}), "
                          f"got {tuple(top_k_weights.shape)}")
-    if w_up_EDG.dim() != 3 or w_up_EDG.shape[:2] != (E, D):
-        raise ValueError(f"w_up must be (E, d, G)=({E}, {D}, G), got {tuple(w_up_EDG.shape)}")
-    G = w_up_EDG.shape[2]
-    N = G // 2 if activation in ("swiglu", "geglu") else G
+    parts = up_parts(w_up_EDG)
+    if any(p.dim() != 3 or p.shape[:2] != (E, D) for p in parts):
+        raise ValueError(f"w_up must be (E, d, G)=({E}, {D}, G) or two (E, d, n) halves, got "
+                         f"{[tuple(p.shape) for p in parts]}")
+    gated = activation in ("swiglu", "geglu")
+    if len(parts) == 2 and not gated:
+        raise ValueError(f"w_up given as (gate, up) halves needs a gated activation (swiglu, "
+                         f"geglu), got {activation!r}")
+    G = up_shape(w_up_EDG)[2]
+    N = G // 2 if gated else G
     if tuple(w_down_END.shape) != (E, N, D):
         raise ValueError(f"w_down must be (E, n, d)=({E}, {N}, {D}) for activation "
-                         f"{activation!r} and w_up {tuple(w_up_EDG.shape)}, "
+                         f"{activation!r} and w_up (E, d, G)={(E, D, G)}, "
                          f"got {tuple(w_down_END.shape)}")
-    if not (x_TD.dtype == w_up_EDG.dtype == w_down_END.dtype):
+    if not (x_TD.dtype == parts[0].dtype == w_down_END.dtype):
         raise ValueError(f"hidden_states, w_up and w_down must share a dtype, got {x_TD.dtype}, "
-                         f"{w_up_EDG.dtype}, {w_down_END.dtype}")
+                         f"{parts[0].dtype}, {w_down_END.dtype}")
 
 
 def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
-                  w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, activation: str = "swiglu",
+                  w_up_EDG: UpWeights, w_down_END: torch.Tensor, activation: str = "swiglu",
                   backend: str = "auto") -> torch.Tensor:
     """Experts as most PyTorch MoE code writes them: autograd over materialised copies.
 
@@ -62,14 +72,27 @@ def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Routin
     """
     x_SD = gather_rows(x_TD, index.expert_token_indices)
     offsets = index.expert_token_offsets
-    h_SG = GroupedMatmulFunction.apply(x_SD, w_up_EDG, offsets, backend)
+    h_SG = grouped_up_projection(x_SD, w_up_EDG, offsets, backend)
     a_SN = apply_activation(h_SG, activation)
     y_SD = GroupedMatmulFunction.apply(a_SN, w_down_END, offsets, backend)
     return combine_rows(y_SD, top_k_weights, index.token_index_map)
 
 
+def grouped_up_projection(x_SD: torch.Tensor, w_up_EDG: UpWeights, offsets_E1: torch.Tensor,
+                          backend: str = "auto") -> torch.Tensor:
+    """H (S, G) = grouped x·w_up with autograd; a (gate, up) pair gives [x·w_gate | x·w_up].
+
+    Memory (saved for backward): x_SD once per part (the same storage) and the offsets.
+    """
+    parts = up_parts(w_up_EDG)
+    if len(parts) == 1:
+        return GroupedMatmulFunction.apply(x_SD, parts[0], offsets_E1, backend)
+    return torch.cat([GroupedMatmulFunction.apply(x_SD, p, offsets_E1, backend) for p in parts],
+                     dim=1)
+
+
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
-                w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, *,
+                w_up_EDG: UpWeights, w_down_END: torch.Tensor, *,
                 activation: str = "swiglu", impl: Literal["fused", "plain"] = "fused",
                 backend: str = "auto") -> torch.Tensor:
     """Routed experts: out[t] = Σ_j w[t,j]·act(x[t]·w_up[e])·w_down[e] with e = top_k_index[t,j].
@@ -79,6 +102,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         top_k_weights: (T, k) routing weights (cast to x's dtype); sentinel slots ignored.
         index: the :class:`RoutingIndex` of this routing decision.
         w_up_EDG: (E, d, G) up-projection; gated activations hold [gate | up] halves (G = 2n).
+            A gated up-projection may also be given as a (gate, up) pair of (E, d, n) tensors
+            (kept apart, never concatenated; :mod:`memfine.ops.up_projection`).
         w_down_END: (E, n, d) down-projection.
         activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` or ``relu``.
         impl: ``fused`` (:class:`FusedExpertsFunction`, saves x and H) or ``plain``.
@@ -88,7 +113,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         (T, d) tensor in x's dtype; rows of tokens whose slots are all sentinels are exactly 0.
 
     Raises:
-        ValueError: on shape/dtype mismatches, an unknown impl, backend or activation.
+        ValueError: on shape/dtype mismatches, an unknown impl, backend or activation, or a
+            (gate, up) pair with ``backend="triton"``.
 
     Memory: see :class:`FusedExpertsFunction` and :func:`experts_plain`.
     """
@@ -97,11 +123,15 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation)
+    parts = up_parts(w_up_EDG)
+    if len(parts) == 2 and impl == "fused" and backend == "triton":
+        raise ValueError("backend 'triton' needs the up-projection as one (E, d, 2n) tensor, "
+                         "got (gate, up) halves; use backend 'auto', 'grouped_mm' or 'loop'")
     weights_TK = top_k_weights.to(x_TD.dtype)
     if impl == "plain":
         return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend)
     out: torch.Tensor = FusedExpertsFunction.apply(
-        x_TD, weights_TK, w_up_EDG, w_down_END, index.expert_token_indices,
+        x_TD, weights_TK, parts[0], w_down_END, index.expert_token_indices,
         index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
-        activation, backend)
+        activation, backend, *parts[1:])
     return out

@@ -16,6 +16,7 @@ import torch
 from memfine.ops.activations import activation_backward, apply_activation
 from memfine.ops.combine import combine_rows, gather_rows, reduce_rows, scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_weight_grad
+from memfine.ops.up_projection import up_input_grad, up_project, up_weight_grads
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
@@ -44,8 +45,14 @@ class FusedExpertsFunction(torch.autograd.Function):
     """Routed experts with minimal saved activations.
 
     forward(x_TD, weights_TK, w_up_EDG, w_down_END, expert_token_indices_S,
-    expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend)
+    expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend,
+    w_up_second_EDN=None)
     → out_TD (T, d) with out[t] = Σ_j w[t,j] · act(x[t]·w_up[e_tj])·w_down[e_tj].
+
+    ``w_up_second_EDN`` (E, d, n), when given, is the up half of a gated up-projection held as
+    its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and H = [x·w_up | x·w_up_second],
+    exactly as if the two were one concatenated tensor (torchtitan's separate ``w1``/``w3``;
+    see :mod:`memfine.ops.up_projection`). Not with ``backend="triton"``.
 
     Saved for backward (D_t = bytes per element of x):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
@@ -76,19 +83,21 @@ class FusedExpertsFunction(torch.autograd.Function):
     def forward(ctx: Any, x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
                 w_down_END: torch.Tensor, expert_token_indices_S: torch.Tensor,
                 expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
-                expert_slot_indices_S: torch.Tensor, activation: str, backend: str
-                ) -> torch.Tensor:
+                expert_slot_indices_S: torch.Tensor, activation: str, backend: str,
+                w_up_second_EDN: torch.Tensor | None = None) -> torch.Tensor:
         """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, w_up, w_down, indices.
 
         Arguments, saved tensors and their bytes are described on the class.
         """
+        parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
         if backend == "triton":
+            assert len(parts) == 1, "run_experts rejects split up-projections on triton"
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
         else:
             x_SD = gather_rows(x_TD, expert_token_indices_S)
-            h_SG = grouped_mm(x_SD, w_up_EDG, expert_token_offsets_E1, backend)
+            h_SG = up_project(x_SD, parts, expert_token_offsets_E1, backend)
             del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
             a_SN = apply_activation(h_SG, activation)
             y_SD = grouped_mm(a_SN, w_down_END, expert_token_offsets_E1, backend)
@@ -98,7 +107,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only.
         ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END,
                               expert_token_indices_S, expert_token_offsets_E1,
-                              token_index_map_TK, expert_slot_indices_S)
+                              token_index_map_TK, expert_slot_indices_S, *parts[1:])
         ctx.activation, ctx.backend = activation, backend
         return out_TD
 
@@ -110,9 +119,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         need one is None, as are the entries of the index arrays, activation and backend.
         """
         (x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, token_idx_S, offsets_E1, map_TK,
-         slot_S) = ctx.saved_tensors
+         slot_S, *second) = ctx.saved_tensors
+        parts = (w_up_EDG, *second)
         act, backend = ctx.activation, ctx.backend
         need_x, need_w, need_up, need_down = ctx.needs_input_grad[:4]
+        need_up_second = len(parts) == 2 and ctx.needs_input_grad[10]
         E = w_up_EDG.shape[0]
         w_S1 = weights_TK.reshape(-1).index_select(0, slot_S.long())[:, None]
         grad_out_SD = gather_rows(grad_out_TD.contiguous(), token_idx_S)  # transient S·d
@@ -130,15 +141,17 @@ class FusedExpertsFunction(torch.autograd.Function):
         del grad_out_SD
         grad_h_SG = activation_backward(h_SG, grad_a_SN.mul_(w_S1), act)
         del grad_a_SN
-        grad_x = grad_up = None
-        if need_up:
+        grad_x = None
+        grad_ups: list[Any] = [None] * len(parts)
+        if need_up or need_up_second:
             x_SD = gather_rows(x_TD, token_idx_S)  # NOTE(memory): recomputed gather, S·d
-            grad_up = grouped_weight_grad(x_SD, grad_h_SG, offsets_E1, E, backend,
-                                          like=w_up_EDG)
+            grad_ups = up_weight_grads(x_SD, grad_h_SG, parts, offsets_E1, E, backend)
             del x_SD
         if need_x:
-            grad_x_SD = grouped_mm(grad_h_SG, w_up_EDG.transpose(1, 2), offsets_E1, backend)
+            grad_x_SD = up_input_grad(grad_h_SG, parts, offsets_E1, backend)
             grad_x = reduce_rows(grad_x_SD, map_TK)  # per-token sum: no atomics
+        grad_up_second = grad_ups[1] if len(parts) == 2 else None
         # None: expert_token_indices, expert_token_offsets, token_index_map,
         # expert_slot_indices, activation, backend
-        return grad_x, grad_weights, grad_up, grad_down, None, None, None, None, None, None
+        return (grad_x, grad_weights, grad_ups[0], grad_down, None, None, None, None, None, None,
+                grad_up_second)
