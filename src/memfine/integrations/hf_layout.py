@@ -22,6 +22,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memfine.ops.up_projection import UpWeights, up_shape
+
 ExpertsPath = Literal["fused", "plain"]
 
 
@@ -35,12 +37,28 @@ class ExpertWeights:
         w_down_END: (E, n, d) down-projection (a transposed view of ``down_proj`` likewise).
         b_up_EG: (E, G) up-projection bias, or None.
         b_down_ED: (E, d) down-projection bias, or None.
+        w_up_second_EDN: None, or the (E, d, n) up half of a gated up-projection held as its
+            own tensor (torchtitan's ``w3``); ``w_up_EDG`` is then the (E, d, n) gate half.
     """
 
     w_up_EDG: torch.Tensor
     w_down_END: torch.Tensor
     b_up_EG: torch.Tensor | None
     b_down_ED: torch.Tensor | None
+    w_up_second_EDN: torch.Tensor | None = None
+
+    @property
+    def w_up(self) -> UpWeights:
+        """The up-projection as :func:`memfine.ops.run_experts` takes it (tensor or pair)."""
+        if self.w_up_second_EDN is None:
+            return self.w_up_EDG
+        return (self.w_up_EDG, self.w_up_second_EDN)
+
+    @property
+    def shape_EDGN(self) -> tuple[int, int, int, int]:
+        """(E, d, G, n): experts, hidden size, up-projection width, intermediate size."""
+        E, D, G = up_shape(self.w_up)
+        return E, D, G, self.w_down_END.shape[1]
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,7 +79,7 @@ class ExpertsPlan:
     reason: str = ""
 
 
-def _local(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
+def local_weight(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Plain tensor of a (possibly DTensor) expert weight, keeping autograd.
 
     A DTensor whose local shard already has the module's expert count and the full trailing
@@ -107,8 +125,8 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
     transposed = bool(getattr(module, "is_transposed", False))
     E = int(module.num_experts)
     up_name = "gate_up_proj" if has_gate else "up_proj"
-    up = _local(_param(module, up_name), E)
-    down = _local(_param(module, "down_proj"), E)
+    up = local_weight(_param(module, up_name), E)
+    down = local_weight(_param(module, "down_proj"), E)
     if up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"{up_name} and down_proj must be 3-D, got {tuple(up.shape)} and "
                          f"{tuple(down.shape)}")
@@ -123,8 +141,8 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
             f"{tuple(up.shape)} and {tuple(down.shape)}")
     b_up = b_down = None
     if has_bias:
-        b_up = _local(_param(module, f"{up_name}_bias"), E)
-        b_down = _local(_param(module, "down_proj_bias"), E)
+        b_up = local_weight(_param(module, f"{up_name}_bias"), E)
+        b_down = local_weight(_param(module, "down_proj_bias"), E)
         if tuple(b_up.shape) != (E, G) or tuple(b_down.shape) != (E, D):
             raise ValueError(f"{up_name}_bias must be (E, G)=({E}, {G}) and down_proj_bias "
                              f"(E, d)=({E}, {D}), got {tuple(b_up.shape)} and "
