@@ -1,4 +1,4 @@
-"""torchtitan MoE block: fwd+bwd time and saved bytes, torchtitan's own experts vs memfine inside it.
+"""torchtitan MoE block: fwd+bwd time and saved bytes, torchtitan's experts vs memfine inside it.
 
 One MoE block of torchtitan's qwen3 and deepseek_v3 models (built by each model's own layer
 builder, tests/integrations/torchtitan_models.py; weights ~ N(0, 1/fan_in)), called on the same

@@ -23,7 +23,7 @@ from torchtitan_models import build_model, build_moe, forward_tokens, model_conf
 from memfine.integrations import torchtitan as mf_tt  # noqa: E402
 from memfine.measure.saved import track_saved_tensors  # noqa: E402
 from memfine.reference import reference_experts  # noqa: E402
-from tolerances import assert_close  # noqa: E402
+from tolerances import LOSS_ATOL, assert_close  # noqa: E402
 
 FUSED_MODELS = ("qwen3", "deepseek_v3", "deepseek_v3_sigmoid_scaled")
 CHUNKS = [pytest.param({}, id="c1"), pytest.param({"num_chunks": 3}, id="c3"),
@@ -249,3 +249,33 @@ def test_errors_name_the_problem() -> None:
         moe(x)
     with pytest.raises(ValueError, match=r"already converted: \['routed_experts'\]"):
         mf_tt.convert_model(moe)
+
+
+def _train_losses(model: torch.nn.Module, tokens: torch.Tensor, steps: int) -> list[float]:
+    """Losses of ``steps`` AdamW steps on the same batch (next-token cross-entropy)."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        logits = forward_tokens(model, tokens[:, :-1])
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_training_steps_converter_on_and_off() -> None:
+    # torchtitan's Trainer cannot run on a CPU-only torch (docs/torchtitan.md), so this trains the
+    # model directly: converter off (torchtitan's bf16 grouped GEMMs) vs on (fp32, c = 1 and 3).
+    config = model_config("deepseek_v3_sigmoid_scaled", n_layers=2)
+    tokens = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    runs = {}
+    for name, options in (("off", None), ("c1", {}), ("c3", {"num_chunks": 3})):
+        model = build_model(config)
+        if options is not None:
+            mf_tt.convert_model(model, **options)
+        runs[name] = torch.tensor(_train_losses(model, tokens, steps=4))
+    assert runs["off"][-1] < runs["off"][0]  # the steps learn
+    assert_close(runs["c1"], runs["off"], dtype=torch.bfloat16, msg="memfine vs torchtitan")
+    torch.testing.assert_close(runs["c3"], runs["c1"], atol=LOSS_ATOL, rtol=0)

@@ -52,13 +52,13 @@ class _Gate:
 
 
 def _silu_gate(h_SG: torch.Tensor) -> torch.Tensor:
-    """torchtitan's GroupedExperts: SiLU(x·w1) ⊙ (x·w3) on H = [x·w1 | x·w3]."""
+    """SwiGLU of torchtitan's GroupedExperts: SiLU(x·w1) ⊙ (x·w3) on H = [x·w1 | x·w3]."""
     gate_SN, up_SN = h_SG.chunk(2, dim=-1)
     return F.silu(gate_SN) * up_SN
 
 
 def experts_layout(inner: nn.Module, impl: str) -> tuple[ExpertWeights, ExpertsPlan, _Gate]:
-    """memfine's view of a torchtitan experts module: weights (views), path and plain-path gate.
+    """How memfine reads a torchtitan experts module: weight views, path and plain-path gate.
 
     - ``GroupedExperts`` (qwen3, deepseek_v3, ...): w1 (E, n, d) gate, w3 (E, n, d) up,
       w2 (E, d, n) down → the two up halves kept apart (no concatenated copy) and the fused
@@ -184,7 +184,7 @@ class MemfineRoutedExperts(RoutedExperts):
 
     def _experts_behind_dispatcher(self, x_TD: torch.Tensor, scores_TK: torch.Tensor,
                                    ids_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """torchtitan's dispatch and combine around memfine's experts on the received rows."""
+        """Run torchtitan's dispatch and combine around memfine's experts on the received rows."""
         routed_RD, counts_e, metadata = self.token_dispatcher.dispatch(x_TD, scores_TK, ids_TK,
                                                                        counts_E)
         E_local, R = counts_e.shape[0], routed_RD.shape[0]

@@ -68,7 +68,7 @@ def _column_blocks(grad_h_SG: torch.Tensor, parts: tuple[torch.Tensor, ...]
 
 def up_input_grad(grad_h_SG: torch.Tensor, parts: tuple[torch.Tensor, ...],
                   offsets_E1: torch.Tensor, backend: str) -> torch.Tensor:
-    """dx rows (S, d) = dH · [parts]ᵀ, summed over the parts.
+    """Gradient of the gathered rows, (S, d) = dH · [parts]ᵀ, summed over the parts.
 
     Memory: with two halves, one (S, n) copy of each dH block and one (S, d) partial sum
     (transients).
@@ -84,6 +84,6 @@ def up_input_grad(grad_h_SG: torch.Tensor, parts: tuple[torch.Tensor, ...],
 def up_weight_grads(x_SD: torch.Tensor, grad_h_SG: torch.Tensor,
                     parts: tuple[torch.Tensor, ...], offsets_E1: torch.Tensor,
                     num_experts: int, backend: str) -> list[torch.Tensor]:
-    """dW of each part, in that part's memory layout; experts with no rows get exact zeros."""
+    """Weight gradient of each part, in its memory layout; experts with no rows get exact zeros."""
     return [grouped_weight_grad(x_SD, block, offsets_E1, num_experts, backend, like=part)
             for block, part in zip(_column_blocks(grad_h_SG, parts), parts, strict=True)]
