@@ -3,12 +3,12 @@
 Legend: N images, C classes (10), G frequency groups (3: many, medium, few), P pixels (64).
 
 Per seed, ``test_per_class`` images of every class go to the test split (balanced); the rest of
-each class is its training pool. Class c keeps ``int(n_max · ratio^(-c / (C - 1)))`` images of
-its pool (at least one), where n_max is the pool size of class 0 (the largest class keeps all its
-training images) and ratio is the imbalance ratio: the exponential profile of the long-tailed
-CIFAR benchmarks (Cao et al. 2019, "Learning Imbalanced Datasets with Label-Distribution-Aware
-Margin Loss"). Classes are then grouped by training count: many (``>= many_min``), few
-(``< few_below``), medium in between.
+each class is its training pool. Class c keeps ``max(1, int(n_max · ratio^(-c / (C - 1))))``
+images of its pool (all of it when the pool is smaller), where n_max is the pool size of class 0
+(the largest class keeps all its training images) and ratio is the imbalance ratio: the
+exponential profile of the long-tailed CIFAR benchmarks (Cui et al. 2019, "Class-Balanced Loss
+Based on Effective Number of Samples"). Classes are then grouped by training count: many
+(``>= many_min``), few (``< few_below``), medium in between.
 """
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def make_split(x_NP: torch.Tensor, y_N: torch.Tensor, *, seed: int, imbalance_ra
         test_idx.append(idx[:test_per_class])
         pools.append(idx[test_per_class:])
     counts = exponential_counts(pools[0].numel(), num_classes, imbalance_ratio)
-    train_idx = torch.cat([pool[:min(n, pool.numel())] for pool, n in zip(pools, counts)])
+    train_idx = torch.cat([pool[:n] for pool, n in zip(pools, counts, strict=True)])
     test_all = torch.cat(test_idx)
     train_counts_C = torch.bincount(y_N[train_idx], minlength=num_classes)
     groups = assign_groups(train_counts_C.tolist(), many_min=many_min, few_below=few_below)

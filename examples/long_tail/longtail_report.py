@@ -1,7 +1,8 @@
 """Results of the long-tail example: per-seed CSV, mean ± std table, verdict, bar chart, README.
 
-A :class:`Result` is one test accuracy in percent of one model and seed; its ``metric`` is one of ``overall``, ``many``, ``medium``, ``few`` (class accuracy on test images
-whose true class is in that group) or ``group_routing`` (the modulator's group accuracy).
+A :class:`Result` is one test accuracy in percent of one model and seed; its ``metric`` is
+``overall`` or a group name (``many``, ``medium``, ``few``: accuracy on the test images whose true
+class is in that group).
 """
 
 from __future__ import annotations
@@ -59,7 +60,10 @@ def verdict(summary: Summary) -> str:
         ranked = sorted(summary, key=lambda model: summary[model][metric][0], reverse=True)
         (best_mean, best_std), (next_mean, next_std) = (summary[ranked[0]][metric],
                                                          summary[ranked[1]][metric])
-        gap = best_mean - next_mean
+        gap = round(best_mean, 1) - round(next_mean, 1)  # as the table shows them
+        if gap == 0:
+            sentences.append(f"{metric}: {ranked[0]} and {ranked[1]} tie at {best_mean:.1f} %")
+            continue
         within = " (within one standard deviation)" if gap <= max(best_std, next_std) else ""
         sentences.append(f"{metric}: {ranked[0]} {best_mean:.1f} %, ahead of {ranked[1]} "
                          f"{next_mean:.1f} % by {gap:.1f} points{within}")
@@ -83,7 +87,7 @@ def plot(summary: Summary, path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    fig, ax = plt.subplots(figsize=(8, 4.8))
     width = 0.8 / len(summary)
     for i, (model, metrics) in enumerate(summary.items()):
         xs = [j + (i - (len(summary) - 1) / 2) * width for j in range(len(CLASS_METRICS))]
@@ -93,7 +97,7 @@ def plot(summary: Summary, path: Path, title: str) -> None:
     ax.set_ylabel("test accuracy (%)")
     ax.set_ylim(0, 105)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="lower left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=3, frameon=False)
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

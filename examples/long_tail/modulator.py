@@ -5,8 +5,8 @@ Legend: B batch, P pixels (64), H hidden width, C classes, G frequency groups (3
 - :class:`SoftmaxClassifier`: an MLP trained with cross-entropy on the class.
 - :func:`logit_adjusted`: post-hoc logit adjustment (Menon et al., "Long-tail learning via logit
   adjustment", ICLR 2021, §4): subtract τ·log π_c from the trained classifier's logits at test time.
-- :class:`ModulatorClassifier`: the mutual exclusive modulator (Long et al., "Mutual Exclusive
-  Modulator for Long-Tailed Recognition", 2023), built from its description: a shared feature
+- :class:`ModulatorClassifier`: the mutual exclusive modulator ("Mutual Exclusive
+  Modulator for Long-Tailed Recognition"), built from its description: a shared feature
   extractor, one classifier head per frequency group (each head covers only its group's classes)
   and a modulator that predicts P(g | x) with a G-way softmax, trained by cross-entropy on the
   group label (exactly one group is right: the mutual-exclusive objective). The class probability

@@ -16,8 +16,9 @@ import torch
 
 from tolerances import assert_close
 
-pytest.importorskip("sklearn", reason="scikit-learn is not installed: pip install -e '.[examples]'")
-pytest.importorskip("matplotlib", reason="matplotlib is not installed: pip install -e '.[examples]'")
+for _package in ("sklearn", "matplotlib"):
+    pytest.importorskip(_package, reason=f"{_package} is not installed: "
+                                         "pip install -e '.[examples]'")
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "long_tail"
 GROUPS = ((0, 1, 2), (3, 4, 5), (6, 7, 8, 9))
@@ -116,11 +117,10 @@ def test_split_is_balanced_disjoint_and_long_tailed() -> None:
                                      many_min=12, few_below=5)
     assert torch.equal(torch.bincount(split.y_test_N), torch.full((10,), 5))
     assert split.train_counts_C.tolist() == longtail_data.exponential_counts(25, 10, 10.0)
-    train_ids, test_ids = set(split.x_train_NP.flatten().tolist()), set(split.x_test_NP.flatten()
-                                                                         .tolist())
-    assert not train_ids & test_ids
-    assert all(int(y_N[int(i)]) == int(y) for i, y in zip(split.x_train_NP.flatten(),
-                                                          split.y_train_N))
+    train_ids = split.x_train_NP.flatten().long()
+    assert not set(train_ids.tolist()) & set(split.x_test_NP.flatten().long().tolist())
+    assert torch.equal(y_N[train_ids], split.y_train_N)  # each image keeps its label
+    assert torch.equal(y_N[split.x_test_NP.flatten().long()], split.y_test_N)
     with pytest.raises(ValueError, match=r"test_per_class must be in \[1, 29\]"):
         longtail_data.make_split(x_NP, y_N, seed=0, imbalance_ratio=10.0, test_per_class=30,
                                  many_min=12, few_below=5)
@@ -155,11 +155,25 @@ def test_example_runs_one_seed(tmp_path: Path, one_thread: None) -> None:
     assert group_acc > majority_rate
     with (out / "results.csv").open() as f:
         rows = list(csv.DictReader(f))
-    assert len(rows) == len(run.MODELS) * 4 + 1
+    assert len(rows) == (len(run.MODELS) + 1) * 4
     reported = {(r["model"], r["metric"]): float(r["value_pct"]) for r in rows}
-    assert reported[("modulator", "group_routing")] == pytest.approx(100 * group_acc, abs=1e-4)
+    assert reported[(run.GROUP_ROUTING, "overall")] == pytest.approx(100 * group_acc, abs=1e-4)
     text = readme.read_text()
     assert "(not run yet)" not in text
     assert all(f"| {model} |" in text for model in run.MODELS)
     assert text.count(longtail_report.README_BEGIN) == 1
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_summary_and_verdict_hand_values() -> None:
+    Result = longtail_report.Result
+    results = [Result("a", s, m, v) for s, v in ((0, 80.0), (1, 90.0))
+               for m in longtail_report.CLASS_METRICS]
+    results += [Result("b", s, m, 70.0) for s in (0, 1) for m in longtail_report.CLASS_METRICS]
+    summary = longtail_report.summarize(results)
+    mean, std = summary["a"]["overall"]
+    assert mean == 85.0 and std == pytest.approx(math.sqrt(50.0))  # n - 1 = 1 denominator
+    assert summary["b"]["few"] == (70.0, 0.0)
+    text = longtail_report.verdict(summary)
+    assert "overall: a 85.0 %, ahead of b 70.0 % by 15.0 points;" in text
+    assert "| a | 85.0 ± 7.1 | 85.0 ± 7.1 |" in longtail_report.markdown_table(summary)
