@@ -9,8 +9,8 @@ GPT-OSS). ``swiglu`` is ``GatedActivation()``; GPT-OSS is ``GatedActivation.gpt_
 The backward uses ATen's fused elementwise derivatives (``silu_backward``, ``gelu_backward``,
 ``threshold_backward``) instead of re-running autograd on the activation, so it reads H once and
 allocates only dH (plus act(gate) for gated activations).
-Reference: DESIGN.md §1 (SwiGLU experts), MoEBlaze §4 (activation recomputed from H); the clamped
-form is transformers' ``GptOssExperts._apply_gate`` (our reading of its code; GPT-OSS model card).
+Reference: docs/design.md §1 (SwiGLU experts), MoEBlaze §4 (activation recomputed from H); the
+clamped form is transformers' ``GptOssExperts._apply_gate`` (our reading of its code).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ weighted combine.
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n.
 Reference: MoEBlaze (arXiv 2601.05296) §4-§5 (buffer-free dispatch, smart checkpointing);
-DESIGN.md §3, §5; STYLE.md §9.
+docs/design.md §3, §5; docs/style.md §9.
 """
 
 from __future__ import annotations
@@ -96,9 +96,9 @@ class FusedExpertsFunction(torch.autograd.Function):
         - w_up, w_down and the biases: parameters, not activations (no extra bytes; a bias
           adds no saved activation).
         Total activation bytes: (T·d + S·G + T·k)·D_t + 4·(2·S + T·k + E + 1); with S = T·k and
-        a gated activation that is the no-recompute floor (T·d + 2·T·k·n) elements (DESIGN.md §5)
-        plus the weights and indices. Not kept: the gathered x (S·d), A (S·n), Y (S·d), the
-        (T, k, d) scattered copy, the per-row biases.
+        a gated activation that is the no-recompute floor (T·d + 2·T·k·n) elements
+        (docs/design.md §5) plus the weights and indices. Not kept: the gathered x (S·d), A (S·n),
+        Y (S·d), the (T, k, d) scattered copy, the per-row biases.
 
     Recomputed in backward:
         the gathered rows x[expert_token_indices] and dO[expert_token_indices] (S·d each) and
