@@ -4,11 +4,12 @@ transformers' experts modules compute A = ``_apply_gate(H)``; the default is
 ``act_fn(H[:, :n]) * H[:, n:]``, and some models override it: GPT-OSS (interleaved gate/up,
 gate clamped from above at ``limit``, up clamped to ±limit, ``(up + 1)·g·σ(α·g)``),
 MiniMax-M3-VL and OpenAI's privacy filter (the same on halves), DeepSeek-V4 / HY-V4 /
-GLM-5-Next (SiLU on the clamped halves), Beam (SwiGLU computed in fp32). A candidate :class:`GatedActivation` is built
-from the module's ``alpha``/``swiglu_alpha`` and ``limit``/``swiglu_limit`` attributes and its
-``act_fn``, and accepted only when it reproduces the module's own ``_apply_gate`` bit for bit on
-fp32 and bf16 probes (values on both sides of the clamp). A gate no candidate reproduces stays on
-the plain path, which calls the module's function.
+GLM-5-Next (SiLU on the clamped halves), Beam (SwiGLU computed in fp32). A candidate
+:class:`GatedActivation` is built from the module's ``alpha``/``swiglu_alpha`` and
+``limit``/``swiglu_limit`` attributes and its ``act_fn``, and accepted only when it reproduces
+the module's own ``_apply_gate`` bit for bit on fp32 and bf16 probes (values on both sides of
+the clamp). A gate no candidate reproduces stays on the plain path, which calls the module's
+function.
 
 Legend: S probe rows, N = n, G = 2n.
 Reference: transformers 5.24 ``integrations/moe.py`` (``_default_apply_gate``) and the models'
