@@ -76,9 +76,6 @@ def test_rejects_bad_halves() -> None:
     index = build_routing_index(idx, gate.shape[0])
     with pytest.raises(ValueError, match="halves must share shape"):
         run_experts(x, w, index, (gate.transpose(1, 2), up[:, :2].transpose(1, 2)), down)
-    with pytest.raises(ValueError, match="needs a gated activation"):
+    with pytest.raises(ValueError, match="needs a gated activation, got 'silu'"):
         run_experts(x, w, index, (gate.transpose(1, 2), up.transpose(1, 2)), down,
                     activation="silu")
-    with pytest.raises(ValueError, match="backend 'triton' needs"):
-        run_experts(x, w, index, (gate.transpose(1, 2), up.transpose(1, 2)), down,
-                    backend="triton")

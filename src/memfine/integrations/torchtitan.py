@@ -31,7 +31,7 @@ from typing import Any, Literal
 from torch import nn
 
 from memfine._optional import require
-from memfine.config import _check_choice
+from memfine._checks import check_choice
 from memfine.integrations.transformers import HFExpertsConfig, make_config
 
 TESTED_TORCHTITAN_VERSION = (0, 3, 0)
@@ -64,7 +64,7 @@ class TorchtitanExpertsConfig(HFExpertsConfig):
             ValueError: naming the class and field, what is allowed and the value received.
         """
         HFExpertsConfig.__post_init__(self)
-        _check_choice(self, "dispatch", Dispatch)
+        check_choice(self, "dispatch", Dispatch)
 
 
 def _parse_version(text: str) -> tuple[int, ...]:

@@ -32,6 +32,7 @@ from torchtitan.models.common.token_dispatcher import (
 from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.model import ModelConfigConverter
 
+from memfine.config import GatedActivation
 from memfine.integrations.hf_experts import run_module
 from memfine.integrations.hf_layout import ExpertsPlan, ExpertWeights, local_weight
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
@@ -64,12 +65,13 @@ def experts_layout(inner: nn.Module, impl: str) -> tuple[ExpertWeights, ExpertsP
       w2 (E, d, n) down → the two up halves kept apart (no concatenated copy) and the fused
       SwiGLU path.
     - ``GptOssGroupedExperts``: ``mlp1_weight`` (E, 2n, d) with interleaved gate/up columns and
-      a bias, the clamped SwiGLU of GPT-OSS, ``mlp2`` with a bias → the plain path, which calls
-      torchtitan's own ``swiglu``.
+      a bias, GPT-OSS's clamped SwiGLU (α = 1.702, ``swiglu_limit``, +1 on the up half, as
+      torchtitan's ``swiglu``), ``mlp2`` with a bias → the fused path with
+      ``GatedActivation.gpt_oss`` and both biases; ``impl="plain"`` calls torchtitan's own
+      ``swiglu`` on the routed rows instead.
 
     Raises:
-        ValueError: for another experts class, or ``impl="fused"`` where only the plain path is
-            exact.
+        ValueError: for another experts class.
     """
     if type(inner) is GroupedExperts:
         E = inner.num_experts
@@ -89,13 +91,10 @@ def experts_layout(inner: nn.Module, impl: str) -> tuple[ExpertWeights, ExpertsP
             w_down_END=local_weight(inner.mlp2_weight_EDF, E).transpose(1, 2),
             b_up_EG=local_weight(inner.mlp1_bias_EG, E),
             b_down_ED=local_weight(inner.mlp2_bias_ED, E))
-        if impl == "fused":
-            raise ValueError("TorchtitanExpertsConfig.impl='fused' is not possible for "
-                             "GptOssGroupedExperts (biases, clamped interleaved SwiGLU); use "
-                             "impl='auto' or 'plain'")
         limit = inner.swiglu_limit
-        plan = ExpertsPlan(path="plain", activation=None,
-                           reason="biases and GPT-OSS's clamped interleaved SwiGLU")
+        plan = ExpertsPlan(path="fused", activation=GatedActivation.gpt_oss(limit=limit))
+        if impl == "plain":
+            plan = ExpertsPlan(path="plain", activation=None, reason="impl='plain'")
         return weights, plan, _Gate(lambda h_SG: swiglu(h_SG, limit=limit))
     raise ValueError(f"memfine supports torchtitan's GroupedExperts and GptOssGroupedExperts, "
                      f"got {type(inner).__name__}")

@@ -1,7 +1,7 @@
 """Routed-expert computation over a :class:`RoutingIndex`: fused (default) or plain.
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n or n.
-Reference: DESIGN.md §3, §5.
+Reference: docs/design.md §3, §5.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Literal
 import torch
 
 from memfine.dispatch import RoutingIndex
-from memfine.ops.activations import apply_activation, check_activation
+from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
-from memfine.ops.fused import FusedExpertsFunction
+from memfine.ops.fused import FusedExpertsFunction, expert_of_rows
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
 from memfine.ops.up_projection import UpWeights, up_parts, up_shape
@@ -23,14 +23,16 @@ IMPLS = ("fused", "plain")
 
 def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
                         index: RoutingIndex, w_up_EDG: UpWeights,
-                        w_down_END: torch.Tensor, activation: str) -> None:
+                        w_down_END: torch.Tensor, activation: Activation,
+                        b_up_EG: torch.Tensor | None = None,
+                        b_down_ED: torch.Tensor | None = None) -> None:
     """Validate shapes of the expert inputs; raise ValueError naming the argument.
 
     ``w_up_EDG`` is one (E, d, G) tensor or a (gate, up) pair of (E, d, n) halves.
 
     Raises:
-        ValueError: on any shape mismatch, an unknown activation, mixed dtypes, or a pair of
-            halves with a non-gated activation.
+        ValueError: on any shape mismatch (biases included), an unknown activation, mixed
+            dtypes, or a pair of halves with a non-gated activation.
     """
     check_activation(activation)
     if x_TD.dim() != 2:
@@ -47,12 +49,11 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
     if any(p.dim() != 3 or p.shape[:2] != (E, D) for p in parts):
         raise ValueError(f"w_up must be (E, d, G)=({E}, {D}, G) or two (E, d, n) halves, got "
                          f"{[tuple(p.shape) for p in parts]}")
-    gated = activation in ("swiglu", "geglu")
-    if len(parts) == 2 and not gated:
-        raise ValueError(f"w_up given as (gate, up) halves needs a gated activation (swiglu, "
-                         f"geglu), got {activation!r}")
+    if len(parts) == 2 and not is_gated(activation):
+        raise ValueError(f"w_up given as (gate, up) halves needs a gated activation, got "
+                         f"{activation!r}")
     G = up_shape(w_up_EDG)[2]
-    N = G // 2 if gated else G
+    N = G // 2 if is_gated(activation) else G
     if tuple(w_down_END.shape) != (E, N, D):
         raise ValueError(f"w_down must be (E, n, d)=({E}, {N}, {D}) for activation "
                          f"{activation!r} and w_up (E, d, G)={(E, D, G)}, "
@@ -60,21 +61,37 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
     if not (x_TD.dtype == parts[0].dtype == w_down_END.dtype):
         raise ValueError(f"hidden_states, w_up and w_down must share a dtype, got {x_TD.dtype}, "
                          f"{parts[0].dtype}, {w_down_END.dtype}")
+    for name, bias, shape in (("b_up", b_up_EG, (E, G)), ("b_down", b_down_ED, (E, D))):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be {'(E, G)' if name == 'b_up' else '(E, d)'}="
+                             f"{shape}, got {tuple(bias.shape)}")
+        if bias.dtype != x_TD.dtype:
+            raise ValueError(f"{name} must have hidden_states' dtype {x_TD.dtype}, "
+                             f"got {bias.dtype}")
 
 
 def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
-                  w_up_EDG: UpWeights, w_down_END: torch.Tensor, activation: str = "swiglu",
-                  backend: str = "auto") -> torch.Tensor:
+                  w_up_EDG: UpWeights, w_down_END: torch.Tensor,
+                  activation: Activation = "swiglu", backend: str = "auto",
+                  b_up_EG: torch.Tensor | None = None,
+                  b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
     """Experts as most PyTorch MoE code writes them: autograd over materialised copies.
 
     Memory (saved for backward): gathered x (S·d), H (S·G), the activation's inputs/outputs
-    (≥ S·G + S·n), Y (S·d) and the (T, k, d) gathered copy of Y in the combine.
+    (≥ S·G + S·n), Y (S·d) and the (T, k, d) gathered copy of Y in the combine (plus the
+    per-row bias indices with biases).
     """
     x_SD = gather_rows(x_TD, index.expert_token_indices)
     offsets = index.expert_token_offsets
     h_SG = grouped_up_projection(x_SD, w_up_EDG, offsets, backend)
+    if b_up_EG is not None:
+        h_SG = h_SG + b_up_EG.index_select(0, expert_of_rows(offsets, index.num_rows))
     a_SN = apply_activation(h_SG, activation)
     y_SD = GroupedMatmulFunction.apply(a_SN, w_down_END, offsets, backend)
+    if b_down_ED is not None:
+        y_SD = y_SD + b_down_ED.index_select(0, expert_of_rows(offsets, index.num_rows))
     return combine_rows(y_SD, top_k_weights, index.token_index_map)
 
 
@@ -93,9 +110,12 @@ def grouped_up_projection(x_SD: torch.Tensor, w_up_EDG: UpWeights, offsets_E1: t
 
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
                 w_up_EDG: UpWeights, w_down_END: torch.Tensor, *,
-                activation: str = "swiglu", impl: Literal["fused", "plain"] = "fused",
-                backend: str = "auto") -> torch.Tensor:
-    """Routed experts: out[t] = Σ_j w[t,j]·act(x[t]·w_up[e])·w_down[e] with e = top_k_index[t,j].
+                activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
+                backend: str = "auto", b_up_EG: torch.Tensor | None = None,
+                b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: out[t] = Σ_j w[t,j]·(act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]).
+
+    e = top_k_index[t, j]; the biases are optional (None: no bias).
 
     Args:
         x_TD: (T, d) float activations.
@@ -105,16 +125,19 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
             A gated up-projection may also be given as a (gate, up) pair of (E, d, n) tensors
             (kept apart, never concatenated; :mod:`memfine.ops.up_projection`).
         w_down_END: (E, n, d) down-projection.
-        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` or ``relu``.
+        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu``, ``relu`` or a
+            :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).
         impl: ``fused`` (:class:`FusedExpertsFunction`, saves x and H) or ``plain``.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
+        b_up_EG: optional (E, G) up-projection bias in x's dtype (the gate and up columns, in
+            the activation's layout).
+        b_down_ED: optional (E, d) down-projection bias in x's dtype.
 
     Returns:
         (T, d) tensor in x's dtype; rows of tokens whose slots are all sentinels are exactly 0.
 
     Raises:
-        ValueError: on shape/dtype mismatches, an unknown impl, backend or activation, or a
-            (gate, up) pair with ``backend="triton"``.
+        ValueError: on shape/dtype mismatches, an unknown impl, backend or activation.
 
     Memory: see :class:`FusedExpertsFunction` and :func:`experts_plain`.
     """
@@ -122,16 +145,15 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation)
-    parts = up_parts(w_up_EDG)
-    if len(parts) == 2 and impl == "fused" and backend == "triton":
-        raise ValueError("backend 'triton' needs the up-projection as one (E, d, 2n) tensor, "
-                         "got (gate, up) halves; use backend 'auto', 'grouped_mm' or 'loop'")
+    check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation,
+                        b_up_EG, b_down_ED)
     weights_TK = top_k_weights.to(x_TD.dtype)
     if impl == "plain":
-        return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend)
+        return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend,
+                             b_up_EG, b_down_ED)
+    parts = up_parts(w_up_EDG)
     out: torch.Tensor = FusedExpertsFunction.apply(
-        x_TD, weights_TK, parts[0], w_down_END, index.expert_token_indices,
+        x_TD, weights_TK, parts[0], w_down_END, b_up_EG, b_down_ED, index.expert_token_indices,
         index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
         activation, backend, *parts[1:])
     return out
