@@ -36,16 +36,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "integrations"))
 
-from torchtitan_models import build_moe  # noqa: E402
+from torchtitan_models import build_moe, routed_saved_bytes  # noqa: E402
 
-from memfine.cli.benchsuites.layers import add_ratios  # noqa: E402
-from memfine.cli.benchsuites.options import Point  # noqa: E402
-from memfine.cli.benchsuites.output import print_point  # noqa: E402
-from memfine.config import format_bytes  # noqa: E402
+from memfine.bench.harness import Method, MethodResult, run_methods  # noqa: E402
+from memfine.bench.layers import add_ratios  # noqa: E402
+from memfine.bench.options import Point  # noqa: E402
+from memfine.bench.output import print_point  # noqa: E402
+from memfine.bench.results import collect_environment, result_rows, write_csv  # noqa: E402
 from memfine.integrations.torchtitan import convert_model  # noqa: E402
-from memfine.measure.harness import Method, MethodResult, run_methods  # noqa: E402
-from memfine.measure.results import collect_environment, result_rows, write_csv  # noqa: E402
-from memfine.measure.saved import track_saved_tensors  # noqa: E402
+from memfine.units import format_bytes  # noqa: E402
 
 BENCHMARK = "torchtitan_moe"
 RESULTS = Path(__file__).parent / "results"
@@ -79,15 +78,6 @@ CONFIGS = {s.name: s for s in (
 PROVIDERS = ("torchtitan", "memfine", "memfine_c4", "memfine_mact")
 
 
-def _routed_saved_bytes(moe: torch.nn.Module, x: torch.Tensor) -> int:
-    """Bytes the routed-experts part alone saves (the router runs before tracking)."""
-    scores, ids, _ = moe.router(x, moe.expert_bias_E)
-    counts = torch.bincount(ids.flatten(), minlength=moe.router.num_experts)
-    with track_saved_tensors() as saved:
-        moe.routed_experts(x, scores, ids, counts)
-    return saved.total_bytes
-
-
 def _method(name: str, moe: torch.nn.Module, x: torch.Tensor, g: torch.Tensor,
             floor: int) -> Method:
     def forward() -> torch.Tensor:
@@ -101,7 +91,7 @@ def _method(name: str, moe: torch.nn.Module, x: torch.Tensor, g: torch.Tensor,
         x.grad = None
 
     def extras() -> dict[str, tuple[float | int, str]]:
-        routed = _routed_saved_bytes(moe, x)
+        routed = routed_saved_bytes(moe, x)
         return {"routed_saved_bytes": (routed, "bytes"),
                 "routed_saved_over_floor": (routed / floor, "ratio")}
 

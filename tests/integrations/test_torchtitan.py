@@ -18,10 +18,15 @@ import torch
 pytest.importorskip("torchtitan", reason="torchtitan is not installed "
                     "(pip install -c constraints.txt 'memfine[torchtitan]')")
 
-from torchtitan_models import build_model, build_moe, forward_tokens, model_config  # noqa: E402
+from torchtitan_models import (  # noqa: E402
+    build_model,
+    build_moe,
+    forward_tokens,
+    model_config,
+    routed_saved_bytes,
+)
 
 from memfine.integrations import torchtitan as mf_tt  # noqa: E402
-from memfine.measure.saved import track_saved_tensors  # noqa: E402
 from memfine.reference import reference_experts  # noqa: E402
 from tolerances import LOSS_ATOL, assert_close  # noqa: E402
 
@@ -208,28 +213,19 @@ def test_config_converter_builds_the_converted_model() -> None:
         mf_tt.converter().build().convert(converted_config)
 
 
-def _saved_bytes(moe: torch.nn.Module, x: torch.Tensor) -> int:
-    """Saved bytes of the routed-experts part alone (the router runs before tracking)."""
-    scores, ids, _ = moe.router(x, moe.expert_bias_E)
-    counts = torch.bincount(ids.flatten(), minlength=moe.router.num_experts)
-    with track_saved_tensors() as saved:
-        moe.routed_experts(x, scores, ids, counts)
-    return saved.total_bytes
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_saved_bytes_at_the_x_plus_h_floor(dtype: torch.dtype) -> None:
     moe = build_moe("qwen3", dtype=dtype, dim=256, hidden=256, num_experts=8, top_k=2)
     x, _ = _inputs(moe, B=2, L=32)
     T, D = 64, 256
     floor = (T * D + 2 * T * 2 * 256) * x.element_size()  # x + H (T·d + 2·T·k·n elements)
-    torchtitan_bytes = _saved_bytes(moe, x)
+    torchtitan_bytes = routed_saved_bytes(moe, x)
     converted = copy.deepcopy(moe)
     mf_tt.convert_model(converted)
-    memfine_bytes = _saved_bytes(converted, x)
+    memfine_bytes = routed_saved_bytes(converted, x)
     chunked = copy.deepcopy(moe)
     mf_tt.convert_model(chunked, num_chunks=4)
-    chunked_bytes = _saved_bytes(chunked, x)
+    chunked_bytes = routed_saved_bytes(chunked, x)
     assert floor <= memfine_bytes <= 1.02 * floor, (memfine_bytes, floor)
     assert torchtitan_bytes > 1.5 * floor, (torchtitan_bytes, floor)
     # with recompute only x and the routing (int64 ids, scores) survive forward

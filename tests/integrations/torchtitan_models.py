@@ -143,3 +143,15 @@ def build_moe(name: str, *, dtype: torch.dtype = torch.float32, seed: int = 0,
                 param.normal_(0.0, 0.1)
             param.data = param.data.to(dtype)
     return moe
+
+
+def routed_saved_bytes(moe: nn.Module, x_BLD: torch.Tensor) -> int:
+    """Bytes saved for backward by the MoE block's routed-experts part alone (the router runs
+    before tracking, so its own saved tensors are not counted)."""
+    from memfine.measure.saved import track_saved_tensors
+
+    scores, ids, _ = moe.router(x_BLD, moe.expert_bias_E)
+    counts = torch.bincount(ids.flatten(), minlength=moe.router.num_experts)
+    with track_saved_tensors() as saved:
+        moe.routed_experts(x_BLD, scores, ids, counts)
+    return saved.total_bytes

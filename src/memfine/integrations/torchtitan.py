@@ -30,8 +30,8 @@ from typing import Any, Literal
 
 from torch import nn
 
-from memfine._optional import require
 from memfine._checks import check_choice
+from memfine._optional import require
 from memfine.integrations.transformers import HFExpertsConfig, make_config
 
 TESTED_TORCHTITAN_VERSION = (0, 3, 0)

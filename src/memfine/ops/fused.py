@@ -61,8 +61,9 @@ def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torc
 
 
 def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
-                  up_parts: tuple[torch.Tensor, ...], w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
-                  b_down_ED: torch.Tensor | None, token_idx_S: torch.Tensor,
+                  up_parts: tuple[torch.Tensor, ...], w_down_END: torch.Tensor,
+                  b_up_EG: torch.Tensor | None, b_down_ED: torch.Tensor | None,
+                  token_idx_S: torch.Tensor,
                   offsets_E1: torch.Tensor, map_TK: torch.Tensor, activation: Activation,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, out) with the grouped GEMM backend; the per-row biases are added in place.
