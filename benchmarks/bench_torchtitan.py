@@ -1,6 +1,6 @@
 """torchtitan MoE block: fwd+bwd time and saved bytes, torchtitan's experts vs memfine inside it.
 
-One MoE block of torchtitan's qwen3 and deepseek_v3 models (built by each model's own layer
+One MoE block of torchtitan's qwen3, deepseek_v3 and gpt_oss models (built by each model's own layer
 builder, tests/integrations/torchtitan_models.py; weights ~ N(0, 1/fan_in)), called on the same
 input and incoming gradient by:
 - ``torchtitan``: the block as torchtitan builds it (argsort dispatcher, permuted copy of x,
@@ -11,13 +11,14 @@ input and incoming gradient by:
 - ``memfine_mact``: with a memory budget (MACT picks c per call; the budget is printed).
 Router, shared experts and routed scaling are torchtitan's in every method.
 
-Metrics (CSV, STYLE.md §6 columns, :mod:`memfine.measure.results`): ``time`` ms p20/p50/p80
+Metrics (CSV, docs/style.md §6 columns, :mod:`memfine.bench.results`): ``time`` ms p20/p50/p80
 (modes ``fwd``, ``bwd``, ``full``), ``tokens_per_s``, ``saved_bytes`` and ``peak_bytes`` of the
 whole block (bytes), plus extras: ``routed_saved_bytes`` (bytes saved by the routed-experts part
-alone, router run outside the tracker) and ``routed_saved_over_floor`` (ratio to the x + H floor
-(T·d + 2·T·k·n)·D_t of DESIGN.md §5). Parameters' dtype is fp32 or bf16; note that torchtitan's
-``GroupedExperts`` casts to bf16 for its GEMMs whatever the parameters' dtype, and bf16 matmul on
-an AVX2 CPU is much slower than fp32 (DESIGN.md §8), so CPU times favour fp32 GEMMs.
+alone, router run outside the tracker), ``routed_saved_over_floor`` (ratio to the x + H floor
+(T·d + 2·T·k·n)·D_t of docs/design.md §5) and ``num_chunks`` (c; MACT's choice for its budget).
+Parameters are fp32 or bf16. torchtitan's ``GroupedExperts`` casts to bf16 for its GEMMs whatever
+the parameters' dtype, while memfine computes in the parameters' dtype, so with fp32 parameters
+the two run GEMMs of different precision (and different speed on a CPU).
 
 Usage: ``python benchmarks/bench_torchtitan.py [--configs ...] [--reps 5] [--out PATH]``.
 Legend: T tokens, K top-k slots, E experts, D = d, N = n.
@@ -74,8 +75,25 @@ CONFIGS = {s.name: s for s in (
           num_experts=16, top_k=4, budget="10MiB"),
     Shape(name="deepseek_v3_fp32", model="deepseek_v3_sigmoid_scaled", dtype="float32",
           tokens=512, dim=256, hidden=128, num_experts=16, top_k=4, budget="20MiB"),
+    # torchtitan's GPT-OSS block runs on CPU in bf16 only (its combine cannot scatter bf16 rows
+    # into fp32 tokens)
+    Shape(name="gpt_oss_bf16", model="gpt_oss", dtype="bfloat16", tokens=512, dim=256,
+          hidden=128, num_experts=16, top_k=4, budget="10MiB"),
 )}
 PROVIDERS = ("torchtitan", "memfine", "memfine_c4", "memfine_mact")
+
+
+def _num_chunks(moe: torch.nn.Module, x: torch.Tensor) -> int | None:
+    """c of memfine's last call (MACT: from its chunk policy, s″ = T·k rows); None: torchtitan."""
+    routed = moe.routed_experts
+    options = getattr(routed, "memfine_config", None)
+    if options is None:
+        return None
+    policy = getattr(getattr(routed, "_memfine_gate", None), "_memfine_chunk_policy", None)
+    if policy is None:
+        return options.chunk.num_chunks
+    T = x.shape[0] * x.shape[1]
+    return policy.num_chunks(T * moe.router.top_k, T, x.element_size())
 
 
 def _method(name: str, moe: torch.nn.Module, x: torch.Tensor, g: torch.Tensor,
@@ -90,10 +108,11 @@ def _method(name: str, moe: torch.nn.Module, x: torch.Tensor, g: torch.Tensor,
         moe.zero_grad(set_to_none=True)
         x.grad = None
 
-    def extras() -> dict[str, tuple[float | int, str]]:
+    def extras() -> dict[str, tuple[float | int | None, str]]:
         routed = routed_saved_bytes(moe, x)
         return {"routed_saved_bytes": (routed, "bytes"),
-                "routed_saved_over_floor": (routed / floor, "ratio")}
+                "routed_saved_over_floor": (routed / floor, "ratio"),
+                "num_chunks": (_num_chunks(moe, x), "chunks")}
 
     return Method(name=name, forward=forward, backward=backward, zero_grad=zero_grad,
                   tokens=x.shape[0] * x.shape[1], exclude=lambda: list(moe.buffers()),

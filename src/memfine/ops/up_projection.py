@@ -8,7 +8,7 @@ the helpers here compute with the halves where they are instead. ``H = [x·w_gat
 equals ``x·cat(w_gate, w_up)`` exactly: each column of H is the same dot product either way.
 
 Legend: S routed rows, E experts, D = d, N = n, G = 2n (two halves) or the width of one tensor.
-Reference: DESIGN.md §1 (SwiGLU weights); MoEBlaze §5 (what the fused path saves).
+Reference: docs/design.md §1 (SwiGLU weights); MoEBlaze §5 (what the fused path saves).
 """
 
 from __future__ import annotations
