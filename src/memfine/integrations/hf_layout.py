@@ -84,7 +84,7 @@ class ExpertsPlan:
     reason: str = ""
 
 
-def local_weight(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
+def _local(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
     """Plain tensor of a (possibly DTensor) expert weight, keeping autograd.
 
     A DTensor whose local shard already has the module's expert count and the full trailing
@@ -130,8 +130,8 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
     transposed = bool(getattr(module, "is_transposed", False))
     E = int(module.num_experts)
     up_name = "gate_up_proj" if has_gate else "up_proj"
-    up = local_weight(_param(module, up_name), E)
-    down = local_weight(_param(module, "down_proj"), E)
+    up = _local(_param(module, up_name), E)
+    down = _local(_param(module, "down_proj"), E)
     if up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"{up_name} and down_proj must be 3-D, got {tuple(up.shape)} and "
                          f"{tuple(down.shape)}")
@@ -146,8 +146,8 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
             f"{tuple(up.shape)} and {tuple(down.shape)}")
     b_up = b_down = None
     if has_bias:
-        b_up = local_weight(_param(module, f"{up_name}_bias"), E)
-        b_down = local_weight(_param(module, "down_proj_bias"), E)
+        b_up = _local(_param(module, f"{up_name}_bias"), E)
+        b_down = _local(_param(module, "down_proj_bias"), E)
         if tuple(b_up.shape) != (E, G) or tuple(b_down.shape) != (E, D):
             raise ValueError(f"{up_name}_bias must be (E, G)=({E}, {G}) and down_proj_bias "
                              f"(E, d)=({E}, {D}), got {tuple(b_up.shape)} and "

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
@@ -34,7 +35,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
 from memfine.integrations.hf_experts import run_module
-from memfine.integrations.hf_layout import ExpertsPlan, ExpertWeights, local_weight
+from memfine.integrations.hf_layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
 
 _log = logging.getLogger(__name__)
@@ -50,6 +51,24 @@ class _Gate:
 
     def _apply_gate(self, h_SG: torch.Tensor) -> torch.Tensor:
         return self._fn(h_SG)
+
+
+def _local(weight: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor weight (as torchtitan's GroupedExperts reads it), else it.
+
+    Inside torchtitan's ``local_map`` region the routed experts compute on local shards: the
+    experts this rank holds under expert parallelism, a slice of n under expert tensor
+    parallelism (SwiGLU is elementwise over n, so the partial outputs sum to the full one).
+    """
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def _tp_degree(weight: torch.Tensor) -> int:
+    """Size of the ``tp`` mesh dimension of a DTensor weight (1 otherwise)."""
+    if not isinstance(weight, DTensor):
+        return 1
+    names = weight.device_mesh.mesh_dim_names or ()
+    return weight.device_mesh.size(names.index("tp")) if "tp" in names else 1
 
 
 def _silu_gate(h_SG: torch.Tensor) -> torch.Tensor:
@@ -71,26 +90,25 @@ def experts_layout(inner: nn.Module, impl: str) -> tuple[ExpertWeights, ExpertsP
       ``swiglu`` on the routed rows instead.
 
     Raises:
-        ValueError: for another experts class.
+        ValueError: for another experts class, or GPT-OSS experts under tensor parallelism.
     """
     if type(inner) is GroupedExperts:
-        E = inner.num_experts
         weights = ExpertWeights(
-            w_up_EDG=local_weight(inner.w1_EFD, E).transpose(1, 2),
-            w_up_second_EDN=local_weight(inner.w3_EFD, E).transpose(1, 2),
-            w_down_END=local_weight(inner.w2_EDF, E).transpose(1, 2), b_up_EG=None,
-            b_down_ED=None)
+            w_up_EDG=_local(inner.w1_EFD).transpose(1, 2),
+            w_up_second_EDN=_local(inner.w3_EFD).transpose(1, 2),
+            w_down_END=_local(inner.w2_EDF).transpose(1, 2), b_up_EG=None, b_down_ED=None)
         plan = ExpertsPlan(path="fused", activation="swiglu")
         if impl == "plain":
             plan = ExpertsPlan(path="plain", activation=None, reason="impl='plain'")
         return weights, plan, _Gate(_silu_gate)
     if type(inner) is GptOssGroupedExperts:
-        E = inner.num_experts
+        if _tp_degree(inner.mlp1_weight_EGD) > 1:
+            raise ValueError("memfine does not run GptOssGroupedExperts under tensor parallelism "
+                             "(torchtitan scales its down bias by 1/tp there)")
         weights = ExpertWeights(
-            w_up_EDG=local_weight(inner.mlp1_weight_EGD, E).transpose(1, 2),
-            w_down_END=local_weight(inner.mlp2_weight_EDF, E).transpose(1, 2),
-            b_up_EG=local_weight(inner.mlp1_bias_EG, E),
-            b_down_ED=local_weight(inner.mlp2_bias_ED, E))
+            w_up_EDG=_local(inner.mlp1_weight_EGD).transpose(1, 2),
+            w_down_END=_local(inner.mlp2_weight_EDF).transpose(1, 2),
+            b_up_EG=_local(inner.mlp1_bias_EG), b_down_ED=_local(inner.mlp2_bias_ED))
         limit = inner.swiglu_limit
         plan = ExpertsPlan(path="fused", activation=GatedActivation.gpt_oss(limit=limit))
         if impl == "plain":
