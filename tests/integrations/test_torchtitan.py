@@ -117,6 +117,15 @@ def test_fp32_matches_float64_reference(model: str, chunk: dict) -> None:
     _assert_mact_chose(converted, chunk, torch.float32)
 
 
+@pytest.mark.parametrize("chunk", CHUNKS[:2])
+def test_plain_impl_matches_float64_reference(chunk: dict) -> None:
+    moe = build_moe("deepseek_v3")
+    x, g = _inputs(moe)
+    converted = copy.deepcopy(moe)
+    mf_tt.convert_model(converted, impl="plain", **chunk)
+    _compare(_run(converted, x, g), _reference64(moe, x, g), dtype=torch.float32, label="plain")
+
+
 @pytest.mark.parametrize("chunk", CHUNKS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("model", FUSED_MODELS)
