@@ -30,16 +30,20 @@ def layout_text(cfg: PlanConfig, *, dtype: bool = True) -> str:
     return text + (f" bins {','.join(map(str, cfg.bins))}" if cfg.recompute != "none" else "")
 
 
-def _mact(sk: SkewPlan) -> str:
-    return "MACT c=" + ("-" if sk.num_chunks is None else str(sk.num_chunks))
+def _chunks(st: StagePlan, sk: SkewPlan, cfg: PlanConfig) -> str:
+    """``, MACT c=2`` / ``, even with c=8`` / nothing (no MoE layer, or no chunking)."""
+    if st.s_prime_max is None or cfg.recompute == "none":
+        return ""
+    if sk.num_chunks is None:
+        return f" even with c={cfg.bins[-1]}"
+    return f", MACT c={sk.num_chunks}"
 
 
 def answer(plan: Plan) -> str:
     """The one-line answer: fits or not, peak per device, the limiting stage, by how much."""
     cfg = plan.config
     st, sk = plan.limiting
-    where = f"stage {st.rank} at skew {sk.skew:g}" + (
-        f", {_mact(sk)}" if st.s_prime_max is not None else "")
+    where = f"stage {st.rank} at skew {sk.skew:g}{_chunks(st, sk, cfg)}"
     head = (f"{cfg.model.name} on {cfg.devices} × {_FB(cfg.device_memory_bytes)} "
             f"({layout_text(cfg)}): ")
     margin = st.budget_bytes - sk.total_bytes

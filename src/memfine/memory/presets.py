@@ -189,10 +189,17 @@ _DEEPSEEK_V3 = RunSetting(
          "gradients; assumed: bf16 activations, b=1, full recompute, 1F1B instead of DualPipe")
 
 
-def _assumed(devices: int, p: int, e: int, note: str) -> RunSetting:
-    """A layout of our choosing on ``devices`` × 80 GiB (nothing published)."""
-    return RunSetting(device_memory="80GiB", p=p, e=e, dp=devices // p, global_batch=1024,
-                      note=f"no published training layout; assumed {devices} × 80 GiB, {note}")
+def _assumed(recompute: str, *, t: int, e: int, dp: int, cp: int = 1) -> RunSetting:
+    """Nothing published: the best layout ``memfine plan --search`` finds on 80 GiB devices.
+
+    One pipeline stage, global batch 1,024 sequences of 4,096 tokens; every field assumed.
+    """
+    devices = t * dp * cp
+    return RunSetting(device_memory="80GiB", recompute=recompute, t=t, e=e, dp=dp, cp=cp,
+                      global_batch=1024,
+                      note=f"no published training layout in our notes; every field assumed: "
+                           f"the first layout of `memfine plan --search --devices {devices} "
+                           "--device-memory 80GiB --global-batch 1024`")
 
 
 PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
@@ -200,11 +207,14 @@ PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
                              _DEEPSEEK_V3),
     "qwen3-30b-a3b": _gqa("qwen3-30b-a3b", d=2048, n=768, E=128, k=8, L=48, heads=32,
                           kv_heads=4, V=151936, norm_params=2 * 128,
-                          source="Qwen3-30B-A3B config.json"),
+                          source="Qwen3-30B-A3B config.json",
+                          setting=_assumed("experts", t=2, e=8, dp=4)),
     "mixtral-8x7b": _gqa("mixtral-8x7b", d=4096, n=14336, E=8, k=2, L=32, heads=32, kv_heads=8,
-                         V=32000, source="Mixtral-8x7B config.json"),
+                         V=32000, source="Mixtral-8x7B config.json",
+                         setting=_assumed("none", t=8, e=8, dp=1, cp=2)),
     "olmoe-1b-7b": _gqa("olmoe-1b-7b", d=2048, n=1024, E=64, k=8, L=16, heads=16, kv_heads=16,
-                        V=50304, norm_params=2 * 2048, source="OLMoE-1B-7B-0924 config.json"),
+                        V=50304, norm_params=2 * 2048, source="OLMoE-1B-7B-0924 config.json",
+                        setting=_assumed("none", t=1, e=2, dp=8)),
     "memfine-paper-I": _deepseek(
         "memfine-paper-I", 16, "MemFine Table 3 model I: DeepSeek-V3 cut to 16 layers",
         _paper_setting(p=2, static_memory=None)),
