@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from memfine.memory.presets import get_preset
 from memfine.memory.layout import PlanConfig, in_flight_chunks, stage_layers
+from memfine.memory.presets import get_preset
 from memfine.memory.stage import (
     layer_activation,
     plan_layout,

@@ -33,6 +33,7 @@ from memfine.memory.layer import expert_row_bytes
 from memfine.memory.layout import PlanConfig, in_flight_chunks, stage_layers
 from memfine.memory.planner import choose_num_chunks, s_prime_max
 
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class StaticMemory:
     """Eq. 1 bytes of one pipeline rank (every field an int)."""
@@ -129,8 +130,8 @@ def layer_activation(cfg: PlanConfig, *, moe_layer: bool) -> LayerActivation:
 def activation_split(cfg: PlanConfig, rank: int) -> tuple[int, int, int]:
     """(F, R, floor) in bytes: the activation model of pipeline rank ``rank``.
 
-    At s′ received rows (per micro-batch, :func:`recv_rows`) and c chunks the activation is max(floor, F + R·⌈s′/c⌉) (recompute
-    ``full``/``experts``) or F + R·s′ (``none``).
+    At s′ received rows (per micro-batch, :func:`recv_rows`) and c chunks the activation is
+    max(floor, F + R·⌈s′/c⌉) (recompute ``full``/``experts``) or F + R·s′ (``none``).
 
     F does not scale with s′; R is bytes per received row (for ``none`` summed over every
     in-flight MoE layer); ``floor`` is the activation while a dense layer is recomputed (``full``),

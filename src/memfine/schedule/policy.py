@@ -66,7 +66,7 @@ class ChunkPolicy:
 
     def __init__(self, chunk: ChunkConfig, moe: MoEConfig, *,
                  agree_num_chunks: AgreeNumChunks | None = None) -> None:
-        """Keep the configs and start with an empty memory-model cache; arguments as on the class."""
+        """Keep the configs, start with an empty memory-model cache; arguments as on the class."""
         self.config = chunk
         self.moe = moe
         self.agree_num_chunks: AgreeNumChunks = agree_num_chunks or identity_agreement
