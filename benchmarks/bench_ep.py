@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from memfine._optional import pyplot
 from memfine.bench.results import CSV_COLUMNS, collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
@@ -176,10 +177,7 @@ def print_table(data: dict[str, Any]) -> None:
 
 def plot(datas: list[dict[str, Any]], path: Path) -> None:
     """Peak MiB vs skew, one panel per EP size: hot rank solid, a cold rank dashed, budget line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(datas), figsize=(6 * len(datas), 4.2), squeeze=False)
     for ax, data in zip(axes[0], datas, strict=True):

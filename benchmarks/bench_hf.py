@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from memfine._optional import pyplot
 from memfine.bench import suite_hf as hf
 from memfine.bench.harness import MethodResult, run_methods
 from memfine.bench.layers import add_ratios
@@ -68,10 +69,7 @@ def bench_config(shape: LayerShape, providers: list[str], reps: int, warmup: int
 
 def plot(rows: list[dict[str, str]], path: Path) -> None:
     """Bar charts of p50 time and saved MiB per configuration and provider."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     configs = list(dict.fromkeys(r["x_value"] for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))

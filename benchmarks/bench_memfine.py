@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from memfine._optional import pyplot
 from memfine.bench.harness import Method, MethodResult, run_methods
 from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
@@ -225,10 +226,7 @@ def print_level(level: dict[str, dict[str, Any]], budget: int, T: int) -> None:
 
 def plot(levels: list[dict[str, dict[str, Any]]], budget: int, T: int, path: Path) -> None:
     """Four panels against skew: block peak, MoE peak (with the budget), saved bytes, tokens/s."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
     skews = [float(next(iter(lv.values()))["skew"]) for lv in levels]

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from memfine._optional import pyplot
 from memfine.bench.harness import Method, run_methods
 from memfine.bench.layers import layer_method
 from memfine.bench.results import collect_environment, result_rows, write_csv
@@ -70,10 +71,7 @@ def _label(dtype: torch.dtype, T: int, D: int, N: int, E: int, K: int, skewed: b
 
 
 def _plot(points: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     for ax, item in zip(axes, ("saved_bytes", "peak_bytes"), strict=True):
