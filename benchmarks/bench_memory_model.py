@@ -13,7 +13,7 @@ token to experts 0..k-1 (the router's selection-bias knob ``skew_hot_experts``/`
 
 Output: the table on stdout; ``benchmarks/results/memory_model_cpu.csv`` (docs/style.md §6 columns:
 ``saved_bytes``/``peak_bytes`` measured, ``*_predicted`` and ``*_predicted_over_measured``;
-``x_name`` = ``config``, ``provider`` = the mode) and a PNG of predicted against measured bytes.
+``x_name`` = ``config``, ``method`` = the mode) and a PNG of predicted against measured bytes.
 
 Usage: ``python benchmarks/bench_memory_model.py [--out benchmarks/results/memory_model_cpu.csv]``
 Legend: T tokens, D = d, N = n, E experts, K = k.
