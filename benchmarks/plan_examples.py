@@ -69,16 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     ds = get_preset("deepseek-v3")
     setting = ds.setting
     assert setting is not None, "the deepseek-v3 preset carries its published setting"
-    published = PlanConfig(model=ds, device_memory_bytes=80 * GiB, t=setting.t, p=setting.p,
-                           e=setting.e, dp=setting.dp, optimizer_bytes=setting.optimizer_bytes,
-                           global_batch=setting.global_batch, skews=(1.0, 32.0))
+    layout = {k: setting.get(k) for k in ("t", "p", "e", "dp", "optimizer_bytes",
+                                          "global_batch")}
+    published = PlanConfig(model=ds, device_memory_bytes=80 * GiB, skews=(1.0, 32.0),
+                           **layout)  # type: ignore[arg-type]
     plan = plan_layout(published)
     st, sk = plan.limiting
     data = {
         "deepseek_v3_published": {"fits": plan.fits, "peak_bytes": plan.peak_bytes,
                                   "limiting_stage": st.rank, "static_bytes": st.static_bytes,
                                   "skew": sk.skew, "num_chunks": sk.num_chunks},
-        "deepseek_v3_64x80GiB": _search("deepseek-v3", 64, 15360, setting.optimizer_bytes),
+        "deepseek_v3_64x80GiB": _search("deepseek-v3", 64, 15360, layout["optimizer_bytes"]),
         "qwen3_30b_a3b_8x80GiB": _search("qwen3-30b-a3b", 8, 1024, 12),
         "zero": [_zero_rows("qwen3-30b-a3b", 8), _zero_rows("deepseek-v3", 2048)],
     }

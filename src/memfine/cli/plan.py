@@ -178,8 +178,8 @@ def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     for key, default in _DEFAULTS.items():
         if hasattr(args, key):
             values[key], sources[key] = getattr(args, key), "flag"
-        elif setting is not None and hasattr(setting, key):
-            values[key], sources[key] = getattr(setting, key), setting.source_of(key)
+        elif setting is not None and setting.get(key) is not None:
+            values[key], sources[key] = setting.get(key), setting.source_of(key)
         else:
             values[key], sources[key] = default, "default"
     for key in _BYTE_FLAGS:

@@ -22,41 +22,30 @@ class RunSetting:
     """The run a preset comes with: its publisher's layout where published, else our assumption.
 
     Attributes:
-        device_memory: device memory as a byte-size string (e.g. ``"80GiB"``).
-        dtype: activation and parameter dtype name (``bfloat16``).
-        micro_batch: b, sequences per micro-batch.
-        seq_len: s, tokens per sequence.
-        recompute: ``full``, ``experts`` or ``none``.
-        static_memory: measured static memory as a byte-size string, or ``None`` (use Eq. 1).
-        t: tensor-parallel size. p: pipeline-parallel size. e: expert-parallel size.
-        dp: data-parallel size. cp: context-parallel size. v: virtual stages per pipeline rank.
-        grad_bytes: gradient bytes per parameter. optimizer_bytes: optimizer bytes per parameter.
-        global_batch: sequences per optimizer step, or ``None``.
-        published: the fields above that the publisher states; every other field is assumed.
-        note: where the published fields come from and what the assumed ones stand for.
+        values: ``(name, value)`` pairs of ``memfine plan`` settings, named as its flags
+            (``device_memory`` as a byte-size string, ``dtype``, ``micro_batch``, ``seq_len``,
+            ``recompute``, ``static_memory``, ``t``, ``p``, ``e``, ``dp``, ``cp``, ``v``,
+            ``grad_bytes``, ``optimizer_bytes``, ``global_batch``); a setting not listed takes
+            ``memfine plan``'s default.
+        published: the names the publisher states; every other value is assumed.
+        note: where the published values come from and what the assumed ones stand for.
     """
 
-    device_memory: str
-    dtype: str = "bfloat16"
-    micro_batch: int = 1
-    seq_len: int = 4096
-    recompute: str = "full"
-    static_memory: str | None = None
-    t: int = 1
-    p: int = 1
-    e: int = 1
-    dp: int = 1
-    cp: int = 1
-    v: int = 1
-    grad_bytes: int = 4
-    optimizer_bytes: int = 12
-    global_batch: int | None = None
+    values: tuple[tuple[str, object], ...]
     published: tuple[str, ...] = ()
     note: str
 
+    def get(self, name: str) -> object:
+        """The value of setting ``name``, or ``None`` when the setting does not give it."""
+        return dict(self.values).get(name)
+
     def source_of(self, name: str) -> str:
-        """``"published"`` or ``"assumed"`` for the field ``name``."""
+        """``"published"`` or ``"assumed"`` for the setting ``name``."""
         return "published" if name in self.published else "assumed"
+
+
+def _setting(note: str, published: tuple[str, ...] = (), **values: object) -> RunSetting:
+    return RunSetting(values=tuple(values.items()), published=published, note=note)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -165,13 +154,13 @@ def _deepseek(name: str, num_layers: int, source: str,
 
 
 def _paper_setting(p: int, static_memory: str | None) -> RunSetting:
-    return RunSetting(
-        device_memory="64GiB", static_memory=static_memory, p=p, e=32 // p, dp=32 // p,
-        published=("device_memory", "dtype", "micro_batch", "seq_len", "recompute",
-                   "static_memory"),
-        note="MemFine §5: 32 devices × 64 GB (read as GiB), bf16, b=1, s=4096, full recompute; "
-             "static memory as measured in Table 4 where given; the parallel layout (t, p, e, "
-             "dp) is our assumption (not in our notes)")
+    return _setting(
+        "MemFine §5: 32 devices × 64 GB (read as GiB), bf16, b=1, s=4096, full recompute; "
+        "static memory as measured in Table 4 where given; the parallel layout (t, p, e, dp) is "
+        "our assumption (not in our notes)",
+        ("device_memory", "dtype", "micro_batch", "seq_len", "recompute", "static_memory"),
+        device_memory="64GiB", dtype="bfloat16", micro_batch=1, seq_len=4096, recompute="full",
+        static_memory=static_memory, t=1, p=p, e=32 // p, dp=32 // p, cp=1)
 
 
 # DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 (80 GB), PP 16, EP 64 over 8 nodes,
@@ -179,27 +168,27 @@ def _paper_setting(p: int, static_memory: str | None) -> RunSetting:
 # ramp; AdamW moments in BF16 with FP32 master weights and gradients (4 + 2 + 2 = 8 optimizer
 # bytes). Assumed: bf16 activations (the report runs its GEMMs in FP8), b = 1, full recompute
 # (the report recomputes RMSNorm and the MLA up-projections), 1F1B (the report uses DualPipe).
-_DEEPSEEK_V3 = RunSetting(
+_DEEPSEEK_V3 = _setting(
+    "DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 80 GB, PP 16, EP 64, ZeRO-1 DP, no TP, "
+    "s=4096, batch 15,360, BF16 AdamW moments with FP32 master weights and gradients; assumed: "
+    "bf16 activations, b=1, full recompute, 1F1B instead of DualPipe",
+    ("device_memory", "seq_len", "t", "p", "e", "dp", "cp", "grad_bytes", "optimizer_bytes",
+     "global_batch"),
     device_memory="80GiB", seq_len=4096, t=1, p=16, e=64, dp=128, cp=1, grad_bytes=4,
-    optimizer_bytes=8, global_batch=15360,
-    published=("device_memory", "seq_len", "t", "p", "e", "dp", "cp", "grad_bytes",
-               "optimizer_bytes", "global_batch"),
-    note="DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 80 GB, PP 16, EP 64, ZeRO-1 DP, "
-         "no TP, s=4096, batch 15,360, BF16 AdamW moments with FP32 master weights and "
-         "gradients; assumed: bf16 activations, b=1, full recompute, 1F1B instead of DualPipe")
+    optimizer_bytes=8, global_batch=15360, dtype="bfloat16", micro_batch=1, recompute="full")
 
 
 def _assumed(recompute: str, *, t: int, e: int, dp: int, cp: int = 1) -> RunSetting:
     """Nothing published: the best layout ``memfine plan --search`` finds on 80 GiB devices.
 
-    One pipeline stage, global batch 1,024 sequences of 4,096 tokens; every field assumed.
+    One pipeline stage, global batch 1,024 sequences of 4,096 tokens; every value assumed.
     """
-    devices = t * dp * cp
-    return RunSetting(device_memory="80GiB", recompute=recompute, t=t, e=e, dp=dp, cp=cp,
-                      global_batch=1024,
-                      note=f"no published training layout in our notes; every field assumed: "
-                           f"the first layout of `memfine plan --search --devices {devices} "
-                           "--device-memory 80GiB --global-batch 1024`")
+    return _setting(
+        "no published training layout in our notes; every value assumed: the first layout of "
+        f"`memfine plan --search --devices {t * dp * cp} --device-memory 80GiB --global-batch "
+        "1024`",
+        device_memory="80GiB", recompute=recompute, t=t, p=1, e=e, dp=dp, cp=cp,
+        global_batch=1024)
 
 
 PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
