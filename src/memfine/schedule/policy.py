@@ -25,7 +25,7 @@ from collections.abc import Callable
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.memory.layer import ChunkBytes
-from memfine.memory.planner import choose_num_chunks, s_prime_max
+from memfine.memory.planner import ChunkChoice, choose_num_chunks, s_prime_max
 from memfine.units import format_bytes
 
 AgreeNumChunks = Callable[[int], int]
@@ -177,23 +177,7 @@ class ChunkPolicy:
         agreed = int(self.agree_num_chunks(local))
         if agreed <= bins[-1]:
             return agreed
-        budget = self.config.memory_budget_bytes
-        assert budget is not None, "budgeted policy without a budget"
-        if local > bins[-1]:
-            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
-            if choice.chunks_needed is None:
-                reason = (f"s'_max={s_max} rows: the budget does not cover the "
-                          f"{format_bytes(self.fixed_bytes(num_tokens, dtype_bytes), exact=True)}"
-                          " that do not scale with the rows")
-            else:
-                reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk "
-                          f"need c={local} > largest bin {bins[-1]}")
-            reason += f"; the smallest feasible budget is {format_bytes(need, exact=True)}"
-        else:
-            reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
-                      f"bin {bins[-1]}")
-        msg = (f"ChunkConfig.memory_budget_bytes={format_bytes(budget, exact=True)} cannot be "
-               f"met: {reason}")
+        msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed)
         if not self.config.allow_over_budget:
             raise ValueError(msg + "; raise the budget, add a larger bin, or set "
                              "allow_over_budget to run with the largest bin")
@@ -202,3 +186,24 @@ class ChunkPolicy:
             warnings.warn(msg + f"; using the largest bin c={bins[-1]} (allow_over_budget)",
                           UserWarning, stacklevel=2)
         return bins[-1]
+
+    def _over_budget(self, choice: ChunkChoice, recv_rows: int, num_tokens: int,
+                     dtype_bytes: int, *, agreed: int) -> str:
+        """The message of a budget no bin meets: why, and the smallest feasible budget."""
+        bins, budget = self.config.bins, self.config.memory_budget_bytes
+        s_max = self.s_prime_max(num_tokens, dtype_bytes)
+        if choice.num_chunks is not None:
+            reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
+                      f"bin {bins[-1]}")
+        else:
+            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
+            if choice.chunks_needed is None:
+                fixed = self.fixed_bytes(num_tokens, dtype_bytes)
+                reason = (f"s'_max={s_max} rows: the budget does not cover the "
+                          f"{format_bytes(fixed, exact=True)} that do not scale with the rows")
+            else:
+                reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk "
+                          f"need c={choice.chunks_needed} > largest bin {bins[-1]}")
+            reason += f"; the smallest feasible budget is {format_bytes(need, exact=True)}"
+        return (f"ChunkConfig.memory_budget_bytes={format_bytes(budget, exact=True)} cannot be "
+                f"met: {reason}")
