@@ -5,6 +5,8 @@ Writes ``benchmarks/results/plan_examples.json`` (bytes as ints) with:
 - ``deepseek_v3_published``: ``memfine plan --preset deepseek-v3`` (the report's 2,048 × 80 GB);
 - ``deepseek_v3_64x80GiB``: ``--search --devices 64 --device-memory 80GiB``;
 - ``qwen3_30b_a3b_8x80GiB``: ``--search --devices 8 --device-memory 80GiB --global-batch 1024``;
+- ``memfine_paper``: the MemFine presets (model II at skew 19.25 with the measured static
+  memory 39.5 GiB; model I at skew 16 with Eq. 1), as ``memfine plan --preset ... --skew``;
 - ``zero``: static bytes per device of pure data parallelism (t = p = e = cp = 1, dp = N) from
   memfine's Eq. 1 and from DeepSpeed's ``estimate_zero2_model_states_mem_needs`` without
   offload, which is ``2·P + 18·P/N`` bytes per GPU (16-bit parameters on every GPU; 16-bit and
@@ -25,7 +27,7 @@ from typing import Any
 from memfine.layout.search import search
 from memfine.memory.layout import PlanConfig
 from memfine.memory.presets import get_preset
-from memfine.memory.stage import plan_layout, static_memory
+from memfine.memory.stage import layer_activation, plan_layout, static_memory
 from memfine.units import GiB
 
 RESULTS = Path(__file__).parent / "results"
@@ -61,6 +63,32 @@ def _zero_rows(name: str, devices: int) -> dict[str, Any]:
             "deepspeed_zero2_bytes": deepspeed_zero2_gpu_bytes(params, devices)}
 
 
+def _memfine_paper() -> dict[str, Any]:
+    """MemFine's reduced DeepSeek-V3 (Table 4): model II at skew 19.25, model I's need."""
+    out: dict[str, Any] = {}
+    for name, skew in (("memfine-paper-II", 19.25), ("memfine-paper-I", 16.0)):
+        model = get_preset(name)
+        setting = model.setting
+        assert setting is not None, "the MemFine presets carry the paper's setting"
+        values = {k: setting.get(k) for k in ("t", "p", "e", "dp")}
+        static = setting.get("static_memory")
+        cfg = PlanConfig(model=model, device_memory_bytes=64 * GiB, skews=(skew,),
+                         static_bytes=None if static is None else int(39.5 * GiB),
+                         **values)  # type: ignore[arg-type]
+        plan = plan_layout(cfg)
+        st = plan.stages[-1]
+        sk = st.skews[0]
+        out[name] = {"skew": skew, "fits": plan.fits, "s_prime_max": st.s_prime_max,
+                     "eq1_static_bytes": st.static.static_bytes, "num_chunks": sk.num_chunks,
+                     "activation_unchunked_bytes": sk.activation_unchunked_bytes,
+                     "activation_max_chunks_bytes": sk.activation_max_chunks_bytes,
+                     "activation_bytes": sk.activation_bytes,
+                     "min_device_memory_bytes": plan.min_device_memory_bytes,
+                     "moe_layer_activation": dataclasses.asdict(
+                         layer_activation(cfg, moe_layer=True))}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     """Compute the examples and write the JSON."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -82,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         "deepseek_v3_64x80GiB": _search("deepseek-v3", 64, 15360, layout["optimizer_bytes"]),
         "qwen3_30b_a3b_8x80GiB": _search("qwen3-30b-a3b", 8, 1024, 12),
         "zero": [_zero_rows("qwen3-30b-a3b", 8), _zero_rows("deepseek-v3", 2048)],
+        "memfine_paper": _memfine_paper(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(data, indent=2) + "\n")
