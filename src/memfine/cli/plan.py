@@ -161,12 +161,18 @@ def _byte_size(text: str, key: str) -> int:
         raise ValueError(f"{flag}: {err}") from None
 
 
+_SEARCHED = ("t", "p", "e", "dp", "cp", "v", "micro_batch", "recompute", "bins")
+
+
 def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     """The :class:`PlanConfig` from the flags, the model's setting and the defaults.
 
+    Under ``--search`` the layout fields the search enumerates (:data:`_SEARCHED`) keep their
+    defaults: the search replaces them.
+
     Returns:
         The config and, per setting, where its value came from: ``flag``, ``published`` or
-        ``assumed`` (the preset's setting), or ``default``.
+        ``assumed`` (the preset's setting), ``default``, or ``searched``.
 
     Raises:
         ValueError: on missing sizes, unparsable values or an invalid configuration.
@@ -176,7 +182,9 @@ def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
     for key, default in _DEFAULTS.items():
-        if hasattr(args, key):
+        if args.search and key in _SEARCHED:
+            values[key], sources[key] = default, "searched"
+        elif hasattr(args, key):
             values[key], sources[key] = getattr(args, key), "flag"
         elif setting is not None and setting.get(key) is not None:
             values[key], sources[key] = setting.get(key), setting.source_of(key)
