@@ -91,7 +91,7 @@ _BYTE_FLAGS = ("device_memory", "static_memory")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``memfine plan`` flags (one per PlanConfig field, plus model and search)."""
-    parser.description = __doc__
+    parser.description = (__doc__ or "").replace("``", "")
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--preset", choices=sorted(PRESETS), default=_UNSET,
