@@ -40,8 +40,15 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         select = tl.alloc("router.biased_scores", T * E * r)
         if cast:
             tl.free(cast)
-    out["index"] = tl.alloc("router.top_k_index", T * K * 8)
-    tl.free(tl.alloc("router.top_k_values", T * K * r))
+    # top-k as a stable descending sort (ties → lower expert id), then a (T, k) copy
+    values = tl.alloc("router.sort_values", T * E * r)
+    order = tl.alloc("router.sort_order", T * E * 8)
+    tl.free(values)
+    if K < E:
+        out["index"] = tl.alloc("router.top_k_index", T * K * 8)
+        tl.free(order)
+    else:  # [:, :E].contiguous() is the sort order itself
+        out["index"] = order
     out["gathered"] = tl.alloc("router.top_k_scores", T * K * r)
     weights = out["gathered"]
     if s.moe.renormalize:
