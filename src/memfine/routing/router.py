@@ -123,8 +123,9 @@ def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
 def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int, score_func: str,
             selection_bias_E: torch.Tensor | None, options: RouteOptions) -> torch.Tensor:
     """(T, k) int64 selected experts: biased scores, group limit, top-k (lowest index on ties)."""
-    if selection_bias_E is None and score_func == "sigmoid":
-        # Sigmoid is monotone: rank by logit, which stays ordered where sigmoid underflows to 0.
+    if selection_bias_E is None and score_func == "sigmoid" and options.n_group == 1:
+        # Sigmoid is monotone: rank by logit, which stays ordered where sigmoid underflows to 0
+        # (group scores are sums of scores, not of logits, so groups rank on the scores).
         select_TE = logits_TE.detach()
     else:
         select_TE = scores_TE.detach()
