@@ -74,13 +74,13 @@ def _log_sigmoid(z: torch.Tensor) -> torch.Tensor:
     return torch.clamp(z, max=0) - torch.log1p(torch.exp(-z.abs()))
 
 
-def _token_choice(z: torch.Tensor, s: torch.Tensor, top_k: int, score_func: str,
+def _token_choice(z: torch.Tensor, s: torch.Tensor, top_k: int,
                   bias: list[float] | None, n_group: int, topk_group: int) -> list[int]:
     """One token's k experts: biased scores, group limit (-inf), lowest index on ties."""
     E = len(s)
     if bias is not None:
         sel = [float(s[e].detach()) + bias[e] for e in range(E)]
-    elif score_func == "sigmoid" and n_group == 1:  # monotone: rank by logit
+    elif n_group == 1:  # softmax and sigmoid are monotone: rank by logit
         sel = [float(z[e].detach()) for e in range(E)]
     else:
         sel = [float(s[e].detach()) for e in range(E)]
@@ -117,8 +117,8 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-token routing: logits, scores, top-k by a Python sort, then capacity per expert.
 
-    Semantics (as :func:`memfine.routing.route`): selection on scores + bias (sigmoid without
-    bias: on the logits); excluded groups -inf, a group scored by its top-2 sum; ties to the
+    Semantics (as :func:`memfine.routing.route`): selection on scores + bias (without bias and
+    groups: on the logits); excluded groups -inf, a group scored by its top-2 sum; ties to the
     lower index; weights from the unbiased scores, renormalised (sigmoid: exp(log σ) ratios),
     times ``routed_scaling_factor``; then each expert keeps ``min(T, max(min_capacity,
     ⌈cf·T·k/E⌉))`` pairs by weight (``probs``) or position, dropped pairs get id E, weight 0.
@@ -138,7 +138,7 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
             s = ex / ex.sum()
         else:
             s = 1 / (1 + torch.exp(-z))
-        order = _token_choice(z, s, top_k, score_func, bias, n_group, topk_group)
+        order = _token_choice(z, s, top_k, bias, n_group, topk_group)
         if renormalize and score_func == "sigmoid":
             log_s = torch.stack([_log_sigmoid(z[e]) for e in order])
             w = torch.exp(log_s - log_s.max())

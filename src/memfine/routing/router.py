@@ -120,12 +120,13 @@ def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
                          f"{tuple(valid_mask_T.shape)} {valid_mask_T.dtype}")
 
 
-def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int, score_func: str,
+def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int,
             selection_bias_E: torch.Tensor | None, options: RouteOptions) -> torch.Tensor:
     """(T, k) int64 selected experts: biased scores, group limit, top-k (lowest index on ties)."""
-    if selection_bias_E is None and score_func == "sigmoid" and options.n_group == 1:
-        # Sigmoid is monotone: rank by logit, which stays ordered where sigmoid underflows to 0
-        # (group scores are sums of scores, not of logits, so groups rank on the scores).
+    if selection_bias_E is None and options.n_group == 1:
+        # Softmax and sigmoid are monotone in each logit: rank by logit, which stays ordered
+        # where the scores underflow to 0 (group scores are sums of scores, not of logits, and
+        # a bias is added to scores, so those rank on the scores).
         select_TE = logits_TE.detach()
     else:
         select_TE = scores_TE.detach()
@@ -157,7 +158,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     """Select k experts per token from router logits, in fp32.
 
     Order: scores (softmax over E, or sigmoid) → selection scores (scores + selection bias;
-    for sigmoid without bias the logits, same order) → group limit → top-k, ties to the lower
+    without bias and groups the logits: the same order, kept where scores underflow to equal
+    values) → group limit → top-k, ties to the lower
     expert index → weights from the unbiased scores, renormalised → × routed scaling factor →
     capacity (dropped pairs become the sentinel E with weight 0, chosen by selection) → padding.
 
@@ -196,8 +198,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
                              f"{tuple(replay.selected_index.shape)}")
         selected_TK = replay.selected_index
     else:
-        selected_TK = _select(logits_TE, scores_TE, top_k, score_func, selection_bias_E,
-                              options)
+        selected_TK = _select(logits_TE, scores_TE, top_k, selection_bias_E, options)
     weights_TK = _weights(logits_TE, scores_TE, selected_TK, score_func, renormalize,
                           options.routed_scaling_factor)
     keep_TK, dropped = None, None
