@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 from memfine.config import ModelConfig, MoEConfig, TrainConfig
 from memfine.nn import LMOutput, MoETransformerLM
@@ -134,3 +135,19 @@ def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("memfine.train.loop.MoETransformerLM", NaNFromStep2)
     with pytest.raises(ValueError, match="training diverged at step 2: train loss nan"):
         _run(_config(), tmp_path)
+
+
+def test_selection_bias_moves_once_per_step_from_the_steps_counts(tmp_path: Path) -> None:
+    gamma = 1e-3
+    moe = dataclasses.replace(_config().model.moe, bias_update_rate=gamma)
+    config = _config(max_steps=3, model=dataclasses.replace(_config().model, moe=moe))
+    _run(config, tmp_path)
+    expected = torch.zeros(2, 4, dtype=torch.float64)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    for rec in records:  # log_every = 1: each record holds that step's (L, E) counts
+        load = torch.tensor(rec["tokens_per_expert"], dtype=torch.float64)
+        expected += torch.sign(load.mean(-1, keepdim=True) - load) * gamma
+    state = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    got = torch.stack([state[f"blocks.{i}.moe.router.selection_bias"] for i in range(2)])
+    assert len(records) == 3 and bool(expected.ne(0).any())
+    assert torch.allclose(got.double(), expected, atol=1e-7)
