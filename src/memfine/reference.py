@@ -3,7 +3,7 @@
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n or n.
 Runs in any dtype (float64 for gradient references), on CPU, with autograd. Nobody optimises it;
 nothing below the CLI imports it, so fast paths are never tested against themselves.
-Reference: DESIGN.md §1-§2 (semantics), STYLE.md §6.
+Reference: docs/design.md §1-§2 (semantics), docs/style.md §6.
 """
 
 from __future__ import annotations

@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from memfine._optional import is_available
+from memfine.bench import select_methods
+from memfine.bench import suite_experts as experts
+from memfine.bench.harness import MethodResult
+from memfine.bench.options import BenchOptions, resolve_shapes, table1_shape
+from memfine.bench.output import format_plain, table_rows
+from memfine.bench.results import CSV_COLUMNS, NOT_MODELLED
 from memfine.cli import bench
-from memfine.cli.benchsuites import experts, select_methods
-from memfine.cli.benchsuites.options import BenchOptions, resolve_shapes, table1_shape
-from memfine.cli.benchsuites.output import format_plain, table_rows
 from memfine.cli.main import main
-from memfine.measure.harness import MethodResult
 from memfine.measure.report import NOT_MEASURED
-from memfine.measure.results import CSV_COLUMNS, NOT_MODELLED
 
 BENCH_FLAGS = {
     "--suite", "--config", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
@@ -174,7 +175,7 @@ def test_select_methods() -> None:
 
 
 def test_table_rows_show_missing_and_failed() -> None:
-    from memfine.cli.benchsuites.options import Point
+    from memfine.bench.options import Point
 
     failed = MethodResult(name="grouped_mm", error="RuntimeError: strides")
     unmeasured = MethodResult(name="fused")

@@ -1,7 +1,7 @@
 """run_experts (fused and plain, every backend) against memfine.reference.reference_experts.
 
 Outputs and the gradients of x, top_k_weights, w_up and w_down are compared with the float64
-per-token loop, in float64 (loop backend), fp32 and bf16, over the STYLE.md §6 edge grid.
+per-token loop, in float64 (loop backend), fp32 and bf16, over the docs/style.md §6 edge grid.
 """
 
 from __future__ import annotations

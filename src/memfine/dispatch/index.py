@@ -3,7 +3,7 @@
 Legend: T tokens, E experts, K top-k slots, S routed rows (valid (token, slot) pairs, ≤ T·k).
 Sentinel ids (outside [0, E): padding, expert-parallel remote experts, dropped pairs) are never
 dispatched: they get no row and ``token_index_map`` holds -1 for them.
-Reference: MoEBlaze (arXiv 2601.05296) §3-§4; DESIGN.md §3 (worked example).
+Reference: MoEBlaze (arXiv 2601.05296) §3-§4; docs/design.md §3 (worked example).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Sentinel expert ids (outside [0, E), e.g. ``>= num_experts`` under expert parall
 in the routing index, so they contribute exactly zero and their routing weights get zero gradient.
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n.
-Reference: MoEBlaze §3-§5 (index, fused path); DESIGN.md §7.
+Reference: MoEBlaze §3-§5 (index, fused path); docs/design.md §7.
 """
 
 from __future__ import annotations

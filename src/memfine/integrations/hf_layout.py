@@ -10,7 +10,7 @@ read through its attributes only.
 
 Legend: E experts (local to this rank under expert parallelism), D = d, N = n, G = 2n (gated)
 or n (non-gated).
-Reference: DESIGN.md §7-§8 (the transformers experts interface).
+Reference: docs/design.md §7-§8 (the transformers experts interface).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ Gated layout: H = [gate | up] (gate in columns [0, n), up in [n, 2n)); A = act(g
 The backward uses ATen's fused elementwise derivatives (``silu_backward``, ``gelu_backward``,
 ``threshold_backward``) instead of re-running autograd on the activation, so it reads H once and
 allocates only dH (plus act(gate) for gated activations).
-Reference: DESIGN.md §1 (SwiGLU experts), MoEBlaze §4 (activation recomputed from H).
+Reference: docs/design.md §1 (SwiGLU experts), MoEBlaze §4 (activation recomputed from H).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Routed-expert computation over a :class:`RoutingIndex`: fused (default) or plain.
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n or n.
-Reference: DESIGN.md §3, §5.
+Reference: docs/design.md §3, §5.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ One Function runs gather → up-projection → activation → down-projection �
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n.
 Reference: MoEBlaze (arXiv 2601.05296) §4-§5 (buffer-free dispatch, smart checkpointing);
-DESIGN.md §3, §5; STYLE.md §9.
+docs/design.md §3, §5; docs/style.md §9.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class FusedExpertsFunction(torch.autograd.Function):
           token_index_map (T·k), expert_token_offsets (E + 1): 4·(2·S + T·k + E + 1) bytes;
         - w_up, w_down: parameters, not activations (no extra bytes).
         Total activation bytes: (T·d + S·G + T·k)·D_t + 4·(2·S + T·k + E + 1); with S = T·k and
-        SwiGLU that is the no-recompute floor (T·d + 2·T·k·n) elements (DESIGN.md §5) plus the
+        SwiGLU that is the no-recompute floor (T·d + 2·T·k·n) elements (docs/design.md §5) plus the
         weights and indices. Not kept: the gathered x (S·d), A (S·n), Y (S·d), the (T, k, d)
         scattered copy.
 

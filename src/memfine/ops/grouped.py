@@ -11,7 +11,7 @@ Rows of expert e are [offsets[e], offsets[e+1]). Backends:
 - ``triton``: optional GPU kernels (``memfine[triton]``), loaded only when chosen.
 ``auto`` picks ``grouped_mm`` when its rules hold, else ``loop`` (also for fp32 fake/meta tensors,
 whose ``_grouped_mm`` meta kernel accepts bf16 only).
-Reference: DESIGN.md §8 (grouped_mm rules measured on CPU).
+Reference: docs/design.md §8 (grouped_mm rules measured on CPU).
 """
 
 from __future__ import annotations

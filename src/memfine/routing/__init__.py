@@ -1,6 +1,6 @@
 """Top-k routing: router, routing result, capacity, group limit, balancing and losses.
 
-DESIGN.md §2; DeepSeek-V3 §2.1.2 (groups, scaling, aux-loss-free bias, sequence loss); GShard
+docs/design.md §2; DeepSeek-V3 §2.1.2 (groups, scaling, aux-loss-free bias, sequence loss); GShard
 §2.2 / Switch Transformer §2.2 (capacity).
 """
 

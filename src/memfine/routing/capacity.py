@@ -2,7 +2,7 @@
 
 Legend: T tokens, E experts, K top-k slots.
 Reference: GShard (arXiv 2006.16668) §2.2 and Switch Transformer (arXiv 2101.03961) §2.2
-(capacity = capacity_factor·T·k/E); DeepSpeed-MoE ``min_capacity``; DESIGN.md §2.
+(capacity = capacity_factor·T·k/E); DeepSpeed-MoE ``min_capacity``; docs/design.md §2.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     Raises:
         ValueError: on a negative T or min_capacity, or a non-positive E, k or cf.
 
-    Reference: GShard §2.2; Switch Transformer §2.2; DESIGN.md §2.
+    Reference: GShard §2.2; Switch Transformer §2.2; docs/design.md §2.
     """
     if num_tokens < 0 or min_capacity < 0:
         raise ValueError(f"num_tokens and min_capacity must be >= 0, got {num_tokens}, "

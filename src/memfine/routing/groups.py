@@ -2,7 +2,7 @@
 
 Legend: T tokens, E experts, K top-k slots, G expert groups, J experts per group (E = G·J).
 Reference: DeepSeek-V3 (arXiv 2412.19437) §2.1.2 (node-limited routing; HF ``n_group``,
-``topk_group``); DESIGN.md §2.
+``topk_group``); docs/design.md §2.
 """
 
 from __future__ import annotations

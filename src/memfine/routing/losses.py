@@ -4,7 +4,7 @@ All three are padding-aware: a mask (bool, or integer 0/1 of the token shape) le
 tokens out by selection.
 
 Legend: T tokens, E experts, K top-k slots, B sequences, Q tokens per sequence.
-Reference: DESIGN.md §2 (Switch Transformer convention: uniform routing gives 1.0); DeepSeek-V3
+Reference: docs/design.md §2 (Switch Transformer convention: uniform routing gives 1.0); DeepSeek-V3
 (arXiv 2412.19437) Eq. 17-20 (sequence-wise balance loss).
 """
 
@@ -80,7 +80,7 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
         ValueError: if the logits are not (T, E), the index not (T, k), the mask not a (T,)
             bool or 0/1 mask, or counts_E not (E,).
 
-    Reference: DESIGN.md §2; f_i = assignments_i / (T·k).
+    Reference: docs/design.md §2; f_i = assignments_i / (T·k).
     """
     if logits_TE.dim() != 2 or top_k_index_TK.dim() != 2 or (
             top_k_index_TK.shape[0] != logits_TE.shape[0]):
@@ -122,7 +122,7 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
     Raises:
         ValueError: if the logits are not (T, E) or the mask is not a (T,) bool or 0/1 mask.
 
-    Reference: ST-MoE (Zoph et al. 2022) z-loss; DESIGN.md §2.
+    Reference: ST-MoE (Zoph et al. 2022) z-loss; docs/design.md §2.
     """
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be (T, E), got {tuple(logits_TE.shape)}")

@@ -11,7 +11,7 @@ Records live exactly as long as the autograd graph of their forward: each one is
 of that graph (:class:`_Anchor`) and referenced here only weakly, so a forward whose graph is
 freed (after backward, or when its outputs are dropped) leaves nothing behind.
 
-Reference: DESIGN.md §2 ("recomputation never re-decides routing"); MemFine §4.
+Reference: docs/design.md §2 ("recomputation never re-decides routing"); MemFine §4.
 """
 
 from __future__ import annotations

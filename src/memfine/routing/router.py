@@ -1,7 +1,7 @@
 """Top-k router in fp32 and its frozen result.
 
 Legend: T tokens, E experts, K top-k slots, D hidden size.
-Reference: DESIGN.md §2 (fp32 router; selection bias is used for selection only, DeepSeek-V3).
+Reference: docs/design.md §2 (fp32 router; selection bias is used for selection only, DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, the
             mask/bias shapes do not match, or the replay's shapes differ.
 
-    Reference: DESIGN.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2 (capacity).
+    Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2 (capacity).
     """
     _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
     T, E = logits_TE.shape
@@ -244,7 +244,7 @@ class TopKRouter(nn.Module):
     Side effects: a grad-enabled forward records its selection for routing replay; a forward
     inside a backward pass (a user's activation-checkpoint recompute) replays it.
 
-    Reference: DESIGN.md §2; Switch Transformer §2.4 (jitter).
+    Reference: docs/design.md §2; Switch Transformer §2.4 (jitter).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,

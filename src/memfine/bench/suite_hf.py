@@ -14,7 +14,7 @@ predictions read "not modelled".
 
 Shapes: MoEBlaze Table 1 rows 1 and 5 scaled down (as the ``experts`` suite).
 Legend: T tokens, K top-k slots, E experts, D = d.
-Reference: DESIGN.md §7 (the experts interface); ``benchmarks/bench_hf.py``.
+Reference: docs/design.md §7 (the experts interface); ``benchmarks/bench_hf.py``.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 
 from memfine._optional import is_available
-from memfine.cli.benchsuites.experts import QUICK
-from memfine.cli.benchsuites.layers import ShapeRun, shape_points
-from memfine.cli.benchsuites.options import BenchOptions, LayerShape, Point
-from memfine.measure.harness import Method
+from memfine.bench.harness import Method
+from memfine.bench.layers import ShapeRun, shape_points
+from memfine.bench.options import BenchOptions, LayerShape, Point
+from memfine.bench.suite_experts import QUICK
 
 NAME = "hf"
 METHODS = ("hf_eager", "hf_grouped_mm", "memfine", "memfine_c4")
