@@ -193,6 +193,23 @@ class MoEConfig(_ConfigBase):
         """n of one shared expert (``shared_intermediate_size`` or n)."""
         return self.shared_intermediate_size or self.intermediate_size
 
+    def shared_experts_config(self) -> MoEConfig:
+        """The config the shared experts run with: E = k = S, n = n_s, no renormalisation.
+
+        Shared experts are a routed layer whose routing is fixed (every token to all S), so
+        they reuse the fused, chunked expert path and its memory model unchanged.
+
+        Raises:
+            ValueError: if ``num_shared_experts`` is 0.
+        """
+        S = self.num_shared_experts
+        if S < 1:
+            fail(self, "num_shared_experts", ">= 1 for a shared-experts config", S)
+        return MoEConfig(hidden_size=self.hidden_size, intermediate_size=self.shared_width,
+                         num_experts=S, top_k=S, renormalize=False, activation=self.activation,
+                         experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
+                         index_builder=self.index_builder)
+
     @property
     def gated(self) -> bool:
         """True for gated activations (w_up has 2n columns)."""

@@ -209,8 +209,13 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     return h, out
 
 
-def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str]) -> dict[str, str]:
-    """FusedExpertsFunction.backward; frees the chunk's saved tensors; returns its gradients."""
+def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str], *,
+                   need_weights: bool = True) -> dict[str, str]:
+    """FusedExpertsFunction.backward; frees the chunk's saved tensors; returns its gradients.
+
+    ``need_weights=False``: the routing weights need no gradient (shared experts without a
+    gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    """
     moe, dt = s.moe, s.dt
     D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
                      moe.top_k)
@@ -222,9 +227,11 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str]) -> 
     tl.free(idx)
     grad_a = tl.alloc("bwd.dA", S * N * dt)
     a = activation_forward(tl, s, S, "bwd")
-    dots = tl.alloc("bwd.row_dots", S * dt)
-    grads = {"weights": tl.alloc("grad.top_k_weights", C * K * dt)}
-    tl.free(tl.alloc("bwd.slot64", S * 8), dots)
+    grads = {}
+    if need_weights:
+        dots = tl.alloc("bwd.row_dots", S * dt)
+        grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
+        tl.free(tl.alloc("bwd.slot64", S * 8), dots)
     probe = tl.alloc("bwd.wgrad_probe", N * D * dt)
     grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
     tl.free(probe, a, grad_out)

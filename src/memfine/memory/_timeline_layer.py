@@ -11,6 +11,7 @@ Reference: our derivation from the code (docs/design.md §2, §5).
 from __future__ import annotations
 
 from memfine.config import MoEConfig
+from memfine.memory._timeline_shared import shared_backward, shared_forward
 from memfine.memory._timeline_experts import (
     Shape,
     Timeline,
@@ -174,9 +175,13 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
         saved, out = experts_forward(tl, s, C, C * K, plain=plain, recompute=ckpt)
         chunk_saved.append(saved)
         outs.append(out)
+    out = outs[0]
     if len(outs) > 1:
-        tl.alloc("fwd.out_cat", T * D * dt)
+        out = tl.alloc("fwd.out_cat", T * D * dt)
         tl.free(*outs)
+    shared = None
+    if moe.num_shared_experts:
+        shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out)
     ls = losses_forward(tl, s)
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
     if not weights_held:
@@ -186,6 +191,7 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     tl.mark("forward")
     grad_logits = losses_backward(tl, s, rt, ls)
     tl.mark("losses_backward")
+    shared_dx = None if shared is None else shared_backward(tl, moe, shared, ckpt=ckpt)
     wg = WeightGrads(tl)
     grads_w, grads_x = [], []
     for i in reversed(range(len(sizes))):
@@ -207,6 +213,10 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     tl.free(*grads_w)
     grad_x = tl.alloc("grad.x_cat", T * D * dt)
     tl.free(*grads_x)
+    if shared_dx is not None:  # the engine sums dx of the shared and routed experts
+        total = tl.alloc("grad.x_experts", T * D * dt)
+        tl.free(shared_dx, grad_x)
+        grad_x = total
     router_backward(tl, s, rt, grad_w, grad_logits, grad_x)
     tl.mark("end")
     return tl

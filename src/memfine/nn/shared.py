@@ -22,27 +22,6 @@ from memfine.config import MoEConfig, Recompute
 from memfine.nn.experts import GroupedExperts
 
 
-def shared_expert_config(moe: MoEConfig) -> MoEConfig:
-    """The :class:`MoEConfig` the shared experts run with: E = k = S, n = n_s, no renorm.
-
-    Args:
-        moe: the layer's config, with ``num_shared_experts >= 1``.
-
-    Returns:
-        A config with the layer's d, activation, experts_impl, gemm_backend and index builder.
-
-    Raises:
-        ValueError: if ``moe.num_shared_experts`` is 0.
-    """
-    S = moe.num_shared_experts
-    if S < 1:
-        raise ValueError(f"MoEConfig.num_shared_experts must be >= 1 here, got {S}")
-    return MoEConfig(hidden_size=moe.hidden_size, intermediate_size=moe.shared_width,
-                     num_experts=S, top_k=S, renormalize=False, activation=moe.activation,
-                     experts_impl=moe.experts_impl, gemm_backend=moe.gemm_backend,
-                     index_builder=moe.index_builder)
-
-
 class SharedExperts(nn.Module):
     """S shared experts applied to every token, optionally scaled by sigmoid(x·w_g).
 
@@ -59,7 +38,7 @@ class SharedExperts(nn.Module):
     def __init__(self, moe: MoEConfig, *, depth: int = 1) -> None:
         """Build the experts (and gate, initialised N(0, 0.02²)); arguments as on the class."""
         super().__init__()
-        self.config = shared_expert_config(moe)
+        self.config = moe.shared_experts_config()
         self.experts = GroupedExperts(self.config, depth=depth)
         self.gate = (nn.Parameter(torch.randn(1, moe.hidden_size) * 0.02)
                      if moe.shared_expert_gate else None)
