@@ -190,7 +190,7 @@ class MoEConfig(_ConfigBase):
 
     @property
     def shared_width(self) -> int:
-        """n of one shared expert (``shared_intermediate_size`` or n)."""
+        """N of one shared expert (``shared_intermediate_size`` or n)."""
         return self.shared_intermediate_size or self.intermediate_size
 
     def shared_experts_config(self) -> MoEConfig:

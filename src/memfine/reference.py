@@ -70,7 +70,7 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
 
 
 def _log_sigmoid(z: torch.Tensor) -> torch.Tensor:
-    """log σ(z) = min(z, 0) − log(1 + e^−|z|), finite for every finite z."""
+    """Log σ(z) = min(z, 0) − log(1 + e^−|z|), finite for every finite z."""
     return torch.clamp(z, max=0) - torch.log1p(torch.exp(-z.abs()))
 
 
@@ -165,6 +165,14 @@ def reference_moe(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, w_up_EDG: 
     """Route and run the experts token by token, plus any shared experts.
 
     Args:
+        x_TD: (T, d) input.
+        router_weight_ED: (E, d) router weight.
+        w_up_EDG: (E, d, G) routed up-projection.
+        w_down_END: (E, n, d) routed down-projection.
+        top_k: k.
+        score_func: ``softmax`` or ``sigmoid``.
+        renormalize: renormalise the k weights.
+        activation: as :func:`reference_experts`.
         shared: optional ``(w_up (S,d,G_s), w_down (S,n_s,d), gate (1,d) or None)``: every token
             also gets Σ_s g_t·Expert_s(x_t), g_t = σ(x_t·gate) or 1.
         routing: keyword options of :func:`reference_route` (bias, groups, scaling, capacity).

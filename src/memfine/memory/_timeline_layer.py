@@ -11,7 +11,6 @@ Reference: our derivation from the code (docs/design.md §2, §5).
 from __future__ import annotations
 
 from memfine.config import MoEConfig
-from memfine.memory._timeline_shared import shared_backward, shared_forward
 from memfine.memory._timeline_experts import (
     Shape,
     Timeline,
@@ -21,6 +20,7 @@ from memfine.memory._timeline_experts import (
     fused_backward,
     plain_backward,
 )
+from memfine.memory._timeline_shared import shared_backward, shared_forward
 
 __all__ = ["Shape", "Timeline", "WeightGrads", "chunk_tokens", "experts_forward",
            "fused_backward", "plain_backward", "simulate_layer"]

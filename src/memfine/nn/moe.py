@@ -13,7 +13,6 @@ import torch
 from torch import nn
 
 from memfine.config import ChunkConfig, MoEConfig
-from memfine.routing.router import RoutingResult
 from memfine.nn.experts import GroupedExperts
 from memfine.nn.shared import SharedExperts
 from memfine.routing import (
@@ -23,6 +22,7 @@ from memfine.routing import (
     sequence_balance_loss,
     z_loss,
 )
+from memfine.routing.router import RoutingResult
 from memfine.schedule.policy import ChunkPolicy
 
 # A layer built without a chunk config runs its experts in one piece without recomputation.
@@ -189,7 +189,8 @@ class MoELayer(nn.Module):
         routing = self.router(x_TD, mask_T)
         out_TD, num_chunks = self.run_experts(x_TD, routing.top_k_index, routing.top_k_weights)
         if self.shared_experts is not None:
-            out_TD = out_TD + self.shared_experts(
-                x_TD, mask_T, num_chunks=num_chunks, recompute=self.policy.config.resolved_recompute)
+            recompute = self.policy.config.resolved_recompute
+            out_TD = out_TD + self.shared_experts(x_TD, mask_T, num_chunks=num_chunks,
+                                                  recompute=recompute)
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
         return out_TD.view(x.shape), self._aux(routing, mask_T, seq_len, num_chunks)

@@ -185,7 +185,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, the
             mask/bias shapes do not match, or the replay's shapes differ.
 
-    Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2 (capacity).
+    Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2
+    (capacity).
     """
     _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
     T, E = logits_TE.shape

@@ -5,8 +5,9 @@ Legend: B batch, Q sequence length, L MoE layers, E experts.
 One step: draw the step's batch (a pure function of seed and step), forward, loss =
 cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
 ``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers), backward, clip,
-AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts. Every ``log_every`` steps a ``metrics.jsonl`` line;
-every ``eval_every`` steps (and at the end) validation on fixed windows and a checkpoint. The
+AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts.
+Every ``log_every`` steps a ``metrics.jsonl`` line; every ``eval_every`` steps (and at the end)
+validation on fixed windows and a checkpoint. The
 first Ctrl-C finishes the current step, saves a checkpoint and returns; a second one aborts.
 """
 
