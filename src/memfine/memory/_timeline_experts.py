@@ -15,6 +15,7 @@ Reference: our derivation from the code (docs/design.md §5: peak = saved + larg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memfine.config import MoEConfig
@@ -380,3 +381,37 @@ def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, reco
         tl.free(out)
         out = None
     return saved, out
+
+
+def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[list[str]], *,
+                    ckpt: bool, need_weights: bool = True,
+                    after_first_chunk: Callable[[], None] | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """Backward of every chunk, last chunk first (recomputed first under ``ckpt``).
+
+    ``after_first_chunk`` runs once chunk 0's backward is done, before its weight gradients
+    are summed (the moment the routing weights saved by every chunk are released).
+
+    Returns:
+        The chunks' routing-weight gradients and their dx buffers, in backward order.
+    """
+    plain, K = s.moe.experts_impl == "plain", s.moe.top_k
+    wg = WeightGrads(tl)
+    grads_w, grads_x = [], []
+    for i in reversed(range(len(sizes))):
+        C, saved = sizes[i], chunk_saved[i]
+        if ckpt:
+            saved, _ = experts_forward(tl, s, C, C * K, plain=plain, recompute=False,
+                                       rerun=True)
+        if plain:
+            grads = plain_backward(tl, s, C, C * K, saved, wg)
+        else:
+            grads = fused_backward(tl, s, C, C * K, saved, need_weights=need_weights)
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk()
+        if not plain:
+            wg.add(grads, "w_up", "w_down")
+        if "weights" in grads:
+            grads_w.append(grads["weights"])
+        grads_x.append(grads["x"])
+    return grads_w, grads_x

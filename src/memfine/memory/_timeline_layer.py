@@ -16,6 +16,7 @@ from memfine.memory._timeline_experts import (
     Timeline,
     WeightGrads,
     chunk_tokens,
+    chunks_backward,
     experts_forward,
     fused_backward,
     plain_backward,
@@ -192,23 +193,9 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     grad_logits = losses_backward(tl, s, rt, ls)
     tl.mark("losses_backward")
     shared_dx = None if shared is None else shared_backward(tl, moe, shared, ckpt=ckpt)
-    wg = WeightGrads(tl)
-    grads_w, grads_x = [], []
-    for i in reversed(range(len(sizes))):
-        C, saved = sizes[i], chunk_saved[i]
-        if ckpt:
-            saved, _ = experts_forward(tl, s, C, C * K, plain=plain, recompute=False,
-                                       rerun=True)
-        if plain:
-            grads = plain_backward(tl, s, C, C * K, saved, wg)
-        else:
-            grads = fused_backward(tl, s, C, C * K, saved)
-        if i == 0 and weights_held:
-            tl.free(rt["weights"])
-        if not plain:
-            wg.add(grads, "w_up", "w_down")
-        grads_w.append(grads["weights"])
-        grads_x.append(grads["x"])
+    grads_w, grads_x = chunks_backward(
+        tl, s, sizes, chunk_saved, ckpt=ckpt,
+        after_first_chunk=(lambda: tl.free(rt["weights"])) if weights_held else None)
     grad_w = tl.alloc("grad.top_k_weights_cat", T * K * dt)
     tl.free(*grads_w)
     grad_x = tl.alloc("grad.x_cat", T * D * dt)

@@ -17,10 +17,8 @@ from memfine.config import MoEConfig
 from memfine.memory._timeline_experts import (
     Shape,
     Timeline,
-    WeightGrads,
+    chunks_backward,
     experts_forward,
-    fused_backward,
-    plain_backward,
 )
 
 
@@ -115,20 +113,8 @@ def shared_backward(tl: Timeline, moe: MoEConfig, state: SharedState, *, ckpt: b
     sh, T, dt = state.shape, state.shape.T, state.shape.dt
     S, D, plain = sh.moe.num_experts, moe.hidden_size, moe.experts_impl == "plain"
     gate = moe.shared_expert_gate
-    wg, grads_w, grads_x = WeightGrads(tl), [], []
-    for i in reversed(range(len(state.sizes))):
-        C, saved = state.sizes[i], state.chunk_saved[i]
-        if ckpt:
-            saved, _ = experts_forward(tl, sh, C, C * S, plain=plain, recompute=False,
-                                       rerun=True)
-        if plain:
-            grads = plain_backward(tl, sh, C, C * S, saved, wg)
-        else:
-            grads = fused_backward(tl, sh, C, C * S, saved, need_weights=gate)
-            wg.add(grads, "w_up", "w_down")
-        if "weights" in grads:
-            grads_w.append(grads["weights"])
-        grads_x.append(grads["x"])
+    grads_w, grads_x = chunks_backward(tl, sh, state.sizes, state.chunk_saved, ckpt=ckpt,
+                                       need_weights=gate)
     if ckpt:
         tl.free(state.index)
     grad_x = _cat(tl, grads_x, "shared.grad_x_cat", T * D * dt)
