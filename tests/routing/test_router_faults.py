@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from memfine.reference import reference_route
-from memfine.routing import check_token_mask, load_balancing_loss, route, z_loss
+from memfine.routing import RouteOptions, check_token_mask, load_balancing_loss, route, z_loss
 from tolerances import assert_close
 
 
@@ -92,3 +92,14 @@ def test_losses_reject_bad_masks(mask: torch.Tensor, match: str) -> None:
         z_loss(logits, mask)
     with pytest.raises(ValueError, match=match):
         check_token_mask(mask, 6)
+
+
+def test_routed_scaling_factor_applies_after_renormalisation() -> None:
+    logits = torch.randn(5, 8)
+    for score_func in ("softmax", "sigmoid"):
+        plain = route(logits, 2, score_func=score_func)
+        scaled = route(logits, 2, score_func=score_func,
+                       options=RouteOptions(routed_scaling_factor=2.5))
+        assert torch.equal(scaled.top_k_index, plain.top_k_index)
+        assert_close(scaled.top_k_weights, 2.5 * plain.top_k_weights)
+        assert_close(scaled.top_k_weights.sum(-1), torch.full((5,), 2.5))

@@ -36,9 +36,9 @@ def shard_moe_layers(model: torch.nn.Module, context: ParallelContext) -> int:
 
     A module counts as an MoE layer when it has a ``router`` and an ``experts`` child with
     ``w_up``, ``w_down`` and ``config`` (``memfine.nn.MoELayer``); shared experts (no router)
-    stay whole on every rank, like the attention weights. Its ``run_experts`` hook is set, on this instance,
-    to the EP path (notify → chunk policy on s″ → agreed c → chunks), and its chunk policy's
-    ``agree_num_chunks`` to the all-reduce MAX over the EP group.
+    stay whole on every rank, like the attention weights. Its ``run_experts`` hook is set, on
+    this instance, to the EP path (notify → chunk policy on s″ → agreed c → chunks), and its
+    chunk policy's ``agree_num_chunks`` to the all-reduce MAX over the EP group.
 
     Args:
         model: a built model, identical on every rank (same seed).

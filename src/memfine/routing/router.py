@@ -150,6 +150,24 @@ def _weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, index_TK: torch.T
     return weights_TK * scale if scale != 1.0 else weights_TK
 
 
+def _kept_pairs(selected_TK: torch.Tensor, weights_TK: torch.Tensor, E: int,
+                valid_mask_T: torch.Tensor | None, options: RouteOptions,
+                replay: RoutingResult | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(T, k) bool mask of dispatched pairs (None: all) and the count dropped by capacity."""
+    T, K = selected_TK.shape
+    if replay is not None:  # the forward's drops and padding, as decided then
+        if replay.top_k_index is replay.selected_index:
+            return None, None
+        return replay.top_k_index < E, None
+    valid_TK = None if valid_mask_T is None else valid_mask_T[:, None].expand(T, K)
+    if options.capacity_factor is None:
+        return valid_TK, None
+    capacity = expert_capacity(T, E, K, options.capacity_factor, options.min_capacity)
+    ids_TK = selected_TK if valid_TK is None else torch.where(valid_TK, selected_TK, E)
+    keep_TK = capacity_keep_mask(ids_TK, weights_TK, E, capacity, options.drop_policy)
+    return keep_TK, ids_TK.lt(E).sum() - keep_TK.sum()
+
+
 def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softmax",
           renormalize: bool = True, selection_bias_E: torch.Tensor | None = None,
           valid_mask_T: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -202,17 +220,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         selected_TK = _select(logits_TE, scores_TE, top_k, selection_bias_E, options)
     weights_TK = _weights(logits_TE, scores_TE, selected_TK, score_func, renormalize,
                           options.routed_scaling_factor)
-    keep_TK, dropped = None, None
-    if replay is not None and replay.top_k_index is not replay.selected_index:
-        keep_TK = replay.top_k_index < E
-    elif replay is None and options.capacity_factor is not None:
-        capacity = expert_capacity(T, E, top_k, options.capacity_factor, options.min_capacity)
-        valid_TK = None if valid_mask_T is None else valid_mask_T[:, None].expand(T, top_k)
-        ids_TK = selected_TK if valid_TK is None else torch.where(valid_TK, selected_TK, E)
-        keep_TK = capacity_keep_mask(ids_TK, weights_TK, E, capacity, options.drop_policy)
-        dropped = ids_TK.lt(E).sum() - keep_TK.sum()
-    if keep_TK is None and valid_mask_T is not None:
-        keep_TK = valid_mask_T[:, None].expand(T, top_k)
+    keep_TK, dropped = _kept_pairs(selected_TK, weights_TK, E, valid_mask_T, options, replay)
     top_k_index_TK = selected_TK
     if keep_TK is not None:
         top_k_index_TK = torch.where(keep_TK, selected_TK, E)
