@@ -151,3 +151,16 @@ def test_selection_bias_moves_once_per_step_from_the_steps_counts(tmp_path: Path
     got = torch.stack([state[f"blocks.{i}.moe.router.selection_bias"] for i in range(2)])
     assert len(records) == 3 and bool(expected.ne(0).any())
     assert torch.allclose(got.double(), expected, atol=1e-7)
+
+
+def test_capacity_drops_are_logged(tmp_path: Path) -> None:
+    moe = dataclasses.replace(_config().model.moe, capacity_factor=0.5)
+    config = _config(max_steps=2, model=dataclasses.replace(_config().model, moe=moe))
+    _run(config, tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    T, k, E = 4 * 32, 2, 4
+    capacity = -(-T * k // (2 * E))  # ceil(0.5·T·k/E) = 32; an expert gets 64 pairs on average
+    for rec in records:
+        kept = torch.tensor(rec["tokens_per_expert"])
+        assert bool((kept <= capacity).all())
+        assert (kept.sum(-1) + torch.tensor(rec["dropped_pairs"])).tolist() == [T * k] * 2

@@ -324,6 +324,8 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                     }
                     if is_eval:
                         record["val_loss"] = val_loss
+                    if not moe.dropless:  # pairs dropped by capacity this step (this rank)
+                        record["dropped_pairs"] = [int(a.dropped_pairs or 0) for a in out.aux]
                     if log is not None:
                         log.write(record)
                     log_time, log_steps, load_log_LE = 0.0, 0, None
