@@ -1,6 +1,6 @@
 """Shared (always-on) experts of an MoE layer, run on memfine's fused, chunked expert path.
 
-Legend: T tokens, S shared experts, D = d, G = 2n_s (gated) or n_s.
+Legend: T tokens, K slots (here k = S, the number of shared experts), D = d, G = 2n_s or n_s.
 
 Every token goes to all S shared experts (DeepSeek-MoE / DeepSeek-V3 shared experts; Qwen2-MoE's
 shared expert with its sigmoid gate). They run as a routed layer whose routing is fixed:
@@ -62,12 +62,12 @@ class SharedExperts(nn.Module):
         the gate's (T, 1) sigmoid expanded.
         """
         T, S = x_TD.shape[0], self.config.num_experts
-        index_TS = torch.arange(S, device=x_TD.device).expand(T, S)
+        index_TK = torch.arange(S, device=x_TD.device).expand(T, S)
         if valid_mask_T is not None:
-            index_TS = torch.where(valid_mask_T[:, None], index_TS, S)
+            index_TK = torch.where(valid_mask_T[:, None], index_TK, S)
         if self.gate is None:
-            weights_TS = x_TD.new_ones(T, S)
+            weights_TK = x_TD.new_ones(T, S)
         else:
-            weights_TS = F.linear(x_TD, self.gate.to(x_TD.dtype)).sigmoid().expand(T, S)
-        return self.experts(x_TD, index_TS, weights_TS, num_chunks=num_chunks,
+            weights_TK = F.linear(x_TD, self.gate.to(x_TD.dtype)).sigmoid().expand(T, S)
+        return self.experts(x_TD, index_TK, weights_TK, num_chunks=num_chunks,
                             recompute=recompute)

@@ -1,6 +1,7 @@
 """Expert selection: top-k with lowest-index tie-breaking, and group-limited routing.
 
-Legend: T tokens, E experts, K top-k slots, G expert groups, J experts per group (E = G·J).
+Legend: T tokens, E experts, K top-k slots (groups are indexed without a suffix letter:
+G already means 2n).
 Reference: DeepSeek-V3 (arXiv 2412.19437) §2.1.2 (node-limited routing; HF ``n_group``,
 ``topk_group``); docs/design.md §2.
 """
@@ -40,8 +41,8 @@ def group_limited_scores(select_TE: torch.Tensor, n_group: int, topk_group: int
 
     Args:
         select_TE: (T, E) fp32 selection scores (scores plus any selection bias).
-        n_group: G, a divisor of E with E/G >= 2.
-        topk_group: groups kept per token, in [1, G].
+        n_group: expert groups, a divisor of E with E/n_group >= 2.
+        topk_group: groups kept per token, in [1, n_group].
 
     Returns:
         (T, E) tensor, ``select_TE`` where the expert's group is kept, else -inf. With
@@ -62,9 +63,9 @@ def group_limited_scores(select_TE: torch.Tensor, n_group: int, topk_group: int
                          f"got {n_group}")
     if not 1 <= topk_group <= n_group:
         raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
-    select_TGJ = select_TE.view(T, n_group, E // n_group)
-    group_score_TG = select_TGJ.topk(2, dim=-1).values.sum(-1)
-    keep_group_TG = torch.zeros_like(group_score_TG, dtype=torch.bool)
-    keep_group_TG.scatter_(1, top_k_lowest_index(group_score_TG, topk_group), True)
-    masked_TGJ = select_TGJ.masked_fill(~keep_group_TG[:, :, None], float("-inf"))
-    return masked_TGJ.view(T, E)
+    by_group = select_TE.view(T, n_group, E // n_group)  # (T, n_group, E / n_group)
+    group_score = by_group.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+    keep_group = torch.zeros_like(group_score, dtype=torch.bool)
+    keep_group.scatter_(1, top_k_lowest_index(group_score, topk_group), True)
+    masked = by_group.masked_fill(~keep_group[:, :, None], float("-inf"))
+    return masked.view(T, E)

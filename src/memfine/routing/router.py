@@ -74,7 +74,7 @@ class RouteOptions:
     """Routing options beyond plain top-k (all off by default; see :class:`MoEConfig`).
 
     Attributes:
-        n_group: G expert groups (1: no group limit); DeepSeek-V3 §2.1.2.
+        n_group: expert groups (1: no group limit); DeepSeek-V3 §2.1.2.
         topk_group: groups a token may use.
         routed_scaling_factor: factor on the final weights (DeepSeek-V3: 2.5).
         capacity_factor: ``None`` (dropless) or cf for :func:`expert_capacity`.
