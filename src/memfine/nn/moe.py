@@ -38,8 +38,8 @@ class MoEAux:
         z_loss: 0-dim fp32 router z-loss.
         tokens_per_expert: (E,) int64 assignments per expert this call (kept pairs only).
         num_chunks: chunk count c used for the expert part (1 when unchunked).
-        sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss (0.0 when
-            ``seq_aux_loss_coef`` is 0: not computed then).
+        sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
+            ``seq_aux_loss_coef`` is 0 (not computed).
         dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
     """
 
@@ -144,11 +144,10 @@ class MoELayer(nn.Module):
         global_counts_E = None
         if self.reduce_expert_counts is not None:
             global_counts_E = self.reduce_expert_counts(routing.tokens_per_expert.clone())
+        seq_loss = None  # not computed (no allocation) when its coefficient is 0
         if self.config.seq_aux_loss_coef > 0:
             seq_loss = sequence_balance_loss(routing.scores, routing.selected_index, seq_len,
                                              mask_T)
-        else:
-            seq_loss = routing.logits.new_zeros(())
         return MoEAux(
             load_balancing_loss=load_balancing_loss(routing.logits, routing.selected_index, mask_T,
                                                     counts_E=global_counts_E),

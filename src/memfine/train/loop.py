@@ -276,8 +276,9 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                     x_BQ, y_BQ = parallel.shard_batch(x_BQ, y_BQ)
                 out = model(x_BQ.to(device), y_BQ.to(device))
                 loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
-                        + moe.z_loss_coef * out.z_loss
-                        + moe.seq_aux_loss_coef * out.sequence_balance_loss)
+                        + moe.z_loss_coef * out.z_loss)
+                if moe.seq_aux_loss_coef > 0:
+                    loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 clip = torch.nn.utils.clip_grad_norm_
