@@ -17,15 +17,16 @@ import memfine
 
 SRC = Path(memfine.__file__).parent
 
-ALL_BELOW_NN = {"config", "_optional", "measure", "routing", "dispatch", "ops", "ops.triton",
-                "parallel", "schedule"}
+ALL_BELOW_NN = {"config", "_optional", "_checks", "measure", "routing", "dispatch", "ops",
+                "ops.triton", "parallel", "schedule"}
 ALLOWED: dict[str, set[str]] = {
     "config": set(),
     "_optional": set(),
+    "_checks": set(),
     "reference": {"config"},
     "measure": {"config"},
     "routing": {"config"},
-    "dispatch": {"routing", "config"},
+    "dispatch": {"routing", "config", "_checks"},
     "ops.triton": {"_optional"},
     "ops": {"dispatch", "config", "_optional", "ops.triton"},
     "parallel": {"ops", "dispatch", "config"},

@@ -91,6 +91,28 @@ class MoELayer(nn.Module):
         E = self.config.num_experts
         return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
 
+    @torch.compiler.disable
+    def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor) -> int:
+        """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
+
+        Runs outside ``torch.compile`` (``torch.compiler.disable``): the decision needs s″ as a
+        host number (one ``.item()``), and c decides how many chunks the graph holds. A compiled
+        layer with a budget therefore has one graph break here (docs/compile.md), and one graph
+        per chunk count c in use (at most one per bin).
+
+        Args:
+            x_TD: (T, d) activations (T and the element size enter the memory model).
+            top_k_index: (T, k) int64 expert ids.
+
+        Returns:
+            c ≥ 1.
+
+        Raises:
+            ValueError: from the policy when the budget cannot be met.
+        """
+        recv = self.received_rows(top_k_index)
+        return self.policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+
     def run_experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Expert part on routed tokens; returns ``(out_TD, num_chunks)``. Overridable hook.
@@ -111,8 +133,10 @@ class MoELayer(nn.Module):
         Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode.
         """
         policy = self.policy
-        recv = self.received_rows(top_k_index) if policy.budgeted else 0
-        num_chunks = policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+        if policy.budgeted:
+            num_chunks = self.budgeted_num_chunks(x_TD, top_k_index)
+        else:
+            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
         out_TD = self.experts(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                               recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks

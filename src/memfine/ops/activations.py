@@ -94,6 +94,7 @@ def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation:
     name = _GATE[activation]
     grad_h_SG = torch.empty_like(h_SG)
     grad_gate_SN, grad_up_SN = grad_h_SG.chunk(2, dim=-1)
-    torch.mul(grad_a_SN, _ELEMENTWISE[name](gate_SN), out=grad_up_SN)
+    # copy_ into the view, not out=: torch.compile traces no out= into a non-contiguous view.
+    grad_up_SN.copy_(_ELEMENTWISE[name](gate_SN).mul_(grad_a_SN))
     grad_gate_SN.copy_(_ELEMENTWISE_BACKWARD[name](grad_a_SN * up_SN, gate_SN))
     return grad_h_SG

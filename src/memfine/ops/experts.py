@@ -52,6 +52,41 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
                          f"{w_up_EDG.dtype}, {w_down_END.dtype}")
 
 
+def autocast_operands(x_TD: torch.Tensor, w_up_EDG: torch.Tensor, w_down_END: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x and the expert weights in the autocast dtype when autocast is on for x's device.
+
+    The experts follow ``torch.autocast`` as ``nn.Linear`` does: inside a region with dtype
+    bf16 (or fp16) the floating operands other than float64 are cast to it, so the grouped GEMMs
+    run in bf16 and the expert path saves bf16 x and H. The cast happens here, before the
+    autograd Function, whose forward and backward then see one dtype. The fp32 master weights are
+    not modified; their gradients come back through the cast in fp32. Outside autocast (or for
+    operands already in the autocast dtype) nothing is cast.
+
+    Args:
+        x_TD: (T, d) activations.
+        w_up_EDG: (E, d, G) up-projection.
+        w_down_END: (E, n, d) down-projection.
+
+    Returns:
+        ``(x_TD, w_up_EDG, w_down_END)``, cast or as given.
+
+    Memory: the casts of the weights are new tensors ((E·d·G + E·n·d)·2 bytes for bf16) that the
+    expert Function keeps for backward, as autocast's weight cache keeps the bf16 copy of an
+    ``nn.Linear`` weight; bf16 parameters (``module.to(torch.bfloat16)``) need no copy.
+    """
+    device_type = x_TD.device.type
+    if not (torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return x_TD, w_up_EDG, w_down_END
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t
+
+    return cast(x_TD), cast(w_up_EDG), cast(w_down_END)
+
+
 def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
                   w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, activation: str = "swiglu",
                   backend: str = "auto") -> torch.Tensor:
@@ -85,7 +120,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
 
     Returns:
-        (T, d) tensor in x's dtype; rows of tokens whose slots are all sentinels are exactly 0.
+        (T, d) tensor in x's dtype (in the autocast dtype inside ``torch.autocast``, see
+        :func:`autocast_operands`); rows of tokens whose slots are all sentinels are exactly 0.
 
     Raises:
         ValueError: on shape/dtype mismatches, an unknown impl, backend or activation.
@@ -96,6 +132,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, w_up_EDG, w_down_END)
     check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation)
     weights_TK = top_k_weights.to(x_TD.dtype)
     if impl == "plain":

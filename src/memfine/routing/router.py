@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfine.config import ScoreFunc
+from memfine.routing.precision import FP32BuffersMixin, count_per_expert, fp32_routing
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,6 +56,7 @@ class RoutingResult:
         return int(self.top_k_index.shape[-1])
 
 
+@fp32_routing
 def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softmax",
           renormalize: bool = True, selection_bias_E: torch.Tensor | None = None,
           valid_mask_T: torch.Tensor | None = None,
@@ -109,14 +111,18 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         keep_TK = valid_mask_T[:, None].expand(T, top_k)
         top_k_index_TK = torch.where(keep_TK, top_k_index_TK, E)
         weights_TK = torch.where(keep_TK, weights_TK, 0.0)
-    counts = torch.bincount(top_k_index_TK.reshape(-1), minlength=E + 1)[:E]
+    counts = count_per_expert(top_k_index_TK, E)
     return RoutingResult(top_k_index=top_k_index_TK, top_k_weights=weights_TK.to(out_dtype),
                          logits=logits_TE, scores=scores_TE, tokens_per_expert=counts,
                          valid_mask=valid_mask_T)
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(FP32BuffersMixin):
     """Linear router x·W_rᵀ computed in fp32, followed by :func:`route`.
+
+    Everything runs in fp32 with autocast disabled (:func:`fp32_routing`), also inside a
+    ``torch.autocast`` region; the selection bias stays an fp32 buffer through
+    ``module.to(dtype)`` (:class:`FP32BuffersMixin`).
 
     Args:
         hidden_size: d.
@@ -152,6 +158,7 @@ class TopKRouter(nn.Module):
         """Initialise the router weight with N(0, 0.02²)."""
         nn.init.normal_(self.weight, std=0.02)
 
+    @fp32_routing
     def forward(self, x_TD: torch.Tensor, valid_mask_T: torch.Tensor | None = None
                 ) -> RoutingResult:
         """Route T tokens.
@@ -168,5 +175,5 @@ class TopKRouter(nn.Module):
         bias = self.selection_bias
         return route(logits_TE, self.top_k, score_func=self.score_func,
                      renormalize=self.renormalize,
-                     selection_bias_E=bias if bool(bias.any()) else None,
+                     selection_bias_E=bias,  # a zero bias selects as no bias: no host sync
                      valid_mask_T=valid_mask_T, out_dtype=x_TD.dtype)
