@@ -86,7 +86,7 @@ def _num_rows(offsets_E1: torch.Tensor, num_slots: int) -> int:
     """S = offsets[E] as a Python int (or an unbacked size under compile), with its bounds."""
     S = int(offsets_E1[-1].item())
     torch._check(S >= 0)
-    torch._check(S <= num_slots)
+    torch._check(num_slots >= S)
     return S
 
 

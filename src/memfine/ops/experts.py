@@ -54,7 +54,7 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
 
 def autocast_operands(x_TD: torch.Tensor, w_up_EDG: torch.Tensor, w_down_END: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """x and the expert weights in the autocast dtype when autocast is on for x's device.
+    """Cast x and the expert weights to the autocast dtype when autocast is on for their device.
 
     The experts follow ``torch.autocast`` as ``nn.Linear`` does: inside a region with dtype
     bf16 (or fp16) the floating operands other than float64 are cast to it, so the grouped GEMMs
