@@ -14,7 +14,7 @@ Providers:
   budget that fits the balanced load with c = 1; c is chosen per rank from the received rows s″
   and agreed (maximum) over the EP group; recompute ``experts``.
 
-Output: a printed table, a CSV (STYLE.md §6 columns of :mod:`memfine.measure.results`, with
+Output: a printed table, a CSV (docs/style.md §6 columns of :mod:`memfine.bench.results`, with
 ``threads`` = 1 per rank, plus ``rank``, ``ep_size``, ``budget_bytes``) with metrics
 ``peak_bytes`` (bytes), ``recv_rows`` (rows), ``num_chunks`` (c) and ``peak_over_budget``
 (ratio), and a PNG of peak MiB vs skew per rank with the budget line.
@@ -37,9 +37,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from memfine.bench.results import CSV_COLUMNS, collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
-from memfine.measure.results import CSV_COLUMNS, collect_environment, csv_row, write_csv
 from memfine.parallel import (
     ExpertParallelExperts,
     agree_num_chunks,

@@ -6,20 +6,20 @@ Providers (same routing, weights and incoming gradient; the index build is insid
   copy;
 - ``expert_loop``: the per-expert mask loop most PyTorch MoE code writes (HF "eager" style:
   ``torch.where`` per expert, gather, two matmuls, weighted ``index_add_``;
-  :func:`memfine.cli.benchsuites.layers.expert_loop`).
+  :func:`memfine.bench.layers.expert_loop`).
 
-Configurations: MoEBlaze Table 1 (DESIGN.md §3; ffn n = 4d, SwiGLU) with the same d, E, k and the
+Configurations: MoEBlaze Table 1 (docs/design.md §3; n = 4d, SwiGLU) with the same d, E, k and
 batch × seq product scaled down to fit 2 CPU cores. The shared harness
-(:func:`memfine.measure.harness.run_methods`) runs the providers interleaved (one repetition of
+(:func:`memfine.bench.harness.run_methods`) runs the providers interleaved (one repetition of
 each in turn, rotating the order), so load changes on a shared machine hit all of them alike.
 
 Output: one printed table per configuration (``memfine bench``'s,
-:func:`memfine.cli.benchsuites.output.print_point`; ratios against ``fused``) and a CSV
-(STYLE.md §6 columns, :mod:`memfine.measure.results`) with, per configuration and provider,
+:func:`memfine.bench.output.print_point`; ratios against ``fused``) and a CSV
+(docs/style.md §6 columns, :mod:`memfine.bench.results`) with, per configuration and provider,
 ``time`` (modes ``fwd``, ``bwd`` and ``full`` = forward + backward, unit ms, p20/p50/p80 over
 repetitions), ``tokens_per_s``, ``saved_bytes`` and ``peak_bytes`` (unit bytes; one measurement,
 repeated in p20/p50/p80; no memory-model prediction: "not modelled"), plus ``saved_over_floor``
-(unit ratio; floor = (T·d + 2·T·k·n) elements, DESIGN.md §5).
+(unit ratio; floor = (T·d + 2·T·k·n) elements, docs/design.md §5).
 
 Usage: ``python benchmarks/bench_experts.py [--reps 5] [--confs 1 2 5] [--out PATH]``.
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n.
@@ -34,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from memfine.cli.benchsuites.layers import add_ratios, expert_loop
-from memfine.cli.benchsuites.options import Point
-from memfine.cli.benchsuites.output import print_point
-from memfine.config import format_bytes
+from memfine.bench.harness import Method, MethodResult, run_methods
+from memfine.bench.layers import add_ratios, expert_loop
+from memfine.bench.options import Point
+from memfine.bench.output import print_point
+from memfine.bench.results import collect_environment, result_rows, write_csv
 from memfine.dispatch import build_routing_index
-from memfine.measure.harness import Method, MethodResult, run_methods
-from memfine.measure.results import collect_environment, result_rows, write_csv
 from memfine.ops import run_experts
+from memfine.units import format_bytes
 
 BENCHMARK = "experts"
 
@@ -151,7 +151,7 @@ def provider_method(name: str, inp: Inputs) -> Method:
 
 
 def floor_bytes(cfg: ExpertsBenchConfig) -> int:
-    """(T·d + 2·T·k·n) elements × bytes per element: the no-recompute floor (DESIGN.md §5)."""
+    """(T·d + 2·T·k·n) elements × bytes per element: the no-recompute floor (docs/design.md §5)."""
     itemsize = torch.empty((), dtype=getattr(torch, cfg.dtype)).element_size()
     T, D, N, k = cfg.num_tokens, cfg.hidden_size, cfg.intermediate_size, cfg.top_k
     return (T * D + 2 * T * k * N) * itemsize

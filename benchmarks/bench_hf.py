@@ -10,18 +10,18 @@ gradient:
 The routing (top-k of a softmax over random logits; weights require grad, as a router's do) is
 outside the timed region; the index build of memfine and the sort of grouped_mm are inside. The
 module, inputs and methods are those of ``memfine bench --suite hf``
-(:mod:`memfine.cli.benchsuites.hf`), run by the shared harness
-(:func:`memfine.measure.harness.run_methods`).
+(:mod:`memfine.bench.suite_hf`), run by the shared harness
+(:func:`memfine.bench.harness.run_methods`).
 
 Configurations (Qwen3-MoE-shaped, fp32): ``tiny`` (d 128, n 64, E 8, k 2, T 512) and ``mid``
 (Qwen3-30B-A3B's k 8 and n/d ratio at reduced size: d 768, n 256, E 32, k 8, T 512). Providers run
 interleaved, rotating the order, so load changes on a shared machine hit all of them alike.
 
-Output: a printed table (``memfine bench``'s, ratios against ``memfine``), a CSV (STYLE.md §6
-columns, :mod:`memfine.measure.results`; metrics ``time`` ms p20/p50/p80 with modes ``fwd``,
+Output: a printed table (``memfine bench``'s, ratios against ``memfine``), a CSV (docs/style.md §6
+columns, :mod:`memfine.bench.results`; metrics ``time`` ms p20/p50/p80 with modes ``fwd``,
 ``bwd`` and ``full`` = forward + backward, ``tokens_per_s``, ``saved_bytes`` and ``peak_bytes``
 in bytes, ``saved_over_floor`` ratio with floor = (T·d + T·k·2n) elements, the x + H floor of
-DESIGN.md §5; a method that fails is printed and left out) and a PNG of p50 time and saved bytes.
+docs/design.md §5; a failing method is printed and left out) and a PNG of p50 time and saved bytes.
 
 Usage: ``python benchmarks/bench_hf.py [--configs tiny mid] [--reps 5] [--out PATH]``.
 Legend: T tokens, K top-k slots, E experts, D = d, N = n.
@@ -34,14 +34,14 @@ from pathlib import Path
 
 import torch
 
-from memfine.cli.benchsuites import hf
-from memfine.cli.benchsuites.layers import add_ratios
-from memfine.cli.benchsuites.options import BenchOptions, LayerShape, Point
-from memfine.cli.benchsuites.output import print_point
-from memfine.config import format_bytes
+from memfine.bench import suite_hf as hf
+from memfine.bench.harness import MethodResult, run_methods
+from memfine.bench.layers import add_ratios
+from memfine.bench.options import BenchOptions, LayerShape, Point
+from memfine.bench.output import print_point
+from memfine.bench.results import collect_environment, result_rows, write_csv
 from memfine.integrations.transformers import register as register_memfine
-from memfine.measure.harness import MethodResult, run_methods
-from memfine.measure.results import collect_environment, result_rows, write_csv
+from memfine.units import format_bytes
 
 BENCHMARK = "hf_experts"
 RESULTS = Path(__file__).parent / "results"

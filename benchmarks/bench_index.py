@@ -2,9 +2,9 @@
 
 For each (T, E, k) the two builders (and ``auto``, which picks by the dense map size T·E against
 ``memfine.dispatch.index.SORT_FREE_MAX_CELLS``) run interleaved on the same random routing through
-the shared harness (:func:`memfine.measure.harness.run_methods`, the build as the forward, no
+the shared harness (:func:`memfine.bench.harness.run_methods`, the build as the forward, no
 backward); rows report p20/p50/p80 build time in ms (mode ``fwd``) per provider. The CSV uses the
-STYLE.md §6 columns (:func:`memfine.measure.results.csv_row`).
+docs/style.md §6 columns (:func:`memfine.bench.results.csv_row`).
 
 Usage: ``python benchmarks/bench_index.py [--reps 15] [--out PATH]``.
 Legend: T tokens, E experts, K top-k slots.
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
+from memfine.bench.harness import Method, run_methods
+from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.dispatch import build_index_argsort, build_index_sort_free, build_routing_index
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
-from memfine.measure.harness import Method, run_methods
-from memfine.measure.results import collect_environment, csv_row, write_csv
 
 BENCHMARK = "index_build"
 BUILDERS = {
@@ -28,7 +28,7 @@ BUILDERS = {
     "argsort": build_index_argsort,
     "auto": build_routing_index,
 }
-# (T, E, k): small and large token counts, few and many experts (DESIGN.md §3, §7 configs).
+# (T, E, k): small and large token counts, few and many experts (docs/design.md §3, §7 configs).
 GRID = [(1024, 8, 2), (8192, 16, 4), (65536, 16, 4), (4096, 64, 8), (16384, 128, 8),
         (16384, 256, 8), (65536, 256, 8)]
 

@@ -18,14 +18,14 @@ the local experts), calibrated to hit each target share; ``skew`` = s″ / (T·k
 The MACT budget covers the MoE layer: s′_max = 1.25·T·k/ep rows (Eq. 8 with memfine's memory
 model), so the balanced case runs in one chunk and the worst needs four.
 
-Metrics (CSV, STYLE.md §6 columns, one row per provider, skew level and metric):
+Metrics (CSV, docs/style.md §6 columns, one row per provider, skew level and metric):
 ``block_peak_bytes`` and ``moe_peak_bytes`` (peak live bytes of forward + backward of the block,
 and of its MoE layer alone, above what existed before; CPU storage tracker), ``saved_bytes``
 (bytes the block holds for backward: alive at the end of forward, output excluded),
 ``time`` (forward + backward of the block, ms, p20/p50/p80 over repetitions interleaved by the
-shared harness, :func:`memfine.measure.harness.run_methods`), ``tokens_per_s`` (T / time, per
+shared harness, :func:`memfine.bench.harness.run_methods`), ``tokens_per_s`` (T / time, per
 call) and ``num_chunks`` (c chosen), plus ``budget_bytes``; rows as
-:func:`memfine.measure.results.csv_row` writes them.
+:func:`memfine.bench.results.csv_row` writes them.
 
 Usage: ``python benchmarks/bench_memfine.py [--reps 5] [--seq 512] [--out PATH]``; writes the CSV
 and a PNG next to it. It runs with one intra-op thread by default: with other jobs on the cores,
@@ -42,10 +42,10 @@ from typing import Any
 
 import torch
 
+from memfine.bench.harness import Method, MethodResult, run_methods
+from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
-from memfine.measure.harness import Method, MethodResult, run_methods
 from memfine.measure.peak import PeakMemoryTracker
-from memfine.measure.results import collect_environment, csv_row, write_csv
 from memfine.nn.model import Block
 from memfine.nn.moe import MoELayer
 from memfine.schedule.policy import ChunkPolicy
@@ -188,7 +188,7 @@ def _p50_ms(res: MethodResult) -> float:
 
 def to_rows(args: argparse.Namespace, budget: int, levels: list[dict[str, dict[str, Any]]]
             ) -> list[dict[str, str]]:
-    """CSV rows (STYLE.md §6 columns)."""
+    """CSV rows (docs/style.md §6 columns)."""
     env = collect_environment("cpu")
     config = {k: v for k, v in vars(args).items() if k != "out"}
     rows = []

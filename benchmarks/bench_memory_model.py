@@ -3,15 +3,15 @@
 For every layer configuration of the grid (fp32/bf16, k ∈ {1, 2, 8}, E up to 64, balanced and
 fully skewed routing) and every execution mode (``plain``, ``fused``, ``full`` recompute, and
 ``chunked`` with c ∈ {2, 4, 8}), one :class:`memfine.nn.MoELayer` forward + backward is measured
-with the shared harness (:mod:`memfine.measure.harness`: saved-tensor hooks for the saved bytes,
+with the shared harness (:mod:`memfine.bench.harness`: saved-tensor hooks for the saved bytes,
 the CPU live-storage tracker for the peak) and set next to
-:func:`memfine.schedule.memory_model.moe_layer_memory`.
+:func:`memfine.memory.layer.moe_layer_memory`.
 
 Protocol (the model's): x exists before and requires grad; parameters have no ``.grad`` before a
 call; out and the two aux losses get gradients that exist before. Skewed routing sends every
 token to experts 0..k-1 (the router's selection-bias knob ``skew_hot_experts``/``skew_bias``).
 
-Output: the table on stdout; ``benchmarks/results/memory_model_cpu.csv`` (STYLE.md §6 columns:
+Output: the table on stdout; ``benchmarks/results/memory_model_cpu.csv`` (docs/style.md §6 columns:
 ``saved_bytes``/``peak_bytes`` measured, ``*_predicted`` and ``*_predicted_over_measured``;
 ``x_name`` = ``config``, ``provider`` = the mode) and a PNG of predicted against measured bytes.
 
@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from memfine.cli.benchsuites.layers import layer_method
+from memfine.bench.harness import Method, run_methods
+from memfine.bench.layers import layer_method
+from memfine.bench.results import collect_environment, result_rows, write_csv
 from memfine.config import ChunkConfig, MoEConfig
-from memfine.measure.harness import Method, run_methods
 from memfine.measure.report import compare, format_table
-from memfine.measure.results import collect_environment, result_rows, write_csv
+from memfine.memory.layer import mode_settings
 from memfine.nn import MoELayer
-from memfine.schedule.memory_model import mode_settings
 
 BENCHMARK = "memory_model"
 MODES = (("plain", 1), ("fused", 1), ("full", 1), ("chunked", 2), ("chunked", 4),
@@ -54,7 +54,7 @@ GRID = (
 
 def _method(moe: MoEConfig, T: int, dtype: torch.dtype, mode: str, c: int) -> Method:
     """A harness method running one MoELayer forward + backward in ``mode`` (the model's
-    protocol and prediction: :func:`memfine.cli.benchsuites.layers.layer_method`)."""
+    protocol and prediction: :func:`memfine.bench.layers.layer_method`)."""
     impl, num_chunks, recompute = mode_settings(mode, c)
     moe = dataclasses.replace(moe, experts_impl=impl)
     layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=num_chunks, recompute=recompute))

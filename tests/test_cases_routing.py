@@ -1,4 +1,4 @@
-"""Routing, loss and expert cases from shared/cases/CASES.md; each pytest id is the case id.
+"""Routing, loss and expert cases from the bug-report cases; each pytest id is the case id.
 
 Capacity and group-limited cases belong to the capacity feature and are tested with it.
 """

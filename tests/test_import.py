@@ -1,4 +1,4 @@
-"""``import memfine`` has no side effects (STYLE.md §8), checked in a fresh interpreter.
+"""``import memfine`` has no side effects (docs/style.md §8), checked in a fresh interpreter.
 
 It must not import triton or transformers, change torch's global flags (default dtype,
 determinism, TF32, matmul precision, threads, RNG state), touch CUDA, read environment variables

@@ -1,9 +1,9 @@
-"""STYLE.md §2 import table, checked with ``ast`` over src/memfine.
+"""docs/style.md §2 import table, checked with ``ast`` over src/memfine.
 
 Every ``import memfine...`` / ``from memfine... import`` / relative import of a module is mapped to
 its layer and checked against the layers it may import. Imports inside a layer are free. Optional
 dependencies (triton, transformers) may be imported at module level only inside ``ops/triton/``;
-elsewhere only lazily, inside a function (STYLE.md §8), and ``ops`` loads ``ops/triton/`` lazily.
+elsewhere only lazily, inside a function (docs/style.md §8); ``ops`` loads ``ops/triton/`` lazily.
 """
 
 from __future__ import annotations
@@ -17,27 +17,33 @@ import memfine
 
 SRC = Path(memfine.__file__).parent
 
-ALL_BELOW_NN = {"config", "_optional", "_checks", "measure", "routing", "dispatch", "ops",
-                "ops.triton", "parallel", "schedule"}
+BASE = {"config", "units", "_checks"}
+ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "ops", "ops.triton",
+                       "parallel", "schedule", "memory"}
 ALLOWED: dict[str, set[str]] = {
-    "config": set(),
-    "_optional": set(),
+    "units": set(),
     "_checks": set(),
-    "reference": {"config"},
-    "measure": {"config"},
-    "routing": {"config"},
-    "dispatch": {"routing", "config", "_checks"},
+    "config": {"_checks", "units"},
+    "_optional": set(),
+    "reference": BASE,
+    "measure": BASE,
+    "routing": BASE,
+    "dispatch": {"routing"} | BASE,
     "ops.triton": {"_optional"},
-    "ops": {"dispatch", "config", "_optional", "ops.triton"},
-    "parallel": {"ops", "dispatch", "config"},
-    "schedule": {"ops", "dispatch", "config"},
+    "ops": {"dispatch", "_optional", "ops.triton"} | BASE,
+    # prediction: replays the code's allocations from configs; never imports the code it models
+    "memory": {"dispatch"} | BASE,
+    "parallel": {"ops", "dispatch"} | BASE,
+    "schedule": {"ops", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,
     # integrations also builds routing indices and runs the chunk schedule on HF weights (the
     # transformers experts interface hands it routed tokens, not an MoELayer), so it may import
     # dispatch and schedule as nn does.
-    "integrations": {"nn", "ops", "dispatch", "schedule", "config", "_optional"},
+    "integrations": {"nn", "ops", "dispatch", "schedule", "memory", "_optional"} | BASE,
     # tqdm/matplotlib are optional extras of training, loaded through _optional.
-    "train": {"nn", "schedule", "measure", "config", "_optional"},
+    "train": {"nn", "schedule", "memory", "measure", "_optional"} | BASE,
+    # the benchmark system measures every layer of the package (never against the reference)
+    "bench": ALL_BELOW_NN | {"nn", "integrations", "train"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.
@@ -109,7 +115,7 @@ def violations(src: Path, only_layer: str | None = None) -> list[str]:
         allowed = ALLOWED.get(layer)
         where = f"{path.relative_to(src.parent)}"
         if allowed is None:
-            bad.append(f"{where}: layer {layer!r} is not in the STYLE.md §2 table")
+            bad.append(f"{where}: layer {layer!r} is not in the docs/style.md §2 table")
             continue
         for target, line, top in _imports(ast.parse(path.read_text(), str(path)), module,
                                           is_package):
@@ -149,8 +155,8 @@ CASES = [
                  "routing may not import nn", id="upward"),
     pytest.param("ops/fused.py", "from ..reference import reference_experts\n",
                  "ops may not import reference", id="relative"),
-    pytest.param("dispatch/index.py", "import memfine.schedule.planner\n",
-                 "dispatch may not import schedule", id="plain_import"),
+    pytest.param("dispatch/index.py", "import memfine.memory.planner\n",
+                 "dispatch may not import memory", id="plain_import"),
     pytest.param("nn/moe.py", "from memfine import reference\n",
                  "nn may not import reference", id="from_package"),
     pytest.param("ops/grouped.py", "from memfine.ops.triton import grouped_mm\n",

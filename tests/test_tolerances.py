@@ -1,7 +1,7 @@
 """Self-test of tests/tolerances.py, and the rule that no other test file holds a tolerance literal.
 
 Each bound is hit from both sides: a correct output perturbed just past the bound must fail the
-comparison, and one perturbed just inside must pass (STYLE.md §6, "One tolerance table").
+comparison, and one perturbed just inside must pass (docs/style.md §6, "One tolerance table").
 """
 
 from __future__ import annotations

@@ -3,17 +3,17 @@
 Every check raises ``ValueError`` naming the class, the field, what is allowed and the value
 received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``. Configs hold plain values
 only; derive new ones with :func:`dataclasses.replace`; ``to_dict``/``from_dict`` round-trip and
-reject unknown keys. :func:`format_bytes` shows byte counts to humans (MiB = 2^20, GiB = 2^30)
-in configs' errors, plans and reports alike.
+reject unknown keys. Byte units and their formatting are in :mod:`memfine.units`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, get_args
+from typing import Any, Literal, TypeVar
+
+from memfine._checks import check_bins, check_choice, check_float, check_int, fail
 
 ScoreFunc = Literal["softmax", "sigmoid"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
@@ -28,77 +28,6 @@ GATED_ACTIVATIONS = ("swiglu", "geglu")
 
 _C = TypeVar("_C", bound="_ConfigBase")
 _V = TypeVar("_V")
-
-MiB, GiB = 1 << 20, 1 << 30
-NOT_MEASURED = "not measured"
-
-
-def format_bytes(num_bytes: int | None, *, digits: int = 2, exact: bool = False) -> str:
-    """Human form of a byte count: ``"1.50 GiB"`` from 1 GiB on, else ``"12.25 MiB"``.
-
-    Args:
-        num_bytes: bytes, or ``None`` for a value that was not measured.
-        digits: decimals shown.
-        exact: prefix the exact count, ``"<bytes> bytes (<x> MiB)"`` (error messages).
-
-    Returns:
-        The string; ``"not measured"`` for ``None``. Units are binary (MiB = 2^20, GiB = 2^30).
-    """
-    if num_bytes is None:
-        return NOT_MEASURED
-    unit, scale = ("GiB", GiB) if abs(num_bytes) >= GiB else ("MiB", MiB)
-    scaled = f"{num_bytes / scale:.{digits}f} {unit}"
-    return f"{num_bytes} bytes ({scaled})" if exact else scaled
-
-
-def _fail(obj: object, name: str, allowed: str, value: object) -> None:
-    raise ValueError(f"{type(obj).__name__}.{name} must be {allowed}, got {value!r}")
-
-
-def _check_int(obj: object, name: str, lo: int, hi: int | None = None) -> None:
-    value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, int):
-        _fail(obj, name, "an int", value)
-    if value < lo or (hi is not None and value > hi):
-        _fail(obj, name, f"in [{lo}, {hi}]" if hi is not None else f">= {lo}", value)
-
-
-def _check_float(obj: object, name: str, lo: float, hi: float | None = None, *,
-                 lo_open: bool = False) -> None:
-    value = getattr(obj, name)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-        _fail(obj, name, "a finite number", value)
-    bad_lo = value <= lo if lo_open else value < lo
-    if bad_lo or (hi is not None and value > hi) or value == float("inf"):
-        left = "(" if lo_open else "["
-        right = "inf)" if hi is None else f"{hi}]"  # a finite upper bound is inclusive
-        _fail(obj, name, f"in {left}{lo}, {right}", value)
-
-
-def _check_choice(obj: object, name: str, literal: Any) -> None:
-    """``literal`` is a ``Literal`` type or a tuple of the allowed values."""
-    value = getattr(obj, name)
-    allowed = literal if isinstance(literal, tuple) else get_args(literal)
-    if value not in allowed:
-        _fail(obj, name, f"one of {allowed}", value)
-
-
-def _lookup(table: Mapping[str, _V], name: str, what: str) -> _V:
-    """``table[name]``; an unknown name raises ValueError naming ``what`` and the known names."""
-    if name not in table:
-        raise ValueError(f"{what} must be one of {sorted(table)}, got {name!r}")
-    return table[name]
-
-
-def _check_bins(obj: object, name: str = "bins") -> tuple[int, ...]:
-    """Check chunk-count bins (non-empty, strictly increasing ints >= 1); return them as a tuple."""
-    value = getattr(obj, name)
-    bins = tuple(value) if isinstance(value, (tuple, list)) else ()
-    if (not bins or any(isinstance(b, bool) or not isinstance(b, int) for b in bins)
-            or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))):
-        _fail(obj, name, "a non-empty, strictly increasing tuple of ints >= 1", value)
-    return bins
-
 
 class _ConfigBase:
     """Shared ``to_dict``/``from_dict`` for the config dataclasses."""
@@ -139,6 +68,54 @@ class _ConfigBase:
                 value = tuple(value)
             kwargs[key] = value
         return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GatedActivation(_ConfigBase):
+    """A = f_α(min(gate, limit)) ⊙ (clamp(up, -limit, limit) + up_offset), row by row.
+
+    ``swiglu`` is ``GatedActivation()``, ``geglu`` ``GatedActivation(gate_fn="gelu")``, GPT-OSS's
+    clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.ops.activations`.
+
+    Attributes:
+        gate_fn: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu`` (tanh approximation; needs α = 1).
+        alpha: α > 0 (1.0: plain SiLU; GPT-OSS: 1.702).
+        limit: clamp bound > 0 (gate clamped from above, up to ±limit), or None for no clamp.
+        up_offset: added to the (clamped) up half (GPT-OSS: 1.0).
+        interleaved: gate/up columns of H interleaved (gate 0, 2, 4, ...; up 1, 3, ...) instead
+            of the halves ``[gate | up]``.
+        upcast: compute in fp32 and cast the result back (a no-op for fp32 H).
+
+    Reference: transformers' ``GptOssExperts._apply_gate`` (GPT-OSS; our reading of its code)
+    and ``DeepseekV4Experts._apply_gate`` (the clamp with α = 1, offset 0).
+    """
+
+    gate_fn: Literal["silu", "gelu"] = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+    interleaved: bool = False
+    upcast: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every field; raise ValueError naming the field, allowed values and value."""
+        check_choice(self, "gate_fn", ("silu", "gelu"))
+        check_float(self, "alpha", 0.0, lo_open=True)
+        if self.gate_fn == "gelu" and self.alpha != 1.0:
+            fail(self, "alpha", "1.0 with gate_fn='gelu'", self.alpha)
+        if self.limit is not None:
+            check_float(self, "limit", 0.0, lo_open=True)
+        if isinstance(self.up_offset, bool) or not isinstance(self.up_offset, (int, float)) \
+                or abs(self.up_offset) == float("inf") or self.up_offset != self.up_offset:
+            fail(self, "up_offset", "a finite number", self.up_offset)
+        for name in ("interleaved", "upcast"):
+            if not isinstance(getattr(self, name), bool):
+                fail(self, name, "a bool", getattr(self, name))
+
+    @classmethod
+    def gpt_oss(cls, alpha: float = 1.702, limit: float = 7.0) -> GatedActivation:
+        """GPT-OSS: interleaved gate/up, (clamp(up, ±L) + 1) · g'·σ(α·g'), g' = min(gate, L)."""
+        return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -191,29 +168,29 @@ class MoEConfig(_ConfigBase):
         Raises:
             ValueError: naming the class and field, what is allowed and the value received.
         """
-        _check_int(self, "hidden_size", 1)
-        _check_int(self, "intermediate_size", 1)
-        _check_int(self, "num_experts", 1)
-        _check_int(self, "top_k", 1)
+        check_int(self, "hidden_size", 1)
+        check_int(self, "intermediate_size", 1)
+        check_int(self, "num_experts", 1)
+        check_int(self, "top_k", 1)
         if not 1 <= self.top_k <= self.num_experts:
-            _fail(self, "top_k", f"in [1, num_experts={self.num_experts}]", self.top_k)
-        _check_choice(self, "score_func", ScoreFunc)
-        _check_choice(self, "activation", Activation)
-        _check_choice(self, "experts_impl", ExpertsImpl)
-        _check_choice(self, "gemm_backend", GemmBackend)
-        _check_choice(self, "index_builder", IndexBuilder)
+            fail(self, "top_k", f"in [1, num_experts={self.num_experts}]", self.top_k)
+        check_choice(self, "score_func", ScoreFunc)
+        check_choice(self, "activation", Activation)
+        check_choice(self, "experts_impl", ExpertsImpl)
+        check_choice(self, "gemm_backend", GemmBackend)
+        check_choice(self, "index_builder", IndexBuilder)
         if not isinstance(self.renormalize, bool):
-            _fail(self, "renormalize", "a bool", self.renormalize)
+            fail(self, "renormalize", "a bool", self.renormalize)
         if self.renormalize and self.top_k == 1:
-            _fail(self, "renormalize",
+            fail(self, "renormalize",
                   "False when top_k=1 (renormalised top-1 weights are all 1.0, so the router "
                   "would get no gradient from the output)", self.renormalize)
-        _check_float(self, "aux_loss_coef", 0.0)
-        _check_float(self, "z_loss_coef", 0.0)
-        _check_int(self, "skew_hot_experts", 0, self.num_experts)
-        _check_float(self, "skew_bias", 0.0)
+        check_float(self, "aux_loss_coef", 0.0)
+        check_float(self, "z_loss_coef", 0.0)
+        check_int(self, "skew_hot_experts", 0, self.num_experts)
+        check_float(self, "skew_bias", 0.0)
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
-            _fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
+            fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
 
     @property
     def gated(self) -> bool:
@@ -264,13 +241,13 @@ class ChunkConfig(_ConfigBase):
         Raises:
             ValueError: naming the class and field, what is allowed and the value received.
         """
-        _check_int(self, "num_chunks", 1)
+        check_int(self, "num_chunks", 1)
         if self.memory_budget_bytes is not None:
-            _check_int(self, "memory_budget_bytes", 1)
-        object.__setattr__(self, "bins", _check_bins(self))
-        _check_choice(self, "recompute", Recompute)
+            check_int(self, "memory_budget_bytes", 1)
+        object.__setattr__(self, "bins", check_bins(self))
+        check_choice(self, "recompute", Recompute)
         if not isinstance(self.allow_over_budget, bool):
-            _fail(self, "allow_over_budget", "a bool", self.allow_over_budget)
+            fail(self, "allow_over_budget", "a bool", self.allow_over_budget)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -305,22 +282,22 @@ class ModelConfig(_ConfigBase):
         Raises:
             ValueError: naming the class and field, what is allowed and the value received.
         """
-        _check_int(self, "vocab_size", 1)
-        _check_int(self, "num_layers", 1)
-        _check_int(self, "num_heads", 1)
-        _check_int(self, "max_seq_len", 1)
+        check_int(self, "vocab_size", 1)
+        check_int(self, "num_layers", 1)
+        check_int(self, "num_heads", 1)
+        check_int(self, "max_seq_len", 1)
         if not isinstance(self.moe, MoEConfig):
-            _fail(self, "moe", "a MoEConfig", self.moe)
+            fail(self, "moe", "a MoEConfig", self.moe)
         if not isinstance(self.chunk, ChunkConfig):
-            _fail(self, "chunk", "a ChunkConfig", self.chunk)
+            fail(self, "chunk", "a ChunkConfig", self.chunk)
         if self.moe.hidden_size % self.num_heads:
-            _fail(self, "num_heads", f"a divisor of moe.hidden_size={self.moe.hidden_size}",
+            fail(self, "num_heads", f"a divisor of moe.hidden_size={self.moe.hidden_size}",
                   self.num_heads)
         if (self.moe.hidden_size // self.num_heads) % 2:
-            _fail(self, "num_heads", f"a divisor of moe.hidden_size={self.moe.hidden_size} "
+            fail(self, "num_heads", f"a divisor of moe.hidden_size={self.moe.hidden_size} "
                   "giving an even head size (rotary embeddings)", self.num_heads)
-        _check_float(self, "rope_theta", 0.0, lo_open=True)
-        _check_float(self, "norm_eps", 0.0, lo_open=True)
+        check_float(self, "rope_theta", 0.0, lo_open=True)
+        check_float(self, "norm_eps", 0.0, lo_open=True)
 
 
 _SUBCONFIGS: dict[tuple[str, str], type[_ConfigBase]] = {
@@ -395,34 +372,34 @@ class TrainConfig(_ConfigBase):
             ValueError: naming the class and field, what is allowed and the value received.
         """
         if not isinstance(self.model, ModelConfig):
-            _fail(self, "model", "a ModelConfig", self.model)
+            fail(self, "model", "a ModelConfig", self.model)
         if not isinstance(self.data, str) or not self.data.strip():
-            _fail(self, "data", "'pydoc', 'stdlib' or a path to text", self.data)
-        _check_float(self, "val_fraction", 0.0, 0.5, lo_open=True)
-        _check_int(self, "seq_len", 1, self.model.max_seq_len)
-        _check_int(self, "batch_size", 1)
-        _check_int(self, "max_steps", 0)
-        _check_float(self, "lr", 0.0, lo_open=True)
-        _check_float(self, "min_lr_ratio", 0.0, 1.0)
-        _check_int(self, "warmup_steps", 0)
+            fail(self, "data", "'pydoc', 'stdlib' or a path to text", self.data)
+        check_float(self, "val_fraction", 0.0, 0.5, lo_open=True)
+        check_int(self, "seq_len", 1, self.model.max_seq_len)
+        check_int(self, "batch_size", 1)
+        check_int(self, "max_steps", 0)
+        check_float(self, "lr", 0.0, lo_open=True)
+        check_float(self, "min_lr_ratio", 0.0, 1.0)
+        check_int(self, "warmup_steps", 0)
         if self.lr_decay_steps is not None:
-            _check_int(self, "lr_decay_steps", max(1, self.warmup_steps))
-        _check_float(self, "weight_decay", 0.0)
-        _check_float(self, "grad_clip", 0.0)
-        _check_int(self, "seed", 0)
-        _check_int(self, "eval_every", 1)
-        _check_int(self, "eval_batches", 1)
-        _check_int(self, "log_every", 1)
-        _check_int(self, "sample_tokens", 0)
-        _check_choice(self, "dtype", DType)
+            check_int(self, "lr_decay_steps", max(1, self.warmup_steps))
+        check_float(self, "weight_decay", 0.0)
+        check_float(self, "grad_clip", 0.0)
+        check_int(self, "seed", 0)
+        check_int(self, "eval_every", 1)
+        check_int(self, "eval_batches", 1)
+        check_int(self, "log_every", 1)
+        check_int(self, "sample_tokens", 0)
+        check_choice(self, "dtype", DType)
         if self.dtype == "float16":
-            _fail(self, "dtype", "'float32', 'bfloat16' or 'float64' (float16 training would "
+            fail(self, "dtype", "'float32', 'bfloat16' or 'float64' (float16 training would "
                   "need loss scaling, which memfine does not do)", self.dtype)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            _fail(self, "device", "'cpu' or 'cuda[:i]'", self.device)
+            fail(self, "device", "'cpu' or 'cuda[:i]'", self.device)
         if not isinstance(self.compile, bool):
-            _fail(self, "compile", "True or False", self.compile)
-        _check_choice(self, "autocast", AutocastDType)
+            fail(self, "compile", "True or False", self.compile)
+        check_choice(self, "autocast", AutocastDType)
 
 
 _SUBCONFIGS[("TrainConfig", "model")] = ModelConfig

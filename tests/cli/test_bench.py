@@ -16,14 +16,15 @@ import pytest
 import torch
 
 from memfine._optional import is_available
+from memfine.bench import select_methods
+from memfine.bench import suite_experts as experts
+from memfine.bench.harness import MethodResult
+from memfine.bench.options import BenchOptions, resolve_shapes, table1_shape
+from memfine.bench.output import format_plain, table_rows
+from memfine.bench.results import CSV_COLUMNS, NOT_MODELLED
 from memfine.cli import bench
-from memfine.cli.benchsuites import experts, select_methods
-from memfine.cli.benchsuites.options import BenchOptions, resolve_shapes, table1_shape
-from memfine.cli.benchsuites.output import format_plain, table_rows
 from memfine.cli.main import main
-from memfine.measure.harness import MethodResult
 from memfine.measure.report import NOT_MEASURED
-from memfine.measure.results import CSV_COLUMNS, NOT_MODELLED
 
 BENCH_FLAGS = {
     "--suite", "--config", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
@@ -123,6 +124,14 @@ def test_hf_quick_memfine_saves_less_than_eager(tmp_path: Path) -> None:
     _, table = _read(out / "bench_hf.csv")
     saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in ("hf_eager", "memfine")}
     assert saved["memfine"] < saved["hf_eager"]
+    # GPT-OSS (biases, clamped interleaved SwiGLU) on the fused path: x, H, the routing weights
+    # and int32 indices, exactly; the floor is x + H (T·d + 2·T·k·n elements, fp32).
+    T, d, n, E, k = 64, 64, 128, 4, 2
+    gpt_oss = table["quick-gpt_oss/memfine"]
+    saved_bytes = int(gpt_oss["saved_bytes/fwd"]["p50"])
+    assert saved_bytes == 4 * (T * d + 2 * T * k * n + T * k) + 4 * (3 * T * k + E + 1)
+    assert float(gpt_oss["saved_over_floor/full"]["p50"]) <= 1.02
+    assert saved_bytes < int(table["quick-gpt_oss/hf_eager"]["saved_bytes/fwd"]["p50"])
 
 
 def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]
@@ -174,7 +183,7 @@ def test_select_methods() -> None:
 
 
 def test_table_rows_show_missing_and_failed() -> None:
-    from memfine.cli.benchsuites.options import Point
+    from memfine.bench.options import Point
 
     failed = MethodResult(name="grouped_mm", error="RuntimeError: strides")
     unmeasured = MethodResult(name="fused")

@@ -9,8 +9,8 @@ import pytest
 
 from memfine.cli import plan as plan_cli
 from memfine.cli.main import main
-from memfine.measure import format_bytes
-from memfine.schedule.planner import s_prime_max_memfine
+from memfine.memory.planner import s_prime_max_memfine
+from memfine.units import format_bytes
 
 # A small model worked by hand: d=64, n=32, E=8, k=2, L=2 MoE layers, a=k_a=4 heads of 16;
 # bf16 (D_t=2), b=1, s=128, e=4 (E/e=2 local experts, worst skew 4·min(2, 2)/2 = 4).
@@ -141,7 +141,7 @@ def test_every_preset_plans(preset: str, capsys: pytest.CaptureFixture[str]) -> 
 def test_memfine_expert_model_uses_the_fused_row_bytes(capsys: pytest.CaptureFixture[str]
                                                        ) -> None:
     from memfine.config import MoEConfig
-    from memfine.schedule.memory_model import expert_row_bytes
+    from memfine.memory.layer import expert_row_bytes
 
     code, out, _ = _run([*SMALL, "--expert-model", "memfine", "--json"], capsys)
     local = MoEConfig(hidden_size=64, intermediate_size=32, num_experts=2, top_k=2)

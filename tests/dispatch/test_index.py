@@ -1,7 +1,7 @@
-"""RoutingIndex invariants (STYLE.md §6), the DESIGN.md §3 worked example, builder agreement.
+"""RoutingIndex invariants (docs/style.md §6), the worked example of docs/design.md §3, builders.
 
 The sort-free and argsort builders give identical arrays on any routing; ``auto`` picks by the
-dense map size; ``MoEConfig.index_builder`` forces one. Reference: MoEBlaze §3; DESIGN.md §3.
+dense map size; ``MoEConfig.index_builder`` forces one. Reference: MoEBlaze §3; docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def assert_same_index(a: RoutingIndex, b: RoutingIndex) -> None:
     assert a.num_experts == b.num_experts
 
 
-# DESIGN.md §3 (MoEBlaze worked example): E=4, k=2, 5 tokens.
+# docs/design.md §3 (MoEBlaze worked example): E=4, k=2, 5 tokens.
 WORKED_TOP_K = torch.tensor([[2, 3], [0, 1], [0, 3], [1, 2], [0, 3]])
 
 

@@ -11,11 +11,11 @@ from memfine.measure import (
     ComparisonRow,
     MemoryReport,
     compare,
-    format_bytes,
     format_table,
     measure_backward,
     measure_memory,
 )
+from memfine.units import format_bytes
 
 
 def test_report_of_a_product() -> None:

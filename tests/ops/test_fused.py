@@ -1,7 +1,7 @@
 """FusedExpertsFunction (and the plain path): values and gradients against the per-token
 reference, float64 gradcheck, and the saved-for-backward set (x, H, weights, int32 indices only).
 
-Reference: MoEBlaze §4-§5; DESIGN.md §3, §5; STYLE.md §9.
+Reference: MoEBlaze §4-§5; docs/design.md §3, §5; docs/style.md §9.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
-"""Cases from shared/cases/CASES.md on the fused expert path (ids are the case ids).
+"""Cases from the bug-report cases on the fused expert path (ids are the case ids).
 
-Reference: CASES.md rows empty-expert-grads, nan-padding, determinism, empty-batch; STYLE.md §6.
+Reference: bug-report cases empty-expert-grads, nan-padding, determinism, empty-batch;
+docs/style.md §6.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Grouped GEMM backends: grouped_mm vs loop, alignment fallback, selection, fake impls.
 
-Reference: DESIGN.md §8 (torch._grouped_mm rules on CPU).
+Reference: docs/design.md §8 (torch._grouped_mm rules on CPU).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Every kernel is compared with the torch path it replaces (loop backend, combine_rows,
 apply_activation) and the fused Function on the triton backend with the per-token reference.
-GPU-only checks are marked ``gpu``. Reference: MoEBlaze §4; STYLE.md §6, §9.
+GPU-only checks are marked ``gpu``. Reference: MoEBlaze §4; docs/style.md §6, §9.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Token-chunked expert execution equals the unchunked run; the skew-peak case (CASES.md).
+"""Token-chunked expert execution equals the unchunked run; the skew-peak case (a bug-report case).
 
 Chunked vs unchunked in fp32: outputs and every gradient within ``CHUNKED_ATOL``, absolute and
 relative. The grouped GEMMs of a chunk have fewer rows, and the CPU kernels block the reduction
@@ -18,9 +18,9 @@ from torch.utils._pytree import tree_flatten
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import build_routing_index
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.memory import layer as layer_memory
 from memfine.nn import MoELayer
 from memfine.ops import run_experts
-from memfine.schedule import memory_model
 from memfine.schedule.chunked import chunk_sizes, chunked_experts, run_chunked
 from tolerances import assert_chunked_close
 
@@ -144,7 +144,7 @@ def test_rejects_mismatched_routing_shape() -> None:
         chunked_experts(x, idx, w[:, :1], w_up, w_down, moe=moe, num_chunks=2)
 
 
-# --- case skew-peak (shared/cases/CASES.md) ----------------------------------------------------
+# --- case skew-peak (the bug-report cases) ----------------------------------------------------
 SKEW_T, SKEW_D, SKEW_N, SKEW_E, SKEW_K, SKEW_ROWS = 4096, 64, 256, 8, 2, 512
 # Every check of the case carries its id, so ``pytest -k skew-peak`` runs them all.
 SkewRuns = dict[str, tuple[torch.Tensor, int, int, int, torch.Tensor]]
@@ -184,8 +184,8 @@ def _skew_budget() -> tuple[int, ChunkConfig]:
     """A budget whose s′_max is exactly 512 received rows (Eq. 8) → c = 8192/512 = 16."""
     moe = MoEConfig(hidden_size=SKEW_D, intermediate_size=SKEW_N, num_experts=SKEW_E,
                     top_k=SKEW_K)
-    budget = (memory_model.expert_fixed_bytes(SKEW_T, moe, 4, recompute="experts")
-              + SKEW_ROWS * memory_model.expert_row_bytes(moe, 4, recompute="experts"))
+    budget = (layer_memory.expert_fixed_bytes(SKEW_T, moe, 4, recompute="experts")
+              + SKEW_ROWS * layer_memory.expert_row_bytes(moe, 4, recompute="experts"))
     return budget, ChunkConfig(memory_budget_bytes=budget, bins=(1, 2, 4, 8, 16),
                                recompute="experts")
 

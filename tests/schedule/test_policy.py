@@ -10,17 +10,18 @@ import warnings
 
 import pytest
 
-from memfine.config import ChunkConfig, MoEConfig, format_bytes
-from memfine.schedule import memory_model
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.memory import layer as layer_memory
 from memfine.schedule.policy import ChunkPolicy, identity_agreement
+from memfine.units import format_bytes
 
 MOE = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
 T, DTYPE_BYTES = 2048, 4
 
 
 def _fixed_row(recompute: str = "experts") -> tuple[int, int]:
-    return (memory_model.expert_fixed_bytes(T, MOE, DTYPE_BYTES, recompute=recompute),
-            memory_model.expert_row_bytes(MOE, DTYPE_BYTES, recompute=recompute))
+    return (layer_memory.expert_fixed_bytes(T, MOE, DTYPE_BYTES, recompute=recompute),
+            layer_memory.expert_row_bytes(MOE, DTYPE_BYTES, recompute=recompute))
 
 
 def _policy(rows: int, extra_bytes: int = 0, **chunk_kwargs: object) -> ChunkPolicy:
@@ -168,5 +169,5 @@ def test_transport_row_elements_add_to_the_per_row_bytes() -> None:
     base = policy.row_bytes(4)
     policy.transport_row_elements = moe.hidden_size
     assert policy.row_bytes(4) == base + moe.hidden_size * 4
-    assert policy.row_bytes(2) == memory_model.expert_row_bytes(
+    assert policy.row_bytes(2) == layer_memory.expert_row_bytes(
         moe, 2, recompute="experts") + moe.hidden_size * 2

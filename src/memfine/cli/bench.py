@@ -9,7 +9,7 @@ saved for backward, peak live bytes, and the memory model's prediction next to t
 values. On a GPU the same command times with CUDA events and reads the allocator's statistics.
 
 Output in ``--out``: ``bench_config.json`` (resolved options and environment, written first),
-``bench_<suite>.csv`` (STYLE.md §6 columns, with units and environment) and
+``bench_<suite>.csv`` (docs/style.md §6 columns, with units and environment) and
 ``bench_<suite>_{time,memory,predicted[,skew]}.png``.
 """
 
@@ -25,11 +25,11 @@ from typing import Any
 
 import torch
 
-from memfine.cli.benchsuites import SUITE_MODULES, SUITES, BenchOptions, select_methods
-from memfine.cli.benchsuites.options import DEVICES, DTYPES, TABLE1
-from memfine.cli.benchsuites.output import plot_points, print_point
-from memfine.measure.results import collect_environment, result_rows, write_csv
-from memfine.schedule.planner import parse_bytes
+from memfine.bench import SUITE_MODULES, SUITES, BenchOptions, select_methods
+from memfine.bench.options import DEVICES, DTYPES, TABLE1
+from memfine.bench.output import plot_points, print_point
+from memfine.bench.results import collect_environment, result_rows, write_csv
+from memfine.units import parse_bytes
 
 
 class _QuickDefault:

@@ -1,6 +1,6 @@
 """``memfine plan``: predict memory per pipeline stage and the MACT chunk count, before launching.
 
-A thin front end over :class:`memfine.schedule.model_memory.PlanConfig`: one flag per field, plus
+A thin front end over :class:`memfine.memory.stage.PlanConfig`: one flag per field, plus
 ``--preset`` and the model sizes. Values not given come from the preset (its model sizes and,
 for the MemFine presets, the paper's run settings), then from the defaults shown in ``--help``.
 Prints the resolved config, an itemised table per stage (static memory, activation per layer,
@@ -10,7 +10,7 @@ a setting is infeasible (the message names the smallest device memory that would
 
 Bytes are shown in MiB = 2^20 and GiB = 2^30 bytes; byte sizes are read as ``"64GiB"``,
 ``"80GB"`` (10^9) or an integer.
-Reference: MemFine Eq. 1-3, 8, 9 (arXiv 2511.21431); DESIGN.md §4, §7.
+Reference: MemFine Eq. 1-3, 8, 9 (arXiv 2511.21431); docs/design.md §4, §7.
 """
 
 from __future__ import annotations
@@ -22,17 +22,15 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from memfine.config import format_bytes
-from memfine.schedule.model_memory import (
-    DTYPE_BYTES,
+from memfine.memory.presets import PRESETS, ModelPreset
+from memfine.memory.stage import (
     EXPERT_MODELS,
     RECOMPUTE_MODES,
     PlanConfig,
     layer_activation,
     plan_stage,
 )
-from memfine.schedule.planner import parse_bytes
-from memfine.schedule.presets import PRESETS, ModelPreset
+from memfine.units import DTYPE_BYTES, format_bytes, parse_bytes
 
 # (flag, ModelPreset field, help) for the model sizes.
 _SIZE_FLAGS = (

@@ -27,10 +27,10 @@ from memfine.config import (
     ScoreFunc,
     TrainConfig,
 )
-from memfine.schedule.planner import parse_bytes
 from memfine.train import DEFAULT_PRESET, PRESETS, load_checkpoint, preset, train
 from memfine.train.checkpoint import CHECKPOINT_NAME
 from memfine.train.loop import RESUMABLE_FIELDS
+from memfine.units import parse_bytes
 
 
 class _Default:

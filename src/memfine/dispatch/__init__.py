@@ -1,4 +1,4 @@
-"""Buffer-free dispatch: the four MoEBlaze index arrays and their builders (DESIGN.md §3)."""
+"""Buffer-free dispatch: the four MoEBlaze index arrays and their builders (docs/design.md §3)."""
 
 from memfine.dispatch.index import (
     RoutingIndex,

@@ -8,7 +8,7 @@ the (S,) arrays, whose length S is read once from the offsets (``.item()``; unde
 ``torch._dynamo.config.capture_scalar_outputs`` an unbacked size with hints 0 ≤ S ≤ T·k, so a new
 S never recompiles). The sort-free builder's duplicate check raises in eager and becomes an
 asynchronous assert under compile (:func:`memfine._checks.check_tensor`).
-Reference: MoEBlaze (arXiv 2601.05296) §3-§4; DESIGN.md §3 (worked example).
+Reference: MoEBlaze (arXiv 2601.05296) §3-§4; docs/design.md §3 (worked example).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ Nothing happens on import: transformers is imported by :func:`register` only (ex
 ``transformers.integrations.moe.ExpertsInterface`` under its name.
 
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, C chunks.
-Reference: DESIGN.md §7 (the experts interface); MoEBlaze §4-§5; MemFine §4 (chunks).
+Reference: docs/design.md §7 (the experts interface); MoEBlaze §4-§5; MemFine §4 (chunks).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from memfine._checks import check_choice, fail
 from memfine._optional import require
-from memfine.config import ChunkConfig, _check_choice, _ConfigBase, _fail
+from memfine.config import ChunkConfig, _ConfigBase
 from memfine.integrations.hf_experts import run_module
 from memfine.integrations.hf_layout import ExpertsPlan, expert_weights, plan_experts
 
@@ -74,11 +75,11 @@ class HFExpertsConfig(_ConfigBase):
         Raises:
             ValueError: naming the class and field, what is allowed and the value received.
         """
-        _check_choice(self, "impl", Impl)
-        _check_choice(self, "gemm_backend", GemmBackend)
-        _check_choice(self, "index_builder", IndexBuilder)
+        check_choice(self, "impl", Impl)
+        check_choice(self, "gemm_backend", GemmBackend)
+        check_choice(self, "index_builder", IndexBuilder)
         if not isinstance(self.chunk, ChunkConfig):
-            _fail(self, "chunk", "a ChunkConfig", self.chunk)
+            fail(self, "chunk", "a ChunkConfig", self.chunk)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HFExpertsConfig:
@@ -143,7 +144,7 @@ def make_config(config: HFExpertsConfig | None = None, *, num_chunks: int | None
     if num_chunks is not None:
         chunk = dataclasses.replace(chunk, num_chunks=num_chunks)
     if memory_budget is not None:
-        from memfine.schedule.planner import parse_bytes
+        from memfine.units import parse_bytes
 
         chunk = dataclasses.replace(chunk, memory_budget_bytes=parse_bytes(memory_budget))
     return dataclasses.replace(cfg, chunk=chunk, **overrides)

@@ -3,7 +3,7 @@
 Saved-for-backward bytes (saved-tensor hooks) and peak live bytes (a storage tracker on the CPU,
 allocator statistics on CUDA).
 
-Reference: DESIGN.md §8; STYLE.md §7.
+Reference: docs/design.md §8; docs/style.md §7.
 """
 
 from memfine.measure.peak import PeakMemoryTracker

@@ -11,9 +11,9 @@ What is counted: bytes of tensor storages created inside the region while they a
 not: the allocator's rounding and caching, kernel workspaces that never become tensors (e.g. BLAS
 packing buffers), storages created outside the dispatcher (``torch.from_numpy``), and everything
 alive before the region (reported as ``baseline_bytes`` on CUDA, ``None`` on the CPU). The CPU
-tracker costs about 10% on large operators and up to 6× on tiny ones (DESIGN.md §8).
+tracker costs about 10% on large operators and up to 6× on tiny ones (docs/design.md §8).
 
-Reference: DESIGN.md §8 (measurement on CPU), STYLE.md §7.
+Reference: docs/design.md §8 (measurement on CPU), docs/style.md §7.
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ class PeakMemoryTracker:
 
     Memory: the CPU tracker holds one weak reference per live storage; it allocates no tensors.
 
-    Reference: DESIGN.md §8, STYLE.md §7.
+    Reference: docs/design.md §8, docs/style.md §7.
     """
 
     def __init__(self, device: str | torch.device = "cpu", *,

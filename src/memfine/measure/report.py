@@ -8,7 +8,7 @@ side by side, one row per item; the same rows feed CSV files and ``memfine plan`
 
 Units: every ``*_bytes`` value is an ``int`` in bytes, or ``None`` when it was not measured
 (shown as "not measured", never 0 or -1). Humans see MiB = 2^20 and GiB = 2^30 bytes.
-Reference: STYLE.md §7; DESIGN.md §8.
+Reference: docs/style.md §7; docs/design.md §8.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from memfine.config import NOT_MEASURED, format_bytes
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.measure.saved import SavedTensorsTracker
+from memfine.units import NOT_MEASURED, format_bytes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,7 +9,7 @@ does not change what is alive. It works on real tensors and under ``FakeTensorMo
 storages have sizes and distinct ids).
 
 Units: every byte count is an ``int`` in bytes; human tables use MiB = 2^20 bytes.
-Reference: DESIGN.md §8 (saved-tensor hooks give exact saved bytes on CPU); STYLE.md §7.
+Reference: docs/design.md §8 (saved-tensor hooks give exact saved bytes on CPU); docs/style.md §7.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfine.config import MiB
+from memfine.units import MiB
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,7 +89,7 @@ class Block(nn.Module):
         policy: the chunk policy shared by the model's MoE layers (default: a new one from
             ``config.chunk``).
 
-    Reference: MemFine §4 (full recompute vs chunked MoE recompute); DESIGN.md §2.
+    Reference: MemFine §4 (full recompute vs chunked MoE recompute); docs/design.md §2.
     """
 
     def __init__(self, config: ModelConfig, *, policy: ChunkPolicy | None = None) -> None:

@@ -1,7 +1,7 @@
 """The MoE feed-forward layer: router → routing index → chunked experts → combine.
 
 Legend: T tokens, K top-k slots, E experts, D = d.
-Reference: DESIGN.md §2-§4; MemFine §4 (chunked scheduling, MACT).
+Reference: docs/design.md §2-§4; MemFine §4 (chunked scheduling, MACT).
 """
 
 from __future__ import annotations

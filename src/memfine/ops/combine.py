@@ -4,7 +4,7 @@ Legend: T tokens, K top-k slots, S routed rows, D features.
 Every reduction is a per-token gather + sum over the k slots (no atomics, no index_add with
 duplicate indices), so results are bitwise reproducible. Sentinel slots (token_index_map == -1)
 are removed by selection: they read an exact zero row and a zero weight, never a NaN times 0.
-Reference: MoEBlaze §4 (combine through token_index_map); DESIGN.md §3.
+Reference: MoEBlaze §4 (combine through token_index_map); docs/design.md §3.
 """
 
 from __future__ import annotations

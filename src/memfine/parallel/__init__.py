@@ -5,7 +5,7 @@ routed rows with uneven all-to-alls, runs the local experts with memfine's fused
 per token. The chunk count is agreed (maximum) over the EP group. Around EP, data parallelism
 reduces gradients with explicit all-reduces (grads); checkpoints hold full, gathered expert
 tensors (state); :class:`ExpertParallelTraining` bundles what ``memfine train --ep`` needs.
-Reference: DESIGN.md §4.
+Reference: docs/design.md §4.
 """
 
 from memfine.parallel.collectives import AllToAllFunction, agree_num_chunks, all_to_all

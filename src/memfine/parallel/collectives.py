@@ -3,7 +3,7 @@
 Legend: M rows this rank sends, S rows it receives, D features (any trailing shape).
 gloo supports uneven and zero splits in ``all_to_all_single`` (the list form rejects uneven sizes);
 the backward pass is the inverse all-to-all with the split sizes swapped.
-Reference: DESIGN.md §8.
+Reference: docs/design.md §8.
 """
 
 from __future__ import annotations

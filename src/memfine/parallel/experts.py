@@ -17,7 +17,7 @@ One layer call:
 Recompute reuses the frozen per-chunk plans (routing index, split sizes) built before the loop:
 it re-issues the chunk's all-to-alls with the same shapes, never re-routes, never re-exchanges
 counts.
-Reference: MemFine §4 (arXiv 2511.21431); MoEBlaze §4-§5; DESIGN.md §4.
+Reference: MemFine §4 (arXiv 2511.21431); MoEBlaze §4-§5; docs/design.md §4.
 """
 
 from __future__ import annotations

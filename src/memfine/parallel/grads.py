@@ -9,7 +9,7 @@ mean over its own tokens, and the global loss is the mean over the W ranks (equa
   Σ_{r in EP group} ∂L_r/∂W. The global gradient is that, summed over the W/e EP groups that hold
   replicas of the same shard, divided by W: one all-reduce (SUM) over the expert-DP group, then /W.
   With W = e (no data parallelism) that is only the division.
-Reference: DESIGN.md §4, §6 (parallel).
+Reference: docs/design.md §4, §6 (parallel).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ group; non-expert parameters are replicated on all W ranks.
 
 Every group is created with a timeout, so a rank that never joins a collective ends the run with an
 error instead of a hang (gloo raises ``RuntimeError: Timed out waiting ...``).
-Reference: DESIGN.md §4 (EP all-to-all), §8 (gloo facts).
+Reference: docs/design.md §4 (EP all-to-all), §8 (gloo facts).
 """
 
 from __future__ import annotations

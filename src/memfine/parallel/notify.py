@@ -9,7 +9,7 @@ receive from each source rank for each of its experts, for each chunk of every c
 count at once (e.g. the MACT bins 1, 2, 4, 8: 15 rows of L counts per destination). After the
 ranks agree on c, the split sizes of every chunk are known without another exchange, and the
 recompute pass reuses them: no count exchange ever runs inside recompute.
-Reference: MemFine §4 (router → notify → chunks); DESIGN.md §4.
+Reference: MemFine §4 (router → notify → chunks); docs/design.md §4.
 """
 
 from __future__ import annotations

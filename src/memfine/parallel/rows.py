@@ -13,7 +13,7 @@ Legend: T tokens, K top-k slots, M routed rows of this rank (≤ T·k), D = d.
 
 Both directions are one :class:`RowsFunction`: forward applies one of the two row moves and
 backward applies the other.
-Reference: MoEBlaze §4 (combine through token_index_map); DESIGN.md §3.
+Reference: MoEBlaze §4 (combine through token_index_map); docs/design.md §3.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ tensor. Checkpoints hold full expert tensors (E, ...), gathered over the EP grou
 and shapes of the single-process model, so a checkpoint loads at any EP size (including 1) by
 slicing (:func:`load_full_state_dict`). Optimizer state tensors shaped like an expert parameter
 are gathered and sliced the same way.
-Reference: DESIGN.md §4, §6 (parallel).
+Reference: docs/design.md §4, §6 (parallel).
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ it to :func:`memfine.train.train`, which calls it at a few points: after buildin
 gradients; average the logged values), and for checkpoints (full, gathered tensors, written by
 rank 0; loaded at any EP size). Every rank builds the same model from the same seed and draws the
 same global batch, so a run equals the single-process run on that batch up to summation order.
-Reference: DESIGN.md §4, §6.
+Reference: docs/design.md §4, §6.
 """
 
 from __future__ import annotations

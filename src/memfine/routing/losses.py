@@ -1,7 +1,7 @@
 """Router losses: Switch load-balancing loss and z-loss, both padding-aware and in fp32.
 
 Legend: T tokens, E experts, K top-k slots.
-Reference: DESIGN.md §2 (Switch Transformer convention: uniform routing gives 1.0).
+Reference: docs/design.md §2 (Switch Transformer convention: uniform routing gives 1.0).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
         token picks one expert with k=1. 0.0 when there is no valid token. Differentiable w.r.t.
         the logits through P (f is a count).
 
-    Reference: DESIGN.md §2; f_i = assignments_i / (T·k).
+    Reference: docs/design.md §2; f_i = assignments_i / (T·k).
     """
     T, E = logits_TE.shape
     k = top_k_index_TK.shape[-1]
@@ -86,7 +86,7 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
     Returns:
         0-dim fp32 tensor; (ln E)² for all-zero logits; 0.0 when there is no valid token.
 
-    Reference: ST-MoE (Zoph et al. 2022) z-loss; DESIGN.md §2.
+    Reference: ST-MoE (Zoph et al. 2022) z-loss; docs/design.md §2.
     """
     lse_T = torch.logsumexp(_select_valid(logits_TE, valid_mask_T), dim=-1)
     return _masked_mean(lse_T ** 2, valid_mask_T)

@@ -13,7 +13,7 @@
   traces it without a graph break.
 
 Legend: M (token, slot) pairs, E experts.
-Reference: DESIGN.md §2 (router logits in fp32, always).
+Reference: docs/design.md §2 (router logits in fp32, always).
 """
 
 from __future__ import annotations

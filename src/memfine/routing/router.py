@@ -1,7 +1,7 @@
 """Top-k router in fp32 and its frozen result.
 
 Legend: T tokens, E experts, K top-k slots, D hidden size.
-Reference: DESIGN.md §2 (fp32 router; selection bias is used for selection only, DeepSeek-V3).
+Reference: docs/design.md §2 (fp32 router; selection bias is used for selection only, DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, or the
             mask/bias shapes do not match.
 
-    Reference: DESIGN.md §2.
+    Reference: docs/design.md §2.
     """
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be (T, E), got shape {tuple(logits_TE.shape)}")
@@ -135,7 +135,7 @@ class TopKRouter(FP32BuffersMixin):
         weight: (E, d) parameter (kept in the module dtype; upcast to fp32 for the logits).
         selection_bias: (E,) fp32 buffer added to scores for selection only (zeros by default).
 
-    Reference: DESIGN.md §2.
+    Reference: docs/design.md §2.
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,

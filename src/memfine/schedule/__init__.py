@@ -1,20 +1,17 @@
-"""Scheduling of the MoE expert part: memory model, chunk planner (MACT), chunked execution.
+"""Runtime chunking of the MoE expert part: chunked execution and the MACT chunk-count policy.
 
-Reference: MemFine (arXiv 2511.21431) §4, Eq. 8-9; DESIGN.md §4.
+Prediction (memory model, Eq. 8-9 planner, presets) lives in :mod:`memfine.memory`.
+Reference: MemFine (arXiv 2511.21431) §4, Eq. 8-9; docs/design.md §4.
 """
 
 from memfine.schedule.chunked import chunk_sizes, chunked_experts, run_chunked
-from memfine.schedule.planner import choose_num_chunks, parse_bytes, s_prime_max
 from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy, identity_agreement
 
 __all__ = [
     "AgreeNumChunks",
     "ChunkPolicy",
-    "choose_num_chunks",
     "chunk_sizes",
     "chunked_experts",
     "identity_agreement",
-    "parse_bytes",
     "run_chunked",
-    "s_prime_max",
 ]

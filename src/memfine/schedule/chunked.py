@@ -21,11 +21,11 @@ Recompute modes (:data:`memfine.config.Recompute`), what survives forward for ba
   keeps only its input, the router input and the routing (see ``Block``).
 
 Recomputation never re-decides routing: the routing tensors are inputs of every checkpointed
-region and are reused as they are (DESIGN.md §2, STYLE.md §9).
+region and are reused as they are (docs/design.md §2, docs/style.md §9).
 
 Legend: T tokens, C tokens of one chunk, K top-k slots, E experts, D = d, S routed rows,
 G = 2n (gated) or n.
-Reference: MemFine (arXiv 2511.21431) §4 (chunked scheduling); DESIGN.md §4-§5.
+Reference: MemFine (arXiv 2511.21431) §4 (chunked scheduling); docs/design.md §4-§5.
 """
 
 from __future__ import annotations
@@ -180,7 +180,7 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     (S_c·G·D_t) and its transients (dH S_c·G, dA S_c·n, gathered rows S_c·d, dx rows S_c·d), with
     S_c the rows of the chunk. ``none`` keeps every chunk's H (S·G·D_t in all).
 
-    Reference: MemFine §4; DESIGN.md §4.
+    Reference: MemFine §4; docs/design.md §4.
     """
     # Under torch.autocast: x and the weights are cast once per layer call, not once per chunk.
     x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, w_up_EDG, w_down_END)

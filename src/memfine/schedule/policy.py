@@ -12,7 +12,7 @@ identity (one process); the expert-parallel code plugs in an all-reduce with ``M
 group. Configs hold plain values only, so the callable is a constructor argument (and a public,
 assignable attribute), never a config field.
 
-Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); DESIGN.md §4; STYLE.md §7.
+Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4; docs/style.md §7.
 """
 
 from __future__ import annotations
@@ -21,9 +21,10 @@ import math
 import warnings
 from collections.abc import Callable
 
-from memfine.config import ChunkConfig, MoEConfig, format_bytes
-from memfine.schedule import memory_model
-from memfine.schedule.planner import choose_num_chunks, s_prime_max
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.memory import layer as layer_memory
+from memfine.memory.planner import choose_num_chunks, s_prime_max
+from memfine.units import format_bytes
 
 AgreeNumChunks = Callable[[int], int]
 """``agree_num_chunks(c_local) -> c_group``: the group's maximum of every rank's local choice.
@@ -85,7 +86,7 @@ class ChunkPolicy:
     def row_bytes(self, dtype_bytes: int) -> int:
         """Peak bytes per received row of one chunk (memory model, this recompute mode)."""
         if dtype_bytes not in self._row_cache:
-            self._row_cache[dtype_bytes] = memory_model.expert_row_bytes(
+            self._row_cache[dtype_bytes] = layer_memory.expert_row_bytes(
                 self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
         return self._row_cache[dtype_bytes] + self.transport_row_elements * dtype_bytes
 
@@ -95,7 +96,7 @@ class ChunkPolicy:
         if key not in self._fixed_cache:
             if len(self._fixed_cache) >= 64:  # varying T (e.g. last batch): keep it small
                 self._fixed_cache.clear()
-            self._fixed_cache[key] = memory_model.expert_fixed_bytes(
+            self._fixed_cache[key] = layer_memory.expert_fixed_bytes(
                 num_tokens, self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
         return self._fixed_cache[key]
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 from types import MappingProxyType
 from typing import Any
 
-from memfine.config import ModelConfig, MoEConfig, TrainConfig, _lookup
+from memfine._checks import lookup
+from memfine.config import ModelConfig, MoEConfig, TrainConfig
 
 DEFAULT_PRESET = "small"
 
@@ -40,4 +41,4 @@ def preset(name: str) -> TrainConfig:
     Raises:
         ValueError: on an unknown name (the message lists the presets).
     """
-    return _lookup(PRESETS, name, "preset")
+    return lookup(PRESETS, name, "preset")

@@ -6,7 +6,7 @@ Each op has a fake impl (output shapes only), so FakeTensorMode, meta estimates 
 ``torch.compile`` see through it. Kernels run on CUDA tensors, or on CPU tensors under the Triton
 interpreter (``TRITON_INTERPRET=1`` set before the first launch), where tiles are small and
 operands are upcast to fp32. The kernel module is imported on the first launch.
-Reference: MoEBlaze §4; STYLE.md §9 (launchers as custom ops with fake impls).
+Reference: MoEBlaze §4; docs/style.md §9 (launchers as custom ops with fake impls).
 """
 
 from __future__ import annotations

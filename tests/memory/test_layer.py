@@ -15,9 +15,8 @@ import torch
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure import MemoryReport, measure_backward
-from memfine.nn import MoELayer
-from memfine.schedule import memory_model
-from memfine.schedule.memory_model import (
+from memfine.memory import layer as layer_memory
+from memfine.memory.layer import (
     MemoryBreakdown,
     expert_fixed_bytes,
     expert_row_bytes,
@@ -25,6 +24,7 @@ from memfine.schedule.memory_model import (
     moe_layer_memory,
     saved_items,
 )
+from memfine.nn import MoELayer
 from tolerances import PEAK_RTOL
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -128,7 +128,7 @@ def test_fused_saved_items_by_hand() -> None:
 
 
 def test_recompute_keeps_only_input_and_routing() -> None:
-    """Full/chunked recompute: the expert part saves nothing (DESIGN.md §5, full recompute row)."""
+    """Full/chunked recompute: the expert part saves nothing (docs/design.md §5)."""
     moe = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
     fused = saved_items(moe, 256, 4)
     for c in (1, 2, 8):
@@ -173,7 +173,7 @@ def test_budget_bound_holds_for_every_chunk_count_on_the_timeline() -> None:
     T = 100
     fixed, row = expert_fixed_bytes(T, moe, 2), expert_row_bytes(moe, 2)
     slack = []
-    for c in range(1, memory_model.MAX_BOUNDED_CHUNKS + 1):
+    for c in range(1, layer_memory.MAX_BOUNDED_CHUNKS + 1):
         peak = moe_layer_memory(moe, T, 2, num_chunks=c, recompute="experts").peak_bytes
         slack.append(fixed + row * (-(-T // c) * moe.top_k) - peak)
     assert min(slack) == 0  # an upper bound for every c, attained for one

@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memfine.cli.benchsuites.options import Point
-from memfine.config import NOT_MEASURED, MiB
-from memfine.measure.harness import MethodResult
-from memfine.measure.results import NOT_MODELLED
+from memfine.bench.harness import MethodResult
+from memfine.bench.options import Point
+from memfine.bench.results import NOT_MODELLED
+from memfine.units import NOT_MEASURED, MiB
 
 HEADERS = ("method", "fwd+bwd ms", "p20-p80 ms", "÷ ref", "tokens/s", "saved MiB", "model MiB",
            "peak MiB", "model MiB", "peak ÷ ref", "c")

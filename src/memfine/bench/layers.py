@@ -4,7 +4,7 @@ Every method of a point shares one set of weights (the same ``nn.Parameter`` obj
 input x (T, d) and the same incoming gradients, and follows the memory model's protocol: x exists
 before the call and requires grad; the parameters have no ``.grad`` (set to ``None`` before each
 call); backward runs from the output, the load-balancing loss and the z-loss with gradients that
-exist before (:func:`memfine.schedule.memory_model.moe_layer_memory`).
+exist before (:func:`memfine.memory.layer.moe_layer_memory`).
 
 Baselines written here (not part of memfine's API):
 
@@ -14,7 +14,7 @@ Baselines written here (not part of memfine's API):
   router included, as full activation checkpointing of a layer does.
 
 Legend: T tokens, R rows of one expert, K top-k slots, E experts, D = d, N = n.
-Reference: DESIGN.md §5 (memory per scheme), §7 (what users compare with).
+Reference: docs/design.md §5 (memory per scheme), §7 (what users compare with).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from memfine.cli.benchsuites.options import (
+from memfine.bench.harness import Extra, Method, run_methods
+from memfine.bench.options import (
     BenchOptions,
     LayerShape,
     Point,
@@ -35,12 +36,12 @@ from memfine.cli.benchsuites.options import (
     resolve_shapes,
     table1_shape,
 )
-from memfine.config import ChunkConfig, MoEConfig, format_bytes
-from memfine.measure.harness import Extra, Method, run_methods
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.memory import layer as layer_memory
 from memfine.nn import MoELayer
 from memfine.ops.activations import apply_activation
-from memfine.schedule import memory_model
 from memfine.schedule.policy import ChunkPolicy
+from memfine.units import format_bytes
 
 
 def expert_loop(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -166,7 +167,7 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         layer: a :class:`MoELayer` (or a wrapper with the same call signature).
         x_TD: (T, d) input requiring grad.
         grad_TD: (T, d) gradient of the output.
-        modelled: predict with :func:`memory_model.moe_layer_memory` (the layer's config,
+        modelled: predict with :func:`layer_memory.moe_layer_memory` (the layer's config,
             recompute mode and the chunk count of its last call).
         budget_bytes: the MACT budget, reported as the extra ``budget_bytes``.
     """
@@ -190,7 +191,7 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
 
     def predict() -> dict[str, int | None]:
         recompute = layer.policy.config.resolved_recompute  # type: ignore[union-attr]
-        m = memory_model.moe_layer_memory(config, x_TD.shape[0], x_TD.element_size(),
+        m = layer_memory.moe_layer_memory(config, x_TD.shape[0], x_TD.element_size(),
                                           num_chunks=state["num_chunks"], recompute=recompute)
         return {"saved_bytes": m.saved_bytes, "peak_bytes": m.peak_bytes}
 
@@ -225,7 +226,7 @@ ShapeBuild = Callable[[LayerShape], ShapeRun]
 
 def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tuple[str, ...],
                  *, confs: tuple[int, ...], quick: LayerShape, reference: str,
-                 build: ShapeBuild) -> Iterator[Point]:
+                 build: ShapeBuild, variant: str = "") -> Iterator[Point]:
     """Run a layer suite over its shapes: one point per shape, x_name ``shape``.
 
     Args:
@@ -237,6 +238,8 @@ def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tu
         quick: the shape of ``--quick``.
         reference: the method the terminal table's ratios are taken against.
         build: builds the methods of one shape (see :data:`ShapeBuild`).
+        variant: appended to each point's x_value as ``<shape>-<variant>`` (a suite running
+            the same shapes on several modules); "" keeps the shape's name.
 
     Yields:
         One :class:`Point` per shape, with ``saved_over_floor`` (and ``peak_over_budget`` for the
@@ -250,7 +253,8 @@ def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tu
         methods, config, label, budgets = build(shape)
         results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
         add_ratios(results, floor_bytes=floor, budget_bytes=budgets)
-        yield Point(suite=suite, x_name="shape", x_value=shape.name,
+        x_value = f"{shape.name}-{variant}" if variant else shape.name
+        yield Point(suite=suite, x_name="shape", x_value=x_value,
                     label=f"{label}; x + H floor {format_bytes(floor)}",
                     config={**shape.to_dict(), "dtype": opts.dtype, "scale_down": opts.scale_down,
                             "floor_bytes": floor, **config},

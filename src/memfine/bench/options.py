@@ -1,11 +1,11 @@
 """Options of ``memfine bench`` (one field per flag) and the shapes they select.
 
-Shapes: the MoEBlaze Table 1 configurations (DESIGN.md §3: ffn n = 4d, SwiGLU) keep d, E, k and
+Shapes: the MoEBlaze Table 1 configurations (docs/design.md §3: ffn n = 4d, SwiGLU) keep d, E, k and
 n, and divide the paper's batch × seq by ``scale_down`` (default 256) so that they run on a few CPU
 cores. Explicit sizes override fields of the selected configurations; without ``--config`` they
 describe one custom shape (the fields not given come from the suite's first default shape).
 
-Reference: MoEBlaze (arXiv 2601.05296) Table 1; DESIGN.md §3.
+Reference: MoEBlaze (arXiv 2601.05296) Table 1; docs/design.md §3.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from memfine.config import _check_choice, _fail
+from memfine._checks import check_choice, fail
 
 SUITES = ("experts", "chunking", "model", "hf")
 DTYPES = ("float32", "bfloat16")
@@ -85,23 +85,23 @@ class BenchOptions:
             ValueError: naming the class and field, what is allowed and the value received.
         """
         if not self.suites or any(s not in SUITES for s in self.suites):
-            _fail(self, "suites", f"a non-empty subset of {SUITES}", self.suites)
+            fail(self, "suites", f"a non-empty subset of {SUITES}", self.suites)
         if any(c not in TABLE1 for c in self.configs):
-            _fail(self, "configs", f"Table 1 rows in {sorted(TABLE1)}", self.configs)
+            fail(self, "configs", f"Table 1 rows in {sorted(TABLE1)}", self.configs)
         for name in ("scale_down", "repeats", *SIZE_FIELDS, "threads", "budget_bytes"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
-                _fail(self, name, "an int >= 1" + ("" if name in ("scale_down", "repeats")
+                fail(self, name, "an int >= 1" + ("" if name in ("scale_down", "repeats")
                                                    else " or None"), value)
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
-            _fail(self, "warmup", "an int >= 0", self.warmup)
-        _check_choice(self, "dtype", DTYPES)
+            fail(self, "warmup", "an int >= 0", self.warmup)
+        check_choice(self, "dtype", DTYPES)
         if self.device not in ("cpu", "cuda"):
-            _fail(self, "device", "'cpu' or 'cuda'", self.device)
+            fail(self, "device", "'cpu' or 'cuda'", self.device)
         if not self.skew_levels or any(s < 1 for s in self.skew_levels) or list(
                 self.skew_levels) != sorted(set(self.skew_levels)):
-            _fail(self, "skew_levels", "strictly increasing ints >= 1", self.skew_levels)
+            fail(self, "skew_levels", "strictly increasing ints >= 1", self.skew_levels)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -151,7 +151,7 @@ class LayerShape:
         return dataclasses.asdict(self)
 
     def floor_bytes(self, dtype_bytes: int) -> int:
-        """(T·d + 2·T·k·n) · D_t: x + H, the no-recompute floor (DESIGN.md §5; SwiGLU)."""
+        """(T·d + 2·T·k·n) · D_t: x + H, the no-recompute floor (docs/design.md §5; SwiGLU)."""
         T, D, N, K = self.tokens, self.hidden_size, self.intermediate_size, self.top_k
         return (T * D + 2 * T * K * N) * dtype_bytes
 
@@ -212,7 +212,7 @@ class Point:
         x_value: this point's value.
         label: one human line (shape, tokens, budget).
         config: the point's configuration, written as JSON in every CSV row.
-        results: one :class:`memfine.measure.harness.MethodResult` per method.
+        results: one :class:`memfine.bench.harness.MethodResult` per method.
         reference: the method that ratios in the terminal table are taken against.
     """
 

@@ -14,7 +14,7 @@ Methods (same weights, input, routing and incoming gradients):
 
 Shapes: MoEBlaze Table 1 rows 1, 2, 3, 5 (d ≤ 1024) with batch × seq / 256 by default.
 Legend: T tokens, D = d.
-Reference: MoEBlaze §5 and Table 1; MemFine §4; DESIGN.md §3, §5, §7.
+Reference: MoEBlaze §5 and Table 1; MemFine §4; docs/design.md §3, §5, §7.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from memfine.cli.benchsuites.layers import (
+from memfine.bench.harness import Method
+from memfine.bench.layers import (
     CheckpointedLayer,
     ExpertLoopMoELayer,
     ShapeRun,
@@ -35,9 +36,9 @@ from memfine.cli.benchsuites.layers import (
     shape_points,
     sharing,
 )
-from memfine.cli.benchsuites.options import BenchOptions, LayerShape, Point
-from memfine.config import ChunkConfig, MoEConfig, format_bytes
-from memfine.measure.harness import Method
+from memfine.bench.options import BenchOptions, LayerShape, Point
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.units import format_bytes
 
 NAME = "experts"
 METHODS = ("plain", "expert_loop", "grouped_mm", "fused", "fused_mact", "full_recompute")

@@ -17,14 +17,14 @@ r mod M and wraps around, so a load change on a shared machine hits every method
 method always runs first. A method that raises is recorded with its error and dropped.
 
 The predictions of a method (its ``predict()`` callable, typically the memory model of
-:mod:`memfine.schedule.memory_model`) are read after its calls, so they may depend on decisions
-taken at run time (e.g. MACT's chunk count). :func:`memfine.measure.results.result_rows` turns
-the results into CSV rows with the STYLE.md §6 schema.
+:mod:`memfine.memory.layer`) are read after its calls, so they may depend on decisions
+taken at run time (e.g. MACT's chunk count). :func:`memfine.bench.results.result_rows` turns
+the results into CSV rows with the docs/style.md §6 schema.
 
 Units: times in seconds inside the harness (milliseconds from :meth:`MethodResult.time_ms`); bytes
 are ints; throughput in tokens/s. The harness imports no other memfine layer (it takes
 callables).
-Reference: STYLE.md §6 (benchmarks) and §7 (predicted next to measured).
+Reference: docs/style.md §6 (benchmarks) and §7 (predicted next to measured).
 """
 
 from __future__ import annotations

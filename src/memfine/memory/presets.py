@@ -6,7 +6,7 @@ projections). The MemFine presets also carry the paper's run settings (device me
 micro-batch, sequence length, recompute) and a parallel layout of our choosing, so that
 ``memfine plan --preset memfine-paper-II`` reproduces the setting of MemFine Table 4.
 
-Reference: DESIGN.md §4 (MemFine setup), §7 (real configs); the models' published configs.
+Reference: docs/design.md §4 (MemFine setup), §7 (real configs); the models' published configs.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from memfine.config import _lookup
+from memfine._checks import lookup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -168,4 +168,4 @@ def get_preset(name: str) -> ModelPreset:
     Raises:
         ValueError: on an unknown name (the message lists the presets).
     """
-    return _lookup(PRESETS, name, "preset")
+    return lookup(PRESETS, name, "preset")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfine.measure.harness import Method, interleaved_order, percentiles, run_methods
+from memfine.bench.harness import Method, interleaved_order, percentiles, run_methods
 from memfine.measure.report import MemoryReport
 
 

@@ -4,7 +4,7 @@ Saved-for-backward bytes are closed-form sums over the tensors memfine's code sa
 routing losses, and the expert path of each execution mode); they equal what saved-tensor hooks
 measure (:class:`memfine.measure.saved.SavedTensorsTracker`) exactly. Peak bytes come from an
 allocation timeline that replays the layer's forward and backward step by step
-(:mod:`memfine.schedule._moe_timeline`); they equal what the live-storage tracker
+(:mod:`memfine.memory._timeline_layer`); they equal what the live-storage tracker
 (:class:`memfine.measure.peak.PeakMemoryTracker`) measures.
 
 Execution modes (as :class:`memfine.nn.MoELayer` runs them):
@@ -24,7 +24,8 @@ The chunk planner (:mod:`memfine.schedule.policy`) calls :func:`expert_row_bytes
 Legend: T tokens, S received rows (s′; S = T·k on one device), C tokens of one chunk,
 E experts (on this rank), D = d, N = n, G = 2n (gated) or n, K = k, D_t activation bytes,
 R = 4 router bytes (fp32; 8 for float64).
-Reference: MemFine (arXiv 2511.21431) Table 2, Eq. 2, 8; MoEBlaze §4-§5; DESIGN.md §5; STYLE.md §7.
+Reference: MemFine (arXiv 2511.21431) Table 2, Eq. 2, 8; MoEBlaze §4-§5;
+docs/design.md §5; docs/style.md §7.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import functools
 from dataclasses import dataclass, field
 
 from memfine.config import MoEConfig
-from memfine.schedule import _moe_timeline as tlm
+from memfine.memory import _timeline_layer as tlm
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -72,22 +73,22 @@ class MemoryBreakdown:
                                 "MemFine Eq. 1 (gradients)")
     optimizer_state_bytes: int = _item("optimizer state per parameter (given)",
                                        "MemFine Eq. 1 (optimizer)")
-    layer_input_bytes: int = _item("X (T,d) layer input, D_t", "MemFine Table 2; DESIGN.md §5")
+    layer_input_bytes: int = _item("X (T,d) layer input, D_t", "MemFine Table 2; docs/design.md §5")
     router_input_copy_bytes: int = _item("fp32 copy of X kept by the router matmul (non-fp32)",
-                                         "our derivation (router in fp32, DESIGN.md §2)")
+                                         "our derivation (router in fp32, docs/design.md §2)")
     router_weight_copy_bytes: int = _item("fp32 copy of W_r (E,d) kept by the router matmul",
                                           "our derivation (router in fp32)")
     router_scores_bytes: int = _item("router probabilities (T,E) fp32 (softmax/sigmoid output)",
                                      "MemFine Table 2 (E term)")
-    top_k_index_bytes: int = _item("top-k index (T,k) int64", "DESIGN.md §5 (full recompute)")
+    top_k_index_bytes: int = _item("top-k index (T,k) int64", "docs/design.md §5 (full recompute)")
     top_k_scores_bytes: int = _item("gathered top-k scores (T,k) fp32 (renormalisation input)",
                                     "our derivation")
     renorm_sum_bytes: int = _item("per-token score sum (T,1) fp32", "our derivation")
-    top_k_weights_bytes: int = _item("routing weights (T,k) D_t", "DESIGN.md §5")
+    top_k_weights_bytes: int = _item("routing weights (T,k) D_t", "docs/design.md §5")
     aux_loss_bytes: int = _item("softmax (T,E) + f (E,) fp32 of the load-balancing loss",
-                                "our derivation (DESIGN.md §2 loss)")
+                                "our derivation (docs/design.md §2 loss)")
     z_loss_bytes: int = _item("logits (T,E) + logsumexp (T,) fp32 of the z-loss",
-                              "our derivation (DESIGN.md §2 loss)")
+                              "our derivation (docs/design.md §2 loss)")
     pre_activation_bytes: int = _item("H (S,G) pre-activation, D_t",
                                       "MoEBlaze §5; MemFine Table 2 (FC1 output 2·s′·n)")
     routing_index_bytes: int = _item("expert_token_indices, expert_slot_indices (S), "
@@ -96,15 +97,15 @@ class MemoryBreakdown:
     gathered_input_bytes: int = _item("gathered X (S,d) D_t + its int64 row index (plain)",
                                       "MemFine Table 2 (dispatched input s′·d)")
     activation_output_bytes: int = _item("A (S,n) and act(gate) (S,n), D_t (plain)",
-                                         "DESIGN.md §5 (activation outputs)")
+                                         "docs/design.md §5 (activation outputs)")
     combine_copy_bytes: int = _item("(T,k,d) slot rows + weights, masks, int64 index (plain)",
-                                    "DESIGN.md §5 (scattered Y); MemFine Table 2 (s′·d)")
-    saved_bytes: int = _item("sum of the saved items", "STYLE.md §7")
+                                    "docs/design.md §5 (scattered Y); MemFine Table 2 (s′·d)")
+    saved_bytes: int = _item("sum of the saved items", "docs/style.md §7")
     transient_gathered_rows_bytes: int = _item("gathered X or dO rows (S_c,d) of one chunk",
-                                               "DESIGN.md §5")
-    transient_pre_activation_grad_bytes: int = _item("dH (S_c,G) of one chunk", "DESIGN.md §5")
+                                               "docs/design.md §5")
+    transient_pre_activation_grad_bytes: int = _item("dH (S_c,G) of one chunk", "docs/design.md §5")
     transient_expanded_dx_bytes: int = _item("(C,k,d) per-token gather of dx of one chunk",
-                                             "DESIGN.md §5 (expanded dx)")
+                                             "docs/design.md §5 (expanded dx)")
     transient_index_build_bytes: int = _item("sort-free dense map (C,E+1) + scans (C,E) int64",
                                              "MoEBlaze §3")
     all_to_all_bytes: int = _item("dispatch/combine buffers (0 on one device)", "MemFine §4")
@@ -231,7 +232,7 @@ def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     Args: as :func:`moe_layer_memory`.
 
     Returns:
-        A :class:`memfine.schedule._moe_timeline.Timeline`: ``peak``, ``peak_live`` (tensor name →
+        A :class:`memfine.memory._timeline_layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
         bytes alive at the peak), ``marks`` and ``phase_peaks`` (``forward``, ``end``).
 
     Raises:
@@ -262,7 +263,7 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     Raises:
         ValueError: on out-of-range arguments.
 
-    Reference: MemFine Eq. 1-3 and Table 2 (items), DESIGN.md §5; the peak is our timeline.
+    Reference: MemFine Eq. 1-3 and Table 2 (items), docs/design.md §5; the peak is our timeline.
     """
     if optimizer_bytes_per_param < 0:
         raise ValueError(f"optimizer_bytes_per_param must be >= 0, got "

@@ -1,4 +1,4 @@
-"""Benchmark CSV rows: the STYLE.md §6 schema, missing values as text, the environment columns.
+"""Benchmark CSV rows: the docs/style.md §6 schema, missing values as text, the environment columns.
 
 Results are built by hand, so every expected value is exact (no wall-clock assertions).
 """
@@ -12,9 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.measure.harness import MODES, MethodResult
-from memfine.measure.report import NOT_MEASURED, MemoryReport
-from memfine.measure.results import (
+from memfine.bench.harness import MODES, MethodResult
+from memfine.bench.results import (
     CSV_COLUMNS,
     NOT_MODELLED,
     collect_environment,
@@ -23,6 +22,7 @@ from memfine.measure.results import (
     result_rows,
     write_csv,
 )
+from memfine.measure.report import NOT_MEASURED, MemoryReport
 
 
 def _result(**kwargs: object) -> MethodResult:

@@ -4,13 +4,13 @@ Each function mirrors one function of memfine (routing-index builders, the fused
 paths, the chunk loop and the autograd engine's gradient buffers) as a sequence of
 ``alloc``/``free`` events with byte sizes from the config. The running sum is what the live-storage
 tracker sees (tensors created inside the measured region); its maximum is the model's peak.
-Integer arithmetic only: nothing is allocated. :mod:`memfine.schedule._moe_timeline` adds the
+Integer arithmetic only: nothing is allocated. :mod:`memfine.memory._timeline_layer` adds the
 router, the losses and the layer driver.
 
 Legend: C tokens of one chunk, K = k, E experts, D = d, N = n, G = 2n (gated) or n, S routed rows
 (S = C·k without sentinels), D_t activation bytes (``dt``), R router bytes (``r``: 4, or 8 for
 float64). Sizes of at most 8 bytes (scalars, ``any``/``max`` results) are left out.
-Reference: our derivation from the code (DESIGN.md §5: peak = saved + largest transient).
+Reference: our derivation from the code (docs/design.md §5: peak = saved + largest transient).
 """
 
 from __future__ import annotations

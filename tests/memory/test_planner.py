@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from memfine.schedule.planner import choose_num_chunks, parse_bytes, s_prime_max
+from memfine.memory.planner import choose_num_chunks, s_prime_max
+from memfine.units import parse_bytes
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -19,7 +19,7 @@ in-flight layer and recomputes the expert part one chunk at a time.
 Eq. 8: s′_max = ⌊(α·M − M_sta − F)/R⌋ with F the activation that does not scale with s′ and R the
 bytes per received row; Eq. 9: c = ⌈s″/s′_max⌉ rounded up to the bins.
 
-Reference: MemFine (arXiv 2511.21431) Eq. 1-3, 8, 9, Table 2; DESIGN.md §4.
+Reference: MemFine (arXiv 2511.21431) Eq. 1-3, 8, 9, Table 2; docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -27,19 +27,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from memfine.config import (
-    MoEConfig,
-    _check_bins,
-    _check_choice,
-    _check_float,
-    _check_int,
-    _fail,
-)
-from memfine.schedule.memory_model import expert_row_bytes
-from memfine.schedule.planner import s_prime_max
-from memfine.schedule.presets import ModelPreset
+from memfine._checks import check_bins, check_choice, check_float, check_int, fail
+from memfine.config import MoEConfig
+from memfine.memory.layer import expert_row_bytes
+from memfine.memory.planner import s_prime_max
+from memfine.memory.presets import ModelPreset
+from memfine.units import DTYPE_BYTES
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 RECOMPUTE_MODES = ("none", "full", "experts")
 EXPERT_MODELS = ("paper", "memfine")
 
@@ -66,7 +60,7 @@ class PlanConfig:
         distributed_optimizer: shard optimizer state over the data-parallel group.
         static_bytes: measured static memory to use instead of Eq. 1 (``None``: Eq. 1).
         expert_model: ``paper`` (Table 2: D_t·(2d + 2n) per row) or ``memfine`` (our fused
-            path's peak per row, :func:`memfine.schedule.memory_model.expert_row_bytes`).
+            path's peak per row, :func:`memfine.memory.layer.expert_row_bytes`).
     """
 
     model: ModelPreset
@@ -98,28 +92,28 @@ class PlanConfig:
         """
         for name in ("device_memory_bytes", "micro_batch", "seq_len", "t", "p", "e", "dp", "cp",
                      "v"):
-            _check_int(self, name, 1)
-        _check_float(self, "alpha", 0, 1, lo_open=True)
-        _check_choice(self, "dtype", tuple(DTYPE_BYTES))
-        _check_choice(self, "recompute", RECOMPUTE_MODES)
-        _check_choice(self, "expert_model", EXPERT_MODELS)
+            check_int(self, name, 1)
+        check_float(self, "alpha", 0, 1, lo_open=True)
+        check_choice(self, "dtype", tuple(DTYPE_BYTES))
+        check_choice(self, "recompute", RECOMPUTE_MODES)
+        check_choice(self, "expert_model", EXPERT_MODELS)
         if not self.skews or any(not (isinstance(x, (int, float)) and x >= 1) for x in self.skews):
-            _fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
-        object.__setattr__(self, "bins", _check_bins(self))
+            fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
+        object.__setattr__(self, "bins", check_bins(self))
         m = self.model
         if not 1 <= m.top_k <= m.num_experts:
             raise ValueError(f"{type(self).__name__}.model.top_k must be in "
                              f"[1, num_experts={m.num_experts}], got {m.top_k}")
         if m.num_experts % self.e:
-            _fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
+            fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
         if (self.t * self.dp * self.cp) % self.e:
-            _fail(self, "e", f"a divisor of t·dp·cp={self.t * self.dp * self.cp}", self.e)
+            fail(self, "e", f"a divisor of t·dp·cp={self.t * self.dp * self.cp}", self.e)
         if m.num_layers < self.p * self.v:
-            _fail(self, "p", f"with v such that p·v <= num_layers={m.num_layers}", self.p)
-        _check_int(self, "grad_bytes", 0)
-        _check_int(self, "optimizer_bytes", 0)
+            fail(self, "p", f"with v such that p·v <= num_layers={m.num_layers}", self.p)
+        check_int(self, "grad_bytes", 0)
+        check_int(self, "optimizer_bytes", 0)
         if self.static_bytes is not None:
-            _check_int(self, "static_bytes", 0)
+            check_int(self, "static_bytes", 0)
 
     @property
     def dtype_bytes(self) -> int:

@@ -13,7 +13,7 @@ Shapes: the ``small`` training preset (what ``make train`` runs: d 128, n 128, E
 4 layers, 32 × 128 tokens per step); ``--quick`` uses the ``tiny`` preset with 4 sequences.
 The memory model covers one MoE layer, not a whole model: predictions read "not modelled".
 Legend: B batch, Q sequence.
-Reference: MemFine §4 (full recompute vs chunked MoE recompute); DESIGN.md §4.
+Reference: MemFine §4 (full recompute vs chunked MoE recompute); docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from memfine.cli.benchsuites.layers import half_rows_budget
-from memfine.cli.benchsuites.options import BenchOptions, Point, announce
-from memfine.config import ChunkConfig, ModelConfig, MoEConfig, format_bytes
-from memfine.measure.harness import Extra, Method, run_methods
+from memfine.bench.harness import Extra, Method, run_methods
+from memfine.bench.layers import half_rows_budget
+from memfine.bench.options import BenchOptions, Point, announce
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.presets import preset
+from memfine.units import format_bytes
 
 NAME = "model"
 METHODS = ("plain", "fused", "fused_mact", "full_recompute")

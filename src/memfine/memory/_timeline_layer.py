@@ -1,17 +1,17 @@
 """Allocation timeline of one MoELayer forward + backward: router, losses and the layer driver.
 
 The expert path (index builders, fused/plain paths, gradient buffers) is in
-:mod:`memfine.schedule._timeline`; this module adds the fp32 router, the load-balancing and z
+:mod:`memfine.memory._timeline_experts`; this module adds the fp32 router, the load-balancing and z
 losses, and the order in which forward and the autograd engine run them.
 
 Legend: T tokens, K = k, E experts, D = d, D_t activation bytes, R router bytes.
-Reference: our derivation from the code (DESIGN.md §2, §5).
+Reference: our derivation from the code (docs/design.md §2, §5).
 """
 
 from __future__ import annotations
 
 from memfine.config import MoEConfig
-from memfine.schedule._timeline import (
+from memfine.memory._timeline_experts import (
     Shape,
     Timeline,
     WeightGrads,

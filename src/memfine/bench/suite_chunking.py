@@ -19,7 +19,7 @@ Shape: ``skew_demo`` (d 256, n 512, E 8, k 2, T 1024 tokens at σ = 1, levels σ
 small weights and many tokens, so that activations rather than the weights' gradients dominate
 the peak, as at the papers' token counts. ``--config`` / explicit sizes replace it.
 Legend: T tokens, D = d.
-Reference: MemFine (arXiv 2511.21431) §4, Table 4, Eq. 8-9; DESIGN.md §4.
+Reference: MemFine (arXiv 2511.21431) §4, Table 4, Eq. 8-9; docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from collections.abc import Iterator
 
 import torch
 
-from memfine.cli.benchsuites.experts import moe_config
-from memfine.cli.benchsuites.layers import (
+from memfine.bench.harness import run_methods
+from memfine.bench.layers import (
     add_ratios,
     base_layer,
     budget_for_rows,
@@ -39,15 +39,16 @@ from memfine.cli.benchsuites.layers import (
     layer_method,
     sharing,
 )
-from memfine.cli.benchsuites.options import (
+from memfine.bench.options import (
     BenchOptions,
     LayerShape,
     Point,
     announce,
     resolve_shapes,
 )
-from memfine.config import ChunkConfig, format_bytes
-from memfine.measure.harness import run_methods
+from memfine.bench.suite_experts import moe_config
+from memfine.config import ChunkConfig
+from memfine.units import format_bytes
 
 NAME = "chunking"
 METHODS = ("full_recompute", "fixed_c8", "mact", "no_recompute")

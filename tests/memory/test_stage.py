@@ -6,14 +6,14 @@ import dataclasses
 
 import pytest
 
-from memfine.schedule.model_memory import (
+from memfine.memory.presets import get_preset
+from memfine.memory.stage import (
     PlanConfig,
     in_flight_chunks,
     layer_activation,
     stage_layers,
     static_memory,
 )
-from memfine.schedule.presets import get_preset
 
 TINY = dataclasses.replace(
     get_preset("olmoe-1b-7b"), hidden_size=8, moe_intermediate_size=4, num_experts=4, top_k=2,

@@ -1,13 +1,13 @@
-"""Benchmark results as CSV rows: the STYLE.md §6 schema and the environment a run had.
+"""Benchmark results as CSV rows: the docs/style.md §6 schema and the environment a run had.
 
-:func:`result_rows` turns the results of :func:`memfine.measure.harness.run_methods` into rows of
+:func:`result_rows` turns the results of :func:`memfine.bench.harness.run_methods` into rows of
 :data:`CSV_COLUMNS`; :func:`csv_row` builds one row of a metric a script measures itself; both
 carry the :class:`Environment` (device, CPU, threads, torch/triton/memfine versions, git SHA, UTC
 time) of :func:`collect_environment`. A value that was not measured is written as
 ``"not measured"`` and a missing prediction as ``"not modelled"``, never 0 or -1.
 
 Units: times in milliseconds; bytes are ints; throughput in tokens/s.
-Reference: STYLE.md §6 (benchmarks) and §7 (predicted next to measured).
+Reference: docs/style.md §6 (benchmarks) and §7 (predicted next to measured).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from memfine.config import NOT_MEASURED
-from memfine.measure.harness import MODES, MethodResult, Value
+from memfine.bench.harness import MODES, MethodResult, Value
+from memfine.units import NOT_MEASURED
 
 NOT_MODELLED = "not modelled"
 CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",

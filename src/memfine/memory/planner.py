@@ -1,37 +1,11 @@
 """Chunk-count planning: s′_max (MemFine Eq. 8) and the binned chunk count c (Eq. 9, MACT).
 
-Reference: MemFine (arXiv 2511.21431) Eq. 8-9 and §4.2 (MACT); DESIGN.md §4.
+Reference: MemFine (arXiv 2511.21431) Eq. 8-9 and §4.2 (MACT); docs/design.md §4.
 """
 
 from __future__ import annotations
 
 import math
-import re
-
-_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-def parse_bytes(text: str | int) -> int:
-    """Parse a byte size: an int, or a string such as ``"512MiB"``, ``"2GiB"``, ``"64GB"``.
-
-    Returns:
-        Bytes as int (> 0).
-
-    Raises:
-        ValueError: on an unparsable string, an unknown unit, or a value ≤ 0.
-    """
-    if isinstance(text, int) and not isinstance(text, bool):
-        value = text
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-        if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"byte size must look like '512MiB', '2GiB' or an integer number of "
-                             f"bytes (units {sorted(k for k in _UNITS if k)}), got {text!r}")
-        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"byte size must be > 0, got {text!r}")
-    return value
 
 
 def s_prime_max(budget_bytes: int, fixed_bytes: int, row_bytes: int) -> int:

@@ -2,15 +2,18 @@
 
 Each suite module exposes ``NAME``, ``METHODS`` (its method names, in table order) and
 ``run(opts, device, names) -> list[Point]``; the measurements go through the shared harness
-(:mod:`memfine.measure.harness`), so every suite writes the same CSV schema.
+(:mod:`memfine.bench.harness`), so every suite writes the same CSV schema.
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from memfine.cli.benchsuites import chunking, experts, hf, model
-from memfine.cli.benchsuites.options import SUITES, BenchOptions, LayerShape, Point
+from memfine.bench import suite_chunking as chunking
+from memfine.bench import suite_experts as experts
+from memfine.bench import suite_hf as hf
+from memfine.bench import suite_model as model
+from memfine.bench.options import SUITES, BenchOptions, LayerShape, Point
 
 SUITE_MODULES: dict[str, ModuleType] = {"experts": experts, "chunking": chunking,
                                         "model": model, "hf": hf}

@@ -1,0 +1,58 @@
+"""Byte units: MiB/GiB, element sizes, and the parse/format of byte counts shown to people.
+
+Units are binary for display (MiB = 2^20, GiB = 2^30); :func:`parse_bytes` also takes decimal
+units (MB, GB) as written on device data sheets.
+"""
+
+from __future__ import annotations
+
+import re
+
+MiB, GiB = 1 << 20, 1 << 30
+NOT_MEASURED = "not measured"
+
+
+def format_bytes(num_bytes: int | None, *, digits: int = 2, exact: bool = False) -> str:
+    """Human form of a byte count: ``"1.50 GiB"`` from 1 GiB on, else ``"12.25 MiB"``.
+
+    Args:
+        num_bytes: bytes, or ``None`` for a value that was not measured.
+        digits: decimals shown.
+        exact: prefix the exact count, ``"<bytes> bytes (<x> MiB)"`` (error messages).
+
+    Returns:
+        The string; ``"not measured"`` for ``None``. Units are binary (MiB = 2^20, GiB = 2^30).
+    """
+    if num_bytes is None:
+        return NOT_MEASURED
+    unit, scale = ("GiB", GiB) if abs(num_bytes) >= GiB else ("MiB", MiB)
+    scaled = f"{num_bytes / scale:.{digits}f} {unit}"
+    return f"{num_bytes} bytes ({scaled})" if exact else scaled
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+"""Bytes per element of the dtypes the memory model and ``memfine plan`` accept."""
+
+_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+          "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """Parse a byte size: an int, or a string such as ``"512MiB"``, ``"2GiB"``, ``"64GB"``.
+
+    Returns:
+        Bytes as int (> 0).
+
+    Raises:
+        ValueError: on an unparsable string, an unknown unit, or a value ≤ 0.
+    """
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"byte size must look like '512MiB', '2GiB' or an integer number of "
+                             f"bytes (units {sorted(k for k in _UNITS if k)}), got {text!r}")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"byte size must be > 0, got {text!r}")
+    return value
