@@ -27,7 +27,8 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
     "--activation", "--allow-over-budget", "--autocast", "--aux-loss-coef", "--batch-size",
-    "--chunk-bins", "--compile", "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every", "--experts-impl",
+    "--chunk-bins", "--compile", "--data", "--device", "--dtype", "--ep", "--eval-batches",
+    "--eval-every", "--experts-impl",
     "--gemm-backend", "--grad-clip", "--help", "--hidden-size", "--index-builder",
     "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps", "--max-steps",
     "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget", "--no-progress",

@@ -91,11 +91,11 @@ class MoELayer(nn.Module):
         E = self.config.num_experts
         return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
 
-    @torch.compiler.disable
     def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor) -> int:
         """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
 
-        Runs outside ``torch.compile`` (``torch.compiler.disable``): the decision needs s″ as a
+        Runs outside ``torch.compile`` (``torch.compiler.disable`` while compiling; applied at
+        the call, so importing memfine does not load Dynamo): the decision needs s″ as a
         host number (one ``.item()``), and c decides how many chunks the graph holds. A compiled
         layer with a budget therefore has one graph break here (docs/compile.md), and one graph
         per chunk count c in use (at most one per bin).
@@ -134,7 +134,10 @@ class MoELayer(nn.Module):
         """
         policy = self.policy
         if policy.budgeted:
-            num_chunks = self.budgeted_num_chunks(x_TD, top_k_index)
+            decide = self.budgeted_num_chunks
+            if torch.compiler.is_compiling():  # run eagerly (one graph break; docs/compile.md)
+                decide = torch.compiler.disable(decide)
+            num_chunks = decide(x_TD, top_k_index)
         else:
             num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
         out_TD = self.experts(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
