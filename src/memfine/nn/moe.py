@@ -155,7 +155,8 @@ class MoELayer(nn.Module):
                 left out of counts and losses.
 
         Returns:
-            ``(out, aux)``: out has x's shape and dtype.
+            ``(out, aux)``: out has x's shape and dtype (inside ``torch.autocast`` the
+            autocast dtype, as the experts follow autocast; the router stays fp32).
 
         Raises:
             ValueError: if x's last dimension is not d or the mask shape does not match.
