@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Iterator
 
 import pytest
 import torch
+
+# Triton picks its interpreter from this variable when it is first imported or a kernel is first
+# defined; torch.compile tests import torch._dynamo (and with it triton) while pytest collects,
+# before tests/ops/conftest.py runs, so the CPU interpreter is chosen here, at the root.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

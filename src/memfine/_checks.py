@@ -1,13 +1,21 @@
-"""Validators shared by the frozen configs.
+"""Validators shared by the frozen configs, and checks on tensor values.
 
-Each raises ValueError naming the field, the allowed values and the value received
-(e.g. ``MoEConfig.top_k must be in [1, 8], got 9``).
+Each config validator raises ValueError naming the field, the allowed values and the value
+received (e.g. ``MoEConfig.top_k must be in [1, 8], got 9``).
+
+:func:`check_tensor` checks data (an expert id repeated within a token, a token id out of range)
+without breaking a ``torch.compile`` graph: in eager mode it reads the values (one host sync) and
+raises ``ValueError``; while ``torch.compile`` traces, a host read would end the graph, so the
+check is emitted as ``torch._assert_async`` instead (the compiled code raises ``RuntimeError``
+with the same message when the condition is False).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar, get_args
+
+import torch
 
 _V = TypeVar("_V")
 
@@ -64,3 +72,23 @@ def check_bins(obj: object, name: str = "bins", hi: int | None = None) -> tuple[
         bound = ">= 1" if hi is None else f"in [1, {hi}]"
         fail(obj, name, f"a non-empty, strictly increasing tuple of ints {bound}", value)
     return bins
+
+
+def check_tensor(cond: torch.Tensor, message: str,
+                 detail: Callable[[], str] | None = None) -> None:
+    """Raise unless the 0-dim bool tensor ``cond`` is True.
+
+    Args:
+        cond: 0-dim bool tensor, on any device.
+        message: the error message (naming the argument, what is allowed).
+        detail: optional callable adding the offending values to the message in eager mode
+            (it may read tensors; it is not called under ``torch.compile``).
+
+    Raises:
+        ValueError: in eager mode, when ``cond`` is False (one host sync).
+        RuntimeError: from the compiled code (``torch._assert_async``) when ``cond`` is False.
+    """
+    if torch.compiler.is_compiling():
+        torch._assert_async(cond, message)
+    elif not bool(cond):
+        raise ValueError(message + (detail() if detail is not None else ""))

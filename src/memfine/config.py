@@ -23,6 +23,7 @@ IndexBuilder = Literal["auto", "sort_free", "argsort"]
 Recompute = Literal["auto", "none", "experts", "full"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 DropPolicy = Literal["probs", "position"]
+AutocastDType = Literal["none", "bfloat16"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 MAX_BIN = 16
@@ -437,7 +438,13 @@ class TrainConfig(_ConfigBase):
         log_every: write a ``metrics.jsonl`` line every this many steps.
         sample_tokens: bytes of text generated at the end (0 skips the sample).
         dtype: parameter and activation dtype (fp32 on CPU; bf16 matmuls are slow there).
+            ``bfloat16`` means bf16 weights (and optimizer updates on them); the router's
+            selection bias stays fp32.
         device: torch device string, ``cpu`` or ``cuda[:i]``.
+        compile: run the training step's forward and backward under ``torch.compile``
+            (inductor; evaluation and sampling stay eager).
+        autocast: ``bfloat16`` runs the forward under ``torch.autocast`` with bf16: fp32 master
+            weights, bf16 compute (the router stays fp32); ``none`` for plain ``dtype``.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -459,6 +466,8 @@ class TrainConfig(_ConfigBase):
     sample_tokens: int = 300
     dtype: DType = "float32"
     device: str = "cpu"
+    compile: bool = False
+    autocast: AutocastDType = "none"
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -492,6 +501,9 @@ class TrainConfig(_ConfigBase):
                   "need loss scaling, which memfine does not do)", self.dtype)
         if not isinstance(self.device, str) or not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             fail(self, "device", "'cpu' or 'cuda[:i]'", self.device)
+        if not isinstance(self.compile, bool):
+            fail(self, "compile", "True or False", self.compile)
+        check_choice(self, "autocast", AutocastDType)
 
 
 _SUBCONFIGS[("TrainConfig", "model")] = ModelConfig

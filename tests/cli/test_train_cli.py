@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import subprocess
@@ -12,11 +13,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from memfine.cli.main import build_parser, main
 from memfine.train import load_checkpoint
 from memfine.train.metrics import read_metrics
-from tolerances import LOSS_ATOL
+from tolerances import LOSS_ATOL, assert_close
 
 ASSETS = Path(__file__).parents[1] / "assets"
 CORPUS = str(ASSETS / "pydoc_topics_sample.txt")
@@ -24,8 +26,9 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
-    "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size", "--chunk-bins",
-    "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every", "--experts-impl",
+    "--activation", "--allow-over-budget", "--autocast", "--aux-loss-coef", "--batch-size",
+    "--chunk-bins", "--compile", "--data", "--device", "--dtype", "--ep", "--eval-batches",
+    "--eval-every", "--experts-impl",
     "--gemm-backend", "--grad-clip", "--help", "--hidden-size", "--index-builder",
     "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps", "--max-steps",
     "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget", "--no-progress",
@@ -58,6 +61,8 @@ def _golden() -> list[tuple[int, float]]:
 @pytest.mark.parametrize("chunking", [
     pytest.param([], id="unchunked"),
     pytest.param(["--moe-chunks", "2"], id="chunks2"),
+    # an inductor compile of the model's forward and backward: minutes on a busy 2-core CPU
+    pytest.param(["--compile"], id="compiled", marks=pytest.mark.slow),
 ])
 def test_smoke_losses_match_golden(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    chunking: list[str]) -> None:
@@ -67,7 +72,7 @@ def test_smoke_losses_match_golden(tmp_path: Path, capsys: pytest.CaptureFixture
     assert [r["step"] for r in records] == [step for step, _ in golden]
     for record, (step, loss) in zip(records, golden, strict=True):
         assert abs(record["train_loss"] - loss) <= LOSS_ATOL, f"step {step}"
-    expected_chunks = 2 if chunking else 1
+    expected_chunks = 2 if "--moe-chunks" in chunking else 1
     assert all(r["num_chunks"] == [expected_chunks] * 2 for r in records)
     out = capsys.readouterr().out
     config = json.loads((tmp_path / "config.json").read_text())
@@ -240,3 +245,29 @@ def test_resume_with_nothing_left_to_train_is_an_error(
         main(["train", "--resume", "--max-steps", "2", "--out", str(tmp_path), "--no-progress"])
     assert exc.value.code == 2
     assert "already at step 3" in capsys.readouterr().err
+
+
+def test_bf16_weights_keep_an_fp32_selection_bias(tmp_path: Path) -> None:
+    """--dtype bfloat16 stores bf16 weights; the router's selection bias stays fp32."""
+    assert _train("--max-steps", "1", "--dtype", "bfloat16", "--sample-tokens", "0",
+                  "--skew-hot-experts", "1", "--skew-bias", "0.3", "--out", str(tmp_path)) == 0
+    state = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    biases = {k: v for k, v in state.items() if k.endswith("selection_bias")}
+    assert biases and all(v.dtype == torch.float32 for v in biases.values())
+    assert all(float(v[0]) == pytest.approx(0.3) for v in biases.values())  # not bf16-rounded
+    assert state["embed.weight"].dtype == torch.bfloat16
+
+
+def test_autocast_bf16_trains_with_fp32_master_weights(tmp_path: Path) -> None:
+    assert _train("--max-steps", "2", "--autocast", "bf16", "--sample-tokens", "0",
+                  "--out", str(tmp_path)) == 0
+    payload = load_checkpoint(tmp_path / "checkpoint.pt")
+    assert payload["config"]["autocast"] == "bfloat16"
+    assert all(v.dtype == torch.float32 for v in payload["model"].values()
+               if v.is_floating_point())
+    golden = dict(_golden())
+    losses = _losses(tmp_path)
+    # bf16 compute: the first loss (same initial weights) within bf16's forward tolerance
+    assert_close(torch.tensor(losses[0]), torch.tensor(golden[1]), dtype=torch.bfloat16)
+    assert losses[0] != golden[1]  # it did run in bf16
+    assert all(math.isfinite(x) for x in losses)

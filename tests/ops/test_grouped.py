@@ -77,15 +77,29 @@ def test_unknown_backend() -> None:
         grouped_mm(torch.randn(2, 4), torch.randn(1, 4, 4), torch.tensor([0, 2]), "cutlass")
 
 
-def test_loop_ops_have_fake_impls() -> None:
-    """Under FakeTensorMode the loop backend gives shapes without reading the offsets; auto
-    picks it for fp32 (the _grouped_mm meta kernel accepts bf16 only)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+def test_backends_have_fake_impls(backend: str, dtype: torch.dtype) -> None:
+    """Under FakeTensorMode every backend gives shapes without reading the offsets, and auto
+    chooses as in eager (fp32 reaches _grouped_mm through a custom op: its meta kernel accepts
+    bf16 only)."""
     with FakeTensorMode():
-        x_SI, w_EIO = torch.empty(10, 8), torch.empty(5, 8, 12)
+        x_SI, w_EIO = torch.empty(10, 8, dtype=dtype), torch.empty(5, 8, 16, dtype=dtype)
         offsets = torch.empty(6, dtype=torch.int32)
-        assert resolve_backend("auto", x_SI, w_EIO) == "loop"
-        assert grouped_mm(x_SI, w_EIO, offsets).shape == (10, 12)
-        assert grouped_weight_grad(x_SI, torch.empty(10, 12), offsets, 5).shape == (5, 8, 12)
-        bf16 = torch.empty(10, 8, dtype=torch.bfloat16)
-        w_bf16 = torch.empty(5, 8, 16, dtype=torch.bfloat16)
-        assert resolve_backend("auto", bf16, w_bf16) == "grouped_mm"
+        assert resolve_backend("auto", x_SI, w_EIO) == "grouped_mm"
+        assert grouped_mm(x_SI, w_EIO, offsets, backend).shape == (10, 16)
+        grad_w = grouped_weight_grad(x_SI, torch.empty(10, 16, dtype=dtype), offsets, 5, backend)
+        assert grad_w.shape == (5, 8, 16)
+        assert grad_w.dtype == dtype
+
+
+def test_backend_choice_is_the_same_in_eager_and_fake() -> None:
+    """The choice reads dtype, shapes and strides only (the same facts in both modes)."""
+    cases = [((10, 8), (5, 8, 12), torch.float32), ((10, 6), (5, 6, 12), torch.float32),
+             ((10, 12), (5, 12, 8), torch.bfloat16), ((10, 16), (5, 16, 8), torch.bfloat16)]
+    eager = [resolve_backend("auto", torch.empty(x, dtype=d), torch.empty(w, dtype=d))
+             for x, w, d in cases]
+    with FakeTensorMode():
+        fake = [resolve_backend("auto", torch.empty(x, dtype=d), torch.empty(w, dtype=d))
+                for x, w, d in cases]
+    assert eager == fake == ["grouped_mm", "loop", "loop", "grouped_mm"]

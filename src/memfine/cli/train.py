@@ -18,6 +18,7 @@ import torch
 
 from memfine.config import (
     Activation,
+    AutocastDType,
     DropPolicy,
     DType,
     ExpertsImpl,
@@ -80,6 +81,10 @@ def _optional_int(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
+def _autocast_dtype(text: str) -> str:
+    return "bfloat16" if text == "bf16" else text
+
+
 def _budget(text: str) -> int | None:
     try:
         return None if text.lower() == "none" else parse_bytes(text)
@@ -107,8 +112,12 @@ _CONFIG_FLAGS = (
     _Flag("--eval-batches", ("eval_batches",), "validation batches (fixed windows)"),
     _Flag("--log-every", ("log_every",), "write a metrics.jsonl line every N steps"),
     _Flag("--sample-tokens", ("sample_tokens",), "bytes of text generated at the end"),
-    _Flag("--dtype", ("dtype",), "parameter dtype (bf16 is slow on CPUs without bf16 units)",
+    _Flag("--dtype", ("dtype",), "parameter dtype; bfloat16 = bf16 weights (slow on CPUs "
+          "without bf16 units; the router's selection bias stays fp32)",
           str, tuple(d for d in get_args(DType) if d != "float16")),
+    _Flag("--autocast", ("autocast",), "mixed precision: bf16 (= bfloat16) runs the forward "
+          "under torch.autocast with fp32 master weights and bf16 compute; the router stays "
+          "fp32", _autocast_dtype, get_args(AutocastDType)),
     _Flag("--device", ("device",), "torch device: cpu or cuda[:i]", str),
     _Flag("--hidden-size", ("model.moe.hidden_size",), "model width d"),
     _Flag("--num-layers", ("model.num_layers",), "transformer blocks"),
@@ -200,6 +209,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=_preset_default("model.moe.shared_expert_gate"),
                         help="scale the shared experts' output by a per-token sigmoid gate "
                              "(Qwen2-MoE)")
+    parser.add_argument("--compile", action="store_true", default=_preset_default("compile"),
+                        help="run the training step under torch.compile (inductor); "
+                             "evaluation and sampling stay eager")
     parser.add_argument("--allow-over-budget", action="store_true",
                         default=_preset_default("model.chunk.allow_over_budget"),
                         help="use the largest chunk bin (with a warning) when none meets the "
@@ -258,7 +270,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
                                    _Flag("--shared-expert-gate",
                                          ("model.moe.shared_expert_gate",), ""),
                                    _Flag("--allow-over-budget",
-                                         ("model.chunk.allow_over_budget",), "")]
+                                         ("model.chunk.allow_over_budget",), ""),
+                                   _Flag("--compile", ("compile",), "")]
     for flag in flags:
         dest = flag.name[2:].replace("-", "_")
         if not _given(args, dest):

@@ -3,6 +3,11 @@
 Legend: T tokens, E experts, K top-k slots, S routed rows (valid (token, slot) pairs, ≤ T·k).
 Sentinel ids (outside [0, E): padding, expert-parallel remote experts, dropped pairs) are never
 dispatched: they get no row and ``token_index_map`` holds -1 for them.
+Both builders are ``torch.compile``-friendly: every tensor has a shape fixed by T, k and E except
+the (S,) arrays, whose length S is read once from the offsets (``.item()``; under
+``torch._dynamo.config.capture_scalar_outputs`` an unbacked size with hints 0 ≤ S ≤ T·k, so a new
+S never recompiles). The sort-free builder's duplicate check raises in eager and becomes an
+asynchronous assert under compile (:func:`memfine._checks.check_tensor`).
 Reference: MoEBlaze (arXiv 2601.05296) §3-§4; docs/design.md §3 (worked example).
 """
 
@@ -12,6 +17,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch
+
+from memfine._checks import check_tensor
+from memfine.routing.precision import count_per_expert
 
 # The dense T×E map of the sort-free builder costs T·E·8 bytes (int64 scan); above this we use
 # the argsort builder, whose workspace is O(T·k).
@@ -43,20 +51,22 @@ class RoutingIndex:
     expert_slot_indices: torch.Tensor
     num_experts: int
 
+    # The sizes are returned as the shapes hold them (not through int()): under torch.compile
+    # S is a symbolic size, and int() would force a concrete value.
     @property
     def num_tokens(self) -> int:
         """T."""
-        return int(self.token_index_map.shape[0])
+        return self.token_index_map.shape[0]
 
     @property
     def top_k(self) -> int:
         """The number k of top-k slots per token."""
-        return int(self.token_index_map.shape[1])
+        return self.token_index_map.shape[1]
 
     @property
     def num_rows(self) -> int:
         """S, routed rows (valid (token, slot) pairs)."""
-        return int(self.expert_token_indices.shape[0])
+        return self.expert_token_indices.shape[0]
 
     def tokens_per_expert(self) -> torch.Tensor:
         """(E,) int32 rows per expert (differences of the offsets)."""
@@ -70,6 +80,14 @@ def _check_top_k_index(top_k_index: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"top_k_index must be int64 or int32, got {top_k_index.dtype}")
     if num_experts < 1:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+
+
+def _num_rows(offsets_E1: torch.Tensor, num_slots: int) -> int:
+    """S = offsets[E] as a Python int (or an unbacked size under compile), with its bounds."""
+    S = int(offsets_E1[-1].item())
+    torch._check(S >= 0)
+    torch._check(num_slots >= S)
+    return S
 
 
 def build_index_argsort(top_k_index: torch.Tensor, num_experts: int) -> RoutingIndex:
@@ -94,10 +112,10 @@ def build_index_argsort(top_k_index: torch.Tensor, num_experts: int) -> RoutingI
     valid_M = (flat_M >= 0) & (flat_M < E)
     key_M = torch.where(valid_M, flat_M, E)
     order_M = torch.argsort(key_M, stable=True)
-    counts_E = torch.bincount(key_M, minlength=E + 1)[:E]
-    S = int(counts_E.sum())
+    counts_E = count_per_expert(key_M, E)
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=flat_M.device)
     offsets[1:] = counts_E.cumsum(0)
+    S = _num_rows(offsets, T * k)
     row_of_slot_M = torch.empty_like(order_M)
     row_of_slot_M[order_M] = torch.arange(T * k, device=flat_M.device)
     row_of_slot_M = torch.where(valid_M, row_of_slot_M, -1)
@@ -125,7 +143,8 @@ def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> Routin
         num_experts: E.
 
     Returns:
-        The :class:`RoutingIndex`, identical to :func:`build_index_argsort`. Workspace T·E·9 bytes.
+        The :class:`RoutingIndex`, identical to :func:`build_index_argsort`. Workspace
+        O(T·E) int64 (the dense map and its scan) plus O(T·k) int64.
 
     Raises:
         ValueError: on a wrong shape or dtype, or an expert id repeated within a token.
@@ -142,17 +161,21 @@ def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> Routin
     dense_TE = torch.zeros(T, E + 1, dtype=torch.int64, device=dev)
     dense_TE.scatter_add_(1, safe_TK, torch.ones_like(safe_TK))
     dense_TE = dense_TE[:, :E]
-    if T and int(dense_TE.max()) > 1:
-        raise ValueError("top_k_index must hold distinct experts within each token")
+    if T:
+        check_tensor(dense_TE.max() <= 1,
+                     "top_k_index must hold distinct experts within each token")
     counts_E = dense_TE.sum(0)
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=dev)
     offsets[1:] = counts_E.cumsum(0)
     row_TE = dense_TE.cumsum(0) - 1 + offsets[:E]  # row of cell (t, e) when it is set
     row_TK = torch.where(valid_TK, row_TE.gather(1, safe_TK.clamp(max=E - 1)), -1)
-    S = int(offsets[E])
-    slot_TK = torch.arange(T * k, device=dev).view(T, k)
-    expert_slot = torch.empty(S, dtype=torch.int64, device=dev)
-    expert_slot[row_TK[valid_TK]] = slot_TK[valid_TK]
+    # Sentinel slots take the rows S, S+1, ... in slot order, so perm_M is a permutation of
+    # [0, T·k) and one scatter (no duplicate index, no boolean indexing) inverts it.
+    sentinel_M = (~valid_TK).view(-1)
+    perm_M = torch.where(sentinel_M, sentinel_M.cumsum(0).add_(offsets[E] - 1), row_TK.view(-1))
+    slot_M = torch.arange(T * k, device=dev)
+    expert_slot = torch.empty_like(slot_M).scatter_(0, perm_M, slot_M)
+    expert_slot = expert_slot[:_num_rows(offsets, T * k)]
     return RoutingIndex(
         expert_token_indices=(expert_slot // k).int(),
         expert_token_offsets=offsets.int(),

@@ -140,11 +140,14 @@ def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
         tl.free(clamp)
         row_tk = tl.alloc("idx.row_TK", C * K * 8)
         tl.free(gath)
+        sentinel = tl.alloc("idx.sentinel", C * K)
+        rank = tl.alloc("idx.sentinel_rank", C * K * 8)
+        perm = tl.alloc("idx.perm", C * K * 8)
+        tl.free(rank)
         slot = tl.alloc("idx.slot_arange", C * K * 8)
-        eslot = tl.alloc("idx.expert_slot64", S * 8)
-        a, b = tl.alloc("idx.rows_sel", S * 8), tl.alloc("idx.slots_sel", S * 8)
-        tl.free(a, b)
-        locals_ = [valid, safe, dense, counts, offs64, row_te, row_tk, slot, eslot]
+        eslot = tl.alloc("idx.expert_slot64", C * K * 8)  # scattered over all C·k slots
+        locals_ = [valid, safe, dense, counts, offs64, row_te, row_tk, sentinel, perm, slot,
+                   eslot]
     else:  # argsort builder (used when C·E > SORT_FREE_MAX_CELLS); sort temporaries approximated
         ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
         valid = tl.alloc("idx.valid", C * K)
@@ -153,7 +156,9 @@ def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
         values = tl.alloc("idx.sort_values", C * K * 8)
         order = tl.alloc("idx.order", C * K * 8)
         tl.free(values)
-        counts = tl.alloc("idx.counts", (E + 1) * 8)
+        shifted = tl.alloc("idx.shifted_ids", C * K * 8)  # count_per_expert
+        counts = tl.alloc("idx.counts", (E + 2) * 8)
+        tl.free(shifted)
         offs64 = tl.alloc("idx.offsets64", (E + 1) * 8)
         tl.free(tl.alloc("idx.counts_cumsum", E * 8))
         row = tl.alloc("idx.row_of_slot", C * K * 8)

@@ -36,12 +36,12 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         out["w32"] = tl.alloc("router.w_fp32", E * D * r)
     out["logits"] = tl.alloc("router.logits", T * E * r)
     out["scores"] = tl.alloc("router.scores", T * E * r)
-    select = None
-    if s.moe.skew_hot_experts and s.moe.skew_bias > 0:  # scores + selection bias (a new tensor)
-        cast = tl.alloc("router.bias_fp32", E * r) if s.cast else None
-        select = tl.alloc("router.biased_scores", T * E * r)
-        if cast:
-            tl.free(cast)
+    # selection: where(bias.any(), scores + bias, logits); the bias buffer stays fp32
+    biased = tl.alloc("router.biased_scores", T * E * r)
+    flag = tl.alloc("router.bias_any", 1)
+    select = tl.alloc("router.selection", T * E * r)
+    tl.free(flag)
+    tl.free(biased)
     # top-k as a stable descending sort (ties → lower expert id), then a (T, k) copy
     values = tl.alloc("router.sort_values", T * E * r)
     order = tl.alloc("router.sort_order", T * E * 8)
@@ -51,11 +51,15 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         tl.free(order)
     else:  # [:, :E].contiguous() is the sort order itself
         out["index"] = order
+    tl.free(select)
     out["gathered"] = tl.alloc("router.top_k_scores", T * K * r)
     weights = out["gathered"]
     if s.moe.renormalize:
         out["sum"] = tl.alloc("router.renorm_sum", T * r)
         weights = out["div"] = tl.alloc("router.renorm_weights", T * K * r)
+    shifted = tl.alloc("router.shifted_ids", T * K * 8)  # count_per_expert
+    out["counts"] = tl.alloc("router.tokens_per_expert", (E + 2) * 8)
+    tl.free(shifted)
     if s.cast:
         out["weights"] = tl.alloc("router.weights", T * K * s.dt)
         if s.moe.renormalize:  # the fp32 quotient is not saved (div keeps its inputs)
@@ -66,9 +70,6 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
             del out["gathered"]
     else:
         out["weights"] = weights
-    out["counts"] = tl.alloc("router.tokens_per_expert", (E + 1) * 8)
-    if select:
-        tl.free(select)
     return out
 
 
@@ -76,20 +77,19 @@ def losses_forward(tl: Timeline, s: Shape) -> dict[str, str]:
     """load_balancing_loss and z_loss on the router logits."""
     T, E, K, r = s.T, s.moe.num_experts, s.moe.top_k, s.r
     out = {"probs": tl.alloc("lbl.probs", T * E * r)}
-    ge, lt = tl.alloc("lbl.ge", T * K), tl.alloc("lbl.lt", T * K)
-    both = tl.alloc("lbl.valid", T * K)
-    tl.free(ge, lt)
-    ids = tl.alloc("lbl.ids", T * K * 8)
-    tl.free(both)
-    counts = tl.alloc("lbl.counts", (E + 1) * 8)
     p = tl.alloc("lbl.p", E * r)
+    shifted = tl.alloc("lbl.shifted_ids", T * K * 8)  # count_per_expert
+    counts = tl.alloc("lbl.counts", (E + 2) * 8)
+    tl.free(shifted)
     cast = tl.alloc("lbl.counts_fp32", E * r)
+    tl.free(counts)
     out["f"] = tl.alloc("lbl.f", E * r)
     tl.free(cast)
-    tl.free(tl.alloc("lbl.f_times_p", E * r))
-    tl.free(tl.alloc("lbl.sum", 4))
+    product = tl.alloc("lbl.f_times_p", E * r)
+    total = tl.alloc("lbl.sum", 4)
+    tl.free(product)
     out["lbl"] = tl.alloc("aux.load_balancing_loss", 4)
-    tl.free(ids, counts, p)
+    tl.free(total, p)
     out["lse"] = tl.alloc("z.logsumexp", T * r)
     square = tl.alloc("z.square", T * r)
     out["z"] = tl.alloc("aux.z_loss", 4)

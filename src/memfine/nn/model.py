@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memfine._checks import check_tensor
 from memfine.config import ModelConfig
 from memfine.nn.moe import MoEAux, MoELayer
 from memfine.routing import update_selection_bias
@@ -213,10 +214,9 @@ class MoETransformerLM(nn.Module):
             raise ValueError(f"input_ids must hold at least one token, got shape "
                              f"{tuple(input_ids.shape)}")
         V = self.config.vocab_size
-        lo, hi = int(input_ids.min()), int(input_ids.max())
-        if lo < 0 or hi >= V:
-            raise ValueError(f"input_ids must lie in [0, vocab_size={V}), got values in "
-                             f"[{lo}, {hi}]")
+        check_tensor(((input_ids >= 0) & (input_ids < V)).all(),
+                     f"input_ids must lie in [0, vocab_size={V})",
+                     lambda: f", got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
         x_BQD = self.embed(input_ids)
         auxes = []
         for block in self.blocks:

@@ -112,6 +112,28 @@ class MoELayer(nn.Module):
         E = self.config.num_experts
         return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
 
+    def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor) -> int:
+        """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
+
+        Runs outside ``torch.compile`` (``torch.compiler.disable`` while compiling; applied at
+        the call, so importing memfine does not load Dynamo): the decision needs s″ as a
+        host number (one ``.item()``), and c decides how many chunks the graph holds. A compiled
+        layer with a budget therefore has one graph break here (docs/compile.md), and one graph
+        per chunk count c in use (at most one per bin).
+
+        Args:
+            x_TD: (T, d) activations (T and the element size enter the memory model).
+            top_k_index: (T, k) int64 expert ids.
+
+        Returns:
+            c ≥ 1.
+
+        Raises:
+            ValueError: from the policy when the budget cannot be met.
+        """
+        recv = self.received_rows(top_k_index)
+        return self.policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+
     def run_experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                     top_k_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Expert part on routed tokens; returns ``(out_TD, num_chunks)``. Overridable hook.
@@ -132,8 +154,13 @@ class MoELayer(nn.Module):
         Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode.
         """
         policy = self.policy
-        recv = self.received_rows(top_k_index) if policy.budgeted else 0
-        num_chunks = policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+        if policy.budgeted:
+            decide = self.budgeted_num_chunks
+            if torch.compiler.is_compiling():  # run eagerly (one graph break; docs/compile.md)
+                decide = torch.compiler.disable(decide)
+            num_chunks = decide(x_TD, top_k_index)
+        else:
+            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
         out_TD = self.experts(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                               recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks
@@ -169,7 +196,8 @@ class MoELayer(nn.Module):
                 left out of counts and losses.
 
         Returns:
-            ``(out, aux)``: out has x's shape and dtype.
+            ``(out, aux)``: out has x's shape and dtype (inside ``torch.autocast`` the
+            autocast dtype, as the experts follow autocast; the router stays fp32).
 
         Raises:
             ValueError: if x's last dimension is not d or the mask shape does not match.

@@ -145,7 +145,8 @@ def _gated_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, spec: GatedActi
     gate_SN, up_SN = _clamped(raw_gate_SN, raw_up_SN, spec)
     grad_h_SG = torch.empty_like(h_in)
     grad_gate_SN, grad_up_SN = _split_gated(grad_h_SG, spec)
-    torch.mul(grad_a, _gate_value(gate_SN, spec), out=grad_up_SN)
+    # copy_ into the view, not out=: torch.compile traces no out= into a non-contiguous view.
+    grad_up_SN.copy_(_gate_value(gate_SN, spec).mul_(grad_a))
     if spec.up_offset != 0.0:
         up_SN = up_SN + spec.up_offset
     grad_gate_SN.copy_(_gate_backward(grad_a * up_SN, gate_SN, spec))

@@ -10,6 +10,7 @@ Reference: MoEBlaze §4 (combine through token_index_map); docs/design.md §3.
 from __future__ import annotations
 
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 def gather_rows(x_TD: torch.Tensor, expert_token_indices_S: torch.Tensor) -> torch.Tensor:
@@ -24,7 +25,9 @@ def slot_rows(rows_SD: torch.Tensor, token_index_map_TK: torch.Tensor) -> torch.
     """
     S, D = rows_SD.shape
     T, K = token_index_map_TK.shape
-    if S == 0:  # every slot is a sentinel: read a zero row, keeping the autograd graph
+    # S == 0 (every slot a sentinel): read a zero row, keeping the autograd graph. Under
+    # torch.compile S is a symbolic size that may be 0, so the compiled graph keeps the row.
+    if not statically_known_true(S >= 1):
         rows_SD = torch.cat([rows_SD, rows_SD.new_zeros(1, D)])
     valid_TK = token_index_map_TK >= 0
     idx_M = token_index_map_TK.clamp(min=0).reshape(-1).long()

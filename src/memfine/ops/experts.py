@@ -6,7 +6,7 @@ Reference: docs/design.md §3, §5.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -72,6 +72,43 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
                              f"got {bias.dtype}")
 
 
+def autocast_operands(x_TD: torch.Tensor, *operands: torch.Tensor | None
+                      ) -> tuple[Any, ...]:
+    """Cast x and the expert weights to the autocast dtype when autocast is on for their device.
+
+    The experts follow ``torch.autocast`` as ``nn.Linear`` does: inside a region with dtype
+    bf16 (or fp16) the floating operands other than float64 are cast to it, so the grouped GEMMs
+    run in bf16 and the expert path saves bf16 x and H. The cast happens here, before the
+    autograd Function, whose forward and backward then see one dtype. The fp32 master weights are
+    not modified; their gradients come back through the cast in fp32. Outside autocast (or for
+    operands already in the autocast dtype) nothing is cast.
+
+    Args:
+        x_TD: (T, d) activations; its device selects the autocast state.
+        *operands: the expert weights and biases (``w_up`` (E, d, G), ``w_down`` (E, n, d),
+            optional biases; None passes through).
+
+    Returns:
+        ``(x_TD, *operands)``, cast or as given.
+
+    Memory: the casts of the weights are new tensors ((E·d·G + E·n·d)·2 bytes for bf16) that the
+    expert Function keeps for backward, as autocast's weight cache keeps the bf16 copy of an
+    ``nn.Linear`` weight; bf16 parameters (``module.to(torch.bfloat16)``) need no copy.
+    """
+    device_type = x_TD.device.type
+    if not (torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return (x_TD, *operands)
+    dtype = torch.get_autocast_dtype(device_type)
+
+    def cast(t: torch.Tensor | None) -> torch.Tensor | None:
+        if t is None or not t.is_floating_point() or t.dtype == torch.float64:
+            return t
+        return t.to(dtype)
+
+    return (cast(x_TD), *(cast(t) for t in operands))
+
+
 def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
                   w_up_EDG: UpWeights, w_down_END: torch.Tensor,
                   activation: Activation = "swiglu", backend: str = "auto",
@@ -134,7 +171,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         b_down_ED: optional (E, d) down-projection bias in x's dtype.
 
     Returns:
-        (T, d) tensor in x's dtype; rows of tokens whose slots are all sentinels are exactly 0.
+        (T, d) tensor in x's dtype (in the autocast dtype inside ``torch.autocast``, see
+        :func:`autocast_operands`); rows of tokens whose slots are all sentinels are exactly 0.
 
     Raises:
         ValueError: on shape/dtype mismatches, an unknown impl, backend or activation.
@@ -145,6 +183,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    x_TD, w_up_EDG, w_down_END, b_up_EG, b_down_ED = autocast_operands(
+        x_TD, w_up_EDG, w_down_END, b_up_EG, b_down_ED)
     check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation,
                         b_up_EG, b_down_ED)
     weights_TK = top_k_weights.to(x_TD.dtype)

@@ -9,15 +9,20 @@ Rows of expert e are [offsets[e], offsets[e+1]). Backends:
   ``memfine::grouped_mm_loop`` / ``memfine::grouped_weight_grad_loop`` custom ops, whose fake
   impls give output shapes without reading the offsets (FakeTensorMode / meta estimates).
 - ``triton``: optional GPU kernels (``memfine[triton]``), loaded only when chosen.
-``auto`` picks ``grouped_mm`` when its rules hold, else ``loop`` (also for fp32 fake/meta tensors,
-whose ``_grouped_mm`` meta kernel accepts bf16 only).
+``auto`` picks ``grouped_mm`` when its rules hold, else ``loop``. The choice reads only facts
+fixed at trace time (dtype, device, shapes, strides), never whether a tensor is fake, so eager,
+``FakeTensorMode`` and ``torch.compile`` take the same path.
+
+``torch._grouped_mm``'s meta kernel (what ``torch.compile`` and ``FakeTensorMode`` run) accepts
+bf16 only, although the CPU kernel also computes fp32. fp32 operands therefore reach it through
+the ``memfine::grouped_mm_aten`` custom op, whose fake impl gives the output shape; bf16 operands
+call ``torch._grouped_mm`` directly, so a compiler sees (and may replace) the ATen op.
 Reference: docs/design.md §8 (grouped_mm rules measured on CPU).
 """
 
 from __future__ import annotations
 
 import torch
-from torch._subclasses.fake_tensor import is_fake
 
 BACKENDS = ("auto", "grouped_mm", "loop", "triton")
 _GMM_DTYPES = (torch.float32, torch.bfloat16)
@@ -28,10 +33,6 @@ def _strides_aligned(t: torch.Tensor) -> bool:
     size = t.element_size()
     return all(stride * size % _GMM_ALIGN_BYTES == 0
                for stride, dim in zip(t.stride(), t.shape, strict=True) if stride != 1 and dim > 1)
-
-
-def _shape_only(t: torch.Tensor) -> bool:
-    return t.device.type == "meta" or is_fake(t)
 
 
 def grouped_mm_supported(x_SI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
@@ -62,14 +63,39 @@ def resolve_backend(backend: str, x_SI: torch.Tensor, w_EIO: torch.Tensor) -> st
     if backend not in BACKENDS:
         raise ValueError(f"gemm backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        meta_fp32 = _shape_only(x_SI) and x_SI.dtype != torch.bfloat16
-        return "grouped_mm" if grouped_mm_supported(x_SI, w_EIO) and not meta_fp32 else "loop"
+        return "grouped_mm" if grouped_mm_supported(x_SI, w_EIO) else "loop"
     if backend == "grouped_mm" and not grouped_mm_supported(x_SI, w_EIO):
         raise ValueError(
             "gemm backend 'grouped_mm' needs fp32/bf16 operands whose row lengths × itemsize "
             f"are multiples of 16 bytes; got x {tuple(x_SI.shape)} {x_SI.dtype}, "
             f"w {tuple(w_EIO.shape)} {w_EIO.dtype}; use 'auto' or 'loop'")
     return backend
+
+
+# dtypes whose ``torch._grouped_mm`` meta kernel gives shapes; others go through the custom op.
+_GMM_META_DTYPES = (torch.bfloat16,)
+
+
+@torch.library.custom_op("memfine::grouped_mm_aten", mutates_args=())
+def _grouped_mm_aten(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return torch._grouped_mm(a, b, offs=offs).contiguous()
+
+
+@_grouped_mm_aten.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    if b.dim() == 3:  # (S, I) x (E, I, O) -> (S, O)
+        return a.new_empty(a.shape[0], b.shape[-1])
+    return a.new_empty(offs.shape[0], a.shape[0], b.shape[-1])  # (I, S) x (S, O) -> (E, I, O)
+
+
+def _aten_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E1: torch.Tensor
+                     ) -> torch.Tensor:
+    """``torch._grouped_mm`` with cumulative ends ``offsets[1:]``; see the module docstring."""
+    offs_E = offsets_E1[1:].int()
+    if a.dtype in _GMM_META_DTYPES:
+        return torch._grouped_mm(a, b, offs=offs_E)
+    out: torch.Tensor = torch.ops.memfine.grouped_mm_aten(a, b, offs_E)
+    return out
 
 
 @torch.library.custom_op("memfine::grouped_mm_loop", mutates_args=())
@@ -128,7 +154,7 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
     """
     backend = resolve_backend(backend, x_SI, w_EIO)
     if backend == "grouped_mm":
-        return torch._grouped_mm(x_SI.contiguous(), w_EIO, offs=offsets_E1[1:].int())
+        return _aten_grouped_mm(x_SI.contiguous(), w_EIO, offsets_E1)
     if backend == "triton":
         from memfine.ops.triton import grouped_mm as triton_grouped_mm
 
@@ -173,7 +199,7 @@ def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1:
     w_like = x_SI.new_empty(1, x_SI.shape[-1], grad_y_SO.shape[-1])
     backend = resolve_backend(backend, x_SI, w_like) if backend != "triton" else "loop"
     if backend == "grouped_mm":
-        return torch._grouped_mm(x_SI.t(), grad_y_SO.contiguous(), offs=offsets_E1[1:].int())
+        return _aten_grouped_mm(x_SI.t(), grad_y_SO.contiguous(), offsets_E1)
     out: torch.Tensor = torch.ops.memfine.grouped_weight_grad_loop(
         x_SI, grad_y_SO, offsets_E1, num_experts)
     return out

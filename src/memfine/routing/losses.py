@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from memfine.routing.precision import count_per_expert, fp32_routing
+
 
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     """Upcast to at least fp32 (float64 stays float64)."""
@@ -51,10 +53,26 @@ def check_token_mask(valid_mask: torch.Tensor | None, num_tokens: int,
     return valid_mask.bool()
 
 
-def _valid_rows(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:
-    return x_T if valid_mask_T is None else x_T[valid_mask_T]
+def _select_valid(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits with padding rows replaced by 0 (selection: NaN/inf there never propagate)."""
+    logits_TE = _fp32(logits_TE)
+    return logits_TE if valid_mask_T is None else torch.where(valid_mask_T[:, None], logits_TE, 0)
 
 
+def _masked_mean(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:
+    """Mean over the valid rows of x (dim 0), 0 when there is none.
+
+    Padding rows are removed by selection (``torch.where``), not by indexing, so the shapes do
+    not depend on the mask (``torch.compile`` traces it without a data-dependent size).
+    """
+    if valid_mask_T is None:
+        return x_T.mean(0) if x_T.shape[0] else x_T.sum(0)
+    mask = valid_mask_T.reshape(-1, *([1] * (x_T.dim() - 1)))
+    total = torch.where(mask, x_T, 0).sum(0)
+    return total / valid_mask_T.sum().clamp(min=1).to(x_T.dtype)
+
+
+@fp32_routing
 def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
                         valid_mask_T: torch.Tensor | None = None, *,
                         counts_E: torch.Tensor | None = None) -> torch.Tensor:
@@ -89,24 +107,21 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
     T, E = logits_TE.shape
     k = top_k_index_TK.shape[-1]
     valid_mask_T = check_token_mask(valid_mask_T, T)
-    probs_TE = _valid_rows(_fp32(logits_TE).softmax(-1), valid_mask_T)
-    index_TK = _valid_rows(top_k_index_TK, valid_mask_T)
-    t_valid = probs_TE.shape[0]
-    if t_valid == 0:
-        return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
-    p_E = probs_TE.mean(0)
+    p_E = _masked_mean(_select_valid(logits_TE, valid_mask_T).softmax(-1), valid_mask_T)
     if counts_E is not None:
         if counts_E.shape != (E,):
             raise ValueError(f"counts_E must be (E,) with E={E}, got {tuple(counts_E.shape)}")
         f_E = counts_E.to(p_E.dtype) / counts_E.sum().clamp(min=1).to(p_E.dtype)
         return E * (f_E * p_E).sum()
-    ids_M = index_TK.reshape(-1).long()
-    ids_M = torch.where((ids_M >= 0) & (ids_M < E), ids_M, E)  # sentinels → spare bin E
-    local_E = torch.bincount(ids_M, minlength=E + 1)[:E]
-    f_E = local_E.to(p_E.dtype) / (t_valid * k)
+    index_TK = top_k_index_TK
+    if valid_mask_T is not None:  # padding slots → sentinel E (not counted)
+        index_TK = torch.where(valid_mask_T[:, None], top_k_index_TK, E)
+    t_valid = max(T, 1) if valid_mask_T is None else valid_mask_T.sum().clamp(min=1)
+    f_E = count_per_expert(index_TK, E).to(p_E.dtype) / (t_valid * k)
     return E * (f_E * p_E).sum()
 
 
+@fp32_routing
 def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) -> torch.Tensor:
     """Router z-loss mean(logsumexp(logits)²) in fp32.
 
@@ -127,12 +142,11 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be (T, E), got {tuple(logits_TE.shape)}")
     valid_mask_T = check_token_mask(valid_mask_T, logits_TE.shape[0])
-    lse_T = _valid_rows(torch.logsumexp(_fp32(logits_TE), dim=-1), valid_mask_T)
-    if lse_T.numel() == 0:
-        return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
-    return (lse_T ** 2).mean()
+    lse_T = torch.logsumexp(_select_valid(logits_TE, valid_mask_T), dim=-1)
+    return _masked_mean(lse_T ** 2, valid_mask_T)
 
 
+@fp32_routing
 def sequence_balance_loss(scores_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
                           seq_len: int, valid_mask_T: torch.Tensor | None = None
                           ) -> torch.Tensor:

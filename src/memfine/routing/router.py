@@ -16,6 +16,7 @@ from torch import nn
 from memfine.config import DropPolicy, MoEConfig, ScoreFunc
 from memfine.routing.capacity import capacity_keep_mask, expert_capacity
 from memfine.routing.groups import group_limited_scores, top_k_lowest_index
+from memfine.routing.precision import FP32BuffersMixin, count_per_expert, fp32_routing
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -123,15 +124,16 @@ def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
 def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int,
             selection_bias_E: torch.Tensor | None, options: RouteOptions) -> torch.Tensor:
     """(T, k) int64 selected experts: biased scores, group limit, top-k (lowest index on ties)."""
-    if selection_bias_E is None and options.n_group == 1:
-        # Softmax and sigmoid are monotone in each logit: rank by logit, which stays ordered
-        # where the scores underflow to 0 (group scores are sums of scores, not of logits, and
-        # a bias is added to scores, so those rank on the scores).
+    # Softmax and sigmoid are monotone in each logit: without a bias or groups, rank by logit,
+    # which stays ordered where the scores underflow to 0. Group scores are sums of scores and a
+    # bias is added to scores, so those rank on the scores.
+    select_TE = scores_TE.detach()
+    if selection_bias_E is not None:
+        select_TE = select_TE + selection_bias_E.to(select_TE.dtype)
+        if options.n_group == 1:  # a zero bias ranks by logit; chosen on device, no host read
+            select_TE = torch.where(selection_bias_E.any(), select_TE, logits_TE.detach())
+    elif options.n_group == 1:
         select_TE = logits_TE.detach()
-    else:
-        select_TE = scores_TE.detach()
-        if selection_bias_E is not None:
-            select_TE = select_TE + selection_bias_E.to(select_TE.dtype)
     select_TE = group_limited_scores(select_TE, options.n_group, options.topk_group)
     return top_k_lowest_index(select_TE, top_k)
 
@@ -168,6 +170,7 @@ def _kept_pairs(selected_TK: torch.Tensor, weights_TK: torch.Tensor, E: int,
     return keep_TK, ids_TK.lt(E).sum() - keep_TK.sum()
 
 
+@fp32_routing
 def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softmax",
           renormalize: bool = True, selection_bias_E: torch.Tensor | None = None,
           valid_mask_T: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
@@ -176,10 +179,11 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     """Select k experts per token from router logits, in fp32.
 
     Order: scores (softmax over E, or sigmoid) → selection scores (scores + selection bias;
-    without bias and groups the logits: the same order, kept where scores underflow to equal
-    values) → group limit → top-k, ties to the lower
-    expert index → weights from the unbiased scores, renormalised → × routed scaling factor →
-    capacity (dropped pairs become the sentinel E with weight 0, chosen by selection) → padding.
+    without groups and with no or an all-zero bias the logits: the same order, kept where
+    scores underflow to equal values; the zero test runs on the device, no host read) → group
+    limit → top-k, ties to the lower expert index → weights from the unbiased scores,
+    renormalised → × routed scaling factor → capacity (dropped pairs become the sentinel E with
+    weight 0, chosen by selection) → padding.
 
     Args:
         logits_TE: (T, E) router logits, any float dtype (upcast to fp32 here; float64 stays).
@@ -225,15 +229,19 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     if keep_TK is not None:
         top_k_index_TK = torch.where(keep_TK, selected_TK, E)
         weights_TK = torch.where(keep_TK, weights_TK, 0.0)
-    counts = torch.bincount(top_k_index_TK.reshape(-1), minlength=E + 1)[:E]
+    counts = count_per_expert(top_k_index_TK, E)
     return RoutingResult(top_k_index=top_k_index_TK, top_k_weights=weights_TK.to(out_dtype),
                          logits=logits_TE, scores=scores_TE, tokens_per_expert=counts,
                          valid_mask=valid_mask_T, selected_index=selected_TK,
                          dropped_pairs=dropped)
 
 
-class TopKRouter(nn.Module):
+class TopKRouter(FP32BuffersMixin):
     """Linear router x·W_rᵀ computed in fp32, followed by :func:`route`.
+
+    Everything runs in fp32 with autocast disabled (:func:`fp32_routing`), also inside a
+    ``torch.autocast`` region; the selection bias stays an fp32 buffer through
+    ``module.to(dtype)`` (:class:`FP32BuffersMixin`).
 
     Args:
         hidden_size: d.
@@ -251,7 +259,8 @@ class TopKRouter(nn.Module):
         replay: the :class:`memfine.routing.replay.RoutingReplay` of this router.
 
     Side effects: a grad-enabled forward records its selection for routing replay; a forward
-    inside a backward pass (a user's activation-checkpoint recompute) replays it.
+    inside a backward pass (a user's activation-checkpoint recompute) replays it (eager only;
+    skipped while ``torch.compile`` traces, see docs/compile.md).
 
     Reference: docs/design.md §2; Switch Transformer §2.4 (jitter).
     """
@@ -283,6 +292,7 @@ class TopKRouter(nn.Module):
         """Initialise the router weight with N(0, 0.02²)."""
         nn.init.normal_(self.weight, std=0.02)
 
+    @fp32_routing
     def forward(self, x_TD: torch.Tensor, valid_mask_T: torch.Tensor | None = None
                 ) -> RoutingResult:
         """Route T tokens.
@@ -307,13 +317,16 @@ class TopKRouter(nn.Module):
             x_in = x_in * noise_TD
         logits_TE = F.linear(x_in, self.weight.to(dtype))
         bias = self.selection_bias
-        replay = self.replay.take(x_TD.shape[0]) if in_backward() else None
+        # Replay's Python state and graph-task query are not traceable: eager only
+        # (docs/compile.md, "Routing options and routing replay").
+        tracked = not torch.compiler.is_compiling()
+        replay = self.replay.take(x_TD.shape[0]) if tracked and in_backward() else None
         result = route(logits_TE, self.top_k, score_func=self.score_func,
                        renormalize=self.renormalize,
-                       selection_bias_E=bias if bool(bias.any()) else None,
+                       selection_bias_E=bias,  # a zero bias selects as none: no host read
                        valid_mask_T=valid_mask_T, out_dtype=x_TD.dtype, options=self.options,
                        replay=replay)
-        if replay is None and result.top_k_weights.requires_grad:
+        if tracked and replay is None and result.top_k_weights.requires_grad:
             result = dataclasses.replace(result,
                                          top_k_weights=self.replay.record(result))
         return result

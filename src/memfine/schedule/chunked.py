@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfine.config import MoEConfig, Recompute
 from memfine.dispatch import build_routing_index
-from memfine.ops import run_experts
+from memfine.ops import autocast_operands, run_experts
 
 ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """One chunk's expert part: ``(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``."""
@@ -169,8 +169,9 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
         recompute: ``none``, ``experts`` or ``full`` (see the module docstring).
 
     Returns:
-        (T, d) in x's dtype, equal to the unchunked :func:`memfine.ops.run_experts` up to the
-        summation order of the weight gradients.
+        (T, d) in x's dtype (the autocast dtype inside ``torch.autocast``: see
+        :func:`memfine.ops.experts.autocast_operands`), equal to the unchunked
+        :func:`memfine.ops.run_experts` up to the summation order of the weight gradients.
 
     Raises:
         ValueError: as :func:`run_chunked` and :func:`memfine.ops.run_experts`.
@@ -181,6 +182,8 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
 
     Reference: MemFine §4; docs/design.md §4.
     """
+    # Under torch.autocast: x and the weights are cast once per layer call, not once per chunk.
+    x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, w_up_EDG, w_down_END)
     fn = local_expert_fn(w_up_EDG, w_down_END, moe)
     return run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                        recompute=recompute)

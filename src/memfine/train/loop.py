@@ -38,6 +38,7 @@ from memfine.train.checkpoint import (
     set_rng_state,
 )
 from memfine.train.data import ByteCorpus, decode, train_batch, unigram_entropy, val_batches
+from memfine.train.execution import autocast_region, step_forward
 from memfine.train.metrics import (
     METRICS_NAME,
     MetricsLog,
@@ -53,7 +54,7 @@ SAMPLE_TEMPERATURE = 0.8
 SAMPLE_PROMPT_BYTES = 48
 # Fields a resumed run may change; everything else must match the checkpoint.
 RESUMABLE_FIELDS = ("max_steps", "eval_every", "eval_batches", "log_every", "sample_tokens",
-                    "device")
+                    "device", "compile")
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,9 +234,13 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
     device, dtype = torch.device(config.device), getattr(torch, config.dtype)
     model = MoETransformerLM(config.model).to(device=device, dtype=dtype)
     if parallel is not None:
+        if config.compile:
+            raise ValueError("--compile does not combine with expert parallelism (--ep): the "
+                             "all-to-all exchange runs eagerly")
         parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
         parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
+    forward = step_forward(model, config)
     start = _restore(payload, ckpt_path, model, optimizer, scheduler, parallel) if payload else 0
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
@@ -274,11 +279,12 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                                          step=step_index)
                 if parallel is not None:
                     x_BQ, y_BQ = parallel.shard_batch(x_BQ, y_BQ)
-                out = model(x_BQ.to(device), y_BQ.to(device))
-                loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
-                        + moe.z_loss_coef * out.z_loss)
-                if moe.seq_aux_loss_coef > 0:
-                    loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
+                with autocast_region(device, config):
+                    out = forward(x_BQ.to(device), y_BQ.to(device))
+                    loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
+                            + moe.z_loss_coef * out.z_loss)
+                    if moe.seq_aux_loss_coef > 0:
+                        loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 clip = torch.nn.utils.clip_grad_norm_

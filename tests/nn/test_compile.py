@@ -1,0 +1,200 @@
+"""torch.compile of MoELayer and MoETransformerLM: equal to eager, documented graph breaks,
+no recompilation when other experts are empty (docs/compile.md).
+
+Inductor compiles take tens of seconds on a CPU, so the default suite compiles a few
+configurations with inductor and the rest with ``aot_eager`` (the same Dynamo graph and AOT
+autograd, without inductor's code generation); ``-m slow`` runs every case with inductor.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from torch._dynamo.utils import counters
+
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig
+from memfine.nn import MoELayer, MoETransformerLM
+from tolerances import assert_close
+
+DOCS = Path(__file__).parents[2] / "docs" / "compile.md"
+MOE = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
+BUDGET = ChunkConfig(memory_budget_bytes=75_000)  # MACT picks c = 4 for T = 16 (fp32)
+C3 = ChunkConfig(num_chunks=3, recompute="experts")
+
+# Graph-break sites of a compiled MoELayer under dynamo.explain, as docs/compile.md lists them
+# (capture_scalar_outputs on). A new break must be documented there and counted here.
+DOCUMENTED_BREAKS = {"c1": 0, "c3-recompute": 0, "c3-none": 0, "plain": 0, "budget": 1,
+                     "biased": 0, "groups-capacity": 0, "shared-seq": 0}
+ROUTING_CASES = {  # routing options: selection bias; groups + capacity; shared experts + L_seq
+    "biased": {"skew_hot_experts": 1, "skew_bias": 0.05},
+    "groups-capacity": {"score_func": "sigmoid", "n_group": 2, "topk_group": 1,
+                        "routed_scaling_factor": 2.5, "capacity_factor": 1.0},
+    "shared-seq": {"num_shared_experts": 1, "shared_expert_gate": True,
+                   "seq_aux_loss_coef": 0.01},
+}
+LAYER_CASES = {
+    "c1": (MOE, None),
+    "c3-recompute": (MOE, C3),
+    "c3-none": (MOE, ChunkConfig(num_chunks=3, recompute="none")),
+    "plain": (MoEConfig(**{**MOE.to_dict(), "experts_impl": "plain"}), None),
+    "budget": (MOE, BUDGET),
+    **{name: (MoEConfig(**{**MOE.to_dict(), **options}), None)
+       for name, options in ROUTING_CASES.items()},
+}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    dynamo.reset()
+    counters.clear()
+
+
+def _layer(case: str, dtype: torch.dtype = torch.float32) -> MoELayer:
+    moe, chunk = LAYER_CASES[case]
+    return MoELayer(moe, chunk=chunk).to(dtype)
+
+
+def _step(fn: object, layer: MoELayer, x: torch.Tensor) -> list[torch.Tensor]:
+    """Forward + backward of out² + aux losses; returns out, aux values and every gradient."""
+    x = x.detach().requires_grad_(True)
+    layer.zero_grad(set_to_none=True)
+    out, aux = fn(x)  # type: ignore[operator]
+    loss = out.float().square().sum() + aux.load_balancing_loss + aux.z_loss
+    loss.backward()
+    grads = [p.grad for p in layer.parameters()]
+    assert all(g is not None for g in grads)
+    return [out.detach(), aux.load_balancing_loss.detach(), aux.z_loss.detach(),
+            aux.tokens_per_expert, x.grad, *grads]
+
+
+def _check_equal_to_eager(case: str, dtype: torch.dtype, backend: str) -> None:
+    layer = _layer(case, dtype)
+    x = torch.randn(2, 8, MOE.hidden_size, dtype=dtype)
+    want = _step(layer, layer, x)
+    fullgraph = DOCUMENTED_BREAKS[case] == 0
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(layer, backend=backend, fullgraph=fullgraph)
+        got = _step(compiled, layer, x)
+    assert torch.equal(got[3], want[3])  # tokens_per_expert: same routing
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close(g, w, grad=i >= 4, dtype=dtype, msg=f"{case} tensor {i}")
+
+
+@pytest.mark.parametrize(("case", "dtype"), [
+    pytest.param("c1", torch.float32, id="fp32-c1"),
+    pytest.param("c1", torch.bfloat16, id="bf16-c1"),
+    pytest.param("c3-recompute", torch.float32, id="fp32-c3-recompute"),
+    pytest.param("budget", torch.float32, id="fp32-budget"),
+])
+def test_layer_inductor_equals_eager(case: str, dtype: torch.dtype) -> None:
+    _check_equal_to_eager(case, dtype, "inductor")
+
+
+@pytest.mark.parametrize(("case", "dtype"), [
+    pytest.param("plain", torch.float32, id="fp32-plain"),
+    pytest.param("c3-none", torch.bfloat16, id="bf16-c3-none"),
+])
+def test_layer_aot_eager_equals_eager(case: str, dtype: torch.dtype) -> None:
+    _check_equal_to_eager(case, dtype, "aot_eager")
+
+
+@pytest.mark.parametrize("case", list(ROUTING_CASES))
+def test_routing_options_compile_whole_and_equal_eager(case: str) -> None:
+    """Bias, groups, capacity, scaling, shared experts: one graph, eager's values and grads."""
+    _check_equal_to_eager(case, torch.float32, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", list(LAYER_CASES))
+def test_layer_inductor_equals_eager_all_cases(case: str, dtype: torch.dtype) -> None:
+    _check_equal_to_eager(case, dtype, "inductor")
+
+
+def test_budget_picks_a_chunk_count_above_one() -> None:
+    """The budget case exercises MACT: its chunk count is above the trivial c = 1."""
+    _, aux = _layer("budget")(torch.randn(2, 8, MOE.hidden_size))
+    assert aux.num_chunks == 4
+
+
+def _documented_breaks() -> dict[str, int]:
+    rows = re.findall(r"^\| `(\S+)` \| (\d+) \|", DOCS.read_text(encoding="utf-8"), re.M)
+    return {name: int(count) for name, count in rows}
+
+
+def test_graph_breaks_do_not_exceed_the_documented_number() -> None:
+    assert _documented_breaks() == DOCUMENTED_BREAKS  # docs/compile.md and this test agree
+    x = torch.randn(2, 8, MOE.hidden_size)
+    for case, documented in DOCUMENTED_BREAKS.items():
+        dynamo.reset()
+        with dynamo.config.patch(capture_scalar_outputs=True):
+            explained = dynamo.explain(_layer(case))(x)
+        sites = {str(r.user_stack[-1]) for r in explained.break_reasons}
+        assert len(sites) <= documented, (case, [r.reason for r in explained.break_reasons])
+
+
+def test_no_recompile_when_other_experts_are_empty() -> None:
+    """Steps whose routing leaves different experts empty reuse one graph (S is unbacked)."""
+    layer = _layer("c1")
+    x = torch.randn(2, 8, MOE.hidden_size)
+    seen = []
+    with dynamo.config.patch(capture_scalar_outputs=True, error_on_recompile=True):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        for hot in ([0, 1], [2, 3], [1, 2], []):
+            with torch.no_grad():
+                layer.router.selection_bias.zero_()
+                layer.router.selection_bias[hot] = 10.0
+            out, aux = compiled(x)
+            out.sum().backward()
+            seen.append(aux.tokens_per_expert.tolist())
+    assert seen[0] == [16, 16, 0, 0] and seen[1] == [0, 0, 16, 16] and seen[2] == [0, 16, 16, 0]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def _model(chunk: ChunkConfig) -> MoETransformerLM:
+    moe = MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2)
+    model = MoETransformerLM(ModelConfig(vocab_size=32, num_layers=2, num_heads=2,
+                                         max_seq_len=12, moe=moe, chunk=chunk))
+    with torch.no_grad():
+        model.embed.weight.normal_()
+    return model
+
+
+def _model_step(fn: object, model: MoETransformerLM, ids: torch.Tensor,
+                targets: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    out = fn(ids, targets)  # type: ignore[operator]
+    (out.loss + 0.01 * out.load_balancing_loss + 0.001 * out.z_loss).backward()
+    return [out.logits.detach(), out.loss.detach(), *[p.grad for p in model.parameters()]]
+
+
+@pytest.mark.parametrize(("chunk", "backend"), [
+    pytest.param(ChunkConfig(), "inductor", id="inductor-unchunked"),
+    pytest.param(ChunkConfig(num_chunks=2, recompute="full"), "aot_eager",
+                 id="aot_eager-c2-full-recompute"),
+    pytest.param(ChunkConfig(num_chunks=2, recompute="full"), "inductor",
+                 id="inductor-c2-full-recompute", marks=pytest.mark.slow),
+])
+def test_model_compiled_equals_eager(chunk: ChunkConfig, backend: str) -> None:
+    model = _model(chunk)
+    ids, targets = torch.randint(0, 32, (2, 12)), torch.randint(0, 32, (2, 12))
+    want = _model_step(model, model, ids, targets)
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        got = _model_step(torch.compile(model, backend=backend, fullgraph=True), model, ids,
+                          targets)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert_close(g, w, grad=i >= 2, msg=f"tensor {i}")
+
+
+def test_compiled_model_rejects_out_of_range_ids() -> None:
+    """The id check becomes an asynchronous assert in the graph (no break): it still raises."""
+    model = _model(ChunkConfig())
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        compiled(torch.randint(0, 32, (1, 4)))
+        with pytest.raises(RuntimeError, match=r"input_ids must lie in \[0, vocab_size=32\)"):
+            compiled(torch.full((1, 4), 32))
