@@ -117,6 +117,31 @@ class GatedActivation(_ConfigBase):
         return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
 
 
+DEFAULT_BACKWARD_BLOCK_BYTES = 64 * 2**20
+"""Default byte target of one row block of the fused backward (64 MiB)."""
+
+
+def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: int,
+                        up_width: int, dtype_bytes: int) -> int:
+    """Rows per block of the streamed fused backward for a byte target.
+
+    One row of a block costs (3·d + 3·n + G)·D_t bytes of transients: dO, gathered x and dx
+    rows (d each), dA, A and one activation temporary (n each) and dH (G).
+
+    Args:
+        block_bytes: byte target of one block, ≥ 1.
+        hidden_size: d. intermediate_size: n. up_width: G (2n gated, else n).
+        dtype_bytes: D_t, bytes per activation element.
+
+    Returns:
+        ⌊block_bytes / row bytes⌋, at least 1.
+
+    Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
+    """
+    row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
+    return max(1, block_bytes // row_bytes)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig(_ConfigBase):
     """One MoE feed-forward layer: router and routed experts.
@@ -144,6 +169,8 @@ class MoEConfig(_ConfigBase):
             ``skew_hot_experts = top_k`` sends every token to experts 0..k-1 (the worst case of
             MemFine's skew); small values skew partially. Used to show chunking under skew on one
             device; leave at 0 for training.
+        backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
+            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 64 MiB.
     """
 
     hidden_size: int
@@ -160,6 +187,7 @@ class MoEConfig(_ConfigBase):
     z_loss_coef: float = 0.001
     skew_hot_experts: int = 0
     skew_bias: float = 0.0
+    backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -190,6 +218,7 @@ class MoEConfig(_ConfigBase):
         check_float(self, "skew_bias", 0.0)
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
+        check_int(self, "backward_block_bytes", 1)
 
     @property
     def gated(self) -> bool:
