@@ -180,6 +180,7 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     grad_logits = losses_backward(tl, s, rt, ls)
     tl.mark("losses_backward")
     wg = WeightGrads(tl)
+    shared: dict[str, str] | None = {} if len(sizes) > 1 and not plain else None
     grads_w, grads_x = [], []
     for i in reversed(range(len(sizes))):
         C, saved = sizes[i], chunk_saved[i]
@@ -189,11 +190,9 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
         if plain:
             grads = plain_backward(tl, s, C, C * K, saved, wg)
         else:
-            grads = fused_backward(tl, s, C, C * K, saved)
+            grads = fused_backward(tl, s, C, C * K, saved, shared, recomputed=ckpt)
         if i == 0 and weights_held:
             tl.free(rt["weights"])
-        if not plain:
-            wg.add(grads, "w_up", "w_down")
         grads_w.append(grads["weights"])
         grads_x.append(grads["x"])
     grad_w = tl.alloc("grad.top_k_weights_cat", T * K * dt)
