@@ -130,7 +130,9 @@ def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: i
 
     Args:
         block_bytes: byte target of one block, ≥ 1.
-        hidden_size: d. intermediate_size: n. up_width: G (2n gated, else n).
+        hidden_size: d.
+        intermediate_size: n.
+        up_width: G (2n gated, else n).
         dtype_bytes: D_t, bytes per activation element.
 
     Returns:

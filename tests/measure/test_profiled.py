@@ -46,9 +46,8 @@ def test_profiled_misuse_raises() -> None:
     prof = ProfiledPeakMemory()
     with pytest.raises(RuntimeError, match="inside the with block"):
         prof.mark("x")
-    with prof:
-        with pytest.raises(RuntimeError, match="only after the with block"):
-            _ = prof.peak_bytes
+    with prof, pytest.raises(RuntimeError, match="only after the with block"):
+        _ = prof.peak_bytes
     with pytest.raises(RuntimeError, match="entered only once"), prof:
         pass
     with pytest.raises(ValueError, match="peak must be one of"), measure_memory(peak="rss"):

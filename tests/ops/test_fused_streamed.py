@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_fused import make_problem
 
 from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
 from memfine.dispatch import build_routing_index
@@ -20,7 +21,6 @@ from memfine.ops import run_experts
 from memfine.ops.grouped import grouped_weight_grad
 from memfine.ops.weight_grads import accumulate_grouped_weight_grad_
 from memfine.reference import reference_experts
-from test_fused import make_problem
 from tolerances import assert_close
 
 
@@ -82,15 +82,15 @@ def test_blocks_match_reference_and_one_block(rows: int, backend: str) -> None:
 
 def test_accumulate_matches_grouped_weight_grad() -> None:
     """Block-wise addmm_ into a transposed buffer equals one grouped weight gradient."""
-    S, I, O, E = 11, 4, 8, 3
+    S, n_in, n_out, E = 11, 4, 8, 3
     offsets = torch.tensor([0, 5, 5, 11], dtype=torch.int32)
-    x, dy = torch.randn(S, I), torch.randn(S, O)
+    x, dy = torch.randn(S, n_in), torch.randn(S, n_out)
     want = grouped_weight_grad(x, dy, offsets, E, "loop")
-    buf = torch.zeros(E, O, I).transpose(1, 2)  # an HF-style (E, O, I) parameter layout
+    buf = torch.zeros(E, n_out, n_in).transpose(1, 2)  # an HF-style (E, O, I) parameter layout
     for r0 in range(0, S, 4):
         accumulate_grouped_weight_grad_(buf, x[r0:r0 + 4], dy[r0:r0 + 4], offsets.tolist(), r0)
     assert_close(buf, want, grad=True)
-    assert buf.stride() == (O * I, 1, I)  # written in the buffer's own layout
+    assert buf.stride() == (n_out * n_in, 1, n_in)  # written in the buffer's own layout
 
 
 def test_chunks_share_weight_grads_through_accumulate_grad() -> None:
@@ -103,7 +103,8 @@ def test_chunks_share_weight_grads_through_accumulate_grad() -> None:
         layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=c, recompute="experts"))
         calls: list[str] = []
         for name, p in layer.named_parameters():
-            p.register_post_accumulate_grad_hook(lambda _p, name=name: calls.append(name))
+            p.register_post_accumulate_grad_hook(
+                lambda _p, name=name, calls=calls: calls.append(name))
         x = torch.randn(10, 8, generator=torch.Generator().manual_seed(1))
         for _ in range(2):  # the second call adds into the existing .grad
             out, _aux = layer(x)

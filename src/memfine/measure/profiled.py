@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 

@@ -24,7 +24,6 @@ from memfine.measure.profiled import ProfiledPeakMemory
 from memfine.measure.saved import SavedTensorsTracker
 from memfine.units import NOT_MEASURED, format_bytes
 
-
 PEAK_METHODS = ("tracker", "profiler")
 """How :func:`measure_memory` measures peak bytes (see :class:`MemoryMeasurement`)."""
 

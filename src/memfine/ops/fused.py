@@ -83,9 +83,10 @@ class FusedExpertsFunction(torch.autograd.Function):
     forward(x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, expert_token_indices_S,
     expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend,
     block_rows=2**62, weight_grads=None) → out_TD (T, d) with
-    out[t] = Σ_j w[t,j] · (act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]), e = e_tj. ``b_up_EG`` (E, G) and ``b_down_ED`` (E, d) are optional (None: no bias);
-    ``activation`` is a name or a :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's
-    clamped, interleaved SwiGLU).
+    out[t] = Σ_j w[t,j] · (act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]), e = e_tj.
+    ``b_up_EG`` (E, G) and ``b_down_ED`` (E, d) are optional (None: no bias); ``activation`` is a
+    name or a :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped,
+    interleaved SwiGLU).
 
     Saved for backward (D_t = bytes per element of x):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
