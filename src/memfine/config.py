@@ -117,8 +117,8 @@ class GatedActivation(_ConfigBase):
         return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
 
 
-DEFAULT_BACKWARD_BLOCK_BYTES = 64 * 2**20
-"""Default byte target of one row block of the fused backward (64 MiB)."""
+DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
+"""Default byte target of one row block of the fused backward (16 MiB)."""
 
 
 def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: int,
@@ -172,7 +172,7 @@ class MoEConfig(_ConfigBase):
             MemFine's skew); small values skew partially. Used to show chunking under skew on one
             device; leave at 0 for training.
         backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
-            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 64 MiB.
+            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 16 MiB.
     """
 
     hidden_size: int
