@@ -17,6 +17,7 @@ import torch
 from memfine.ops.activations import Activation, activation_backward, apply_activation
 from memfine.ops.combine import combine_rows, gather_rows, scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
+from memfine.ops.up_projection import up_input_grad, up_project
 from memfine.ops.weight_grads import WeightGradBuffers, accumulate_grouped_weight_grad_
 
 
@@ -60,14 +61,18 @@ def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torc
     return h_SG, down_combine(a_SN, w_down_END, offsets_E1, w_S, token_index_map_TK)
 
 
-def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
-                  w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
-                  b_down_ED: torch.Tensor | None, token_idx_S: torch.Tensor,
+def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                  up_parts: tuple[torch.Tensor, ...], w_down_END: torch.Tensor,
+                  b_up_EG: torch.Tensor | None, b_down_ED: torch.Tensor | None,
+                  token_idx_S: torch.Tensor,
                   offsets_E1: torch.Tensor, map_TK: torch.Tensor, activation: Activation,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, out) with the grouped GEMM backend; the per-row biases are added in place."""
+    """(H, out) with the grouped GEMM backend; the per-row biases are added in place.
+
+    ``up_parts``: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
+    """
     x_SD = gather_rows(x_TD, token_idx_S)
-    h_SG = _add_row_bias_(grouped_mm(x_SD, w_up_EDG, offsets_E1, backend), b_up_EG, offsets_E1)
+    h_SG = _add_row_bias_(up_project(x_SD, up_parts, offsets_E1, backend), b_up_EG, offsets_E1)
     del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
     a_SN = apply_activation(h_SG, activation)
     y_SD = grouped_mm(a_SN, w_down_END, offsets_E1, backend)
@@ -82,11 +87,17 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     forward(x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, expert_token_indices_S,
     expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend,
-    block_rows=2**62, weight_grads=None) → out_TD (T, d) with
+    w_up_second_EDN=None, block_rows=2**62, weight_grads=None) → out_TD (T, d) with
     out[t] = Σ_j w[t,j] · (act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]), e = e_tj.
     ``b_up_EG`` (E, G) and ``b_down_ED`` (E, d) are optional (None: no bias); ``activation`` is a
     name or a :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped,
     interleaved SwiGLU).
+
+    ``w_up_second_EDN`` (E, d, n), the last input, is None or the up half of a gated
+    up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and
+    H = [x·w_up | x·w_up_second], exactly as if the two were one concatenated tensor
+    (torchtitan's separate ``w1``/``w3``; :mod:`memfine.ops.up_projection`). With two halves the
+    Triton path runs its grouped GEMM per half, not the fused gather-up kernel.
 
     Saved for backward (D_t = bytes per element of x):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
@@ -129,6 +140,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     up-projection kernel (SwiGLU or the plain activation in its epilogue) and applies the routing
     weights in the down-projection epilogue before a per-token combine kernel; otherwise the
     Triton grouped GEMM runs the same steps as the other backends.
+
     """
 
     @staticmethod
@@ -137,19 +149,20 @@ class FusedExpertsFunction(torch.autograd.Function):
                 b_down_ED: torch.Tensor | None, expert_token_indices_S: torch.Tensor,
                 expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
                 expert_slot_indices_S: torch.Tensor, activation: Activation, backend: str,
-                block_rows: int = 2**62, weight_grads: WeightGradBuffers | None = None
-                ) -> torch.Tensor:
+                w_up_second_EDN: torch.Tensor | None = None, block_rows: int = 2**62,
+                weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
         """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, weights, indices.
 
         Arguments, saved tensors and their bytes are described on the class.
         """
+        parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
         no_bias = b_up_EG is None and b_down_ED is None
-        if backend == "triton" and no_bias and isinstance(activation, str):
+        if backend == "triton" and no_bias and isinstance(activation, str) and len(parts) == 1:
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
         else:
-            h_SG, out_TD = _forward_rows(x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG,
+            h_SG, out_TD = _forward_rows(x_TD, weights_TK, parts, w_down_END, b_up_EG,
                                          b_down_ED, expert_token_indices_S,
                                          expert_token_offsets_E1, token_index_map_TK,
                                          activation, backend)
@@ -157,7 +170,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         # the biases are parameters (saved by reference, no activation bytes).
         ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED,
                               expert_token_indices_S, expert_token_offsets_E1,
-                              token_index_map_TK, expert_slot_indices_S)
+                              token_index_map_TK, expert_slot_indices_S, *parts[1:])
         ctx.activation, ctx.backend = activation, backend
         ctx.block_rows, ctx.weight_grads = max(1, block_rows), weight_grads
         return out_TD
@@ -179,12 +192,15 @@ class FusedExpertsFunction(torch.autograd.Function):
         if st.need_w:
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
         own = ctx.weight_grads is None  # else the chunk loop's wrapper hands the buffers over
-        grad_up = st.grads.take(0, st.w_up_EDG) if st.need_up and own else None
+        grad_up = st.grads.take(0, st.w_up_EDG) if st.need_up[0] and own else None
         grad_down = st.grads.take(1, st.w_down_END) if st.need_down and own else None
+        grad_up_second = None
+        if len(st.parts) == 2 and st.need_up[1]:  # the up half: slot 2, never shared
+            grad_up_second = st.grads.take(2, st.parts[1])
         # None: expert_token_indices, expert_token_offsets, token_index_map,
         # expert_slot_indices, activation, backend, block_rows, weight_grads
         return (st.grad_x_TD, grad_weights, grad_up, grad_down, st.grad_b_up, st.grad_b_down,
-                None, None, None, None, None, None, None, None)
+                None, None, None, None, None, None, grad_up_second, None, None)
 
 
 class _BackwardState:
@@ -192,10 +208,13 @@ class _BackwardState:
 
     def __init__(self, ctx: Any, grad_out_TD: torch.Tensor) -> None:
         (self.x_TD, self.h_SG, self.weights_TK, self.w_up_EDG, self.w_down_END, self.b_up_EG,
-         self.b_down_ED, self.token_idx_S, self.offsets_E1, _, self.slot_S) = ctx.saved_tensors
+         self.b_down_ED, self.token_idx_S, self.offsets_E1, _, self.slot_S,
+         *second) = ctx.saved_tensors
+        self.parts = (self.w_up_EDG, *second)  # one (E, d, G) tensor or (gate, up) halves
         self.act, self.backend = ctx.activation, ctx.backend
-        (self.need_x, self.need_w, self.need_up, self.need_down, self.need_b_up,
+        (self.need_x, self.need_w, need_up, self.need_down, self.need_b_up,
          self.need_b_down) = ctx.needs_input_grad[:6]
+        self.need_up = (need_up, len(self.parts) == 2 and ctx.needs_input_grad[12])
         self.grad_out_TD = grad_out_TD.contiguous()
         self.grads = ctx.weight_grads or WeightGradBuffers()
         self.bounds = self.offsets_E1.tolist()  # E + 1 host ints: the per-expert addmm_ ranges
@@ -245,11 +264,16 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     del grad_a_BN
     if st.grad_b_up is not None:
         st.grad_b_up += grouped_row_sums(grad_h_BG, offs_E1, E)
-    if st.need_up:  # dW_up[e] += x_eᵀ · dH_e, in place
+    if any(st.need_up):  # dW_up[e] += x_eᵀ · dH_e (per part: its columns of dH), in place
         x_BD = gather_rows(st.x_TD, token_B)  # NOTE(memory): recomputed gather, B·d
-        accumulate_grouped_weight_grad_(st.grads.buffer(0, st.w_up_EDG), x_BD, grad_h_BG,
-                                        st.bounds, r0)
+        col = 0
+        for slot, part, needed in zip((0, 2), st.parts, st.need_up, strict=False):
+            width = part.shape[2]
+            if needed:
+                accumulate_grouped_weight_grad_(st.grads.buffer(slot, part), x_BD,
+                                                grad_h_BG[:, col:col + width], st.bounds, r0)
+            col += width
         del x_BD
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t
-        grad_x_BD = grouped_mm(grad_h_BG, st.w_up_EDG.transpose(1, 2), offs_E1, st.backend)
+        grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
         st.grad_x_TD.index_add_(0, token_B, grad_x_BD)
