@@ -124,3 +124,20 @@ def test_rejects_bad_block_bytes() -> None:
     with pytest.raises(ValueError, match="MoEConfig.backward_block_bytes"):
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
                   backward_block_bytes=0)
+
+
+def test_split_up_projection_blocks_match_one_tensor() -> None:
+    """(gate, up) halves streamed in 3-row blocks: the gradients of the concatenated weight."""
+    T, d, n, E, k = 11, 8, 4, 3, 2
+    x, idx, w, w_up, w_down = make_problem(T, d, n, E, k, sentinels=1)
+    gate, up = (w_up[:, :, :n].detach().clone().requires_grad_(),
+                w_up[:, :, n:].detach().clone().requires_grad_())
+    index = build_routing_index(idx, E)
+    grad_out = torch.randn(T, d)
+    out = run_experts(x, w, index, w_up, w_down)
+    want = torch.autograd.grad(out, (x, w_up), grad_out)
+    out_split = run_experts(x, w, index, (gate, up), w_down,
+                            backward_block_bytes=3 * _row_bytes(d, n, 2 * n, 4))
+    got = torch.autograd.grad(out_split, (x, gate, up), grad_out)
+    assert_close(got[0], want[0], grad=True, msg="x")
+    assert_close(torch.cat(got[1:], dim=2), want[1], grad=True, msg="w_up halves")
