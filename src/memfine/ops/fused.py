@@ -18,6 +18,9 @@ from memfine.ops.activations import Activation, activation_backward, apply_activ
 from memfine.ops.combine import combine_rows, gather_rows, reduce_rows, scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums, grouped_weight_grad
 
+# Activations the Triton up-projection kernel computes in its epilogue.
+TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
+
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
     """(S,) per-row inner products ⟨a_r, b_r⟩ without an (S, n) product temporary."""
@@ -129,7 +132,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         Arguments, saved tensors and their bytes are described on the class.
         """
         no_bias = b_up_EG is None and b_down_ED is None
-        if backend == "triton" and no_bias and isinstance(activation, str):
+        if backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS:
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
