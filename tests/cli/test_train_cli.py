@@ -33,6 +33,11 @@ TRAIN_FLAGS = sorted([
     "--plot", "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens",
     "--score-func", "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--threads",
     "--top-k", "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
+    # routing options (capacity, groups, scaling, balancing, jitter, shared experts)
+    "--bias-update-rate", "--capacity-factor", "--drop-policy", "--min-capacity", "--n-group",
+    "--no-shared-expert-gate", "--num-shared-experts", "--routed-scaling-factor",
+    "--router-jitter-eps", "--seq-aux-loss-coef", "--shared-expert-gate",
+    "--shared-intermediate-size", "--topk-group",
 ])
 
 

@@ -18,6 +18,7 @@ import torch
 
 from memfine.config import (
     Activation,
+    DropPolicy,
     DType,
     ExpertsImpl,
     GemmBackend,
@@ -63,6 +64,20 @@ def _bins(text: str) -> list[int]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
                                          f"{text!r}") from None
+
+
+def _optional_float(text: str) -> float | None:
+    try:
+        return None if text.lower() == "none" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+
+
+def _optional_int(text: str) -> int | None:
+    try:
+        return None if text.lower() == "none" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
 def _budget(text: str) -> int | None:
@@ -121,6 +136,28 @@ _CONFIG_FLAGS = (
     _Flag("--recompute", ("model.chunk.recompute",), "recompute mode of the MoE layers", str,
           get_args(Recompute)),
     _Flag("--chunk-bins", ("model.chunk.bins",), "allowed chunk counts, comma-separated", _bins),
+    _Flag("--capacity-factor", ("model.moe.capacity_factor",), "expert capacity factor cf: "
+          "each expert keeps at most min(T, max(min-capacity, ceil(cf·T·k/E))) tokens; 'none': "
+          "dropless", _optional_float),
+    _Flag("--min-capacity", ("model.moe.min_capacity",), "lower bound of the expert capacity, "
+          "tokens"),
+    _Flag("--drop-policy", ("model.moe.drop_policy",), "which tokens an over-full expert "
+          "keeps: highest routing weights or earliest positions", str, get_args(DropPolicy)),
+    _Flag("--n-group", ("model.moe.n_group",), "expert groups of group-limited routing "
+          "(DeepSeek-V3; 1: off)"),
+    _Flag("--topk-group", ("model.moe.topk_group",), "groups each token may use"),
+    _Flag("--routed-scaling-factor", ("model.moe.routed_scaling_factor",), "factor on the "
+          "routing weights after renormalisation (DeepSeek-V3: 2.5)", float),
+    _Flag("--bias-update-rate", ("model.moe.bias_update_rate",), "gamma of aux-loss-free "
+          "balancing: selection bias step per optimizer step (0: off)", float),
+    _Flag("--seq-aux-loss-coef", ("model.moe.seq_aux_loss_coef",), "weight of the "
+          "sequence-wise balance loss (DeepSeek-V3)", float),
+    _Flag("--router-jitter-eps", ("model.moe.router_jitter_eps",), "router input jitter: "
+          "multiply by U(1-eps, 1+eps) in training (0: off)", float),
+    _Flag("--num-shared-experts", ("model.moe.num_shared_experts",), "always-on shared "
+          "experts per MoE layer"),
+    _Flag("--shared-intermediate-size", ("model.moe.shared_intermediate_size",), "n of one "
+          "shared expert; 'none': the routed experts' n", _optional_int),
     _Flag("--skew-hot-experts", ("model.moe.skew_hot_experts",), "experiment knob: experts "
           "0..N-1 favoured by the router's selection bias (0: off)"),
     _Flag("--skew-bias", ("model.moe.skew_bias",), "experiment knob: selection bias of the hot "
@@ -159,6 +196,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--renormalize", action=argparse.BooleanOptionalAction,
                         default=_preset_default("model.moe.renormalize"),
                         help="renormalise the k router weights (off by default when k = 1)")
+    parser.add_argument("--shared-expert-gate", action=argparse.BooleanOptionalAction,
+                        default=_preset_default("model.moe.shared_expert_gate"),
+                        help="scale the shared experts' output by a per-token sigmoid gate "
+                             "(Qwen2-MoE)")
     parser.add_argument("--allow-over-budget", action="store_true",
                         default=_preset_default("model.chunk.allow_over_budget"),
                         help="use the largest chunk bin (with a warning) when none meets the "
@@ -214,6 +255,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     else:
         tree = preset(name).to_dict()
     flags = list(_CONFIG_FLAGS) + [_Flag("--renormalize", ("model.moe.renormalize",), ""),
+                                   _Flag("--shared-expert-gate",
+                                         ("model.moe.shared_expert_gate",), ""),
                                    _Flag("--allow-over-budget",
                                          ("model.chunk.allow_over_budget",), "")]
     for flag in flags:

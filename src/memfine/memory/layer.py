@@ -17,9 +17,9 @@ Execution modes (as :class:`memfine.nn.MoELayer` runs them):
 - ``chunked``: recompute ``experts`` with c > 1 — as ``full``, and backward recomputes one token
   chunk at a time (``recompute="none"`` with c > 1 chunks without recomputation).
 
-The chunk planner (:mod:`memfine.schedule.policy`) calls :func:`expert_row_bytes` and
-:func:`expert_fixed_bytes` to turn a byte budget into s′_max rows (MemFine Eq. 8); their sum
-``fixed + row · rows_per_chunk`` bounds the layer's peak from above for every chunk count.
+The chunk policy (:mod:`memfine.schedule.policy`) calls :func:`chunk_bytes` once per (config, T,
+D_t) to turn a byte budget into s′_max rows (MemFine Eq. 8): ``fixed + row · rows_per_chunk``
+bounds the layer's peak from above for every chunk count up to ``MAX_BOUNDED_CHUNKS``.
 
 Legend: T tokens, S received rows (s′; S = T·k on one device), C tokens of one chunk,
 E experts (on this rank), D = d, N = n, G = 2n (gated) or n, K = k, D_t activation bytes,
@@ -31,11 +31,11 @@ docs/design.md §5; docs/style.md §7.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
-from memfine.config import MoEConfig
+from memfine.config import MAX_BIN, MoEConfig
 from memfine.memory import _timeline_layer as tlm
+from memfine.memory._timeline_shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -47,6 +47,9 @@ def _item(tensor: str, source: str) -> int:
 ASSUMPTIONS = (
     "one device: no expert parallelism, so no all-to-all buffers (all_to_all_bytes = 0)",
     "no padding mask (every token valid) and S = T·k received rows",
+    "dropless routing without group limit, jitter or sequence-wise loss (capacity_factor, "
+    "n_group, router_jitter_eps and seq_aux_loss_coef add router tensors not modelled here); "
+    "shared experts are modelled",
     "sizes of at most 8 bytes (scalars) are left out of the peak",
     "measured protocol: x exists before and requires grad; parameters have no .grad; the "
     "caller keeps out and MoEAux; out and the two aux losses get gradients that exist before",
@@ -100,6 +103,11 @@ class MemoryBreakdown:
                                          "docs/design.md §5 (activation outputs)")
     combine_copy_bytes: int = _item("(T,k,d) slot rows + weights, masks, int64 index (plain)",
                                     "docs/design.md §5 (scattered Y); MemFine Table 2 (s′·d)")
+    shared_expert_bytes: int = _item("shared experts: H (T·S, G_s) + int32 index arrays (fused) "
+                                     "or the plain path's copies, as the routed items with k=S",
+                                     "MoEBlaze §5 with k=S; DeepSeek-V3 §2.1.2")
+    shared_weights_bytes: int = _item("shared weights: (T,S) ones or (T,1) gate, D_t; (S,) "
+                                      "int64 index under recompute", "our derivation")
     saved_bytes: int = _item("sum of the saved items", "docs/style.md §7")
     transient_gathered_rows_bytes: int = _item("gathered X or dO rows (S_c,d) of one chunk",
                                                "docs/design.md §5")
@@ -126,7 +134,7 @@ SAVED_FIELDS = (
     "router_scores_bytes", "top_k_index_bytes", "top_k_scores_bytes", "renorm_sum_bytes",
     "top_k_weights_bytes", "aux_loss_bytes", "z_loss_bytes", "pre_activation_bytes",
     "routing_index_bytes", "gathered_input_bytes", "activation_output_bytes",
-    "combine_copy_bytes",
+    "combine_copy_bytes", "shared_expert_bytes", "shared_weights_bytes",
 )
 """The :class:`MemoryBreakdown` fields that sum to ``saved_bytes``."""
 
@@ -218,10 +226,14 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
     items["top_k_weights_bytes"] = T * K * dt if (fused or ckpt) else 0
     items["aux_loss_bytes"] = T * E * r + E * r
     items["z_loss_bytes"] = T * E * r + T * r
+    chunks = tlm.chunk_tokens(T, num_chunks)
     if not ckpt:
-        for C in tlm.chunk_tokens(T, num_chunks):
+        for C in chunks:
             for name, nbytes in _expert_saved(moe, C, C * K, dt).items():
                 items[name] += nbytes
+    if moe.num_shared_experts:
+        items.update(shared_saved_items(moe, chunks, dt, ckpt=ckpt,
+                                        x_saved=items["layer_input_bytes"] > 0))
     return items
 
 
@@ -278,6 +290,10 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     C = tlm.chunk_tokens(num_tokens, num_chunks)[0]
     S_c = C * K
     num_params = E * D * G + E * N * D + E * D
+    if moe.num_shared_experts:
+        sh = moe.shared_experts_config()
+        num_params += sh.num_experts * D * (sh.up_width + sh.intermediate_size)
+        num_params += D if moe.shared_expert_gate else 0
     return MemoryBreakdown(
         parameter_bytes=num_params * dt,
         gradient_bytes=num_params * dt,
@@ -310,16 +326,6 @@ def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int) 
     return tl.trace
 
 
-@functools.lru_cache(maxsize=256)
-def _row_bytes(moe: MoEConfig, dtype_bytes: int, recompute: str) -> int:
-    best = 0
-    for builder in ("sort_free", "argsort"):
-        cfg = dataclasses.replace(moe, index_builder=builder)
-        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n) for n in (1, 2))
-        best = max(best, max(b - a for a, b in zip(one, two, strict=True)))
-    return -(-best // moe.top_k)
-
-
 def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "experts") -> int:
     """Peak bytes that scale with the received rows of one chunk, per row.
 
@@ -341,21 +347,26 @@ def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "expe
     our timeline for memfine's own path.
     """
     _check(moe, 0, dtype_bytes, 1, recompute)
-    return _row_bytes(moe, dtype_bytes, recompute)
+    best = 0
+    for builder in ("sort_free", "argsort"):
+        cfg = dataclasses.replace(moe, index_builder=builder)
+        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n) for n in (1, 2))
+        best = max(best, max(b - a for a, b in zip(one, two, strict=True)))
+    return -(-best // moe.top_k)
 
 
-MAX_BOUNDED_CHUNKS = 16
+MAX_BOUNDED_CHUNKS = MAX_BIN
+"""The bound of :func:`expert_fixed_bytes` holds for every c in 1..MAX_BOUNDED_CHUNKS."""
 
 
-@functools.lru_cache(maxsize=256)
-def _fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, recompute: str) -> int:
-    row = expert_row_bytes(moe, dtype_bytes, recompute=recompute)
+def _fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, recompute: str,
+                 row_bytes: int) -> int:
     fixed = 0
     for c in range(1, MAX_BOUNDED_CHUNKS + 1):
         peak = tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=c,
                                   recompute=recompute, record=False).peak
         rows = tlm.chunk_tokens(num_tokens, c)[0] * moe.top_k
-        fixed = max(fixed, peak - row * rows)
+        fixed = max(fixed, peak - row_bytes * rows)
     return fixed
 
 
@@ -364,10 +375,12 @@ def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
     """Bytes of the layer's peak that do not scale with the rows of one chunk.
 
     Defined so that ``expert_fixed_bytes(T) + expert_row_bytes() · ⌈T/c⌉·k`` is at least the
-    timeline peak of the whole MoELayer forward + backward for every c in 1..16 (the caller may
-    keep MoEAux): router and loss tensors, the output, weight gradients (twice while the chunks'
-    gradients are summed), the other chunks' input gradients and, under ``none``, the other
-    chunks' saved H.
+    timeline peak of the whole MoELayer forward + backward for every c in 1..16
+    (:data:`MAX_BOUNDED_CHUNKS`; the caller may keep MoEAux): router and loss tensors, the
+    output, weight gradients (twice while the chunks' gradients are summed), the other chunks'
+    input gradients and, under ``none``, the other chunks' saved H. Replays the allocation
+    timeline 16 times: callers that ask repeatedly keep a :class:`ChunkBytes`
+    (:func:`chunk_bytes`).
 
     Args:
         num_tokens: T, tokens entering the layer on this rank.
@@ -380,5 +393,39 @@ def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
 
     Reference: MemFine Eq. 8 numerator (the memory that does not scale with s′); our timeline.
     """
+    return chunk_bytes(num_tokens, moe, dtype_bytes, recompute=recompute).fixed_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkBytes:
+    """The layer's peak as a line in the rows of one chunk: ``fixed_bytes + row_bytes · rows``.
+
+    An upper bound on the timeline peak for every chunk count c in 1..MAX_BOUNDED_CHUNKS (exact
+    for one of them), so MemFine Eq. 8-9 become integer arithmetic on these two numbers.
+
+    Attributes:
+        fixed_bytes: bytes that do not scale with the rows of one chunk (Eq. 8 numerator part).
+        row_bytes: bytes per received row of one chunk (Eq. 8 denominator), > 0.
+    """
+
+    fixed_bytes: int
+    row_bytes: int
+
+
+def chunk_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
+                recompute: str = "experts") -> ChunkBytes:
+    """:func:`expert_fixed_bytes` and :func:`expert_row_bytes` of one (config, T, D_t), together.
+
+    Args: as :func:`expert_fixed_bytes`.
+
+    Returns:
+        The :class:`ChunkBytes` (16 layer timeline replays, one per c, plus four one-chunk traces
+        for the row slope).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+    """
     _check(moe, num_tokens, dtype_bytes, 1, recompute)
-    return _fixed_bytes(num_tokens, moe, dtype_bytes, recompute)
+    row = expert_row_bytes(moe, dtype_bytes, recompute=recompute)
+    return ChunkBytes(fixed_bytes=_fixed_bytes(num_tokens, moe, dtype_bytes, recompute, row),
+                      row_bytes=row)

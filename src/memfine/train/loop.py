@@ -3,9 +3,11 @@
 Legend: B batch, Q sequence length, L MoE layers, E experts.
 
 One step: draw the step's batch (a pure function of seed and step), forward, loss =
-cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss (each averaged over
-layers), backward, clip, AdamW, LR schedule. Every ``log_every`` steps a ``metrics.jsonl`` line;
-every ``eval_every`` steps (and at the end) validation on fixed windows and a checkpoint. The
+cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
+``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers), backward, clip,
+AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts.
+Every ``log_every`` steps a ``metrics.jsonl`` line; every ``eval_every`` steps (and at the end)
+validation on fixed windows and a checkpoint. The
 first Ctrl-C finishes the current step, saves a checkpoint and returns; a second one aborts.
 """
 
@@ -275,6 +277,8 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                 out = model(x_BQ.to(device), y_BQ.to(device))
                 loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
                         + moe.z_loss_coef * out.z_loss)
+                if moe.seq_aux_loss_coef > 0:
+                    loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 clip = torch.nn.utils.clip_grad_norm_
@@ -295,8 +299,9 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                     raise ValueError(f"training diverged at step {step}: train loss "
                                      f"{losses[-1]}; lower --lr or --grad-clip ({ckpt_path} "
                                      f"keeps the last evaluated step)")
-                load_LE = torch.stack([a.tokens_per_expert for a in out.aux])
+                load_LE = out.tokens_per_expert
                 load_LE = (load_LE if parallel is None else parallel.sum(load_LE)).cpu()
+                model.update_expert_bias(load_LE)  # once per step, global counts
                 load_log_LE = load_LE if load_log_LE is None else load_log_LE + load_LE
                 load_eval_LE = load_LE if load_eval_LE is None else load_eval_LE + load_LE
                 is_eval = step % config.eval_every == 0 or step == config.max_steps
@@ -320,6 +325,8 @@ def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, 
                     }
                     if is_eval:
                         record["val_loss"] = val_loss
+                    if not moe.dropless:  # pairs dropped by capacity this step (this rank)
+                        record["dropped_pairs"] = [int(a.dropped_pairs or 0) for a in out.aux]
                     if log is not None:
                         log.write(record)
                     log_time, log_steps, load_log_LE = 0.0, 0, None
