@@ -1,7 +1,7 @@
 """Optional dependencies: ``is_available(name)`` and ``require(name)``, imported lazily.
 
 Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
-``pip install memfine[hf]``.
+``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-_EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train"}
+_EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
+           "torchtitan": "torchtitan"}
 
 
 def is_available(name: str) -> bool:
