@@ -25,15 +25,16 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
     "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size", "--bins",
-    "--chunk-bins", "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every",
-    "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
-    "--index-builder", "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps",
-    "--max-steps", "--memory-budget", "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget",
-    "--no-progress", "--num-chunks", "--no-renormalize", "--num-experts", "--num-heads",
-    "--num-layers", "--out", "--overwrite", "--plot", "--preset", "--recompute",
-    "--renormalize", "--resume", "--sample-tokens", "--score-func", "--seed", "--seq-len",
-    "--skew-bias", "--skew-hot-experts", "--threads", "--top-k", "--val-fraction",
-    "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
+    "--chunk-bins", "--config", "--data", "--device", "--dtype", "--ep", "--eval-batches",
+    "--eval-every", "--experts-impl", "--gemm-backend", "--grad-clip", "--help",
+    "--hidden-size", "--index-builder", "--init-from", "--intermediate-size", "--log-every",
+    "--lr", "--lr-decay-steps", "--max-steps", "--memory-budget", "--min-lr-ratio",
+    "--moe-chunks", "--moe-memory-budget", "--no-progress", "--no-renormalize", "--num-chunks",
+    "--num-experts", "--num-heads", "--num-layers", "--out", "--overwrite", "--plot",
+    "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens", "--save-every",
+    "--score-func", "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--tensorboard",
+    "--threads", "--top-k", "--val-fraction", "--warmup-steps", "--weight-decay",
+    "--z-loss-coef", "-h",
 ])
 
 
@@ -197,7 +198,7 @@ def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 130, err
-    assert "interrupted: checkpoint of step" in out and "Traceback" not in err
+    assert "interrupted by SIGINT: checkpoint of step" in out and "Traceback" not in err
     step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
     assert step >= 2 and step == read_metrics(tmp_path / "metrics.jsonl")[-1]["step"]
 
@@ -210,7 +211,7 @@ def test_existing_run_is_not_overwritten_without_overwrite(
     with pytest.raises(SystemExit) as exc:
         _train("--max-steps", "1", "--out", str(tmp_path))
     assert exc.value.code == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "already holds config.json, metrics.jsonl, checkpoint.pt" in capsys.readouterr().err
     assert (tmp_path / "checkpoint.pt").read_bytes() == checkpoint  # nothing lost
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
     assert _train("--max-steps", "1", "--out", str(tmp_path), "--overwrite") == 0

@@ -16,7 +16,15 @@ from typing import Any, get_args
 
 import torch
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, given, value
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    apply_config_file,
+    comma_ints,
+    given,
+    value,
+)
 from memfine.config import (
     Activation,
     DType,
@@ -29,8 +37,16 @@ from memfine.config import (
 )
 from memfine.train import DEFAULT_PRESET, PRESETS, load_checkpoint, preset, train
 from memfine.train.checkpoint import CHECKPOINT_NAME
+from memfine.train.rundir import check_run_dir
 from memfine.train.setup import RESUMABLE_FIELDS
 from memfine.units import parse_bytes
+
+
+def _optional_int(text: str) -> int | None:
+    try:
+        return None if text.lower() == "none" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
 def _budget(text: str) -> int | None:
@@ -56,11 +72,16 @@ _CONFIG_FLAGS = (
     Flag("--weight-decay", ("weight_decay",), "AdamW weight decay of matrices", float),
     Flag("--grad-clip", ("grad_clip",), "max global gradient norm (0: no clipping)", float),
     Flag("--seed", ("seed",), "seed of initialisation, batch order and sample"),
-    Flag("--eval-every", ("eval_every",), "validate and checkpoint every N steps"),
+    Flag("--eval-every", ("eval_every",), "validate (and checkpoint, unless --save-every is set) "
+         "every N steps"),
+    Flag("--save-every", ("save_every",), "write checkpoint.pt every N steps and at the last "
+         "step; None: at each evaluation", _optional_int),
     Flag("--eval-batches", ("eval_batches",), "validation batches (fixed windows)"),
     Flag("--log-every", ("log_every",), "write a metrics.jsonl line every N steps"),
     Flag("--sample-tokens", ("sample_tokens",), "bytes of text generated at the end"),
-    Flag("--dtype", ("dtype",), "parameter dtype (bf16 is slow on CPUs without bf16 units)",
+    Flag("--dtype", ("dtype",), "dtype of the weights, activations and AdamW state: bfloat16 "
+         "means bf16 weights throughout (no fp32 master copy); bf16 is slow on CPUs without bf16 "
+         "units",
          str, tuple(d for d in get_args(DType) if d != "float16")),
     Flag("--device", ("device",), "torch device: cpu or cuda[:i]", str),
     Flag("--hidden-size", ("model.moe.hidden_size",), "model width d"),
@@ -112,8 +133,16 @@ _RUN_FLAGS = (
     Flag("--resume", (), "continue from the checkpoint in --out (its config is used; only "
          f"{', '.join(RESUMABLE_FIELDS)} may be changed by flags)", action="store_true",
          default=NotGiven(False)),
-    Flag("--overwrite", (), "replace the run already in --out (without it, an existing "
-         "checkpoint there stops the run)", action="store_true", default=NotGiven(False)),
+    Flag("--overwrite", (), "replace the run already in --out (without it, any run file there "
+         "stops the run)", action="store_true", default=NotGiven(False)),
+    Flag("--init-from", (), "fine-tune: start from the weights of the checkpoint in this run "
+         "directory (its model; fresh optimizer and LR schedule; give the new --data)", Path,
+         default=NotGiven(text="none")),
+    Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
+         "max_steps = 400); flags given on the command line override it", Path,
+         default=NotGiven(text="none")),
+    Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
+         "tensorboard package)", action="store_true", default=NotGiven(False)),
     Flag("--plot", (), "write chunks.png (chunk count, layer x step) and loss.png to --out",
          action="store_true", default=NotGiven(False)),
     Flag("--no-progress", (), "hide the progress bar", action="store_true",
@@ -159,20 +188,41 @@ def _get(tree: dict[str, Any], path: str) -> Any:
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     """Build the run's TrainConfig and output directory from parsed flags.
 
+    Order: the preset (or, with ``--resume``, the checkpoint's config; with ``--init-from``, the
+    preset with that checkpoint's model), then ``--config`` FILE, then the flags given.
+
     Raises:
-        ValueError: on an invalid value (from the config's checks), ``--preset`` with
-            ``--resume``, or a flag that may not change on resume.
+        ValueError: one line naming the flag, the value and what is allowed, on an invalid
+            value; ``--preset`` or ``--init-from`` with ``--resume``; a flag that may not change
+            on resume.
     """
+    if given(args, "config"):
+        apply_config_file(args, value(args, "config"), _RUN_FLAGS + _SETTING_FLAGS)
     resume = bool(value(args, "resume"))
     name = value(args, "preset")
     out = Path(value(args, "out") or f"runs/{name}")
     if resume:
-        if given(args, "preset"):
-            raise ValueError("--preset does not apply with --resume: the configuration comes "
-                             f"from the checkpoint in {str(out)!r}")
+        for flag in ("preset", "init_from"):
+            if given(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
+                                 f"configuration comes from the checkpoint in {str(out)!r}")
         tree = load_checkpoint(out / CHECKPOINT_NAME)["config"]
     else:
         tree = preset(name).to_dict()
+        if given(args, "init_from"):
+            source = load_checkpoint(Path(value(args, "init_from")) / CHECKPOINT_NAME)
+            tree["model"] = source["config"]["model"]
+    _apply_flags(args, tree, resume=resume, out=out)
+    if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
+        tree["model"]["moe"]["renormalize"] = False
+    try:
+        return TrainConfig.from_dict(tree), out
+    except ValueError as err:
+        raise ValueError(_name_flag(str(err), args)) from err
+
+
+def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
+                 out: Path) -> None:
     for flag in _SETTING_FLAGS:
         if not given(args, flag.dest):
             continue
@@ -182,35 +232,50 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
                 raise ValueError(f"{flag.name} cannot change on --resume (the checkpoint in "
                                  f"{str(out)!r} has {_get(tree, path)!r}, got {new!r})")
             _set(tree, path, new)
-    if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
-        tree["model"]["moe"]["renormalize"] = False
-    return TrainConfig.from_dict(tree), out
+
+
+def _name_flag(message: str, args: argparse.Namespace) -> str:
+    """Prefix a config error ("TrainConfig.seed must be ...") with the flag and value."""
+    field = message.split(" ", 1)[0].rpartition(".")[2]
+    for flag in _SETTING_FLAGS:
+        if any(path.rpartition(".")[2] == field for path in flag.paths):
+            shown = getattr(args, flag.dest)
+            shown = "(preset)" if isinstance(shown, NotGiven) else shown
+            return f"{flag.name} {shown}: {message}"
+    return message
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``memfine train``; returns 0, or 130 when stopped by Ctrl-C (checkpoint saved)."""
+    """Run ``memfine train``.
+
+    Returns:
+        0; when stopped by a signal, 128 + its number (130 for Ctrl-C, 143 for SIGTERM) after
+        saving a checkpoint.
+    """
     config, out = resolve_config(args)
-    if (not value(args, "resume") and not value(args, "overwrite")
-            and (out / CHECKPOINT_NAME).exists()):
-        raise ValueError(f"{out} already holds a run ({CHECKPOINT_NAME}); pass --resume to "
-                         f"continue it, --overwrite to replace it, or choose another --out")
+    resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
+    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     if str(config.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
                          f"(torch {torch.__version__}); use --device cpu")
-    parallel, ep = None, int(value(args, "ep"))
+    threads, ep = value(args, "threads"), int(value(args, "ep"))
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     if ep < 1:
         raise ValueError(f"--ep must be >= 1, got {ep}")
+    parallel = None
     if ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
         from memfine.parallel.training import ExpertParallelTraining
 
         parallel = ExpertParallelTraining.from_environment(ep, device=config.device)
     finished = False
     try:
-        result = train(config, out, resume=bool(value(args, "resume")),
+        result = train(config, out, resume=resume, overwrite=overwrite,
                        progress=not value(args, "no_progress"), plot=bool(value(args, "plot")),
-                       parallel=parallel, threads=value(args, "threads"))
+                       tensorboard=bool(value(args, "tensorboard")),
+                       init_from=value(args, "init_from"), parallel=parallel, threads=threads)
         finished = True
     finally:
         if parallel is not None:
             parallel.close(barrier=finished)
-    return 130 if result.interrupted else 0
+    return 0 if result.stop_signal is None else 128 + result.stop_signal

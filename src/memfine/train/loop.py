@@ -5,20 +5,21 @@ Legend: B batch, Q sequence length, L MoE layers, E experts.
 One step (:func:`_step`): draw the step's batch (a pure function of seed and step), forward,
 loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss (each
 averaged over layers), backward, clip, AdamW, LR schedule; it returns a :class:`StepRecord`.
-Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`); every ``eval_every`` steps
-(and at the end) validation on fixed windows and a checkpoint (:func:`_evaluate_and_checkpoint`).
-The first Ctrl-C finishes the current step, saves a checkpoint and returns; a second one aborts.
-Set-up (resume rules, data, model, optimizer) is in :mod:`memfine.train.setup`.
+Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`) with the step's measured peak
+bytes and the memory model's prediction (:mod:`memfine.train.memory_log`); every ``eval_every``
+steps (and at the end) validation on fixed windows (:func:`_evaluate`); a checkpoint at each
+evaluation, or every ``save_every`` steps when set (:func:`_checkpoint`). The first SIGINT
+(Ctrl-C) or SIGTERM finishes the current step, saves a checkpoint and returns; a second one
+aborts (:mod:`memfine.train.stop`). Set-up (resume rules, data, model, optimizer) is in
+:mod:`memfine.train.setup`; the run directory's rules in :mod:`memfine.train.rundir`.
 """
 
 from __future__ import annotations
 
 import math
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.checkpoint import save_checkpoint
 from memfine.train.data import ByteCorpus, decode, train_batch
+from memfine.train.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.train.metrics import (
     format_expert_load,
     load_max_over_mean,
@@ -36,8 +38,11 @@ from memfine.train.metrics import (
     plot_run,
     report_final,
 )
+from memfine.train.outputs import Outputs
 from memfine.train.parallel import ParallelTraining, SingleProcess
+from memfine.train.rundir import check_run_dir, run_lock
 from memfine.train.setup import RunState, setup_run
+from memfine.train.stop import graceful_stop
 
 SAMPLE_TEMPERATURE = 0.8
 SAMPLE_PROMPT_BYTES = 48
@@ -55,7 +60,10 @@ class TrainResult:
         tokens_per_s: training tokens per second over this call's steps (0.0 without steps).
         wall_s: seconds spent in this call.
         sample: generated text ("" when skipped or interrupted).
-        interrupted: True when stopped by Ctrl-C (a checkpoint was saved).
+        interrupted: True when stopped by a signal or ``KeyboardInterrupt`` (a checkpoint of the
+            last completed step was saved).
+        stop_signal: the signal that stopped the run (``signal.SIGINT`` for Ctrl-C and for a
+            ``KeyboardInterrupt``, ``signal.SIGTERM``), or None when it finished.
     """
 
     step: int
@@ -66,6 +74,7 @@ class TrainResult:
     wall_s: float
     sample: str
     interrupted: bool
+    stop_signal: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +91,10 @@ class StepRecord:
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
         seconds: wall time of the step, seconds.
+        peak_bytes: this rank's peak live bytes of forward + backward above those alive before
+            the step (measured; None on steps that write no metrics line).
+        peak_bytes_predicted: the memory model's peak bytes of each MoE layer's forward +
+            backward at the step's c (None where not measured or not modelled).
     """
 
     step: int
@@ -93,6 +106,8 @@ class StepRecord:
     num_chunks: list[int]
     tokens_per_expert_LE: torch.Tensor
     seconds: float
+    peak_bytes: int | None = None
+    peak_bytes_predicted: list[int | None] | None = None
 
 
 @torch.no_grad()
@@ -105,28 +120,9 @@ def evaluate(model: MoETransformerLM, batches: list[tuple[torch.Tensor, torch.Te
     return sum(losses) / len(losses)
 
 
-@contextmanager
-def _graceful_sigint() -> Iterator[threading.Event]:
-    """First SIGINT sets the yielded event (stop after this step); a second one aborts."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
-          progress: bool = True, plot: bool = False,
+          overwrite: bool = False, progress: bool = True, plot: bool = False,
+          tensorboard: bool = False, init_from: str | Path | None = None,
           on_step: Callable[[int], None] | None = None,
           parallel: ParallelTraining | None = None, threads: int | None = None) -> TrainResult:
     """Train the byte-level MoE language model of ``config`` on its corpus.
@@ -134,11 +130,18 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     Args:
         config: the run; ``lr_decay_steps=None`` is resolved to ``max_steps`` first.
         out_dir: run directory for ``config.json``, ``metrics.jsonl``, ``checkpoint.pt``,
-            ``summary.json`` and ``sample.txt`` (created if missing; files are replaced).
+            ``summary.json`` and ``sample.txt`` (created if missing; see
+            :func:`memfine.train.rundir.check_run_dir` for what it refuses).
         resume: continue from ``out_dir/checkpoint.pt``; ``config`` must equal the saved one
             except for :data:`memfine.train.setup.RESUMABLE_FIELDS`.
-        progress: show a tqdm progress bar (loss, tokens/s).
-        plot: write ``chunks.png`` and ``loss.png`` at the end.
+        overwrite: replace the files of an earlier run in ``out_dir``.
+        progress: show a tqdm progress bar (loss, tokens/s) when tqdm is installed.
+        plot: write ``chunks.png`` and ``loss.png`` at the end (needs matplotlib).
+        tensorboard: also write the logged scalars to ``out_dir/tensorboard`` (needs
+            tensorboard).
+        init_from: a run directory whose checkpoint's weights start this run (fine-tuning on
+            new data: fresh optimizer and schedule); its model config must equal
+            ``config.model``.
         on_step: called with the number of completed steps after each step (a
             ``KeyboardInterrupt`` raised there is handled like Ctrl-C).
         parallel: the parallel hooks (:class:`memfine.train.parallel.ParallelTraining`), e.g.
@@ -152,43 +155,70 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         :class:`TrainResult`.
 
     Raises:
-        ValueError: on bad data, a missing/corrupt checkpoint or a config that does not match
-            it, ``threads < 1``, or a non-finite training loss (divergence).
+        ValueError: on bad data, an ``out_dir`` holding another run's files (without
+            ``resume``/``overwrite``) or used by a live run, a missing/corrupt checkpoint or a
+            config that does not match it, ``threads < 1``, or a non-finite training loss.
+        ImportError: naming the extra, before anything is written, when ``plot`` or
+            ``tensorboard`` lacks its package.
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    parallel = parallel if parallel is not None else SingleProcess()
+    outputs = Outputs(progress=progress, tensorboard=tensorboard, plot=plot).check()
+    out_dir = Path(out_dir)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        run = setup_run(config, Path(out_dir), resume=resume, progress=progress,
-                        parallel=parallel if parallel is not None else SingleProcess())
-        return _loop(run, plot=plot, on_step=on_step)
+        if not parallel.is_main:
+            run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
+                            init_from=None if init_from is None else Path(init_from))
+            return _loop(run, plot=plot, on_step=on_step)
+        check_run_dir(out_dir, data=config.data, resume=resume, overwrite=overwrite)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with run_lock(out_dir):
+            run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
+                            init_from=None if init_from is None else Path(init_from))
+            return _loop(run, plot=plot, on_step=on_step)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -> TrainResult:
-    """Run the steps from ``run.start`` to ``max_steps``; Ctrl-C checkpoints and returns."""
+    """Run the steps from ``run.start`` to ``max_steps``; a stop signal checkpoints and returns."""
     config = run.config
-    try:
-        with _graceful_sigint() as stop:
+    with graceful_stop() as stop:
+        try:
             for step_index in range(run.start, config.max_steps):
                 record = _step(run, step_index)
                 is_eval = record.step % config.eval_every == 0 or record.step == config.max_steps
                 if is_eval:
-                    _evaluate_and_checkpoint(run, record)
-                if record.step % config.log_every == 0 or is_eval:
+                    _evaluate(run, record)
+                if _saves(config, record.step):
+                    _checkpoint(run)
+                if _logs(config, record.step):
                     _log(run, record, is_eval=is_eval)
                 _show_progress(run)
                 if on_step is not None:
                     on_step(record.step)
                 if stop.is_set():
                     raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        return _interrupted(run)
+        except KeyboardInterrupt:
+            return _interrupted(run, stop.signum or signal.SIGINT)
     return _finish(run, plot=plot)
+
+
+def _logs(config: TrainConfig, step: int) -> bool:
+    """Whether completed step ``step`` writes a ``metrics.jsonl`` line."""
+    return step % config.log_every == 0 or step % config.eval_every == 0 \
+        or step == config.max_steps
+
+
+def _saves(config: TrainConfig, step: int) -> bool:
+    """Whether completed step ``step`` writes ``checkpoint.pt``."""
+    every = config.save_every if config.save_every is not None else config.eval_every
+    return step % every == 0 or step == config.max_steps
 
 
 def _step(run: RunState, step_index: int) -> StepRecord:
@@ -203,10 +233,12 @@ def _step(run: RunState, step_index: int) -> StepRecord:
     x_BQ, y_BQ = train_batch(run.corpus.train_ids, batch_size=config.batch_size,
                              seq_len=config.seq_len, seed=config.seed, step=step_index)
     x_BQ, y_BQ = parallel.shard_batch(x_BQ, y_BQ)
-    out = model(x_BQ.to(run.device), y_BQ.to(run.device))
-    loss = out.loss + moe.aux_loss_coef * out.load_balancing_loss + moe.z_loss_coef * out.z_loss
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
+    with measured_peak(run.device, _logs(config, step_index + 1)) as tracker:
+        out = model(x_BQ.to(run.device), y_BQ.to(run.device))
+        loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
+                + moe.z_loss_coef * out.z_loss)
+        loss.backward()
     parallel.reduce_gradients(model)
     grad_norm = parallel.clip_grad_norm_(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
@@ -220,28 +252,37 @@ def _step(run: RunState, step_index: int) -> StepRecord:
                                                  run.log_steps + 1)
     run.losses.append(parallel.mean(out.loss).item())
     if not math.isfinite(run.losses[-1]):
-        raise ValueError(f"training diverged at step {run.step}: train loss {run.losses[-1]}; "
-                         f"lower --lr or --grad-clip ({run.ckpt_path} keeps the last evaluated "
-                         f"step)")
+        _diverged(run)
     load_LE = parallel.sum(torch.stack([a.tokens_per_expert for a in out.aux])).cpu()
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
-    return StepRecord(step=run.step, train_loss=run.losses[-1], lr=lr,
-                      grad_norm=grad_norm.item(),
-                      load_balancing_loss=out.load_balancing_loss.item(),
-                      z_loss=out.z_loss.item(), num_chunks=[a.num_chunks for a in out.aux],
-                      tokens_per_expert_LE=load_LE, seconds=dt)
+    num_chunks = [a.num_chunks for a in out.aux]
+    return StepRecord(
+        step=run.step, train_loss=run.losses[-1], lr=lr, grad_norm=grad_norm.item(),
+        load_balancing_loss=out.load_balancing_loss.item(), z_loss=out.z_loss.item(),
+        num_chunks=num_chunks, tokens_per_expert_LE=load_LE, seconds=dt,
+        peak_bytes=None if tracker is None else tracker.peak_bytes,
+        peak_bytes_predicted=None if tracker is None else [
+            predicted_moe_layer_peak(config, x_BQ.numel(), c) for c in num_chunks])
 
 
-def _evaluate_and_checkpoint(run: RunState, record: StepRecord) -> None:
-    """Validate, print the loss and expert load since the last evaluation, save a checkpoint."""
+def _diverged(run: RunState) -> None:
+    """Raise the divergence error, naming the checkpoint to go back to when there is one."""
+    saved = run.ckpt_path.is_file()
+    where = (f"{run.ckpt_path} keeps the last saved step" if saved
+             else "no checkpoint was saved before it (see --save-every)")
+    raise ValueError(f"training diverged at step {run.step}: train loss {run.losses[-1]}; lower "
+                     f"--lr or --grad-clip ({where})")
+
+
+def _evaluate(run: RunState, record: StepRecord) -> None:
+    """Validate; print the loss and the expert load since the last evaluation."""
     run.val_loss = evaluate(run.model, run.val_data, run.device)
     assert run.load_eval_LE is not None, "a step ran since the last evaluation"
     run.say(f"step {record.step}: train {record.train_loss:.4f}, validation {run.val_loss:.4f} "
             f"nats/byte ({nats_to_bits(run.val_loss):.3f} bits/byte); expert load:\n"
             f"{format_expert_load(run.load_eval_LE)}")
     run.load_eval_LE = None
-    _checkpoint(run)
 
 
 def _checkpoint(run: RunState) -> None:
@@ -253,7 +294,7 @@ def _checkpoint(run: RunState) -> None:
 
 
 def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
-    """Write one ``metrics.jsonl`` line covering the steps since the previous one."""
+    """Write one ``metrics.jsonl`` line (and TensorBoard scalars) for the steps since the last."""
     assert run.load_log_LE is not None, "a step ran since the last metrics line"
     line: dict[str, Any] = {
         "step": record.step, "train_loss": record.train_loss, "lr": record.lr,
@@ -262,11 +303,17 @@ def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
         "grad_norm": record.grad_norm, "num_chunks": record.num_chunks,
         "tokens_per_expert": run.load_log_LE.tolist(),
         "expert_load_max_over_mean": [load_max_over_mean(c) for c in run.load_log_LE],
+        "peak_bytes": record.peak_bytes, "peak_bytes_predicted": record.peak_bytes_predicted,
     }
     if is_eval:
         line["val_loss"] = run.val_loss
     if run.log is not None:
         run.log.write(line)
+    if run.tensorboard is not None:
+        for key in ("train_loss", "val_loss", "lr", "tokens_per_s", "load_balancing_loss",
+                    "z_loss", "grad_norm", "peak_bytes"):
+            if isinstance(line.get(key), (int, float)):
+                run.tensorboard.add_scalar(key, line[key], record.step)
     run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None
 
 
@@ -277,39 +324,45 @@ def _show_progress(run: RunState) -> None:
                             tok_s=f"{run.tokens_per_step * len(run.losses) / run.run_time:,.0f}")
 
 
-def _result(run: RunState, *, val_loss: float | None, sample: str, interrupted: bool
-            ) -> TrainResult:
+def _result(run: RunState, *, val_loss: float | None, sample: str,
+            stop_signal: int | None = None) -> TrainResult:
     seconds = run.run_time
     rate = len(run.losses) * run.tokens_per_step / seconds if seconds > 0 else 0.0
     return TrainResult(step=run.step, train_losses=tuple(run.losses), final_val_loss=val_loss,
                        unigram_entropy=run.unigram, tokens_per_s=rate,
                        wall_s=time.perf_counter() - run.t_start, sample=sample,
-                       interrupted=interrupted)
+                       interrupted=stop_signal is not None, stop_signal=stop_signal)
 
 
-def _interrupted(run: RunState) -> TrainResult:
-    """After Ctrl-C: save the last completed step (unless an update was half applied)."""
+def _close(run: RunState) -> None:
     if run.bar is not None:
         run.bar.close()
+    if run.tensorboard is not None:
+        run.tensorboard.close()
+
+
+def _interrupted(run: RunState, signum: int) -> TrainResult:
+    """After a stop signal: save the last completed step (unless an update was half applied)."""
+    _close(run)
+    name = signal.Signals(signum).name
     if run.consistent:
         _checkpoint(run)
-        print(f"interrupted: checkpoint of step {run.step} saved to {run.ckpt_path}; "
+        print(f"interrupted by {name}: checkpoint of step {run.step} saved to {run.ckpt_path}; "
               f"continue with --resume --out {run.out_dir}")
     else:
-        print(f"interrupted during an optimizer update; {run.ckpt_path} keeps the last "
-              f"evaluated step")
-    return _result(run, val_loss=None, sample="", interrupted=True)
+        print(f"interrupted by {name} during an optimizer update; {run.ckpt_path} keeps the last "
+              f"saved step")
+    return _result(run, val_loss=None, sample="", stop_signal=signum)
 
 
 def _finish(run: RunState, *, plot: bool) -> TrainResult:
     """Final validation (if none ran), sample, ``summary.json``/``sample.txt``, plots."""
-    if run.bar is not None:
-        run.bar.close()
+    _close(run)
     val_loss = run.val_loss
     if val_loss is None:  # resumed at (or past) max_steps: nothing ran
         val_loss = evaluate(run.model, run.val_data, run.device)
     sample = _sample(run.model, run.corpus, run.config, run.device)
-    result = _result(run, val_loss=val_loss, sample=sample, interrupted=False)
+    result = _result(run, val_loss=val_loss, sample=sample)
     if run.parallel.is_main:
         report_final(run.out_dir, step=result.step, val_loss=val_loss, unigram=run.unigram,
                      tokens_per_s=result.tokens_per_s, wall_s=result.wall_s, sample=sample,
