@@ -1,7 +1,8 @@
 """Optional dependencies: ``is_available(name)`` and ``require(name)``, imported lazily.
 
 Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
-``pip install memfine[hf]``.
+``pip install memfine[hf]``; tqdm, matplotlib, safetensors (and tomli on Python 3.10) →
+``memfine[train]``; tensorboard → ``memfine[tensorboard]``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,8 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-_EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train"}
+_EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
+           "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard"}
 
 
 def is_available(name: str) -> bool:

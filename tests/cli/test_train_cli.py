@@ -132,6 +132,13 @@ BAD_INPUTS = [
     pytest.param(lambda p: ["--resume"], "no checkpoint at", id="resume_without_checkpoint"),
     pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
                  id="resume_with_preset"),
+    pytest.param(lambda p: ["--seed", "4294967296"], "--seed 4294967296: TrainConfig.seed must "
+                 "be in [0, 4294967295], got 4294967296", id="seed_too_large"),
+    pytest.param(lambda p: ["--save-every", "0"], "--save-every 0: TrainConfig.save_every must "
+                 "be >= 1, got 0", id="save_every_zero"),
+    pytest.param(lambda p: ["--threads", "0"], "--threads must be >= 1, got 0", id="threads_0"),
+    pytest.param(lambda p: ["--data", str(p), "--overwrite"], "lies in the data directory",
+                 id="out_is_the_data_directory"),
 ]
 
 
@@ -177,8 +184,13 @@ def test_plot_writes_chunks_and_loss_png(tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
-    """Ctrl-C on `python -m memfine train`: checkpoint of the finished step, exit 130."""
+@pytest.mark.parametrize(("signum", "code"), [
+    pytest.param(signal.SIGINT, 130, id="ctrl_c"),
+    pytest.param(signal.SIGTERM, 143, id="sigterm"),
+])
+def test_stop_signal_saves_checkpoint_and_exits_128_plus_signal(
+        tmp_path: Path, signum: int, code: int) -> None:
+    """Ctrl-C or SIGTERM on `python -m memfine train`: checkpoint of the finished step."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "memfine", "train", *FAST, "--max-steps", "100000",
@@ -192,15 +204,26 @@ def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
                 break
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        # while it runs, the lock names its pid and a second run on the directory is refused
+        assert (tmp_path / ".memfine.lock").read_text().split() == [str(proc.pid)]
+        second = subprocess.run([sys.executable, "-m", "memfine", "train", *FAST,
+                                 "--max-steps", "1", "--out", str(tmp_path), "--overwrite"],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert second.returncode == 2
+        assert f"in use by a running memfine train (pid {proc.pid}" in second.stderr
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
-    assert "interrupted by SIGINT: checkpoint of step" in out and "Traceback" not in err
+    assert proc.returncode == code, err
+    name = signal.Signals(signum).name
+    assert f"interrupted by {name}: checkpoint of step" in out and "Traceback" not in err
     step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
     assert step >= 2 and step == read_metrics(tmp_path / "metrics.jsonl")[-1]["step"]
+    assert not (tmp_path / ".memfine.lock").exists()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["checkpoint.pt"] == modes["config.json"] == modes["metrics.jsonl"], modes
 
 
 def test_existing_run_is_not_overwritten_without_overwrite(

@@ -24,6 +24,7 @@ from memfine.nn import MoETransformerLM
 from memfine.train import ByteCorpus, load_checkpoint
 from memfine.train.data import val_batches
 from memfine.train.loop import evaluate
+from memfine.train.presets import preset
 from tolerances import LOSS_ATOL
 
 pytestmark = pytest.mark.distributed
@@ -36,7 +37,7 @@ COMMON = ["train", "--preset", "tiny", "--max-steps", "20", "--sample-tokens", "
           "--no-progress"]
 
 
-def _run(cmd: list[str], cwd: Path) -> None:
+def _run(cmd: list[str], cwd: Path) -> str:
     """Run a command in its own session; kill the whole group on timeout; fail with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -49,6 +50,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
         pytest.fail(f"{' '.join(cmd)} exceeded {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-4000:]}")
+    return out
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -58,10 +60,15 @@ def _losses(run_dir: Path) -> list[float]:
 
 def test_torchrun_ep2_matches_single_process(tmp_path: Path) -> None:
     ep_dir, single_dir = tmp_path / "ep2", tmp_path / "single"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-          "-m", "memfine", *COMMON, "--ep", "2", "--out", str(ep_dir)], tmp_path)
-    _run([sys.executable, "-m", "memfine", *COMMON, "--out", str(single_dir)], tmp_path)
+    ep_out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                   "-m", "memfine", *COMMON, "--ep", "2", "--out", str(ep_dir)], tmp_path)
+    single_out = _run([sys.executable, "-m", "memfine", *COMMON, "--out", str(single_dir)],
+                      tmp_path)
+    # every rank reports the whole model (all experts), not its own shard
+    full = sum(p.numel() for p in MoETransformerLM(preset("tiny").model).parameters())
+    assert f"model: {full:,} parameters" in single_out
+    assert ep_out.count(f"model: {full:,} parameters") == 2, ep_out[-2000:]
 
     ep_losses, single_losses = _losses(ep_dir), _losses(single_dir)
     assert len(ep_losses) == len(single_losses) == 20

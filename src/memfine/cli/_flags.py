@@ -50,6 +50,21 @@ def value(args: argparse.Namespace, dest: str) -> Any:
     return got.value if isinstance(got, NotGiven) else got
 
 
+def name_flag(message: str, args: argparse.Namespace, flags: Iterable[Flag]) -> str:
+    """Prefix a config error with the flag that set the field, and its value.
+
+    ``"TrainConfig.seed must be in [0, 4294967295], got 4294967296"`` becomes
+    ``"--seed 4294967296: TrainConfig.seed must be ..."``; a field no flag sets is left as is.
+    """
+    field = message.split(" ", 1)[0].rpartition(".")[2]
+    for flag in flags:
+        if any(path.rpartition(".")[2] == field for path in flag.paths):
+            shown = getattr(args, flag.dest)
+            shown = "(default)" if isinstance(shown, NotGiven) else shown
+            return f"{flag.name} {shown}: {message}"
+    return message
+
+
 def comma_ints(text: str) -> tuple[int, ...]:
     """Parse ``"1,2,4,8"`` into ``(1, 2, 4, 8)`` (an argparse ``type``).
 

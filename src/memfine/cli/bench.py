@@ -8,7 +8,8 @@ interleaved order, after warm-up; for each: time (p20/p50/p80 over repeats), tok
 saved for backward, peak live bytes, and the memory model's prediction next to the measured
 values. On a GPU the same command times with CUDA events and reads the allocator's statistics.
 
-Output in ``--out``: ``bench_config.json`` (resolved options and environment, written first),
+Output in ``--out`` (refused when it already holds ``bench_*`` files, unless ``--overwrite``):
+``bench_config.json`` (resolved options and environment, written first),
 ``bench_<suite>.csv`` (docs/style.md §6 columns, with units and environment) and
 ``bench_<suite>_{time,memory,predicted[,skew]}.png``.
 """
@@ -21,6 +22,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -28,45 +30,51 @@ from memfine.bench import SUITE_MODULES, SUITES, BenchOptions, select_methods
 from memfine.bench.options import DEVICES, DTYPES, TABLE1
 from memfine.bench.output import plot_points, print_point
 from memfine.bench.results import collect_environment, result_rows, write_csv
-from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, value
+from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, name_flag, value
 from memfine.units import parse_bytes
 
 _FROM_SHAPE = NotGiven(text="the shape's")
 _FLAGS = (
-    Flag("--suites", (), "suites to run", str, (*SUITES, "all"), NotGiven(text="all"), "+",
-         aliases=("--suite",)),
-    Flag("--configs", (), "MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, chunking and "
-         "hf suites", int, sorted(TABLE1),
+    Flag("--suites", ("suites",), "suites to run", str, (*SUITES, "all"), NotGiven(text="all"),
+         "+", aliases=("--suite",)),
+    Flag("--configs", ("configs",), "MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, "
+         "chunking and hf suites", int, sorted(TABLE1),
          NotGiven(text="experts 1 2 3 5, hf 1 5, chunking its skew_demo shape"), "+",
          aliases=("--config",)),
-    Flag("--scale-down", (), "divide the paper's batch x seq by this factor (d, E, k, n kept)",
-         default=NotGiven(256)),
-    Flag("--tokens", (), "T, tokens per layer call (model: per step)", default=_FROM_SHAPE),
-    Flag("--hidden-size", (), "d", default=_FROM_SHAPE),
-    Flag("--intermediate-size", (), "n per GLU branch",
+    Flag("--scale-down", ("scale_down",), "divide the paper's batch x seq by this factor (d, E, "
+         "k, n kept)", default=NotGiven(256)),
+    Flag("--tokens", ("tokens",), "T, tokens per layer call (model: per step)",
+         default=_FROM_SHAPE),
+    Flag("--hidden-size", ("hidden_size",), "d", default=_FROM_SHAPE),
+    Flag("--intermediate-size", ("intermediate_size",), "n per GLU branch",
          default=NotGiven(text="4d with --hidden-size")),
-    Flag("--num-experts", (), "E", default=_FROM_SHAPE),
-    Flag("--top-k", (), "k, experts per token", default=_FROM_SHAPE),
-    Flag("--dtype", (), "activation and weight dtype (bf16 matmuls are slow on CPUs)", str,
-         DTYPES, NotGiven("float32")),
-    Flag("--threads", (), "torch intra-op threads, >= 1 (restored when the run ends)",
+    Flag("--num-experts", ("num_experts",), "E", default=_FROM_SHAPE),
+    Flag("--top-k", ("top_k",), "k, experts per token", default=_FROM_SHAPE),
+    Flag("--dtype", ("dtype",), "activation and weight dtype (bf16 matmuls are slow on CPUs)",
+         str, DTYPES, NotGiven("float32")),
+    Flag("--threads", ("threads",), "torch intra-op threads, >= 1 (restored when the run ends)",
          default=NotGiven(text="torch's choice; 1 with --quick")),
-    Flag("--repeats", (), "timed rounds per method", default=NotGiven(text="5 (1 with --quick)")),
-    Flag("--warmup", (), "untimed rounds per method first",
+    Flag("--repeats", ("repeats",), "timed rounds per method",
+         default=NotGiven(text="5 (1 with --quick)")),
+    Flag("--warmup", ("warmup",), "untimed rounds per method first",
          default=NotGiven(text="1 (0 with --quick)")),
-    Flag("--out", (), "output folder: bench_config.json, bench_<suite>.csv and PNGs", Path,
-         default=NotGiven(Path("runs/bench"))),
-    Flag("--quick", (), "smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under a minute)",
-         action="store_true", default=NotGiven(False)),
-    Flag("--methods", (), "run only these methods (names as in the table)", str,
+    Flag("--out", ("out",), "output folder: bench_config.json, bench_<suite>.csv and PNGs",
+         Path, default=NotGiven(Path("runs/bench"))),
+    Flag("--overwrite", (), "replace the results of an earlier run in --out (without it, any "
+         "bench_* file there stops the run)", action="store_true", default=NotGiven(False)),
+    Flag("--quick", ("quick",), "smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under "
+         "a minute)", action="store_true", default=NotGiven(False)),
+    Flag("--methods", ("methods",), "run only these methods (names as in the table)", str,
          default=NotGiven(text="all of each suite"), nargs="+"),
-    Flag("--memory-budget", (), "MACT memory budget per MoE layer, e.g. 512MiB; 'auto': the "
-         "suite's own (experts/model: half the received rows per chunk; chunking: the worst "
-         "skew level with c = 8)", str, default=NotGiven("auto"), aliases=("--budget",)),
-    Flag("--skew-levels", (), "chunking suite: received rows as multiples of the balanced share",
-         comma_ints, default=NotGiven((1, 2, 4, 8), text="1,2,4,8")),
-    Flag("--device", (), "cuda when available with 'auto'", str, DEVICES, NotGiven("auto")),
-    Flag("--seed", (), "seed of weights, inputs, routing", default=NotGiven(0)),
+    Flag("--memory-budget", ("budget_bytes",), "MACT memory budget per MoE layer, e.g. 512MiB; "
+         "'auto': the suite's own (experts/model: half the received rows per chunk; chunking: "
+         "the worst skew level with c = 8)", str, default=NotGiven("auto"),
+         aliases=("--budget",)),
+    Flag("--skew-levels", ("skew_levels",), "chunking suite: received rows as multiples of the "
+         "balanced share", comma_ints, default=NotGiven((1, 2, 4, 8), text="1,2,4,8")),
+    Flag("--device", ("device",), "cuda when available with 'auto'", str, DEVICES,
+         NotGiven("auto")),
+    Flag("--seed", ("seed",), "seed of weights, inputs, routing", default=NotGiven(0)),
 )
 
 
@@ -93,7 +101,7 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
     suites = SUITES if "all" in chosen else tuple(dict.fromkeys(chosen))
     quick = bool(value(args, "quick"))
     budget = str(value(args, "memory_budget"))
-    return BenchOptions(
+    return _options(args, dict(
         suites=suites, configs=tuple(value(args, "configs") or ()),
         scale_down=value(args, "scale_down"), tokens=value(args, "tokens"),
         hidden_size=value(args, "hidden_size"),
@@ -105,7 +113,15 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         methods=tuple(value(args, "methods") or ()),
         budget_bytes=None if budget.lower() == "auto" else parse_bytes(budget),
         skew_levels=tuple(value(args, "skew_levels")), device=device.type,
-        seed=value(args, "seed"))
+        seed=value(args, "seed")))
+
+
+def _options(args: argparse.Namespace, fields: dict[str, Any]) -> BenchOptions:
+    """``BenchOptions(**fields)``; an invalid field's error names its flag and value."""
+    try:
+        return BenchOptions(**fields)
+    except ValueError as err:
+        raise ValueError(name_flag(str(err), args, _FLAGS)) from err
 
 
 def _or(args: argparse.Namespace, dest: str, default: int | None) -> int | None:
@@ -122,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
     """
     device = _device(value(args, "device"))
     opts = options_from_args(args, device)
+    earlier = sorted(p.name for p in Path(opts.out).glob("bench_*"))
+    if earlier and not value(args, "overwrite"):
+        raise ValueError(f"--out {opts.out!r} already holds results ({', '.join(earlier[:4])}"
+                         f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
+                         f"them or choose another --out")
     for suite in opts.suites:
         select_methods(suite, opts.methods)  # fail on unknown names before any work
     threads = torch.get_num_threads()

@@ -23,6 +23,7 @@ from memfine.cli._flags import (
     apply_config_file,
     comma_ints,
     given,
+    name_flag,
     value,
 )
 from memfine.config import (
@@ -189,7 +190,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     """Build the run's TrainConfig and output directory from parsed flags.
 
     Order: the preset (or, with ``--resume``, the checkpoint's config; with ``--init-from``, the
-    preset with that checkpoint's model), then ``--config`` FILE, then the flags given.
+    preset with that checkpoint's model and ``seq_len``), then ``--config`` FILE, then the flags
+    given.
 
     Raises:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
@@ -211,14 +213,15 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         tree = preset(name).to_dict()
         if given(args, "init_from"):
             source = load_checkpoint(Path(value(args, "init_from")) / CHECKPOINT_NAME)
-            tree["model"] = source["config"]["model"]
+            tree["model"] = source["config"]["model"]  # and its context length:
+            tree["seq_len"] = source["config"]["seq_len"]
     _apply_flags(args, tree, resume=resume, out=out)
     if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
         tree["model"]["moe"]["renormalize"] = False
     try:
         return TrainConfig.from_dict(tree), out
     except ValueError as err:
-        raise ValueError(_name_flag(str(err), args)) from err
+        raise ValueError(name_flag(str(err), args, _SETTING_FLAGS)) from err
 
 
 def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
@@ -232,17 +235,6 @@ def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool
                 raise ValueError(f"{flag.name} cannot change on --resume (the checkpoint in "
                                  f"{str(out)!r} has {_get(tree, path)!r}, got {new!r})")
             _set(tree, path, new)
-
-
-def _name_flag(message: str, args: argparse.Namespace) -> str:
-    """Prefix a config error ("TrainConfig.seed must be ...") with the flag and value."""
-    field = message.split(" ", 1)[0].rpartition(".")[2]
-    for flag in _SETTING_FLAGS:
-        if any(path.rpartition(".")[2] == field for path in flag.paths):
-            shown = getattr(args, flag.dest)
-            shown = "(preset)" if isinstance(shown, NotGiven) else shown
-            return f"{flag.name} {shown}: {message}"
-    return message
 
 
 def run(args: argparse.Namespace) -> int:

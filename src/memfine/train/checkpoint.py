@@ -56,7 +56,7 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
                "scheduler": scheduler.state_dict(), "rng": rng_state()}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
@@ -67,11 +67,11 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
         raise
 
 
-def _umask() -> int:
-    """The process's umask (read by setting and restoring it)."""
-    mask = os.umask(0o022)
+def file_mode() -> int:
+    """Permissions of a newly created file: ``0o666`` less the process's umask (e.g. 0o644)."""
+    mask = os.umask(0o022)  # reading the umask means setting it; restored at once
     os.umask(mask)
-    return mask
+    return 0o666 & ~mask
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
