@@ -4,32 +4,22 @@ Usage: ``python scripts/training_results.py RUN_DIR OUT_JSON`` (``make results``
 ``small`` preset into ``runs/results-small`` and then this script). The JSON holds the run's
 config, ``summary.json`` (final validation loss, unigram baseline, tokens/s, wall time), the
 validation loss at each evaluation step from ``metrics.jsonl``, the measured and predicted peak
-bytes of the last logged step, and the environment (torch, Python, CPU, UTC date).
+bytes of the last logged step, and the environment (versions, CPU, git commit, UTC time,
+load average).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
+import dataclasses
 import json
 import os
 import platform
 import sys
 from pathlib import Path
 
-import torch
-
+from memfine.bench.results import collect_environment
 from memfine.train.metrics import read_metrics
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 def collect(run_dir: Path) -> dict[str, object]:
@@ -37,6 +27,8 @@ def collect(run_dir: Path) -> dict[str, object]:
     config = json.loads((run_dir / "config.json").read_text())
     records = read_metrics(run_dir / "metrics.jsonl")
     last = records[-1]
+    environment = dataclasses.asdict(collect_environment("cpu"))
+    environment.pop("threads")  # this script's, not the run's (memfine train --threads, default 1)
     return {
         "command": "make results",
         "config": config,
@@ -45,10 +37,9 @@ def collect(run_dir: Path) -> dict[str, object]:
         "last_logged_step": {key: last.get(key) for key in
                              ("step", "train_loss", "peak_bytes", "peak_bytes_predicted")},
         "environment": {
-            "torch": torch.__version__, "python": platform.python_version(),
-            "cpu": _cpu_model(), "cpu_count": os.cpu_count(),
+            **environment,
+            "python": platform.python_version(), "cpu_count": os.cpu_count(),
             "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
-            "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
         },
     }
 
