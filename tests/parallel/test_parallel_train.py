@@ -23,7 +23,7 @@ from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train import ByteCorpus, load_checkpoint
 from memfine.train.data import val_batches
-from memfine.train.loop import evaluate
+from memfine.train.evaluation import evaluate
 from memfine.train.presets import preset
 from tolerances import LOSS_ATOL
 

@@ -88,8 +88,11 @@ def test_budget_below_the_fixed_part() -> None:
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=fixed - 1), MOE)
     assert policy.s_prime_max(T, DTYPE_BYTES) < 0
     need = fixed + 2 * row  # ⌈16/8⌉ = 2 rows per chunk
-    with pytest.raises(ValueError, match=f"smallest feasible budget is {need} bytes"):
+    with pytest.raises(ValueError, match=r"cannot be met: the part that does not shrink with "
+                       rf"chunking .* so no chunk count fits; the smallest feasible budget is "
+                       rf"{need} bytes") as info:
         policy.num_chunks(16, T, DTYPE_BYTES)
+    assert "need c=" not in str(info.value)  # no chunk count is named when none can fit
 
 
 def test_allow_over_budget_uses_largest_bin_and_warns_once() -> None:

@@ -171,8 +171,14 @@ class ChunkPolicy:
             return agreed
         budget = self.config.memory_budget_bytes
         assert budget is not None, "budgeted policy without a budget"
-        if local > bins[-1]:
-            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
+        need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
+        if s_max <= 0:  # no chunk count helps: the part that does not shrink is over budget
+            fixed = self.fixed_bytes(num_tokens, dtype_bytes)
+            reason = (f"the part that does not shrink with chunking ({format_bytes(fixed)} for "
+                      f"T={num_tokens} tokens) leaves no room for a single row, so no chunk "
+                      f"count fits; the smallest feasible budget is "
+                      f"{format_bytes(need, exact=True)}")
+        elif local > bins[-1]:
             reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk need "
                       f"c={local} > largest bin {bins[-1]}; the smallest feasible budget is "
                       f"{format_bytes(need, exact=True)}")

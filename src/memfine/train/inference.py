@@ -25,7 +25,7 @@ from memfine.config import ModelConfig, TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.checkpoint import CHECKPOINT_NAME, file_mode, load_checkpoint
 from memfine.train.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
-from memfine.train.loop import evaluate
+from memfine.train.evaluation import evaluate
 from memfine.train.metrics import nats_to_bits
 
 EXPORT_FORMAT = "memfine-model-v1"

@@ -27,9 +27,9 @@ from typing import Any
 import torch
 
 from memfine.config import TrainConfig
-from memfine.nn import MoETransformerLM
 from memfine.train.checkpoint import save_checkpoint
-from memfine.train.data import ByteCorpus, decode, train_batch
+from memfine.train.data import train_batch
+from memfine.train.evaluation import evaluate, sample_after_validation_prompt
 from memfine.train.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.train.metrics import (
     format_expert_load,
@@ -45,7 +45,6 @@ from memfine.train.setup import RunState, setup_run
 from memfine.train.stop import graceful_stop
 
 SAMPLE_TEMPERATURE = 0.8
-SAMPLE_PROMPT_BYTES = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,16 +107,6 @@ class StepRecord:
     seconds: float
     peak_bytes: int | None = None
     peak_bytes_predicted: list[int | None] | None = None
-
-
-@torch.no_grad()
-def evaluate(model: MoETransformerLM, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             device: torch.device) -> float:
-    """Mean cross-entropy over fixed batches, nats/byte."""
-    model.eval()
-    losses = [float(model(x.to(device), y.to(device)).loss) for x, y in batches]
-    model.train()
-    return sum(losses) / len(losses)
 
 
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
@@ -361,7 +350,8 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
     val_loss = run.val_loss
     if val_loss is None:  # resumed at (or past) max_steps: nothing ran
         val_loss = evaluate(run.model, run.val_data, run.device)
-    sample = _sample(run.model, run.corpus, run.config, run.device)
+    sample = sample_after_validation_prompt(run.model, run.corpus, run.config, run.device,
+                                            temperature=SAMPLE_TEMPERATURE)
     result = _result(run, val_loss=val_loss, sample=sample)
     if run.parallel.is_main:
         report_final(run.out_dir, step=result.step, val_loss=val_loss, unigram=run.unigram,
@@ -370,23 +360,3 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
     if plot and run.parallel.is_main:
         print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
     return result
-
-
-def _sample(model: MoETransformerLM, corpus: ByteCorpus, config: TrainConfig,
-            device: torch.device) -> str:
-    """Generate ``sample_tokens`` bytes after a prompt from the validation split.
-
-    The prompt is the split's first ``SAMPLE_PROMPT_BYTES`` bytes after its first newline (so it
-    starts at a line), at most ``seq_len``.
-    """
-    if config.sample_tokens == 0:
-        return ""
-    val = corpus.val_ids
-    newlines = (val[:SAMPLE_PROMPT_BYTES] == ord("\n")).nonzero()
-    start = int(newlines[0]) + 1 if newlines.numel() else 0
-    prompt_1Q = val[start:start + min(SAMPLE_PROMPT_BYTES, config.seq_len)][None].to(device)
-    gen = torch.Generator(device=device).manual_seed(config.seed)
-    model.eval()
-    ids = model.generate(prompt_1Q, config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
-                         generator=gen)
-    return decode(ids[0].cpu())
