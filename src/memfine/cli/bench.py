@@ -17,19 +17,15 @@ Output in ``--out`` (refused when it already holds ``bench_*`` files, unless ``-
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from memfine.bench import SUITE_MODULES, SUITES, BenchOptions, select_methods
+from memfine.bench import SUITES, BenchOptions, select_methods
 from memfine.bench.options import DEVICES, DTYPES, TABLE1
-from memfine.bench.output import plot_points, print_point
-from memfine.bench.results import collect_environment, result_rows, write_csv
+from memfine.bench.runner import run_suites
 from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, name_flag, value
 from memfine.units import parse_bytes
 
@@ -145,49 +141,8 @@ def run(args: argparse.Namespace) -> int:
                          f"them or choose another --out")
     for suite in opts.suites:
         select_methods(suite, opts.methods)  # fail on unknown names before any work
-    threads = torch.get_num_threads()
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
-    try:
-        failures = _run_suites(opts, device)
-    finally:
-        torch.set_num_threads(threads)
+    failures = run_suites(opts, device)
     for failure in failures:
         print(f"memfine bench: method failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
 
-
-def _run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
-    """Write bench_config.json, then run each suite: tables as points finish, CSV and PNGs.
-
-    Returns:
-        One ``"<suite> <point> <method>: <error>"`` line per method that raised.
-    """
-    failures: list[str] = []
-    out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = collect_environment(device)
-    resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
-    print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
-    (out / "bench_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
-    for suite in opts.suites:
-        names = select_methods(suite, opts.methods)
-        if not names:
-            print(f"{suite}: skipped: none of --methods belongs to this suite")
-            continue
-        start = time.perf_counter()
-        points, rows = [], []
-        for point in SUITE_MODULES[suite].run(opts, device, names):
-            print_point(point)
-            points.append(point)
-            failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
-                         for res in point.results if res.error]
-            rows += result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
-                                x_value=point.x_value, config=point.config, env=env)
-        if not points:
-            continue
-        written = [write_csv(rows, out / f"bench_{suite}.csv"), *plot_points(points, out, suite)]
-        print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
-              + ", ".join(str(p) for p in written))
-    print(f"environment: {env.line()}")
-    return failures
