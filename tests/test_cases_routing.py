@@ -1,6 +1,6 @@
-"""Routing, loss and expert cases from the bug-report cases; each pytest id is the case id.
+"""Routing, loss and expert cases from known MoE failures; each pytest id is the case id.
 
-Capacity and group-limited cases belong to the capacity feature and are tested with it.
+Capacity, token-dropping and group-limited cases are in ``tests/test_cases_capacity.py``.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
 Recompute = Literal["auto", "none", "experts", "full"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
+DropPolicy = Literal["probs", "position"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
 MAX_BIN = 16
@@ -146,6 +147,29 @@ class MoEConfig(_ConfigBase):
             ``skew_hot_experts = top_k`` sends every token to experts 0..k-1 (the worst case of
             MemFine's skew); small values skew partially. Used to show chunking under skew on one
             device; leave at 0 for training.
+        capacity_factor: ``None`` (default) routes without dropping; else each expert keeps at
+            most ``capacity = min(T, max(min_capacity, ceil(capacity_factor·T·k/E)))`` of the
+            (token, slot) pairs that chose it (GShard §2.2, Switch Transformer §2.2), > 0.
+        min_capacity: lower bound of the capacity in tokens, >= 0 (DeepSpeed-MoE's
+            ``min_capacity``); only used with ``capacity_factor``.
+        drop_policy: which pairs an over-full expert keeps: ``probs`` (the highest routing
+            weights) or ``position`` (the earliest tokens). Ties go to the lower token index.
+        n_group: expert groups for group-limited routing (DeepSeek-V3 §2.1.2 node-limited
+            routing; HF ``n_group``); 1 disables it. Must divide E with >= 2 experts per group.
+        topk_group: groups each token may use, in [1, n_group]; a group's score is the sum of
+            its two highest (biased) scores; ``topk_group·E/n_group >= k``.
+        routed_scaling_factor: multiplies the k routing weights after renormalisation
+            (DeepSeek-V3: 2.5), > 0.
+        bias_update_rate: γ of aux-loss-free balancing (DeepSeek-V3 §2.1.2): after each
+            optimizer step the selection bias moves by ``γ·sign(mean_load − load_i)``; 0 = off.
+        seq_aux_loss_coef: weight α of DeepSeek-V3's sequence-wise balance loss (Eq. 17-20) in
+            the training loss, >= 0 (the loss is always returned; 0 skips computing it).
+        router_jitter_eps: ε of Switch Transformer's router input jitter: in training mode the
+            router input is multiplied by U(1−ε, 1+ε) (the experts' input is not), in [0, 1).
+        num_shared_experts: always-on shared experts added to the routed output (DeepSeek-MoE,
+            Qwen2-MoE), >= 0; they run on the same fused, chunked path as the routed experts.
+        shared_intermediate_size: n of one shared expert per GLU branch; ``None`` means n.
+        shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
     """
 
     hidden_size: int
@@ -162,6 +186,18 @@ class MoEConfig(_ConfigBase):
     z_loss_coef: float = 0.001
     skew_hot_experts: int = 0
     skew_bias: float = 0.0
+    capacity_factor: float | None = None
+    min_capacity: int = 0
+    drop_policy: DropPolicy = "probs"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    seq_aux_loss_coef: float = 0.0
+    router_jitter_eps: float = 0.0
+    num_shared_experts: int = 0
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -169,6 +205,10 @@ class MoEConfig(_ConfigBase):
         Raises:
             ValueError: naming the class and field, what is allowed and the value received.
         """
+        self._check_sizes()
+        _check_routing(self)
+
+    def _check_sizes(self) -> None:
         check_int(self, "hidden_size", 1)
         check_int(self, "intermediate_size", 1)
         check_int(self, "num_experts", 1)
@@ -194,6 +234,33 @@ class MoEConfig(_ConfigBase):
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
 
     @property
+    def dropless(self) -> bool:
+        """True when no capacity is set (every selected pair is dispatched)."""
+        return self.capacity_factor is None
+
+    @property
+    def shared_width(self) -> int:
+        """N of one shared expert (``shared_intermediate_size`` or n)."""
+        return self.shared_intermediate_size or self.intermediate_size
+
+    def shared_experts_config(self) -> MoEConfig:
+        """The config the shared experts run with: E = k = S, n = n_s, no renormalisation.
+
+        Shared experts are a routed layer whose routing is fixed (every token to all S), so
+        they reuse the fused, chunked expert path and its memory model unchanged.
+
+        Raises:
+            ValueError: if ``num_shared_experts`` is 0.
+        """
+        S = self.num_shared_experts
+        if S < 1:
+            fail(self, "num_shared_experts", ">= 1 for a shared-experts config", S)
+        return MoEConfig(hidden_size=self.hidden_size, intermediate_size=self.shared_width,
+                         num_experts=S, top_k=S, renormalize=False, activation=self.activation,
+                         experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
+                         index_builder=self.index_builder)
+
+    @property
     def gated(self) -> bool:
         """True for gated activations (w_up has 2n columns)."""
         return self.activation in GATED_ACTIVATIONS
@@ -202,6 +269,39 @@ class MoEConfig(_ConfigBase):
     def up_width(self) -> int:
         """G: columns of w_up (2n gated, n otherwise)."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+
+def _check_routing(moe: MoEConfig) -> None:
+    """Routing options of :class:`MoEConfig` (capacity, groups, balancing, shared experts)."""
+    if moe.capacity_factor is not None:
+        check_float(moe, "capacity_factor", 0.0, lo_open=True)
+    check_int(moe, "min_capacity", 0)
+    check_choice(moe, "drop_policy", DropPolicy)
+    E = moe.num_experts
+    check_int(moe, "n_group", 1, E)
+    if E % moe.n_group:
+        fail(moe, "n_group", f"a divisor of num_experts={E}", moe.n_group)
+    if moe.n_group > 1 and E // moe.n_group < 2:
+        fail(moe, "n_group", f"at most num_experts/2={E // 2} (a group's score is the sum of "
+              "its top-2 scores, so each group needs >= 2 experts)", moe.n_group)
+    check_int(moe, "topk_group", 1, moe.n_group)
+    if moe.topk_group * (E // moe.n_group) < moe.top_k:
+        fail(moe, "topk_group", f"large enough that topk_group·num_experts/n_group >= "
+              f"top_k={moe.top_k} (n_group={moe.n_group})", moe.topk_group)
+    check_float(moe, "routed_scaling_factor", 0.0, lo_open=True)
+    check_float(moe, "bias_update_rate", 0.0)
+    check_float(moe, "seq_aux_loss_coef", 0.0)
+    check_float(moe, "router_jitter_eps", 0.0)
+    if moe.router_jitter_eps >= 1:
+        fail(moe, "router_jitter_eps", "in [0, 1)", moe.router_jitter_eps)
+    check_int(moe, "num_shared_experts", 0)
+    if moe.shared_intermediate_size is not None:
+        check_int(moe, "shared_intermediate_size", 1)
+    if not isinstance(moe.shared_expert_gate, bool):
+        fail(moe, "shared_expert_gate", "a bool", moe.shared_expert_gate)
+    if moe.shared_expert_gate and moe.num_shared_experts == 0:
+        fail(moe, "shared_expert_gate", "False when num_shared_experts=0",
+              moe.shared_expert_gate)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

@@ -9,6 +9,7 @@ Reference: docs/design.md §1-§2 (semantics), docs/style.md §6.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -97,10 +98,59 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
     return out + anchor
 
 
+def _log_sigmoid(z: torch.Tensor) -> torch.Tensor:
+    """Log σ(z) = min(z, 0) − log(1 + e^−|z|), finite for every finite z."""
+    return torch.clamp(z, max=0) - torch.log1p(torch.exp(-z.abs()))
+
+
+def _token_choice(z: torch.Tensor, s: torch.Tensor, top_k: int,
+                  bias: list[float] | None, n_group: int, topk_group: int) -> list[int]:
+    """One token's k experts: biased scores, group limit (-inf), lowest index on ties."""
+    E = len(s)
+    if bias is not None:
+        sel = [float(s[e].detach()) + bias[e] for e in range(E)]
+    elif n_group == 1:  # softmax and sigmoid are monotone: rank by logit
+        sel = [float(z[e].detach()) for e in range(E)]
+    else:
+        sel = [float(s[e].detach()) for e in range(E)]
+    if n_group > 1:
+        size = E // n_group
+        group_score = [sum(sorted(sel[g * size:(g + 1) * size], reverse=True)[:2])
+                       for g in range(n_group)]
+        kept = sorted(range(n_group), key=lambda g: (-group_score[g], g))[:topk_group]
+        sel = [v if e // size in kept else -math.inf for e, v in enumerate(sel)]
+    return sorted(range(E), key=lambda e: (-sel[e], e))[:top_k]
+
+
+def _drop_over_capacity(idx_rows: list[list[int]], w_rows: list[torch.Tensor], E: int,
+                        capacity_factor: float, min_capacity: int, drop_policy: str) -> None:
+    """Per expert keep ``capacity`` pairs (highest weight or earliest token); drop the rest."""
+    T = len(idx_rows)
+    k = len(idx_rows[0]) if T else 0
+    capacity = min(T, max(min_capacity, math.ceil(capacity_factor * T * k / E)))
+    for e in range(E):
+        pairs = [(t, j) for t in range(T) for j in range(k) if idx_rows[t][j] == e]
+        if drop_policy == "probs":
+            pairs.sort(key=lambda p: (-float(w_rows[p[0]][p[1]].detach()), p[0]))
+        for t, j in pairs[capacity:]:
+            idx_rows[t][j] = E
+            w_rows[t] = torch.where(torch.arange(k) == j, torch.zeros_like(w_rows[t]), w_rows[t])
+
+
 def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: int,
-                    score_func: str = "softmax", renormalize: bool = True
+                    score_func: str = "softmax", renormalize: bool = True, *,
+                    selection_bias: torch.Tensor | None = None, n_group: int = 1,
+                    topk_group: int = 1, routed_scaling_factor: float = 1.0,
+                    capacity_factor: float | None = None, min_capacity: int = 0,
+                    drop_policy: str = "probs"
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-token routing: logits, scores, top-k by a Python sort.
+    """Per-token routing: logits, scores, top-k by a Python sort, then capacity per expert.
+
+    Semantics (as :func:`memfine.routing.route`): selection on scores + bias (without bias and
+    groups: on the logits); excluded groups -inf, a group scored by its top-2 sum; ties to the
+    lower index; weights from the unbiased scores, renormalised (sigmoid: exp(log σ) ratios),
+    times ``routed_scaling_factor``; then each expert keeps ``min(T, max(min_capacity,
+    ⌈cf·T·k/E⌉))`` pairs by weight (``probs``) or position, dropped pairs get id E, weight 0.
 
     Returns:
         ``(top_k_index (T,k) int64, top_k_weights (T,k), logits (T,E))`` in the router's compute
@@ -108,6 +158,7 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
     """
     dtype = torch.float64 if x_TD.dtype == torch.float64 else torch.float32
     logits = x_TD.to(dtype) @ router_weight_ED.to(dtype).t()
+    bias = None if selection_bias is None else [float(b) for b in selection_bias]
     idx_rows, w_rows = [], []
     for t in range(x_TD.shape[0]):
         z = logits[t]
@@ -116,12 +167,20 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
             s = ex / ex.sum()
         else:
             s = 1 / (1 + torch.exp(-z))
-        order = sorted(range(len(s)), key=lambda e: (-float(s[e].detach()), e))[:top_k]
-        w = torch.stack([s[e] for e in order])
-        if renormalize:
+        order = _token_choice(z, s, top_k, bias, n_group, topk_group)
+        if renormalize and score_func == "sigmoid":
+            log_s = torch.stack([_log_sigmoid(z[e]) for e in order])
+            w = torch.exp(log_s - log_s.max())
             w = w / w.sum()
+        else:
+            w = torch.stack([s[e] for e in order])
+            if renormalize:
+                w = w / w.sum()
         idx_rows.append(order)
-        w_rows.append(w)
+        w_rows.append(w * routed_scaling_factor)
+    if capacity_factor is not None:
+        _drop_over_capacity(idx_rows, w_rows, logits.shape[1], capacity_factor, min_capacity,
+                            drop_policy)
     k_idx = torch.tensor(idx_rows, dtype=torch.int64).reshape(-1, top_k)
     weights = torch.stack(w_rows) if w_rows else logits.new_zeros(0, top_k)
     return k_idx, weights, logits
@@ -129,15 +188,36 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
 
 def reference_moe(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, w_up_EDG: torch.Tensor,
                   w_down_END: torch.Tensor, top_k: int, *, score_func: str = "softmax",
-                  renormalize: bool = True, activation: str = "swiglu"
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Route and run the experts token by token.
+                  renormalize: bool = True, activation: str = "swiglu",
+                  shared: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+                  **routing: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Route and run the experts token by token, plus any shared experts.
+
+    Args:
+        x_TD: (T, d) input.
+        router_weight_ED: (E, d) router weight.
+        w_up_EDG: (E, d, G) routed up-projection.
+        w_down_END: (E, n, d) routed down-projection.
+        top_k: k.
+        score_func: ``softmax`` or ``sigmoid``.
+        renormalize: renormalise the k weights.
+        activation: as :func:`reference_experts`.
+        shared: optional ``(w_up (S,d,G_s), w_down (S,n_s,d), gate (1,d) or None)``: every token
+            also gets Σ_s g_t·Expert_s(x_t), g_t = σ(x_t·gate) or 1.
+        routing: keyword options of :func:`reference_route` (bias, groups, scaling, capacity).
 
     Returns:
         ``(out (T,d), top_k_index (T,k), logits (T,E))``; out is differentiable w.r.t. x, the router
-        weight and both expert weights.
+        weight and the expert weights.
     """
     k_idx, weights, logits = reference_route(x_TD, router_weight_ED, top_k, score_func,
-                                             renormalize)
+                                             renormalize, **routing)
     out = reference_experts(x_TD, k_idx, weights, w_up_EDG, w_down_END, activation)
+    if shared is not None:
+        s_up, s_down, gate = shared
+        T, S = x_TD.shape[0], s_up.shape[0]
+        g = (torch.ones(T, 1, dtype=x_TD.dtype) if gate is None
+             else 1 / (1 + torch.exp(-(x_TD @ gate.to(x_TD.dtype).t()))))
+        ids = torch.arange(S).repeat(T, 1)
+        out = out + reference_experts(x_TD, ids, g.expand(T, S), s_up, s_down, activation)
     return out, k_idx, logits

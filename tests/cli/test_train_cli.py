@@ -24,17 +24,20 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
-    "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size", "--bins",
-    "--chunk-bins", "--config", "--data", "--device", "--dtype", "--ep", "--eval-batches",
-    "--eval-every", "--experts-impl", "--gemm-backend", "--grad-clip", "--help",
-    "--hidden-size", "--index-builder", "--init-from", "--intermediate-size", "--log-every",
-    "--lr", "--lr-decay-steps", "--max-steps", "--memory-budget", "--min-lr-ratio",
-    "--moe-chunks", "--moe-memory-budget", "--no-progress", "--no-renormalize", "--num-chunks",
-    "--num-experts", "--num-heads", "--num-layers", "--out", "--overwrite", "--plot",
-    "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens", "--save-every",
-    "--score-func", "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--tensorboard",
-    "--threads", "--top-k", "--val-fraction", "--warmup-steps", "--weight-decay",
-    "--z-loss-coef", "-h",
+    "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size",
+    "--bias-update-rate", "--bins", "--capacity-factor", "--chunk-bins", "--config", "--data",
+    "--device", "--drop-policy", "--dtype", "--ep", "--eval-batches", "--eval-every",
+    "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
+    "--index-builder", "--init-from", "--intermediate-size", "--log-every", "--lr",
+    "--lr-decay-steps", "--max-steps", "--memory-budget", "--min-capacity", "--min-lr-ratio",
+    "--moe-chunks", "--moe-memory-budget", "--n-group", "--no-progress", "--no-renormalize",
+    "--no-shared-expert-gate", "--num-chunks", "--num-experts", "--num-heads", "--num-layers",
+    "--num-shared-experts", "--out", "--overwrite", "--plot", "--preset", "--recompute",
+    "--renormalize", "--resume", "--routed-scaling-factor", "--router-jitter-eps",
+    "--sample-tokens", "--save-every", "--score-func", "--seed", "--seq-aux-loss-coef",
+    "--seq-len", "--shared-expert-gate", "--shared-intermediate-size", "--skew-bias",
+    "--skew-hot-experts", "--tensorboard", "--threads", "--top-k", "--topk-group",
+    "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
 ])
 
 

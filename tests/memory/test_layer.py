@@ -204,3 +204,30 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
         mode_settings("other")
     with pytest.raises(ValueError, match="needs num_chunks >= 2"):
         mode_settings("chunked", 1)
+
+
+@pytest.mark.parametrize(("dtype", "mode", "c", "gate"), [
+    pytest.param(F32, "fused", 1, False, id="fp32-fused"),
+    pytest.param(F32, "fused", 1, True, id="fp32-fused-gate"),
+    pytest.param(F32, "plain", 1, False, id="fp32-plain"),
+    pytest.param(F32, "plain", 1, True, id="fp32-plain-gate"),
+    pytest.param(F32, "chunked", 3, True, id="fp32-chunked-c3-gate"),
+    pytest.param(BF16, "full", 1, False, id="bf16-full"),
+    pytest.param(BF16, "plain", 1, True, id="bf16-plain-gate"),
+    pytest.param(BF16, "chunked", 2, False, id="bf16-chunked-c2"),
+])
+def test_shared_experts_match_measurement(dtype: torch.dtype, mode: str, c: int,
+                                          gate: bool) -> None:
+    impl, num_chunks, recompute = mode_settings(mode, c)
+    moe = dataclasses.replace(_layer_config(16, 16, 8, 2, skewed=False, impl=impl),
+                              num_shared_experts=2, shared_intermediate_size=12,
+                              shared_expert_gate=gate)
+    measured = measure_layer(moe, 24, dtype, num_chunks, recompute)
+    predicted = moe_layer_memory(moe, 24, dtype.itemsize, num_chunks=num_chunks,
+                                 recompute=recompute)
+    assert predicted.saved_bytes == measured.saved_bytes
+    assert predicted.shared_expert_bytes + predicted.shared_weights_bytes > 0
+    assert measured.peak_bytes is not None
+    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= PEAK_RTOL
+    assert predicted.forward_peak_bytes == pytest.approx(measured.forward_peak_bytes,
+                                                         rel=PEAK_RTOL)

@@ -89,3 +89,15 @@ def test_plan_layout_equals_each_stage(p: int, v: int) -> None:
 def test_plan_config_rejects(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PlanConfig(model=TINY, device_memory_bytes=1 << 30, **{field: value})  # type: ignore[arg-type]
+
+
+def test_presets_use_the_moe_config_field_names() -> None:
+    from memfine.memory.presets import PRESETS
+
+    ds = PRESETS["deepseek-v3"].moe_config()
+    assert (ds.num_experts, ds.top_k, ds.n_group, ds.topk_group, ds.score_func,
+            ds.routed_scaling_factor, ds.num_shared_experts, ds.shared_width) == (
+        256, 8, 8, 4, "sigmoid", 2.5, 1, 2048)  # DeepSeek-V3 config.json
+    for preset in PRESETS.values():
+        moe = preset.moe_config()  # validates every preset's routing fields
+        assert moe.num_experts == preset.num_experts and moe.top_k == preset.top_k

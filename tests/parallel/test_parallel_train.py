@@ -24,7 +24,6 @@ from memfine.nn import MoETransformerLM
 from memfine.train import ByteCorpus, load_checkpoint
 from memfine.train.data import val_batches
 from memfine.train.evaluation import evaluate
-from memfine.train.presets import preset
 from tolerances import LOSS_ATOL
 
 pytestmark = pytest.mark.distributed
@@ -58,15 +57,25 @@ def _losses(run_dir: Path) -> list[float]:
     return [json.loads(line)["train_loss"] for line in lines]
 
 
-def test_torchrun_ep2_matches_single_process(tmp_path: Path) -> None:
+# Routing options: shared experts stay whole on every rank, and the aux-loss-free bias moves
+# once per step from the counts summed over both ranks, so EP still equals one process.
+ROUTING = ["--num-shared-experts", "1", "--bias-update-rate", "1e-2", "--n-group", "2",
+           "--topk-group", "1"]
+
+
+@pytest.mark.parametrize("extra", [pytest.param([], id="default"),
+                                   pytest.param(ROUTING, id="routing_options")])
+def test_torchrun_ep2_matches_single_process(tmp_path: Path, extra: list[str]) -> None:
     ep_dir, single_dir = tmp_path / "ep2", tmp_path / "single"
     ep_out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                    "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                   "-m", "memfine", *COMMON, "--ep", "2", "--out", str(ep_dir)], tmp_path)
-    single_out = _run([sys.executable, "-m", "memfine", *COMMON, "--out", str(single_dir)],
-                      tmp_path)
+                   "-m", "memfine", *COMMON, *extra, "--ep", "2", "--out", str(ep_dir)],
+                  tmp_path)
+    single_out = _run([sys.executable, "-m", "memfine", *COMMON, *extra, "--out",
+                       str(single_dir)], tmp_path)
     # every rank reports the whole model (all experts), not its own shard
-    full = sum(p.numel() for p in MoETransformerLM(preset("tiny").model).parameters())
+    cfg = TrainConfig.from_dict(json.loads((single_dir / "config.json").read_text()))
+    full = sum(p.numel() for p in MoETransformerLM(cfg.model).parameters())
     assert f"model: {full:,} parameters" in single_out
     assert ep_out.count(f"model: {full:,} parameters") == 2, ep_out[-2000:]
 

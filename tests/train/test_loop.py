@@ -16,7 +16,7 @@ from memfine.nn import LMOutput, MoETransformerLM
 from memfine.train import ByteCorpus, load_checkpoint, train
 from memfine.train.data import train_batch
 from memfine.train.metrics import read_metrics
-from tolerances import LOSS_ATOL
+from tolerances import LOSS_ATOL, assert_close
 
 ASSET = Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt"
 
@@ -191,3 +191,32 @@ def test_tensorboard_gets_the_logged_losses(tmp_path: Path) -> None:
     events.Reload()
     got = [e.value for e in events.Scalars("train_loss")]
     assert got == pytest.approx(list(result.train_losses), abs=1e-6)  # stored as float32
+
+
+def test_selection_bias_moves_once_per_step_from_the_steps_counts(tmp_path: Path) -> None:
+    gamma = 1e-3
+    moe = dataclasses.replace(_config().model.moe, bias_update_rate=gamma)
+    config = _config(max_steps=3, model=dataclasses.replace(_config().model, moe=moe))
+    _run(config, tmp_path)
+    expected = torch.zeros(2, 4, dtype=torch.float64)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    for rec in records:  # log_every = 1: each record holds that step's (L, E) counts
+        load = torch.tensor(rec["tokens_per_expert"], dtype=torch.float64)
+        expected += torch.sign(load.mean(-1, keepdim=True) - load) * gamma
+    state = load_checkpoint(tmp_path / "checkpoint.pt")["model"]
+    got = torch.stack([state[f"blocks.{i}.moe.router.selection_bias"] for i in range(2)])
+    assert len(records) == 3 and bool(expected.ne(0).any())
+    assert_close(got, expected.float())  # fp32 sums of ±γ
+
+
+def test_capacity_drops_are_logged(tmp_path: Path) -> None:
+    moe = dataclasses.replace(_config().model.moe, capacity_factor=0.5)
+    config = _config(max_steps=2, model=dataclasses.replace(_config().model, moe=moe))
+    _run(config, tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    T, k, E = 4 * 32, 2, 4
+    capacity = -(-T * k // (2 * E))  # ceil(0.5·T·k/E) = 32; an expert gets 64 pairs on average
+    for rec in records:
+        kept = torch.tensor(rec["tokens_per_expert"])
+        assert bool((kept <= capacity).all())
+        assert (kept.sum(-1) + torch.tensor(rec["dropped_pairs"])).tolist() == [T * k] * 2

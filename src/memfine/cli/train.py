@@ -28,6 +28,7 @@ from memfine.cli._flags import (
 )
 from memfine.config import (
     Activation,
+    DropPolicy,
     DType,
     ExpertsImpl,
     GemmBackend,
@@ -48,6 +49,13 @@ def _optional_int(text: str) -> int | None:
         return None if text.lower() == "none" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
+
+
+def _optional_float(text: str) -> float | None:
+    try:
+        return None if text.lower() == "none" else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
 
 
 def _budget(text: str) -> int | None:
@@ -112,6 +120,28 @@ _CONFIG_FLAGS = (
          get_args(Recompute)),
     Flag("--bins", ("model.chunk.bins",), "allowed chunk counts c, comma-separated",
          lambda text: list(comma_ints(text)), aliases=("--chunk-bins",)),
+    Flag("--capacity-factor", ("model.moe.capacity_factor",), "expert capacity factor cf: "
+         "each expert keeps at most min(T, max(min-capacity, ceil(cf·T·k/E))) tokens; 'none': "
+         "dropless", _optional_float),
+    Flag("--min-capacity", ("model.moe.min_capacity",), "lower bound of the expert capacity, "
+         "tokens"),
+    Flag("--drop-policy", ("model.moe.drop_policy",), "which tokens an over-full expert "
+         "keeps: highest routing weights or earliest positions", str, get_args(DropPolicy)),
+    Flag("--n-group", ("model.moe.n_group",), "expert groups of group-limited routing "
+         "(DeepSeek-V3; 1: off)"),
+    Flag("--topk-group", ("model.moe.topk_group",), "groups each token may use"),
+    Flag("--routed-scaling-factor", ("model.moe.routed_scaling_factor",), "factor on the "
+         "routing weights after renormalisation (DeepSeek-V3: 2.5)", float),
+    Flag("--bias-update-rate", ("model.moe.bias_update_rate",), "gamma of aux-loss-free "
+         "balancing: selection bias step per optimizer step (0: off)", float),
+    Flag("--seq-aux-loss-coef", ("model.moe.seq_aux_loss_coef",), "weight of the "
+         "sequence-wise balance loss (DeepSeek-V3)", float),
+    Flag("--router-jitter-eps", ("model.moe.router_jitter_eps",), "router input jitter: "
+         "multiply by U(1-eps, 1+eps) in training (0: off)", float),
+    Flag("--num-shared-experts", ("model.moe.num_shared_experts",), "always-on shared "
+         "experts per MoE layer"),
+    Flag("--shared-intermediate-size", ("model.moe.shared_intermediate_size",), "n of one "
+         "shared expert; 'none': the routed experts' n", _optional_int),
     Flag("--skew-hot-experts", ("model.moe.skew_hot_experts",), "experiment knob: experts "
          "0..N-1 favoured by the router's selection bias (0: off)"),
     Flag("--skew-bias", ("model.moe.skew_bias",), "experiment knob: selection bias of the hot "
@@ -122,6 +152,8 @@ _CONFIG_FLAGS = (
 _SWITCH_FLAGS = (
     Flag("--renormalize", ("model.moe.renormalize",), "renormalise the k router weights (off by "
          "default when k = 1)", action=argparse.BooleanOptionalAction),
+    Flag("--shared-expert-gate", ("model.moe.shared_expert_gate",), "scale the shared experts' "
+         "output by a per-token sigmoid gate (Qwen2-MoE)", action=argparse.BooleanOptionalAction),
     Flag("--allow-over-budget", ("model.chunk.allow_over_budget",), "use the largest chunk bin "
          "(with a warning) when none meets the memory budget, instead of failing",
          action="store_true"),

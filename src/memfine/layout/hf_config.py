@@ -121,6 +121,12 @@ def _deepseek_v3(r: _Reader) -> dict[str, Any]:
     if r.int("moe_layer_freq", default=1) != 1:
         raise ValueError(f"{r.where}: moe_layer_freq must be 1 (every layer after the dense "
                          f"ones is MoE), got {r.data['moe_layer_freq']!r}")
+    scale = r.data.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ValueError(f"{r.where}: routed_scaling_factor must be a number, got {scale!r}")
+    # DeepSeek-V3 routing (sigmoid scores, group-limited), under MoEConfig's field names
+    out.update(score_func="sigmoid", n_group=r.int("n_group", default=1),
+               topk_group=r.int("topk_group", default=1), routed_scaling_factor=float(scale))
     return out
 
 

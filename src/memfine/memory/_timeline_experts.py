@@ -15,6 +15,7 @@ Reference: our derivation from the code (docs/design.md §5: peak = saved + larg
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from memfine.config import MoEConfig
@@ -209,8 +210,13 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     return h, out
 
 
-def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str]) -> dict[str, str]:
-    """FusedExpertsFunction.backward; frees the chunk's saved tensors; returns its gradients."""
+def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str], *,
+                   need_weights: bool = True) -> dict[str, str]:
+    """FusedExpertsFunction.backward; frees the chunk's saved tensors; returns its gradients.
+
+    ``need_weights=False``: the routing weights need no gradient (shared experts without a
+    gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    """
     moe, dt = s.moe, s.dt
     D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
                      moe.top_k)
@@ -222,9 +228,11 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str]) -> 
     tl.free(idx)
     grad_a = tl.alloc("bwd.dA", S * N * dt)
     a = activation_forward(tl, s, S, "bwd")
-    dots = tl.alloc("bwd.row_dots", S * dt)
-    grads = {"weights": tl.alloc("grad.top_k_weights", C * K * dt)}
-    tl.free(tl.alloc("bwd.slot64", S * 8), dots)
+    grads = {}
+    if need_weights:
+        dots = tl.alloc("bwd.row_dots", S * dt)
+        grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
+        tl.free(tl.alloc("bwd.slot64", S * 8), dots)
     probe = tl.alloc("bwd.wgrad_probe", N * D * dt)
     grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
     tl.free(probe, a, grad_out)
@@ -373,3 +381,37 @@ def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, reco
         tl.free(out)
         out = None
     return saved, out
+
+
+def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[list[str]], *,
+                    ckpt: bool, need_weights: bool = True,
+                    after_first_chunk: Callable[[], None] | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """Backward of every chunk, last chunk first (recomputed first under ``ckpt``).
+
+    ``after_first_chunk`` runs once chunk 0's backward is done, before its weight gradients
+    are summed (the moment the routing weights saved by every chunk are released).
+
+    Returns:
+        The chunks' routing-weight gradients and their dx buffers, in backward order.
+    """
+    plain, K = s.moe.experts_impl == "plain", s.moe.top_k
+    wg = WeightGrads(tl)
+    grads_w, grads_x = [], []
+    for i in reversed(range(len(sizes))):
+        C, saved = sizes[i], chunk_saved[i]
+        if ckpt:
+            saved, _ = experts_forward(tl, s, C, C * K, plain=plain, recompute=False,
+                                       rerun=True)
+        if plain:
+            grads = plain_backward(tl, s, C, C * K, saved, wg)
+        else:
+            grads = fused_backward(tl, s, C, C * K, saved, need_weights=need_weights)
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk()
+        if not plain:
+            wg.add(grads, "w_up", "w_down")
+        if "weights" in grads:
+            grads_w.append(grads["weights"])
+        grads_x.append(grads["x"])
+    return grads_w, grads_x

@@ -16,10 +16,12 @@ from memfine.memory._timeline_experts import (
     Timeline,
     WeightGrads,
     chunk_tokens,
+    chunks_backward,
     experts_forward,
     fused_backward,
     plain_backward,
 )
+from memfine.memory._timeline_shared import shared_backward, shared_forward
 
 __all__ = ["Shape", "Timeline", "WeightGrads", "chunk_tokens", "experts_forward",
            "fused_backward", "plain_backward", "simulate_layer"]
@@ -40,8 +42,15 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         select = tl.alloc("router.biased_scores", T * E * r)
         if cast:
             tl.free(cast)
-    out["index"] = tl.alloc("router.top_k_index", T * K * 8)
-    tl.free(tl.alloc("router.top_k_values", T * K * r))
+    # top-k as a stable descending sort (ties → lower expert id), then a (T, k) copy
+    values = tl.alloc("router.sort_values", T * E * r)
+    order = tl.alloc("router.sort_order", T * E * 8)
+    tl.free(values)
+    if K < E:
+        out["index"] = tl.alloc("router.top_k_index", T * K * 8)
+        tl.free(order)
+    else:  # [:, :E].contiguous() is the sort order itself
+        out["index"] = order
     out["gathered"] = tl.alloc("router.top_k_scores", T * K * r)
     weights = out["gathered"]
     if s.moe.renormalize:
@@ -167,9 +176,13 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
         saved, out = experts_forward(tl, s, C, C * K, plain=plain, recompute=ckpt)
         chunk_saved.append(saved)
         outs.append(out)
+    out = outs[0]
     if len(outs) > 1:
-        tl.alloc("fwd.out_cat", T * D * dt)
+        out = tl.alloc("fwd.out_cat", T * D * dt)
         tl.free(*outs)
+    shared = None
+    if moe.num_shared_experts:
+        shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out)
     ls = losses_forward(tl, s)
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
     if not weights_held:
@@ -179,27 +192,18 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     tl.mark("forward")
     grad_logits = losses_backward(tl, s, rt, ls)
     tl.mark("losses_backward")
-    wg = WeightGrads(tl)
-    grads_w, grads_x = [], []
-    for i in reversed(range(len(sizes))):
-        C, saved = sizes[i], chunk_saved[i]
-        if ckpt:
-            saved, _ = experts_forward(tl, s, C, C * K, plain=plain, recompute=False,
-                                       rerun=True)
-        if plain:
-            grads = plain_backward(tl, s, C, C * K, saved, wg)
-        else:
-            grads = fused_backward(tl, s, C, C * K, saved)
-        if i == 0 and weights_held:
-            tl.free(rt["weights"])
-        if not plain:
-            wg.add(grads, "w_up", "w_down")
-        grads_w.append(grads["weights"])
-        grads_x.append(grads["x"])
+    shared_dx = None if shared is None else shared_backward(tl, moe, shared, ckpt=ckpt)
+    grads_w, grads_x = chunks_backward(
+        tl, s, sizes, chunk_saved, ckpt=ckpt,
+        after_first_chunk=(lambda: tl.free(rt["weights"])) if weights_held else None)
     grad_w = tl.alloc("grad.top_k_weights_cat", T * K * dt)
     tl.free(*grads_w)
     grad_x = tl.alloc("grad.x_cat", T * D * dt)
     tl.free(*grads_x)
+    if shared_dx is not None:  # the engine sums dx of the shared and routed experts
+        total = tl.alloc("grad.x_experts", T * D * dt)
+        tl.free(shared_dx, grad_x)
+        grad_x = total
     router_backward(tl, s, rt, grad_w, grad_logits, grad_x)
     tl.mark("end")
     return tl

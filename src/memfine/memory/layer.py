@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from memfine.config import MAX_BIN, MoEConfig
 from memfine.memory import _timeline_layer as tlm
+from memfine.memory._timeline_shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -46,6 +47,9 @@ def _item(tensor: str, source: str) -> int:
 ASSUMPTIONS = (
     "one device: no expert parallelism, so no all-to-all buffers (all_to_all_bytes = 0)",
     "no padding mask (every token valid) and S = T·k received rows",
+    "dropless routing without group limit, jitter or sequence-wise loss (capacity_factor, "
+    "n_group, router_jitter_eps and seq_aux_loss_coef add router tensors not modelled here); "
+    "shared experts are modelled",
     "sizes of at most 8 bytes (scalars) are left out of the peak",
     "measured protocol: x exists before and requires grad; parameters have no .grad; the "
     "caller keeps out and MoEAux; out and the two aux losses get gradients that exist before",
@@ -99,6 +103,11 @@ class MemoryBreakdown:
                                          "docs/design.md §5 (activation outputs)")
     combine_copy_bytes: int = _item("(T,k,d) slot rows + weights, masks, int64 index (plain)",
                                     "docs/design.md §5 (scattered Y); MemFine Table 2 (s′·d)")
+    shared_expert_bytes: int = _item("shared experts: H (T·S, G_s) + int32 index arrays (fused) "
+                                     "or the plain path's copies, as the routed items with k=S",
+                                     "MoEBlaze §5 with k=S; DeepSeek-V3 §2.1.2")
+    shared_weights_bytes: int = _item("shared weights: (T,S) ones or (T,1) gate, D_t; (S,) "
+                                      "int64 index under recompute", "our derivation")
     saved_bytes: int = _item("sum of the saved items", "docs/style.md §7")
     transient_gathered_rows_bytes: int = _item("gathered X or dO rows (S_c,d) of one chunk",
                                                "docs/design.md §5")
@@ -125,7 +134,7 @@ SAVED_FIELDS = (
     "router_scores_bytes", "top_k_index_bytes", "top_k_scores_bytes", "renorm_sum_bytes",
     "top_k_weights_bytes", "aux_loss_bytes", "z_loss_bytes", "pre_activation_bytes",
     "routing_index_bytes", "gathered_input_bytes", "activation_output_bytes",
-    "combine_copy_bytes",
+    "combine_copy_bytes", "shared_expert_bytes", "shared_weights_bytes",
 )
 """The :class:`MemoryBreakdown` fields that sum to ``saved_bytes``."""
 
@@ -217,10 +226,14 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
     items["top_k_weights_bytes"] = T * K * dt if (fused or ckpt) else 0
     items["aux_loss_bytes"] = T * E * r + E * r
     items["z_loss_bytes"] = T * E * r + T * r
+    chunks = tlm.chunk_tokens(T, num_chunks)
     if not ckpt:
-        for C in tlm.chunk_tokens(T, num_chunks):
+        for C in chunks:
             for name, nbytes in _expert_saved(moe, C, C * K, dt).items():
                 items[name] += nbytes
+    if moe.num_shared_experts:
+        items.update(shared_saved_items(moe, chunks, dt, ckpt=ckpt,
+                                        x_saved=items["layer_input_bytes"] > 0))
     return items
 
 
@@ -277,6 +290,10 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     C = tlm.chunk_tokens(num_tokens, num_chunks)[0]
     S_c = C * K
     num_params = E * D * G + E * N * D + E * D
+    if moe.num_shared_experts:
+        sh = moe.shared_experts_config()
+        num_params += sh.num_experts * D * (sh.up_width + sh.intermediate_size)
+        num_params += D if moe.shared_expert_gate else 0
     return MemoryBreakdown(
         parameter_bytes=num_params * dt,
         gradient_bytes=num_params * dt,

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from memfine._checks import check_int, lookup
+from memfine.config import MoEConfig, ScoreFunc
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -72,6 +73,14 @@ class ModelPreset:
         tied_embeddings: input and output embeddings share one matrix.
         source: where the sizes come from.
         setting: run settings that come with the preset, or ``None``.
+        score_func: router scores, as ``MoEConfig.score_func``.
+        n_group: expert groups of group-limited routing, as ``MoEConfig.n_group``.
+        topk_group: groups per token, as ``MoEConfig.topk_group``.
+        routed_scaling_factor: as ``MoEConfig.routed_scaling_factor``.
+
+    The routing fields (and ``num_experts``, ``top_k``, ``num_shared_experts``,
+    ``shared_intermediate_size``) carry :class:`memfine.config.MoEConfig`'s field names, so
+    :meth:`moe_config` builds the layer ``memfine train`` would use for one MoE layer.
     """
 
     name: str
@@ -92,6 +101,10 @@ class ModelPreset:
     tied_embeddings: bool
     source: str
     setting: RunSetting | None = None
+    score_func: ScoreFunc = "softmax"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
 
     def __post_init__(self) -> None:
         """Check every size (field named in the message, with the value and what is allowed).
@@ -110,6 +123,21 @@ class ModelPreset:
             check_int(self, name, 0)
         check_int(self, "dense_intermediate_size", 1 if self.num_dense_layers else 0)
         check_int(self, "shared_intermediate_size", 1 if self.num_shared_experts else 0)
+
+    def moe_config(self) -> MoEConfig:
+        """One MoE layer of this model as a :class:`MoEConfig` (same field names).
+
+        Raises:
+            ValueError: from :class:`MoEConfig` on an inconsistent preset.
+        """
+        return MoEConfig(hidden_size=self.hidden_size,
+                         intermediate_size=self.moe_intermediate_size,
+                         num_experts=self.num_experts, top_k=self.top_k,
+                         score_func=self.score_func, n_group=self.n_group,
+                         topk_group=self.topk_group,
+                         routed_scaling_factor=self.routed_scaling_factor,
+                         num_shared_experts=self.num_shared_experts,
+                         shared_intermediate_size=self.shared_intermediate_size or None)
 
     @property
     def num_moe_layers(self) -> int:
@@ -150,7 +178,8 @@ def _deepseek(name: str, num_layers: int, source: str,
         num_layers=num_layers, num_dense_layers=3, dense_intermediate_size=18432,
         num_shared_experts=1, shared_intermediate_size=2048, num_heads=128, num_kv_heads=128,
         head_dim=128, attention_params=_MLA_PARAMS, vocab_size=129280, tied_embeddings=False,
-        source=source, setting=setting)
+        source=source, setting=setting, score_func="sigmoid", n_group=8, topk_group=4,
+        routed_scaling_factor=2.5)
 
 
 def _paper_setting(p: int, static_memory: str | None) -> RunSetting:

@@ -18,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfine.config import ModelConfig
 from memfine.nn.moe import MoEAux, MoELayer
+from memfine.routing import update_selection_bias
 from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy
 
 
@@ -144,6 +145,17 @@ class LMOutput:
         """Mean over layers of the router z-loss."""
         return torch.stack([a.z_loss for a in self.aux]).mean()
 
+    @property
+    def sequence_balance_loss(self) -> torch.Tensor:
+        """Mean over layers of DeepSeek-V3's sequence-wise balance loss (0 when not computed)."""
+        return torch.stack([a.sequence_balance_loss if a.sequence_balance_loss is not None
+                            else a.z_loss.new_zeros(()) for a in self.aux]).mean()
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """(L, E) int64 assignments per layer and expert of this call."""
+        return torch.stack([a.tokens_per_expert for a in self.aux])
+
 
 class MoETransformerLM(nn.Module):
     """Decoder-only MoE language model.
@@ -216,6 +228,33 @@ class MoETransformerLM(nn.Module):
             loss = F.cross_entropy(logits_BQV.reshape(-1, logits_BQV.shape[-1]),
                                    targets.reshape(-1))
         return LMOutput(logits=logits_BQV, loss=loss, aux=tuple(auxes))
+
+    @torch.no_grad()
+    def update_expert_bias(self, tokens_per_expert_LE: torch.Tensor) -> None:
+        """Aux-loss-free balancing: move every layer's selection bias once, after a step.
+
+        Call once per optimizer step with the step's global counts: summed over the step's
+        micro-batches (each forward's ``LMOutput.tokens_per_expert``) and over the data/expert
+        parallel ranks. Counts come from the router's single run per call, so recompute never
+        counts a token twice. A no-op when ``moe.bias_update_rate`` is 0.
+
+        Args:
+            tokens_per_expert_LE: (L, E) int64 global assignment counts of the step.
+
+        Raises:
+            ValueError: if the shape is not (L, E).
+
+        Reference: DeepSeek-V3 §2.1.2 (``bias_i += γ·sign(mean_load − load_i)``).
+        """
+        L, E = len(self.blocks), self.config.moe.num_experts
+        if tuple(tokens_per_expert_LE.shape) != (L, E):
+            raise ValueError(f"tokens_per_expert must be (L, E)=({L}, {E}), got "
+                             f"{tuple(tokens_per_expert_LE.shape)}")
+        rate = self.config.moe.bias_update_rate
+        if rate == 0:
+            return
+        for block, counts_E in zip(self.blocks, tokens_per_expert_LE, strict=True):
+            update_selection_bias(block.moe.router.selection_bias, counts_E, rate)
 
     @torch.no_grad()
     def generate(self, prompt_ids: torch.Tensor, max_new_tokens: int, *,

@@ -14,7 +14,15 @@ from torch import nn
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.nn.experts import GroupedExperts
-from memfine.routing import TopKRouter, load_balancing_loss, z_loss
+from memfine.nn.shared import SharedExperts
+from memfine.routing import (
+    RouteOptions,
+    TopKRouter,
+    load_balancing_loss,
+    sequence_balance_loss,
+    z_loss,
+)
+from memfine.routing.router import RoutingResult
 from memfine.schedule.policy import ChunkPolicy
 
 # A layer built without a chunk config runs its experts in one piece without recomputation.
@@ -28,14 +36,19 @@ class MoEAux:
     Attributes:
         load_balancing_loss: 0-dim fp32 Switch loss (1.0 when balanced).
         z_loss: 0-dim fp32 router z-loss.
-        tokens_per_expert: (E,) int64 assignments per expert this call.
+        tokens_per_expert: (E,) int64 assignments per expert this call (kept pairs only).
         num_chunks: chunk count c used for the expert part (1 when unchunked).
+        sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
+            ``seq_aux_loss_coef`` is 0 (not computed).
+        dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
     """
 
     load_balancing_loss: torch.Tensor
     z_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
     num_chunks: int = 1
+    sequence_balance_loss: torch.Tensor | None = None
+    dropped_pairs: torch.Tensor | None = None
 
 
 class MoELayer(nn.Module):
@@ -53,6 +66,10 @@ class MoELayer(nn.Module):
         chunk: chunking and recompute (:class:`ChunkConfig`); default :data:`NO_CHUNKING`.
         policy: a policy shared with other layers (instead of ``chunk``); its ``moe`` must equal
             ``config``.
+
+    Routing options of ``config`` (capacity, group limit, scaling, jitter) go to the router;
+    shared experts (``num_shared_experts``) run on the same chunked path and are added to the
+    routed output. The losses count the router's selection (before capacity drops).
 
     Raises:
         ValueError: if both ``chunk`` and ``policy`` are given, or the policy's MoE config differs.
@@ -75,8 +92,12 @@ class MoELayer(nn.Module):
         # batch's, e.g. an all-reduce SUM under data/expert parallelism; None on one process.
         self.reduce_expert_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
-                                 score_func=config.score_func, renormalize=config.renormalize)
+                                 score_func=config.score_func, renormalize=config.renormalize,
+                                 options=RouteOptions.from_config(config),
+                                 jitter_eps=config.router_jitter_eps)
         self.experts = GroupedExperts(config, depth=depth)
+        self.shared_experts = (SharedExperts(config, depth=depth)
+                               if config.num_shared_experts else None)
         if config.skew_hot_experts:
             with torch.no_grad():
                 self.router.selection_bias[: config.skew_hot_experts] = config.skew_bias
@@ -117,6 +138,26 @@ class MoELayer(nn.Module):
                               recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks
 
+    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
+             num_chunks: int) -> MoEAux:
+        """Losses and counters of one call (outside every recomputed region)."""
+        global_counts_E = None
+        if self.reduce_expert_counts is not None:
+            global_counts_E = self.reduce_expert_counts(routing.tokens_per_expert.clone())
+        seq_loss = None  # not computed (no allocation) when its coefficient is 0
+        if self.config.seq_aux_loss_coef > 0:
+            seq_loss = sequence_balance_loss(routing.scores, routing.selected_index, seq_len,
+                                             mask_T)
+        return MoEAux(
+            load_balancing_loss=load_balancing_loss(routing.logits, routing.selected_index, mask_T,
+                                                    counts_E=global_counts_E),
+            z_loss=z_loss(routing.logits, mask_T),
+            tokens_per_expert=routing.tokens_per_expert,
+            num_chunks=num_chunks,
+            sequence_balance_loss=seq_loss,
+            dropped_pairs=routing.dropped_pairs,
+        )
+
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, MoEAux]:
         """Apply the layer.
@@ -146,14 +187,9 @@ class MoELayer(nn.Module):
             x_TD = torch.where(mask_T[:, None], x_TD, torch.zeros((), dtype=x.dtype))
         routing = self.router(x_TD, mask_T)
         out_TD, num_chunks = self.run_experts(x_TD, routing.top_k_index, routing.top_k_weights)
-        global_counts_E = None
-        if self.reduce_expert_counts is not None:
-            global_counts_E = self.reduce_expert_counts(routing.tokens_per_expert.clone())
-        aux = MoEAux(
-            load_balancing_loss=load_balancing_loss(routing.logits, routing.top_k_index, mask_T,
-                                                    counts_E=global_counts_E),
-            z_loss=z_loss(routing.logits, mask_T),
-            tokens_per_expert=routing.tokens_per_expert,
-            num_chunks=num_chunks,
-        )
-        return out_TD.view(x.shape), aux
+        if self.shared_experts is not None:
+            recompute = self.policy.config.resolved_recompute
+            out_TD = out_TD + self.shared_experts(x_TD, mask_T, num_chunks=num_chunks,
+                                                  recompute=recompute)
+        seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
+        return out_TD.view(x.shape), self._aux(routing, mask_T, seq_len, num_chunks)

@@ -34,10 +34,11 @@ def _run_experts_ep(layer: torch.nn.Module, x_TD: torch.Tensor, top_k_index: tor
 def shard_moe_layers(model: torch.nn.Module, context: ParallelContext) -> int:
     """Replace the experts of every MoE layer by this rank's :class:`ExpertParallelExperts`.
 
-    A module counts as an MoE layer when it has an ``experts`` child with ``w_up``, ``w_down``
-    and ``config`` (``memfine.nn.MoELayer``). Its ``run_experts`` hook is set, on this instance,
-    to the EP path (notify → chunk policy on s″ → agreed c → chunks), and its chunk policy's
-    ``agree_num_chunks`` to the all-reduce MAX over the EP group.
+    A module counts as an MoE layer when it has a ``router`` and an ``experts`` child with
+    ``w_up``, ``w_down`` and ``config`` (``memfine.nn.MoELayer``); shared experts (no router)
+    stay whole on every rank, like the attention weights. Its ``run_experts`` hook is set, on
+    this instance, to the EP path (notify → chunk policy on s″ → agreed c → chunks), and its
+    chunk policy's ``agree_num_chunks`` to the all-reduce MAX over the EP group.
 
     Args:
         model: a built model, identical on every rank (same seed).
@@ -52,7 +53,7 @@ def shard_moe_layers(model: torch.nn.Module, context: ParallelContext) -> int:
     agree = functools.partial(agree_num_chunks, group=context.ep_group)
     reduce_counts = functools.partial(_sum_over_world, group=None)  # None: every rank
     layers = [m for m in model.modules() if hasattr(getattr(m, "experts", None), "w_up")
-              and not isinstance(m.experts, ExpertParallelExperts)]
+              and hasattr(m, "router") and not isinstance(m.experts, ExpertParallelExperts)]
     for layer in layers:
         full = layer.experts
         layer.experts = ExpertParallelExperts.from_full(full.w_up.detach(), full.w_down.detach(),

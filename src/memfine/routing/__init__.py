@@ -1,6 +1,21 @@
-"""Top-k routing: router module, routing result, load-balancing and z losses (docs/design.md §2)."""
+"""Top-k routing: router, routing result, capacity, group limit, balancing and losses.
 
-from memfine.routing.losses import load_balancing_loss, z_loss
-from memfine.routing.router import RoutingResult, TopKRouter, route
+docs/design.md §2; DeepSeek-V3 §2.1.2 (groups, scaling, aux-loss-free bias, sequence loss); GShard
+§2.2 / Switch Transformer §2.2 (capacity).
+"""
 
-__all__ = ["RoutingResult", "TopKRouter", "load_balancing_loss", "route", "z_loss"]
+from memfine.routing.balance import update_selection_bias
+from memfine.routing.capacity import capacity_keep_mask, expert_capacity
+from memfine.routing.groups import group_limited_scores, top_k_lowest_index
+from memfine.routing.losses import (
+    check_token_mask,
+    load_balancing_loss,
+    sequence_balance_loss,
+    z_loss,
+)
+from memfine.routing.router import RouteOptions, RoutingResult, TopKRouter, route
+
+__all__ = ["RouteOptions", "RoutingResult", "TopKRouter", "capacity_keep_mask",
+           "check_token_mask", "expert_capacity", "group_limited_scores", "load_balancing_loss",
+           "route", "sequence_balance_loss", "top_k_lowest_index", "update_selection_bias",
+           "z_loss"]

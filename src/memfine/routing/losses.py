@@ -1,7 +1,11 @@
-"""Router losses: Switch load-balancing loss and z-loss, both padding-aware and in fp32.
+"""Router losses: Switch and sequence-wise load-balancing losses and z-loss, in fp32.
 
-Legend: T tokens, E experts, K top-k slots.
-Reference: docs/design.md §2 (Switch Transformer convention: uniform routing gives 1.0).
+All three are padding-aware: a mask (bool, or integer 0/1 of the token shape) leaves padding
+tokens out by selection.
+
+Legend: T tokens, E experts, K top-k slots, B sequences, Q tokens per sequence.
+Reference: docs/design.md §2 (Switch Transformer convention: uniform routing gives 1.0); DeepSeek-V3
+(arXiv 2412.19437) Eq. 17-20 (sequence-wise balance loss).
 """
 
 from __future__ import annotations
@@ -12,6 +16,39 @@ import torch
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     """Upcast to at least fp32 (float64 stays float64)."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def check_token_mask(valid_mask: torch.Tensor | None, num_tokens: int,
+                     name: str = "valid_mask") -> torch.Tensor | None:
+    """Validate a padding mask of T tokens and return it as (T,) bool.
+
+    Args:
+        valid_mask: ``None``, or a (T,) tensor: bool, or an integer tensor of 0/1 (an attention
+            mask; 1 = real token). Float masks are rejected (ambiguous).
+        num_tokens: T.
+        name: the argument name used in error messages.
+
+    Returns:
+        ``None`` or a (T,) bool tensor (the input itself when already bool).
+
+    Raises:
+        ValueError: naming the argument, if the mask is not (T,), not bool/integer, or an
+            integer mask holds values other than 0 and 1 (checked on the host: integer masks
+            cost one device sync; pass bool masks on hot paths).
+    """
+    if valid_mask is None:
+        return None
+    if tuple(valid_mask.shape) != (num_tokens,):
+        raise ValueError(f"{name} must have the token shape (T,)=({num_tokens},), got "
+                         f"{tuple(valid_mask.shape)}")
+    if valid_mask.dtype == torch.bool:
+        return valid_mask
+    if valid_mask.is_floating_point() or valid_mask.is_complex():
+        raise ValueError(f"{name} must be bool or an integer 0/1 mask, got {valid_mask.dtype}")
+    if not bool(((valid_mask == 0) | (valid_mask == 1)).all()):
+        raise ValueError(f"{name} as an integer mask must hold only 0 and 1, got values "
+                         f"{sorted(set(valid_mask.unique().tolist()))[:8]}")
+    return valid_mask.bool()
 
 
 def _valid_rows(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:
@@ -27,7 +64,8 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
         logits_TE: (T, E) router logits (any float dtype; upcast to fp32). P_i is the mean over
             valid tokens of the full softmax of these logits, whatever the router's score function.
         top_k_index_TK: (T, k) int64 expert ids; ids outside [0, E) (sentinels) are not counted.
-        valid_mask_T: optional (T,) bool; padding tokens are excluded by selection.
+        valid_mask_T: optional (T,) bool or integer 0/1 mask; padding tokens are excluded by
+            selection.
         counts_E: optional (E,) int assignment counts over the *global* batch (e.g. summed over
             the ranks of a data- or expert-parallel run). When given, f_i = counts_i / Σ counts
             replaces the local fraction and P stays local, so the mean of the per-rank losses
@@ -38,10 +76,19 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
         token picks one expert with k=1. 0.0 when there is no valid token. Differentiable w.r.t.
         the logits through P (f is a count).
 
+    Raises:
+        ValueError: if the logits are not (T, E), the index not (T, k), the mask not a (T,)
+            bool or 0/1 mask, or counts_E not (E,).
+
     Reference: docs/design.md §2; f_i = assignments_i / (T·k).
     """
+    if logits_TE.dim() != 2 or top_k_index_TK.dim() != 2 or (
+            top_k_index_TK.shape[0] != logits_TE.shape[0]):
+        raise ValueError(f"logits must be (T, E) and top_k_index (T, k), got "
+                         f"{tuple(logits_TE.shape)} and {tuple(top_k_index_TK.shape)}")
     T, E = logits_TE.shape
     k = top_k_index_TK.shape[-1]
+    valid_mask_T = check_token_mask(valid_mask_T, T)
     probs_TE = _valid_rows(_fp32(logits_TE).softmax(-1), valid_mask_T)
     index_TK = _valid_rows(top_k_index_TK, valid_mask_T)
     t_valid = probs_TE.shape[0]
@@ -66,14 +113,75 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
     Args:
         logits_TE: (T, E) router logits, any float dtype (upcast to fp32 first, so fp16 input
             stays finite).
-        valid_mask_T: optional (T,) bool; padding tokens are excluded by selection.
+        valid_mask_T: optional (T,) bool or integer 0/1 mask; padding tokens are excluded by
+            selection.
 
     Returns:
         0-dim fp32 tensor; (ln E)² for all-zero logits; 0.0 when there is no valid token.
 
+    Raises:
+        ValueError: if the logits are not (T, E) or the mask is not a (T,) bool or 0/1 mask.
+
     Reference: ST-MoE (Zoph et al. 2022) z-loss; docs/design.md §2.
     """
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits must be (T, E), got {tuple(logits_TE.shape)}")
+    valid_mask_T = check_token_mask(valid_mask_T, logits_TE.shape[0])
     lse_T = _valid_rows(torch.logsumexp(_fp32(logits_TE), dim=-1), valid_mask_T)
     if lse_T.numel() == 0:
         return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
     return (lse_T ** 2).mean()
+
+
+def sequence_balance_loss(scores_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
+                          seq_len: int, valid_mask_T: torch.Tensor | None = None
+                          ) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss Σ_i f_i·P_i per sequence, averaged over sequences.
+
+    Per sequence of Q' valid tokens: f_i = E/(k·Q')·(assignments of expert i),
+    P_i = (1/Q')·Σ_t s'_{i,t} with s' = s / Σ_j s_j (the router scores normalised over the E
+    experts: for softmax scores s' = s). Uniform routing with balanced assignments gives 1.0.
+    The mean runs over sequences (no 1/B factor beyond it): two identical sequences give the
+    value of one. Sequences without valid tokens are left out of the mean.
+
+    Args:
+        scores_TE: (T, E) router scores (softmax or sigmoid, before any selection bias),
+            T = B·Q in sequence-major order; differentiable.
+        top_k_index_TK: (T, k) int64 expert ids; sentinels (outside [0, E)) are not counted.
+        seq_len: Q, tokens per sequence (T must be a multiple).
+        valid_mask_T: optional (T,) bool or integer 0/1 mask.
+
+    Returns:
+        0-dim fp32 tensor (0.0 without valid tokens). Multiply by α (``seq_aux_loss_coef``).
+
+    Raises:
+        ValueError: if T is not a multiple of seq_len or the shapes/mask do not match.
+
+    Reference: DeepSeek-V3 (arXiv 2412.19437) Eq. 17-20.
+    """
+    T, E = scores_TE.shape
+    k = top_k_index_TK.shape[-1]
+    if seq_len < 1 or T % seq_len or top_k_index_TK.shape[0] != T:
+        raise ValueError(f"scores (T, E)={tuple(scores_TE.shape)} and top_k_index "
+                         f"{tuple(top_k_index_TK.shape)} must hold whole sequences of "
+                         f"seq_len={seq_len} tokens")
+    mask_T = check_token_mask(valid_mask_T, T)
+    B = T // seq_len
+    s_TE = _fp32(scores_TE)
+    s_TE = s_TE / s_TE.sum(-1, keepdim=True).clamp(min=torch.finfo(s_TE.dtype).tiny)
+    valid_T = (torch.ones(T, dtype=torch.bool, device=s_TE.device) if mask_T is None
+               else mask_T)
+    weight_T = valid_T.to(s_TE.dtype)
+    ids_TK = torch.where((top_k_index_TK >= 0) & (top_k_index_TK < E) & valid_T[:, None],
+                         top_k_index_TK, E)
+    onehot_TE = torch.zeros(T, E + 1, dtype=s_TE.dtype, device=s_TE.device)
+    onehot_TE.scatter_add_(1, ids_TK, torch.ones_like(ids_TK, dtype=s_TE.dtype))
+    counts_BE = onehot_TE[:, :E].view(B, seq_len, E).sum(1)
+    tokens_B = weight_T.view(B, seq_len).sum(1)
+    p_BE = (torch.where(valid_T[:, None], s_TE, 0.0)).view(B, seq_len, E).sum(1)
+    denom_B = tokens_B.clamp(min=1)
+    f_BE = counts_BE * (E / k) / denom_B[:, None]
+    per_seq_B = (f_BE * p_BE / denom_B[:, None]).sum(-1)
+    has_B = tokens_B > 0
+    num = has_B.sum().clamp(min=1).to(s_TE.dtype)
+    return torch.where(has_B, per_seq_B, 0.0).sum() / num

@@ -6,13 +6,16 @@ Reference: docs/design.md §2 (fp32 router; selection bias is used for selection
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfine.config import ScoreFunc
+from memfine.config import DropPolicy, MoEConfig, ScoreFunc
+from memfine.routing.capacity import capacity_keep_mask, expert_capacity
+from memfine.routing.groups import group_limited_scores, top_k_lowest_index
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -35,6 +38,10 @@ class RoutingResult:
         tokens_per_expert: (E,) int64 count of (token, slot) assignments per expert, padding
             excluded; sums to k·(valid tokens).
         valid_mask: (T,) bool, False for padding tokens, or None when every token is valid.
+        selected_index: (T, k) int64 experts chosen by top-k before capacity and padding
+            (the same tensor as ``top_k_index`` when nothing was masked); routing replay uses it.
+        dropped_pairs: 0-dim int64 count of (token, slot) pairs dropped by capacity, or None
+            when routing is dropless.
     """
 
     top_k_index: torch.Tensor
@@ -43,6 +50,13 @@ class RoutingResult:
     scores: torch.Tensor
     tokens_per_expert: torch.Tensor
     valid_mask: torch.Tensor | None = None
+    selected_index: torch.Tensor = None  # type: ignore[assignment]  # set in __post_init__
+    dropped_pairs: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        """Default ``selected_index`` to ``top_k_index``."""
+        if self.selected_index is None:
+            object.__setattr__(self, "selected_index", self.top_k_index)
 
     @property
     def num_experts(self) -> int:
@@ -55,33 +69,41 @@ class RoutingResult:
         return int(self.top_k_index.shape[-1])
 
 
-def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softmax",
-          renormalize: bool = True, selection_bias_E: torch.Tensor | None = None,
-          valid_mask_T: torch.Tensor | None = None,
-          out_dtype: torch.dtype | None = None) -> RoutingResult:
-    """Select k experts per token from router logits, in fp32.
+@dataclass(frozen=True, slots=True)
+class RouteOptions:
+    """Routing options beyond plain top-k (all off by default; see :class:`MoEConfig`).
 
-    Args:
-        logits_TE: (T, E) router logits, any float dtype (upcast to fp32 here; float64 stays).
-        top_k: k in [1, E].
-        score_func: ``softmax`` over E or elementwise ``sigmoid``.
-        renormalize: divide the k selected scores by their sum (no epsilon: sigmoid scores of
-            e^-60 still renormalise to weights that sum to 1).
-        selection_bias_E: optional (E,) fp32 bias added to the scores for top-k selection only
-            (aux-loss-free balancing, or a skew knob for experiments); weights use unbiased scores.
-        valid_mask_T: optional (T,) bool, False marks padding tokens: they get the sentinel
-            expert id E, weight 0, and are left out of ``tokens_per_expert``.
-        out_dtype: dtype of ``top_k_weights`` (default: the dtype of ``logits_TE``).
-
-    Returns:
-        A :class:`RoutingResult`.
-
-    Raises:
-        ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, or the
-            mask/bias shapes do not match.
-
-    Reference: docs/design.md §2.
+    Attributes:
+        n_group: expert groups (1: no group limit); DeepSeek-V3 §2.1.2.
+        topk_group: groups a token may use.
+        routed_scaling_factor: factor on the final weights (DeepSeek-V3: 2.5).
+        capacity_factor: ``None`` (dropless) or cf for :func:`expert_capacity`.
+        min_capacity: lower bound of the capacity, tokens.
+        drop_policy: ``probs`` or ``position``.
     """
+
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    capacity_factor: float | None = None
+    min_capacity: int = 0
+    drop_policy: DropPolicy = "probs"
+
+    @classmethod
+    def from_config(cls, moe: MoEConfig) -> RouteOptions:
+        """The options of a :class:`MoEConfig`."""
+        return cls(n_group=moe.n_group, topk_group=moe.topk_group,
+                   routed_scaling_factor=moe.routed_scaling_factor,
+                   capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
+                   drop_policy=moe.drop_policy)
+
+
+DEFAULT_OPTIONS = RouteOptions()
+
+
+def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
+                      selection_bias_E: torch.Tensor | None,
+                      valid_mask_T: torch.Tensor | None) -> None:
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be (T, E), got shape {tuple(logits_TE.shape)}")
     T, E = logits_TE.shape
@@ -89,30 +111,125 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         raise ValueError(f"top_k must be in [1, num_experts={E}], got {top_k}")
     if score_func not in ("softmax", "sigmoid"):
         raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    if selection_bias_E is not None and selection_bias_E.shape != (E,):
+        raise ValueError(f"selection_bias must be (E,) with E={E}, "
+                         f"got {tuple(selection_bias_E.shape)}")
+    if valid_mask_T is not None and (valid_mask_T.shape != (T,)
+                                     or valid_mask_T.dtype != torch.bool):
+        raise ValueError(f"valid_mask must be (T,) bool with T={T}, got "
+                         f"{tuple(valid_mask_T.shape)} {valid_mask_T.dtype}")
+
+
+def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int,
+            selection_bias_E: torch.Tensor | None, options: RouteOptions) -> torch.Tensor:
+    """(T, k) int64 selected experts: biased scores, group limit, top-k (lowest index on ties)."""
+    if selection_bias_E is None and options.n_group == 1:
+        # Softmax and sigmoid are monotone in each logit: rank by logit, which stays ordered
+        # where the scores underflow to 0 (group scores are sums of scores, not of logits, and
+        # a bias is added to scores, so those rank on the scores).
+        select_TE = logits_TE.detach()
+    else:
+        select_TE = scores_TE.detach()
+        if selection_bias_E is not None:
+            select_TE = select_TE + selection_bias_E.to(select_TE.dtype)
+    select_TE = group_limited_scores(select_TE, options.n_group, options.topk_group)
+    return top_k_lowest_index(select_TE, top_k)
+
+
+def _weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, index_TK: torch.Tensor,
+             score_func: str, renormalize: bool, scale: float) -> torch.Tensor:
+    """(T, k) fp32 routing weights of the selected experts (differentiable w.r.t. the logits)."""
+    if renormalize and score_func == "sigmoid":
+        # s_j / Σ s over the k selected, computed as a softmax of log σ(z): finite and summing
+        # to 1 even where every σ(z) underflows to 0 (no 0/0, no eps).
+        weights_TK = F.logsigmoid(logits_TE.gather(1, index_TK)).softmax(-1)
+    else:
+        weights_TK = scores_TE.gather(1, index_TK)
+        if renormalize:  # softmax scores: the top score is >= 1/E, so the sum is never 0
+            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+    return weights_TK * scale if scale != 1.0 else weights_TK
+
+
+def _kept_pairs(selected_TK: torch.Tensor, weights_TK: torch.Tensor, E: int,
+                valid_mask_T: torch.Tensor | None, options: RouteOptions,
+                replay: RoutingResult | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(T, k) bool mask of dispatched pairs (None: all) and the count dropped by capacity."""
+    T, K = selected_TK.shape
+    if replay is not None:  # the forward's drops and padding, as decided then
+        if replay.top_k_index is replay.selected_index:
+            return None, None
+        return replay.top_k_index < E, None
+    valid_TK = None if valid_mask_T is None else valid_mask_T[:, None].expand(T, K)
+    if options.capacity_factor is None:
+        return valid_TK, None
+    capacity = expert_capacity(T, E, K, options.capacity_factor, options.min_capacity)
+    ids_TK = selected_TK if valid_TK is None else torch.where(valid_TK, selected_TK, E)
+    keep_TK = capacity_keep_mask(ids_TK, weights_TK, E, capacity, options.drop_policy)
+    return keep_TK, ids_TK.lt(E).sum() - keep_TK.sum()
+
+
+def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softmax",
+          renormalize: bool = True, selection_bias_E: torch.Tensor | None = None,
+          valid_mask_T: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+          options: RouteOptions = DEFAULT_OPTIONS,
+          replay: RoutingResult | None = None) -> RoutingResult:
+    """Select k experts per token from router logits, in fp32.
+
+    Order: scores (softmax over E, or sigmoid) → selection scores (scores + selection bias;
+    without bias and groups the logits: the same order, kept where scores underflow to equal
+    values) → group limit → top-k, ties to the lower
+    expert index → weights from the unbiased scores, renormalised → × routed scaling factor →
+    capacity (dropped pairs become the sentinel E with weight 0, chosen by selection) → padding.
+
+    Args:
+        logits_TE: (T, E) router logits, any float dtype (upcast to fp32 here; float64 stays).
+        top_k: k in [1, E].
+        score_func: ``softmax`` over E or elementwise ``sigmoid``.
+        renormalize: divide the k selected scores by their sum (sigmoid: as a softmax of
+            log σ over the k, so weights stay finite and sum to 1 when σ underflows).
+        selection_bias_E: optional (E,) fp32 bias added to the scores for top-k selection only
+            (aux-loss-free balancing, or a skew knob for experiments); weights use unbiased scores.
+        valid_mask_T: optional (T,) bool, False marks padding tokens: they get the sentinel
+            expert id E, weight 0, and are left out of ``tokens_per_expert``.
+        out_dtype: dtype of ``top_k_weights`` (default: the dtype of ``logits_TE``).
+        options: group limit, scaling factor and capacity (:class:`RouteOptions`).
+        replay: a previous result for the same tokens: its selection and drops are reused and
+            only the weights are recomputed from these logits (routing replay in a recompute).
+
+    Returns:
+        A :class:`RoutingResult`.
+
+    Raises:
+        ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, the
+            mask/bias shapes do not match, or the replay's shapes differ.
+
+    Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2
+    (capacity).
+    """
+    _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
+    T, E = logits_TE.shape
     out_dtype = out_dtype or logits_TE.dtype
     logits_TE = logits_TE.to(router_dtype(logits_TE.dtype))
     scores_TE = logits_TE.softmax(-1) if score_func == "softmax" else logits_TE.sigmoid()
-    select_TE = scores_TE.detach()
-    if selection_bias_E is not None:
-        if selection_bias_E.shape != (E,):
-            raise ValueError(f"selection_bias must be (E,) with E={E}, "
-                             f"got {tuple(selection_bias_E.shape)}")
-        select_TE = select_TE + selection_bias_E.to(select_TE.dtype)
-    top_k_index_TK = select_TE.topk(top_k, dim=-1, sorted=True).indices
-    weights_TK = scores_TE.gather(1, top_k_index_TK)
-    if renormalize:
-        weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
-    if valid_mask_T is not None:
-        if valid_mask_T.shape != (T,) or valid_mask_T.dtype != torch.bool:
-            raise ValueError(f"valid_mask must be (T,) bool with T={T}, got "
-                             f"{tuple(valid_mask_T.shape)} {valid_mask_T.dtype}")
-        keep_TK = valid_mask_T[:, None].expand(T, top_k)
-        top_k_index_TK = torch.where(keep_TK, top_k_index_TK, E)
+    if replay is not None:
+        if replay.selected_index.shape != (T, top_k):
+            raise ValueError(f"replay must route (T, k)=({T}, {top_k}) pairs, got "
+                             f"{tuple(replay.selected_index.shape)}")
+        selected_TK = replay.selected_index
+    else:
+        selected_TK = _select(logits_TE, scores_TE, top_k, selection_bias_E, options)
+    weights_TK = _weights(logits_TE, scores_TE, selected_TK, score_func, renormalize,
+                          options.routed_scaling_factor)
+    keep_TK, dropped = _kept_pairs(selected_TK, weights_TK, E, valid_mask_T, options, replay)
+    top_k_index_TK = selected_TK
+    if keep_TK is not None:
+        top_k_index_TK = torch.where(keep_TK, selected_TK, E)
         weights_TK = torch.where(keep_TK, weights_TK, 0.0)
     counts = torch.bincount(top_k_index_TK.reshape(-1), minlength=E + 1)[:E]
     return RoutingResult(top_k_index=top_k_index_TK, top_k_weights=weights_TK.to(out_dtype),
                          logits=logits_TE, scores=scores_TE, tokens_per_expert=counts,
-                         valid_mask=valid_mask_T)
+                         valid_mask=valid_mask_T, selected_index=selected_TK,
+                         dropped_pairs=dropped)
 
 
 class TopKRouter(nn.Module):
@@ -124,28 +241,42 @@ class TopKRouter(nn.Module):
         top_k: k.
         score_func: ``softmax`` or ``sigmoid``.
         renormalize: renormalise the k selected weights.
+        options: group limit, scaling and capacity (:class:`RouteOptions`).
+        jitter_eps: ε of Switch Transformer's input jitter (training mode only): the router's
+            input is multiplied by U(1−ε, 1+ε); the caller's tensor is not changed.
 
     Attributes:
         weight: (E, d) parameter (kept in the module dtype; upcast to fp32 for the logits).
         selection_bias: (E,) fp32 buffer added to scores for selection only (zeros by default).
+        replay: the :class:`memfine.routing.replay.RoutingReplay` of this router.
 
-    Reference: docs/design.md §2.
+    Side effects: a grad-enabled forward records its selection for routing replay; a forward
+    inside a backward pass (a user's activation-checkpoint recompute) replays it.
+
+    Reference: docs/design.md §2; Switch Transformer §2.4 (jitter).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
-                 score_func: ScoreFunc = "softmax", renormalize: bool = True) -> None:
+                 score_func: ScoreFunc = "softmax", renormalize: bool = True,
+                 options: RouteOptions = DEFAULT_OPTIONS, jitter_eps: float = 0.0) -> None:
         """Create the weight (N(0, 0.02²)) and a zero selection bias; arguments as on the class.
 
         Raises:
-            ValueError: if ``top_k`` is not in [1, num_experts].
+            ValueError: if ``top_k`` is not in [1, num_experts] or ``jitter_eps`` not in [0, 1).
         """
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        if not 0 <= jitter_eps < 1:
+            raise ValueError(f"jitter_eps must be in [0, 1), got {jitter_eps}")
         self.num_experts, self.top_k = num_experts, top_k
         self.score_func, self.renormalize = score_func, renormalize
+        self.options, self.jitter_eps = options, jitter_eps
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size))
         self.register_buffer("selection_bias", torch.zeros(num_experts), persistent=True)
+        from memfine.routing.replay import RoutingReplay
+
+        self.replay = RoutingReplay()
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -162,11 +293,27 @@ class TopKRouter(nn.Module):
 
         Returns:
             A :class:`RoutingResult`; ``top_k_weights`` in ``x_TD.dtype``.
+
+        Raises:
+            RuntimeError: inside a backward pass with no recorded forward decision (see
+                :meth:`memfine.routing.replay.RoutingReplay.take`).
         """
+        from memfine.routing.replay import in_backward
+
         dtype = router_dtype(x_TD.dtype)
-        logits_TE = F.linear(x_TD.to(dtype), self.weight.to(dtype))
+        x_in = x_TD.to(dtype)
+        if self.training and self.jitter_eps > 0:
+            noise_TD = torch.empty_like(x_in).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
+            x_in = x_in * noise_TD
+        logits_TE = F.linear(x_in, self.weight.to(dtype))
         bias = self.selection_bias
-        return route(logits_TE, self.top_k, score_func=self.score_func,
-                     renormalize=self.renormalize,
-                     selection_bias_E=bias if bool(bias.any()) else None,
-                     valid_mask_T=valid_mask_T, out_dtype=x_TD.dtype)
+        replay = self.replay.take(x_TD.shape[0]) if in_backward() else None
+        result = route(logits_TE, self.top_k, score_func=self.score_func,
+                       renormalize=self.renormalize,
+                       selection_bias_E=bias if bool(bias.any()) else None,
+                       valid_mask_T=valid_mask_T, out_dtype=x_TD.dtype, options=self.options,
+                       replay=replay)
+        if replay is None and result.top_k_weights.requires_grad:
+            result = dataclasses.replace(result,
+                                         top_k_weights=self.replay.record(result))
+        return result

@@ -3,8 +3,10 @@
 Legend: B batch, Q sequence length, L MoE layers, E experts.
 
 One step (:func:`_step`): draw the step's batch (a pure function of seed and step), forward,
-loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss (each
-averaged over layers), backward, clip, AdamW, LR schedule; it returns a :class:`StepRecord`.
+loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
+``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers), backward, clip,
+AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts; it
+returns a :class:`StepRecord`.
 Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`) with the step's measured peak
 bytes and the memory model's prediction (:mod:`memfine.train.memory_log`); every ``eval_every``
 steps (and at the end) validation on fixed windows (:func:`_evaluate`); a checkpoint at each
@@ -94,6 +96,8 @@ class StepRecord:
             the step (measured; None on steps that write no metrics line).
         peak_bytes_predicted: the memory model's peak bytes of each MoE layer's forward +
             backward at the step's c (None where not measured or not modelled).
+        dropped_pairs: (token, slot) pairs dropped by expert capacity per layer on this rank
+            (None when dropless).
     """
 
     step: int
@@ -107,6 +111,7 @@ class StepRecord:
     seconds: float
     peak_bytes: int | None = None
     peak_bytes_predicted: list[int | None] | None = None
+    dropped_pairs: list[int] | None = None
 
 
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
@@ -227,6 +232,8 @@ def _step(run: RunState, step_index: int) -> StepRecord:
         out = model(x_BQ.to(run.device), y_BQ.to(run.device))
         loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
                 + moe.z_loss_coef * out.z_loss)
+        if moe.seq_aux_loss_coef > 0:
+            loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
         loss.backward()
     parallel.reduce_gradients(model)
     grad_norm = parallel.clip_grad_norm_(
@@ -242,7 +249,8 @@ def _step(run: RunState, step_index: int) -> StepRecord:
     run.losses.append(parallel.mean(out.loss).item())
     if not math.isfinite(run.losses[-1]):
         _diverged(run)
-    load_LE = parallel.sum(torch.stack([a.tokens_per_expert for a in out.aux])).cpu()
+    load_LE = parallel.sum(out.tokens_per_expert).cpu()
+    model.update_expert_bias(load_LE)  # once per step, global counts
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
     num_chunks = [a.num_chunks for a in out.aux]
@@ -250,6 +258,7 @@ def _step(run: RunState, step_index: int) -> StepRecord:
         step=run.step, train_loss=run.losses[-1], lr=lr, grad_norm=grad_norm.item(),
         load_balancing_loss=out.load_balancing_loss.item(), z_loss=out.z_loss.item(),
         num_chunks=num_chunks, tokens_per_expert_LE=load_LE, seconds=dt,
+        dropped_pairs=None if moe.dropless else [int(a.dropped_pairs or 0) for a in out.aux],
         peak_bytes=None if tracker is None else tracker.peak_bytes,
         peak_bytes_predicted=None if tracker is None else [
             predicted_moe_layer_peak(config, x_BQ.numel(), c) for c in num_chunks])
@@ -296,6 +305,8 @@ def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
     }
     if is_eval:
         line["val_loss"] = run.val_loss
+    if record.dropped_pairs is not None:  # pairs dropped by capacity this step (this rank)
+        line["dropped_pairs"] = record.dropped_pairs
     if run.log is not None:
         run.log.write(line)
     if run.tensorboard is not None:

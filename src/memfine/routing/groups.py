@@ -1,0 +1,71 @@
+"""Expert selection: top-k with lowest-index tie-breaking, and group-limited routing.
+
+Legend: T tokens, E experts, K top-k slots (groups are indexed without a suffix letter:
+G already means 2n).
+Reference: DeepSeek-V3 (arXiv 2412.19437) §2.1.2 (node-limited routing; HF ``n_group``,
+``topk_group``); docs/design.md §2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The k largest entries of each row; among equal values the lower index wins.
+
+    ``torch.topk`` leaves the order of ties unspecified (it differs between devices and
+    versions); a stable descending sort fixes it, so the router and :mod:`memfine.reference`
+    pick the same experts for tied scores.
+
+    Args:
+        select_TE: (T, E) float selection scores (may hold -inf).
+        top_k: k in [1, E].
+
+    Returns:
+        (T, k) int64 column indices, best first; distinct within a row.
+
+    Memory: transient (T, E) sorted values and int64 indices; the result is a (T, k) copy.
+    """
+    order_TE = select_TE.sort(dim=-1, descending=True, stable=True).indices
+    return order_TE[:, :top_k].contiguous()
+
+
+def group_limited_scores(select_TE: torch.Tensor, n_group: int, topk_group: int
+                         ) -> torch.Tensor:
+    """Mask the experts of every group a token may not use with -inf.
+
+    A group's score is the sum of its two highest selection scores; each token keeps its
+    ``topk_group`` best groups (ties: the lower group index). Experts of the other groups get
+    -inf (never 0: scores and biased scores can be negative, and a 0 would then outrank them).
+
+    Args:
+        select_TE: (T, E) fp32 selection scores (scores plus any selection bias).
+        n_group: expert groups, a divisor of E with E/n_group >= 2.
+        topk_group: groups kept per token, in [1, n_group].
+
+    Returns:
+        (T, E) tensor, ``select_TE`` where the expert's group is kept, else -inf. With
+        ``n_group == 1`` the input itself.
+
+    Raises:
+        ValueError: if E is not divisible by n_group, a group has fewer than 2 experts, or
+            topk_group is not in [1, n_group].
+
+    Reference: DeepSeek-V3 §2.1.2; HF ``DeepseekV3TopkRouter.get_topk_indices`` (group score =
+    sum of the top-2 scores in the group).
+    """
+    if n_group == 1:
+        return select_TE
+    T, E = select_TE.shape
+    if E % n_group or E // n_group < 2:
+        raise ValueError(f"n_group must divide num_experts={E} with >= 2 experts per group, "
+                         f"got {n_group}")
+    if not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be in [1, n_group={n_group}], got {topk_group}")
+    by_group = select_TE.view(T, n_group, E // n_group)  # (T, n_group, E / n_group)
+    group_score = by_group.topk(2, dim=-1).values.sum(-1)  # (T, n_group)
+    keep_group = torch.zeros_like(group_score, dtype=torch.bool)
+    keep_group.scatter_(1, top_k_lowest_index(group_score, topk_group), True)
+    masked = by_group.masked_fill(~keep_group[:, :, None], float("-inf"))
+    return masked.view(T, E)
