@@ -50,7 +50,10 @@ ALLOWED: dict[str, set[str]] = {
     # The package root re-exports the public API; it must not pull in the reference.
     "__init__": ALL_BELOW_NN | {"nn", "integrations", "train"},
 }
-OPTIONAL_PACKAGES = ("triton", "transformers")
+OPTIONAL_PACKAGES = ("triton", "transformers", "torchtitan")
+# Modules that subclass an optional package's classes import it at module level; they are
+# themselves loaded only lazily (inside a function), like ops/triton/.
+LAZY_MODULES = {"memfine.integrations.torchtitan_modules": "torchtitan"}
 
 
 def layer_of(module: str) -> str:
@@ -82,7 +85,9 @@ def _resolve(node: ast.ImportFrom, module: str, is_package: bool) -> list[str]:
         base = ".".join(package + ([node.module] if node.module else []))
     if base == "memfine":  # `from memfine import ops` names submodules
         return [f"memfine.{alias.name}" for alias in node.names]
-    return [base]
+    lazy = [f"{base}.{alias.name}" for alias in node.names
+            if f"{base}.{alias.name}" in LAZY_MODULES]  # `from package import lazy_module`
+    return [base, *lazy]
 
 
 def _imports(tree: ast.Module, module: str, is_package: bool
@@ -121,8 +126,11 @@ def violations(src: Path, only_layer: str | None = None) -> list[str]:
         for target, line, top in _imports(ast.parse(path.read_text(), str(path)), module,
                                           is_package):
             root = target.split(".")[0]
-            if root in OPTIONAL_PACKAGES and top and layer != "ops.triton":
+            eager_ok = layer == "ops.triton" or LAZY_MODULES.get(module) == root
+            if root in OPTIONAL_PACKAGES and top and not eager_ok:
                 bad.append(f"{where}:{line}: module-level import of optional {root!r}")
+            if target in LAZY_MODULES and top:
+                bad.append(f"{where}:{line}: {target} must be loaded lazily (inside a function)")
             if root != "memfine":
                 continue
             target_layer = layer_of(target)
@@ -164,6 +172,11 @@ CASES = [
                  "ops must load ops/triton lazily", id="eager_triton"),
     pytest.param("integrations/hf.py", "import transformers\n",
                  "module-level import of optional 'transformers'", id="eager_optional"),
+    pytest.param("integrations/torchtitan.py",
+                 "from memfine.integrations import torchtitan_modules\n",
+                 "must be loaded lazily", id="eager_lazy_module"),
+    pytest.param("integrations/torchtitan_modules.py", "import torchtitan\n", None,
+                 id="lazy_module_imports_its_package"),
     pytest.param("ops/__init__.py", "from . import experts\nfrom .. import config\n",
                  None, id="allowed_relative"),
     pytest.param("ops/grouped.py", "def f():\n    from memfine.ops.triton import k\n"

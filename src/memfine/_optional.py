@@ -1,8 +1,9 @@
 """Optional dependencies: ``is_available(name)`` and ``require(name)``, imported lazily.
 
 Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
-``pip install memfine[hf]``; tqdm, matplotlib, safetensors (and tomli on Python 3.10) →
-``memfine[train]``; tensorboard → ``memfine[tensorboard]``.
+``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``; tqdm,
+matplotlib, safetensors (and tomli on Python 3.10) → ``memfine[train]``; tensorboard →
+``memfine[tensorboard]``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ import importlib.util
 from types import ModuleType
 
 _EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
-           "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard"}
+           "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard",
+           "torchtitan": "torchtitan"}
 
 
 def is_available(name: str) -> bool:

@@ -2,4 +2,7 @@
 
 - :mod:`memfine.integrations.transformers`: ``experts_implementation="memfine"`` for HF
   transformers MoE models (extra ``memfine[hf]``; transformers is imported by ``register()``).
+- :mod:`memfine.integrations.torchtitan`: ``convert_model`` / ``converter`` run torchtitan MoE
+  models' routed experts with memfine (extra ``memfine[torchtitan]``; torchtitan is imported by
+  those functions, through :mod:`memfine.integrations.torchtitan_modules`).
 """

@@ -1,4 +1,8 @@
-"""memfine's expert computation on a transformers experts module (one chunk of tokens).
+"""memfine's expert computation on a framework's experts module (one chunk of tokens).
+
+Shared by the transformers backend (:mod:`memfine.integrations.transformers`) and the torchtitan
+converter (:mod:`memfine.integrations.torchtitan`): both hand over their weights as
+:class:`~memfine.integrations.hf_layout.ExpertWeights` views and their chunk options.
 
 Two paths (chosen by :func:`memfine.integrations.hf_layout.plan_experts`):
 - ``fused``: :func:`memfine.ops.run_experts` (MoEBlaze fused Function: saves x and H only) on
@@ -24,6 +28,7 @@ from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.integrations.hf_layout import ExpertsPlan, ExpertWeights
 from memfine.ops import GroupedMatmulFunction, combine_rows, gather_rows, run_experts
+from memfine.ops.experts import grouped_up_projection
 from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
 
@@ -61,7 +66,7 @@ def experts_module_plain(module: nn.Module, x_TD: torch.Tensor, top_k_weights: t
     """
     offsets = index.expert_token_offsets
     x_SD = gather_rows(x_TD, index.expert_token_indices)
-    h_SG = GroupedMatmulFunction.apply(x_SD, weights.w_up_EDG, offsets, backend)
+    h_SG = grouped_up_projection(x_SD, weights.w_up, offsets, backend)
     if weights.b_up_EG is not None:
         h_SG = h_SG + _rows_bias(weights.b_up_EG, index)
     gated = getattr(module, "has_gate", True)
@@ -97,10 +102,10 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
     Memory: see :class:`memfine.ops.FusedExpertsFunction` (fused) and
     :func:`experts_module_plain` (plain).
     """
-    index = build_routing_index(top_k_index, weights.w_up_EDG.shape[0], index_builder)
+    index = build_routing_index(top_k_index, weights.shape_EDGN[0], index_builder)
     if plan.path == "fused":
         assert plan.activation is not None, "the fused plan carries an activation"
-        return run_experts(x_TD, top_k_weights, index, weights.w_up_EDG, weights.w_down_END,
+        return run_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                            activation=plan.activation, impl="fused", backend=backend,
                            b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED)
     return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index, weights,
@@ -113,8 +118,7 @@ def _policy(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, top_k:
 
     The policy is kept on the module, so its over-budget warning is given once.
     """
-    E, D, G = weights.w_up_EDG.shape
-    N = weights.w_down_END.shape[1]
+    E, D, G, N = weights.shape_EDGN
     # The memory model needs only G: any gated activation counts as swiglu.
     activation = plan.activation if isinstance(plan.activation, str) else (
         "swiglu" if G == 2 * N else "silu")
@@ -150,7 +154,7 @@ def num_chunks_for(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights,
     """
     if chunk.memory_budget_bytes is None:
         return chunk.num_chunks
-    E = weights.w_up_EDG.shape[0]
+    E = weights.shape_EDGN[0]
     recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
     policy = _policy(module, plan, weights, top_k_index.shape[1], chunk)
     return policy.num_chunks(recv_rows, x_TD.shape[0], x_TD.element_size())

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 
 from memfine.config import GatedActivation
 from memfine.integrations.hf_gates import match_gate
+from memfine.ops.up_projection import UpWeights, up_shape
 
 ExpertsPath = Literal["fused", "plain"]
 
@@ -38,12 +39,28 @@ class ExpertWeights:
         w_down_END: (E, n, d) down-projection (a transposed view of ``down_proj`` likewise).
         b_up_EG: (E, G) up-projection bias, or None.
         b_down_ED: (E, d) down-projection bias, or None.
+        w_up_second_EDN: None, or the (E, d, n) up half of a gated up-projection held as its
+            own tensor (torchtitan's ``w3``); ``w_up_EDG`` is then the (E, d, n) gate half.
     """
 
     w_up_EDG: torch.Tensor
     w_down_END: torch.Tensor
     b_up_EG: torch.Tensor | None
     b_down_ED: torch.Tensor | None
+    w_up_second_EDN: torch.Tensor | None = None
+
+    @property
+    def w_up(self) -> UpWeights:
+        """The up-projection as :func:`memfine.ops.run_experts` takes it (tensor or pair)."""
+        if self.w_up_second_EDN is None:
+            return self.w_up_EDG
+        return (self.w_up_EDG, self.w_up_second_EDN)
+
+    @property
+    def shape_EDGN(self) -> tuple[int, int, int, int]:
+        """(E, d, G, n): experts, hidden size, up-projection width, intermediate size."""
+        E, D, G = up_shape(self.w_up)
+        return E, D, G, self.w_down_END.shape[1]
 
 
 @dataclass(frozen=True, slots=True)

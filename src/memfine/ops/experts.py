@@ -16,20 +16,23 @@ from memfine.ops.combine import combine_rows, gather_rows
 from memfine.ops.fused import FusedExpertsFunction, expert_of_rows
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
+from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 
 IMPLS = ("fused", "plain")
 
 
 def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
-                        index: RoutingIndex, w_up_EDG: torch.Tensor,
+                        index: RoutingIndex, w_up_EDG: UpWeights,
                         w_down_END: torch.Tensor, activation: Activation,
                         b_up_EG: torch.Tensor | None = None,
                         b_down_ED: torch.Tensor | None = None) -> None:
     """Validate shapes of the expert inputs; raise ValueError naming the argument.
 
+    ``w_up_EDG`` is one (E, d, G) tensor or a (gate, up) pair of (E, d, n) halves.
+
     Raises:
-        ValueError: on any shape mismatch (biases included), an unknown activation, or mixed
-            dtypes.
+        ValueError: on any shape mismatch (biases included), an unknown activation, mixed
+            dtypes, or a pair of halves with a non-gated activation.
     """
     check_activation(activation)
     if x_TD.dim() != 2:
@@ -42,17 +45,22 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
     if tuple(top_k_weights.shape) != (T, k):
         raise ValueError(f"top_k_weights must be (T, k)=({T}, {k}), "
                          f"got {tuple(top_k_weights.shape)}")
-    if w_up_EDG.dim() != 3 or w_up_EDG.shape[:2] != (E, D):
-        raise ValueError(f"w_up must be (E, d, G)=({E}, {D}, G), got {tuple(w_up_EDG.shape)}")
-    G = w_up_EDG.shape[2]
+    parts = up_parts(w_up_EDG)
+    if any(p.dim() != 3 or p.shape[:2] != (E, D) for p in parts):
+        raise ValueError(f"w_up must be (E, d, G)=({E}, {D}, G) or two (E, d, n) halves, got "
+                         f"{[tuple(p.shape) for p in parts]}")
+    if len(parts) == 2 and not is_gated(activation):
+        raise ValueError(f"w_up given as (gate, up) halves needs a gated activation, got "
+                         f"{activation!r}")
+    G = up_shape(w_up_EDG)[2]
     N = G // 2 if is_gated(activation) else G
     if tuple(w_down_END.shape) != (E, N, D):
         raise ValueError(f"w_down must be (E, n, d)=({E}, {N}, {D}) for activation "
-                         f"{activation!r} and w_up {tuple(w_up_EDG.shape)}, "
+                         f"{activation!r} and w_up (E, d, G)={(E, D, G)}, "
                          f"got {tuple(w_down_END.shape)}")
-    if not (x_TD.dtype == w_up_EDG.dtype == w_down_END.dtype):
+    if not (x_TD.dtype == parts[0].dtype == w_down_END.dtype):
         raise ValueError(f"hidden_states, w_up and w_down must share a dtype, got {x_TD.dtype}, "
-                         f"{w_up_EDG.dtype}, {w_down_END.dtype}")
+                         f"{parts[0].dtype}, {w_down_END.dtype}")
     for name, bias, shape in (("b_up", b_up_EG, (E, G)), ("b_down", b_down_ED, (E, D))):
         if bias is None:
             continue
@@ -65,7 +73,7 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
 
 
 def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
-                  w_up_EDG: torch.Tensor, w_down_END: torch.Tensor,
+                  w_up_EDG: UpWeights, w_down_END: torch.Tensor,
                   activation: Activation = "swiglu", backend: str = "auto",
                   b_up_EG: torch.Tensor | None = None,
                   b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,7 +85,7 @@ def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Routin
     """
     x_SD = gather_rows(x_TD, index.expert_token_indices)
     offsets = index.expert_token_offsets
-    h_SG = GroupedMatmulFunction.apply(x_SD, w_up_EDG, offsets, backend)
+    h_SG = grouped_up_projection(x_SD, w_up_EDG, offsets, backend)
     if b_up_EG is not None:
         h_SG = h_SG + b_up_EG.index_select(0, expert_of_rows(offsets, index.num_rows))
     a_SN = apply_activation(h_SG, activation)
@@ -87,8 +95,21 @@ def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Routin
     return combine_rows(y_SD, top_k_weights, index.token_index_map)
 
 
+def grouped_up_projection(x_SD: torch.Tensor, w_up_EDG: UpWeights, offsets_E1: torch.Tensor,
+                          backend: str = "auto") -> torch.Tensor:
+    """H (S, G) = grouped x·w_up with autograd; a (gate, up) pair gives [x·w_gate | x·w_up].
+
+    Memory (saved for backward): x_SD once per part (the same storage) and the offsets.
+    """
+    parts = up_parts(w_up_EDG)
+    if len(parts) == 1:
+        return GroupedMatmulFunction.apply(x_SD, parts[0], offsets_E1, backend)
+    return torch.cat([GroupedMatmulFunction.apply(x_SD, p, offsets_E1, backend) for p in parts],
+                     dim=1)
+
+
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
-                w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, *,
+                w_up_EDG: UpWeights, w_down_END: torch.Tensor, *,
                 activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
                 backend: str = "auto", b_up_EG: torch.Tensor | None = None,
                 b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
@@ -101,6 +122,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         top_k_weights: (T, k) routing weights (cast to x's dtype); sentinel slots ignored.
         index: the :class:`RoutingIndex` of this routing decision.
         w_up_EDG: (E, d, G) up-projection; gated activations hold [gate | up] halves (G = 2n).
+            A gated up-projection may also be given as a (gate, up) pair of (E, d, n) tensors
+            (kept apart, never concatenated; :mod:`memfine.ops.up_projection`).
         w_down_END: (E, n, d) down-projection.
         activation: ``swiglu``, ``geglu``, ``silu``, ``gelu``, ``relu`` or a
             :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).
@@ -128,8 +151,9 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
     if impl == "plain":
         return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend,
                              b_up_EG, b_down_ED)
+    parts = up_parts(w_up_EDG)
     out: torch.Tensor = FusedExpertsFunction.apply(
-        x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, index.expert_token_indices,
+        x_TD, weights_TK, parts[0], w_down_END, b_up_EG, b_down_ED, index.expert_token_indices,
         index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
-        activation, backend)
+        activation, backend, *parts[1:])
     return out

@@ -17,6 +17,7 @@ import torch
 from memfine.ops.activations import Activation, activation_backward, apply_activation
 from memfine.ops.combine import combine_rows, gather_rows, reduce_rows, scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums, grouped_weight_grad
+from memfine.ops.up_projection import up_input_grad, up_project, up_weight_grads
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
@@ -59,14 +60,18 @@ def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torc
     return h_SG, down_combine(a_SN, w_down_END, offsets_E1, w_S, token_index_map_TK)
 
 
-def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
-                  w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
-                  b_down_ED: torch.Tensor | None, token_idx_S: torch.Tensor,
+def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                  up_parts: tuple[torch.Tensor, ...], w_down_END: torch.Tensor,
+                  b_up_EG: torch.Tensor | None, b_down_ED: torch.Tensor | None,
+                  token_idx_S: torch.Tensor,
                   offsets_E1: torch.Tensor, map_TK: torch.Tensor, activation: Activation,
                   backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, out) with the grouped GEMM backend; the per-row biases are added in place."""
+    """(H, out) with the grouped GEMM backend; the per-row biases are added in place.
+
+    ``up_parts``: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
+    """
     x_SD = gather_rows(x_TD, token_idx_S)
-    h_SG = _add_row_bias_(grouped_mm(x_SD, w_up_EDG, offsets_E1, backend), b_up_EG, offsets_E1)
+    h_SG = _add_row_bias_(up_project(x_SD, up_parts, offsets_E1, backend), b_up_EG, offsets_E1)
     del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
     a_SN = apply_activation(h_SG, activation)
     y_SD = grouped_mm(a_SN, w_down_END, offsets_E1, backend)
@@ -85,6 +90,12 @@ class FusedExpertsFunction(torch.autograd.Function):
     e = e_tj. ``b_up_EG`` (E, G) and ``b_down_ED`` (E, d) are optional (None: no bias);
     ``activation`` is a name or a :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's
     clamped, interleaved SwiGLU).
+
+    ``w_up_second_EDN`` (E, d, n), the last input, is None or the up half of a gated
+    up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and
+    H = [x·w_up | x·w_up_second], exactly as if the two were one concatenated tensor
+    (torchtitan's separate ``w1``/``w3``; :mod:`memfine.ops.up_projection`). With two halves the
+    Triton path runs its grouped GEMM per half, not the fused gather-up kernel.
 
     Saved for backward (D_t = bytes per element of x):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
@@ -122,19 +133,20 @@ class FusedExpertsFunction(torch.autograd.Function):
                 w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
                 b_down_ED: torch.Tensor | None, expert_token_indices_S: torch.Tensor,
                 expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
-                expert_slot_indices_S: torch.Tensor, activation: Activation, backend: str
-                ) -> torch.Tensor:
+                expert_slot_indices_S: torch.Tensor, activation: Activation, backend: str,
+                w_up_second_EDN: torch.Tensor | None = None) -> torch.Tensor:
         """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, weights, indices.
 
         Arguments, saved tensors and their bytes are described on the class.
         """
+        parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
         no_bias = b_up_EG is None and b_down_ED is None
-        if backend == "triton" and no_bias and isinstance(activation, str):
+        if backend == "triton" and no_bias and isinstance(activation, str) and len(parts) == 1:
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
         else:
-            h_SG, out_TD = _forward_rows(x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG,
+            h_SG, out_TD = _forward_rows(x_TD, weights_TK, parts, w_down_END, b_up_EG,
                                          b_down_ED, expert_token_indices_S,
                                          expert_token_offsets_E1, token_index_map_TK,
                                          activation, backend)
@@ -142,7 +154,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         # the biases are parameters (saved by reference, no activation bytes).
         ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED,
                               expert_token_indices_S, expert_token_offsets_E1,
-                              token_index_map_TK, expert_slot_indices_S)
+                              token_index_map_TK, expert_slot_indices_S, *parts[1:])
         ctx.activation, ctx.backend = activation, backend
         return out_TD
 
@@ -154,9 +166,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         need one is None, as are the entries of the index arrays, activation and backend.
         """
         (x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, token_idx_S,
-         offsets_E1, map_TK, slot_S) = ctx.saved_tensors
+         offsets_E1, map_TK, slot_S, *second) = ctx.saved_tensors
+        parts = (w_up_EDG, *second)
         act, backend = ctx.activation, ctx.backend
         need_x, need_w, need_up, need_down, need_b_up, need_b_down = ctx.needs_input_grad[:6]
+        need_up_second = len(parts) == 2 and ctx.needs_input_grad[12]
         E = w_up_EDG.shape[0]
         w_S1 = weights_TK.reshape(-1).index_select(0, slot_S.long())[:, None]
         grad_out_SD = gather_rows(grad_out_TD.contiguous(), token_idx_S)  # transient S·d
@@ -182,16 +196,17 @@ class FusedExpertsFunction(torch.autograd.Function):
         grad_h_SG = activation_backward(h_SG, grad_a_SN.mul_(w_S1), act)
         del grad_a_SN
         grad_b_up = grouped_row_sums(grad_h_SG, offsets_E1, E) if need_b_up else None
-        grad_x = grad_up = None
-        if need_up:
+        grad_x = None
+        grad_ups: list[Any] = [None] * len(parts)
+        if need_up or need_up_second:
             x_SD = gather_rows(x_TD, token_idx_S)  # NOTE(memory): recomputed gather, S·d
-            grad_up = grouped_weight_grad(x_SD, grad_h_SG, offsets_E1, E, backend,
-                                          like=w_up_EDG)
+            grad_ups = up_weight_grads(x_SD, grad_h_SG, parts, offsets_E1, E, backend)
             del x_SD
         if need_x:
-            grad_x_SD = grouped_mm(grad_h_SG, w_up_EDG.transpose(1, 2), offsets_E1, backend)
+            grad_x_SD = up_input_grad(grad_h_SG, parts, offsets_E1, backend)
             grad_x = reduce_rows(grad_x_SD, map_TK)  # per-token sum: no atomics
+        grad_up_second = grad_ups[1] if len(parts) == 2 else None
         # None: expert_token_indices, expert_token_offsets, token_index_map,
         # expert_slot_indices, activation, backend
-        return (grad_x, grad_weights, grad_up, grad_down, grad_b_up, grad_b_down,
-                None, None, None, None, None, None)
+        return (grad_x, grad_weights, grad_ups[0], grad_down, grad_b_up, grad_b_down,
+                None, None, None, None, None, None, grad_up_second)
