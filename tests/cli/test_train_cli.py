@@ -25,7 +25,8 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
     "--activation", "--allow-over-budget", "--aux-loss-coef", "--backward-block-bytes",
-    "--batch-size", "--bias-update-rate", "--bins", "--capacity-factor", "--chunk-bins", "--config", "--data",
+    "--batch-size", "--bias-update-rate", "--bins", "--capacity-factor", "--chunk-bins",
+    "--config", "--data",
     "--device", "--drop-policy", "--dtype", "--ep", "--eval-batches", "--eval-every",
     "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
     "--index-builder", "--init-from", "--intermediate-size", "--log-every", "--lr",
