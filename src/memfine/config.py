@@ -121,6 +121,33 @@ class GatedActivation(_ConfigBase):
         return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
 
 
+DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
+"""Default byte target of one row block of the fused backward (16 MiB)."""
+
+
+def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: int,
+                        up_width: int, dtype_bytes: int) -> int:
+    """Rows per block of the streamed fused backward for a byte target.
+
+    One row of a block costs (3·d + 3·n + G)·D_t bytes of transients: dO, gathered x and dx
+    rows (d each), dA, A and one activation temporary (n each) and dH (G).
+
+    Args:
+        block_bytes: byte target of one block, ≥ 1.
+        hidden_size: d.
+        intermediate_size: n.
+        up_width: G (2n gated, else n).
+        dtype_bytes: D_t, bytes per activation element.
+
+    Returns:
+        ⌊block_bytes / row bytes⌋, at least 1.
+
+    Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
+    """
+    row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
+    return max(1, block_bytes // row_bytes)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig(_ConfigBase):
     """One MoE feed-forward layer: router and routed experts.
@@ -171,6 +198,8 @@ class MoEConfig(_ConfigBase):
             Qwen2-MoE), >= 0; they run on the same fused, chunked path as the routed experts.
         shared_intermediate_size: n of one shared expert per GLU branch; ``None`` means n.
         shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
+        backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
+            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 16 MiB.
     """
 
     hidden_size: int
@@ -199,6 +228,7 @@ class MoEConfig(_ConfigBase):
     num_shared_experts: int = 0
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -233,6 +263,7 @@ class MoEConfig(_ConfigBase):
         check_float(self, "skew_bias", 0.0)
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
+        check_int(self, "backward_block_bytes", 1)
 
     @property
     def dropless(self) -> bool:
@@ -259,7 +290,8 @@ class MoEConfig(_ConfigBase):
         return MoEConfig(hidden_size=self.hidden_size, intermediate_size=self.shared_width,
                          num_experts=S, top_k=S, renormalize=False, activation=self.activation,
                          experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
-                         index_builder=self.index_builder)
+                         index_builder=self.index_builder,
+                         backward_block_bytes=self.backward_block_bytes)
 
     @property
     def gated(self) -> bool:
@@ -422,7 +454,8 @@ class TrainConfig(_ConfigBase):
         val_fraction: share of the corpus (its last bytes) held out for validation, in (0, 0.5].
         seq_len: training context length Q, in bytes (= tokens).
         batch_size: sequences per step B; a step sees B·Q tokens.
-        max_steps: optimizer steps of the run (a resumed run stops at the same step).
+        max_steps: optimizer steps of the run (a resumed run stops at the same step), below 2^32
+            (the step is the low half of each batch's 64-bit seed).
         lr: peak learning rate of AdamW.
         min_lr_ratio: final learning rate as a fraction of ``lr`` (end of the cosine decay).
         warmup_steps: linear warm-up steps from lr/warmup_steps to lr.
@@ -432,8 +465,12 @@ class TrainConfig(_ConfigBase):
             grows.
         weight_decay: AdamW decoupled weight decay of matrices and expert weights (not of norms).
         grad_clip: maximum global gradient L2 norm; 0 disables clipping.
-        seed: seeds the initialisation, the batch order and the text sample.
-        eval_every: validate (and checkpoint) every this many steps.
+        seed: seeds the initialisation, the batch order and the text sample; in [0, 2^32 - 1]
+            (the high half of each batch's 64-bit seed).
+        eval_every: validate (and, unless ``save_every`` is set, checkpoint) every this many
+            steps.
+        save_every: write ``checkpoint.pt`` every this many steps (and at the last step);
+            ``None``: at each evaluation.
         eval_batches: validation batches of ``batch_size`` fixed windows each.
         log_every: write a ``metrics.jsonl`` line every this many steps.
         sample_tokens: bytes of text generated at the end (0 skips the sample).
@@ -461,6 +498,7 @@ class TrainConfig(_ConfigBase):
     grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 200
+    save_every: int | None = None
     eval_batches: int = 8
     log_every: int = 10
     sample_tokens: int = 300
@@ -482,7 +520,7 @@ class TrainConfig(_ConfigBase):
         check_float(self, "val_fraction", 0.0, 0.5, lo_open=True)
         check_int(self, "seq_len", 1, self.model.max_seq_len)
         check_int(self, "batch_size", 1)
-        check_int(self, "max_steps", 0)
+        check_int(self, "max_steps", 0, 2**32 - 1)
         check_float(self, "lr", 0.0, lo_open=True)
         check_float(self, "min_lr_ratio", 0.0, 1.0)
         check_int(self, "warmup_steps", 0)
@@ -490,8 +528,10 @@ class TrainConfig(_ConfigBase):
             check_int(self, "lr_decay_steps", max(1, self.warmup_steps))
         check_float(self, "weight_decay", 0.0)
         check_float(self, "grad_clip", 0.0)
-        check_int(self, "seed", 0)
+        check_int(self, "seed", 0, 2**32 - 1)
         check_int(self, "eval_every", 1)
+        if self.save_every is not None:
+            check_int(self, "save_every", 1)
         check_int(self, "eval_batches", 1)
         check_int(self, "log_every", 1)
         check_int(self, "sample_tokens", 0)

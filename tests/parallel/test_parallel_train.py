@@ -23,7 +23,7 @@ from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train import ByteCorpus, load_checkpoint
 from memfine.train.data import val_batches
-from memfine.train.loop import evaluate
+from memfine.train.evaluation import evaluate
 from tolerances import LOSS_ATOL
 
 pytestmark = pytest.mark.distributed
@@ -36,7 +36,7 @@ COMMON = ["train", "--preset", "tiny", "--max-steps", "20", "--sample-tokens", "
           "--no-progress"]
 
 
-def _run(cmd: list[str], cwd: Path) -> None:
+def _run(cmd: list[str], cwd: Path) -> str:
     """Run a command in its own session; kill the whole group on timeout; fail with its output."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
@@ -49,6 +49,7 @@ def _run(cmd: list[str], cwd: Path) -> None:
         pytest.fail(f"{' '.join(cmd)} exceeded {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-4000:]}")
+    return out
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -66,10 +67,17 @@ ROUTING = ["--num-shared-experts", "1", "--bias-update-rate", "1e-2", "--n-group
                                    pytest.param(ROUTING, id="routing_options")])
 def test_torchrun_ep2_matches_single_process(tmp_path: Path, extra: list[str]) -> None:
     ep_dir, single_dir = tmp_path / "ep2", tmp_path / "single"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-          "-m", "memfine", *COMMON, *extra, "--ep", "2", "--out", str(ep_dir)], tmp_path)
-    _run([sys.executable, "-m", "memfine", *COMMON, *extra, "--out", str(single_dir)], tmp_path)
+    ep_out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+                   "-m", "memfine", *COMMON, *extra, "--ep", "2", "--out", str(ep_dir)],
+                  tmp_path)
+    single_out = _run([sys.executable, "-m", "memfine", *COMMON, *extra, "--out",
+                       str(single_dir)], tmp_path)
+    # every rank reports the whole model (all experts), not its own shard
+    cfg = TrainConfig.from_dict(json.loads((single_dir / "config.json").read_text()))
+    full = sum(p.numel() for p in MoETransformerLM(cfg.model).parameters())
+    assert f"model: {full:,} parameters" in single_out
+    assert ep_out.count(f"model: {full:,} parameters") == 2, ep_out[-2000:]
 
     ep_losses, single_losses = _losses(ep_dir), _losses(single_dir)
     assert len(ep_losses) == len(single_losses) == 20

@@ -4,6 +4,8 @@ A checkpoint is one ``torch.save`` file holding the model, optimizer and LR-sche
 the RNG states, the number of completed steps and the :class:`TrainConfig` as a dict. It is written
 to a temporary file in the same directory and moved into place with :func:`os.replace`, so the
 file at ``path`` is always either the previous checkpoint or the new one, never a partial write.
+Its permissions are those of any file the process creates (``0o666`` less the umask, e.g. 0644),
+not the temporary file's 0600.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
         optimizer: its ``state_dict()`` is stored (AdamW moments and step counts).
         scheduler: its ``state_dict()`` is stored (LR schedule position).
 
-    Side effects: on any failure the temporary file is removed and ``path`` is left untouched.
+    Side effects: on any failure the temporary file is removed and ``path`` is left untouched;
+    the file gets the permissions ``0o666 & ~umask``, like the run's other files.
     """
     path = Path(path)
     payload = {"format": FORMAT, "step": step, "config": config,
@@ -53,6 +56,7 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
                "scheduler": scheduler.state_dict(), "rng": rng_state()}
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
@@ -61,6 +65,13 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def file_mode() -> int:
+    """Permissions of a newly created file: ``0o666`` less the process's umask (e.g. 0o644)."""
+    mask = os.umask(0o022)  # reading the umask means setting it; restored at once
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
