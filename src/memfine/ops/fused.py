@@ -190,8 +190,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         """
         st = _BackwardState(ctx, grad_out_TD)
         S = st.h_SG.shape[0]
-        for r0 in range(0, S, ctx.block_rows):
-            _backward_block(st, r0, min(S, r0 + ctx.block_rows))
+        if st.bounds is None:  # under torch.compile S is symbolic: one block, no host loop
+            _backward_block(st, 0, S)
+        else:
+            for r0 in range(0, S, ctx.block_rows):
+                _backward_block(st, r0, min(S, r0 + ctx.block_rows))
         grad_weights = None
         if st.need_w:
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
@@ -221,7 +224,9 @@ class _BackwardState:
         self.need_up = (need_up, len(self.parts) == 2 and ctx.needs_input_grad[12])
         self.grad_out_TD = grad_out_TD.contiguous()
         self.grads = ctx.weight_grads or WeightGradBuffers()
-        self.bounds = self.offsets_E1.tolist()  # E + 1 host ints: the per-expert addmm_ ranges
+        # E + 1 host ints: the per-expert addmm_ ranges. Under torch.compile host values are
+        # unknown while tracing, so the backward runs as one block with grouped weight GEMMs.
+        self.bounds = None if torch.compiler.is_compiling() else self.offsets_E1.tolist()
         E = self.w_up_EDG.shape[0]
         S = self.h_SG.shape[0]
         # NOTE(memory): the outputs are filled block by block: dx (T·d), the row dots (S), the
@@ -260,7 +265,7 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
         grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
         if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
             accumulate_grouped_weight_grad_(st.grads.buffer(1, st.w_down_END), a_BN,
-                                            grad_out_BD, st.bounds, r0)
+                                            grad_out_BD, st.bounds, r0, offs_E1, st.backend)
         if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
             st.grad_b_down += grouped_row_sums(grad_out_BD, offs_E1, E)
     del a_BN, grad_out_BD
@@ -275,7 +280,8 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
             width = part.shape[2]
             if needed:
                 accumulate_grouped_weight_grad_(st.grads.buffer(slot, part), x_BD,
-                                                grad_h_BG[:, col:col + width], st.bounds, r0)
+                                                grad_h_BG[:, col:col + width], st.bounds, r0,
+                                                offs_E1, st.backend)
             col += width
         del x_BD
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from memfine.ops.grouped import grouped_weight_grad
+
 
 class WeightGradBuffers:
     """One gradient buffer per expert weight, created zero-filled on first use and filled in place.
@@ -53,19 +55,30 @@ class WeightGradBuffers:
 
 
 def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor,
-                                    grad_y_SO: torch.Tensor, bounds: list[int], row0: int
-                                    ) -> None:
+                                    grad_y_SO: torch.Tensor, bounds: list[int] | None, row0: int,
+                                    block_offsets_E1: torch.Tensor | None = None,
+                                    backend: str = "auto") -> None:
     """grad_w[e] += X[rows of e]ᵀ · dY[rows of e] for the experts present in a row block.
 
     Args:
         grad_w_EIO: (E, I, O) buffer, written in place (any dense layout, e.g. a transposed view).
         x_SI: (B, I) input rows of the block (rows ``row0 .. row0 + B`` of the grouped order).
         grad_y_SO: (B, O) output-gradient rows of the block.
-        bounds: the E + 1 expert_token_offsets as Python ints (host copy, read once per backward).
+        bounds: the E + 1 expert_token_offsets as Python ints (host copy, read once per backward),
+            or None under ``torch.compile``, where host values are unknown while tracing: the
+            block's gradient is then one grouped GEMM over ``block_offsets_E1`` added into the
+            buffer (a transient of the buffer's size).
         row0: first grouped row of the block.
+        block_offsets_E1: (E + 1,) int32 offsets of the block's rows (used when ``bounds`` is None).
+        backend: grouped GEMM backend for that case.
 
     Memory: none (``addmm_`` writes into the buffer; BLAS reads transposed operands in place).
     """
+    if bounds is None:
+        assert block_offsets_E1 is not None, "the traceable path needs the block's offsets"
+        grad_w_EIO.add_(grouped_weight_grad(x_SI, grad_y_SO, block_offsets_E1,
+                                            grad_w_EIO.shape[0], backend, like=grad_w_EIO))
+        return
     row1 = row0 + x_SI.shape[0]
     for e in range(len(bounds) - 1):
         lo, hi = max(bounds[e], row0), min(bounds[e + 1], row1)

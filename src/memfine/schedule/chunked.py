@@ -196,7 +196,9 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     # Under torch.autocast: x and the weights are cast once per layer call, not once per chunk.
     x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, w_up_EDG, w_down_END)
     buffers = None
-    if num_chunks > 1 and moe.experts_impl == "fused":
+    # Under torch.compile the shared buffers (Python-side state mutated inside checkpointed
+    # regions) are not traceable: the engine sums the chunks' weight gradients instead.
+    if num_chunks > 1 and moe.experts_impl == "fused" and not torch.compiler.is_compiling():
         # NOTE(memory): one weight-gradient buffer per weight for all c chunks (the engine would
         # otherwise hold a chunk's gradient and the running sum at once: 2·(E·d·G + E·n·d)).
         (w_up_EDG, w_down_END), buffers = share_weight_grads((w_up_EDG, w_down_END))
