@@ -46,6 +46,7 @@ from memfine.bench.harness import Method, MethodResult, run_methods
 from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.nn.experts import GroupedExperts
 from memfine.nn.model import Block
 from memfine.nn.moe import MoELayer
 from memfine.schedule.policy import ChunkPolicy
@@ -67,17 +68,25 @@ def model_config(args: argparse.Namespace, chunk: ChunkConfig, skew_bias: float 
                        chunk=chunk)
 
 
+class LocalRankExperts(GroupedExperts):
+    """Experts that compute only experts 0..num_local-1: other slots become sentinels."""
+
+    def __init__(self, config: MoEConfig, num_local: int) -> None:
+        super().__init__(config)
+        self.num_local = num_local
+
+    def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+        local_TK = torch.where(top_k_index < self.num_local, top_k_index,
+                               self.config.num_experts)
+        return super().run(x_TD, local_TK, top_k_weights, policy)
+
+
 def local_rank_view(layer: MoELayer, num_local: int) -> None:
-    """Make ``layer`` compute only experts 0..num_local-1: other slots become sentinels."""
-    inner = layer.run_experts
-    E = layer.config.num_experts
-
-    def run_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
-                    ) -> tuple[torch.Tensor, int]:
-        local_TK = torch.where(top_k_index < num_local, top_k_index, E)
-        return inner(x_TD, local_TK, top_k_weights)
-
-    layer.run_experts = run_experts  # type: ignore[method-assign]
+    """Make ``layer`` compute only experts 0..num_local-1 (its experts swapped, weights kept)."""
+    view = LocalRankExperts(layer.config, num_local)
+    view.w_up, view.w_down = layer.experts.w_up, layer.experts.w_down
+    layer.experts = view
 
 
 def calibrate(block: Block, x_BQD: torch.Tensor, share: float, num_local: int) -> float:

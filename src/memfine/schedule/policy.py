@@ -135,7 +135,8 @@ class ChunkPolicy:
         needed = max(1, math.ceil(recv_rows / s_max))
         return choose_num_chunks(recv_rows, s_max, bins) if needed <= bins[-1] else needed
 
-    def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int) -> int:
+    def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+                   agree: AgreeNumChunks | None = None) -> int:
         """Chunk count c for one MoE layer call on this rank.
 
         Args:
@@ -143,6 +144,8 @@ class ChunkPolicy:
                 (token, slot) pairs; under EP: the rows arriving from the count exchange).
             num_tokens: T, tokens entering the layer on this rank.
             dtype_bytes: D_t, bytes per activation element (4 for fp32, 2 for bf16).
+            agree: the agreement of this call (the expert-parallel experts pass their
+                all-reduce MAX over ``ep``); default ``agree_num_chunks``.
 
         Returns:
             c: ``ChunkConfig.num_chunks`` without a budget; with one, the group-agreed bin (the
@@ -153,7 +156,7 @@ class ChunkPolicy:
                 meet the budget (the message names the smallest feasible budget in bytes and
                 MiB/GiB) and ``allow_over_budget`` is False.
 
-        Side effects: calls ``agree_num_chunks`` once (budget mode only); warns once per policy
+        Side effects: calls ``agree`` (or ``agree_num_chunks``) once (budget mode only); warns once per policy
         object (``UserWarning``) when over budget with ``allow_over_budget``.
 
         Reference: MemFine Eq. 8 (s′_max), Eq. 9 and §4.2 (bins, MACT).
@@ -166,7 +169,7 @@ class ChunkPolicy:
         bins = self.config.bins
         s_max = self.s_prime_max(num_tokens, dtype_bytes)
         local = self._local_num_chunks(recv_rows, s_max)
-        agreed = int(self.agree_num_chunks(local))
+        agreed = int((agree or self.agree_num_chunks)(local))
         if agreed <= bins[-1]:
             return agreed
         budget = self.config.memory_budget_bytes
