@@ -1,6 +1,6 @@
 """Training step of the small MoE language model: time and memory of memfine's paths.
 
-A thin script over ``memfine bench --suite model`` (the suite lives in
+A thin script over ``memfine bench --suites model`` (the suite lives in
 :mod:`memfine.bench.suite_model`; the measurements in :mod:`memfine.bench.harness`):
 methods ``plain``, ``fused``, ``fused_mact`` and ``full_recompute`` on the ``small`` training
 preset (d 128, n 128, E 8, k 2, 4 layers, 32 × 128 tokens per step), interleaved, after warm-up.
@@ -24,4 +24,4 @@ if __name__ == "__main__":
     args = sys.argv[1:]
     if "--out" not in args:
         args += ["--out", str(RESULTS)]
-    raise SystemExit(main(["bench", "--suite", "model", *args]))
+    raise SystemExit(main(["bench", "--suites", "model", *args]))

@@ -27,9 +27,11 @@ from memfine.cli.main import main
 from memfine.measure.report import NOT_MEASURED
 
 BENCH_FLAGS = {
-    "--suite", "--config", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
+    "--suites", "--configs", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
     "--num-experts", "--top-k", "--dtype", "--threads", "--repeats", "--warmup", "--out",
-    "--quick", "--methods", "--budget", "--skew-levels", "--device", "--seed", "-h", "--help",
+    "--quick", "--methods", "--memory-budget", "--skew-levels", "--device", "--seed", "-h",
+    "--help",
+    "--suite", "--config", "--budget",  # hidden aliases of --suites, --configs, --memory-budget
 }
 MEMORY_METRICS = ("saved_bytes", "saved_bytes_predicted", "peak_bytes", "peak_bytes_predicted")
 Table = dict[str, dict[str, dict[str, str]]]

@@ -9,7 +9,7 @@ import torch
 
 from memfine.config import TrainConfig
 from memfine.train import checkpoint as ckpt
-from memfine.train.loop import build_optimizer
+from memfine.train.optim import build_optimizer
 
 
 def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
