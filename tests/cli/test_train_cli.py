@@ -24,7 +24,8 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
-    "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size", "--bins",
+    "--activation", "--allow-over-budget", "--aux-loss-coef", "--backend", "--batch-size", "--bins",
+    "--dp-shard", "--grad-accum",
     "--chunk-bins", "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every",
     "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
     "--index-builder", "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps",

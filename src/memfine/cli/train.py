@@ -27,8 +27,13 @@ from memfine.config import (
     ScoreFunc,
     TrainConfig,
 )
-from memfine.train import DEFAULT_PRESET, PRESETS, load_checkpoint, preset, train
-from memfine.train.checkpoint import CHECKPOINT_NAME
+from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
+from memfine.train.checkpoint import (
+    CHECKPOINT_NAME,
+    SHARDED_NAME,
+    find_checkpoint,
+    read_checkpoint,
+)
 from memfine.train.setup import RESUMABLE_FIELDS
 from memfine.units import parse_bytes
 
@@ -46,7 +51,9 @@ _CONFIG_FLAGS = (
     Flag("--val-fraction", ("val_fraction",), "share of the corpus (its end) held out for "
          "validation", float),
     Flag("--seq-len", ("seq_len", "model.max_seq_len"), "context length Q in bytes (= tokens)"),
-    Flag("--batch-size", ("batch_size",), "sequences per step B"),
+    Flag("--batch-size", ("batch_size",), "sequences per micro-batch B (over all ranks)"),
+    Flag("--grad-accum", ("grad_accum",), "micro-batches per optimizer step N (the step's "
+         "gradient is that of one batch of N*B sequences)"),
     Flag("--max-steps", ("max_steps",), "optimizer steps of the run"),
     Flag("--lr", ("lr",), "peak AdamW learning rate", float),
     Flag("--min-lr-ratio", ("min_lr_ratio",), "final LR as a fraction of --lr", float),
@@ -121,9 +128,12 @@ _RUN_FLAGS = (
     Flag("--threads", (), "CPU threads for torch during the run; the presets' small matrices "
          "gain little from more, and on a CPU shared with other jobs more threads can be many "
          "times slower", default=NotGiven(1)),
-    Flag("--ep", (), "expert-parallel size e: shard the experts over e ranks; launch with "
-         "torchrun --nproc_per_node N (N a multiple of e; gloo on CPU, nccl on CUDA)",
-         default=NotGiven(1)),
+    Flag("--ep", (), "size of the mesh dim 'ep': experts sharded E/ep over it; launch with "
+         "torchrun --nproc_per_node W, W = dp-shard x ep", default=NotGiven(1)),
+    Flag("--dp-shard", (), "size of the mesh dim 'dp_shard' (FSDP2 shards the experts over it; "
+         "dense parameters over all W ranks); default W / ep", default=NotGiven(text="W/ep")),
+    Flag("--backend", (), "torch.distributed backend under torchrun", str, ("gloo", "nccl"),
+         default=NotGiven(text="gloo on cpu, nccl on cuda")),
 )
 _SETTING_FLAGS = _CONFIG_FLAGS + _SWITCH_FLAGS
 
@@ -170,7 +180,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         if given(args, "preset"):
             raise ValueError("--preset does not apply with --resume: the configuration comes "
                              f"from the checkpoint in {str(out)!r}")
-        tree = load_checkpoint(out / CHECKPOINT_NAME)["config"]
+        tree = read_checkpoint(find_checkpoint(out))["config"]
     else:
         tree = preset(name).to_dict()
     for flag in _SETTING_FLAGS:
@@ -190,20 +200,14 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
 def run(args: argparse.Namespace) -> int:
     """Run ``memfine train``; returns 0, or 130 when stopped by Ctrl-C (checkpoint saved)."""
     config, out = resolve_config(args)
-    if (not value(args, "resume") and not value(args, "overwrite")
-            and (out / CHECKPOINT_NAME).exists()):
-        raise ValueError(f"{out} already holds a run ({CHECKPOINT_NAME}); pass --resume to "
+    held = [n for n in (CHECKPOINT_NAME, SHARDED_NAME) if (out / n).exists()]
+    if not value(args, "resume") and not value(args, "overwrite") and held:
+        raise ValueError(f"{out} already holds a run ({held[0]}); pass --resume to "
                          f"continue it, --overwrite to replace it, or choose another --out")
     if str(config.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
                          f"(torch {torch.__version__}); use --device cpu")
-    parallel, ep = None, int(value(args, "ep"))
-    if ep < 1:
-        raise ValueError(f"--ep must be >= 1, got {ep}")
-    if ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from memfine.parallel.training import ExpertParallelTraining
-
-        parallel = ExpertParallelTraining.from_environment(ep, device=config.device)
+    parallel = _parallel(args, config)
     finished = False
     try:
         result = train(config, out, resume=bool(value(args, "resume")),
@@ -214,3 +218,28 @@ def run(args: argparse.Namespace) -> int:
         if parallel is not None:
             parallel.close(barrier=finished)
     return 130 if result.interrupted else 0
+
+
+def _parallel(args: argparse.Namespace, config: TrainConfig) -> Any:
+    """The distributed engine under torchrun (``WORLD_SIZE`` > 1 or a mesh flag > 1), else None.
+
+    Raises:
+        ValueError: on a size < 1, a world size that is not dp_shard × ep, or mesh flags
+            without torchrun — before any process group exists.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = int(value(args, "ep"))
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    dp_shard = value(args, "dp_shard") if given(args, "dp_shard") else max(world // ep, 1)
+    if world == 1 and ep == 1 and dp_shard == 1:
+        return None
+    from memfine.parallel.mesh import check_expert_sharding, check_layout
+    from memfine.parallel.training import DistributedTraining
+
+    check_layout(world, int(dp_shard), ep)  # before any process group exists
+    check_expert_sharding(config.model.moe.num_experts, ep)
+
+    return DistributedTraining.from_environment(
+        dp_shard=int(dp_shard), ep=ep, backend=value(args, "backend") or None,
+        device=config.device)

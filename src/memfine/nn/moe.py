@@ -123,8 +123,10 @@ class MoELayer(nn.Module):
 
     def _aux(self, logits_TE: torch.Tensor, top_k_index: torch.Tensor,
              tokens_per_expert: torch.Tensor, mask_T: torch.Tensor | None) -> MoEAux:
-        """Aux losses over the global batch: f from the global counts, P and the z-loss as this
-        rank's share of the sum over every valid token (docs/design.md §2).
+        """Aux losses over the global batch's valid tokens (docs/design.md §2).
+
+        f comes from the global counts; P and the z-loss are this rank's share of the sum over
+        every valid token.
 
         One ``experts.global_counts`` call on (E + 1,) int64: the E assignment counts and a 1
         per rank, so the sum also gives the number of ranks W; the global valid tokens are

@@ -93,16 +93,22 @@ class ExpertParallelExperts(nn.Module):
     Args:
         config: the layer's :class:`MoEConfig` (E global).
         context: this rank's :class:`ParallelContext`.
+        grad_scale: factor on the gradient of the local weights. An expert's gradient on its
+            owner sums the contributions of every rank of the ``ep`` group (the all-to-all
+            backward brings them home), while data parallelism averages per-rank gradients:
+            data-parallel training passes 1/ep (then averaging over ``dp_shard`` gives the
+            mean over all W ranks). 1.0 (default): the plain gradient of the summed loss.
 
     Raises:
         ValueError: if E is not divisible by ep.
     """
 
-    def __init__(self, config: MoEConfig, context: ParallelContext) -> None:
+    def __init__(self, config: MoEConfig, context: ParallelContext, *,
+                 grad_scale: float = 1.0) -> None:
         """Allocate this rank's zero-filled weights; arguments and exceptions as on the class."""
         super().__init__()
         check_expert_sharding(config.num_experts, context.ep_size)
-        self.config, self.context = config, context
+        self.config, self.context, self.grad_scale = config, context, float(grad_scale)
         L = config.num_experts // context.ep_size
         self.w_up = self._shard(torch.zeros(L, config.hidden_size, config.up_width))
         self.w_down = self._shard(torch.zeros(L, config.intermediate_size, config.hidden_size))
@@ -114,22 +120,26 @@ class ExpertParallelExperts(nn.Module):
 
     @classmethod
     def from_full(cls, w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, config: MoEConfig,
-                  context: ParallelContext) -> ExpertParallelExperts:
+                  context: ParallelContext, *, grad_scale: float = 1.0) -> ExpertParallelExperts:
         """Build from the full (E, d, G) / (E, n, d) weights, keeping this rank's slice (a copy).
 
         No communication: every rank holds the same full weights (same seed).
         """
-        module = cls(config, context)
+        module = cls(config, context, grad_scale=grad_scale)
         local = context.local_experts(config.num_experts)
         module.w_up = module._shard(w_up_EDG.detach()[local.start:local.stop].clone())
         module.w_down = module._shard(w_down_END.detach()[local.start:local.stop].clone())
         return module
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(w_up_LDG, w_down_LND)`` (differentiable views of the DTensors)."""
-        w_up, w_down = self.w_up, self.w_down
-        return (w_up.to_local() if isinstance(w_up, DTensor) else w_up,
-                w_down.to_local() if isinstance(w_down, DTensor) else w_down)
+        """This rank's ``(w_up_LDG, w_down_LND)``, views whose gradients carry ``grad_scale``."""
+        out = []
+        for weight in (self.w_up, self.w_down):
+            local = weight.to_local() if isinstance(weight, DTensor) else weight
+            if self.grad_scale != 1.0 and local.requires_grad:
+                local.register_hook(functools.partial(torch.mul, other=self.grad_scale))
+            out.append(local)
+        return out[0], out[1]
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Per-rank counts summed over every rank of the global batch (all W ranks).

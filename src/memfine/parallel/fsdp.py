@@ -8,12 +8,13 @@ ranks). FSDP2 reduce-scatters the gradients; nothing is all-reduced by hand.
 Gradient scaling: every rank's loss is the mean over its own tokens, so the gradient of the
 global mean loss is the mean over the W ranks. FSDP2 divides dense gradients by W (the size of
 ``dp``). An expert's gradient on its owner already sums the contributions of its whole ``ep``
-group (the all-to-all backward brings them home), so its divide factor is set to W as well,
-not to the size of ``dp_shard``. Reductions are SUM followed by a division
-(``set_force_sum_reduction_for_comms``): gloo has no AVG or PREMUL_SUM; nccl takes the same
-path.
-Reference: torchtitan's ``apply_fsdp`` (experts over the expert-data-parallel dim, gradient
-divide factor); docs/design.md §4.
+group (the all-to-all backward brings them home), so the experts scale it by 1/ep
+(``grad_scale``) and FSDP2 divides by the size of ``dp_shard``: 1/W in all. (torchtitan sets an
+FSDP gradient divide factor instead; in torch 2.13 a size-1 ``dp_shard`` then divides twice.)
+Reductions are SUM followed by a division (``set_force_sum_reduction_for_comms``): gloo has no
+AVG or PREMUL_SUM; nccl takes the same path.
+Reference: torchtitan's ``apply_fsdp`` (experts over the expert-data-parallel dim);
+docs/design.md §4.
 """
 
 from __future__ import annotations
@@ -36,19 +37,15 @@ def _is_moe_layer(module: nn.Module) -> bool:
         hasattr(experts, a) for a in ("w_up", "w_down", "config"))
 
 
-def _fully_shard(module: nn.Module, mesh: object, divide_factor: float | None = None
-                 ) -> FSDPModule:
+def _fully_shard(module: nn.Module, mesh: object) -> FSDPModule:
     fully_shard(module, mesh=mesh)  # type: ignore[arg-type]
     assert isinstance(module, FSDPModule), "fully_shard did not make an FSDPModule"
     module.set_force_sum_reduction_for_comms(True)
-    if divide_factor is not None:
-        module.set_gradient_divide_factor(divide_factor)
     return module
 
 
 def shard_model(model: nn.Module, context: ParallelContext) -> int:
-    """Shard a built model in place: experts over ``ep`` (+ FSDP2 over ``dp_shard``), the rest
-    with FSDP2 over ``dp``.
+    """Shard a built model in place: experts over ``ep`` and ``dp_shard``, the rest over ``dp``.
 
     Args:
         model: a model built whole and identically on every rank (same seed), e.g.
@@ -69,9 +66,10 @@ def shard_model(model: nn.Module, context: ParallelContext) -> int:
               and not isinstance(m.experts, ExpertParallelExperts)]
     for layer in layers:
         full = layer.experts
-        experts = ExpertParallelExperts.from_full(full.w_up, full.w_down, full.config, context)
+        experts = ExpertParallelExperts.from_full(full.w_up, full.w_down, full.config, context,
+                                                  grad_scale=1.0 / context.ep_size)
         layer.experts = experts
-        _fully_shard(experts, context.expert_dp_mesh, divide_factor=float(context.world_size))
+        _fully_shard(experts, context.expert_dp_mesh)
         register_fsdp_forward_method(experts, "run")
     for block in getattr(model, "blocks", ()):
         _fully_shard(block, context.dp_mesh)

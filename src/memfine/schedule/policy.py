@@ -156,8 +156,8 @@ class ChunkPolicy:
                 meet the budget (the message names the smallest feasible budget in bytes and
                 MiB/GiB) and ``allow_over_budget`` is False.
 
-        Side effects: calls ``agree`` (or ``agree_num_chunks``) once (budget mode only); warns once per policy
-        object (``UserWarning``) when over budget with ``allow_over_budget``.
+        Side effects: calls ``agree`` (or ``agree_num_chunks``) once (budget mode only); warns
+        once per policy object (``UserWarning``) when over budget with ``allow_over_budget``.
 
         Reference: MemFine Eq. 8 (s′_max), Eq. 9 and §4.2 (bins, MACT).
         """

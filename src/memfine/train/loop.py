@@ -27,7 +27,7 @@ import torch
 
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
-from memfine.train.checkpoint import save_checkpoint
+from memfine.train.checkpoint import save_checkpoint, save_sharded_checkpoint
 from memfine.train.data import ByteCorpus, decode, train_batch
 from memfine.train.metrics import (
     format_expert_load,
@@ -74,11 +74,12 @@ class StepRecord:
 
     Attributes:
         step: completed steps after this one.
-        train_loss: cross-entropy of the step, nats/byte (mean over the ranks).
+        train_loss: cross-entropy of the step, nats/byte (mean over micro-batches and ranks).
         lr: learning rate the step used.
         grad_norm: global gradient norm before clipping.
-        load_balancing_loss: this rank's load-balancing loss (mean over layers).
-        z_loss: this rank's router z-loss (mean over layers).
+        load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
+            and ranks: the global batch's value, each rank's share weighted by its tokens).
+        z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
         seconds: wall time of the step, seconds.
@@ -142,9 +143,9 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         on_step: called with the number of completed steps after each step (a
             ``KeyboardInterrupt`` raised there is handled like Ctrl-C).
         parallel: the parallel hooks (:class:`memfine.train.parallel.ParallelTraining`), e.g.
-            ``memfine.parallel.ExpertParallelTraining`` from ``memfine train --ep`` under
-            torchrun: shards the experts and each global batch, reduces and clips gradients over
-            the ranks; only its main rank writes files. None: one process.
+            ``memfine.parallel.DistributedTraining`` from ``memfine train`` under torchrun:
+            shards the model (experts over ``ep``, FSDP2 over the data dims) and each global
+            batch, clips by the global norm; only its main rank writes files. None: one process.
         threads: CPU threads for torch during the run (restored afterwards); ``None`` keeps
             torch's setting. One thread is much faster than two on a CPU shared with other jobs.
 
@@ -194,20 +195,24 @@ def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -
 def _step(run: RunState, step_index: int) -> StepRecord:
     """One optimizer step on the batch of ``step_index`` (0-based); updates ``run``'s progress.
 
+    The step's batch of N·B sequences (N = ``grad_accum``) runs as N micro-batches of B, each
+    loss divided by N, so the summed gradients are those of the whole batch; gradients are
+    reduced over the ranks on the last micro-batch only.
+
     Raises:
         ValueError: when the training loss is not finite (divergence).
     """
     config, model, parallel = run.config, run.model, run.parallel
-    moe = config.model.moe
     t0 = time.perf_counter()
-    x_BQ, y_BQ = train_batch(run.corpus.train_ids, batch_size=config.batch_size,
-                             seq_len=config.seq_len, seed=config.seed, step=step_index)
-    x_BQ, y_BQ = parallel.shard_batch(x_BQ, y_BQ)
-    out = model(x_BQ.to(run.device), y_BQ.to(run.device))
-    loss = out.loss + moe.aux_loss_coef * out.load_balancing_loss + moe.z_loss_coef * out.z_loss
+    N, B = config.grad_accum, config.batch_size
+    x_NBQ, y_NBQ = train_batch(run.corpus.train_ids, batch_size=N * B, seq_len=config.seq_len,
+                               seed=config.seed, step=step_index)
     run.optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    parallel.reduce_gradients(model)
+    outs = []
+    for m in range(N):
+        parallel.set_gradient_sync(model, m == N - 1)
+        outs.append(_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B], N))
+    losses_N3 = torch.stack([losses for losses, _, _ in outs])
     grad_norm = parallel.clip_grad_norm_(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
     lr = run.scheduler.get_last_lr()[0]
@@ -218,19 +223,36 @@ def _step(run: RunState, step_index: int) -> StepRecord:
     dt = time.perf_counter() - t0
     run.run_time, run.log_time, run.log_steps = (run.run_time + dt, run.log_time + dt,
                                                  run.log_steps + 1)
-    run.losses.append(parallel.mean(out.loss).item())
-    if not math.isfinite(run.losses[-1]):
-        raise ValueError(f"training diverged at step {run.step}: train loss {run.losses[-1]}; "
-                         f"lower --lr or --grad-clip ({run.ckpt_path} keeps the last evaluated "
-                         f"step)")
-    load_LE = parallel.sum(torch.stack([a.tokens_per_expert for a in out.aux])).cpu()
+    # CE, LBL, z-loss: mean over the micro-batches, then over the ranks
+    ce, lbl, z = parallel.mean(losses_N3.mean(0)).tolist()
+    run.losses.append(ce)
+    if not math.isfinite(ce):
+        raise ValueError(f"training diverged at step {run.step}: train loss {ce}; lower --lr or "
+                         f"--grad-clip ({run.ckpt_path} keeps the last evaluated step)")
+    load_LE = parallel.sum(torch.stack([load for _, load, _ in outs]).sum(0)).cpu()
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
-    return StepRecord(step=run.step, train_loss=run.losses[-1], lr=lr,
-                      grad_norm=grad_norm.item(),
-                      load_balancing_loss=out.load_balancing_loss.item(),
-                      z_loss=out.z_loss.item(), num_chunks=[a.num_chunks for a in out.aux],
+    return StepRecord(step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm.item(),
+                      load_balancing_loss=lbl, z_loss=z, num_chunks=outs[-1][2],
                       tokens_per_expert_LE=load_LE, seconds=dt)
+
+
+def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """Forward and backward of one micro-batch (this rank's rows of it).
+
+    Returns:
+        (3,) detached [cross-entropy, load-balancing loss, z-loss] of this rank, the (L, E)
+        tokens per expert of this rank and the chunk count c per layer.
+    """
+    moe = run.config.model.moe
+    x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
+    out = run.model(x_BQ.to(run.device), y_BQ.to(run.device))
+    loss = out.loss + moe.aux_loss_coef * out.load_balancing_loss + moe.z_loss_coef * out.z_loss
+    (loss / num_micro).backward()
+    losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
+    load_LE = torch.stack([a.tokens_per_expert for a in out.aux])
+    return losses, load_LE, [a.num_chunks for a in out.aux]
 
 
 def _evaluate_and_checkpoint(run: RunState, record: StepRecord) -> None:
@@ -245,11 +267,15 @@ def _evaluate_and_checkpoint(run: RunState, record: StepRecord) -> None:
 
 
 def _checkpoint(run: RunState) -> None:
-    """Save ``run.step`` to ``checkpoint.pt`` (gathered on every rank; written by the main one)."""
-    model, optimizer = run.parallel.full_states(run.model, run.optimizer)
-    if run.parallel.is_main:
-        save_checkpoint(run.ckpt_path, step=run.step, config=run.config.to_dict(), model=model,
-                        optimizer=optimizer, scheduler=run.scheduler)
+    """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank)."""
+    parallel = run.parallel
+    args = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
+            "optimizer": run.optimizer, "scheduler": run.scheduler}
+    if parallel.sharded:
+        save_sharded_checkpoint(run.ckpt_path, is_main=parallel.is_main,
+                                barrier=parallel.barrier, **args)
+    else:
+        save_checkpoint(run.ckpt_path, **args)
 
 
 def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
