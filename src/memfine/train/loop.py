@@ -78,7 +78,8 @@ class StepRecord:
         lr: learning rate the step used.
         grad_norm: global gradient norm before clipping.
         load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
-            and ranks: the global batch's value, each rank's share weighted by its tokens).
+            and ranks: each micro-batch's value over all ranks' tokens, with its own expert
+            fractions f).
         z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
