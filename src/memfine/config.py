@@ -70,6 +70,54 @@ class _ConfigBase:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
+class GatedActivation(_ConfigBase):
+    """A = f_α(min(gate, limit)) ⊙ (clamp(up, -limit, limit) + up_offset), row by row.
+
+    ``swiglu`` is ``GatedActivation()``, ``geglu`` ``GatedActivation(gate_fn="gelu")``, GPT-OSS's
+    clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.ops.activations`.
+
+    Attributes:
+        gate_fn: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu`` (tanh approximation; needs α = 1).
+        alpha: α > 0 (1.0: plain SiLU; GPT-OSS: 1.702).
+        limit: clamp bound > 0 (gate clamped from above, up to ±limit), or None for no clamp.
+        up_offset: added to the (clamped) up half (GPT-OSS: 1.0).
+        interleaved: gate/up columns of H interleaved (gate 0, 2, 4, ...; up 1, 3, ...) instead
+            of the halves ``[gate | up]``.
+        upcast: compute in fp32 and cast the result back (a no-op for fp32 H).
+
+    Reference: transformers' ``GptOssExperts._apply_gate`` (GPT-OSS; our reading of its code)
+    and ``DeepseekV4Experts._apply_gate`` (the clamp with α = 1, offset 0).
+    """
+
+    gate_fn: Literal["silu", "gelu"] = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+    interleaved: bool = False
+    upcast: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every field; raise ValueError naming the field, allowed values and value."""
+        check_choice(self, "gate_fn", ("silu", "gelu"))
+        check_float(self, "alpha", 0.0, lo_open=True)
+        if self.gate_fn == "gelu" and self.alpha != 1.0:
+            fail(self, "alpha", "1.0 with gate_fn='gelu'", self.alpha)
+        if self.limit is not None:
+            check_float(self, "limit", 0.0, lo_open=True)
+        if isinstance(self.up_offset, bool) or not isinstance(self.up_offset, (int, float)) \
+                or abs(self.up_offset) == float("inf") or self.up_offset != self.up_offset:
+            fail(self, "up_offset", "a finite number", self.up_offset)
+        for name in ("interleaved", "upcast"):
+            if not isinstance(getattr(self, name), bool):
+                fail(self, name, "a bool", getattr(self, name))
+
+    @classmethod
+    def gpt_oss(cls, alpha: float = 1.702, limit: float = 7.0) -> GatedActivation:
+        """GPT-OSS: interleaved gate/up, (clamp(up, ±L) + 1) · g'·σ(α·g'), g' = min(gate, L)."""
+        return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig(_ConfigBase):
     """One MoE feed-forward layer: router and routed experts.
 

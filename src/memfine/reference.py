@@ -12,30 +12,52 @@ import math
 
 import torch
 
+from memfine.config import GatedActivation
 
-def _act(h: torch.Tensor, activation: str) -> torch.Tensor:
-    """Activations written out from their formulas (independent of torch.nn.functional)."""
 
-    def silu(v: torch.Tensor) -> torch.Tensor:
-        return v / (1 + torch.exp(-v))
+def _silu(v: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    return v / (1 + torch.exp(-alpha * v))
 
-    def gelu(v: torch.Tensor) -> torch.Tensor:  # tanh approximation
-        return 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
 
-    def relu(v: torch.Tensor) -> torch.Tensor:
-        return torch.where(v > 0, v, torch.zeros_like(v))
+def _gelu(v: torch.Tensor) -> torch.Tensor:  # tanh approximation
+    return 0.5 * v * (1 + torch.tanh(math.sqrt(2 / math.pi) * (v + 0.044715 * v ** 3)))
 
-    if activation in ("swiglu", "geglu"):
-        n = h.shape[-1] // 2
+
+def _relu(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v > 0, v, torch.zeros_like(v))
+
+
+def _gated(h: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
+    """A = f_α(min(gate, L)) · (clamp(up, -L, L) + offset), one row, written out by element."""
+    n = h.shape[-1] // 2
+    if spec.interleaved:
+        gate = torch.stack([h[..., 2 * i] for i in range(n)], -1) if n else h[..., :0]
+        up = torch.stack([h[..., 2 * i + 1] for i in range(n)], -1) if n else h[..., :0]
+    else:
         gate, up = h[..., :n], h[..., n:]
-        return (silu(gate) if activation == "swiglu" else gelu(gate)) * up
-    return {"silu": silu, "gelu": gelu, "relu": relu}[activation](h)
+    if spec.limit is not None:
+        gate = torch.where(gate > spec.limit, torch.full_like(gate, spec.limit), gate)
+        up = torch.where(up > spec.limit, torch.full_like(up, spec.limit), up)
+        up = torch.where(up < -spec.limit, torch.full_like(up, -spec.limit), up)
+    glu = _silu(gate, spec.alpha) if spec.gate_fn == "silu" else _gelu(gate)
+    return glu * (up + spec.up_offset)
+
+
+def _act(h: torch.Tensor, activation: str | GatedActivation) -> torch.Tensor:
+    """Activations written out from their formulas (independent of torch.nn.functional)."""
+    if isinstance(activation, GatedActivation):
+        return _gated(h, activation)
+    if activation in ("swiglu", "geglu"):
+        return _gated(h, GatedActivation(gate_fn="silu" if activation == "swiglu" else "gelu"))
+    return {"silu": _silu, "gelu": _gelu, "relu": _relu}[activation](h)
 
 
 def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor, w_up_EDG: torch.Tensor,
-                      w_down_END: torch.Tensor, activation: str = "swiglu") -> torch.Tensor:
-    """out[t] = Σ_j w[t,j]·act(x[t]·w_up[e])·w_down[e], one (token, slot) at a time.
+                      w_down_END: torch.Tensor, activation: str | GatedActivation = "swiglu", *,
+                      b_up_EG: torch.Tensor | None = None,
+                      b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """out[t] = Σ_j w[t,j]·(act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]), slot by slot.
 
     Args:
         x_TD: (T, d) input.
@@ -43,7 +65,9 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: (T, k) weights.
         w_up_EDG: (E, d, G) up-projection weights.
         w_down_END: (E, n, d) down-projection weights.
-        activation: as in :func:`memfine.ops.run_experts`.
+        activation: as in :func:`memfine.ops.run_experts` (a name or a ``GatedActivation``).
+        b_up_EG: optional (E, G) up-projection bias.
+        b_down_ED: optional (E, d) down-projection bias.
 
     Returns:
         (T, d) tensor, differentiable w.r.t. every float input; an input no routed row uses
@@ -56,14 +80,19 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
         for j in range(top_k_index.shape[1]):
             e = int(top_k_index[t, j])
             if 0 <= e < E:
-                y = _act(x_TD[t] @ w_up_EDG[e], activation) @ w_down_END[e]
+                h = x_TD[t] @ w_up_EDG[e]
+                h = h + b_up_EG[e] if b_up_EG is not None else h
+                y = _act(h, activation) @ w_down_END[e]
+                y = y + b_down_ED[e] if b_down_ED is not None else y
                 acc = acc + top_k_weights[t, j].to(x_TD.dtype) * y
         rows.append(acc)
     out = torch.stack(rows) if rows else x_TD.new_zeros(0, x_TD.shape[1])
     # Empty slices tie every input into the graph (its gradient is then exactly 0, not None, when
     # no routed row uses it) without reading a value (no 0·NaN from padding rows).
     anchor = x_TD[:0].sum()
-    for v in (top_k_weights, w_up_EDG, w_down_END):
+    for v in (top_k_weights, w_up_EDG, w_down_END, b_up_EG, b_down_ED):
+        if v is None:
+            continue
         anchor = anchor + v[:0].sum().to(x_TD.dtype)
     return out + anchor
 

@@ -126,6 +126,14 @@ def test_hf_quick_memfine_saves_less_than_eager(tmp_path: Path) -> None:
     _, table = _read(out / "bench_hf.csv")
     saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in ("hf_eager", "memfine")}
     assert saved["memfine"] < saved["hf_eager"]
+    # GPT-OSS (biases, clamped interleaved SwiGLU) on the fused path: x, H, the routing weights
+    # and int32 indices, exactly; the floor is x + H (T·d + 2·T·k·n elements, fp32).
+    T, d, n, E, k = 64, 64, 128, 4, 2
+    gpt_oss = table["quick-gpt_oss/memfine"]
+    saved_bytes = int(gpt_oss["saved_bytes/fwd"]["p50"])
+    assert saved_bytes == 4 * (T * d + 2 * T * k * n + T * k) + 4 * (3 * T * k + E + 1)
+    assert float(gpt_oss["saved_over_floor/full"]["p50"]) <= 1.02
+    assert saved_bytes < int(table["quick-gpt_oss/hf_eager"]["saved_bytes/fwd"]["p50"])
 
 
 def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -14,7 +15,7 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from hf_models import experts_modules, tiny_causal_lm, tiny_experts  # noqa: E402
 
-from memfine.config import ChunkConfig  # noqa: E402
+from memfine.config import ChunkConfig, GatedActivation  # noqa: E402
 from memfine.integrations import hf_experts  # noqa: E402
 from memfine.integrations import transformers as mf_hf  # noqa: E402
 from memfine.measure.saved import SavedTensorsTracker  # noqa: E402
@@ -45,25 +46,54 @@ def test_weights_are_views_of_the_parameters() -> None:
     assert weights.b_down_ED is transposed.down_proj_bias
 
 
+GPT_OSS = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0, interleaved=True)
+
+
 @pytest.mark.parametrize(("model_type", "path", "activation", "reason"), [
     ("qwen3_moe", "fused", "swiglu", ""),
     ("gemma4", "fused", "geglu", ""),
     ("lfm2_moe", "fused", "swiglu", ""),
-    ("gpt_oss", "plain", None, "has_bias"),
-    ("deepseek_v4", "plain", None, "custom _apply_gate"),
+    ("gpt_oss", "fused", GPT_OSS, ""),
+    ("openai_privacy_filter", "fused", dataclasses.replace(GPT_OSS, interleaved=False), ""),
+    ("deepseek_v4", "fused", GatedActivation(limit=10.0), ""),
+    ("beam", "fused", GatedActivation(upcast=True), ""),
+    ("inkling2", "plain", None, "no GatedActivation reproduces"),
     ("nemotron_h", "plain", None, "ReLUSquaredActivation"),
     ("muse_spark", "plain", None, "has_post_expert_norm"),
 ], ids=lambda v: str(v))
-def test_plan(model_type: str, path: str, activation: str | None, reason: str) -> None:
+def test_plan(model_type: str, path: str, activation: object, reason: str) -> None:
     plan = mf_hf.plan_experts(tiny_experts(model_type)[0])
     assert (plan.path, plan.activation) == (path, activation)
     assert reason in plan.reason
 
 
-def test_impl_fused_is_refused_where_it_would_be_wrong() -> None:
+def test_plan_follows_the_module_attributes() -> None:
+    """The cached plan is rebuilt when an attribute it read changes (GPT-OSS's limit here)."""
     (experts,) = tiny_experts("gpt_oss")
-    x, idx, w = _case(d=16, E=5)
-    with pytest.raises(ValueError, match="impl='fused' is not possible for GptOssExperts"):
+    assert mf_hf.plan_experts(experts).activation == GPT_OSS
+    experts.limit = 3.0
+    assert mf_hf.plan_experts(experts).activation == dataclasses.replace(GPT_OSS, limit=3.0)
+
+
+def test_unmatched_gate_stays_plain_and_exact() -> None:
+    """A custom gate no GatedActivation reproduces (here: a squared SiLU) takes the plain path."""
+    (experts,) = tiny_experts("qwen3_moe")
+    default = type(experts)._apply_gate
+    type(experts)._apply_gate = lambda self, h: torch.nn.functional.silu(h[:, :10]) ** 2 * h[:, 10:]
+    try:
+        plan = mf_hf.plan_experts(experts)
+        assert plan.path == "plain" and "no GatedActivation reproduces" in plan.reason
+        x, idx, w = _case()
+        experts.config._experts_implementation = "batched_mm"  # calls _apply_gate, as we do
+        assert_close(mf_hf.memfine_experts_forward(experts, x, idx, w), experts(x, idx, w))
+    finally:
+        type(experts)._apply_gate = default
+
+
+def test_impl_fused_is_refused_where_it_would_be_wrong() -> None:
+    (experts,) = tiny_experts("inkling2")
+    x, idx, w = _case(d=experts.gate_up_proj.shape[-1], E=experts.num_experts)
+    with pytest.raises(ValueError, match="impl='fused' is not possible for Inkling2Experts"):
         mf_hf.memfine_experts_forward(experts, x, idx, w,
                                       config=mf_hf.HFExpertsConfig(impl="fused"))
 

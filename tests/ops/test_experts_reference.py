@@ -201,7 +201,8 @@ def test_fused_function_gradcheck(activation: str) -> None:
     def fn(x_: torch.Tensor, w_: torch.Tensor, up_: torch.Tensor, down_: torch.Tensor
            ) -> torch.Tensor:
         return FusedExpertsFunction.apply(
-            x_, w_, up_, down_, index.expert_token_indices, index.expert_token_offsets,
+            x_, w_, up_, down_, None, None, index.expert_token_indices,
+            index.expert_token_offsets,
             index.token_index_map, index.expert_slot_indices, activation, "loop")
 
     assert torch.autograd.gradcheck(fn, (x, w, up, down))

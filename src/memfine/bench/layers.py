@@ -235,7 +235,7 @@ ShapeBuild = Callable[[LayerShape], ShapeRun]
 
 def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tuple[str, ...],
                  *, confs: tuple[int, ...], quick: LayerShape, reference: str,
-                 build: ShapeBuild) -> Iterator[Point]:
+                 build: ShapeBuild, variant: str = "") -> Iterator[Point]:
     """Run a layer suite over its shapes: one point per shape, x_name ``shape``.
 
     Args:
@@ -247,6 +247,8 @@ def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tu
         quick: the shape of ``--quick``.
         reference: the method the terminal table's ratios are taken against.
         build: builds the methods of one shape (see :data:`ShapeBuild`).
+        variant: appended to each point's x_value as ``<shape>-<variant>`` (a suite running
+            the same shapes on several modules); "" keeps the shape's name.
 
     Yields:
         One :class:`Point` per shape, with ``saved_over_floor`` (and ``peak_over_budget`` for the
@@ -260,7 +262,8 @@ def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tu
         methods, config, label, budgets = build(shape)
         results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
         add_ratios(results, floor_bytes=floor, budget_bytes=budgets)
-        yield Point(suite=suite, x_name="shape", x_value=shape.name,
+        x_value = f"{shape.name}-{variant}" if variant else shape.name
+        yield Point(suite=suite, x_name="shape", x_value=x_value,
                     label=f"{label}; x + H floor {format_bytes(floor)}",
                     config={**shape.to_dict(), "dtype": opts.dtype, "scale_down": opts.scale_down,
                             "floor_bytes": floor, **config},

@@ -1,10 +1,13 @@
-"""``hf`` suite: transformers' own experts block (Qwen3-MoE) through its experts interface.
+"""``hf`` suite: transformers' experts blocks (Qwen3-MoE, GPT-OSS) through the experts interface.
 
-Needs transformers (``pip install 'memfine[hf]'``); skipped without it. One
-``Qwen3MoeExperts`` module with N(0, 0.02²) weights is called with each implementation on the
-same hidden states, routing (softmax top-k, renormalised; weights require grad as a router's do)
-and incoming gradient. Routing is outside the timed region; memfine's index build and
-transformers' sort are inside.
+Needs transformers (``pip install 'memfine[hf]'``); skipped without it. Per shape, one
+``Qwen3MoeExperts`` (SwiGLU, no bias; points ``<shape>``) and one ``GptOssExperts`` (biases,
+clamped interleaved SwiGLU with α = 1.702 and limit 7; points ``<shape>-gpt_oss``), with
+N(0, 0.02²) weights and biases, are called with each implementation on the same hidden states,
+routing (softmax top-k, renormalised; weights require grad as a router's do) and incoming
+gradient. Routing is outside the timed region; memfine's index build and transformers' sort are
+inside. Saved bytes leave the parameters (biases included) out, so memfine's ratio to the x + H
+floor is that of the fused Function's x, H, routing weights and int32 indices for both modules.
 
 Methods: ``hf_eager`` (transformers' per-expert loop), ``hf_grouped_mm`` (its sort +
 ``torch._grouped_mm`` path, the CPU default; it fails where ``_grouped_mm``'s alignment rules do
@@ -19,7 +22,7 @@ Reference: docs/design.md §7 (the experts interface); ``benchmarks/bench_hf.py`
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -41,16 +44,30 @@ def available() -> bool:
     return is_available("transformers")
 
 
-def make_experts(shape: LayerShape, opts: BenchOptions, device: torch.device) -> Any:
-    """A transformers ``Qwen3MoeExperts`` of this shape, seeded N(0, 0.02²) weights."""
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+MODULES = ("qwen3_moe", "gpt_oss")
 
-    config = Qwen3MoeConfig(hidden_size=shape.hidden_size,
-                            moe_intermediate_size=shape.intermediate_size,
-                            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k)
+
+def make_experts(shape: LayerShape, opts: BenchOptions, device: torch.device,
+                 model_type: str = "qwen3_moe") -> Any:
+    """A transformers experts module of this shape, seeded N(0, 0.02²) weights (and biases).
+
+    ``model_type`` ``qwen3_moe`` builds ``Qwen3MoeExperts``, ``gpt_oss`` ``GptOssExperts``.
+    """
+    import transformers
+
     torch.manual_seed(opts.seed)
-    experts = Qwen3MoeExperts(config)
+    if model_type == "gpt_oss":
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        experts = GptOssExperts(transformers.GptOssConfig(
+            hidden_size=shape.hidden_size, intermediate_size=shape.intermediate_size,
+            num_local_experts=shape.num_experts, num_experts_per_tok=shape.top_k))
+    else:
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+        experts = Qwen3MoeExperts(transformers.Qwen3MoeConfig(
+            hidden_size=shape.hidden_size, moe_intermediate_size=shape.intermediate_size,
+            num_experts=shape.num_experts, num_experts_per_tok=shape.top_k))
     with torch.no_grad():
         for p in experts.parameters():
             p.normal_(std=0.02)
@@ -111,11 +128,16 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         print("hf: skipped: transformers is not installed (pip install 'memfine[hf]')")
         return
 
-    def build(shape: LayerShape) -> ShapeRun:
-        experts = make_experts(shape, opts, device)
-        methods = build_methods(experts, make_inputs(shape, opts, device), names)
-        return (methods, {"module": "Qwen3MoeExperts"},
-                f"transformers Qwen3MoeExperts, {shape.label()} {opts.dtype}", {})
+    def builder(model_type: str) -> Callable[[LayerShape], ShapeRun]:
+        def build(shape: LayerShape) -> ShapeRun:
+            experts = make_experts(shape, opts, device, model_type)
+            methods = build_methods(experts, make_inputs(shape, opts, device), names)
+            module = type(experts).__name__
+            return (methods, {"module": module},
+                    f"transformers {module}, {shape.label()} {opts.dtype}", {})
+        return build
 
-    yield from shape_points(NAME, opts, device, names, confs=DEFAULT_CONFS, quick=QUICK,
-                            reference=REFERENCE, build=build)
+    for model_type in MODULES:
+        yield from shape_points(NAME, opts, device, names, confs=DEFAULT_CONFS, quick=QUICK,
+                                reference=REFERENCE, build=builder(model_type),
+                                variant="" if model_type == "qwen3_moe" else model_type)

@@ -101,7 +101,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
     if plan.path == "fused":
         assert plan.activation is not None, "the fused plan carries an activation"
         return run_experts(x_TD, top_k_weights, index, weights.w_up_EDG, weights.w_down_END,
-                           activation=plan.activation, impl="fused", backend=backend)
+                           activation=plan.activation, impl="fused", backend=backend,
+                           b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED)
     return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index, weights,
                                 backend)
 
@@ -114,7 +115,9 @@ def _policy(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, top_k:
     """
     E, D, G = weights.w_up_EDG.shape
     N = weights.w_down_END.shape[1]
-    activation = plan.activation or ("swiglu" if G == 2 * N else "silu")
+    # The memory model needs only G: any gated activation counts as swiglu.
+    activation = plan.activation if isinstance(plan.activation, str) else (
+        "swiglu" if G == 2 * N else "silu")
     # k ≤ E_local need not hold under expert parallelism; the memory model is per received row.
     moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=min(top_k, E),
                     renormalize=False, activation=activation)

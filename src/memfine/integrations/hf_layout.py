@@ -22,6 +22,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memfine.config import GatedActivation
+from memfine.integrations.hf_gates import match_gate
+
 ExpertsPath = Literal["fused", "plain"]
 
 
@@ -48,16 +51,19 @@ class ExpertsPlan:
     """How memfine runs one experts module.
 
     Attributes:
-        path: ``fused`` (:class:`memfine.ops.FusedExpertsFunction`: saves x and H) or ``plain``
-            (grouped matmuls with autograd over the routed rows, adding biases per row and
-            calling the module's own gate / activation / post-expert norm).
-        activation: memfine activation name for the fused path (``swiglu``, ``geglu``, ``silu``,
-            ``gelu``, ``relu``), None on the plain path (the module's own functions are used).
+        path: ``fused`` (:class:`memfine.ops.FusedExpertsFunction`: saves x and H; biases are
+            passed to it) or ``plain`` (grouped matmuls with autograd over the routed rows,
+            adding biases per row and calling the module's own gate / activation / post-expert
+            norm).
+        activation: memfine activation for the fused path (``swiglu``, ``geglu``, ``silu``,
+            ``gelu``, ``relu``, or a :class:`memfine.config.GatedActivation` reproducing a
+            custom ``_apply_gate``), None on the plain path (the module's own functions are
+            used).
         reason: why the plain path was taken ("" on the fused path).
     """
 
     path: ExpertsPath
-    activation: str | None
+    activation: str | GatedActivation | None
     reason: str = ""
 
 
@@ -169,34 +175,57 @@ def _has_default_gate(module: nn.Module) -> bool:
         "transformers.")
 
 
-def plan_experts(module: nn.Module) -> ExpertsPlan:
-    """Choose memfine's path for this experts module.
+def _plan_key(module: nn.Module) -> tuple[object, ...]:
+    """What :func:`plan_experts` reads from the module (its cached plan is valid while equal)."""
+    names = ("has_bias", "has_gate", "has_post_expert_norm", "alpha", "swiglu_alpha", "limit",
+             "swiglu_limit")
+    return (type(module), type(getattr(module, "act_fn", None)),
+            *(getattr(module, name, None) for name in names))
 
-    The fused path needs: no biases, no post-expert norm, and an activation memfine computes
-    itself (the default ``[gate | up]`` gate with a SiLU or tanh-GELU ``act_fn``, or a
-    non-gated SiLU / tanh-GELU / ReLU). Everything else (GPT-OSS's clamped, interleaved gate,
-    biases, exact GELU, ReLU², ...) takes the plain path, which is exact for any gate because it
-    calls the module's own functions.
+
+def _choose_plan(module: nn.Module) -> ExpertsPlan:
+    if getattr(module, "has_post_expert_norm", False):
+        return ExpertsPlan(path="plain", activation=None, reason="has_post_expert_norm (a norm "
+                           "on each expert output Y: the routing-weight gradient would need Y)")
+    has_gate = bool(getattr(module, "has_gate", True))
+    act = _elementwise_name(getattr(module, "act_fn", None))
+    name = type(module).__name__
+    if has_gate and not _has_default_gate(module):
+        spec = match_gate(module, act if act in ("silu", "gelu") else None)
+        if spec is None:
+            return ExpertsPlan(path="plain", activation=None, reason=f"custom _apply_gate of "
+                               f"{name} that no GatedActivation reproduces")
+        return ExpertsPlan(path="fused", activation=spec)
+    if act is None:
+        return ExpertsPlan(path="plain", activation=None, reason=f"activation "
+                           f"{type(getattr(module, 'act_fn', None)).__name__} has no memfine "
+                           f"counterpart")
+    if has_gate and act == "relu":
+        return ExpertsPlan(path="plain", activation=None,
+                           reason="gated ReLU has no memfine counterpart")
+    return ExpertsPlan(path="fused", activation={"silu": "swiglu", "gelu": "geglu"}[act]
+                       if has_gate else act)
+
+
+def plan_experts(module: nn.Module) -> ExpertsPlan:
+    """Choose memfine's path for this experts module (cached on the module).
+
+    The fused path takes biases (``has_bias``) and any gate memfine computes itself: the
+    default ``[gate | up]`` gate with a SiLU or tanh-GELU ``act_fn``, a non-gated SiLU /
+    tanh-GELU / ReLU, or a custom ``_apply_gate`` that a :class:`GatedActivation` reproduces
+    exactly (GPT-OSS's clamped interleaved SwiGLU, the clamped SwiGLUs of DeepSeek-V4 and
+    others; :func:`memfine.integrations.hf_gates.match_gate`). A post-expert norm, exact-erf
+    GELU, ReLU², gated ReLU and gates no spec reproduces take the plain path, which is exact
+    for any gate because it calls the module's own functions.
 
     Returns:
         The :class:`ExpertsPlan`.
     """
-    reasons = []
-    if getattr(module, "has_bias", False):
-        reasons.append("has_bias (the fused path has no bias)")
-    if getattr(module, "has_post_expert_norm", False):
-        reasons.append("has_post_expert_norm")
-    has_gate = bool(getattr(module, "has_gate", True))
-    act = _elementwise_name(getattr(module, "act_fn", None))
-    if has_gate and not _has_default_gate(module):
-        reasons.append(f"custom _apply_gate of {type(module).__name__}")
-    elif act is None:
-        reasons.append(f"activation {type(getattr(module, 'act_fn', None)).__name__} has no "
-                       f"memfine counterpart")
-    elif has_gate and act == "relu":
-        reasons.append("gated ReLU has no memfine counterpart")
-    if reasons:
-        return ExpertsPlan(path="plain", activation=None, reason="; ".join(reasons))
-    assert act is not None, "activation resolved when no reason was recorded"
-    name = {"silu": "swiglu", "gelu": "geglu"}[act] if has_gate else act
-    return ExpertsPlan(path="fused", activation=name)
+    key = _plan_key(module)
+    cached = getattr(module, "_memfine_plan", None)
+    if cached is not None and cached[0] == key:
+        plan: ExpertsPlan = cached[1]
+        return plan
+    plan = _choose_plan(module)
+    module._memfine_plan = (key, plan)
+    return plan

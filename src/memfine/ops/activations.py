@@ -1,11 +1,16 @@
 """Expert activations on the pre-activation H and their closed-form backward, recomputed from H.
 
 Legend: S routed rows, G = 2n (gated) or n columns of H, N = n.
-Gated layout: H = [gate | up] (gate in columns [0, n), up in [n, 2n)); A = act(gate) ⊙ up.
+An activation is a name (``swiglu``, ``geglu``: gated; ``silu``, ``gelu``, ``relu``: elementwise)
+or a :class:`GatedActivation`, the general gated form
+A = f_α(min(gate, limit)) ⊙ (clamp(up, ±limit) + up_offset), with gate and up read from H either
+as halves (``[gate | up]``, the default) or interleaved (``gate = H[:, 0::2]``, ``up = H[:, 1::2]``,
+GPT-OSS). ``swiglu`` is ``GatedActivation()``; GPT-OSS is ``GatedActivation.gpt_oss()``.
 The backward uses ATen's fused elementwise derivatives (``silu_backward``, ``gelu_backward``,
 ``threshold_backward``) instead of re-running autograd on the activation, so it reads H once and
 allocates only dH (plus act(gate) for gated activations).
-Reference: docs/design.md §1 (SwiGLU experts), MoEBlaze §4 (activation recomputed from H).
+Reference: docs/design.md §1 (SwiGLU experts), MoEBlaze §4 (activation recomputed from H); the
+clamped form is transformers' ``GptOssExperts._apply_gate`` (our reading of its code).
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from memfine.config import GATED_ACTIVATIONS
+from memfine.config import GatedActivation
 
 _ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -28,30 +33,84 @@ _ELEMENTWISE_BACKWARD: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Te
     "gelu": lambda g, v: torch.ops.aten.gelu_backward(g, v, approximate="tanh"),
     "relu": lambda g, v: torch.ops.aten.threshold_backward(g, v, 0),
 }
-_GATE = {"swiglu": "silu", "geglu": "gelu"}
 
 
-def check_activation(activation: str) -> None:
-    """Raise ValueError for an unknown activation name."""
-    if activation not in _GATE and activation not in _ELEMENTWISE:
-        allowed = sorted([*_GATE, *_ELEMENTWISE])
-        raise ValueError(f"activation must be one of {allowed}, got {activation!r}")
+Activation = str | GatedActivation
+_NAMED_GATED = {"swiglu": GatedActivation(), "geglu": GatedActivation(gate_fn="gelu")}
 
 
-def _split_gated(h_SG: torch.Tensor, activation: str) -> tuple[torch.Tensor, torch.Tensor]:
+def check_activation(activation: Activation) -> None:
+    """Raise ValueError for an unknown activation name or a non-activation object."""
+    if isinstance(activation, GatedActivation):
+        return
+    if activation not in _NAMED_GATED and activation not in _ELEMENTWISE:
+        allowed = sorted([*_NAMED_GATED, *_ELEMENTWISE])
+        raise ValueError(f"activation must be one of {allowed} or a GatedActivation, "
+                         f"got {activation!r}")
+
+
+def is_gated(activation: Activation) -> bool:
+    """True when H holds gate and up columns (G = 2n).
+
+    Raises:
+        ValueError: for an unknown activation.
+    """
+    check_activation(activation)
+    return isinstance(activation, GatedActivation) or activation in _NAMED_GATED
+
+
+def _spec(activation: Activation) -> GatedActivation | None:
+    if isinstance(activation, GatedActivation):
+        return activation
+    return _NAMED_GATED.get(activation)
+
+
+def _split_gated(h_SG: torch.Tensor, spec: GatedActivation) -> tuple[torch.Tensor, torch.Tensor]:
     if h_SG.shape[-1] % 2:
-        raise ValueError(f"gated activation {activation!r} needs an even H width, "
+        raise ValueError(f"gated activation {spec!r} needs an even H width, "
                          f"got {h_SG.shape[-1]}")
+    if spec.interleaved:
+        return h_SG[:, 0::2], h_SG[:, 1::2]
     gate_SN, up_SN = h_SG.chunk(2, dim=-1)
     return gate_SN, up_SN
 
 
-def apply_activation(h_SG: torch.Tensor, activation: str) -> torch.Tensor:
+def _gate_value(gate_SN: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
+    """f_α(gate) as a new tensor (gate already clamped)."""
+    if spec.gate_fn == "gelu":
+        return F.gelu(gate_SN, approximate="tanh")
+    if spec.alpha == 1.0:
+        return F.silu(gate_SN)
+    return gate_SN * torch.sigmoid(gate_SN * spec.alpha)  # GPT-OSS's order of operations
+
+
+def _clamped(gate_SN: torch.Tensor, up_SN: torch.Tensor, spec: GatedActivation
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    if spec.limit is None:
+        return gate_SN, up_SN
+    return gate_SN.clamp(max=spec.limit), up_SN.clamp(min=-spec.limit, max=spec.limit)
+
+
+def _apply_gated(h_SG: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
+    h_in = h_SG.float() if spec.upcast else h_SG
+    gate_SN, up_SN = _clamped(*_split_gated(h_in, spec), spec)
+    act_gate_SN = _gate_value(gate_SN, spec)
+    if spec.up_offset != 0.0:
+        up_SN = up_SN + spec.up_offset
+    if torch.is_grad_enabled() and h_SG.requires_grad:
+        a_SN = act_gate_SN * up_SN
+    else:
+        a_SN = act_gate_SN.mul_(up_SN)  # NOTE(memory): in place outside autograd, saves S·n
+    return a_SN.to(h_SG.dtype)
+
+
+def apply_activation(h_SG: torch.Tensor, activation: Activation) -> torch.Tensor:
     """A = act(H): (S, 2n) → (S, n) for gated activations, (S, n) → (S, n) otherwise.
 
     Args:
         h_SG: (S, G) pre-activation, any float dtype.
-        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` (tanh approximation) or ``relu``.
+        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` (tanh approximation), ``relu`` or
+            a :class:`GatedActivation`.
 
     Returns:
         (S, n) new tensor in H's dtype (differentiable when H requires grad).
@@ -60,40 +119,65 @@ def apply_activation(h_SG: torch.Tensor, activation: str) -> torch.Tensor:
         ValueError: for an unknown activation, or an odd width with a gated one.
     """
     check_activation(activation)
-    if activation in GATED_ACTIVATIONS:
-        gate_SN, up_SN = _split_gated(h_SG, activation)
-        act_gate_SN = _ELEMENTWISE[_GATE[activation]](gate_SN)
-        if torch.is_grad_enabled() and h_SG.requires_grad:
-            return act_gate_SN * up_SN
-        return act_gate_SN.mul_(up_SN)  # NOTE(memory): in place outside autograd, saves S·n
+    spec = _spec(activation)
+    if spec is not None:
+        return _apply_gated(h_SG, spec)
+    assert isinstance(activation, str), "a non-gated activation is a name"
     return _ELEMENTWISE[activation](h_SG)
 
 
-def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation: str
+def _gate_backward(grad_SN: torch.Tensor, gate_SN: torch.Tensor, spec: GatedActivation
+                   ) -> torch.Tensor:
+    """Return grad · f_α'(gate) (gate already clamped)."""
+    if spec.gate_fn == "gelu":
+        return _ELEMENTWISE_BACKWARD["gelu"](grad_SN, gate_SN)
+    if spec.alpha == 1.0:
+        return torch.ops.aten.silu_backward(grad_SN, gate_SN)
+    # f_α(g) = silu(α·g) / α, so f_α'(g) = silu'(α·g).
+    return torch.ops.aten.silu_backward(grad_SN, gate_SN * spec.alpha)
+
+
+def _gated_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, spec: GatedActivation
+                    ) -> torch.Tensor:
+    h_in = h_SG.float() if spec.upcast else h_SG
+    grad_a = grad_a_SN.to(h_in.dtype)
+    raw_gate_SN, raw_up_SN = _split_gated(h_in, spec)
+    gate_SN, up_SN = _clamped(raw_gate_SN, raw_up_SN, spec)
+    grad_h_SG = torch.empty_like(h_in)
+    grad_gate_SN, grad_up_SN = _split_gated(grad_h_SG, spec)
+    torch.mul(grad_a, _gate_value(gate_SN, spec), out=grad_up_SN)
+    if spec.up_offset != 0.0:
+        up_SN = up_SN + spec.up_offset
+    grad_gate_SN.copy_(_gate_backward(grad_a * up_SN, gate_SN, spec))
+    if spec.limit is not None:  # clamp passes the gradient where min <= v <= max (as torch)
+        grad_gate_SN.masked_fill_(raw_gate_SN > spec.limit, 0)
+        grad_up_SN.masked_fill_(raw_up_SN.abs() > spec.limit, 0)
+    return grad_h_SG.to(h_SG.dtype)
+
+
+def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation: Activation
                         ) -> torch.Tensor:
     """Compute dH from the saved H and dA (no autograd; A itself is not needed).
 
     Args:
         h_SG: (S, G) saved pre-activation.
         grad_a_SN: (S, n) gradient of the loss w.r.t. A, same dtype as H.
-        activation: activation name.
+        activation: activation name or :class:`GatedActivation`.
 
     Returns:
-        (S, G) new tensor dH. Gated: dgate = dA ⊙ up ⊙ act'(gate), dup = dA ⊙ act(gate).
+        (S, G) new tensor dH in H's dtype. Gated: dgate = dA ⊙ (up' + offset) ⊙ f_α'(gate'),
+        dup = dA ⊙ f_α(gate') with gate', up' the clamped halves; zero where a clamp is active
+        (v > limit, or |up| > limit), as torch's clamp backward.
 
     Raises:
         ValueError: for an unknown activation, or an odd width with a gated one.
 
-    Memory: allocates dH (S·G) and, for gated activations, act(gate) and dA ⊙ up (S·n each),
-    both transient.
+    Memory: allocates dH (S·G) and, for gated activations, f_α(gate) and dA ⊙ up (S·n each;
+    clamped copies of gate and up, S·n each, with a limit), all transient.
     """
     check_activation(activation)
-    if activation not in GATED_ACTIVATIONS:
-        return _ELEMENTWISE_BACKWARD[activation](grad_a_SN, h_SG)
-    gate_SN, up_SN = _split_gated(h_SG, activation)
-    name = _GATE[activation]
-    grad_h_SG = torch.empty_like(h_SG)
-    grad_gate_SN, grad_up_SN = grad_h_SG.chunk(2, dim=-1)
-    torch.mul(grad_a_SN, _ELEMENTWISE[name](gate_SN), out=grad_up_SN)
-    grad_gate_SN.copy_(_ELEMENTWISE_BACKWARD[name](grad_a_SN * up_SN, gate_SN))
-    return grad_h_SG
+    spec = _spec(activation)
+    if spec is not None:
+        return _gated_backward(h_SG, grad_a_SN, spec)
+    assert isinstance(activation, str), "a non-gated activation is a name"
+    return _ELEMENTWISE_BACKWARD[activation](grad_a_SN, h_SG)

@@ -11,9 +11,9 @@ from typing import Literal
 import torch
 
 from memfine.dispatch import RoutingIndex
-from memfine.ops.activations import apply_activation, check_activation
+from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
-from memfine.ops.fused import FusedExpertsFunction
+from memfine.ops.fused import FusedExpertsFunction, expert_of_rows
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
 
@@ -22,11 +22,14 @@ IMPLS = ("fused", "plain")
 
 def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
                         index: RoutingIndex, w_up_EDG: torch.Tensor,
-                        w_down_END: torch.Tensor, activation: str) -> None:
+                        w_down_END: torch.Tensor, activation: Activation,
+                        b_up_EG: torch.Tensor | None = None,
+                        b_down_ED: torch.Tensor | None = None) -> None:
     """Validate shapes of the expert inputs; raise ValueError naming the argument.
 
     Raises:
-        ValueError: on any shape mismatch, an unknown activation, or mixed dtypes.
+        ValueError: on any shape mismatch (biases included), an unknown activation, or mixed
+            dtypes.
     """
     check_activation(activation)
     if x_TD.dim() != 2:
@@ -42,7 +45,7 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
     if w_up_EDG.dim() != 3 or w_up_EDG.shape[:2] != (E, D):
         raise ValueError(f"w_up must be (E, d, G)=({E}, {D}, G), got {tuple(w_up_EDG.shape)}")
     G = w_up_EDG.shape[2]
-    N = G // 2 if activation in ("swiglu", "geglu") else G
+    N = G // 2 if is_gated(activation) else G
     if tuple(w_down_END.shape) != (E, N, D):
         raise ValueError(f"w_down must be (E, n, d)=({E}, {N}, {D}) for activation "
                          f"{activation!r} and w_up {tuple(w_up_EDG.shape)}, "
@@ -50,29 +53,48 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
     if not (x_TD.dtype == w_up_EDG.dtype == w_down_END.dtype):
         raise ValueError(f"hidden_states, w_up and w_down must share a dtype, got {x_TD.dtype}, "
                          f"{w_up_EDG.dtype}, {w_down_END.dtype}")
+    for name, bias, shape in (("b_up", b_up_EG, (E, G)), ("b_down", b_down_ED, (E, D))):
+        if bias is None:
+            continue
+        if tuple(bias.shape) != shape:
+            raise ValueError(f"{name} must be {'(E, G)' if name == 'b_up' else '(E, d)'}="
+                             f"{shape}, got {tuple(bias.shape)}")
+        if bias.dtype != x_TD.dtype:
+            raise ValueError(f"{name} must have hidden_states' dtype {x_TD.dtype}, "
+                             f"got {bias.dtype}")
 
 
 def experts_plain(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
-                  w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, activation: str = "swiglu",
-                  backend: str = "auto") -> torch.Tensor:
+                  w_up_EDG: torch.Tensor, w_down_END: torch.Tensor,
+                  activation: Activation = "swiglu", backend: str = "auto",
+                  b_up_EG: torch.Tensor | None = None,
+                  b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
     """Experts as most PyTorch MoE code writes them: autograd over materialised copies.
 
     Memory (saved for backward): gathered x (S·d), H (S·G), the activation's inputs/outputs
-    (≥ S·G + S·n), Y (S·d) and the (T, k, d) gathered copy of Y in the combine.
+    (≥ S·G + S·n), Y (S·d) and the (T, k, d) gathered copy of Y in the combine (plus the
+    per-row bias indices with biases).
     """
     x_SD = gather_rows(x_TD, index.expert_token_indices)
     offsets = index.expert_token_offsets
     h_SG = GroupedMatmulFunction.apply(x_SD, w_up_EDG, offsets, backend)
+    if b_up_EG is not None:
+        h_SG = h_SG + b_up_EG.index_select(0, expert_of_rows(offsets, index.num_rows))
     a_SN = apply_activation(h_SG, activation)
     y_SD = GroupedMatmulFunction.apply(a_SN, w_down_END, offsets, backend)
+    if b_down_ED is not None:
+        y_SD = y_SD + b_down_ED.index_select(0, expert_of_rows(offsets, index.num_rows))
     return combine_rows(y_SD, top_k_weights, index.token_index_map)
 
 
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
                 w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, *,
-                activation: str = "swiglu", impl: Literal["fused", "plain"] = "fused",
-                backend: str = "auto") -> torch.Tensor:
-    """Routed experts: out[t] = Σ_j w[t,j]·act(x[t]·w_up[e])·w_down[e] with e = top_k_index[t,j].
+                activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
+                backend: str = "auto", b_up_EG: torch.Tensor | None = None,
+                b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
+    """Routed experts: out[t] = Σ_j w[t,j]·(act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]).
+
+    e = top_k_index[t, j]; the biases are optional (None: no bias).
 
     Args:
         x_TD: (T, d) float activations.
@@ -80,9 +102,13 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         index: the :class:`RoutingIndex` of this routing decision.
         w_up_EDG: (E, d, G) up-projection; gated activations hold [gate | up] halves (G = 2n).
         w_down_END: (E, n, d) down-projection.
-        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` or ``relu``.
+        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu``, ``relu`` or a
+            :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).
         impl: ``fused`` (:class:`FusedExpertsFunction`, saves x and H) or ``plain``.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
+        b_up_EG: optional (E, G) up-projection bias in x's dtype (the gate and up columns, in
+            the activation's layout).
+        b_down_ED: optional (E, d) down-projection bias in x's dtype.
 
     Returns:
         (T, d) tensor in x's dtype; rows of tokens whose slots are all sentinels are exactly 0.
@@ -96,12 +122,14 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation)
+    check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation,
+                        b_up_EG, b_down_ED)
     weights_TK = top_k_weights.to(x_TD.dtype)
     if impl == "plain":
-        return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend)
+        return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend,
+                             b_up_EG, b_down_ED)
     out: torch.Tensor = FusedExpertsFunction.apply(
-        x_TD, weights_TK, w_up_EDG, w_down_END, index.expert_token_indices,
+        x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, index.expert_token_indices,
         index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
         activation, backend)
     return out

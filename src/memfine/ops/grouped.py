@@ -177,3 +177,23 @@ def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1:
     out: torch.Tensor = torch.ops.memfine.grouped_weight_grad_loop(
         x_SI, grad_y_SO, offsets_E1, num_experts)
     return out
+
+
+def grouped_row_sums(rows_SO: torch.Tensor, offsets_E1: torch.Tensor, num_experts: int
+                     ) -> torch.Tensor:
+    """dB[e] = Σ_{rows r of e} rows[r] (the gradient of a per-expert bias); empty experts get 0.
+
+    A grouped GEMM with a column of ones (Xᵀ·dY with X = 1), so the sum accumulates as a matmul
+    does (fp32 for bf16 rows, blocked; deterministic, no atomics). Ones of width 1 never meet
+    ``torch._grouped_mm``'s 16-byte rule, so the per-expert loop runs.
+
+    Args:
+        rows_SO: (S, O) rows grouped by expert.
+        offsets_E1: (E + 1,) int32 expert_token_offsets.
+        num_experts: E.
+
+    Returns:
+        (E, O) new tensor in the rows' dtype, exactly zero for experts with no rows.
+    """
+    ones_S1 = rows_SO.new_ones(rows_SO.shape[0], 1)  # NOTE(memory): transient S elements
+    return grouped_weight_grad(ones_S1, rows_SO, offsets_E1, num_experts, "auto")[:, 0]
