@@ -133,13 +133,17 @@ class MoELayer(nn.Module):
         Σ counts / k. Each rank's loss is its tokens' sum divided by the mean valid tokens per
         rank Σ counts / (k·W): the mean over the ranks (what data-parallel gradient averaging
         computes) is the loss of one process holding the whole batch, whatever the valid tokens
-        per rank.
+        per rank. When ``global_counts`` returns its argument (one process) the losses are the
+        local means (NOTE(memory): no divisor tensor is saved for backward, 4 bytes per loss,
+        so saved bytes stay those of the memory model).
         """
         k = top_k_index.shape[-1]
         stats = torch.cat([tokens_per_expert, tokens_per_expert.new_ones(1)])
-        stats = self.experts.global_counts(stats)
-        counts_E, ranks = stats[:-1], stats[-1]
-        tokens_per_rank = counts_E.sum() / (k * ranks)
+        global_stats = self.experts.global_counts(stats)
+        counts_E, tokens_per_rank = None, None
+        if global_stats is not stats:  # several ranks (one process: the plain local means)
+            counts_E, ranks = global_stats[:-1], global_stats[-1]
+            tokens_per_rank = counts_E.sum() / (k * ranks)
         return MoEAux(
             load_balancing_loss=load_balancing_loss(logits_TE, top_k_index, mask_T,
                                                     counts_E=counts_E,
