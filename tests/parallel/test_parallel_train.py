@@ -25,12 +25,11 @@ from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.checkpoint import find_checkpoint, load_states, read_checkpoint
 from memfine.train.optim import build_optimizer
-from tolerances import LOSS_ATOL
+from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 
 pytestmark = pytest.mark.distributed
 
 RUN_TIMEOUT_S = 400
-PARAM_ATOL = 1e-4  # the bar for every parameter after 20 steps
 COMMON = ["train", "--sample-tokens", "0", "--no-progress", "--lr-decay-steps", "20"]
 
 
@@ -84,11 +83,12 @@ def _assert_same_run(got: Path, want: Path,
                      keys: tuple[str, ...] = ("train_loss", "grad_norm", "load_balancing_loss",
                                               "z_loss")) -> None:
     for key in keys:
-        torch.testing.assert_close(_metrics(got, key), _metrics(want, key), atol=LOSS_ATOL,
-                                   rtol=0, msg=key)
+        torch.testing.assert_close(_metrics(got, key), _metrics(want, key),
+                                   atol=DISTRIBUTED_LOSS_ATOL, rtol=0, msg=key)
     want_params = _final_params(want)
     for name, value in _final_params(got).items():
-        torch.testing.assert_close(value, want_params[name], atol=PARAM_ATOL, rtol=0, msg=name)
+        torch.testing.assert_close(value, want_params[name], atol=DISTRIBUTED_PARAM_ATOL, rtol=0,
+                                   msg=name)
 
 
 @pytest.fixture(scope="module")
