@@ -158,7 +158,9 @@ def save_sharded_checkpoint(path: str | os.PathLike[str], *, step: int, config: 
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed before
     barrier()
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    with warnings.catch_warnings():  # without a process group DCP writes one process's shards
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
     barrier()  # every shard is on disk
     if is_main:
         meta = {"format": FORMAT, "step": step, "config": config,
