@@ -7,7 +7,7 @@ the group: e times its balanced share, MemFine's failure case. Per rank and skew
 backward of the EP experts is measured with :class:`memfine.measure.peak.PeakMemoryTracker`
 (peak bytes of tensors created inside the region; x, the routing and the weights exist before).
 
-Providers:
+Methods:
 - ``c1_none``: no chunks, no recompute (every received row's saved tensors live until backward);
 - ``c1_experts``: no chunks, the expert part recomputed in backward;
 - ``mact``: the MemFine chunk policy (:class:`memfine.schedule.policy.ChunkPolicy`) with a byte
@@ -46,6 +46,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
+from memfine._optional import pyplot
 from memfine.bench.results import CSV_COLUMNS, collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
@@ -61,7 +62,7 @@ from memfine.train import preset
 from memfine.train.optim import build_optimizer
 
 BENCHMARK = "ep_peak"
-PROVIDERS = ("c1_none", "c1_experts", "mact")
+METHODS = ("c1_none", "c1_experts", "mact")
 COLUMNS = (*CSV_COLUMNS, "rank", "ep_size", "budget_bytes")
 RESULTS = Path(__file__).parent / "results"
 BALANCED_HEADROOM = 1.25  # the budget fits 1.25× the balanced received rows in one chunk
@@ -120,10 +121,10 @@ def _worker(rank: int, ep_size: int, port: int, args: argparse.Namespace, out: s
         w_TK = torch.rand(T, k, generator=g_rank).requires_grad_()
         grad_TD = torch.randn(T, moe.hidden_size, generator=g_rank)
         recv = exchange_counts(idx_TK, E, (1,), ctx.ep_group).recv_tokens
-        for name in args.providers:
+        for name in args.methods:
             _measure(module, x_TD, idx_TK, w_TK, grad_TD, runs[name])  # warm-up
             peak, c = _measure(module, x_TD, idx_TK, w_TK, grad_TD, runs[name])
-            records.append({"provider": name, "skew": skew, "rank": rank, "peak_bytes": peak,
+            records.append({"method": name, "skew": skew, "rank": rank, "peak_bytes": peak,
                             "num_chunks": c, "recv_rows": recv})
     gathered: list[Any] = [None] * ep_size
     dist.all_gather_object(gathered, records)
@@ -142,7 +143,7 @@ def _free_port() -> int:
 
 
 def run_ep_size(ep_size: int, args: argparse.Namespace) -> dict[str, Any]:
-    """Spawn ``ep_size`` gloo ranks, measure every skew and provider; return meta + records."""
+    """Spawn ``ep_size`` gloo ranks, measure every skew and method; return meta + records."""
     out = RESULTS / f".ep_{ep_size}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     mp.start_processes(_worker, args=(ep_size, _free_port(), args, str(out)), nprocs=ep_size,
@@ -153,7 +154,7 @@ def run_ep_size(ep_size: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def to_rows(data: dict[str, Any]) -> list[dict[str, str]]:
-    """CSV rows (:data:`COLUMNS`): one per (rank, skew, provider, metric)."""
+    """CSV rows (:data:`COLUMNS`): one per (rank, skew, method, metric)."""
     env = dataclasses.replace(collect_environment("cpu"), threads=1)  # the ranks' thread count
     meta = data["meta"]
     budget = meta["budget_bytes"]
@@ -163,7 +164,7 @@ def to_rows(data: dict[str, Any]) -> list[dict[str, str]]:
         metrics = [("peak_bytes", "bytes", r["peak_bytes"]), ("recv_rows", "rows", r["recv_rows"]),
                    ("num_chunks", "chunks", r["num_chunks"]),
                    ("peak_over_budget", "ratio", r["peak_bytes"] / budget)]
-        rows += [{**csv_row(benchmark=BENCHMARK, provider=r["provider"], mode="full",
+        rows += [{**csv_row(benchmark=BENCHMARK, method=r["method"], mode="full",
                             metric=metric, unit=unit, x_name="skew", x_value=f"{r['skew']:g}",
                             values=value, config=meta, env=env),
                   "rank": str(r["rank"]), **extra} for metric, unit, value in metrics]
@@ -171,13 +172,13 @@ def to_rows(data: dict[str, Any]) -> list[dict[str, str]]:
 
 
 def print_table(data: dict[str, Any]) -> None:
-    """Per skew and rank: received rows, then peak MiB (and c) of every provider."""
+    """Per skew and rank: received rows, then peak MiB (and c) of every method."""
     meta, mib = data["meta"], 2**20
     print(f"ep={meta['ep_size']}  T={meta['tokens_per_rank']} per rank  "
           f"budget {meta['budget_bytes'] / mib:.2f} MiB")
     by_key: dict[tuple[float, int], dict[str, Any]] = {}
     for r in data["records"]:
-        by_key.setdefault((r["skew"], r["rank"]), {})[r["provider"]] = r
+        by_key.setdefault((r["skew"], r["rank"]), {})[r["method"]] = r
     for (skew, rank), provs in sorted(by_key.items()):
         recv = next(iter(provs.values()))["recv_rows"]
         cells = "  ".join(f"{name} {p['peak_bytes'] / mib:7.2f} MiB (c={p['num_chunks']})"
@@ -187,18 +188,15 @@ def print_table(data: dict[str, Any]) -> None:
 
 def plot(datas: list[dict[str, Any]], path: Path) -> None:
     """Peak MiB vs skew, one panel per EP size: hot rank solid, a cold rank dashed, budget line."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, len(datas), figsize=(6 * len(datas), 4.2), squeeze=False)
     for ax, data in zip(axes[0], datas, strict=True):
         meta, mib = data["meta"], 2**20
-        for i, name in enumerate(PROVIDERS):
+        for i, name in enumerate(METHODS):
             for rank, style in ((0, "-"), (meta["ep_size"] - 1, "--")):
                 pts = sorted((r["skew"], r["peak_bytes"] / mib) for r in data["records"]
-                             if r["provider"] == name and r["rank"] == rank)
+                             if r["method"] == name and r["rank"] == rank)
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, marker="o", color=f"C{i}",
                             label=f"{name} rank {rank}{' (hot)' if rank == 0 else ''}")
@@ -268,7 +266,7 @@ def run_static(args: argparse.Namespace) -> list[dict[str, str]]:
               f"{max(measured) / predicted:.3f}")
         meta = {"layout": list(layout), "preset": "small", "num_params": records[0]["num_params"]}
         for r in records:
-            rows += [{**csv_row(benchmark="ep_static", provider="fsdp2_ep", mode="full",
+            rows += [{**csv_row(benchmark="ep_static", method="fsdp2_ep", mode="full",
                                 metric=metric, unit="bytes", x_name="world_size",
                                 x_value=str(len(records)), values=r[metric], config=meta,
                                 env=env),
@@ -283,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ep-sizes", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--skews", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--tokens", type=int, default=2048, help="tokens T per rank")
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--intermediate-size", type=int, default=128)

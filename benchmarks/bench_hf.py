@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from memfine._optional import pyplot
 from memfine.bench import suite_hf as hf
 from memfine.bench.harness import MethodResult, run_methods
 from memfine.bench.layers import add_ratios
@@ -51,38 +52,35 @@ CONFIGS = {
     "mid": LayerShape(name="mid", tokens=512, hidden_size=768, intermediate_size=256,
                       num_experts=32, top_k=8),
 }
-PROVIDERS = hf.METHODS
+METHODS = hf.METHODS
 OPTIONS = BenchOptions(suites=("hf",), dtype="float32", seed=0)  # dtype and seeds of the suite
 
 
-def bench_config(shape: LayerShape, providers: list[str], reps: int, warmup: int
+def bench_config(shape: LayerShape, names: list[str], reps: int, warmup: int
                  ) -> list[MethodResult]:
-    """Saved bytes and interleaved fwd+bwd times of every provider (a failing one is recorded)."""
+    """Saved bytes and interleaved fwd+bwd times of every method (a failing one is recorded)."""
     device = torch.device("cpu")
     experts = hf.make_experts(shape, OPTIONS, device)
-    methods = hf.build_methods(experts, hf.make_inputs(shape, OPTIONS, device), tuple(providers))
+    methods = hf.build_methods(experts, hf.make_inputs(shape, OPTIONS, device), tuple(names))
     results = run_methods(methods, repeats=reps, warmup=warmup, device=device)
     add_ratios(results, floor_bytes=shape.floor_bytes(4))
     return results
 
 
 def plot(rows: list[dict[str, str]], path: Path) -> None:
-    """Bar charts of p50 time and saved MiB per configuration and provider."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Bar charts of p50 time and saved MiB per configuration and method."""
+    plt = pyplot()
 
     configs = list(dict.fromkeys(r["x_value"] for r in rows))
-    providers = list(dict.fromkeys(r["provider"] for r in rows))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     panels = ((axes[0], "time", "full", 1.0, "fwd+bwd p50 (ms)"),
               (axes[1], "saved_bytes", "fwd", 2.0**-20, "saved for backward (MiB)"))
     for ax, metric, mode, scale, label in panels:
-        width = 0.8 / len(providers)
-        for i, prov in enumerate(providers):
+        width = 0.8 / len(methods)
+        for i, prov in enumerate(methods):
             values = [next((float(r["p50"]) * scale for r in rows if r["x_value"] == c
-                            and r["provider"] == prov and r["metric"] == metric
+                            and r["method"] == prov and r["metric"] == metric
                             and r["mode"] == mode), 0.0)
                       for c in configs]
             ax.bar([j + i * width for j in range(len(configs))], values, width, label=prov)
@@ -99,9 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the table, write the CSV and the plot."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
-    parser.add_argument("--providers", nargs="+", default=list(PROVIDERS),
-                        choices=list(PROVIDERS))
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per provider")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS),
+                        choices=list(METHODS))
+    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per method")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
     parser.add_argument("--out", type=Path, default=RESULTS / "hf_experts_cpu.csv",
                         help="CSV path; the plot goes next to it (.png)")
@@ -110,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     env, rows = collect_environment("cpu"), []
     for name in args.configs:
         shape = CONFIGS[name]
-        results = bench_config(shape, list(args.providers), args.reps, args.warmup)
+        results = bench_config(shape, list(args.methods), args.reps, args.warmup)
         label = (f"{shape.label()} fp32, {torch.get_num_threads()} threads; x + H floor "
                  f"{format_bytes(shape.floor_bytes(4))}")
         print_point(Point(suite=BENCHMARK, x_name="config", x_value=shape.name, label=label,

@@ -3,7 +3,7 @@
 For each (T, E, k) the two builders (and ``auto``, which picks by the dense map size T·E against
 ``memfine.dispatch.index.SORT_FREE_MAX_CELLS``) run interleaved on the same random routing through
 the shared harness (:func:`memfine.bench.harness.run_methods`, the build as the forward, no
-backward); rows report p20/p50/p80 build time in ms (mode ``fwd``) per provider. The CSV uses the
+backward); rows report p20/p50/p80 build time in ms (mode ``fwd``) per method. The CSV uses the
 docs/style.md §6 columns (:func:`memfine.bench.results.csv_row`).
 
 Usage: ``python benchmarks/bench_index.py [--reps 15] [--out PATH]``.
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
               + f" | {p50['argsort'] / p50['sort_free']:>6.2f}")
         config = {"num_tokens": T, "num_experts": E, "top_k": k,
                   "sort_free_max_cells": SORT_FREE_MAX_CELLS}
-        rows += [csv_row(benchmark=BENCHMARK, provider=name, mode="fwd", metric="time",
+        rows += [csv_row(benchmark=BENCHMARK, method=name, mode="fwd", metric="time",
                          unit="ms", x_name="dense_map_cells", x_value=T * E, values=t,
                          config=config, env=env) for name, t in times.items()]
     write_csv(rows, args.out)

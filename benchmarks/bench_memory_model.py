@@ -13,7 +13,7 @@ token to experts 0..k-1 (the router's selection-bias knob ``skew_hot_experts``/`
 
 Output: the table on stdout; ``benchmarks/results/memory_model_cpu.csv`` (docs/style.md §6 columns:
 ``saved_bytes``/``peak_bytes`` measured, ``*_predicted`` and ``*_predicted_over_measured``;
-``x_name`` = ``config``, ``provider`` = the mode) and a PNG of predicted against measured bytes.
+``x_name`` = ``config``, ``method`` = the mode) and a PNG of predicted against measured bytes.
 
 Usage: ``python benchmarks/bench_memory_model.py [--out benchmarks/results/memory_model_cpu.csv]``
 Legend: T tokens, D = d, N = n, E experts, K = k.
@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from memfine._optional import pyplot
 from memfine.bench.harness import Method, run_methods
 from memfine.bench.layers import layer_method
 from memfine.bench.results import collect_environment, result_rows, write_csv
@@ -70,10 +71,7 @@ def _label(dtype: torch.dtype, T: int, D: int, N: int, E: int, K: int, skewed: b
 
 
 def _plot(points: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.8))
     for ax, item in zip(axes, ("saved_bytes", "peak_bytes"), strict=True):

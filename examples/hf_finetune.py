@@ -22,6 +22,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from memfine._optional import pyplot
 from memfine.integrations.transformers import register
 from memfine.measure.saved import SavedTensorsTracker
 from memfine.train.data import VOCAB_SIZE, ByteCorpus, train_batch, val_batches
@@ -111,10 +112,7 @@ def write_outputs(logs: dict[str, dict[str, list[float]]], args: argparse.Namesp
                     writer.writerow([impl, step, *row])
         print(f"wrote {args.csv}")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        plt = pyplot()
 
         fig, (ax_loss, ax_ms) = plt.subplots(1, 2, figsize=(11, 4))
         for impl, log in logs.items():

@@ -93,17 +93,19 @@ BAD_CHUNK = [
     pytest.param({"memory_budget_bytes": 1.0e9}, "ChunkConfig.memory_budget_bytes must be an "
                  "int, got 1000000000.0", id="budget_float"),
     pytest.param({"bins": ()}, "ChunkConfig.bins must be a non-empty, strictly increasing tuple "
-                 "of ints >= 1, got ()", id="bins_empty"),
+                 "of ints in [1, 16], got ()", id="bins_empty"),
     pytest.param({"bins": (2, 1)}, "ChunkConfig.bins must be a non-empty, strictly increasing "
-                 "tuple of ints >= 1, got (2, 1)", id="bins_decreasing"),
+                 "tuple of ints in [1, 16], got (2, 1)", id="bins_decreasing"),
     pytest.param({"bins": (1, 1)}, "ChunkConfig.bins must be a non-empty, strictly increasing "
-                 "tuple of ints >= 1, got (1, 1)", id="bins_repeated"),
+                 "tuple of ints in [1, 16], got (1, 1)", id="bins_repeated"),
     pytest.param({"bins": (0, 1)}, "ChunkConfig.bins must be a non-empty, strictly increasing "
-                 "tuple of ints >= 1, got (0, 1)", id="bins_zero"),
+                 "tuple of ints in [1, 16], got (0, 1)", id="bins_zero"),
     pytest.param({"bins": (1, 2.0)}, "ChunkConfig.bins must be a non-empty, strictly "
-                 "increasing tuple of ints >= 1, got (1, 2.0)", id="bins_float"),
+                 "increasing tuple of ints in [1, 16], got (1, 2.0)", id="bins_float"),
     pytest.param({"bins": 4}, "ChunkConfig.bins must be a non-empty, strictly increasing tuple "
-                 "of ints >= 1, got 4", id="bins_scalar"),
+                 "of ints in [1, 16], got 4", id="bins_scalar"),
+    pytest.param({"bins": (1, 32)}, "ChunkConfig.bins must be a non-empty, strictly increasing "
+                 "tuple of ints in [1, 16], got (1, 32)", id="bins_above_16"),
     pytest.param({"recompute": "all"}, "ChunkConfig.recompute must be one of ('auto', 'none', "
                  "'experts', 'full'), got 'all'", id="recompute"),
     pytest.param({"allow_over_budget": "no"}, "ChunkConfig.allow_over_budget must be a bool, "

@@ -33,6 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"dispatch", "_optional", "ops.triton"} | BASE,
     # prediction: replays the code's allocations from configs; never imports the code it models
     "memory": {"dispatch"} | BASE,
+    "layout": {"memory"} | BASE,
     "parallel": {"ops", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,

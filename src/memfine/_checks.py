@@ -54,11 +54,13 @@ def lookup(table: Mapping[str, _V], name: str, what: str) -> _V:
     return table[name]
 
 
-def check_bins(obj: object, name: str = "bins") -> tuple[int, ...]:
-    """Check chunk-count bins (non-empty, strictly increasing ints >= 1); return them as a tuple."""
+def check_bins(obj: object, name: str = "bins", hi: int | None = None) -> tuple[int, ...]:
+    """Check chunk-count bins (non-empty, strictly increasing ints in [1, hi]); return a tuple."""
     value = getattr(obj, name)
     bins = tuple(value) if isinstance(value, (tuple, list)) else ()
     if (not bins or any(isinstance(b, bool) or not isinstance(b, int) for b in bins)
-            or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))):
-        fail(obj, name, "a non-empty, strictly increasing tuple of ints >= 1", value)
+            or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))
+            or (hi is not None and bins[-1] > hi)):
+        bound = ">= 1" if hi is None else f"in [1, {hi}]"
+        fail(obj, name, f"a non-empty, strictly increasing tuple of ints {bound}", value)
     return bins

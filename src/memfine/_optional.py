@@ -30,3 +30,13 @@ def require(name: str) -> ModuleType:
         extra = _EXTRAS.get(name, name)
         raise ImportError(f"{name} is required for this feature: pip install 'memfine[{extra}]'"
                           ) from err
+
+
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the file-only ``Agg`` backend, imported on first use.
+
+    Raises:
+        ImportError: naming the extra to install when matplotlib is missing.
+    """
+    require("matplotlib").use("Agg")
+    return require("matplotlib.pyplot")

@@ -24,6 +24,8 @@ Recompute = Literal["auto", "none", "experts", "full"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
+MAX_BIN = 16
+"""Largest chunk-count bin of :attr:`ChunkConfig.bins` (the memory model's proven bound)."""
 
 _C = TypeVar("_C", bound="_ConfigBase")
 _V = TypeVar("_V")
@@ -210,7 +212,9 @@ class ChunkConfig(_ConfigBase):
         num_chunks: fixed chunk count c (>= 1); ignored when ``memory_budget_bytes`` is set.
         memory_budget_bytes: per-layer MoE activation budget in bytes; when set, c is chosen per
             step and layer from the received tokens (MACT, MemFine Eq. 8-9).
-        bins: allowed chunk counts, strictly increasing ints >= 1, e.g. (1, 2, 4, 8).
+        bins: allowed chunk counts under a budget, strictly increasing ints in
+            [1, :data:`MAX_BIN`], e.g. (1, 2, 4, 8); the memory model's bound on the layer peak
+            (:func:`memfine.memory.layer.expert_fixed_bytes`) is proven for c ≤ MAX_BIN.
         recompute: ``none`` (no checkpointing), ``experts`` (checkpoint each chunk of the expert
             part), ``full`` (checkpoint the whole transformer layer), or ``auto`` (the default:
             ``experts`` when chunking is asked for — ``num_chunks > 1`` or a memory budget —
@@ -243,7 +247,7 @@ class ChunkConfig(_ConfigBase):
         check_int(self, "num_chunks", 1)
         if self.memory_budget_bytes is not None:
             check_int(self, "memory_budget_bytes", 1)
-        object.__setattr__(self, "bins", check_bins(self))
+        object.__setattr__(self, "bins", check_bins(self, hi=MAX_BIN))
         check_choice(self, "recompute", Recompute)
         if not isinstance(self.allow_over_budget, bool):
             fail(self, "allow_over_budget", "a bool", self.allow_over_budget)

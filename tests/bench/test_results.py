@@ -46,7 +46,7 @@ def test_rows_schema_and_values() -> None:
     rows = _rows(res)
     assert all(tuple(r) == CSV_COLUMNS for r in rows.values())
     full = rows["time/full"]
-    assert (full["unit"], full["p50"], full["provider"]) == ("ms", "40", "fused")
+    assert (full["unit"], full["p50"], full["method"]) == ("ms", "40", "fused")
     assert (full["x_name"], full["x_value"], full["config_json"]) == (
         "shape", "conf3", '{"tokens": 256}')
     assert rows["tokens_per_s/full"]["p50"] == "2500"
@@ -96,14 +96,14 @@ def test_environment_fields() -> None:
 
 def test_csv_row_single_value_and_triple() -> None:
     env = collect_environment()
-    one = csv_row(benchmark="ep_peak", provider="mact", mode="full", metric="peak_bytes",
+    one = csv_row(benchmark="ep_peak", method="mact", mode="full", metric="peak_bytes",
                   unit="bytes", x_name="skew", x_value=0.5, values=4096, config={"b": 1, "a": 2},
                   env=env)
     assert tuple(one) == CSV_COLUMNS
     assert [one[p] for p in ("p20", "p50", "p80")] == ["4096"] * 3
     assert (one["x_value"], one["config_json"]) == ("0.5", '{"a": 2, "b": 1}')
     assert (one["threads"], one["git_sha"]) == (str(env.threads), env.git_sha)
-    triple = csv_row(benchmark="b", provider="p", mode="fwd", metric="time", unit="ms",
+    triple = csv_row(benchmark="b", method="p", mode="fwd", metric="time", unit="ms",
                      x_name="x", x_value=1, values=(1.5, 2.0, None), config={}, env=env,
                      missing=NOT_MODELLED)
     assert [triple[p] for p in ("p20", "p50", "p80")] == ["1.5", "2", NOT_MODELLED]

@@ -45,14 +45,14 @@ def test_bench_flag_set_is_pinned() -> None:
 
 
 def _read(path: Path) -> tuple[tuple[str, ...], Table]:
-    """CSV header and ``{x_value/provider: {metric/mode: row}}``."""
+    """CSV header and ``{x_value/method: {metric/mode: row}}``."""
     with path.open() as handle:
         reader = csv.DictReader(handle)
         rows = list(reader)
         header = tuple(reader.fieldnames or ())
     table: Table = defaultdict(dict)
     for r in rows:
-        table[f"{r['x_value']}/{r['provider']}"][f"{r['metric']}/{r['mode']}"] = r
+        table[f"{r['x_value']}/{r['method']}"][f"{r['metric']}/{r['mode']}"] = r
     return header, table
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from memfine.memory.planner import choose_num_chunks, s_prime_max
+from memfine.memory.planner import ChunkChoice, choose_num_chunks, s_prime_max
 from memfine.units import parse_bytes
 
 
@@ -43,23 +43,32 @@ def test_s_prime_max_rejects_row_bytes() -> None:
         s_prime_max(100, 0, 0)
 
 
-@pytest.mark.parametrize(("recv", "s_max", "expected"), [
-    (0, 512, 1),        # nothing received: the smallest bin
-    (512, 512, 1),
-    (513, 512, 2),      # ceil(513/512) = 2
-    (1025, 512, 4),     # ceil = 3 → bin 4
-    (4096, 512, 8),
-    (8192, 512, 16),    # needs the bin 16
+@pytest.mark.parametrize(("recv", "s_max", "needed", "expected"), [
+    (0, 512, 1, 1),        # nothing received: the smallest bin
+    (512, 512, 1, 1),
+    (513, 512, 2, 2),      # ceil(513/512) = 2
+    (1025, 512, 3, 4),     # ceil = 3 → bin 4
+    (4096, 512, 8, 8),
+    (8192, 512, 16, 16),   # needs the bin 16
 ])
-def test_choose_num_chunks_eq9(recv: int, s_max: int, expected: int) -> None:
-    assert choose_num_chunks(recv, s_max, (1, 2, 4, 8, 16)) == expected
+def test_choose_num_chunks_eq9(recv: int, s_max: int, needed: int, expected: int) -> None:
+    choice = choose_num_chunks(recv, s_max, (1, 2, 4, 8, 16))
+    assert choice == ChunkChoice(chunks_needed=needed, num_chunks=expected) and choice.fits
 
 
-def test_choose_num_chunks_over_largest_bin() -> None:
-    with pytest.raises(ValueError, match=r"c = ceil\(4097 / 512\) = 9 exceeds the largest bin 8"):
-        choose_num_chunks(4097, 512, (1, 2, 4, 8))
+def test_choose_num_chunks_over_largest_bin_reports_the_need() -> None:
+    choice = choose_num_chunks(4097, 512, (1, 2, 4, 8))
+    assert choice == ChunkChoice(chunks_needed=9, num_chunks=None) and not choice.fits
 
 
-def test_choose_num_chunks_rejects_non_positive_s_max() -> None:
-    with pytest.raises(ValueError, match="s_max_tokens must be > 0"):
-        choose_num_chunks(10, 0, (1, 2))
+@pytest.mark.parametrize("s_max", [0, -10])
+def test_choose_num_chunks_non_positive_s_max_needs_no_c(s_max: int) -> None:
+    """s′_max ≤ 0: the fixed part alone is over budget; no chunk count helps, even at s″ = 0."""
+    assert choose_num_chunks(10, s_max, (1, 2)) == ChunkChoice(chunks_needed=None,
+                                                                 num_chunks=None)
+    assert not choose_num_chunks(0, s_max, (1, 2)).fits
+
+
+def test_choose_num_chunks_rejects_negative_rows() -> None:
+    with pytest.raises(ValueError, match="recv_rows must be >= 0, got -1"):
+        choose_num_chunks(-1, 10, (1, 2))

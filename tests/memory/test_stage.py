@@ -6,12 +6,13 @@ import dataclasses
 
 import pytest
 
+from memfine.memory.layout import PlanConfig, in_flight_chunks, stage_layers
 from memfine.memory.presets import get_preset
 from memfine.memory.stage import (
-    PlanConfig,
-    in_flight_chunks,
     layer_activation,
-    stage_layers,
+    plan_layout,
+    plan_stage,
+    recv_rows,
     static_memory,
 )
 
@@ -50,8 +51,32 @@ def test_layer_activation_table2_widths() -> None:
     cfg = PlanConfig(model=TINY, device_memory_bytes=1 << 30, seq_len=16, t=2, dp=2)
     moe = layer_activation(cfg, moe_layer=True)
     assert moe.attention_bytes == 2 * 16 * (5 * 8 + 2 * 4 + 2 * 2 * 4 + 4) // 2  # /(t·cp)
-    assert moe.expert_row_bytes == 2 * (2 * 8 + 2 * 4) // 2
+    assert moe.expert_row_bytes == 2 * (2 * 8 + 2 * 4)  # per row; rows carry the /(t·cp)
     assert moe.layer_input_bytes == 2 * 16 * 8 // 2
+
+
+@pytest.mark.parametrize(("b", "t", "cp", "skew", "rows"), [
+    (1, 1, 1, 1.0, 32),       # s·k = 16·2
+    (2, 1, 1, 1.0, 64),       # the micro-batch counts
+    (2, 2, 1, 1.5, 48),       # ⌈2·16·2·1.5 / 2⌉
+    (1, 1, 2, 99.0, 32),      # capped at the worst skew e·min(k, E/e)/k = 2 (e = 2)
+])
+def test_recv_rows(b: int, t: int, cp: int, skew: float, rows: int) -> None:
+    cfg = PlanConfig(model=TINY, device_memory_bytes=1 << 30, seq_len=16, micro_batch=b, t=t,
+                     cp=cp, e=2, dp=2)
+    assert recv_rows(cfg, skew) == rows
+
+
+@pytest.mark.parametrize(("p", "v"), [(4, 1), (2, 2), (3, 1)])
+def test_plan_layout_equals_each_stage(p: int, v: int) -> None:
+    """plan_layout computes each distinct stage once; every rank equals its own plan_stage."""
+    model = dataclasses.replace(TINY, num_layers=8, num_dense_layers=1,
+                                dense_intermediate_size=16)
+    cfg = PlanConfig(model=model, device_memory_bytes=1 << 20, seq_len=16, p=p, v=v,
+                     skews=(1.0, 2.0))
+    plan = plan_layout(cfg)
+    assert plan.stages == tuple(plan_stage(cfg, r) for r in range(p))
+    assert plan.peak_bytes == max(sk.total_bytes for st in plan.stages for sk in st.skews)
 
 
 @pytest.mark.parametrize(("field", "value", "match"), [

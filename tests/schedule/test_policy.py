@@ -171,3 +171,32 @@ def test_transport_row_elements_add_to_the_per_row_bytes() -> None:
     assert policy.row_bytes(4) == base + moe.hidden_size * 4
     assert policy.row_bytes(2) == layer_memory.expert_row_bytes(
         moe, 2, recompute="experts") + moe.hidden_size * 2
+
+
+def test_memory_model_is_asked_once_per_token_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ChunkBytes per (T, D_t); after that Eq. 8/9 are arithmetic on it."""
+    calls: list[tuple[int, int]] = []
+    real = layer_memory.chunk_bytes
+
+    def counting(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *, recompute: str
+                 ) -> layer_memory.ChunkBytes:
+        calls.append((num_tokens, dtype_bytes))
+        return real(num_tokens, moe, dtype_bytes, recompute=recompute)
+
+    policy = _policy(1000)  # (its budget is built with the memory model: before counting)
+    monkeypatch.setattr(layer_memory, "chunk_bytes", counting)
+    for recv in (10, 1500, 3000, 10, 8000):
+        policy.num_chunks(recv, T, DTYPE_BYTES)
+    policy.num_chunks(10, T // 2, DTYPE_BYTES)
+    assert calls == [(T, DTYPE_BYTES), (T // 2, DTYPE_BYTES)]
+    line = policy.chunk_bytes(T, DTYPE_BYTES)
+    assert len(calls) == 2 and (line.fixed_bytes, line.row_bytes) == _fixed_row()
+
+
+def test_bins_are_capped_at_the_proven_bound() -> None:
+    """expert_fixed_bytes bounds the peak for c ≤ MAX_BOUNDED_CHUNKS; larger bins are refused."""
+    assert layer_memory.MAX_BOUNDED_CHUNKS == 16
+    ChunkConfig(memory_budget_bytes=1, bins=(1, 16))
+    with pytest.raises(ValueError, match=r"ChunkConfig.bins must be .* ints in \[1, 16\], "
+                                         r"got \(1, 32\)"):
+        ChunkConfig(memory_budget_bytes=1, bins=(1, 32))

@@ -59,10 +59,10 @@ def _no_tensors() -> Iterable[torch.Tensor]:
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Method:
-    """One way of doing the benchmarked work (a "provider" in the CSV).
+    """One way of doing the benchmarked work (a "method" in the CSV).
 
     Attributes:
-        name: provider name, unique within a run (e.g. ``fused``, ``grouped_mm``).
+        name: method name, unique within a run (e.g. ``fused``, ``grouped_mm``).
         forward: runs the forward pass; returns what ``backward`` needs (e.g. the output).
         backward: runs the backward pass (and an optimizer step, for training steps).
         zero_grad: called before every call; must set the gradients it owns to ``None``.

@@ -172,7 +172,7 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
     """A :class:`Method` running ``layer`` forward + backward under the model's protocol.
 
     Args:
-        name: provider name.
+        name: method name.
         layer: a :class:`MoELayer` (or a wrapper with the same call signature).
         x_TD: (T, d) input requiring grad.
         grad_TD: (T, d) gradient of the output.

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from memfine._optional import is_available, pyplot
 from memfine.bench.harness import MethodResult
 from memfine.bench.options import Point
 from memfine.bench.results import NOT_MODELLED
@@ -88,14 +89,8 @@ def print_point(point: Point) -> None:
 
 
 def _pyplot() -> Any:
-    if importlib.util.find_spec("matplotlib") is None:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
+    """The Agg pyplot, or ``None`` when matplotlib is not installed (plots are skipped)."""
+    return pyplot() if is_available("matplotlib") else None
 
 
 def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:

@@ -30,7 +30,7 @@ from memfine.bench.harness import MODES, MethodResult, Value
 from memfine.units import NOT_MEASURED
 
 NOT_MODELLED = "not modelled"
-CSV_COLUMNS = ("benchmark", "provider", "mode", "metric", "unit", "x_name", "x_value", "p20",
+CSV_COLUMNS = ("benchmark", "method", "mode", "metric", "unit", "x_name", "x_value", "p20",
                "p50", "p80", "device", "cpu_model", "threads", "torch_version", "triton_version",
                "memfine_version", "git_sha", "utc_timestamp", "config_json")
 
@@ -141,14 +141,14 @@ def _metrics(res: MethodResult) -> list[tuple[str, str, str, tuple[Value, ...] |
     return rows
 
 
-def csv_row(*, benchmark: str, provider: str, mode: str, metric: str, unit: str, x_name: str,
+def csv_row(*, benchmark: str, method: str, mode: str, metric: str, unit: str, x_name: str,
             x_value: object, values: Sequence[Value] | Value, config: Mapping[str, Any],
             env: Environment, missing: str = NOT_MEASURED) -> dict[str, str]:
     """One CSV row (:data:`CSV_COLUMNS`, in order) of one method, metric and point.
 
     Args:
         benchmark: suite or script name (e.g. ``experts``).
-        provider: the method's name.
+        method: the method's name.
         mode: ``fwd``, ``bwd`` or ``full``.
         metric: metric name (e.g. ``time``, ``peak_bytes``).
         unit: the metric's unit (``ms``, ``bytes``, ``ratio``, ...).
@@ -161,7 +161,7 @@ def csv_row(*, benchmark: str, provider: str, mode: str, metric: str, unit: str,
     """
     triple = tuple(values) if isinstance(values, Sequence) else (values,) * 3
     p20, p50, p80 = (format_value(v, missing=missing) for v in triple)
-    row = {"benchmark": benchmark, "provider": provider, "mode": mode, "metric": metric,
+    row = {"benchmark": benchmark, "method": method, "mode": mode, "metric": metric,
            "unit": unit, "x_name": x_name, "x_value": str(x_value), "p20": p20, "p50": p50,
            "p80": p80, "device": env.device, "cpu_model": env.cpu_model,
            "threads": str(env.threads), "torch_version": env.torch_version,
@@ -191,7 +191,7 @@ def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str,
     rows = []
     for res in results:
         for metric, mode, unit, values in _metrics(res):
-            rows.append(csv_row(benchmark=benchmark, provider=res.name, mode=mode,
+            rows.append(csv_row(benchmark=benchmark, method=res.name, mode=mode,
                                 metric=metric, unit=unit, x_name=x_name, x_value=x_value,
                                 values=values, config=config, env=env,
                                 missing=NOT_MODELLED if "_predicted" in metric else NOT_MEASURED))

@@ -17,9 +17,9 @@ Execution modes (as :class:`memfine.nn.MoELayer` runs them):
 - ``chunked``: recompute ``experts`` with c > 1 — as ``full``, and backward recomputes one token
   chunk at a time (``recompute="none"`` with c > 1 chunks without recomputation).
 
-The chunk planner (:mod:`memfine.schedule.policy`) calls :func:`expert_row_bytes` and
-:func:`expert_fixed_bytes` to turn a byte budget into s′_max rows (MemFine Eq. 8); their sum
-``fixed + row · rows_per_chunk`` bounds the layer's peak from above for every chunk count.
+The chunk policy (:mod:`memfine.schedule.policy`) calls :func:`chunk_bytes` once per (config, T,
+D_t) to turn a byte budget into s′_max rows (MemFine Eq. 8): ``fixed + row · rows_per_chunk``
+bounds the layer's peak from above for every chunk count up to ``MAX_BOUNDED_CHUNKS``.
 
 Legend: T tokens, S received rows (s′; S = T·k on one device), C tokens of one chunk,
 E experts (on this rank), D = d, N = n, G = 2n (gated) or n, K = k, D_t activation bytes,
@@ -31,10 +31,9 @@ docs/design.md §5; docs/style.md §7.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 
-from memfine.config import MoEConfig
+from memfine.config import MAX_BIN, MoEConfig
 from memfine.memory import _timeline_layer as tlm
 
 MODES = ("plain", "fused", "full", "chunked")
@@ -310,16 +309,6 @@ def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int) 
     return tl.trace
 
 
-@functools.lru_cache(maxsize=256)
-def _row_bytes(moe: MoEConfig, dtype_bytes: int, recompute: str) -> int:
-    best = 0
-    for builder in ("sort_free", "argsort"):
-        cfg = dataclasses.replace(moe, index_builder=builder)
-        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n) for n in (1, 2))
-        best = max(best, max(b - a for a, b in zip(one, two, strict=True)))
-    return -(-best // moe.top_k)
-
-
 def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "experts") -> int:
     """Peak bytes that scale with the received rows of one chunk, per row.
 
@@ -341,21 +330,26 @@ def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "expe
     our timeline for memfine's own path.
     """
     _check(moe, 0, dtype_bytes, 1, recompute)
-    return _row_bytes(moe, dtype_bytes, recompute)
+    best = 0
+    for builder in ("sort_free", "argsort"):
+        cfg = dataclasses.replace(moe, index_builder=builder)
+        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n) for n in (1, 2))
+        best = max(best, max(b - a for a, b in zip(one, two, strict=True)))
+    return -(-best // moe.top_k)
 
 
-MAX_BOUNDED_CHUNKS = 16
+MAX_BOUNDED_CHUNKS = MAX_BIN
+"""The bound of :func:`expert_fixed_bytes` holds for every c in 1..MAX_BOUNDED_CHUNKS."""
 
 
-@functools.lru_cache(maxsize=256)
-def _fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, recompute: str) -> int:
-    row = expert_row_bytes(moe, dtype_bytes, recompute=recompute)
+def _fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, recompute: str,
+                 row_bytes: int) -> int:
     fixed = 0
     for c in range(1, MAX_BOUNDED_CHUNKS + 1):
         peak = tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=c,
                                   recompute=recompute, record=False).peak
         rows = tlm.chunk_tokens(num_tokens, c)[0] * moe.top_k
-        fixed = max(fixed, peak - row * rows)
+        fixed = max(fixed, peak - row_bytes * rows)
     return fixed
 
 
@@ -364,10 +358,12 @@ def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
     """Bytes of the layer's peak that do not scale with the rows of one chunk.
 
     Defined so that ``expert_fixed_bytes(T) + expert_row_bytes() · ⌈T/c⌉·k`` is at least the
-    timeline peak of the whole MoELayer forward + backward for every c in 1..16 (the caller may
-    keep MoEAux): router and loss tensors, the output, weight gradients (twice while the chunks'
-    gradients are summed), the other chunks' input gradients and, under ``none``, the other
-    chunks' saved H.
+    timeline peak of the whole MoELayer forward + backward for every c in 1..16
+    (:data:`MAX_BOUNDED_CHUNKS`; the caller may keep MoEAux): router and loss tensors, the
+    output, weight gradients (twice while the chunks' gradients are summed), the other chunks'
+    input gradients and, under ``none``, the other chunks' saved H. Replays the allocation
+    timeline 16 times: callers that ask repeatedly keep a :class:`ChunkBytes`
+    (:func:`chunk_bytes`).
 
     Args:
         num_tokens: T, tokens entering the layer on this rank.
@@ -380,5 +376,39 @@ def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
 
     Reference: MemFine Eq. 8 numerator (the memory that does not scale with s′); our timeline.
     """
+    return chunk_bytes(num_tokens, moe, dtype_bytes, recompute=recompute).fixed_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkBytes:
+    """The layer's peak as a line in the rows of one chunk: ``fixed_bytes + row_bytes · rows``.
+
+    An upper bound on the timeline peak for every chunk count c in 1..MAX_BOUNDED_CHUNKS (exact
+    for one of them), so MemFine Eq. 8-9 become integer arithmetic on these two numbers.
+
+    Attributes:
+        fixed_bytes: bytes that do not scale with the rows of one chunk (Eq. 8 numerator part).
+        row_bytes: bytes per received row of one chunk (Eq. 8 denominator), > 0.
+    """
+
+    fixed_bytes: int
+    row_bytes: int
+
+
+def chunk_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
+                recompute: str = "experts") -> ChunkBytes:
+    """:func:`expert_fixed_bytes` and :func:`expert_row_bytes` of one (config, T, D_t), together.
+
+    Args: as :func:`expert_fixed_bytes`.
+
+    Returns:
+        The :class:`ChunkBytes` (16 layer timeline replays, one per c, plus four one-chunk traces
+        for the row slope).
+
+    Raises:
+        ValueError: on out-of-range arguments.
+    """
     _check(moe, num_tokens, dtype_bytes, 1, recompute)
-    return _fixed_bytes(num_tokens, moe, dtype_bytes, recompute)
+    row = expert_row_bytes(moe, dtype_bytes, recompute=recompute)
+    return ChunkBytes(fixed_bytes=_fixed_bytes(num_tokens, moe, dtype_bytes, recompute, row),
+                      row_bytes=row)

@@ -6,6 +6,7 @@ Reference: MemFine (arXiv 2511.21431) Eq. 8-9 and §4.2 (MACT); docs/design.md �
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 
 def s_prime_max(budget_bytes: int, fixed_bytes: int, row_bytes: int) -> int:
@@ -27,33 +28,54 @@ def s_prime_max(budget_bytes: int, fixed_bytes: int, row_bytes: int) -> int:
     return (budget_bytes - fixed_bytes) // row_bytes
 
 
-def choose_num_chunks(recv_tokens: int, s_max_tokens: int, bins: tuple[int, ...]) -> int:
-    """Return the chunk count c for one MoE layer on this rank.
+@dataclass(frozen=True, slots=True)
+class ChunkChoice:
+    """MemFine Eq. 9's answer for one MoE layer: the chunk count it needs and the bin it gets.
+
+    Attributes:
+        chunks_needed: ⌈s″/s′_max⌉ (at least 1); ``None`` when s′_max ≤ 0 (the budget does not
+            cover the bytes that do not scale with the rows: no chunk count is enough).
+        num_chunks: the smallest bin ≥ ``chunks_needed``; ``None`` when no bin is large enough.
+    """
+
+    chunks_needed: int | None
+    num_chunks: int | None
+
+    @property
+    def fits(self) -> bool:
+        """True when a bin meets the budget."""
+        return self.num_chunks is not None
+
+
+def choose_num_chunks(recv_rows: int, s_max_rows: int, bins: tuple[int, ...]) -> ChunkChoice:
+    """Eq. 9 with MACT's bins: the chunk count needed for s″ rows and the bin that holds it.
+
+    Never raises for an infeasible budget: the caller decides (the policy raises or warns,
+    ``memfine plan`` reports the shortfall).
 
     Args:
-        recv_tokens: s″, rows received this step (≥ 0).
-        s_max_tokens: largest s′ that fits the memory budget (MemFine Eq. 8), rows.
+        recv_rows: s″, rows received (≥ 0).
+        s_max_rows: s′_max, the most rows one chunk may hold (MemFine Eq. 8); may be ≤ 0.
         bins: allowed chunk counts, strictly increasing, e.g. (1, 2, 4, 8).
 
     Returns:
-        The smallest bin ≥ ⌈recv_tokens / s_max_tokens⌉ (bins[0] when nothing is received).
+        The :class:`ChunkChoice` (``num_chunks`` = bins[0] when nothing is received and
+        s′_max > 0).
 
     Raises:
-        ValueError: if s_max_tokens ≤ 0 or no bin is large enough (the message names the c needed).
+        ValueError: if recv_rows < 0 or bins is empty.
 
     Reference: MemFine Eq. 9, binned as in MACT (§4.2).
     """
-    if recv_tokens < 0:
-        raise ValueError(f"recv_tokens must be >= 0, got {recv_tokens}")
-    if s_max_tokens <= 0:
-        raise ValueError(f"s_max_tokens must be > 0 (the budget does not cover the fixed part), "
-                         f"got {s_max_tokens}")
-    needed = max(1, math.ceil(recv_tokens / s_max_tokens))
-    for b in bins:
-        if b >= needed:
-            return b
-    raise ValueError(f"c = ceil({recv_tokens} / {s_max_tokens}) = {needed} exceeds the largest "
-                     f"bin {bins[-1]}")
+    if recv_rows < 0:
+        raise ValueError(f"recv_rows must be >= 0, got {recv_rows}")
+    if not bins:
+        raise ValueError("bins must be a non-empty tuple of chunk counts, got ()")
+    if s_max_rows <= 0:
+        return ChunkChoice(chunks_needed=None, num_chunks=None)
+    needed = max(1, math.ceil(recv_rows / s_max_rows))
+    return ChunkChoice(chunks_needed=needed,
+                       num_chunks=next((b for b in bins if b >= needed), None))
 
 
 def s_prime_max_memfine(*, device_memory_bytes: int, alpha: float, static_bytes: int,

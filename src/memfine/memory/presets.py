@@ -14,38 +14,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
-from memfine._checks import lookup
+from memfine._checks import check_int, lookup
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class PaperSetting:
-    """Run settings that come with a preset (the paper's, or our reading where it is silent).
+class RunSetting:
+    """The run a preset comes with: its publisher's layout where published, else our assumption.
 
     Attributes:
-        device_memory: device memory as a byte-size string (e.g. ``"64GiB"``).
-        dtype: activation and parameter dtype name (``bfloat16``).
-        micro_batch: b, sequences per micro-batch.
-        seq_len: s, tokens per sequence.
-        recompute: ``full``, ``experts`` or ``none``.
-        static_memory: measured static memory as a byte-size string, or ``None`` (use Eq. 1).
-        t: tensor-parallel size. p: pipeline-parallel size. e: expert-parallel size.
-        dp: data-parallel size. cp: context-parallel size. v: virtual stages per pipeline rank.
-        note: where the setting comes from.
+        values: ``(name, value)`` pairs of ``memfine plan`` settings, named as its flags
+            (``device_memory`` as a byte-size string, ``dtype``, ``micro_batch``, ``seq_len``,
+            ``recompute``, ``static_memory``, ``t``, ``p``, ``e``, ``dp``, ``cp``, ``v``,
+            ``grad_bytes``, ``optimizer_bytes``, ``global_batch``); a setting not listed takes
+            ``memfine plan``'s default.
+        published: the names the publisher states; every other value is assumed.
+        note: where the published values come from and what the assumed ones stand for.
     """
 
-    device_memory: str
-    dtype: str
-    micro_batch: int
-    seq_len: int
-    recompute: str
-    static_memory: str | None
-    t: int
-    p: int
-    e: int
-    dp: int
-    cp: int
-    v: int
+    values: tuple[tuple[str, object], ...]
+    published: tuple[str, ...] = ()
     note: str
+
+    def get(self, name: str) -> object:
+        """The value of setting ``name``, or ``None`` when the setting does not give it."""
+        return dict(self.values).get(name)
+
+    def source_of(self, name: str) -> str:
+        """``"published"`` or ``"assumed"`` for the setting ``name``."""
+        return "published" if name in self.published else "assumed"
+
+
+def _setting(note: str, published: tuple[str, ...] = (), **values: object) -> RunSetting:
+    return RunSetting(values=tuple(values.items()), published=published, note=note)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -91,7 +91,25 @@ class ModelPreset:
     vocab_size: int
     tied_embeddings: bool
     source: str
-    setting: PaperSetting | None = None
+    setting: RunSetting | None = None
+
+    def __post_init__(self) -> None:
+        """Check every size (field named in the message, with the value and what is allowed).
+
+        Raises:
+            ValueError: a size < 1 (counts < 0), ``top_k`` outside [1, E], no MoE layer left
+                (``num_dense_layers`` ≥ ``num_layers``), or a dense/shared width of 0 where
+                those layers exist.
+        """
+        for name in ("hidden_size", "moe_intermediate_size", "num_experts", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "vocab_size"):
+            check_int(self, name, 1)
+        check_int(self, "top_k", 1, self.num_experts)
+        check_int(self, "num_dense_layers", 0, self.num_layers - 1)
+        for name in ("num_shared_experts", "attention_params"):
+            check_int(self, name, 0)
+        check_int(self, "dense_intermediate_size", 1 if self.num_dense_layers else 0)
+        check_int(self, "shared_intermediate_size", 1 if self.num_shared_experts else 0)
 
     @property
     def num_moe_layers(self) -> int:
@@ -105,7 +123,8 @@ def _gqa_params(d: int, heads: int, kv_heads: int, head_dim: int) -> int:
 
 
 def _gqa(name: str, *, d: int, n: int, E: int, k: int, L: int, heads: int, kv_heads: int, V: int,
-         source: str, norm_params: int = 0, head_dim: int = 128) -> ModelPreset:
+         source: str, norm_params: int = 0, head_dim: int = 128,
+         setting: RunSetting | None = None) -> ModelPreset:
     """A model of MoE layers only (no dense or shared experts) with grouped-query attention.
 
     ``norm_params``: parameters of the norms inside the attention block (e.g. q/k norms).
@@ -115,7 +134,7 @@ def _gqa(name: str, *, d: int, n: int, E: int, k: int, L: int, heads: int, kv_he
         num_layers=L, num_dense_layers=0, dense_intermediate_size=0, num_shared_experts=0,
         shared_intermediate_size=0, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
         attention_params=_gqa_params(d, heads, kv_heads, head_dim) + norm_params,
-        vocab_size=V, tied_embeddings=False, source=source)
+        vocab_size=V, tied_embeddings=False, source=source, setting=setting)
 
 
 # DeepSeek-V3 multi-head latent attention: q_a (d×1536), q_b (1536×a·192), kv_a (d×(512+64)),
@@ -125,7 +144,7 @@ _MLA_PARAMS = (7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256
 
 
 def _deepseek(name: str, num_layers: int, source: str,
-              setting: PaperSetting | None = None) -> ModelPreset:
+              setting: RunSetting | None = None) -> ModelPreset:
     return ModelPreset(
         name=name, hidden_size=7168, moe_intermediate_size=2048, num_experts=256, top_k=8,
         num_layers=num_layers, num_dense_layers=3, dense_intermediate_size=18432,
@@ -134,25 +153,57 @@ def _deepseek(name: str, num_layers: int, source: str,
         source=source, setting=setting)
 
 
-def _paper_setting(p: int, static_memory: str | None) -> PaperSetting:
-    return PaperSetting(
-        device_memory="64GiB", dtype="bfloat16", micro_batch=1, seq_len=4096,
-        recompute="full", static_memory=static_memory, t=1, p=p, e=32 // p, dp=32 // p, cp=1,
-        v=1,
-        note="MemFine §5: 32 devices × 64 GB (read as GiB), bf16, b=1, s=4096, full recompute; "
-             "static memory as measured in Table 4 where given; the parallel layout (t, p, e, "
-             "dp) is our assumption (not in our notes)")
+def _paper_setting(p: int, static_memory: str | None) -> RunSetting:
+    return _setting(
+        "MemFine §5: 32 devices × 64 GB (read as GiB), bf16, b=1, s=4096, full recompute; "
+        "static memory as measured in Table 4 where given; the parallel layout (t, p, e, dp) is "
+        "our assumption (not in our notes)",
+        ("device_memory", "dtype", "micro_batch", "seq_len", "recompute", "static_memory"),
+        device_memory="64GiB", dtype="bfloat16", micro_batch=1, seq_len=4096, recompute="full",
+        static_memory=static_memory, t=1, p=p, e=32 // p, dp=32 // p, cp=1)
+
+
+# DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 (80 GB), PP 16, EP 64 over 8 nodes,
+# ZeRO-1 data parallelism, no tensor parallelism, 4K sequences, global batch 15,360 after the
+# ramp; AdamW moments in BF16 with FP32 master weights and gradients (4 + 2 + 2 = 8 optimizer
+# bytes). Assumed: bf16 activations (the report runs its GEMMs in FP8), b = 1, full recompute
+# (the report recomputes RMSNorm and the MLA up-projections), 1F1B (the report uses DualPipe).
+_DEEPSEEK_V3 = _setting(
+    "DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 80 GB, PP 16, EP 64, ZeRO-1 DP, no TP, "
+    "s=4096, batch 15,360, BF16 AdamW moments with FP32 master weights and gradients; assumed: "
+    "bf16 activations, b=1, full recompute, 1F1B instead of DualPipe",
+    ("device_memory", "seq_len", "t", "p", "e", "dp", "cp", "grad_bytes", "optimizer_bytes",
+     "global_batch"),
+    device_memory="80GiB", seq_len=4096, t=1, p=16, e=64, dp=128, cp=1, grad_bytes=4,
+    optimizer_bytes=8, global_batch=15360, dtype="bfloat16", micro_batch=1, recompute="full")
+
+
+def _assumed(recompute: str, *, t: int, e: int, dp: int, cp: int = 1) -> RunSetting:
+    """Nothing published: the best layout ``memfine plan --search`` finds on 80 GiB devices.
+
+    One pipeline stage, global batch 1,024 sequences of 4,096 tokens; every value assumed.
+    """
+    return _setting(
+        "no published training layout in our notes; every value assumed: the first layout of "
+        f"`memfine plan --search --devices {t * dp * cp} --device-memory 80GiB --global-batch "
+        "1024`",
+        device_memory="80GiB", recompute=recompute, t=t, p=1, e=e, dp=dp, cp=cp,
+        global_batch=1024)
 
 
 PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
-    "deepseek-v3": _deepseek("deepseek-v3", 61, "DeepSeek-V3 config.json (61 layers, 3 dense)"),
+    "deepseek-v3": _deepseek("deepseek-v3", 61, "DeepSeek-V3 config.json (61 layers, 3 dense)",
+                             _DEEPSEEK_V3),
     "qwen3-30b-a3b": _gqa("qwen3-30b-a3b", d=2048, n=768, E=128, k=8, L=48, heads=32,
                           kv_heads=4, V=151936, norm_params=2 * 128,
-                          source="Qwen3-30B-A3B config.json"),
+                          source="Qwen3-30B-A3B config.json",
+                          setting=_assumed("experts", t=2, e=8, dp=4)),
     "mixtral-8x7b": _gqa("mixtral-8x7b", d=4096, n=14336, E=8, k=2, L=32, heads=32, kv_heads=8,
-                         V=32000, source="Mixtral-8x7B config.json"),
+                         V=32000, source="Mixtral-8x7B config.json",
+                         setting=_assumed("none", t=8, e=8, dp=1, cp=2)),
     "olmoe-1b-7b": _gqa("olmoe-1b-7b", d=2048, n=1024, E=64, k=8, L=16, heads=16, kv_heads=16,
-                        V=50304, norm_params=2 * 2048, source="OLMoE-1B-7B-0924 config.json"),
+                        V=50304, norm_params=2 * 2048, source="OLMoE-1B-7B-0924 config.json",
+                        setting=_assumed("none", t=1, e=2, dp=8)),
     "memfine-paper-I": _deepseek(
         "memfine-paper-I", 16, "MemFine Table 3 model I: DeepSeek-V3 cut to 16 layers",
         _paper_setting(p=2, static_memory=None)),

@@ -6,8 +6,9 @@ Static memory (Eq. 1, our reading of Megatron mixed precision): per parameter D_
 distributed optimizer (dense parameters over dp·cp, expert parameters over t·dp·cp/e).
 
 Activations (Eq. 2, MemFine Table 2), bytes of one layer and micro-batch, each divided by t·cp:
-attention/router part D_t·b·s·(5d + a·h_d + 2·k_a·h_d + E) and expert part D_t·b·s′·(2d + 2n),
-with s′ the rows one sequence sends to this rank's experts (s·k when balanced). Our additions,
+attention/router part D_t·b·s·(5d + a·h_d + 2·k_a·h_d + E) and expert part D_t·b·s′·(2d + 2n);
+we count the received rows per micro-batch and device, s″ = b·s·k·skew/(t·cp), at D_t·(2d + 2n)
+bytes each (the same product). Our additions,
 by the same rule: a dense FFN layer D_t·b·s·(2d + 2n_dense), shared experts
 D_t·b·s·n_shared·(2d + 2n_shared), and the layer input D_t·b·s·d that full recomputation keeps.
 In-flight model chunks m_g: p − r for the 1F1B schedule (v = 1), v·p + p − 2r − 1 interleaved.
@@ -25,134 +26,12 @@ Reference: MemFine (arXiv 2511.21431) Eq. 1-3, 8, 9, Table 2; docs/design.md §4
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from memfine._checks import check_bins, check_choice, check_float, check_int, fail
 from memfine.config import MoEConfig
 from memfine.memory.layer import expert_row_bytes
-from memfine.memory.planner import s_prime_max
-from memfine.memory.presets import ModelPreset
-from memfine.units import DTYPE_BYTES
-
-RECOMPUTE_MODES = ("none", "full", "experts")
-EXPERT_MODELS = ("paper", "memfine")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class PlanConfig:
-    """Everything ``memfine plan`` needs (plain values; validated on construction).
-
-    Attributes:
-        model: the model sizes.
-        device_memory_bytes: M_device, bytes per device.
-        alpha: usable fraction α of device memory, in (0, 1].
-        micro_batch: b, sequences per micro-batch.
-        seq_len: s, tokens per sequence.
-        dtype: ``bfloat16``, ``float16`` or ``float32`` (D_t).
-        recompute: ``full``, ``experts`` or ``none``.
-        t, p, e, dp, cp, v: tensor-, pipeline-, expert-, data-, context-parallel sizes and virtual
-            stages per pipeline rank.
-        skews: received rows as multiples of the balanced share s·k (≥ 1); capped at the worst
-            case e·min(k, E/e)/k.
-        bins: allowed chunk counts, strictly increasing, starting at 1 or more.
-        grad_bytes: gradient bytes per parameter (4: fp32 main gradients).
-        optimizer_bytes: optimizer bytes per parameter (12: fp32 master + two Adam moments).
-        distributed_optimizer: shard optimizer state over the data-parallel group.
-        static_bytes: measured static memory to use instead of Eq. 1 (``None``: Eq. 1).
-        expert_model: ``paper`` (Table 2: D_t·(2d + 2n) per row) or ``memfine`` (our fused
-            path's peak per row, :func:`memfine.memory.layer.expert_row_bytes`).
-    """
-
-    model: ModelPreset
-    device_memory_bytes: int
-    alpha: float = 0.9
-    micro_batch: int = 1
-    seq_len: int = 4096
-    dtype: str = "bfloat16"
-    recompute: str = "full"
-    t: int = 1
-    p: int = 1
-    e: int = 1
-    dp: int = 1
-    cp: int = 1
-    v: int = 1
-    skews: tuple[float, ...] = (1.0,)
-    bins: tuple[int, ...] = (1, 2, 4, 8)
-    grad_bytes: int = 4
-    optimizer_bytes: int = 12
-    distributed_optimizer: bool = True
-    static_bytes: int | None = None
-    expert_model: str = "paper"
-
-    def __post_init__(self) -> None:
-        """Validate every field and cross-field rule, and store ``bins`` as a tuple.
-
-        Raises:
-            ValueError: naming the class and field, what is allowed and the value received.
-        """
-        for name in ("device_memory_bytes", "micro_batch", "seq_len", "t", "p", "e", "dp", "cp",
-                     "v"):
-            check_int(self, name, 1)
-        check_float(self, "alpha", 0, 1, lo_open=True)
-        check_choice(self, "dtype", tuple(DTYPE_BYTES))
-        check_choice(self, "recompute", RECOMPUTE_MODES)
-        check_choice(self, "expert_model", EXPERT_MODELS)
-        if not self.skews or any(not (isinstance(x, (int, float)) and x >= 1) for x in self.skews):
-            fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
-        object.__setattr__(self, "bins", check_bins(self))
-        m = self.model
-        if not 1 <= m.top_k <= m.num_experts:
-            raise ValueError(f"{type(self).__name__}.model.top_k must be in "
-                             f"[1, num_experts={m.num_experts}], got {m.top_k}")
-        if m.num_experts % self.e:
-            fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
-        if (self.t * self.dp * self.cp) % self.e:
-            fail(self, "e", f"a divisor of t·dp·cp={self.t * self.dp * self.cp}", self.e)
-        if m.num_layers < self.p * self.v:
-            fail(self, "p", f"with v such that p·v <= num_layers={m.num_layers}", self.p)
-        check_int(self, "grad_bytes", 0)
-        check_int(self, "optimizer_bytes", 0)
-        if self.static_bytes is not None:
-            check_int(self, "static_bytes", 0)
-
-    @property
-    def dtype_bytes(self) -> int:
-        """D_t."""
-        return DTYPE_BYTES[self.dtype]
-
-    @property
-    def local_experts(self) -> int:
-        """E/e, routed experts per rank."""
-        return self.model.num_experts // self.e
-
-    @property
-    def worst_skew(self) -> float:
-        """Largest possible received rows / balanced share: e·min(k, E/e)/k."""
-        return self.e * min(self.model.top_k, self.local_experts) / self.model.top_k
-
-
-def stage_layers(num_layers: int, p: int, v: int) -> list[list[list[int]]]:
-    """Layer ids of each pipeline rank, per model chunk: ``out[rank][chunk] = [layer ids]``.
-
-    The L layers form p·v consecutive model chunks (the first L mod p·v one layer longer);
-    chunk j runs on rank j mod p (Megatron's interleaved assignment; v = 1 is plain 1F1B).
-    """
-    n = p * v
-    base, extra = divmod(num_layers, n)
-    chunks, start = [], 0
-    for j in range(n):
-        size = base + (1 if j < extra else 0)
-        chunks.append(list(range(start, start + size)))
-        start += size
-    return [[chunks[j] for j in range(r, n, p)] for r in range(p)]
-
-
-def in_flight_chunks(p: int, v: int, rank: int) -> int:
-    """m_g: model chunks whose activations a pipeline rank holds at once (MemFine Eq. 2).
-
-    1F1B (v = 1): p − r; interleaved (v > 1): v·p + p − 2r − 1 (Megatron's warm-up count + 1).
-    """
-    return p - rank if v == 1 else v * p + p - 2 * rank - 1
+from memfine.memory.layout import PlanConfig, in_flight_chunks, stage_layers
+from memfine.memory.planner import choose_num_chunks, s_prime_max
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -219,10 +98,11 @@ def _scaled(cfg: PlanConfig, width: int, tokens: int) -> int:
 
 
 def layer_activation(cfg: PlanConfig, *, moe_layer: bool) -> LayerActivation:
-    """Activation bytes of one dense or MoE layer (expert part per row of one sequence).
+    """Activation bytes of one dense or MoE layer and micro-batch (expert part per row).
 
-    ``expert_row_bytes`` is per received row of the micro-batch on this rank
-    (``paper``: D_t·(2d + 2n)·b/(t·cp) per sequence-row; ``memfine``: our fused path's peak).
+    ``expert_row_bytes`` is per received row on this rank (``paper``: D_t·(2d + 2n), MemFine
+    Table 2; ``memfine``: our fused path's peak per row); the rows themselves
+    (:func:`recv_rows`) count the micro-batch and the t·cp split.
     """
     m, s = cfg.model, cfg.seq_len
     d, hd = m.hidden_size, m.head_dim
@@ -234,10 +114,9 @@ def layer_activation(cfg: PlanConfig, *, moe_layer: bool) -> LayerActivation:
                           num_experts=cfg.local_experts, top_k=m.top_k,
                           renormalize=m.top_k > 1)
         rec = "experts" if cfg.recompute == "none" else cfg.recompute
-        row = -(-expert_row_bytes(local, cfg.dtype_bytes, recompute=rec) * cfg.micro_batch
-                // (cfg.t * cfg.cp))
+        row = expert_row_bytes(local, cfg.dtype_bytes, recompute=rec)
     else:
-        row = _scaled(cfg, 2 * d + 2 * m.moe_intermediate_size, 1)
+        row = cfg.dtype_bytes * (2 * d + 2 * m.moe_intermediate_size)
     return LayerActivation(
         attention_bytes=_scaled(cfg, attn_width, s),
         shared_expert_bytes=_scaled(cfg, shared, s) if moe_layer else 0,
@@ -251,8 +130,8 @@ def layer_activation(cfg: PlanConfig, *, moe_layer: bool) -> LayerActivation:
 def activation_split(cfg: PlanConfig, rank: int) -> tuple[int, int, int]:
     """(F, R, floor) in bytes: the activation model of pipeline rank ``rank``.
 
-    At s′ rows per sequence and c chunks the activation is max(floor, F + R·⌈s′/c⌉) (recompute
-    ``full``/``experts``) or F + R·s′ (``none``).
+    At s′ received rows (per micro-batch, :func:`recv_rows`) and c chunks the activation is
+    max(floor, F + R·⌈s′/c⌉) (recompute ``full``/``experts``) or F + R·s′ (``none``).
 
     F does not scale with s′; R is bytes per received row (for ``none`` summed over every
     in-flight MoE layer); ``floor`` is the activation while a dense layer is recomputed (``full``),
@@ -281,9 +160,12 @@ def activation_split(cfg: PlanConfig, rank: int) -> tuple[int, int, int]:
 
 
 def recv_rows(cfg: PlanConfig, skew: float) -> int:
-    """s″: rows one sequence sends to this rank's experts at a skew (capped at the worst case)."""
-    balanced = cfg.seq_len * cfg.model.top_k
-    return math.ceil(balanced * min(skew, cfg.worst_skew))
+    """s″: rows one micro-batch sends to this device's experts at a skew (capped at the worst).
+
+    ⌈b·s·k·skew / (t·cp)⌉: the balanced share is b·s·k rows per micro-batch, split over t·cp.
+    """
+    balanced = cfg.micro_batch * cfg.seq_len * cfg.model.top_k
+    return math.ceil(balanced * min(skew, cfg.worst_skew) / (cfg.t * cfg.cp))
 
 
 def smallest_device_memory(static: int, activation: int, alpha: float) -> int:
@@ -291,53 +173,176 @@ def smallest_device_memory(static: int, activation: int, alpha: float) -> int:
     return math.ceil((static + activation) / alpha)
 
 
-def plan_stage(cfg: PlanConfig, rank: int) -> dict[str, object]:
-    """The plan of one pipeline rank: static, activation items, s′_max and c per skew.
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SkewPlan:
+    """One pipeline stage at one routing skew: what MACT picks and what it costs (bytes as ints).
 
-    Returns:
-        A JSON-ready dict (bytes as ints; ``num_chunks`` ``None`` where no bin fits).
+    Attributes:
+        skew: received rows as a multiple of the balanced share (capped at the worst case).
+        recv_rows: s″, rows this device's experts receive per micro-batch (0: no MoE layer).
+        chunks_needed: ⌈s″/s′_max⌉ (MemFine Eq. 9); ``None`` when no MoE layer is on the stage
+            or s′_max = 0 (the part that does not scale with s″ alone exceeds the budget).
+        num_chunks: MACT's bin (the smallest bin ≥ ``chunks_needed``); ``None`` when no bin is
+            large enough or no MoE layer is on the stage.
+        activation_bytes: activation at ``num_chunks`` (the largest bin when none fits).
+        activation_unchunked_bytes: activation at c = 1.
+        activation_max_chunks_bytes: activation at the largest bin.
+        total_bytes: static + ``activation_bytes``.
+        fits: total within α·M_device.
+        min_device_memory_bytes: least M_device that holds this skew at the largest bin
+            (MemFine Eq. 3: (static + activation)/α).
     """
-    st = static_memory(cfg, rank)
-    static = st.static_bytes if cfg.static_bytes is None else cfg.static_bytes
-    fixed, row, floor = activation_split(cfg, rank)
+
+    skew: float
+    recv_rows: int
+    chunks_needed: int | None
+    num_chunks: int | None
+    activation_bytes: int
+    activation_unchunked_bytes: int
+    activation_max_chunks_bytes: int
+    total_bytes: int
+    fits: bool
+    min_device_memory_bytes: int
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class StagePlan:
+    """The memory plan of one pipeline rank (bytes as ints; MemFine Eq. 1-3, 8, 9).
+
+    Attributes:
+        rank: pipeline rank r.
+        layers: the layer ids it runs.
+        in_flight: m_g, model chunks whose activations it holds at once.
+        static: Eq. 1 items of this rank.
+        static_bytes: static memory used (Eq. 1, or the measured value given).
+        budget_bytes: α·M_device.
+        fixed_activation_bytes: activation that does not scale with s″ (F).
+        floor_activation_bytes: activation while a dense layer is recomputed (``full``), else 0.
+        row_bytes: bytes per received row (R; 0 on a stage without MoE layers).
+        s_prime_max: Eq. 8, the most received rows one chunk may hold (≥ 0); ``None`` on a
+            stage without MoE layers.
+        skews: one :class:`SkewPlan` per requested skew.
+    """
+
+    rank: int
+    layers: tuple[int, ...]
+    in_flight: int
+    static: StaticMemory
+    static_bytes: int
+    budget_bytes: int
+    fixed_activation_bytes: int
+    floor_activation_bytes: int
+    row_bytes: int
+    s_prime_max: int | None
+    skews: tuple[SkewPlan, ...]
+
+    @property
+    def worst(self) -> SkewPlan:
+        """The skew with the largest total bytes (the highest skew among equals)."""
+        return max(self.skews, key=lambda sk: (sk.total_bytes, sk.skew))
+
+
+def _skew_plan(cfg: PlanConfig, skew: float, static: int, split: tuple[int, int, int],
+               s_max: int | None) -> SkewPlan:
+    """Eq. 9 and the activation of one stage at one skew (``split`` = (F, R, floor))."""
+    fixed, row, floor = split
+    bins = cfg.bins if cfg.recompute != "none" else (1,)
     budget = int(cfg.alpha * cfg.device_memory_bytes)
-    s_max = None
-    if row:
-        s_max = s_prime_max(budget, static + fixed, row)
-        if static + floor > budget:
-            s_max = min(s_max, 0)
-    chunked = cfg.recompute != "none"
-    bins = cfg.bins if chunked else (1,)
 
     def act(rows: int, c: int) -> int:
         return max(floor, fixed + row * math.ceil(rows / c))
 
-    per_skew = []
-    for skew in cfg.skews:
-        rows = recv_rows(cfg, skew) if row else 0
-        needed: int | None = 1
-        if s_max is not None:
-            needed = max(1, math.ceil(rows / s_max)) if s_max > 0 else None
-        c = None if needed is None else next((b for b in bins if b >= needed), None)
-        if static + floor > budget:
-            c = None
-        at_c = act(rows, c or bins[-1])
-        per_skew.append({
-            "skew": skew, "recv_rows": rows, "chunks_needed": needed, "num_chunks": c,
-            "activation_bytes": at_c, "activation_unchunked_bytes": act(rows, 1),
-            "activation_max_chunks_bytes": act(rows, bins[-1]), "total_bytes": static + at_c,
-            "fits": c is not None,
-            "min_device_memory_bytes": smallest_device_memory(static, act(rows, bins[-1]),
-                                                              cfg.alpha),
-        })
-    return {
-        "rank": rank, "layers": [i for ch in stage_layers(cfg.model.num_layers, cfg.p,
-                                                          cfg.v)[rank] for i in ch],
-        "in_flight_chunks": in_flight_chunks(cfg.p, cfg.v, rank),
-        "dense_params": st.dense_params, "expert_params": st.expert_params,
-        "parameter_bytes": st.parameter_bytes, "gradient_bytes": st.gradient_bytes,
-        "optimizer_state_bytes": st.optimizer_state_bytes, "eq1_static_bytes": st.static_bytes,
-        "static_bytes": static, "budget_bytes": budget, "fixed_activation_bytes": fixed,
-        "floor_activation_bytes": floor, "row_bytes": row, "s_prime_max": s_max,
-        "skews": per_skew,
-    }
+    rows = recv_rows(cfg, skew) if row else 0
+    needed = c = None
+    if s_max is not None:
+        choice = choose_num_chunks(rows, s_max, bins)
+        needed, c = choice.chunks_needed, choice.num_chunks
+    at_c = act(rows, c or bins[-1])
+    at_max = act(rows, bins[-1])
+    return SkewPlan(
+        skew=skew, recv_rows=rows, chunks_needed=needed, num_chunks=c, activation_bytes=at_c,
+        activation_unchunked_bytes=act(rows, 1), activation_max_chunks_bytes=at_max,
+        total_bytes=static + at_c, fits=static + at_c <= budget,
+        min_device_memory_bytes=smallest_device_memory(static, at_max, cfg.alpha))
+
+
+def plan_stage(cfg: PlanConfig, rank: int) -> StagePlan:
+    """The plan of one pipeline rank: static, activation split, s′_max and c per skew.
+
+    Raises:
+        ValueError: if rank is outside [0, p).
+
+    Reference: MemFine Eq. 1-3 (static, activation, fit), Eq. 8 (s′_max), Eq. 9 (c).
+    """
+    if not 0 <= rank < cfg.p:
+        raise ValueError(f"rank must be in [0, p={cfg.p}), got {rank}")
+    st = static_memory(cfg, rank)
+    static = st.static_bytes if cfg.static_bytes is None else cfg.static_bytes
+    split = activation_split(cfg, rank)
+    fixed, row, floor = split
+    budget = int(cfg.alpha * cfg.device_memory_bytes)
+    s_max = None
+    if row:  # Eq. 8; 0 when even the floor (a recomputed dense layer) is over budget
+        s_max = max(0, s_prime_max(budget, static + fixed, row))
+        s_max = 0 if static + floor > budget else s_max
+    layers = tuple(i for ch in stage_layers(cfg.model.num_layers, cfg.p, cfg.v)[rank]
+                   for i in ch)
+    return StagePlan(
+        rank=rank, layers=layers, in_flight=in_flight_chunks(cfg.p, cfg.v, rank), static=st,
+        static_bytes=static, budget_bytes=budget, fixed_activation_bytes=fixed,
+        floor_activation_bytes=floor, row_bytes=row, s_prime_max=s_max,
+        skews=tuple(_skew_plan(cfg, sk, static, split, s_max) for sk in cfg.skews))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plan:
+    """The plan of every pipeline rank of one layout.
+
+    Attributes:
+        config: the layout planned.
+        stages: one :class:`StagePlan` per pipeline rank.
+    """
+
+    config: PlanConfig
+    stages: tuple[StagePlan, ...]
+
+    @property
+    def fits(self) -> bool:
+        """True when every stage fits at every skew."""
+        return all(sk.fits for st in self.stages for sk in st.skews)
+
+    @property
+    def limiting(self) -> tuple[StagePlan, SkewPlan]:
+        """The stage and skew with the largest total bytes per device."""
+        return max(((st, st.worst) for st in self.stages), key=lambda x: x[1].total_bytes)
+
+    @property
+    def peak_bytes(self) -> int:
+        """Largest total bytes per device (static + activation at MACT's c)."""
+        return self.limiting[1].total_bytes
+
+    @property
+    def min_device_memory_bytes(self) -> int:
+        """Least M_device that holds every stage at every skew (largest bin), bytes."""
+        return max(sk.min_device_memory_bytes for st in self.stages for sk in st.skews)
+
+
+def plan_layout(cfg: PlanConfig) -> Plan:
+    """:func:`plan_stage` of every pipeline rank.
+
+    Ranks with the same layer count, in-flight count and embedding placement give the same
+    plan; each distinct one is computed once.
+    """
+    seen: dict[tuple[object, ...], StagePlan] = {}
+    stages = []
+    for rank in range(cfg.p):
+        layers = [i for ch in stage_layers(cfg.model.num_layers, cfg.p, cfg.v)[rank] for i in ch]
+        dense = sum(1 for i in layers if i < cfg.model.num_dense_layers)
+        key = (len(layers), dense, in_flight_chunks(cfg.p, cfg.v, rank), rank == 0,
+               rank == cfg.p - 1, cfg.v)
+        if key not in seen or cfg.v > 1:
+            seen[key] = plan_stage(cfg, rank)
+            stages.append(seen[key])
+        else:
+            stages.append(replace(seen[key], rank=rank, layers=tuple(layers)))
+    return Plan(config=cfg, stages=tuple(stages))

@@ -17,13 +17,15 @@ Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4;
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
-from memfine.memory.planner import choose_num_chunks, s_prime_max
+from memfine.memory.layer import ChunkBytes
+from memfine.memory.planner import ChunkChoice, choose_num_chunks, s_prime_max
 from memfine.units import format_bytes
 
 AgreeNumChunks = Callable[[int], int]
@@ -64,7 +66,7 @@ class ChunkPolicy:
 
     def __init__(self, chunk: ChunkConfig, moe: MoEConfig, *,
                  agree_num_chunks: AgreeNumChunks | None = None) -> None:
-        """Keep the configs and start with empty memory-model caches; arguments as on the class."""
+        """Keep the configs, start with an empty memory-model cache; arguments as on the class."""
         self.config = chunk
         self.moe = moe
         self.agree_num_chunks: AgreeNumChunks = agree_num_chunks or identity_agreement
@@ -73,32 +75,43 @@ class ChunkPolicy:
         # by a transport layer, e.g. expert parallelism's received copy of x and the gradient
         # returning through the all-to-all; added to the memory model's per-row bytes.
         self.transport_row_elements = 0
-        # The memory model is pure in (config, T, D_t): cache its answers, since the policy is
-        # asked on every step of every layer.
-        self._row_cache: dict[int, int] = {}
-        self._fixed_cache: dict[tuple[int, int], int] = {}
+        # The memory model is pure in (config, T, D_t) and the policy is asked on every step of
+        # every layer: its line fixed + row·rows, once per (T, D_t); the only cache.
+        self._lines: dict[tuple[int, int], ChunkBytes] = {}
 
     @property
     def budgeted(self) -> bool:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
-    def row_bytes(self, dtype_bytes: int) -> int:
+    def chunk_bytes(self, num_tokens: int, dtype_bytes: int) -> ChunkBytes:
+        """The memory model's ``fixed + row · rows`` line for T tokens (transport rows included).
+
+        Args:
+            num_tokens: T, tokens entering the layer on this rank.
+            dtype_bytes: D_t, bytes per activation element.
+
+        Returns:
+            :class:`memfine.memory.layer.ChunkBytes`; ``row_bytes`` includes
+            ``transport_row_elements · D_t``.
+        """
+        key = (num_tokens, dtype_bytes)
+        line = self._lines.get(key)
+        if line is None:
+            if len(self._lines) >= 64:  # varying T (e.g. a last, shorter batch): stay small
+                self._lines.clear()
+            line = self._lines[key] = layer_memory.chunk_bytes(
+                num_tokens, self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
+        extra = self.transport_row_elements * dtype_bytes
+        return dataclasses.replace(line, row_bytes=line.row_bytes + extra) if extra else line
+
+    def row_bytes(self, dtype_bytes: int, num_tokens: int = 0) -> int:
         """Peak bytes per received row of one chunk (memory model, this recompute mode)."""
-        if dtype_bytes not in self._row_cache:
-            self._row_cache[dtype_bytes] = layer_memory.expert_row_bytes(
-                self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
-        return self._row_cache[dtype_bytes] + self.transport_row_elements * dtype_bytes
+        return self.chunk_bytes(num_tokens, dtype_bytes).row_bytes
 
     def fixed_bytes(self, num_tokens: int, dtype_bytes: int) -> int:
         """Bytes of the layer that do not scale with the received rows (memory model)."""
-        key = (num_tokens, dtype_bytes)
-        if key not in self._fixed_cache:
-            if len(self._fixed_cache) >= 64:  # varying T (e.g. last batch): keep it small
-                self._fixed_cache.clear()
-            self._fixed_cache[key] = layer_memory.expert_fixed_bytes(
-                num_tokens, self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
-        return self._fixed_cache[key]
+        return self.chunk_bytes(num_tokens, dtype_bytes).fixed_bytes
 
     def s_prime_max(self, num_tokens: int, dtype_bytes: int) -> int:
         """s′_max: the most received rows one chunk may hold within the budget (Eq. 8).
@@ -116,24 +129,17 @@ class ChunkPolicy:
         budget = self.config.memory_budget_bytes
         if budget is None:
             raise ValueError("ChunkPolicy.s_prime_max needs ChunkConfig.memory_budget_bytes")
-        return s_prime_max(budget, self.fixed_bytes(num_tokens, dtype_bytes),
-                           self.row_bytes(dtype_bytes))
+        line = self.chunk_bytes(num_tokens, dtype_bytes)
+        return s_prime_max(budget, line.fixed_bytes, line.row_bytes)
 
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int) -> int:
         """The least budget for which the largest bin keeps a chunk within it, in bytes.
 
         fixed + ⌈max(s″, 1) / c_max⌉ · row bytes, with c_max the largest bin.
         """
+        line = self.chunk_bytes(num_tokens, dtype_bytes)
         rows = math.ceil(max(recv_rows, 1) / self.config.bins[-1])
-        return self.fixed_bytes(num_tokens, dtype_bytes) + rows * self.row_bytes(dtype_bytes)
-
-    def _local_num_chunks(self, recv_rows: int, s_max: int) -> int:
-        """The smallest bin ≥ ⌈s″/s′_max⌉, or largest bin + 1 when none is large enough."""
-        bins = self.config.bins
-        if s_max <= 0:
-            return bins[-1] + 1
-        needed = max(1, math.ceil(recv_rows / s_max))
-        return choose_num_chunks(recv_rows, s_max, bins) if needed <= bins[-1] else needed
+        return line.fixed_bytes + rows * line.row_bytes
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                    agree: AgreeNumChunks | None = None) -> int:
@@ -168,22 +174,13 @@ class ChunkPolicy:
             return self.config.num_chunks
         bins = self.config.bins
         s_max = self.s_prime_max(num_tokens, dtype_bytes)
-        local = self._local_num_chunks(recv_rows, s_max)
+        choice = choose_num_chunks(recv_rows, s_max, bins)
+        # over budget: a value above the largest bin, so every rank reaches the same verdict
+        local = choice.num_chunks or max(bins[-1] + 1, choice.chunks_needed or 0)
         agreed = int((agree or self.agree_num_chunks)(local))
         if agreed <= bins[-1]:
             return agreed
-        budget = self.config.memory_budget_bytes
-        assert budget is not None, "budgeted policy without a budget"
-        if local > bins[-1]:
-            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
-            reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk need "
-                      f"c={local} > largest bin {bins[-1]}; the smallest feasible budget is "
-                      f"{format_bytes(need, exact=True)}")
-        else:
-            reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
-                      f"bin {bins[-1]}")
-        msg = (f"ChunkConfig.memory_budget_bytes={format_bytes(budget, exact=True)} cannot be "
-               f"met: {reason}")
+        msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed)
         if not self.config.allow_over_budget:
             raise ValueError(msg + "; raise the budget, add a larger bin, or set "
                              "allow_over_budget to run with the largest bin")
@@ -192,3 +189,24 @@ class ChunkPolicy:
             warnings.warn(msg + f"; using the largest bin c={bins[-1]} (allow_over_budget)",
                           UserWarning, stacklevel=2)
         return bins[-1]
+
+    def _over_budget(self, choice: ChunkChoice, recv_rows: int, num_tokens: int,
+                     dtype_bytes: int, *, agreed: int) -> str:
+        """The message of a budget no bin meets: why, and the smallest feasible budget."""
+        bins, budget = self.config.bins, self.config.memory_budget_bytes
+        s_max = self.s_prime_max(num_tokens, dtype_bytes)
+        if choice.num_chunks is not None:
+            reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
+                      f"bin {bins[-1]}")
+        else:
+            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
+            if choice.chunks_needed is None:
+                fixed = self.fixed_bytes(num_tokens, dtype_bytes)
+                reason = (f"s'_max={s_max} rows: the budget does not cover the "
+                          f"{format_bytes(fixed, exact=True)} that do not scale with the rows")
+            else:
+                reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk "
+                          f"need c={choice.chunks_needed} > largest bin {bins[-1]}")
+            reason += f"; the smallest feasible budget is {format_bytes(need, exact=True)}"
+        return (f"ChunkConfig.memory_budget_bytes={format_bytes(budget, exact=True)} cannot be "
+                f"met: {reason}")

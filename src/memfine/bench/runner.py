@@ -1,0 +1,98 @@
+"""Run suites end to end: tables as points finish, ``bench_<suite>.csv``, PNGs, the run's JSON.
+
+:func:`run_suites` is what ``memfine bench`` and the scripts in ``benchmarks/`` call; a script is
+:func:`script_main` with its suite name (a few flags; the full set is ``memfine bench``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from memfine.bench import SUITE_MODULES, select_methods
+from memfine.bench.options import BenchOptions
+from memfine.bench.output import plot_points, print_point
+from memfine.bench.results import collect_environment, result_rows, write_csv
+
+
+def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
+    """Write ``bench_config.json``, then run each suite: tables, ``bench_<suite>.csv``, PNGs.
+
+    Args:
+        opts: the resolved options (``opts.out`` is the output folder; created).
+        device: where the methods run.
+
+    Returns:
+        One ``"<suite> <point> <method>: <error>"`` line per method that raised.
+
+    Side effects: sets torch's intra-op threads to ``opts.threads`` for the run (restored).
+    """
+    threads = torch.get_num_threads()
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    try:
+        return _run(opts, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(opts: BenchOptions, device: torch.device) -> list[str]:
+    failures: list[str] = []
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = collect_environment(device)
+    resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
+    print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
+    (out / "bench_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+    for suite in opts.suites:
+        names = select_methods(suite, opts.methods)
+        if not names:
+            print(f"{suite}: skipped: none of --methods belongs to this suite")
+            continue
+        start = time.perf_counter()
+        points, rows = [], []
+        for point in SUITE_MODULES[suite].run(opts, device, names):
+            print_point(point)
+            points.append(point)
+            failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
+                         for res in point.results if res.error]
+            rows += result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
+                                x_value=point.x_value, config=point.config, env=env)
+        if not points:
+            continue
+        written = [write_csv(rows, out / f"bench_{suite}.csv"), *plot_points(points, out, suite)]
+        print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
+              + ", ".join(str(p) for p in written))
+    print(f"environment: {env.line()}")
+    return failures
+
+
+def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int:
+    """A ``benchmarks/`` script: run one suite on the CPU and write its files to ``out``.
+
+    Flags: ``--repeats``, ``--warmup``, ``--threads`` (default 1), ``--quick``, ``--out``.
+
+    Returns:
+        0, or 1 when a method failed (its error is printed).
+    """
+    parser = argparse.ArgumentParser(description=f"memfine bench --suite {suite}")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
+    parser.add_argument("--out", type=Path, default=out, help="output folder")
+    args = parser.parse_args(argv)
+    opts = BenchOptions(suites=(suite,), repeats=1 if args.quick else args.repeats,
+                        warmup=0 if args.quick else args.warmup, threads=args.threads,
+                        quick=args.quick, out=str(args.out))
+    failures = run_suites(opts, torch.device("cpu"))
+    for failure in failures:
+        print(f"method failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0
