@@ -9,7 +9,7 @@ gradient:
 - ``memfine_c4``: the same with 4 token chunks and per-chunk recompute (saves x + routing).
 The routing (top-k of a softmax over random logits; weights require grad, as a router's do) is
 outside the timed region; the index build of memfine and the sort of grouped_mm are inside. The
-module, inputs and methods are those of ``memfine bench --suite hf``
+module, inputs and methods are those of ``memfine bench --suites hf``
 (:mod:`memfine.bench.suite_hf`), run by the shared harness
 (:func:`memfine.bench.harness.run_methods`).
 

@@ -27,9 +27,11 @@ from memfine.cli.main import main
 from memfine.measure.report import NOT_MEASURED
 
 BENCH_FLAGS = {
-    "--suite", "--config", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
+    "--suites", "--configs", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
     "--num-experts", "--top-k", "--dtype", "--threads", "--repeats", "--warmup", "--out",
-    "--quick", "--methods", "--budget", "--skew-levels", "--device", "--seed", "-h", "--help",
+    "--quick", "--overwrite", "--methods", "--memory-budget", "--skew-levels", "--device",
+    "--seed", "-h", "--help",
+    "--suite", "--config", "--budget",  # hidden aliases of --suites, --configs, --memory-budget
 }
 MEMORY_METRICS = ("saved_bytes", "saved_bytes_predicted", "peak_bytes", "peak_bytes_predicted")
 Table = dict[str, dict[str, dict[str, str]]]
@@ -205,3 +207,23 @@ def test_a_failing_method_makes_the_exit_code_non_zero(
     assert code == 1
     assert "method failed: experts quick fused_mact: ValueError" in err
     assert "smallest feasible budget" in err
+
+
+def test_threads_zero_is_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--quick", "--threads", "0", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "--threads 0: BenchOptions.threads must be an int >= 1 or None, got 0" in (
+        capsys.readouterr().err)
+    assert not list(tmp_path.iterdir())
+
+
+def test_earlier_results_are_kept_without_overwrite(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "bench_experts.csv").write_text("earlier results\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--quick", "--suites", "model", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "already holds results (bench_experts.csv); pass --overwrite" in (
+        capsys.readouterr().err)
+    assert (tmp_path / "bench_experts.csv").read_text() == "earlier results\n"

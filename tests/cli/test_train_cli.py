@@ -24,15 +24,17 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
-    "--activation", "--allow-over-budget", "--aux-loss-coef", "--batch-size", "--chunk-bins",
-    "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every", "--experts-impl",
-    "--gemm-backend", "--grad-clip", "--help", "--hidden-size", "--index-builder",
-    "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps", "--max-steps",
-    "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget", "--no-progress",
-    "--no-renormalize", "--num-experts", "--num-heads", "--num-layers", "--out", "--overwrite",
-    "--plot", "--preset", "--recompute", "--renormalize", "--resume", "--sample-tokens",
-    "--score-func", "--seed", "--seq-len", "--skew-bias", "--skew-hot-experts", "--threads",
-    "--top-k", "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
+    "--activation", "--allow-over-budget", "--aux-loss-coef", "--backend", "--batch-size", "--bins",
+    "--dp-shard", "--grad-accum",
+    "--chunk-bins", "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every",
+    "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
+    "--index-builder", "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps",
+    "--max-steps", "--memory-budget", "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget",
+    "--no-progress", "--num-chunks", "--no-renormalize", "--num-experts", "--num-heads",
+    "--num-layers", "--out", "--overwrite", "--plot", "--preset", "--recompute",
+    "--renormalize", "--resume", "--sample-tokens", "--score-func", "--seed", "--seq-len",
+    "--skew-bias", "--skew-hot-experts", "--threads", "--top-k", "--val-fraction",
+    "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
     # routing options (capacity, groups, scaling, balancing, jitter, shared experts)
     "--bias-update-rate", "--capacity-factor", "--drop-policy", "--min-capacity", "--n-group",
     "--no-shared-expert-gate", "--num-shared-experts", "--routed-scaling-factor",
@@ -57,7 +59,7 @@ def _golden() -> list[tuple[int, float]]:
 
 @pytest.mark.parametrize("chunking", [
     pytest.param([], id="unchunked"),
-    pytest.param(["--moe-chunks", "2"], id="chunks2"),
+    pytest.param(["--num-chunks", "2"], id="chunks2"),
 ])
 def test_smoke_losses_match_golden(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                    chunking: list[str]) -> None:
@@ -122,7 +124,7 @@ BAD_INPUTS = [
                  "MoEConfig.top_k must be in [1, num_experts=4], got 5", id="top_k_gt_experts"),
     pytest.param(lambda p: ["--activation", "swish"], "invalid choice: 'swish'",
                  id="unknown_activation"),
-    pytest.param(lambda p: ["--moe-memory-budget", "12XB"], "byte size must look like",
+    pytest.param(lambda p: ["--memory-budget", "12XB"], "byte size must look like",
                  id="bad_memory_budget"),
     pytest.param(lambda p: ["--data", _write(p, "empty.txt", b"")], "empty.txt' is empty",
                  id="empty_data_file"),

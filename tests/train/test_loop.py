@@ -1,4 +1,4 @@
-"""Training loop: determinism, resume equality, Ctrl-C, LR schedule (memfine.train.loop)."""
+"""Training loop: determinism, resume equality, Ctrl-C, divergence (memfine.train.loop)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import torch
 from memfine.config import ModelConfig, MoEConfig, TrainConfig
 from memfine.nn import LMOutput, MoETransformerLM
 from memfine.train import load_checkpoint, train
-from memfine.train.loop import lr_factor
 from memfine.train.metrics import read_metrics
 from tolerances import LOSS_ATOL, assert_close
 
@@ -107,19 +106,6 @@ def test_outputs_written(tmp_path: Path) -> None:
     assert len((tmp_path / "sample.txt").read_bytes()) > 0
 
 
-@pytest.mark.parametrize(("step", "expected"), [
-    pytest.param(0, 0.25, id="warmup_first"),
-    pytest.param(3, 1.0, id="warmup_last"),
-    pytest.param(4, 1.0, id="cosine_start"),
-    pytest.param(9, 0.1 + 0.9 * 0.5, id="cosine_middle"),
-    pytest.param(14, 0.1, id="cosine_end"),
-    pytest.param(100, 0.1, id="after_decay"),
-])
-def test_lr_factor(step: int, expected: float) -> None:
-    got = lr_factor(step, warmup_steps=4, decay_steps=14, min_ratio=0.1)
-    assert got == pytest.approx(expected, abs=1e-12)
-
-
 def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     class NaNFromStep2(MoETransformerLM):
         calls = 0
@@ -132,7 +118,7 @@ def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
                     return dataclasses.replace(out, loss=out.loss * float("nan"))
             return out
 
-    monkeypatch.setattr("memfine.train.loop.MoETransformerLM", NaNFromStep2)
+    monkeypatch.setattr("memfine.train.setup.MoETransformerLM", NaNFromStep2)
     with pytest.raises(ValueError, match="training diverged at step 2: train loss nan"):
         _run(_config(), tmp_path)
 

@@ -2,7 +2,7 @@
 
 Shapes: the MoEBlaze Table 1 configurations (docs/design.md §3: ffn n = 4d, SwiGLU) keep d, E, k and
 n, and divide the paper's batch × seq by ``scale_down`` (default 256) so that they run on a few CPU
-cores. Explicit sizes override fields of the selected configurations; without ``--config`` they
+cores. Explicit sizes override fields of the selected configurations; without ``--configs`` they
 describe one custom shape (the fields not given come from the suite's first default shape).
 
 Reference: MoEBlaze (arXiv 2601.05296) Table 1; docs/design.md §3.
@@ -179,7 +179,7 @@ def resolve_shapes(opts: BenchOptions, defaults: Sequence[LayerShape], quick: La
                    ) -> list[LayerShape]:
     """The shapes a layer suite runs.
 
-    ``--config``: those Table 1 rows, each with the explicit sizes applied. Otherwise
+    ``--configs``: those Table 1 rows, each with the explicit sizes applied. Otherwise
     ``--quick``: ``quick`` with the explicit sizes applied. Otherwise explicit sizes: one
     ``custom`` shape, the fields not given from the first default. Otherwise the defaults.
 

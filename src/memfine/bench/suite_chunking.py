@@ -17,7 +17,7 @@ Methods (memfine's fused expert path in every case; same weights at every level)
 
 Shape: ``skew_demo`` (d 256, n 512, E 8, k 2, T 1024 tokens at σ = 1, levels σ ∈ {1, 2, 4, 8}):
 small weights and many tokens, so that activations rather than the weights' gradients dominate
-the peak, as at the papers' token counts. ``--config`` / explicit sizes replace it.
+the peak, as at the papers' token counts. ``--configs`` / explicit sizes replace it.
 Legend: T tokens, D = d.
 Reference: MemFine (arXiv 2511.21431) §4, Table 4, Eq. 8-9; docs/design.md §4.
 """

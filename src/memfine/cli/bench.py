@@ -8,7 +8,8 @@ interleaved order, after warm-up; for each: time (p20/p50/p80 over repeats), tok
 saved for backward, peak live bytes, and the memory model's prediction next to the measured
 values. On a GPU the same command times with CUDA events and reads the allocator's statistics.
 
-Output in ``--out``: ``bench_config.json`` (resolved options and environment, written first),
+Output in ``--out`` (refused when it already holds ``bench_*`` files, unless ``--overwrite``):
+``bench_config.json`` (resolved options and environment, written first),
 ``bench_<suite>.csv`` (docs/style.md §6 columns, with units and environment) and
 ``bench_<suite>_{time,memory,predicted[,skew]}.png``.
 """
@@ -25,91 +26,57 @@ import torch
 from memfine.bench import SUITES, BenchOptions, select_methods
 from memfine.bench.options import DEVICES, DTYPES, TABLE1
 from memfine.bench.runner import run_suites
+from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, name_flag, value
 from memfine.units import parse_bytes
 
-
-class _QuickDefault:
-    """Default of a flag that differs under ``--quick``."""
-
-    __slots__ = ("normal", "quick")
-
-    def __init__(self, normal: int, quick: int) -> None:
-        self.normal, self.quick = normal, quick
-
-    def __repr__(self) -> str:
-        return f"{self.normal} ({self.quick} with --quick)"
-
-    def resolve(self, quick: bool) -> int:
-        """The value for this run."""
-        return self.quick if quick else self.normal
-
-
-class _Unset:
-    """Default of a flag that was not given (resolved to ``None``); ``--help`` prints ``text``."""
-
-    __slots__ = ("text",)
-
-    def __init__(self, text: str) -> None:
-        self.text = text
-
-    def __repr__(self) -> str:
-        return self.text
-
-
-def _given(value: Any) -> Any:
-    return None if isinstance(value, _Unset) else value
-
-
-def _levels(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(v) for v in text.split(","))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
-                                         f"{text!r}") from None
+_FROM_SHAPE = NotGiven(text="the shape's")
+_FLAGS = (
+    Flag("--suites", ("suites",), "suites to run", str, (*SUITES, "all"), NotGiven(text="all"),
+         "+", aliases=("--suite",)),
+    Flag("--configs", ("configs",), "MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, "
+         "chunking and hf suites", int, sorted(TABLE1),
+         NotGiven(text="experts 1 2 3 5, hf 1 5, chunking its skew_demo shape"), "+",
+         aliases=("--config",)),
+    Flag("--scale-down", ("scale_down",), "divide the paper's batch x seq by this factor (d, E, "
+         "k, n kept)", default=NotGiven(256)),
+    Flag("--tokens", ("tokens",), "T, tokens per layer call (model: per step)",
+         default=_FROM_SHAPE),
+    Flag("--hidden-size", ("hidden_size",), "d", default=_FROM_SHAPE),
+    Flag("--intermediate-size", ("intermediate_size",), "n per GLU branch",
+         default=NotGiven(text="4d with --hidden-size")),
+    Flag("--num-experts", ("num_experts",), "E", default=_FROM_SHAPE),
+    Flag("--top-k", ("top_k",), "k, experts per token", default=_FROM_SHAPE),
+    Flag("--dtype", ("dtype",), "activation and weight dtype (bf16 matmuls are slow on CPUs)",
+         str, DTYPES, NotGiven("float32")),
+    Flag("--threads", ("threads",), "torch intra-op threads, >= 1 (restored when the run ends)",
+         default=NotGiven(text="torch's choice; 1 with --quick")),
+    Flag("--repeats", ("repeats",), "timed rounds per method",
+         default=NotGiven(text="5 (1 with --quick)")),
+    Flag("--warmup", ("warmup",), "untimed rounds per method first",
+         default=NotGiven(text="1 (0 with --quick)")),
+    Flag("--out", ("out",), "output folder: bench_config.json, bench_<suite>.csv and PNGs",
+         Path, default=NotGiven(Path("runs/bench"))),
+    Flag("--overwrite", (), "replace the results of an earlier run in --out (without it, any "
+         "bench_* file there stops the run)", action="store_true", default=NotGiven(False)),
+    Flag("--quick", ("quick",), "smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under "
+         "a minute)", action="store_true", default=NotGiven(False)),
+    Flag("--methods", ("methods",), "run only these methods (names as in the table)", str,
+         default=NotGiven(text="all of each suite"), nargs="+"),
+    Flag("--memory-budget", ("budget_bytes",), "MACT memory budget per MoE layer, e.g. 512MiB; "
+         "'auto': the suite's own (experts/model: half the received rows per chunk; chunking: "
+         "the worst skew level with c = 8)", str, default=NotGiven("auto"),
+         aliases=("--budget",)),
+    Flag("--skew-levels", ("skew_levels",), "chunking suite: received rows as multiples of the "
+         "balanced share", comma_ints, default=NotGiven((1, 2, 4, 8), text="1,2,4,8")),
+    Flag("--device", ("device",), "cuda when available with 'auto'", str, DEVICES,
+         NotGiven("auto")),
+    Flag("--seed", ("seed",), "seed of weights, inputs, routing", default=NotGiven(0)),
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``memfine bench`` flags (one per :class:`BenchOptions` field)."""
-    parser.add_argument("--suite", nargs="+", choices=(*SUITES, "all"), default=_Unset("all"),
-                        help="suites to run")
-    parser.add_argument("--config", type=int, nargs="+", choices=sorted(TABLE1),
-                        default=_Unset("experts 1 2 3 5, hf 1 5, chunking its skew_demo shape"),
-                        help="MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, chunking "
-                             "and hf suites")
-    parser.add_argument("--scale-down", type=int, default=256,
-                        help="divide the paper's batch x seq by this factor (d, E, k, n kept)")
-    from_shape = _Unset("the shape's")
-    parser.add_argument("--tokens", type=int, default=from_shape,
-                        help="T, tokens per layer call (model: per step)")
-    parser.add_argument("--hidden-size", type=int, default=from_shape, help="d")
-    parser.add_argument("--intermediate-size", type=int, default=_Unset("4d with --hidden-size"),
-                        help="n per GLU branch")
-    parser.add_argument("--num-experts", type=int, default=from_shape, help="E")
-    parser.add_argument("--top-k", type=int, default=from_shape, help="k, experts per token")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32",
-                        help="activation and weight dtype (bf16 matmuls are slow on CPUs)")
-    parser.add_argument("--threads", type=int, default=_Unset("torch's choice; 1 with --quick"),
-                        help="torch intra-op threads (restored when the run ends)")
-    parser.add_argument("--repeats", type=int, default=_QuickDefault(5, 1),
-                        help="timed rounds per method")
-    parser.add_argument("--warmup", type=int, default=_QuickDefault(1, 0),
-                        help="untimed rounds per method first")
-    parser.add_argument("--out", type=Path, default=Path("runs/bench"),
-                        help="output folder: bench_config.json, bench_<suite>.csv and PNGs")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under a "
-                             "minute)")
-    parser.add_argument("--methods", nargs="+", default=_Unset("all of each suite"),
-                        help="run only these methods (names as in the table)")
-    parser.add_argument("--budget", default="auto",
-                        help="MACT memory budget per MoE layer, e.g. 512MiB; 'auto': the "
-                             "suite's own (experts/model: half the received rows per chunk; "
-                             "chunking: the worst skew level with c = 8)")
-    parser.add_argument("--skew-levels", type=_levels, default="1,2,4,8",
-                        help="chunking suite: received rows as multiples of the balanced share")
-    parser.add_argument("--device", choices=DEVICES, default="auto",
-                        help="cuda when available with 'auto'")
-    parser.add_argument("--seed", type=int, default=0, help="seed of weights, inputs, routing")
+    add_flags(parser, _FLAGS)
 
 
 def _device(choice: str) -> torch.device:
@@ -126,22 +93,37 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
     Raises:
         ValueError: on invalid values (the message names the option).
     """
-    chosen = _given(args.suite) or ["all"]
+    chosen = value(args, "suites") or ["all"]
     suites = SUITES if "all" in chosen else tuple(dict.fromkeys(chosen))
-    repeats, warmup = args.repeats, args.warmup
-    return BenchOptions(
-        suites=suites, configs=tuple(_given(args.config) or ()),
-        scale_down=args.scale_down, tokens=_given(args.tokens),
-        hidden_size=_given(args.hidden_size),
-        intermediate_size=_given(args.intermediate_size),
-        num_experts=_given(args.num_experts), top_k=_given(args.top_k),
-        dtype=args.dtype, threads=_given(args.threads) or (1 if args.quick else None),
-        repeats=repeats.resolve(args.quick) if isinstance(repeats, _QuickDefault) else repeats,
-        warmup=warmup.resolve(args.quick) if isinstance(warmup, _QuickDefault) else warmup,
-        out=str(args.out), quick=args.quick,
-        methods=tuple(_given(args.methods) or ()),
-        budget_bytes=None if str(args.budget).lower() == "auto" else parse_bytes(args.budget),
-        skew_levels=tuple(args.skew_levels), device=device.type, seed=args.seed)
+    quick = bool(value(args, "quick"))
+    budget = str(value(args, "memory_budget"))
+    return _options(args, dict(
+        suites=suites, configs=tuple(value(args, "configs") or ()),
+        scale_down=value(args, "scale_down"), tokens=value(args, "tokens"),
+        hidden_size=value(args, "hidden_size"),
+        intermediate_size=value(args, "intermediate_size"),
+        num_experts=value(args, "num_experts"), top_k=value(args, "top_k"),
+        dtype=value(args, "dtype"), threads=_or(args, "threads", 1 if quick else None),
+        repeats=_or(args, "repeats", 1 if quick else 5),
+        warmup=_or(args, "warmup", 0 if quick else 1), out=str(value(args, "out")), quick=quick,
+        methods=tuple(value(args, "methods") or ()),
+        budget_bytes=None if budget.lower() == "auto" else parse_bytes(budget),
+        skew_levels=tuple(value(args, "skew_levels")), device=device.type,
+        seed=value(args, "seed")))
+
+
+def _options(args: argparse.Namespace, fields: dict[str, Any]) -> BenchOptions:
+    """``BenchOptions(**fields)``; an invalid field's error names its flag and value."""
+    try:
+        return BenchOptions(**fields)
+    except ValueError as err:
+        raise ValueError(name_flag(str(err), args, _FLAGS)) from err
+
+
+def _or(args: argparse.Namespace, dest: str, default: int | None) -> int | None:
+    """The flag's value, or ``default`` when it was not given."""
+    got = value(args, dest)
+    return default if got is None else got
 
 
 def run(args: argparse.Namespace) -> int:
@@ -150,11 +132,17 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         0, or 1 when any method failed (its error is printed in full after the tables).
     """
-    device = _device(args.device)
+    device = _device(value(args, "device"))
     opts = options_from_args(args, device)
+    earlier = sorted(p.name for p in Path(opts.out).glob("bench_*"))
+    if earlier and not value(args, "overwrite"):
+        raise ValueError(f"--out {opts.out!r} already holds results ({', '.join(earlier[:4])}"
+                         f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
+                         f"them or choose another --out")
     for suite in opts.suites:
         select_methods(suite, opts.methods)  # fail on unknown names before any work
     failures = run_suites(opts, device)
     for failure in failures:
         print(f"memfine bench: method failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
+

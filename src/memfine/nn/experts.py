@@ -1,4 +1,14 @@
-"""The module that owns the routed expert weights.
+"""The module that owns the routed expert weights (one process).
+
+The experts contract, shared with the expert-parallel experts
+(:class:`memfine.parallel.ExpertParallelExperts`), so that sharding a model only swaps the
+``experts`` submodule of each :class:`memfine.nn.MoELayer`:
+
+- ``run(x_TD, top_k_index, top_k_weights, policy) -> (out_TD, num_chunks)``: ask the chunk policy
+  for c from the rows these experts receive (s″), then run the one chunk loop
+  (:func:`memfine.schedule.chunked.run_chunked`);
+- ``global_counts(counts)``: per-rank counts summed over every rank of the global batch (the
+  identity on one process), for the aux losses (docs/design.md §2).
 
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n (gated) or n.
 """
@@ -11,7 +21,8 @@ import torch
 from torch import nn
 
 from memfine.config import MoEConfig, Recompute
-from memfine.schedule.chunked import chunked_experts
+from memfine.schedule.chunked import chunked_experts, local_expert_fn, run_chunked
+from memfine.schedule.policy import ChunkPolicy
 
 
 class GroupedExperts(nn.Module):
@@ -37,6 +48,49 @@ class GroupedExperts(nn.Module):
         """Normal init: w_up N(0, σ²), w_down N(0, (σ/√(2·depth))²)."""
         nn.init.normal_(self.w_up, std=self.init_std)
         nn.init.normal_(self.w_down, std=self.init_std / math.sqrt(2 * self.depth))
+
+    def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+        """Run the experts on routed tokens in the c chunks ``policy`` chooses.
+
+        Args:
+            x_TD: (T, d) activations.
+            top_k_index: (T, k) int64 expert ids from the router (sentinels ≥ E contribute 0).
+            top_k_weights: (T, k) routing weights.
+            policy: the layer's :class:`ChunkPolicy` (fixed c, or MACT from s″ = the valid
+                (token, slot) pairs, its recompute mode).
+
+        Returns:
+            ``(out_TD, num_chunks)``: (T, d) combined output and the c used.
+
+        Raises:
+            ValueError: from the policy when a budget cannot be met, or on shape mismatches.
+
+        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode.
+        Reference: MemFine Eq. 8-9, §4.
+        """
+        recv = self.received_rows(top_k_index) if policy.budgeted else 0
+        num_chunks = policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+        fn = local_expert_fn(self.w_up, self.w_down, self.config)
+        out_TD = run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                             recompute=policy.config.resolved_recompute)
+        return out_TD, num_chunks
+
+    def received_rows(self, top_k_index: torch.Tensor) -> int:
+        """s″: (token, slot) pairs with an id in [0, E) (one ``.item()`` device sync)."""
+        E = self.config.num_experts
+        return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
+
+    def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Counts of the global batch: on one process, ``counts`` itself.
+
+        Args:
+            counts: (..., ) int64 per-rank counts (e.g. tokens per expert).
+
+        Returns:
+            ``counts`` unchanged (the expert-parallel experts sum them over every rank).
+        """
+        return counts
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,

@@ -57,7 +57,8 @@ def _valid_rows(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.T
 
 def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
                         valid_mask_T: torch.Tensor | None = None, *,
-                        counts_E: torch.Tensor | None = None) -> torch.Tensor:
+                        counts_E: torch.Tensor | None = None,
+                        tokens_per_rank: torch.Tensor | float | None = None) -> torch.Tensor:
     """Switch load-balancing loss E·Σ_i f_i·P_i.
 
     Args:
@@ -68,8 +69,13 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
             selection.
         counts_E: optional (E,) int assignment counts over the *global* batch (e.g. summed over
             the ranks of a data- or expert-parallel run). When given, f_i = counts_i / Σ counts
-            replaces the local fraction and P stays local, so the mean of the per-rank losses
-            equals the loss of one process on the whole batch (equal tokens per rank).
+            replaces the local fraction.
+        tokens_per_rank: optional T̄ = (global valid tokens) / W, the mean valid tokens per rank
+            of the global batch (0-dim tensor or float). When given, P_i is this rank's share
+            Σ_{t valid here} p_ti / T̄ instead of the local mean, so that with global
+            ``counts_E`` the mean of the W per-rank losses (and of their gradients) is the loss
+            of one process holding every rank's tokens, however the valid tokens are spread
+            (8 and 2 on two ranks give the 10-token value).
 
     Returns:
         0-dim fp32 tensor. 1.0 for uniform routing with balanced assignments (any k); ≈E when every
@@ -94,7 +100,7 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
     t_valid = probs_TE.shape[0]
     if t_valid == 0:
         return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
-    p_E = probs_TE.mean(0)
+    p_E = probs_TE.mean(0) if tokens_per_rank is None else probs_TE.sum(0) / tokens_per_rank
     if counts_E is not None:
         if counts_E.shape != (E,):
             raise ValueError(f"counts_E must be (E,) with E={E}, got {tuple(counts_E.shape)}")
@@ -107,7 +113,8 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
     return E * (f_E * p_E).sum()
 
 
-def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) -> torch.Tensor:
+def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None, *,
+           tokens_per_rank: torch.Tensor | float | None = None) -> torch.Tensor:
     """Router z-loss mean(logsumexp(logits)²) in fp32.
 
     Args:
@@ -115,6 +122,9 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
             stays finite).
         valid_mask_T: optional (T,) bool or integer 0/1 mask; padding tokens are excluded by
             selection.
+        tokens_per_rank: optional T̄, the mean valid tokens per rank of the global batch: the
+            result is then this rank's share Σ_{t valid here} lse_t² / T̄, whose mean over the
+            ranks is the z-loss of the whole batch (see :func:`load_balancing_loss`).
 
     Returns:
         0-dim fp32 tensor; (ln E)² for all-zero logits; 0.0 when there is no valid token.
@@ -130,6 +140,8 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
     lse_T = _valid_rows(torch.logsumexp(_fp32(logits_TE), dim=-1), valid_mask_T)
     if lse_T.numel() == 0:
         return _fp32(logits_TE)[:0].sum()  # keeps the graph; exactly 0, NaN-safe
+    if tokens_per_rank is not None:
+        return (lse_T ** 2).sum() / tokens_per_rank
     return (lse_T ** 2).mean()
 
 

@@ -1,22 +1,21 @@
-"""The training loop: AdamW, warm-up + cosine LR, clipping, aux losses, eval, checkpoints.
+"""The training loop: one optimizer step at a time, logging, evaluation and checkpoints.
 
 Legend: B batch, Q sequence length, L MoE layers, E experts.
 
-One step: draw the step's batch (a pure function of seed and step), forward, loss =
-cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
+One step (:func:`_step`): draw the step's batch (a pure function of seed and step), forward,
+loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
 ``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers), backward, clip,
-AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts.
-Every ``log_every`` steps a ``metrics.jsonl`` line; every ``eval_every`` steps (and at the end)
-validation on fixed windows and a checkpoint. The
-first Ctrl-C finishes the current step, saves a checkpoint and returns; a second one aborts.
+AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts; it
+returns a :class:`StepRecord`.
+Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`); every ``eval_every`` steps
+(and at the end) validation on fixed windows and a checkpoint (:func:`_evaluate_and_checkpoint`).
+The first Ctrl-C finishes the current step, saves a checkpoint and returns; a second one aborts.
+Set-up (resume rules, data, model, optimizer) is in :mod:`memfine.train.setup`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
-import random
 import signal
 import threading
 import time
@@ -28,32 +27,22 @@ from typing import Any
 
 import torch
 
-from memfine._optional import require
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
-from memfine.train.checkpoint import (
-    CHECKPOINT_NAME,
-    load_checkpoint,
-    save_checkpoint,
-    set_rng_state,
-)
-from memfine.train.data import ByteCorpus, decode, train_batch, unigram_entropy, val_batches
+from memfine.train.checkpoint import save_checkpoint, save_sharded_checkpoint
+from memfine.train.data import ByteCorpus, decode, train_batch
 from memfine.train.metrics import (
-    METRICS_NAME,
-    MetricsLog,
     format_expert_load,
     load_max_over_mean,
     nats_to_bits,
     plot_run,
     report_final,
 )
+from memfine.train.parallel import ParallelTraining, SingleProcess
+from memfine.train.setup import RunState, setup_run
 
-ADAM_BETAS = (0.9, 0.95)
 SAMPLE_TEMPERATURE = 0.8
 SAMPLE_PROMPT_BYTES = 48
-# Fields a resumed run may change; everything else must match the checkpoint.
-RESUMABLE_FIELDS = ("max_steps", "eval_every", "eval_batches", "log_every", "sample_tokens",
-                    "device")
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,29 +70,36 @@ class TrainResult:
     interrupted: bool
 
 
-def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, min_ratio: float) -> float:
-    """LR multiplier for 0-based ``step``: linear warm-up, cosine to ``min_ratio``, then flat."""
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    if step >= decay_steps:
-        return min_ratio
-    progress = (step - warmup_steps) / max(1, decay_steps - warmup_steps)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """What one optimizer step measured (values combined over the ranks where stated).
 
+    Attributes:
+        step: completed steps after this one.
+        train_loss: cross-entropy of the step, nats/byte (mean over micro-batches and ranks).
+        lr: learning rate the step used.
+        grad_norm: global gradient norm before clipping.
+        load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
+            and ranks: each micro-batch's value over all ranks' tokens, with its own expert
+            fractions f).
+        z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
+        num_chunks: chunk count c per MoE layer.
+        tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
+        seconds: wall time of the step, seconds.
+        dropped_pairs: (token, slot) pairs dropped by capacity per MoE layer, this rank's sum
+            over the micro-batches; None when routing is dropless.
+    """
 
-def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> tuple[
-        torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (weight decay on tensors with ≥ 2 dims only) and its warm-up + cosine schedule."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2],
-               "weight_decay": config.weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS)
-    decay_steps = config.lr_decay_steps or max(config.max_steps, config.warmup_steps, 1)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=config.warmup_steps, decay_steps=decay_steps,
-        min_ratio=config.min_lr_ratio))
-    return optimizer, scheduler
+    step: int
+    train_loss: float
+    lr: float
+    grad_norm: float
+    load_balancing_loss: float
+    z_loss: float
+    num_chunks: list[int]
+    tokens_per_expert_LE: torch.Tensor
+    seconds: float
+    dropped_pairs: list[int] | None = None
 
 
 @torch.no_grad()
@@ -136,34 +132,10 @@ def _graceful_sigint() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _check_resumable(config: TrainConfig, saved: TrainConfig, path: Path) -> None:
-    changed = [f.name for f in dataclasses.fields(config) if f.name not in RESUMABLE_FIELDS
-               and getattr(config, f.name) != getattr(saved, f.name)]
-    if changed:
-        raise ValueError(f"cannot resume from {str(path)!r} with a different {changed}; only "
-                         f"{list(RESUMABLE_FIELDS)} may change on resume")
-
-
-def _restore(payload: dict[str, Any], path: Path, model: torch.nn.Module,
-             optimizer: torch.optim.Optimizer, scheduler: Any, parallel: Any = None) -> int:
-    try:
-        if parallel is None:
-            model.load_state_dict(payload["model"])
-            optimizer.load_state_dict(payload["optimizer"])
-        else:  # full expert tensors, sliced for this rank (any saved EP size)
-            parallel.load_states(model, optimizer, payload["model"], payload["optimizer"])
-        scheduler.load_state_dict(payload["scheduler"])
-        set_rng_state(payload["rng"])
-    except (RuntimeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {str(path)!r} does not match its config "
-                         f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
-    return int(payload["step"])
-
-
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
           progress: bool = True, plot: bool = False,
-          on_step: Callable[[int], None] | None = None, parallel: Any = None,
-          threads: int | None = None) -> TrainResult:
+          on_step: Callable[[int], None] | None = None,
+          parallel: ParallelTraining | None = None, threads: int | None = None) -> TrainResult:
     """Train the byte-level MoE language model of ``config`` on its corpus.
 
     Args:
@@ -171,14 +143,15 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         out_dir: run directory for ``config.json``, ``metrics.jsonl``, ``checkpoint.pt``,
             ``summary.json`` and ``sample.txt`` (created if missing; files are replaced).
         resume: continue from ``out_dir/checkpoint.pt``; ``config`` must equal the saved one
-            except for :data:`RESUMABLE_FIELDS`.
+            except for :data:`memfine.train.setup.RESUMABLE_FIELDS`.
         progress: show a tqdm progress bar (loss, tokens/s).
         plot: write ``chunks.png`` and ``loss.png`` at the end.
         on_step: called with the number of completed steps after each step (a
             ``KeyboardInterrupt`` raised there is handled like Ctrl-C).
-        parallel: expert parallelism under torchrun (``memfine.parallel.ExpertParallelTraining``,
-            from ``memfine train --ep``): shards the experts and each global batch, reduces and
-            clips gradients over the ranks; only its main rank writes files. None: one process.
+        parallel: the parallel hooks (:class:`memfine.train.parallel.ParallelTraining`), e.g.
+            ``memfine.parallel.DistributedTraining`` from ``memfine train`` under torchrun:
+            shards the model (experts over ``ep``, FSDP2 over the data dims) and each global
+            batch, clips by the global norm; only its main rank writes files. None: one process.
         threads: CPU threads for torch during the run (restored afterwards); ``None`` keeps
             torch's setting. One thread is much faster than two on a CPU shared with other jobs.
 
@@ -196,182 +169,195 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        return _train(config, Path(out_dir), resume=resume, progress=progress, plot=plot,
-                      on_step=on_step, parallel=parallel)
+        run = setup_run(config, Path(out_dir), resume=resume, progress=progress,
+                        parallel=parallel if parallel is not None else SingleProcess())
+        return _loop(run, plot=plot, on_step=on_step)
     finally:
         torch.set_num_threads(previous_threads)
 
 
-def _train(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool, plot: bool,
-           on_step: Callable[[int], None] | None, parallel: Any) -> TrainResult:
-    t_start = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
-    ckpt_path = out_dir / CHECKPOINT_NAME
-    payload = load_checkpoint(ckpt_path) if resume else None
-    if payload is not None:
-        saved = TrainConfig.from_dict(payload["config"])
-        if config.lr_decay_steps is None:
-            config = dataclasses.replace(config, lr_decay_steps=saved.lr_decay_steps)
-        _check_resumable(config, saved, ckpt_path)
-    if config.lr_decay_steps is None:  # a run shorter than its warm-up never decays
-        config = dataclasses.replace(
-            config, lr_decay_steps=max(config.max_steps, config.warmup_steps, 1))
-    config_text = json.dumps(config.to_dict(), indent=2)
-    print(f"config:\n{config_text}")
-    main = parallel is None or parallel.is_main
-    if main:
-        (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
-
-    corpus = ByteCorpus.load(config.data, val_fraction=config.val_fraction,
-                             seq_len=config.seq_len)
-    unigram = unigram_entropy(corpus.val_ids)
-    print(f"data: {corpus.description}: {corpus.train_ids.numel():,} train bytes, "
-          f"{corpus.val_ids.numel():,} validation bytes (unigram entropy {unigram:.4f} nats/byte)")
-
-    torch.manual_seed(config.seed)
-    random.seed(config.seed)
-    device, dtype = torch.device(config.device), getattr(torch, config.dtype)
-    model = MoETransformerLM(config.model).to(device=device, dtype=dtype)
-    if parallel is not None:
-        parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
-        parallel.prepare_model(model)
-    optimizer, scheduler = build_optimizer(model, config)
-    start = _restore(payload, ckpt_path, model, optimizer, scheduler, parallel) if payload else 0
-    if resume and start >= config.max_steps:
-        raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
-                         f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters; {torch.get_num_threads()} CPU thread(s); "
-          f"{'resuming at' if resume else 'starting at'} step {start} of {config.max_steps}; "
-          f"writing to {out_dir}")
-    log = MetricsLog(out_dir / METRICS_NAME, keep_until_step=start if resume else None) \
-        if main else None
-    val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
-                           batch_size=config.batch_size, seq_len=config.seq_len)
-    bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
-                               dynamic_ncols=True, mininterval=0.5) if progress and main else None
-    say = bar.write if bar is not None else print if main else lambda *_: None
-
-    def checkpoint(step: int) -> None:
-        states = (model, optimizer) if parallel is None else parallel.full_states(model, optimizer)
-        if main:
-            save_checkpoint(ckpt_path, step=step, config=config.to_dict(), model=states[0],
-                            optimizer=states[1], scheduler=scheduler)
-
-    moe = config.model.moe
-    tokens_per_step = config.batch_size * config.seq_len
-    losses: list[float] = []
-    step, consistent, val_loss = start, True, None
-    run_time = log_time = 0.0
-    log_steps = 0
-    load_log_LE = load_eval_LE = None
+def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -> TrainResult:
+    """Run the steps from ``run.start`` to ``max_steps``; Ctrl-C checkpoints and returns."""
+    config = run.config
     try:
         with _graceful_sigint() as stop:
-            for step_index in range(start, config.max_steps):
-                t0 = time.perf_counter()
-                x_BQ, y_BQ = train_batch(corpus.train_ids, batch_size=config.batch_size,
-                                         seq_len=config.seq_len, seed=config.seed,
-                                         step=step_index)
-                if parallel is not None:
-                    x_BQ, y_BQ = parallel.shard_batch(x_BQ, y_BQ)
-                out = model(x_BQ.to(device), y_BQ.to(device))
-                loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
-                        + moe.z_loss_coef * out.z_loss)
-                if moe.seq_aux_loss_coef > 0:
-                    loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
-                optimizer.zero_grad(set_to_none=True)
-                loss.backward()
-                clip = torch.nn.utils.clip_grad_norm_
-                if parallel is not None:
-                    parallel.reduce_gradients(model)
-                    clip = parallel.clip_grad_norm_
-                grad_norm = clip(
-                    model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
-                lr = scheduler.get_last_lr()[0]
-                consistent = False
-                optimizer.step()
-                scheduler.step()
-                step, consistent = step_index + 1, True
-                dt = time.perf_counter() - t0
-                run_time, log_time, log_steps = run_time + dt, log_time + dt, log_steps + 1
-                losses.append((out.loss if parallel is None else parallel.mean(out.loss)).item())
-                if not math.isfinite(losses[-1]):
-                    raise ValueError(f"training diverged at step {step}: train loss "
-                                     f"{losses[-1]}; lower --lr or --grad-clip ({ckpt_path} "
-                                     f"keeps the last evaluated step)")
-                load_LE = out.tokens_per_expert
-                load_LE = (load_LE if parallel is None else parallel.sum(load_LE)).cpu()
-                model.update_expert_bias(load_LE)  # once per step, global counts
-                load_log_LE = load_LE if load_log_LE is None else load_log_LE + load_LE
-                load_eval_LE = load_LE if load_eval_LE is None else load_eval_LE + load_LE
-                is_eval = step % config.eval_every == 0 or step == config.max_steps
+            for step_index in range(run.start, config.max_steps):
+                record = _step(run, step_index)
+                is_eval = record.step % config.eval_every == 0 or record.step == config.max_steps
                 if is_eval:
-                    val_loss = evaluate(model, val_data, device)
-                    say(f"step {step}: train {losses[-1]:.4f}, validation {val_loss:.4f} "
-                        f"nats/byte ({nats_to_bits(val_loss):.3f} bits/byte); expert load:\n"
-                        f"{format_expert_load(load_eval_LE)}")
-                    load_eval_LE = None
-                    checkpoint(step)
-                if step % config.log_every == 0 or is_eval:
-                    record = {
-                        "step": step, "train_loss": losses[-1], "lr": lr,
-                        "tokens_per_s": log_steps * tokens_per_step / log_time,
-                        "load_balancing_loss": out.load_balancing_loss.item(),
-                        "z_loss": out.z_loss.item(), "grad_norm": grad_norm.item(),
-                        "num_chunks": [a.num_chunks for a in out.aux],
-                        "tokens_per_expert": load_log_LE.tolist(),
-                        "expert_load_max_over_mean": [load_max_over_mean(c)
-                                                      for c in load_log_LE],
-                    }
-                    if is_eval:
-                        record["val_loss"] = val_loss
-                    if not moe.dropless:  # pairs dropped by capacity this step (this rank)
-                        record["dropped_pairs"] = [int(a.dropped_pairs or 0) for a in out.aux]
-                    if log is not None:
-                        log.write(record)
-                    log_time, log_steps, load_log_LE = 0.0, 0, None
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                                    tok_s=f"{tokens_per_step * len(losses) / run_time:,.0f}")
+                    _evaluate_and_checkpoint(run, record)
+                if record.step % config.log_every == 0 or is_eval:
+                    _log(run, record, is_eval=is_eval)
+                _show_progress(run)
                 if on_step is not None:
-                    on_step(step)
+                    on_step(record.step)
                 if stop.is_set():
                     raise KeyboardInterrupt
     except KeyboardInterrupt:
-        if bar is not None:
-            bar.close()
-        if consistent:
-            checkpoint(step)
-            print(f"interrupted: checkpoint of step {step} saved to {ckpt_path}; "
-                  f"continue with --resume --out {out_dir}")
-        else:
-            print(f"interrupted during an optimizer update; {ckpt_path} keeps the last "
-                  f"evaluated step")
-        return TrainResult(step=step, train_losses=tuple(losses), final_val_loss=None,
-                           unigram_entropy=unigram, tokens_per_s=_rate(losses, tokens_per_step,
-                                                                       run_time),
-                           wall_s=time.perf_counter() - t_start, sample="", interrupted=True)
-    if bar is not None:
-        bar.close()
+        return _interrupted(run)
+    return _finish(run, plot=plot)
+
+
+def _step(run: RunState, step_index: int) -> StepRecord:
+    """One optimizer step on the batch of ``step_index`` (0-based); updates ``run``'s progress.
+
+    The step's batch of N·B sequences (N = ``grad_accum``) runs as N micro-batches of B, each
+    loss divided by N, so the summed gradients are those of the whole batch; gradients are
+    reduced over the ranks on the last micro-batch only.
+
+    Raises:
+        ValueError: when the training loss is not finite (divergence).
+    """
+    config, model, parallel = run.config, run.model, run.parallel
+    t0 = time.perf_counter()
+    N, B = config.grad_accum, config.batch_size
+    x_NBQ, y_NBQ = train_batch(run.corpus.train_ids, batch_size=N * B, seq_len=config.seq_len,
+                               seed=config.seed, step=step_index)
+    run.optimizer.zero_grad(set_to_none=True)
+    outs = []
+    for m in range(N):
+        parallel.set_gradient_sync(model, m == N - 1)
+        outs.append(_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B], N))
+    losses_N3 = torch.stack([out[0] for out in outs])
+    grad_norm = parallel.clip_grad_norm_(
+        model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
+    lr = run.scheduler.get_last_lr()[0]
+    run.consistent = False
+    run.optimizer.step()
+    run.scheduler.step()
+    run.step, run.consistent = step_index + 1, True
+    dt = time.perf_counter() - t0
+    run.run_time, run.log_time, run.log_steps = (run.run_time + dt, run.log_time + dt,
+                                                 run.log_steps + 1)
+    # CE, LBL, z-loss: mean over the micro-batches, then over the ranks
+    ce, lbl, z = parallel.mean(losses_N3.mean(0)).tolist()
+    run.losses.append(ce)
+    if not math.isfinite(ce):
+        raise ValueError(f"training diverged at step {run.step}: train loss {ce}; lower --lr or "
+                         f"--grad-clip ({run.ckpt_path} keeps the last evaluated step)")
+    load_LE = parallel.sum(torch.stack([out[1] for out in outs]).sum(0)).cpu()
+    model.update_expert_bias(load_LE)  # once per step, global counts of every micro-batch
+    run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
+    run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
+    return StepRecord(step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm.item(),
+                      load_balancing_loss=lbl, z_loss=z, num_chunks=outs[-1][2],
+                      tokens_per_expert_LE=load_LE, seconds=dt,
+                      dropped_pairs=None if config.model.moe.dropless
+                      else torch.tensor([out[3] for out in outs]).sum(0).tolist())
+
+
+def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Forward and backward of one micro-batch (this rank's rows of it).
+
+    Returns:
+        (3,) detached [cross-entropy, load-balancing loss, z-loss] of this rank, the (L, E)
+        tokens per expert of this rank, the chunk count c per layer and the pairs dropped by
+        capacity per layer (0 when dropless).
+    """
+    moe = run.config.model.moe
+    x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
+    out = run.model(x_BQ.to(run.device), y_BQ.to(run.device))
+    loss = out.loss + moe.aux_loss_coef * out.load_balancing_loss + moe.z_loss_coef * out.z_loss
+    if moe.seq_aux_loss_coef > 0:
+        loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
+    (loss / num_micro).backward()
+    losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
+    load_LE = out.tokens_per_expert
+    dropped = [int(a.dropped_pairs or 0) for a in out.aux]
+    return losses, load_LE, [a.num_chunks for a in out.aux], dropped
+
+
+def _evaluate_and_checkpoint(run: RunState, record: StepRecord) -> None:
+    """Validate, print the loss and expert load since the last evaluation, save a checkpoint."""
+    run.val_loss = evaluate(run.model, run.val_data, run.device)
+    assert run.load_eval_LE is not None, "a step ran since the last evaluation"
+    run.say(f"step {record.step}: train {record.train_loss:.4f}, validation {run.val_loss:.4f} "
+            f"nats/byte ({nats_to_bits(run.val_loss):.3f} bits/byte); expert load:\n"
+            f"{format_expert_load(run.load_eval_LE)}")
+    run.load_eval_LE = None
+    _checkpoint(run)
+
+
+def _checkpoint(run: RunState) -> None:
+    """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank)."""
+    parallel = run.parallel
+    args = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
+            "optimizer": run.optimizer, "scheduler": run.scheduler}
+    if parallel.sharded:
+        save_sharded_checkpoint(run.ckpt_path, is_main=parallel.is_main,
+                                barrier=parallel.barrier, **args)
+    else:
+        save_checkpoint(run.ckpt_path, **args)
+
+
+def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
+    """Write one ``metrics.jsonl`` line covering the steps since the previous one."""
+    assert run.load_log_LE is not None, "a step ran since the last metrics line"
+    line: dict[str, Any] = {
+        "step": record.step, "train_loss": record.train_loss, "lr": record.lr,
+        "tokens_per_s": run.log_steps * run.tokens_per_step / run.log_time,
+        "load_balancing_loss": record.load_balancing_loss, "z_loss": record.z_loss,
+        "grad_norm": record.grad_norm, "num_chunks": record.num_chunks,
+        "tokens_per_expert": run.load_log_LE.tolist(),
+        "expert_load_max_over_mean": [load_max_over_mean(c) for c in run.load_log_LE],
+    }
+    if is_eval:
+        line["val_loss"] = run.val_loss
+    if record.dropped_pairs is not None:  # pairs dropped by capacity this step (this rank)
+        line["dropped_pairs"] = record.dropped_pairs
+    if run.log is not None:
+        run.log.write(line)
+    run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None
+
+
+def _show_progress(run: RunState) -> None:
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix(loss=f"{run.losses[-1]:.3f}",
+                            tok_s=f"{run.tokens_per_step * len(run.losses) / run.run_time:,.0f}")
+
+
+def _result(run: RunState, *, val_loss: float | None, sample: str, interrupted: bool
+            ) -> TrainResult:
+    seconds = run.run_time
+    rate = len(run.losses) * run.tokens_per_step / seconds if seconds > 0 else 0.0
+    return TrainResult(step=run.step, train_losses=tuple(run.losses), final_val_loss=val_loss,
+                       unigram_entropy=run.unigram, tokens_per_s=rate,
+                       wall_s=time.perf_counter() - run.t_start, sample=sample,
+                       interrupted=interrupted)
+
+
+def _interrupted(run: RunState) -> TrainResult:
+    """After Ctrl-C: save the last completed step (unless an update was half applied)."""
+    if run.bar is not None:
+        run.bar.close()
+    if run.consistent:
+        _checkpoint(run)
+        print(f"interrupted: checkpoint of step {run.step} saved to {run.ckpt_path}; "
+              f"continue with --resume --out {run.out_dir}")
+    else:
+        print(f"interrupted during an optimizer update; {run.ckpt_path} keeps the last "
+              f"evaluated step")
+    return _result(run, val_loss=None, sample="", interrupted=True)
+
+
+def _finish(run: RunState, *, plot: bool) -> TrainResult:
+    """Final validation (if none ran), sample, ``summary.json``/``sample.txt``, plots."""
+    if run.bar is not None:
+        run.bar.close()
+    val_loss = run.val_loss
     if val_loss is None:  # resumed at (or past) max_steps: nothing ran
-        val_loss = evaluate(model, val_data, device)
-    sample = _sample(model, corpus, config, device)
-    result = TrainResult(step=step, train_losses=tuple(losses), final_val_loss=val_loss,
-                         unigram_entropy=unigram,
-                         tokens_per_s=_rate(losses, tokens_per_step, run_time),
-                         wall_s=time.perf_counter() - t_start, sample=sample, interrupted=False)
-    if main:
-        report_final(out_dir, step=result.step, val_loss=val_loss, unigram=unigram,
+        val_loss = evaluate(run.model, run.val_data, run.device)
+    sample = _sample(run.model, run.corpus, run.config, run.device)
+    result = _result(run, val_loss=val_loss, sample=sample, interrupted=False)
+    if run.parallel.is_main:
+        report_final(run.out_dir, step=result.step, val_loss=val_loss, unigram=run.unigram,
                      tokens_per_s=result.tokens_per_s, wall_s=result.wall_s, sample=sample,
                      temperature=SAMPLE_TEMPERATURE)
-    if plot and main:
-        print("plots: " + ", ".join(str(p) for p in plot_run(out_dir)))
+    if plot and run.parallel.is_main:
+        print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
     return result
-
-
-def _rate(losses: list[float], tokens_per_step: int, seconds: float) -> float:
-    return len(losses) * tokens_per_step / seconds if seconds > 0 else 0.0
 
 
 def _sample(model: MoETransformerLM, corpus: ByteCorpus, config: TrainConfig,

@@ -1,0 +1,209 @@
+"""Flag tables shared by the subcommands: one pattern, one "not given" marker, one int-list parser.
+
+Each subcommand lists its flags as :class:`Flag` rows and adds them with :func:`add_flags`. A flag
+is named after the config field it sets (``--num-chunks`` sets ``ChunkConfig.num_chunks``), with
+the same name in every subcommand; older spellings stay accepted as hidden aliases. A flag that
+was not given keeps a :class:`NotGiven` default, which is how a given value is told from an
+untouched one (``given``); :func:`value` unwraps either. ``--config FILE`` (TOML) fills the flags
+that were not given (:func:`apply_config_file`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class NotGiven:
+    """Default of a flag that was not given.
+
+    Args:
+        value: what the subcommand uses when the flag is absent (None: decided later, e.g. by
+            a preset).
+        text: what ``--help`` prints as the default (``str(value)`` when None).
+    """
+
+    __slots__ = ("text", "value")
+
+    def __init__(self, value: Any = None, text: str | None = None) -> None:
+        """Keep ``value`` and ``text``; arguments as on the class."""
+        self.value, self.text = value, text if text is not None else str(value)
+
+    def __repr__(self) -> str:
+        """The help text."""
+        return self.text
+
+    __str__ = __repr__
+
+
+def given(args: argparse.Namespace, dest: str) -> bool:
+    """Whether the flag stored in ``dest`` was given on the command line."""
+    return not isinstance(getattr(args, dest), NotGiven)
+
+
+def value(args: argparse.Namespace, dest: str) -> Any:
+    """The flag's value: as given, or its :class:`NotGiven` default's ``value``."""
+    got = getattr(args, dest)
+    return got.value if isinstance(got, NotGiven) else got
+
+
+def name_flag(message: str, args: argparse.Namespace, flags: Iterable[Flag]) -> str:
+    """Prefix a config error with the flag that set the field, and its value.
+
+    ``"TrainConfig.seed must be in [0, 4294967295], got 4294967296"`` becomes
+    ``"--seed 4294967296: TrainConfig.seed must be ..."``; a field no flag sets is left as is.
+    """
+    field = message.split(" ", 1)[0].rpartition(".")[2]
+    for flag in flags:
+        if any(path.rpartition(".")[2] == field for path in flag.paths):
+            shown = getattr(args, flag.dest)
+            shown = "(default)" if isinstance(shown, NotGiven) else shown
+            return f"{flag.name} {shown}: {message}"
+    return message
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """Parse ``"1,2,4,8"`` into ``(1, 2, 4, 8)`` (an argparse ``type``).
+
+    Raises:
+        argparse.ArgumentTypeError: when an item is not an int (argparse names the flag).
+    """
+    try:
+        return tuple(int(item) for item in str(text).split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
+                                         f"{text!r}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class Flag:
+    """One command-line flag and the config fields it sets.
+
+    Attributes:
+        name: the flag, e.g. ``"--num-chunks"`` (the config field's name, dashed).
+        paths: dotted config fields it sets (``("model.chunk.num_chunks",)``); empty for run
+            options that belong to no config.
+        help: help text (the default is appended by the formatter).
+        type: argparse ``type`` (ignored with ``action``).
+        choices: allowed values, or None.
+        default: the default, normally a :class:`NotGiven`; None: ask ``add_flags``'s
+            ``default_for``.
+        nargs: argparse ``nargs``, or None.
+        action: argparse ``action`` (``"store_true"``, ``argparse.BooleanOptionalAction``), or
+            None for a value flag.
+        aliases: older spellings, accepted but hidden from ``--help``.
+    """
+
+    name: str
+    paths: tuple[str, ...]
+    help: str
+    type: Any = int
+    choices: Any = None
+    default: Any = None
+    nargs: str | None = None
+    action: Any = None
+    aliases: tuple[str, ...] = ()
+
+    @property
+    def dest(self) -> str:
+        """The attribute on the parsed namespace (``--num-chunks`` → ``num_chunks``)."""
+        return self.name[2:].replace("-", "_")
+
+
+def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag],
+              default_for: Callable[[Flag], Any] | None = None) -> None:
+    """Add each flag (and its hidden aliases) to ``parser``.
+
+    Args:
+        parser: the subcommand's parser.
+        flags: the table.
+        default_for: default of a flag whose ``default`` is None (e.g. the presets' values).
+
+    Raises:
+        ValueError: when a flag has no default and no ``default_for`` is given (a memfine bug).
+    """
+    for flag in flags:
+        default = flag.default
+        if default is None:
+            if default_for is None:
+                raise ValueError(f"flag {flag.name} has no default")
+            default = default_for(flag)
+        kwargs: dict[str, Any] = {"dest": flag.dest, "default": default, "help": flag.help}
+        if flag.action is not None:
+            kwargs["action"] = flag.action
+        else:
+            kwargs.update(type=flag.type, choices=flag.choices, nargs=flag.nargs)
+        parser.add_argument(flag.name, **kwargs)
+        for alias in flag.aliases:
+            parser.add_argument(alias, **{**kwargs, "help": argparse.SUPPRESS})
+
+
+def apply_config_file(args: argparse.Namespace, path: str | Path, flags: Iterable[Flag]) -> None:
+    """Fill flags not given on the command line from a TOML file (flags given win).
+
+    The file is flat: one ``key = value`` per flag, the key being the flag's name without the
+    dashes and with underscores (``max_steps = 400``, ``memory_budget = "16MiB"``,
+    ``bins = [1, 2, 4]``, ``plot = true``). Strings go through the flag's parser, as on the
+    command line.
+
+    Raises:
+        ValueError: naming the file and the key on an unreadable file, an unknown key, or a
+            value the flag does not accept.
+    """
+    table = _read_toml(Path(path))
+    by_key = {}
+    for flag in flags:
+        for name in (flag.name, *flag.aliases):
+            by_key[name[2:].replace("-", "_")] = flag
+    for key, raw in table.items():
+        flag = by_key.get(key)
+        if flag is None:
+            raise ValueError(f"--config {str(path)!r}: unknown key {key!r}; allowed: "
+                             f"{', '.join(sorted({f.dest for f in by_key.values()}))}")
+        if not given(args, flag.dest):
+            setattr(args, flag.dest, _config_value(flag, raw, f"--config {str(path)!r}: {key}"))
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        from memfine._optional import require
+
+        tomllib = require("tomli")
+    try:
+        with path.open("rb") as f:
+            return dict(tomllib.load(f))
+    except OSError as err:
+        raise ValueError(f"--config {str(path)!r} cannot be read: {err.strerror or err}"
+                         ) from err
+    except tomllib.TOMLDecodeError as err:
+        raise ValueError(f"--config {str(path)!r} is not valid TOML: {err}") from err
+
+
+def _config_value(flag: Flag, raw: Any, where: str) -> Any:
+    """Convert one TOML value as the command line would; ValueError naming ``where``."""
+    if flag.action is not None:
+        if not isinstance(raw, bool):
+            raise ValueError(f"{where} must be true or false, got {raw!r}")
+        return raw
+    if flag.nargs is not None:
+        items = raw if isinstance(raw, list) else [raw]
+        return [_convert(flag, str(item), where) for item in items]
+    if isinstance(raw, (bool, dict)):
+        raise ValueError(f"{where} must be a number or a string, got {raw!r}")
+    text = ",".join(map(str, raw)) if isinstance(raw, list) else str(raw)
+    return _convert(flag, text, where)
+
+
+def _convert(flag: Flag, text: str, where: str) -> Any:
+    try:
+        out = flag.type(text)
+    except (ValueError, TypeError, argparse.ArgumentTypeError) as err:
+        raise ValueError(f"{where}: {err}") from None
+    if flag.choices is not None and out not in flag.choices:
+        raise ValueError(f"{where} must be one of {list(flag.choices)}, got {out!r}")
+    return out

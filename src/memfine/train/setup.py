@@ -1,0 +1,236 @@
+"""Setting up a training run: resume rules, data, model and optimizer, outputs.
+
+Legend: B batch, Q sequence length, L MoE layers, E experts.
+
+:func:`setup_run` builds a :class:`RunState` in steps (resolve the config against the checkpoint,
+load the data, build model and optimizer, restore the checkpoint, open the outputs); the loop in
+:mod:`memfine.train.loop` then updates the state's progress fields step by step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfine._optional import require
+from memfine.config import TrainConfig
+from memfine.nn import MoETransformerLM
+from memfine.train.checkpoint import (
+    CHECKPOINT_NAME,
+    SHARDED_NAME,
+    find_checkpoint,
+    load_states,
+    read_checkpoint,
+    set_rng_state,
+)
+from memfine.train.data import ByteCorpus, unigram_entropy, val_batches
+from memfine.train.metrics import METRICS_NAME, MetricsLog
+from memfine.train.optim import build_optimizer
+from memfine.train.parallel import ParallelTraining
+
+# Fields a resumed run may change; everything else must match the checkpoint.
+RESUMABLE_FIELDS = ("max_steps", "eval_every", "eval_batches", "log_every", "sample_tokens",
+                    "device")
+
+
+@dataclass(slots=True)
+class RunState:
+    """One call of :func:`memfine.train.train`: what setup built and the loop's progress.
+
+    Attributes:
+        config: the resolved run config (``lr_decay_steps`` set).
+        out_dir: the run directory.
+        parallel: the parallel hooks (:class:`memfine.train.parallel.SingleProcess` on one
+            process).
+        corpus: the byte corpus and its split.
+        unigram: byte-unigram entropy of the validation split, nats/byte.
+        device: where the model lives.
+        model: the language model.
+        optimizer: AdamW.
+        scheduler: its LR schedule.
+        start: completed steps when this call began (the checkpoint's step on resume).
+        resume: whether this call continues a checkpoint.
+        val_data: fixed validation batches, each ``(x_BQ, y_BQ)`` int64 on CPU.
+        log: the ``metrics.jsonl`` writer (None on ranks other than the main one).
+        bar: the tqdm progress bar, or None.
+        t_start: ``time.perf_counter()`` when the call began, seconds.
+        step: completed optimizer steps so far.
+        losses: cross-entropy of each step run by this call, nats/byte.
+        val_loss: the latest validation loss, nats/byte (None before the first evaluation).
+        consistent: False while an optimizer update is half applied (no checkpoint then).
+        run_time: seconds spent in this call's steps.
+        log_time: seconds of the steps since the last ``metrics.jsonl`` line.
+        log_steps: steps since the last ``metrics.jsonl`` line.
+        load_log_LE: (L, E) int64 tokens per expert since the last metrics line, or None.
+        load_eval_LE: (L, E) int64 tokens per expert since the last evaluation, or None.
+    """
+
+    config: TrainConfig
+    out_dir: Path
+    parallel: ParallelTraining
+    corpus: ByteCorpus
+    unigram: float
+    device: torch.device
+    model: MoETransformerLM
+    optimizer: torch.optim.AdamW
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    start: int
+    resume: bool
+    val_data: list[tuple[torch.Tensor, torch.Tensor]]
+    log: MetricsLog | None
+    bar: Any
+    t_start: float
+    step: int = 0
+    losses: list[float] = field(default_factory=list)
+    val_loss: float | None = None
+    consistent: bool = True
+    run_time: float = 0.0
+    log_time: float = 0.0
+    log_steps: int = 0
+    load_log_LE: torch.Tensor | None = None
+    load_eval_LE: torch.Tensor | None = None
+
+    @property
+    def ckpt_path(self) -> Path:
+        """``out_dir/checkpoint.dcp`` (sharded runs) or ``out_dir/checkpoint.pt``."""
+        return self.out_dir / (SHARDED_NAME if self.parallel.sharded else CHECKPOINT_NAME)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens of one optimizer step, B·N·Q (N micro-batches of B sequences)."""
+        return self.config.batch_size * self.config.grad_accum * self.config.seq_len
+
+    def say(self, text: str) -> None:
+        """Print on the main process (through the progress bar when there is one)."""
+        if self.bar is not None:
+            self.bar.write(text)
+        elif self.parallel.is_main:
+            print(text)
+
+
+def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool,
+              parallel: ParallelTraining) -> RunState:
+    """Resolve the config, load data, build model and optimizer, restore, open the outputs.
+
+    Raises:
+        ValueError: on bad data, a missing/corrupt checkpoint, a config that does not match
+            it, or a checkpoint already at ``max_steps``.
+    """
+    t_start = time.perf_counter()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config, payload = resolve_config(config, out_dir, resume=resume)
+    config_text = json.dumps(config.to_dict(), indent=2)
+    print(f"config:\n{config_text}")
+    if parallel.is_main:
+        (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+    corpus, unigram = load_data(config)
+    device = torch.device(config.device)
+    model, optimizer, scheduler = build_model(config, parallel, device)
+    start = restore(payload, model, optimizer, scheduler, parallel) if payload else 0
+    if resume and start >= config.max_steps:
+        raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
+                         f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params:,} parameters; {torch.get_num_threads()} CPU thread(s); "
+          f"{'resuming at' if resume else 'starting at'} step {start} of {config.max_steps}; "
+          f"writing to {out_dir}")
+    log = (MetricsLog(out_dir / METRICS_NAME, keep_until_step=start if resume else None)
+           if parallel.is_main else None)
+    val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
+                           batch_size=config.batch_size, seq_len=config.seq_len)
+    bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
+                               dynamic_ncols=True, mininterval=0.5) \
+        if progress and parallel.is_main else None
+    return RunState(config=config, out_dir=out_dir, parallel=parallel, corpus=corpus,
+                    unigram=unigram, device=device, model=model, optimizer=optimizer,
+                    scheduler=scheduler, start=start, resume=resume, val_data=val_data, log=log,
+                    bar=bar, t_start=t_start, step=start)
+
+
+def resolve_config(config: TrainConfig, out_dir: Path, *, resume: bool
+                   ) -> tuple[TrainConfig, dict[str, Any] | None]:
+    """Apply the resume rules and resolve ``lr_decay_steps``.
+
+    Returns:
+        The config to run and the payload of the newest checkpoint in ``out_dir``
+        (:func:`memfine.train.checkpoint.read_checkpoint`; None without ``resume``).
+
+    Raises:
+        ValueError: when the checkpoint is missing or corrupt, or ``config`` differs from the
+            saved one outside :data:`RESUMABLE_FIELDS`.
+    """
+    payload = None
+    if resume:
+        ckpt_path = find_checkpoint(out_dir)
+        payload = {**read_checkpoint(ckpt_path), "path": str(ckpt_path)}
+        saved = TrainConfig.from_dict(payload["config"])
+        if config.lr_decay_steps is None:
+            config = dataclasses.replace(config, lr_decay_steps=saved.lr_decay_steps)
+        changed = [f.name for f in dataclasses.fields(config) if f.name not in RESUMABLE_FIELDS
+                   and getattr(config, f.name) != getattr(saved, f.name)]
+        if changed:
+            raise ValueError(f"cannot resume from {str(ckpt_path)!r} with a different {changed}; "
+                             f"only {list(RESUMABLE_FIELDS)} may change on resume")
+    if config.lr_decay_steps is None:  # a run shorter than its warm-up never decays
+        config = dataclasses.replace(
+            config, lr_decay_steps=max(config.max_steps, config.warmup_steps, 1))
+    return config, payload
+
+
+def load_data(config: TrainConfig) -> tuple[ByteCorpus, float]:
+    """Load and split the corpus; print its sizes and the unigram baseline.
+
+    Returns:
+        The corpus and the byte-unigram entropy of its validation split, nats/byte.
+    """
+    corpus = ByteCorpus.load(config.data, val_fraction=config.val_fraction,
+                             seq_len=config.seq_len)
+    unigram = unigram_entropy(corpus.val_ids)
+    print(f"data: {corpus.description}: {corpus.train_ids.numel():,} train bytes, "
+          f"{corpus.val_ids.numel():,} validation bytes (unigram entropy {unigram:.4f} nats/byte)")
+    return corpus, unigram
+
+
+def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.device
+                ) -> tuple[MoETransformerLM, torch.optim.AdamW,
+                           torch.optim.lr_scheduler.LambdaLR]:
+    """Seed, build the model on ``device`` in ``config.dtype``, prepare it, build the optimizer."""
+    torch.manual_seed(config.seed)
+    random.seed(config.seed)
+    model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
+    parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
+    parallel.prepare_model(model)
+    optimizer, scheduler = build_optimizer(model, config)
+    return model, optimizer, scheduler
+
+
+def restore(payload: dict[str, Any], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+            parallel: ParallelTraining) -> int:
+    """Load a checkpoint payload into model, optimizer, scheduler and the RNGs.
+
+    Either form (one file, or a DCP directory written at any mesh layout) loads into a whole or
+    a sharded model (:func:`memfine.train.checkpoint.load_states`).
+
+    Returns:
+        The checkpoint's completed steps.
+
+    Raises:
+        ValueError: naming the checkpoint when the states do not fit the model built from the
+            config.
+    """
+    try:
+        load_states(payload, model, optimizer, sharded=parallel.sharded)
+        scheduler.load_state_dict(payload["scheduler"])
+        set_rng_state(payload["rng"])
+    except (RuntimeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {payload['path']!r} does not match its config "
+                         f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
+    return int(payload["step"])

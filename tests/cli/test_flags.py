@@ -1,0 +1,67 @@
+"""The shared flag table: aliases, "not given" markers, the int-list parser (memfine.cli._flags)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from memfine.cli import bench
+from memfine.cli import train as train_cli
+from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, given, value
+
+
+def _parser(*flags: Flag) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="t")
+    add_flags(parser, flags)
+    return parser
+
+
+def test_alias_sets_the_same_field_and_is_hidden_from_help() -> None:
+    parser = _parser(Flag("--num-chunks", ("chunk.num_chunks",), "chunks", default=NotGiven(1),
+                          aliases=("--moe-chunks",)))
+    assert parser.parse_args(["--moe-chunks", "4"]).num_chunks == 4
+    assert parser.parse_args(["--num-chunks", "3"]).num_chunks == 3
+    assert "--moe-chunks" not in parser.format_help()
+    untouched = parser.parse_args([])
+    assert not given(untouched, "num_chunks") and value(untouched, "num_chunks") == 1
+    assert given(parser.parse_args(["--num-chunks", "1"]), "num_chunks")
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    pytest.param("1,2,4,8", (1, 2, 4, 8), id="four"),
+    pytest.param("3", (3,), id="one"),
+    pytest.param(" 5, 6", (5, 6), id="spaces"),
+])
+def test_comma_ints(text: str, expected: tuple[int, ...]) -> None:
+    assert comma_ints(text) == expected
+
+
+def test_comma_ints_names_the_flag_on_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = _parser(Flag("--bins", (), "bins", comma_ints, default=NotGiven((1,))))
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--bins", "1,two"])
+    assert "argument --bins: expected comma-separated ints such as 1,2,4,8, got '1,two'" in (
+        capsys.readouterr().err)
+
+
+def test_old_and_new_train_spellings_give_the_same_config() -> None:
+    parser = argparse.ArgumentParser()
+    train_cli.add_arguments(parser)
+    new = parser.parse_args(["--num-chunks", "2", "--memory-budget", "1MiB", "--bins", "1,2"])
+    old = parser.parse_args(["--moe-chunks", "2", "--moe-memory-budget", "1MiB",
+                             "--chunk-bins", "1,2"])
+    assert train_cli.resolve_config(new) == train_cli.resolve_config(old)
+    chunk = train_cli.resolve_config(new)[0].model.chunk
+    assert (chunk.num_chunks, chunk.memory_budget_bytes, chunk.bins) == (2, 2**20, (1, 2))
+
+
+def test_shared_flags_have_one_name_across_subcommands() -> None:
+    parsers = {}
+    for name, module in (("train", train_cli), ("bench", bench)):
+        parsers[name] = argparse.ArgumentParser()
+        module.add_arguments(parsers[name])
+    for flag in ("--memory-budget", "--hidden-size", "--intermediate-size", "--num-experts",
+                 "--top-k", "--dtype", "--threads", "--device", "--seed", "--out"):
+        for name, parser in parsers.items():
+            assert flag in parser.format_help(), (name, flag)
