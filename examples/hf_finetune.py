@@ -1,166 +1,216 @@
-"""Fine-tune a small random transformers MoE model with experts_implementation="memfine".
+"""Fine-tune a small transformers MoE model with the HF Trainer: memfine vs grouped_mm vs eager.
 
-A Qwen3-MoE model is built from a config (no download), then trained on the same real text as
-``memfine train`` (Python's ``pydoc_data/topics.py``, byte-level: vocabulary 256) once per
-experts implementation, from the same initial weights and on the same batches. The script prints
-the loss curves side by side (equal to fp32 rounding until a rounding difference flips one top-k
-routing decision; from there on the runs diverge, as transformers' own eager and grouped_mm do),
-the time per step and the bytes the forward pass saves for backward.
+A small random Qwen3-MoE (or GPT-OSS, ``--model gpt_oss``) language model is built from a config
+(no download) and trained with ``transformers.Trainer`` on real text (Python's
+``pydoc_data/topics.py``, byte-level: vocabulary 256), with gradient checkpointing and bf16
+autocast on the CPU, once per experts implementation, from the same initial weights and on the
+same batches. Per implementation the script records the time of each step, the peak live bytes
+of one step (memfine's CPU storage tracker) and the bytes saved for backward outside the
+checkpointed layers, and writes them as CSV rows (docs/style.md §6 schema).
 
-    python examples/hf_finetune.py                        # eager, grouped_mm, memfine; 300 steps
-    python examples/hf_finetune.py --steps 400 --num-chunks 4 --csv out.csv --plot out.png
+    pip install -e '.[hf]'                 # transformers + accelerate (the Trainer needs it)
+    python examples/hf_finetune.py         # both models, 3 implementations, 12 steps each
+    python examples/hf_finetune.py --models qwen3_moe --steps 40 --csv out.csv
 
-The only memfine-specific lines are ``register()`` and ``set_experts_implementation("memfine")``.
+The only memfine-specific lines are ``register()`` and ``experts_implementation="memfine"``.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
+import statistics
+import tempfile
 import time
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from memfine._optional import pyplot
+from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.integrations.transformers import register
+from memfine.measure.peak import PeakMemoryTracker
 from memfine.measure.saved import SavedTensorsTracker
-from memfine.train.data import VOCAB_SIZE, ByteCorpus, train_batch, val_batches
+from memfine.train.data import VOCAB_SIZE, ByteCorpus
 
 _MiB = 1 << 20
+DEFAULT_CSV = "benchmarks/results/hf_finetune_cpu.csv"
 
 
-def build_model(args: argparse.Namespace) -> torch.nn.Module:
-    """A small Qwen3-MoE language model over bytes, initialised from ``args.seed``."""
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def build_model(model_type: str, args: argparse.Namespace) -> torch.nn.Module:
+    """A small fp32 MoE language model over bytes, initialised from ``args.seed``."""
+    import transformers
 
-    config = Qwen3MoeConfig(
-        vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size, intermediate_size=args.hidden_size,
-        moe_intermediate_size=args.moe_intermediate_size, num_experts=args.num_experts,
-        num_experts_per_tok=args.top_k, num_hidden_layers=args.layers, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=args.hidden_size // 4, max_position_embeddings=args.seq_len,
-        decoder_sparse_step=1, norm_topk_prob=True, use_cache=False, tie_word_embeddings=True)
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size,
+                  num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=args.hidden_size // 4, max_position_embeddings=args.seq_len,
+                  num_experts_per_tok=args.top_k, use_cache=False, tie_word_embeddings=True)
+    if model_type == "gpt_oss":
+        config = transformers.GptOssConfig(
+            **common, intermediate_size=args.moe_intermediate_size,
+            num_local_experts=args.num_experts, sliding_window=args.seq_len // 2,
+            layer_types=["sliding_attention", "full_attention"] * (args.layers // 2))
+        cls = transformers.GptOssForCausalLM
+    else:
+        config = transformers.Qwen3MoeConfig(
+            **common, intermediate_size=args.hidden_size,
+            moe_intermediate_size=args.moe_intermediate_size, num_experts=args.num_experts,
+            decoder_sparse_step=1, norm_topk_prob=True)
+        cls = transformers.Qwen3MoeForCausalLM
     torch.manual_seed(args.seed)
-    return Qwen3MoeForCausalLM(config).float().train()
+    return cls(config).float()
 
 
-def lm_loss(model: torch.nn.Module, inputs_BQ: torch.Tensor, targets_BQ: torch.Tensor
-            ) -> torch.Tensor:
-    """Mean next-byte cross-entropy, nats per byte."""
-    logits_BQV = model(input_ids=inputs_BQ).logits
-    return F.cross_entropy(logits_BQV.flatten(0, 1), targets_BQ.flatten())
+class ByteWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of ``seq_len`` bytes; labels are the inputs (the model shifts)."""
+
+    def __init__(self, ids: torch.Tensor, seq_len: int) -> None:
+        self.ids, self.seq_len = ids, seq_len
+
+    def __len__(self) -> int:
+        return self.ids.numel() // self.seq_len
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        window = self.ids[i * self.seq_len:(i + 1) * self.seq_len]
+        return {"input_ids": window, "labels": window}
 
 
-def train(impl: str, corpus: ByteCorpus, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Train one fresh model with ``impl``; return per-step losses, times and saved bytes."""
-    model = build_model(args)
-    model.set_experts_implementation(impl)
-    params = list(model.parameters())
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    log: dict[str, list[float]] = {"loss": [], "step_ms": [], "saved_mib": []}
-    for step in range(args.steps):
-        inputs_BQ, targets_BQ = train_batch(corpus.train_ids, batch_size=args.batch_size,
-                                            seq_len=args.seq_len, seed=args.seed, step=step)
-        t0 = time.perf_counter()
-        with SavedTensorsTracker(exclude=params) as saved:
-            loss = lm_loss(model, inputs_BQ, targets_BQ)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        log["step_ms"].append(1e3 * (time.perf_counter() - t0))
-        log["loss"].append(loss.item())
-        log["saved_mib"].append(saved.total_bytes / _MiB)
-        if step % args.log_every == 0 or step == args.steps - 1:
-            print(f"  {impl:>10} step {step:4d}  loss {loss.item():.4f}  "
-                  f"{log['step_ms'][-1]:7.1f} ms  saved {log['saved_mib'][-1]:.2f} MiB",
-                  flush=True)
-    with torch.no_grad():
-        batches = val_batches(corpus.val_ids, num_batches=4, batch_size=args.batch_size,
-                              seq_len=args.seq_len)
-        log["val_loss"] = [sum(lm_loss(model, x, y).item() for x, y in batches) / len(batches)]
-    return log
+def step_stats_callback(measure_step: int) -> Any:
+    """A TrainerCallback timing every step and measuring memory on step ``measure_step``.
 
-
-def summarise(logs: dict[str, dict[str, list[float]]], reference: str) -> None:
-    """Print one line per implementation: losses vs the reference, time, saved bytes.
-
-    ``equal steps`` counts the leading steps whose loss is within 1e-4 of the reference's. Top-k
-    routing is discontinuous, so once fp32 rounding flips one token's expert choice the runs
-    follow different (equally good) trajectories; transformers' own eager and grouped_mm
-    diverge the same way.
+    The measured step runs under the peak tracker and a saved-tensor tracker (both slow the step
+    down), so its time is left out of the timings.
     """
-    ref = logs[reference]["loss"]
-    print(f"\n{'impl':>10} {'final loss':>10} {'val loss':>9} {'equal steps':>11} "
-          f"{'max |Δloss|':>12} {'median ms/step':>15} {'saved MiB/step':>15}")
-    for impl, log in logs.items():
-        diffs = [abs(a - b) for a, b in zip(log["loss"], ref, strict=True)]
-        equal = next((i for i, diff in enumerate(diffs) if diff > 1e-4), len(diffs))
-        ms = sorted(log["step_ms"])[len(log["step_ms"]) // 2]
-        print(f"{impl:>10} {log['loss'][-1]:10.4f} {log['val_loss'][0]:9.4f} {equal:11d} "
-              f"{max(diffs):12.2e} {ms:15.1f} {max(log['saved_mib']):15.2f}")
+    from transformers import TrainerCallback
+
+    class StepStats(TrainerCallback):
+        def __init__(self) -> None:
+            self.step_ms: list[float] = []
+            self.peak_bytes: int | None = None
+            self.saved_bytes: int | None = None
+            self._trackers: tuple[Any, ...] = ()
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == measure_step:
+                model = kwargs["model"]
+                self._trackers = (PeakMemoryTracker("cpu"),
+                                  SavedTensorsTracker(exclude=list(model.parameters())))
+                for tracker in self._trackers:
+                    tracker.__enter__()
+            self._t0 = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            elapsed_ms = 1e3 * (time.perf_counter() - self._t0)
+            if not self._trackers:
+                self.step_ms.append(elapsed_ms)
+                return
+            peak, saved = self._trackers
+            for tracker in reversed(self._trackers):
+                tracker.__exit__(None, None, None)
+            self.peak_bytes, self.saved_bytes = peak.peak_bytes, saved.total_bytes
+            self._trackers = ()
+
+    return StepStats()
 
 
-def write_outputs(logs: dict[str, dict[str, list[float]]], args: argparse.Namespace) -> None:
-    """Optional CSV (one row per implementation and step) and loss-curve plot."""
-    if args.csv:
-        with open(args.csv, "w", newline="") as f:
-            writer = csv.writer(f)
-            writer.writerow(["impl", "step", "loss", "step_ms", "saved_mib"])
-            for impl, log in logs.items():
-                for step, row in enumerate(zip(log["loss"], log["step_ms"], log["saved_mib"],
-                                               strict=True)):
-                    writer.writerow([impl, step, *row])
-        print(f"wrote {args.csv}")
-    if args.plot:
-        plt = pyplot()
+def train(model_type: str, impl: str, dataset: ByteWindows, args: argparse.Namespace
+          ) -> dict[str, Any]:
+    """One Trainer run; returns losses, step times (ms), peak and saved bytes."""
+    from transformers import Trainer, TrainingArguments
 
-        fig, (ax_loss, ax_ms) = plt.subplots(1, 2, figsize=(11, 4))
-        for impl, log in logs.items():
-            ax_loss.plot(log["loss"], label=impl, linewidth=1)
-            ax_ms.plot(log["step_ms"], label=impl, linewidth=1)
-        ax_loss.set(xlabel="step", ylabel="train loss (nats/byte)", title="loss")
-        ax_ms.set(xlabel="step", ylabel="ms / step", title="time per step", yscale="log")
-        ax_loss.legend()
-        fig.tight_layout()
-        fig.savefig(args.plot, dpi=120)
-        print(f"wrote {args.plot}")
+    model = build_model(model_type, args)
+    model.set_experts_implementation(impl)
+    stats = step_stats_callback(measure_step=1)
+    with tempfile.TemporaryDirectory() as out_dir:
+        training_args = TrainingArguments(
+            output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
+            learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
+            use_cpu=True, bf16=True, gradient_checkpointing=True,
+            gradient_checkpointing_kwargs={"use_reentrant": False}, seed=args.seed,
+            data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
+        trainer = Trainer(model=model, args=training_args, train_dataset=dataset,
+                          callbacks=[stats])
+        trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    print(f"  {model_type} {impl:>10}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+          f"median {statistics.median(stats.step_ms):.1f} ms/step, peak "
+          f"{stats.peak_bytes / _MiB:.2f} MiB, saved {stats.saved_bytes / _MiB:.2f} MiB",
+          flush=True)
+    return {"loss": losses, "step_ms": stats.step_ms, "peak_bytes": stats.peak_bytes,
+            "saved_bytes": stats.saved_bytes}
+
+
+def _quantiles(values: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(values, n=10, method="inclusive") if len(values) > 1 else values * 9
+    return q[1], statistics.median(values), q[7]
+
+
+def rows_of(model_type: str, impl: str, log: dict[str, Any], config: dict[str, Any],
+            env: Any) -> list[dict[str, str]]:
+    """CSV rows of one run: time (ms), peak and saved bytes, first and last loss."""
+    metrics = [("time", "ms", _quantiles(log["step_ms"])),
+               ("peak_bytes", "bytes", log["peak_bytes"]),
+               ("saved_bytes", "bytes", log["saved_bytes"]),
+               ("first_loss", "nats/byte", log["loss"][0]),
+               ("final_loss", "nats/byte", log["loss"][-1])]
+    return [csv_row(benchmark="hf_finetune", provider=impl, mode="full", metric=metric,
+                    unit=unit, x_name="model", x_value=model_type, values=values,
+                    config=config, env=env) for metric, unit, values in metrics]
+
+
+def print_table(logs: dict[tuple[str, str], dict[str, Any]]) -> None:
+    """One line per (model, implementation)."""
+    print(f"\n{'model':>10} {'impl':>10} {'median ms/step':>15} {'peak MiB':>9} "
+          f"{'saved MiB':>10} {'first loss':>10} {'final loss':>10}")
+    for (model_type, impl), log in logs.items():
+        print(f"{model_type:>10} {impl:>10} {statistics.median(log['step_ms']):15.1f} "
+              f"{log['peak_bytes'] / _MiB:9.2f} {log['saved_bytes'] / _MiB:10.2f} "
+              f"{log['loss'][0]:10.4f} {log['loss'][-1]:10.4f}")
+
+
+def parse_args() -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default="qwen3_moe,gpt_oss",
+                   help="comma-separated: qwen3_moe, gpt_oss (default: %(default)s)")
+    p.add_argument("--impls", default="eager,grouped_mm,memfine",
+                   help="comma-separated experts implementations (default: %(default)s)")
+    p.add_argument("--steps", type=int, default=12, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
+    p.add_argument("--hidden-size", type=int, default=64, help="d")
+    p.add_argument("--moe-intermediate-size", type=int, default=128, help="n")
+    p.add_argument("--num-experts", type=int, default=8, help="E")
+    p.add_argument("--top-k", type=int, default=2, help="k")
+    p.add_argument("--layers", type=int, default=2, help="transformer blocks (even)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--csv", default=DEFAULT_CSV, help="CSV to write (default: %(default)s)")
+    return p.parse_args()
 
 
 def main() -> None:
-    """Parse arguments, train once per implementation, print the comparison."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--impls", default="eager,grouped_mm,memfine",
-                   help="comma-separated experts implementations (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=300, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
-    p.add_argument("--hidden-size", type=int, default=64, help="d")
-    p.add_argument("--moe-intermediate-size", type=int, default=64,
-                   help="n (an odd value such as 30 makes transformers' grouped_mm fail on CPU)")
-    p.add_argument("--num-experts", type=int, default=8, help="E")
-    p.add_argument("--top-k", type=int, default=2, help="k")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="init and batch-order seed")
-    p.add_argument("--num-chunks", type=int, default=None,
-                   help="memfine: fixed token chunks per experts block (recompute per chunk)")
-    p.add_argument("--memory-budget", default=None,
-                   help="memfine: activation budget per experts block, e.g. 2MiB")
-    p.add_argument("--log-every", type=int, default=50, help="print every this many steps")
-    p.add_argument("--csv", default=None, help="write per-step rows to this CSV file")
-    p.add_argument("--plot", default=None, help="write loss/time curves to this PNG file")
-    args = p.parse_args()
-
-    register(num_chunks=args.num_chunks, memory_budget=args.memory_budget)
+    """Train once per model and implementation, print the table, write the CSV."""
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    register()
     corpus = ByteCorpus.load("pydoc", val_fraction=0.05, seq_len=args.seq_len)
     print(f"data: {corpus.description}, {corpus.train_ids.numel()} training bytes")
-    impls = [s.strip() for s in args.impls.split(",") if s.strip()]
-    logs = {}
-    for impl in impls:
-        print(f"training with experts_implementation={impl!r}")
-        logs[impl] = train(impl, corpus, args)
-    summarise(logs, impls[0])
-    write_outputs(logs, args)
+    dataset = ByteWindows(corpus.train_ids, args.seq_len)
+    env = collect_environment("cpu")
+    import transformers
+
+    config = {k: v for k, v in vars(args).items() if k not in ("csv", "models", "impls")}
+    config.update(bf16_autocast=True, gradient_checkpointing=True, trainer="transformers.Trainer",
+                  transformers_version=transformers.__version__, measured_step=1)
+    logs, rows = {}, []
+    for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
+        for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+            log = train(model_type, impl, dataset, args)
+            logs[model_type, impl] = log
+            rows += rows_of(model_type, impl, log, config, env)
+    print_table(logs)
+    print(f"wrote {write_csv(rows, args.csv)}")
 
 
 if __name__ == "__main__":

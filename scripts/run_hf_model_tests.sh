@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Run transformers' own common model tests on six MoE architectures (Qwen3-MoE, Qwen2-MoE,
-# OLMoE, Mixtral, DeepSeek-V3, GPT-OSS) twice: with transformers' reference experts loop
-# ("eager") as the default experts implementation, then with "memfine"; print the tests whose
-# outcome differs. (transformers' own CPU default, "grouped_mm", cannot run these tiny models:
+# Run transformers' own common model tests on every MoE architecture with an experts module that
+# has a text causal LM (six hand-written tiny configs, the others shrunk generically; see
+# scripts/hf_model_tests/test_memfine_moe_models.py) twice: with transformers' reference experts
+# loop ("eager") as the default experts implementation, then with "memfine"; print the tests
+# whose outcome differs. Each run also compares memfine with eager inside the test (generation
+# with a cache on a left-padded batch; the load-balancing loss of a padded batch). (transformers' own CPU default, "grouped_mm", cannot run these tiny models:
 # their expert intermediate size n = 30 breaks torch._grouped_mm's 16-byte stride rule.)
 #
 # transformers' per-model test files (tests/models/<arch>/test_modeling_<arch>.py) and
@@ -47,5 +49,10 @@ for impl in eager memfine; do
     --rootdir "$WORK" -W ignore::DeprecationWarning "tests/models/memfine_moe" \
     --junitxml "$WORK/$impl.xml" "$@" | tail -n 3) || status=1
 done
+(cd "$WORK" && "$PY" -c "
+from tests.models.memfine_moe import test_memfine_moe_models as m
+print(len(m.ARCHS), 'architectures run:', ', '.join(sorted(m.ARCHS)))
+for arch, why in sorted(m.SKIPPED.items()):
+    print('not run:', arch + ':', why)")
 "$PY" scripts/hf_model_tests/compare.py "$WORK/eager.xml" "$WORK/memfine.xml"
 exit $status

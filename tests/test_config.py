@@ -159,8 +159,10 @@ BAD_TRAIN = [
     pytest.param({"seq_len": 257}, "TrainConfig.seq_len must be in [1, 256], got 257",
                  id="seq_len_gt_max_seq_len"),
     pytest.param({"batch_size": 0}, "TrainConfig.batch_size must be >= 1, got 0", id="batch_0"),
-    pytest.param({"max_steps": -1}, "TrainConfig.max_steps must be >= 0, got -1",
+    pytest.param({"max_steps": -1}, "TrainConfig.max_steps must be in [0, 4294967295], got -1",
                  id="max_steps_negative"),
+    pytest.param({"max_steps": 2**32}, "TrainConfig.max_steps must be in [0, 4294967295], got "
+                 "4294967296", id="max_steps_2_32"),
     pytest.param({"lr": 0.0}, "TrainConfig.lr must be in (0.0, inf), got 0.0", id="lr_0"),
     pytest.param({"min_lr_ratio": 1.5}, "TrainConfig.min_lr_ratio must be in [0.0, 1.0], "
                  "got 1.5", id="min_lr_ratio_high"),
@@ -172,7 +174,12 @@ BAD_TRAIN = [
                  "got -0.1", id="weight_decay_negative"),
     pytest.param({"grad_clip": float("nan")}, "TrainConfig.grad_clip must be a finite number, "
                  "got nan", id="grad_clip_nan"),
-    pytest.param({"seed": -1}, "TrainConfig.seed must be >= 0, got -1", id="seed_negative"),
+    pytest.param({"seed": -1}, "TrainConfig.seed must be in [0, 4294967295], got -1",
+                 id="seed_negative"),
+    pytest.param({"seed": 2**32}, "TrainConfig.seed must be in [0, 4294967295], got 4294967296",
+                 id="seed_2_32"),
+    pytest.param({"save_every": 0}, "TrainConfig.save_every must be >= 1, got 0",
+                 id="save_every_zero"),
     pytest.param({"eval_every": 0}, "TrainConfig.eval_every must be >= 1, got 0", id="eval_0"),
     pytest.param({"eval_batches": 0}, "TrainConfig.eval_batches must be >= 1, got 0",
                  id="eval_batches_0"),

@@ -1,15 +1,24 @@
-"""transformers' common model tests (ModelTesterMixin, TrainingTesterMixin) on six MoE models.
+"""transformers' common model tests (ModelTesterMixin, TrainingTesterMixin) on every MoE model.
 
 transformers' per-model test files (tests/models/<arch>/test_modeling_<arch>.py) and
 tests/causal_lm_tester.py are not in its sdist or wheel; the common mixins are. This module is
 the smallest stand-in for those per-model files: one tiny config and test class per
-architecture, running every test of the mixins. ``scripts/run_hf_model_tests.sh`` runs it once
-with transformers' default experts implementation and once with "memfine" and compares.
+architecture, running every test of the mixins, plus memfine's own checks against "eager" in the
+same process (generation with a cache on a left-padded batch, and the load-balancing loss of a
+padded batch with ``output_router_logits=True``). ``scripts/run_hf_model_tests.sh`` runs it once
+with "eager" and once with "memfine" as the default experts implementation and compares.
+
+Architectures: six hand-written configs (below) plus every other transformers architecture with
+an experts module (``@use_experts_implementation``) and a causal LM class whose default config,
+shrunk generically (d = 32, 2 layers, E = 6, k = 2, n = 30, vocabulary 61), builds a model of
+under 3M parameters that runs a forward pass; ``SKIPPED`` holds the others with the reason
+(``scripts/run_hf_model_tests.sh`` prints it).
 """
 
 from __future__ import annotations
 
 import unittest
+from pathlib import Path
 
 import torch
 import transformers
@@ -38,6 +47,80 @@ ARCHS = {
         intermediate_size=30, num_local_experts=4, num_experts_per_tok=2, head_dim=8,
         sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
 }
+
+
+_SHRINK = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+               head_dim=8, intermediate_size=40, moe_intermediate_size=30,
+               expert_intermediate_size=30, num_experts=6, num_local_experts=6, n_routed_experts=6,
+               num_experts_per_tok=2, max_position_embeddings=64, vocab_size=61,
+               shared_expert_intermediate_size=24, moe_shared_expert_intermediate_size=24,
+               n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
+               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+               linear_value_head_dim=8, index_n_heads=2, index_head_dim=8)
+_MAX_PARAMETERS = 3_000_000
+
+
+def _experts_architectures() -> list[str]:
+    root = Path(transformers.__file__).parent / "models"
+    return sorted(f.parent.name for f in root.glob("*/modeling_*.py")
+                  if "@use_experts_implementation" in f.read_text())
+
+
+def _shrink(config: transformers.PreTrainedConfig) -> None:
+    for key, value in _SHRINK.items():
+        current = getattr(config, key, "absent")
+        if current == "absent":
+            continue
+        if isinstance(current, (list, tuple)) and current and all(
+                isinstance(v, int) for v in current):
+            value = type(current)([value] * len(current))
+        setattr(config, key, value)
+    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: kv heads = heads
+        config.num_key_value_heads = config.num_attention_heads
+    for key in [k for k in vars(config) if k.endswith("layer_types")]:
+        layer_types = getattr(config, key)
+        if isinstance(layer_types, (list, tuple)) and len(layer_types) != 2:
+            kinds = list(dict.fromkeys(layer_types))
+            setattr(config, key, (kinds + kinds)[:2])
+
+
+def _auto_arch(model_type: str) -> tuple[tuple[str, str, str, dict[str, object]] | None, str]:
+    """(ARCHS entry, "") for an architecture whose shrunk default config runs, else (None, why)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    base = causal.replace("ForCausalLM", "Model") if causal else None
+    if causal is None or not hasattr(transformers, base):
+        return None, "no text causal LM class (multimodal or experts-only)"
+    try:
+        cls = getattr(transformers, causal)
+        shrunk = cls.config_class()
+        _shrink(shrunk)
+        keys = {k: v for k, v in shrunk.to_diff_dict().items() if not k.startswith("_")
+                and k not in ("model_type", "transformers_version", "architectures", "dtype")}
+        config = cls.config_class(**keys)  # the config the tests build, validated
+        config._experts_implementation = "eager"
+        with torch.device("meta"):
+            size = sum(p.numel() for p in cls(config).parameters())
+        if size > _MAX_PARAMETERS:
+            return None, f"the shrunk default config still has {size} parameters"
+        with torch.no_grad():
+            cls(config).eval()(input_ids=torch.randint(3, 61, (2, 5)))
+    except Exception as err:  # noqa: BLE001 - an architecture the generic shrink cannot build
+        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
+    return (config.__class__.__name__, base, causal, keys), ""
+
+
+SKIPPED: dict[str, str] = {}
+for _arch in _experts_architectures():
+    if _arch in ARCHS:
+        continue
+    _entry, _why = _auto_arch(_arch)
+    if _entry is None:
+        SKIPPED[_arch] = _why
+    else:
+        ARCHS[_arch] = _entry
 
 
 class TinyCausalLMTester:
@@ -91,13 +174,80 @@ def _test_class(model_type: str) -> type:
         def model_tester(self) -> TinyCausalLMTester:
             return self._model_tester
 
+        test_memfine_generate_with_cache_matches_eager = _check_generate
+        test_memfine_padded_router_aux_loss_matches_eager = _check_aux_loss
+
     Test.__name__ = Test.__qualname__ = f"{tester_classes[2].replace('ForCausalLM', '')}MemfineTest"
     return Test
 
 
-Qwen3MoeMemfineTest = _test_class("qwen3_moe")
-Qwen2MoeMemfineTest = _test_class("qwen2_moe")
-OlmoeMemfineTest = _test_class("olmoe")
-MixtralMemfineTest = _test_class("mixtral")
-DeepseekV3MemfineTest = _test_class("deepseek_v3")
-GptOssMemfineTest = _test_class("gpt_oss")
+def _padded_batch(tester: TinyCausalLMTester) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) (2, 6): row 0 left-padded by 3 (pad id 0), row 1 full."""
+    torch.manual_seed(0)
+    input_ids = torch.randint(3, tester.vocab_size, (2, 6))
+    attention_mask = torch.ones_like(input_ids)
+    input_ids[0, :3], attention_mask[0, :3] = 0, 0
+    return input_ids, attention_mask
+
+
+def _tiny_lm(test: unittest.TestCase, **overrides: object) -> torch.nn.Module:
+    from memfine.integrations.transformers import register
+
+    register()
+    config = test.model_tester.get_config()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(0)
+    model = test.model_tester.causal_lm_class(config).float().eval()
+    with torch.no_grad():  # expert weights large enough to matter next to the residual stream
+        for name, p in model.named_parameters():
+            if ".experts." in name:
+                p.normal_(std=0.3)
+    return model
+
+
+def _check_generate(self: unittest.TestCase) -> None:
+    """Greedy generation with a cache on a left-padded batch: memfine's tokens == eager's."""
+    model = _tiny_lm(self, use_cache=True)
+    input_ids, attention_mask = _padded_batch(self.model_tester)
+    outputs = {}
+    for impl in ("eager", "memfine"):
+        model.set_experts_implementation(impl)
+        outputs[impl] = model.generate(
+            input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, min_new_tokens=4,
+            do_sample=False, use_cache=True, pad_token_id=0, return_dict_in_generate=True,
+            output_scores=True)
+    self.assertTrue(torch.equal(outputs["eager"].sequences, outputs["memfine"].sequences))
+    for eager, memfine in zip(outputs["eager"].scores, outputs["memfine"].scores, strict=True):
+        torch.testing.assert_close(memfine, eager, atol=1e-5, rtol=1e-4)
+
+
+def _check_aux_loss(self: unittest.TestCase) -> None:
+    """Padded batch with output_router_logits=True: loss and load-balancing loss == eager's."""
+    model = _tiny_lm(self, output_router_logits=True)
+    input_ids, attention_mask = _padded_batch(self.model_tester)
+    labels = input_ids.masked_fill(attention_mask == 0, -100)
+    results = {}
+    for impl in ("eager", "memfine"):
+        model.set_experts_implementation(impl)
+        try:
+            with torch.no_grad():
+                results[impl] = model(input_ids=input_ids, attention_mask=attention_mask,
+                                      labels=labels)
+        except Exception as err:  # noqa: BLE001 - eager itself cannot: nothing to compare
+            if impl == "eager":
+                self.skipTest(f"eager raises {type(err).__name__}: {err}")
+            raise
+    if getattr(results["eager"], "aux_loss", None) is None:
+        self.skipTest(f"{type(model).__name__} returns no aux_loss")
+    torch.testing.assert_close(results["memfine"].aux_loss, results["eager"].aux_loss,
+                               atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(results["memfine"].loss, results["eager"].loss, atol=1e-5,
+                               rtol=1e-4)
+
+
+for _model_type in ARCHS:
+    _cls = _test_class(_model_type)
+    globals()[_cls.__name__] = _cls
+del _cls
+

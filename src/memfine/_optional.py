@@ -1,7 +1,9 @@
 """Optional dependencies: ``is_available(name)`` and ``require(name)``, imported lazily.
 
 Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
-``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``.
+``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``; tqdm,
+matplotlib, safetensors (and tomli on Python 3.10) → ``memfine[train]``; tensorboard →
+``memfine[tensorboard]``.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import importlib.util
 from types import ModuleType
 
 _EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
+           "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard",
            "torchtitan": "torchtitan"}
 
 

@@ -424,7 +424,8 @@ class TrainConfig(_ConfigBase):
             B·``grad_accum``·Q tokens.
         grad_accum: micro-batches per optimizer step N; the step's gradient is the one of a
             single batch of N·B sequences (the step's batch, cut into N micro-batches).
-        max_steps: optimizer steps of the run (a resumed run stops at the same step).
+        max_steps: optimizer steps of the run (a resumed run stops at the same step), below 2^32
+            (the step is the low half of each batch's 64-bit seed).
         lr: peak learning rate of AdamW.
         min_lr_ratio: final learning rate as a fraction of ``lr`` (end of the cosine decay).
         warmup_steps: linear warm-up steps from lr/warmup_steps to lr.
@@ -434,8 +435,12 @@ class TrainConfig(_ConfigBase):
             grows.
         weight_decay: AdamW decoupled weight decay of matrices and expert weights (not of norms).
         grad_clip: maximum global gradient L2 norm; 0 disables clipping.
-        seed: seeds the initialisation, the batch order and the text sample.
-        eval_every: validate (and checkpoint) every this many steps.
+        seed: seeds the initialisation, the batch order and the text sample; in [0, 2^32 - 1]
+            (the high half of each batch's 64-bit seed).
+        eval_every: validate (and, unless ``save_every`` is set, checkpoint) every this many
+            steps.
+        save_every: write ``checkpoint.pt`` every this many steps (and at the last step);
+            ``None``: at each evaluation.
         eval_batches: validation batches of ``batch_size`` fixed windows each.
         log_every: write a ``metrics.jsonl`` line every this many steps.
         sample_tokens: bytes of text generated at the end (0 skips the sample).
@@ -458,6 +463,7 @@ class TrainConfig(_ConfigBase):
     grad_clip: float = 1.0
     seed: int = 0
     eval_every: int = 200
+    save_every: int | None = None
     eval_batches: int = 8
     log_every: int = 10
     sample_tokens: int = 300
@@ -478,7 +484,7 @@ class TrainConfig(_ConfigBase):
         check_int(self, "seq_len", 1, self.model.max_seq_len)
         check_int(self, "batch_size", 1)
         check_int(self, "grad_accum", 1)
-        check_int(self, "max_steps", 0)
+        check_int(self, "max_steps", 0, 2**32 - 1)
         check_float(self, "lr", 0.0, lo_open=True)
         check_float(self, "min_lr_ratio", 0.0, 1.0)
         check_int(self, "warmup_steps", 0)
@@ -486,8 +492,10 @@ class TrainConfig(_ConfigBase):
             check_int(self, "lr_decay_steps", max(1, self.warmup_steps))
         check_float(self, "weight_decay", 0.0)
         check_float(self, "grad_clip", 0.0)
-        check_int(self, "seed", 0)
+        check_int(self, "seed", 0, 2**32 - 1)
         check_int(self, "eval_every", 1)
+        if self.save_every is not None:
+            check_int(self, "save_every", 1)
         check_int(self, "eval_batches", 1)
         check_int(self, "log_every", 1)
         check_int(self, "sample_tokens", 0)

@@ -50,6 +50,8 @@ def _act(h: torch.Tensor, activation: str | GatedActivation) -> torch.Tensor:
         return _gated(h, activation)
     if activation in ("swiglu", "geglu"):
         return _gated(h, GatedActivation(gate_fn="silu" if activation == "swiglu" else "gelu"))
+    if activation == "relu2":
+        return _relu(h) * _relu(h)
     return {"silu": _silu, "gelu": _gelu, "relu": _relu}[activation](h)
 
 

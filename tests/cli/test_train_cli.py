@@ -24,22 +24,20 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
-    "--activation", "--allow-over-budget", "--aux-loss-coef", "--backend", "--batch-size", "--bins",
-    "--dp-shard", "--grad-accum",
-    "--chunk-bins", "--data", "--device", "--dtype", "--ep", "--eval-batches", "--eval-every",
-    "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
-    "--index-builder", "--intermediate-size", "--log-every", "--lr", "--lr-decay-steps",
-    "--max-steps", "--memory-budget", "--min-lr-ratio", "--moe-chunks", "--moe-memory-budget",
-    "--no-progress", "--num-chunks", "--no-renormalize", "--num-experts", "--num-heads",
-    "--num-layers", "--out", "--overwrite", "--plot", "--preset", "--recompute",
-    "--renormalize", "--resume", "--sample-tokens", "--score-func", "--seed", "--seq-len",
-    "--skew-bias", "--skew-hot-experts", "--threads", "--top-k", "--val-fraction",
-    "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
-    # routing options (capacity, groups, scaling, balancing, jitter, shared experts)
-    "--bias-update-rate", "--capacity-factor", "--drop-policy", "--min-capacity", "--n-group",
-    "--no-shared-expert-gate", "--num-shared-experts", "--routed-scaling-factor",
-    "--router-jitter-eps", "--seq-aux-loss-coef", "--shared-expert-gate",
-    "--shared-intermediate-size", "--topk-group",
+    "--activation", "--allow-over-budget", "--aux-loss-coef", "--backend", "--batch-size",
+    "--bias-update-rate", "--bins", "--capacity-factor", "--chunk-bins", "--config", "--data",
+    "--device", "--dp-shard", "--drop-policy", "--dtype", "--ep", "--eval-batches", "--eval-every",
+    "--experts-impl", "--gemm-backend", "--grad-accum", "--grad-clip", "--help", "--hidden-size",
+    "--index-builder", "--init-from", "--intermediate-size", "--log-every", "--lr",
+    "--lr-decay-steps", "--max-steps", "--memory-budget", "--min-capacity", "--min-lr-ratio",
+    "--moe-chunks", "--moe-memory-budget", "--n-group", "--no-progress", "--no-renormalize",
+    "--no-shared-expert-gate", "--num-chunks", "--num-experts", "--num-heads", "--num-layers",
+    "--num-shared-experts", "--out", "--overwrite", "--plot", "--preset", "--recompute",
+    "--renormalize", "--resume", "--routed-scaling-factor", "--router-jitter-eps",
+    "--sample-tokens", "--save-every", "--score-func", "--seed", "--seq-aux-loss-coef",
+    "--seq-len", "--shared-expert-gate", "--shared-intermediate-size", "--skew-bias",
+    "--skew-hot-experts", "--tensorboard", "--threads", "--top-k", "--topk-group",
+    "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
 ])
 
 
@@ -137,6 +135,13 @@ BAD_INPUTS = [
     pytest.param(lambda p: ["--resume"], "no checkpoint at", id="resume_without_checkpoint"),
     pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
                  id="resume_with_preset"),
+    pytest.param(lambda p: ["--seed", "4294967296"], "--seed 4294967296: TrainConfig.seed must "
+                 "be in [0, 4294967295], got 4294967296", id="seed_too_large"),
+    pytest.param(lambda p: ["--save-every", "0"], "--save-every 0: TrainConfig.save_every must "
+                 "be >= 1, got 0", id="save_every_zero"),
+    pytest.param(lambda p: ["--threads", "0"], "--threads must be >= 1, got 0", id="threads_0"),
+    pytest.param(lambda p: ["--data", str(p), "--overwrite"], "lies in the data directory",
+                 id="out_is_the_data_directory"),
 ]
 
 
@@ -182,8 +187,13 @@ def test_plot_writes_chunks_and_loss_png(tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
-    """Ctrl-C on `python -m memfine train`: checkpoint of the finished step, exit 130."""
+@pytest.mark.parametrize(("signum", "code"), [
+    pytest.param(signal.SIGINT, 130, id="ctrl_c"),
+    pytest.param(signal.SIGTERM, 143, id="sigterm"),
+])
+def test_stop_signal_saves_checkpoint_and_exits_128_plus_signal(
+        tmp_path: Path, signum: int, code: int) -> None:
+    """Ctrl-C or SIGTERM on `python -m memfine train`: checkpoint of the finished step."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "memfine", "train", *FAST, "--max-steps", "100000",
@@ -197,15 +207,26 @@ def test_sigint_saves_checkpoint_and_exits_cleanly(tmp_path: Path) -> None:
                 break
             time.sleep(0.1)
         assert proc.poll() is None, proc.communicate()
-        proc.send_signal(signal.SIGINT)
+        # while it runs, the lock names its pid and a second run on the directory is refused
+        assert (tmp_path / ".memfine.lock").read_text().split() == [str(proc.pid)]
+        second = subprocess.run([sys.executable, "-m", "memfine", "train", *FAST,
+                                 "--max-steps", "1", "--out", str(tmp_path), "--overwrite"],
+                                capture_output=True, text=True, env=env, timeout=120)
+        assert second.returncode == 2
+        assert f"in use by a running memfine train (pid {proc.pid}" in second.stderr
+        proc.send_signal(signum)
         out, err = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err
-    assert "interrupted: checkpoint of step" in out and "Traceback" not in err
+    assert proc.returncode == code, err
+    name = signal.Signals(signum).name
+    assert f"interrupted by {name}: checkpoint of step" in out and "Traceback" not in err
     step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
     assert step >= 2 and step == read_metrics(tmp_path / "metrics.jsonl")[-1]["step"]
+    assert not (tmp_path / ".memfine.lock").exists()
+    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
+    assert modes["checkpoint.pt"] == modes["config.json"] == modes["metrics.jsonl"], modes
 
 
 def test_existing_run_is_not_overwritten_without_overwrite(
@@ -216,7 +237,7 @@ def test_existing_run_is_not_overwritten_without_overwrite(
     with pytest.raises(SystemExit) as exc:
         _train("--max-steps", "1", "--out", str(tmp_path))
     assert exc.value.code == 2
-    assert "already holds a run" in capsys.readouterr().err
+    assert "already holds config.json, metrics.jsonl, checkpoint.pt" in capsys.readouterr().err
     assert (tmp_path / "checkpoint.pt").read_bytes() == checkpoint  # nothing lost
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
     assert _train("--max-steps", "1", "--out", str(tmp_path), "--overwrite") == 0

@@ -151,11 +151,25 @@ def test_sort_free_rejects_repeated_expert(top_k_index: torch.Tensor) -> None:
 
 def test_auto_switches_to_argsort_above_the_dense_map_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+    for name in ("build_index_sort_free", "build_index_argsort"):
+        real = getattr(index_module, name)
+        monkeypatch.setattr(index_module, name,
+                            lambda idx, E, real=real, name=name: calls.append(name) or real(idx, E))
     monkeypatch.setattr(index_module, "SORT_FREE_MAX_CELLS", 8)
-    repeated = torch.tensor([[1, 1], [0, 2], [2, 0]])  # only the sort-free builder rejects this
-    assert_same_index(build_routing_index(repeated, 4), build_index_argsort(repeated, 4))
-    with pytest.raises(ValueError, match="distinct experts"):
-        build_routing_index(repeated[:2], 4)  # T·E = 8: sort-free
+    distinct = torch.tensor([[1, 3], [0, 2], [2, 0]])
+    build_routing_index(distinct, 4)  # T·E = 12 > 8: argsort
+    build_routing_index(distinct[:2], 4)  # T·E = 8: sort-free
+    assert calls == ["build_index_argsort", "build_index_sort_free"]
+
+
+def test_auto_takes_argsort_when_a_token_repeats_an_expert() -> None:
+    """Hash routing (DeepSeek-V4) may give a token one expert twice: each slot gets its row."""
+    repeated = torch.tensor([[1, 1], [0, 2], [4, 4]])  # 4 = E: repeated sentinels are fine
+    index = build_routing_index(repeated, 4)
+    assert_same_index(index, build_index_argsort(repeated, 4))
+    assert index.token_index_map[0, 0] != index.token_index_map[0, 1]
+    assert torch.equal(index.tokens_per_expert(), torch.tensor([1, 2, 1, 0], dtype=torch.int32))
 
 
 @pytest.mark.parametrize("builder", BUILDERS)

@@ -58,7 +58,7 @@ GPT_OSS = GatedActivation(alpha=1.702, limit=7.0, up_offset=1.0, interleaved=Tru
     ("deepseek_v4", "fused", GatedActivation(limit=10.0), ""),
     ("beam", "fused", GatedActivation(upcast=True), ""),
     ("inkling2", "plain", None, "no GatedActivation reproduces"),
-    ("nemotron_h", "plain", None, "ReLUSquaredActivation"),
+    ("nemotron_h", "fused", "relu2", ""),
     ("muse_spark", "plain", None, "has_post_expert_norm"),
 ], ids=lambda v: str(v))
 def test_plan(model_type: str, path: str, activation: object, reason: str) -> None:

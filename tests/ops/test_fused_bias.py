@@ -32,13 +32,14 @@ SPECS = [
     pytest.param(GatedActivation(alpha=0.7, interleaved=True), id="interleaved_alpha"),
     pytest.param("swiglu", id="swiglu"),
     pytest.param("relu", id="relu"),
+    pytest.param("relu2", id="relu2"),
 ]
 
 
 def _problem(T: int, d: int, n: int, E: int, k: int, dtype: torch.dtype, activation: object,
              *, sentinels: int = 2) -> dict[str, torch.Tensor]:
     """Leaves x, weights, w_up, w_down, b_up, b_down and top_k_index; expert E-1 gets no rows."""
-    G = n if activation == "relu" else 2 * n
+    G = n if activation in ("relu", "relu2") else 2 * n
     idx_TK = torch.stack([torch.randperm(E - 1)[:k] for _ in range(T)])
     idx_TK.view(-1)[idx_TK.numel() - sentinels:] = E
     leaves = {
@@ -71,7 +72,7 @@ NAMES = ("x", "weights", "w_up", "w_down", "b_up", "b_down")
 
 @pytest.mark.parametrize("activation", SPECS)
 def test_activation_backward_matches_autograd(activation: object) -> None:
-    G = 6 if activation == "relu" else 12
+    G = 6 if activation in ("relu", "relu2") else 12
     h_SG = torch.randn(9, G, dtype=torch.float64, requires_grad=True)
     a_SN = apply_activation(h_SG, activation)  # type: ignore[arg-type]
     grad_a_SN = torch.randn_like(a_SN)
@@ -197,3 +198,21 @@ def test_triton_backend_with_biases() -> None:
     for name in NAMES:
         assert_close(p[name].grad, ref_leaves[name].grad, grad=True, dtype=torch.float32,
                      msg=name)
+
+
+def test_repeated_expert_within_a_token_gradcheck() -> None:
+    """Hash routing may give a token one expert twice; each slot counts once, as in the loop."""
+    p = _problem(T=5, d=3, n=2, E=3, k=2, dtype=torch.float64, activation="swiglu")
+    p["idx"] = torch.tensor([[0, 0], [1, 2], [2, 2], [0, 3], [1, 1]])
+    index = build_routing_index(p["idx"], 3)
+    activation = GatedActivation.gpt_oss(limit=0.5)
+
+    def fn(*leaves: torch.Tensor) -> torch.Tensor:
+        x, w, up, down, b_up, b_down = leaves
+        return run_experts(x, w, index, up, down, b_up_EG=b_up, b_down_ED=b_down,
+                           activation=activation, backend="loop")
+
+    leaves = tuple(p[name] for name in NAMES)
+    assert torch.autograd.gradcheck(fn, leaves)
+    ref, _ = _reference(p, activation)
+    assert_close(fn(*leaves), ref)

@@ -109,7 +109,11 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_layout_matches_single_process(tmp_path: Path, single_run: Path,
                                        layout: tuple[int, int]) -> None:
     out = tmp_path / "run"
-    _train(tmp_path, out, layout, "--max-steps", "20")
+    log = _train(tmp_path, out, layout, "--max-steps", "20")
+    # every rank reports the whole model (all experts), not its own shard
+    config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
+    full = sum(p.numel() for p in MoETransformerLM(config.model).parameters())
+    assert log.count(f"model: {full:,} parameters") == layout[0] * layout[1], log[-2000:]
     assert (out / "checkpoint.dcp" / "meta.pt").is_file()
     assert not (out / "checkpoint.pt").exists()
     _assert_same_run(out, single_run)

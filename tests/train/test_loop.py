@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.config import ModelConfig, MoEConfig, TrainConfig
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig, TrainConfig
+from memfine.memory.layer import moe_layer_memory
 from memfine.nn import LMOutput, MoETransformerLM
-from memfine.train import load_checkpoint, train
+from memfine.train import ByteCorpus, load_checkpoint, train
+from memfine.train.data import train_batch
 from memfine.train.metrics import read_metrics
 from tolerances import LOSS_ATOL, assert_close
 
@@ -119,8 +121,76 @@ def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
             return out
 
     monkeypatch.setattr("memfine.train.setup.MoETransformerLM", NaNFromStep2)
-    with pytest.raises(ValueError, match="training diverged at step 2: train loss nan"):
+    with pytest.raises(ValueError, match=r"training diverged at step 2: train loss nan; .*"
+                                         r"no checkpoint was saved before it"):
         _run(_config(), tmp_path)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_save_every_sets_the_checkpoint_steps(tmp_path: Path) -> None:
+    saved: list[int | None] = []
+
+    def record(step: int) -> None:
+        path = tmp_path / "checkpoint.pt"
+        saved.append(load_checkpoint(path)["step"] if path.exists() else None)
+
+    _run(_config(save_every=3, eval_every=100), tmp_path, on_step=record)
+    assert saved == [None, None, 3, 3, 3, 6, 6, 8]
+
+
+def test_logged_peak_bytes_measured_and_predicted(tmp_path: Path) -> None:
+    cfg = _config(max_steps=2, model=dataclasses.replace(
+        _config().model, chunk=ChunkConfig(num_chunks=2)))
+    _run(cfg, tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    param_bytes = 4 * sum(p.numel() for p in MoETransformerLM(cfg.model).parameters())
+    want = moe_layer_memory(cfg.model.moe, 4 * 32, 4, num_chunks=2,
+                            recompute="experts").peak_bytes
+    for r in records:
+        # every gradient is created inside the measured forward + backward (set_to_none before)
+        assert r["peak_bytes"] >= param_bytes
+        assert r["peak_bytes_predicted"] == [want, want]
+        assert r["num_chunks"] == [2, 2]
+
+
+def test_init_from_starts_from_the_checkpoint_weights(tmp_path: Path) -> None:
+    _run(_config(max_steps=3), tmp_path / "base")
+    other = tmp_path / "other.txt"
+    other.write_bytes(ASSET.read_bytes()[::-1])  # new data: the same text reversed
+    tuned = _run(_config(max_steps=1, data=str(other)), tmp_path / "tuned",
+                 init_from=tmp_path / "base")
+    model = MoETransformerLM(_config().model)
+    model.load_state_dict(load_checkpoint(tmp_path / "base" / "checkpoint.pt")["model"])
+    corpus = ByteCorpus.load(str(other), val_fraction=0.05, seq_len=32)
+    x, y = train_batch(corpus.train_ids, batch_size=4, seq_len=32, seed=0, step=0)
+    with torch.no_grad():
+        direct = float(model(x, y).loss)
+    assert abs(tuned.train_losses[0] - direct) <= LOSS_ATOL
+    with pytest.raises(ValueError, match=r"its model differs in \['num_layers'\]"):
+        _run(_config(model=dataclasses.replace(_config().model, num_layers=3)),
+             tmp_path / "bad", init_from=tmp_path / "base")
+
+
+def test_missing_plot_package_stops_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def missing(name: str) -> object:
+        raise ImportError(f"{name} is required for this feature: pip install 'memfine[train]'")
+
+    monkeypatch.setattr("memfine.train.outputs.require", missing)
+    with pytest.raises(ImportError, match="matplotlib is required"):
+        _run(_config(), tmp_path / "run", plot=True)
+    assert not (tmp_path / "run").exists()
+
+
+def test_tensorboard_gets_the_logged_losses(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = _run(_config(max_steps=3), tmp_path, tensorboard=True)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    got = [e.value for e in events.Scalars("train_loss")]
+    assert got == pytest.approx(list(result.train_losses), abs=1e-6)  # stored as float32
 
 
 def test_selection_bias_moves_once_per_step_from_the_steps_counts(tmp_path: Path) -> None:

@@ -54,3 +54,18 @@ def test_plot_run_writes_pngs(tmp_path: Path) -> None:
     assert [p.name for p in paths] == ["chunks.png", "loss.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nonfinite_values_are_null_and_flagged(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "train_loss": float("nan"), "grad_norm": 2.0,
+               "per_layer": [1.0, float("inf"), float("-inf")]})
+    log.write({"step": 2, "train_loss": 1.5})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    def bare(constant: str) -> None:
+        pytest.fail(f"bare {constant} in metrics.jsonl")
+
+    strict = [json.loads(line, parse_constant=bare) for line in lines]
+    assert strict == [{"step": 1, "train_loss": None, "grad_norm": 2.0,
+                       "per_layer": [1.0, None, None], "nonfinite": True},
+                      {"step": 2, "train_loss": 1.5}]

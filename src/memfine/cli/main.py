@@ -1,6 +1,6 @@
-"""``memfine`` command line: ``memfine train | plan | bench``.
+"""``memfine`` command line: ``memfine train | generate | eval | export | plan | bench``.
 
-Each subcommand lives in its own module (``memfine.cli.<name>``) exposing
+Each subcommand lives in its own module (``memfine.cli.<name>``; ``eval`` in ``evaluate``) exposing
 ``add_arguments(parser)`` and ``run(args) -> int``; modules are imported lazily so that
 ``memfine plan`` never imports the training stack.
 """
@@ -13,9 +13,14 @@ import sys
 
 SUBCOMMANDS = {
     "train": "train a small MoE language model on real text",
+    "generate": "continue a prompt with a trained checkpoint",
+    "eval": "validation loss and bits/byte of a trained checkpoint on any text",
+    "export": "write a trained checkpoint's model to safetensors with its config",
     "plan": "predict memory and the MACT chunk count for a model and cluster",
     "bench": "measure memory and speed of MoE methods side by side",
 }
+
+_MODULES = {"eval": "evaluate"}  # a module named eval would shadow the builtin in tools
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,9 +29,9 @@ def build_parser() -> argparse.ArgumentParser:
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         try:
-            module = importlib.import_module(f"memfine.cli.{name}")
+            module = importlib.import_module(f"memfine.cli.{_MODULES.get(name, name)}")
         except ModuleNotFoundError as err:
-            if err.name != f"memfine.cli.{name}":
+            if err.name != f"memfine.cli.{_MODULES.get(name, name)}":
                 raise
             continue
         sub = subs.add_parser(name, help=help_text, description=help_text,

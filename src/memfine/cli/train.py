@@ -16,7 +16,16 @@ from typing import Any, get_args
 
 import torch
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, given, value
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    apply_config_file,
+    comma_ints,
+    given,
+    name_flag,
+    value,
+)
 from memfine.config import (
     Activation,
     DropPolicy,
@@ -29,12 +38,8 @@ from memfine.config import (
     TrainConfig,
 )
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
-from memfine.train.checkpoint import (
-    CHECKPOINT_NAME,
-    SHARDED_NAME,
-    find_checkpoint,
-    read_checkpoint,
-)
+from memfine.train.checkpoint import find_checkpoint, read_checkpoint
+from memfine.train.rundir import check_run_dir
 from memfine.train.setup import RESUMABLE_FIELDS
 from memfine.units import parse_bytes
 
@@ -78,11 +83,16 @@ _CONFIG_FLAGS = (
     Flag("--weight-decay", ("weight_decay",), "AdamW weight decay of matrices", float),
     Flag("--grad-clip", ("grad_clip",), "max global gradient norm (0: no clipping)", float),
     Flag("--seed", ("seed",), "seed of initialisation, batch order and sample"),
-    Flag("--eval-every", ("eval_every",), "validate and checkpoint every N steps"),
+    Flag("--eval-every", ("eval_every",), "validate (and checkpoint, unless --save-every is set) "
+         "every N steps"),
+    Flag("--save-every", ("save_every",), "write checkpoint.pt every N steps and at the last "
+         "step; None: at each evaluation", _optional_int),
     Flag("--eval-batches", ("eval_batches",), "validation batches (fixed windows)"),
     Flag("--log-every", ("log_every",), "write a metrics.jsonl line every N steps"),
     Flag("--sample-tokens", ("sample_tokens",), "bytes of text generated at the end"),
-    Flag("--dtype", ("dtype",), "parameter dtype (bf16 is slow on CPUs without bf16 units)",
+    Flag("--dtype", ("dtype",), "dtype of the weights, activations and AdamW state: bfloat16 "
+         "means bf16 weights throughout (no fp32 master copy); bf16 is slow on CPUs without bf16 "
+         "units",
          str, tuple(d for d in get_args(DType) if d != "float16")),
     Flag("--device", ("device",), "torch device: cpu or cuda[:i]", str),
     Flag("--hidden-size", ("model.moe.hidden_size",), "model width d"),
@@ -144,11 +154,11 @@ _CONFIG_FLAGS = (
 _SWITCH_FLAGS = (
     Flag("--renormalize", ("model.moe.renormalize",), "renormalise the k router weights (off by "
          "default when k = 1)", action=argparse.BooleanOptionalAction),
+    Flag("--shared-expert-gate", ("model.moe.shared_expert_gate",), "scale the shared experts' "
+         "output by a per-token sigmoid gate (Qwen2-MoE)", action=argparse.BooleanOptionalAction),
     Flag("--allow-over-budget", ("model.chunk.allow_over_budget",), "use the largest chunk bin "
          "(with a warning) when none meets the memory budget, instead of failing",
          action="store_true"),
-    Flag("--shared-expert-gate", ("model.moe.shared_expert_gate",), "scale the shared experts' "
-         "output by a per-token sigmoid gate (Qwen2-MoE)", action=argparse.BooleanOptionalAction),
 )
 _RUN_FLAGS = (
     Flag("--preset", (), "starting configuration; other flags override it", str,
@@ -158,8 +168,16 @@ _RUN_FLAGS = (
     Flag("--resume", (), "continue from the checkpoint in --out (its config is used; only "
          f"{', '.join(RESUMABLE_FIELDS)} may be changed by flags)", action="store_true",
          default=NotGiven(False)),
-    Flag("--overwrite", (), "replace the run already in --out (without it, an existing "
-         "checkpoint there stops the run)", action="store_true", default=NotGiven(False)),
+    Flag("--overwrite", (), "replace the run already in --out (without it, any run file there "
+         "stops the run)", action="store_true", default=NotGiven(False)),
+    Flag("--init-from", (), "fine-tune: start from the weights of the checkpoint in this run "
+         "directory (its model; fresh optimizer and LR schedule; give the new --data)", Path,
+         default=NotGiven(text="none")),
+    Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
+         "max_steps = 400); flags given on the command line override it", Path,
+         default=NotGiven(text="none")),
+    Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
+         "tensorboard package)", action="store_true", default=NotGiven(False)),
     Flag("--plot", (), "write chunks.png (chunk count, layer x step) and loss.png to --out",
          action="store_true", default=NotGiven(False)),
     Flag("--no-progress", (), "hide the progress bar", action="store_true",
@@ -208,20 +226,43 @@ def _get(tree: dict[str, Any], path: str) -> Any:
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     """Build the run's TrainConfig and output directory from parsed flags.
 
+    Order: the preset (or, with ``--resume``, the checkpoint's config; with ``--init-from``, the
+    preset with that checkpoint's model and ``seq_len``), then ``--config`` FILE, then the flags
+    given.
+
     Raises:
-        ValueError: on an invalid value (from the config's checks), ``--preset`` with
-            ``--resume``, or a flag that may not change on resume.
+        ValueError: one line naming the flag, the value and what is allowed, on an invalid
+            value; ``--preset`` or ``--init-from`` with ``--resume``; a flag that may not change
+            on resume.
     """
+    if given(args, "config"):
+        apply_config_file(args, value(args, "config"), _RUN_FLAGS + _SETTING_FLAGS)
     resume = bool(value(args, "resume"))
     name = value(args, "preset")
     out = Path(value(args, "out") or f"runs/{name}")
     if resume:
-        if given(args, "preset"):
-            raise ValueError("--preset does not apply with --resume: the configuration comes "
-                             f"from the checkpoint in {str(out)!r}")
+        for flag in ("preset", "init_from"):
+            if given(args, flag):
+                raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
+                                 f"configuration comes from the checkpoint in {str(out)!r}")
         tree = read_checkpoint(find_checkpoint(out))["config"]
     else:
         tree = preset(name).to_dict()
+        if given(args, "init_from"):
+            source = read_checkpoint(find_checkpoint(Path(value(args, "init_from"))))
+            tree["model"] = source["config"]["model"]  # and its context length:
+            tree["seq_len"] = source["config"]["seq_len"]
+    _apply_flags(args, tree, resume=resume, out=out)
+    if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
+        tree["model"]["moe"]["renormalize"] = False
+    try:
+        return TrainConfig.from_dict(tree), out
+    except ValueError as err:
+        raise ValueError(name_flag(str(err), args, _SETTING_FLAGS)) from err
+
+
+def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
+                 out: Path) -> None:
     for flag in _SETTING_FLAGS:
         if not given(args, flag.dest):
             continue
@@ -231,32 +272,36 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
                 raise ValueError(f"{flag.name} cannot change on --resume (the checkpoint in "
                                  f"{str(out)!r} has {_get(tree, path)!r}, got {new!r})")
             _set(tree, path, new)
-    if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
-        tree["model"]["moe"]["renormalize"] = False
-    return TrainConfig.from_dict(tree), out
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``memfine train``; returns 0, or 130 when stopped by Ctrl-C (checkpoint saved)."""
+    """Run ``memfine train``.
+
+    Returns:
+        0; when stopped by a signal, 128 + its number (130 for Ctrl-C, 143 for SIGTERM) after
+        saving a checkpoint.
+    """
     config, out = resolve_config(args)
-    held = [n for n in (CHECKPOINT_NAME, SHARDED_NAME) if (out / n).exists()]
-    if not value(args, "resume") and not value(args, "overwrite") and held:
-        raise ValueError(f"{out} already holds a run ({held[0]}); pass --resume to "
-                         f"continue it, --overwrite to replace it, or choose another --out")
+    resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
+    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     if str(config.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
                          f"(torch {torch.__version__}); use --device cpu")
+    threads = value(args, "threads")
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
     parallel = _parallel(args, config)
     finished = False
     try:
-        result = train(config, out, resume=bool(value(args, "resume")),
+        result = train(config, out, resume=resume, overwrite=overwrite,
                        progress=not value(args, "no_progress"), plot=bool(value(args, "plot")),
-                       parallel=parallel, threads=value(args, "threads"))
+                       tensorboard=bool(value(args, "tensorboard")),
+                       init_from=value(args, "init_from"), parallel=parallel, threads=threads)
         finished = True
     finally:
         if parallel is not None:
             parallel.close(barrier=finished)
-    return 130 if result.interrupted else 0
+    return 0 if result.stop_signal is None else 128 + result.stop_signal
 
 
 def _parallel(args: argparse.Namespace, config: TrainConfig) -> Any:

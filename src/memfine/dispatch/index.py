@@ -163,15 +163,27 @@ def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> Routin
     )
 
 
+def _repeats_an_expert(top_k_index: torch.Tensor, num_experts: int) -> bool:
+    """True when some token lists one expert id in [0, E) more than once (a (T, k) row sort)."""
+    if top_k_index.dim() != 2 or top_k_index.shape[1] < 2 or top_k_index.numel() == 0:
+        return False
+    sorted_TK = top_k_index.sort(dim=1).values
+    same_TK = sorted_TK[:, 1:] == sorted_TK[:, :-1]
+    valid_TK = (sorted_TK[:, 1:] >= 0) & (sorted_TK[:, 1:] < num_experts)
+    return bool((same_TK & valid_TK).any())
+
+
 def build_routing_index(top_k_index: torch.Tensor, num_experts: int,
                         builder: Literal["auto", "sort_free", "argsort"] = "auto") -> RoutingIndex:
     """Build the routing index with the chosen builder.
 
     Args:
-        top_k_index: (T, k) int64/int32 expert ids (sentinels outside [0, E) allowed).
+        top_k_index: (T, k) int64/int32 expert ids (sentinels outside [0, E) allowed). A token
+            may repeat an expert (e.g. DeepSeek-V4's hash routing): each slot then gets its own
+            row, as a per-token loop computes it; only the sort-free builder refuses that.
         num_experts: E.
         builder: ``sort_free``, ``argsort``, or ``auto`` (sort-free while T·E ≤
-            ``SORT_FREE_MAX_CELLS``, else argsort).
+            ``SORT_FREE_MAX_CELLS`` and no token repeats an expert, else argsort).
 
     Returns:
         The :class:`RoutingIndex`.
@@ -180,8 +192,9 @@ def build_routing_index(top_k_index: torch.Tensor, num_experts: int,
         ValueError: on an unknown builder, or from the builders.
     """
     if builder == "auto":
-        builder = ("sort_free" if top_k_index.shape[0] * num_experts <= SORT_FREE_MAX_CELLS
-                   else "argsort")
+        small = top_k_index.shape[0] * num_experts <= SORT_FREE_MAX_CELLS
+        builder = "sort_free" if small and not _repeats_an_expert(top_k_index, num_experts) \
+            else "argsort"
     if builder == "sort_free":
         return build_index_sort_free(top_k_index, num_experts)
     if builder == "argsort":

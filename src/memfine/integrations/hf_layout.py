@@ -172,6 +172,8 @@ def _elementwise_name(act_fn: object) -> str | None:
         return "silu"
     if type(act_fn) is nn.ReLU:
         return "relu"
+    if name == "ReLUSquaredActivation":
+        return "relu2"
     if type(act_fn) is nn.GELU and act_fn.approximate == "tanh":
         return "gelu"
     if name in ("GELUTanh", "PytorchGELUTanh"):
@@ -217,9 +219,9 @@ def _choose_plan(module: nn.Module) -> ExpertsPlan:
         return ExpertsPlan(path="plain", activation=None, reason=f"activation "
                            f"{type(getattr(module, 'act_fn', None)).__name__} has no memfine "
                            f"counterpart")
-    if has_gate and act == "relu":
+    if has_gate and act in ("relu", "relu2"):
         return ExpertsPlan(path="plain", activation=None,
-                           reason="gated ReLU has no memfine counterpart")
+                           reason=f"gated {act} has no memfine counterpart")
     return ExpertsPlan(path="fused", activation={"silu": "swiglu", "gelu": "geglu"}[act]
                        if has_gate else act)
 

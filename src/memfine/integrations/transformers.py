@@ -9,7 +9,9 @@ Usage::
 
 ``register(num_chunks=4)`` or ``register(memory_budget="256MiB")`` turns on token chunking with
 per-chunk recompute (MemFine); :func:`configure` sets the same options on one model (stored in its
-config as ``memfine_experts``, saved with it, taking precedence over ``register``'s).
+config as ``memfine_experts``, saved with it, taking precedence over ``register``'s);
+:func:`from_pretrained` loads any checkpoint with per-model options
+(``from_pretrained(AutoModelForCausalLM, path, memfine_experts={"chunk": {"num_chunks": 4}})``).
 
 Nothing happens on import: transformers is imported by :func:`register` only (extra
 ``memfine[hf]``), and nothing in transformers is patched; the function is added to
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -301,3 +304,44 @@ def configure(model: nn.Module, config: HFExpertsConfig | None = None, *,
     for model_config in configs.values():
         setattr(model_config, CONFIG_ATTRIBUTE, cfg.to_dict())
     return cfg
+
+
+def from_pretrained(model_class: Any, path: str | os.PathLike[str], *,
+                    memfine_experts: HFExpertsConfig | dict[str, Any] | None = None,
+                    **kwargs: Any) -> nn.Module:
+    """Load any checkpoint with ``experts_implementation="memfine"`` and per-model options.
+
+    transformers hands a ``from_pretrained`` keyword that the checkpoint's config does not
+    define to the model's constructor (a ``TypeError`` for ``memfine_experts=`` on an ordinary
+    checkpoint); this loader takes the option itself, loads, and calls :func:`configure`.
+
+    Args:
+        model_class: a transformers model or auto class (``AutoModelForCausalLM``, ...).
+        path: checkpoint directory or hub id, as for ``model_class.from_pretrained``.
+        memfine_experts: options for this model: an :class:`HFExpertsConfig` or its dict form
+            (``{"chunk": {"num_chunks": 4}}``); None keeps the checkpoint's own
+            ``memfine_experts`` (if any) and :func:`register`'s.
+        **kwargs: passed to ``model_class.from_pretrained``; ``experts_implementation``
+            defaults to ``"memfine"``.
+
+    Returns:
+        The loaded model.
+
+    Raises:
+        ImportError: if transformers is missing or older than 5.7.0.
+        ValueError: on invalid options, or options for a model without experts modules.
+
+    Side effects: registers memfine's experts function (default options) when no function is
+    registered under the requested name yet.
+    """
+    moe = require_transformers()
+    name = kwargs.setdefault("experts_implementation", IMPLEMENTATION_NAME)
+    if name == IMPLEMENTATION_NAME and name not in moe.ExpertsInterface():
+        register()
+    config = memfine_experts
+    if isinstance(config, dict):
+        config = HFExpertsConfig.from_dict(config)
+    model: nn.Module = model_class.from_pretrained(path, **kwargs)
+    if config is not None:
+        configure(model, config)
+    return model

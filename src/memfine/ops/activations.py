@@ -1,7 +1,8 @@
 """Expert activations on the pre-activation H and their closed-form backward, recomputed from H.
 
 Legend: S routed rows, G = 2n (gated) or n columns of H, N = n.
-An activation is a name (``swiglu``, ``geglu``: gated; ``silu``, ``gelu``, ``relu``: elementwise)
+An activation is a name (``swiglu``, ``geglu``: gated; ``silu``, ``gelu``, ``relu``, ``relu2``
+(ReLU²): elementwise)
 or a :class:`GatedActivation`, the general gated form
 A = f_α(min(gate, limit)) ⊙ (clamp(up, ±limit) + up_offset), with gate and up read from H either
 as halves (``[gate | up]``, the default) or interleaved (``gate = H[:, 0::2]``, ``up = H[:, 1::2]``,
@@ -26,12 +27,14 @@ _ELEMENTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": lambda h: F.gelu(h, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda h: torch.square(F.relu(h)),  # ReLU² (Primer; Nemotron-H's experts)
 }
 # d act(v) / dv applied to an incoming gradient: f(grad, v) -> grad · act'(v).
 _ELEMENTWISE_BACKWARD: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
     "silu": torch.ops.aten.silu_backward,
     "gelu": lambda g, v: torch.ops.aten.gelu_backward(g, v, approximate="tanh"),
     "relu": lambda g, v: torch.ops.aten.threshold_backward(g, v, 0),
+    "relu2": lambda g, v: torch.ops.aten.threshold_backward(g * v * 2, v, 0),
 }
 
 
@@ -109,8 +112,8 @@ def apply_activation(h_SG: torch.Tensor, activation: Activation) -> torch.Tensor
 
     Args:
         h_SG: (S, G) pre-activation, any float dtype.
-        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` (tanh approximation), ``relu`` or
-            a :class:`GatedActivation`.
+        activation: ``swiglu``, ``geglu``, ``silu``, ``gelu`` (tanh approximation), ``relu``,
+            ``relu2`` (ReLU²) or a :class:`GatedActivation`.
 
     Returns:
         (S, n) new tensor in H's dtype (differentiable when H requires grad).

@@ -19,6 +19,9 @@ from memfine.ops.combine import combine_rows, gather_rows, reduce_rows, scatter_
 from memfine.ops.grouped import grouped_mm, grouped_row_sums, grouped_weight_grad
 from memfine.ops.up_projection import up_input_grad, up_project, up_weight_grads
 
+# Activations the Triton up-projection kernel computes in its epilogue.
+TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
+
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
     """(S,) per-row inner products ⟨a_r, b_r⟩ without an (S, n) product temporary."""
@@ -141,7 +144,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         """
         parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
         no_bias = b_up_EG is None and b_down_ED is None
-        if backend == "triton" and no_bias and isinstance(activation, str) and len(parts) == 1:
+        if (backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS
+                and len(parts) == 1):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)

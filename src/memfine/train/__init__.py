@@ -1,8 +1,12 @@
 """Training of the small byte-level MoE language model on real text (``memfine train``).
 
-Modules: ``data`` (corpora, byte tokenizer, split, batches), ``loop`` (:func:`train`),
-``checkpoint`` (atomic save, checked load), ``metrics`` (``metrics.jsonl``, expert load, plots),
-``presets`` (``tiny``, ``small``).
+Modules: ``data`` (corpora, byte tokenizer, split, batches), ``setup`` (resume rules, data, model,
+optimizer), ``loop`` (:func:`train`: step, log, evaluate, checkpoint, finish), ``parallel`` (the
+``ParallelTraining`` protocol), ``rundir`` (safe run directories, the lock), ``stop`` (SIGINT and
+SIGTERM), ``optim`` (AdamW, LR schedule), ``checkpoint`` (atomic save, checked load),
+``metrics`` (``metrics.jsonl``, expert load, plots), ``memory_log`` (measured and predicted
+bytes), ``outputs`` (progress bar, TensorBoard, plots), ``evaluation`` (validation loss, sample),
+``inference`` (generate, eval, export), ``presets`` (``tiny``, ``small``).
 """
 
 from memfine.train.checkpoint import load_checkpoint, save_checkpoint

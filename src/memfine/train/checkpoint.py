@@ -17,7 +17,8 @@ Two forms, and every run loads both:
   two renames, ``checkpoint.dcp.old``.
 
 After a save of either form, the other form's files are deleted; :func:`find_checkpoint` takes
-the newest of what is there.
+the newest of what is there. ``checkpoint.pt`` and ``meta.pt`` get the permissions of any file
+the process creates (``0o666`` less the umask, e.g. 0644), not the temporary file's 0600.
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
         optimizer: its ``state_dict()`` is stored (AdamW moments and step counts).
         scheduler: its ``state_dict()`` is stored (LR schedule position).
 
-    Side effects: on any failure the temporary file is removed and ``path`` is left untouched.
+    Side effects: on any failure the temporary file is removed and ``path`` is left untouched;
+    the file gets the permissions ``0o666 & ~umask``, like the run's other files.
     """
     path = Path(path)
     payload = {"format": FORMAT, "step": step, "config": config,
@@ -86,6 +88,7 @@ def _atomic_save(payload: dict[str, Any], path: Path) -> None:
     """``torch.save`` to a temporary file in ``path``'s directory, fsync, ``os.replace``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as f:
             torch.save(payload, f)
             f.flush()
@@ -94,6 +97,13 @@ def _atomic_save(payload: dict[str, Any], path: Path) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def file_mode() -> int:
+    """Permissions of a newly created file: ``0o666`` less the process's umask (e.g. 0o644)."""
+    mask = os.umask(0o022)  # reading the umask means setting it; restored at once
+    os.umask(mask)
+    return 0o666 & ~mask
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -243,6 +253,26 @@ def load_states(payload: dict[str, Any], model: torch.nn.Module,
                        optim_state_dict=_named_optimizer_state(payload["optimizer"], model,
                                                                optimizer),
                        options=StateDictOptions(full_state_dict=True))
+
+
+def load_model_state(payload: dict[str, Any], model: torch.nn.Module) -> None:
+    """Load only a checkpoint's model state into a whole (unsharded) model, either form.
+
+    Args:
+        payload: from :func:`read_checkpoint`.
+        model: the whole model (e.g. before the parallel hooks shard it).
+
+    Raises:
+        RuntimeError, KeyError, ValueError: when the state does not fit the model.
+    """
+    if "sharded_path" not in payload:
+        model.load_state_dict(payload["model"])
+        return
+    state = model.state_dict()
+    with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=payload["sharded_path"])
+    model.load_state_dict(state)
 
 
 def _named_optimizer_state(state: dict[str, Any], model: torch.nn.Module,

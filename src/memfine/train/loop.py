@@ -7,20 +7,21 @@ loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``�
 ``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers), backward, clip,
 AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts; it
 returns a :class:`StepRecord`.
-Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`); every ``eval_every`` steps
-(and at the end) validation on fixed windows and a checkpoint (:func:`_evaluate_and_checkpoint`).
-The first Ctrl-C finishes the current step, saves a checkpoint and returns; a second one aborts.
-Set-up (resume rules, data, model, optimizer) is in :mod:`memfine.train.setup`.
+Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`) with the step's measured peak
+bytes and the memory model's prediction (:mod:`memfine.train.memory_log`); every ``eval_every``
+steps (and at the end) validation on fixed windows (:func:`_evaluate`); a checkpoint at each
+evaluation, or every ``save_every`` steps when set (:func:`_checkpoint`). The first SIGINT
+(Ctrl-C) or SIGTERM finishes the current step, saves a checkpoint and returns; a second one
+aborts (:mod:`memfine.train.stop`). Set-up (resume rules, data, model, optimizer) is in
+:mod:`memfine.train.setup`; the run directory's rules in :mod:`memfine.train.rundir`.
 """
 
 from __future__ import annotations
 
 import math
 import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,9 +29,10 @@ from typing import Any
 import torch
 
 from memfine.config import TrainConfig
-from memfine.nn import MoETransformerLM
 from memfine.train.checkpoint import save_checkpoint, save_sharded_checkpoint
-from memfine.train.data import ByteCorpus, decode, train_batch
+from memfine.train.data import train_batch
+from memfine.train.evaluation import evaluate, sample_after_validation_prompt
+from memfine.train.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.train.metrics import (
     format_expert_load,
     load_max_over_mean,
@@ -38,11 +40,13 @@ from memfine.train.metrics import (
     plot_run,
     report_final,
 )
+from memfine.train.outputs import Outputs
 from memfine.train.parallel import ParallelTraining, SingleProcess
+from memfine.train.rundir import check_run_dir, run_lock
 from memfine.train.setup import RunState, setup_run
+from memfine.train.stop import graceful_stop
 
 SAMPLE_TEMPERATURE = 0.8
-SAMPLE_PROMPT_BYTES = 48
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,10 @@ class TrainResult:
         tokens_per_s: training tokens per second over this call's steps (0.0 without steps).
         wall_s: seconds spent in this call.
         sample: generated text ("" when skipped or interrupted).
-        interrupted: True when stopped by Ctrl-C (a checkpoint was saved).
+        interrupted: True when stopped by a signal or ``KeyboardInterrupt`` (a checkpoint of the
+            last completed step was saved).
+        stop_signal: the signal that stopped the run (``signal.SIGINT`` for Ctrl-C and for a
+            ``KeyboardInterrupt``, ``signal.SIGTERM``), or None when it finished.
     """
 
     step: int
@@ -68,6 +75,7 @@ class TrainResult:
     wall_s: float
     sample: str
     interrupted: bool
+    stop_signal: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +94,12 @@ class StepRecord:
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
         seconds: wall time of the step, seconds.
-        dropped_pairs: (token, slot) pairs dropped by capacity per MoE layer, this rank's sum
-            over the micro-batches; None when routing is dropless.
+        peak_bytes: this rank's peak live bytes of forward + backward above those alive before
+            the step (measured; None on steps that write no metrics line).
+        peak_bytes_predicted: the memory model's peak bytes of each MoE layer's forward +
+            backward at the step's c (None where not measured or not modelled).
+        dropped_pairs: (token, slot) pairs dropped by expert capacity per layer on this rank
+            (None when dropless).
     """
 
     step: int
@@ -99,41 +111,14 @@ class StepRecord:
     num_chunks: list[int]
     tokens_per_expert_LE: torch.Tensor
     seconds: float
+    peak_bytes: int | None = None
+    peak_bytes_predicted: list[int | None] | None = None
     dropped_pairs: list[int] | None = None
 
 
-@torch.no_grad()
-def evaluate(model: MoETransformerLM, batches: list[tuple[torch.Tensor, torch.Tensor]],
-             device: torch.device) -> float:
-    """Mean cross-entropy over fixed batches, nats/byte."""
-    model.eval()
-    losses = [float(model(x.to(device), y.to(device)).loss) for x, y in batches]
-    model.train()
-    return sum(losses) / len(losses)
-
-
-@contextmanager
-def _graceful_sigint() -> Iterator[threading.Event]:
-    """First SIGINT sets the yielded event (stop after this step); a second one aborts."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def handler(signum: int, frame: Any) -> None:
-        if stop.is_set():
-            raise KeyboardInterrupt
-        stop.set()
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
-          progress: bool = True, plot: bool = False,
+          overwrite: bool = False, progress: bool = True, plot: bool = False,
+          tensorboard: bool = False, init_from: str | Path | None = None,
           on_step: Callable[[int], None] | None = None,
           parallel: ParallelTraining | None = None, threads: int | None = None) -> TrainResult:
     """Train the byte-level MoE language model of ``config`` on its corpus.
@@ -141,11 +126,18 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     Args:
         config: the run; ``lr_decay_steps=None`` is resolved to ``max_steps`` first.
         out_dir: run directory for ``config.json``, ``metrics.jsonl``, ``checkpoint.pt``,
-            ``summary.json`` and ``sample.txt`` (created if missing; files are replaced).
+            ``summary.json`` and ``sample.txt`` (created if missing; see
+            :func:`memfine.train.rundir.check_run_dir` for what it refuses).
         resume: continue from ``out_dir/checkpoint.pt``; ``config`` must equal the saved one
             except for :data:`memfine.train.setup.RESUMABLE_FIELDS`.
-        progress: show a tqdm progress bar (loss, tokens/s).
-        plot: write ``chunks.png`` and ``loss.png`` at the end.
+        overwrite: replace the files of an earlier run in ``out_dir``.
+        progress: show a tqdm progress bar (loss, tokens/s) when tqdm is installed.
+        plot: write ``chunks.png`` and ``loss.png`` at the end (needs matplotlib).
+        tensorboard: also write the logged scalars to ``out_dir/tensorboard`` (needs
+            tensorboard).
+        init_from: a run directory whose checkpoint's weights start this run (fine-tuning on
+            new data: fresh optimizer and schedule); its model config must equal
+            ``config.model``.
         on_step: called with the number of completed steps after each step (a
             ``KeyboardInterrupt`` raised there is handled like Ctrl-C).
         parallel: the parallel hooks (:class:`memfine.train.parallel.ParallelTraining`), e.g.
@@ -159,43 +151,70 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         :class:`TrainResult`.
 
     Raises:
-        ValueError: on bad data, a missing/corrupt checkpoint or a config that does not match
-            it, ``threads < 1``, or a non-finite training loss (divergence).
+        ValueError: on bad data, an ``out_dir`` holding another run's files (without
+            ``resume``/``overwrite``) or used by a live run, a missing/corrupt checkpoint or a
+            config that does not match it, ``threads < 1``, or a non-finite training loss.
+        ImportError: naming the extra, before anything is written, when ``plot`` or
+            ``tensorboard`` lacks its package.
     """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
         raise ValueError(f"threads must be an int >= 1, got {threads!r}")
+    parallel = parallel if parallel is not None else SingleProcess()
+    outputs = Outputs(progress=progress, tensorboard=tensorboard, plot=plot).check()
+    out_dir = Path(out_dir)
     previous_threads = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        run = setup_run(config, Path(out_dir), resume=resume, progress=progress,
-                        parallel=parallel if parallel is not None else SingleProcess())
-        return _loop(run, plot=plot, on_step=on_step)
+        if not parallel.is_main:
+            run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
+                            init_from=None if init_from is None else Path(init_from))
+            return _loop(run, plot=plot, on_step=on_step)
+        check_run_dir(out_dir, data=config.data, resume=resume, overwrite=overwrite)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with run_lock(out_dir):
+            run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
+                            init_from=None if init_from is None else Path(init_from))
+            return _loop(run, plot=plot, on_step=on_step)
     finally:
         torch.set_num_threads(previous_threads)
 
 
 def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -> TrainResult:
-    """Run the steps from ``run.start`` to ``max_steps``; Ctrl-C checkpoints and returns."""
+    """Run the steps from ``run.start`` to ``max_steps``; a stop signal checkpoints and returns."""
     config = run.config
-    try:
-        with _graceful_sigint() as stop:
+    with graceful_stop() as stop:
+        try:
             for step_index in range(run.start, config.max_steps):
                 record = _step(run, step_index)
                 is_eval = record.step % config.eval_every == 0 or record.step == config.max_steps
                 if is_eval:
-                    _evaluate_and_checkpoint(run, record)
-                if record.step % config.log_every == 0 or is_eval:
+                    _evaluate(run, record)
+                if _saves(config, record.step):
+                    _checkpoint(run)
+                if _logs(config, record.step):
                     _log(run, record, is_eval=is_eval)
                 _show_progress(run)
                 if on_step is not None:
                     on_step(record.step)
                 if stop.is_set():
                     raise KeyboardInterrupt
-    except KeyboardInterrupt:
-        return _interrupted(run)
+        except KeyboardInterrupt:
+            return _interrupted(run, stop.signum or signal.SIGINT)
     return _finish(run, plot=plot)
+
+
+def _logs(config: TrainConfig, step: int) -> bool:
+    """Whether completed step ``step`` writes a ``metrics.jsonl`` line."""
+    return step % config.log_every == 0 or step % config.eval_every == 0 \
+        or step == config.max_steps
+
+
+def _saves(config: TrainConfig, step: int) -> bool:
+    """Whether completed step ``step`` writes ``checkpoint.pt``."""
+    every = config.save_every if config.save_every is not None else config.eval_every
+    return step % every == 0 or step == config.max_steps
 
 
 def _step(run: RunState, step_index: int) -> StepRecord:
@@ -215,9 +234,11 @@ def _step(run: RunState, step_index: int) -> StepRecord:
                                seed=config.seed, step=step_index)
     run.optimizer.zero_grad(set_to_none=True)
     outs = []
-    for m in range(N):
-        parallel.set_gradient_sync(model, m == N - 1)
-        outs.append(_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B], N))
+    with measured_peak(run.device, _logs(config, step_index + 1)) as tracker:
+        for m in range(N):
+            parallel.set_gradient_sync(model, m == N - 1)
+            outs.append(_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
+                                     N))
     losses_N3 = torch.stack([out[0] for out in outs])
     grad_norm = parallel.clip_grad_norm_(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
@@ -233,17 +254,22 @@ def _step(run: RunState, step_index: int) -> StepRecord:
     ce, lbl, z = parallel.mean(losses_N3.mean(0)).tolist()
     run.losses.append(ce)
     if not math.isfinite(ce):
-        raise ValueError(f"training diverged at step {run.step}: train loss {ce}; lower --lr or "
-                         f"--grad-clip ({run.ckpt_path} keeps the last evaluated step)")
+        _diverged(run)
     load_LE = parallel.sum(torch.stack([out[1] for out in outs]).sum(0)).cpu()
     model.update_expert_bias(load_LE)  # once per step, global counts of every micro-batch
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
-    return StepRecord(step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm.item(),
-                      load_balancing_loss=lbl, z_loss=z, num_chunks=outs[-1][2],
-                      tokens_per_expert_LE=load_LE, seconds=dt,
-                      dropped_pairs=None if config.model.moe.dropless
-                      else torch.tensor([out[3] for out in outs]).sum(0).tolist())
+    num_chunks = outs[-1][2]
+    local_tokens = parallel.shard_batch(x_NBQ[:B])[0].numel()  # one micro-batch on this rank
+    return StepRecord(
+        step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm.item(),
+        load_balancing_loss=lbl, z_loss=z, num_chunks=num_chunks, tokens_per_expert_LE=load_LE,
+        seconds=dt,
+        dropped_pairs=None if config.model.moe.dropless
+        else torch.tensor([out[3] for out in outs]).sum(0).tolist(),
+        peak_bytes=None if tracker is None else tracker.peak_bytes,
+        peak_bytes_predicted=None if tracker is None else [
+            predicted_moe_layer_peak(config, local_tokens, c) for c in num_chunks])
 
 
 def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro: int
@@ -263,20 +289,27 @@ def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micr
         loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
     (loss / num_micro).backward()
     losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
-    load_LE = out.tokens_per_expert
     dropped = [int(a.dropped_pairs or 0) for a in out.aux]
-    return losses, load_LE, [a.num_chunks for a in out.aux], dropped
+    return losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped
 
 
-def _evaluate_and_checkpoint(run: RunState, record: StepRecord) -> None:
-    """Validate, print the loss and expert load since the last evaluation, save a checkpoint."""
+def _diverged(run: RunState) -> None:
+    """Raise the divergence error, naming the checkpoint to go back to when there is one."""
+    saved = run.ckpt_path.exists()
+    where = (f"{run.ckpt_path} keeps the last saved step" if saved
+             else "no checkpoint was saved before it (see --save-every)")
+    raise ValueError(f"training diverged at step {run.step}: train loss {run.losses[-1]}; lower "
+                     f"--lr or --grad-clip ({where})")
+
+
+def _evaluate(run: RunState, record: StepRecord) -> None:
+    """Validate; print the loss and the expert load since the last evaluation."""
     run.val_loss = evaluate(run.model, run.val_data, run.device)
     assert run.load_eval_LE is not None, "a step ran since the last evaluation"
     run.say(f"step {record.step}: train {record.train_loss:.4f}, validation {run.val_loss:.4f} "
             f"nats/byte ({nats_to_bits(run.val_loss):.3f} bits/byte); expert load:\n"
             f"{format_expert_load(run.load_eval_LE)}")
     run.load_eval_LE = None
-    _checkpoint(run)
 
 
 def _checkpoint(run: RunState) -> None:
@@ -292,7 +325,7 @@ def _checkpoint(run: RunState) -> None:
 
 
 def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
-    """Write one ``metrics.jsonl`` line covering the steps since the previous one."""
+    """Write one ``metrics.jsonl`` line (and TensorBoard scalars) for the steps since the last."""
     assert run.load_log_LE is not None, "a step ran since the last metrics line"
     line: dict[str, Any] = {
         "step": record.step, "train_loss": record.train_loss, "lr": record.lr,
@@ -301,6 +334,7 @@ def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
         "grad_norm": record.grad_norm, "num_chunks": record.num_chunks,
         "tokens_per_expert": run.load_log_LE.tolist(),
         "expert_load_max_over_mean": [load_max_over_mean(c) for c in run.load_log_LE],
+        "peak_bytes": record.peak_bytes, "peak_bytes_predicted": record.peak_bytes_predicted,
     }
     if is_eval:
         line["val_loss"] = run.val_loss
@@ -308,6 +342,11 @@ def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
         line["dropped_pairs"] = record.dropped_pairs
     if run.log is not None:
         run.log.write(line)
+    if run.tensorboard is not None:
+        for key in ("train_loss", "val_loss", "lr", "tokens_per_s", "load_balancing_loss",
+                    "z_loss", "grad_norm", "peak_bytes"):
+            if isinstance(line.get(key), (int, float)):
+                run.tensorboard.add_scalar(key, line[key], record.step)
     run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None
 
 
@@ -318,39 +357,46 @@ def _show_progress(run: RunState) -> None:
                             tok_s=f"{run.tokens_per_step * len(run.losses) / run.run_time:,.0f}")
 
 
-def _result(run: RunState, *, val_loss: float | None, sample: str, interrupted: bool
-            ) -> TrainResult:
+def _result(run: RunState, *, val_loss: float | None, sample: str,
+            stop_signal: int | None = None) -> TrainResult:
     seconds = run.run_time
     rate = len(run.losses) * run.tokens_per_step / seconds if seconds > 0 else 0.0
     return TrainResult(step=run.step, train_losses=tuple(run.losses), final_val_loss=val_loss,
                        unigram_entropy=run.unigram, tokens_per_s=rate,
                        wall_s=time.perf_counter() - run.t_start, sample=sample,
-                       interrupted=interrupted)
+                       interrupted=stop_signal is not None, stop_signal=stop_signal)
 
 
-def _interrupted(run: RunState) -> TrainResult:
-    """After Ctrl-C: save the last completed step (unless an update was half applied)."""
+def _close(run: RunState) -> None:
     if run.bar is not None:
         run.bar.close()
+    if run.tensorboard is not None:
+        run.tensorboard.close()
+
+
+def _interrupted(run: RunState, signum: int) -> TrainResult:
+    """After a stop signal: save the last completed step (unless an update was half applied)."""
+    _close(run)
+    name = signal.Signals(signum).name
     if run.consistent:
         _checkpoint(run)
-        print(f"interrupted: checkpoint of step {run.step} saved to {run.ckpt_path}; "
+        print(f"interrupted by {name}: checkpoint of step {run.step} saved to {run.ckpt_path}; "
               f"continue with --resume --out {run.out_dir}")
     else:
-        print(f"interrupted during an optimizer update; {run.ckpt_path} keeps the last "
-              f"evaluated step")
-    return _result(run, val_loss=None, sample="", interrupted=True)
+        print(f"interrupted by {name} during an optimizer update; {run.ckpt_path} keeps the last "
+              f"saved step")
+    return _result(run, val_loss=None, sample="", stop_signal=signum)
 
 
 def _finish(run: RunState, *, plot: bool) -> TrainResult:
     """Final validation (if none ran), sample, ``summary.json``/``sample.txt``, plots."""
-    if run.bar is not None:
-        run.bar.close()
+    _close(run)
     val_loss = run.val_loss
     if val_loss is None:  # resumed at (or past) max_steps: nothing ran
         val_loss = evaluate(run.model, run.val_data, run.device)
-    sample = _sample(run.model, run.corpus, run.config, run.device)
-    result = _result(run, val_loss=val_loss, sample=sample, interrupted=False)
+    sample = sample_after_validation_prompt(run.model, run.corpus, run.config, run.device,
+                                            temperature=SAMPLE_TEMPERATURE)
+    result = _result(run, val_loss=val_loss, sample=sample)
     if run.parallel.is_main:
         report_final(run.out_dir, step=result.step, val_loss=val_loss, unigram=run.unigram,
                      tokens_per_s=result.tokens_per_s, wall_s=result.wall_s, sample=sample,
@@ -358,23 +404,3 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
     if plot and run.parallel.is_main:
         print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
     return result
-
-
-def _sample(model: MoETransformerLM, corpus: ByteCorpus, config: TrainConfig,
-            device: torch.device) -> str:
-    """Generate ``sample_tokens`` bytes after a prompt from the validation split.
-
-    The prompt is the split's first ``SAMPLE_PROMPT_BYTES`` bytes after its first newline (so it
-    starts at a line), at most ``seq_len``.
-    """
-    if config.sample_tokens == 0:
-        return ""
-    val = corpus.val_ids
-    newlines = (val[:SAMPLE_PROMPT_BYTES] == ord("\n")).nonzero()
-    start = int(newlines[0]) + 1 if newlines.numel() else 0
-    prompt_1Q = val[start:start + min(SAMPLE_PROMPT_BYTES, config.seq_len)][None].to(device)
-    gen = torch.Generator(device=device).manual_seed(config.seed)
-    model.eval()
-    ids = model.generate(prompt_1Q, config.sample_tokens, temperature=SAMPLE_TEMPERATURE,
-                         generator=gen)
-    return decode(ids[0].cpu())

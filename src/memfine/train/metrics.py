@@ -6,6 +6,8 @@ Each logged step is one JSON object in ``DIR/metrics.jsonl`` with at least ``ste
 ``train_loss`` (nats/byte), ``lr``, ``tokens_per_s``, ``load_balancing_loss``, ``z_loss``,
 ``num_chunks`` (one per layer), ``tokens_per_expert`` (per layer, summed over the steps since the
 previous line), ``expert_load_max_over_mean`` (per layer) and, on evaluation steps, ``val_loss``.
+Every line is strict JSON: a non-finite number (NaN, ±inf) is written as ``null`` and the line
+gets ``"nonfinite": true``.
 """
 
 from __future__ import annotations
@@ -71,9 +73,25 @@ class MetricsLog:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def write(self, record: dict[str, Any]) -> None:
-        """Append one JSON line and flush it."""
+        """Append one strict-JSON line (non-finite numbers as ``null``) and flush it."""
+        clean, nonfinite = _finite_or_null(record)
+        if nonfinite:
+            clean["nonfinite"] = True
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(json.dumps(clean, allow_nan=False) + "\n")
+
+
+def _finite_or_null(value: Any) -> tuple[Any, bool]:
+    """``value`` with every non-finite float replaced by None, and whether any was."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None, True
+    if isinstance(value, dict):
+        pairs = {k: _finite_or_null(v) for k, v in value.items()}
+        return {k: v for k, (v, _) in pairs.items()}, any(bad for _, bad in pairs.values())
+    if isinstance(value, (list, tuple)):
+        items = [_finite_or_null(v) for v in value]
+        return [v for v, _ in items], any(bad for _, bad in items)
+    return value, False
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,25 +20,27 @@ from typing import Any
 
 import torch
 
-from memfine._optional import require
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
     find_checkpoint,
+    load_model_state,
     load_states,
     read_checkpoint,
     set_rng_state,
 )
 from memfine.train.data import ByteCorpus, unigram_entropy, val_batches
-from memfine.train.metrics import METRICS_NAME, MetricsLog
+from memfine.train.memory_log import check_fits
+from memfine.train.metrics import MetricsLog
 from memfine.train.optim import build_optimizer
+from memfine.train.outputs import Outputs
 from memfine.train.parallel import ParallelTraining
 
 # Fields a resumed run may change; everything else must match the checkpoint.
-RESUMABLE_FIELDS = ("max_steps", "eval_every", "eval_batches", "log_every", "sample_tokens",
-                    "device")
+RESUMABLE_FIELDS = ("max_steps", "eval_every", "save_every", "eval_batches", "log_every",
+                    "sample_tokens", "device")
 
 
 @dataclass(slots=True)
@@ -60,6 +63,8 @@ class RunState:
         val_data: fixed validation batches, each ``(x_BQ, y_BQ)`` int64 on CPU.
         log: the ``metrics.jsonl`` writer (None on ranks other than the main one).
         bar: the tqdm progress bar, or None.
+        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` on ``out_dir/tensorboard``, or
+            None.
         t_start: ``time.perf_counter()`` when the call began, seconds.
         step: completed optimizer steps so far.
         losses: cross-entropy of each step run by this call, nats/byte.
@@ -86,6 +91,7 @@ class RunState:
     val_data: list[tuple[torch.Tensor, torch.Tensor]]
     log: MetricsLog | None
     bar: Any
+    tensorboard: Any
     t_start: float
     step: int = 0
     losses: list[float] = field(default_factory=list)
@@ -115,16 +121,23 @@ class RunState:
             print(text)
 
 
-def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, progress: bool,
-              parallel: ParallelTraining) -> RunState:
+def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outputs,
+              parallel: ParallelTraining, init_from: Path | None = None) -> RunState:
     """Resolve the config, load data, build model and optimizer, restore, open the outputs.
+
+    Args:
+        config: the run as given.
+        out_dir: the run directory (checked and locked by the caller).
+        resume: continue the checkpoint in ``out_dir``.
+        outputs: the optional outputs (progress bar, TensorBoard).
+        parallel: the parallel hooks.
+        init_from: a run directory whose checkpoint's weights start this run (fine-tuning).
 
     Raises:
         ValueError: on bad data, a missing/corrupt checkpoint, a config that does not match
             it, or a checkpoint already at ``max_steps``.
     """
     t_start = time.perf_counter()
-    out_dir.mkdir(parents=True, exist_ok=True)
     config, payload = resolve_config(config, out_dir, resume=resume)
     config_text = json.dumps(config.to_dict(), indent=2)
     print(f"config:\n{config_text}")
@@ -132,26 +145,41 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, progress: boo
         (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
-    model, optimizer, scheduler = build_model(config, parallel, device)
+    model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
     start = restore(payload, model, optimizer, scheduler, parallel) if payload else 0
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params:,} parameters; {torch.get_num_threads()} CPU thread(s); "
-          f"{'resuming at' if resume else 'starting at'} step {start} of {config.max_steps}; "
-          f"writing to {out_dir}")
-    log = (MetricsLog(out_dir / METRICS_NAME, keep_until_step=start if resume else None)
-           if parallel.is_main else None)
+    _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)
-    bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
-                               dynamic_ncols=True, mininterval=0.5) \
-        if progress and parallel.is_main else None
+    log, bar, tensorboard = outputs.open(out_dir, config, start=start, resume=resume,
+                                         is_main=parallel.is_main)
     return RunState(config=config, out_dir=out_dir, parallel=parallel, corpus=corpus,
                     unigram=unigram, device=device, model=model, optimizer=optimizer,
                     scheduler=scheduler, start=start, resume=resume, val_data=val_data, log=log,
-                    bar=bar, t_start=t_start, step=start)
+                    bar=bar, tensorboard=tensorboard, t_start=t_start, step=start)
+
+
+def num_parameters(config: TrainConfig) -> int:
+    """Parameters of the whole model of ``config`` (all experts, whatever the EP size)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in MoETransformerLM(config.model).parameters())
+
+
+def _announce(config: TrainConfig, *, start: int, resume: bool, out_dir: Path,
+              parallel: ParallelTraining) -> None:
+    """Print the model size, threads, start step and the predicted memory (warning if over)."""
+    n_params = num_parameters(config)
+    print(f"model: {n_params:,} parameters; {torch.get_num_threads()} CPU thread(s); "
+          f"{'resuming at' if resume else 'starting at'} step {start} of {config.max_steps}; "
+          f"writing to {out_dir}")
+    local_rows = parallel.shard_batch(torch.empty(config.batch_size, 0))[0].shape[0]
+    local_tokens = local_rows * config.seq_len
+    line, warning = check_fits(config, n_params, local_tokens, torch.device(config.device))
+    print(line)
+    if warning is not None:
+        print(warning, file=sys.stderr)
 
 
 def resolve_config(config: TrainConfig, out_dir: Path, *, resume: bool
@@ -198,17 +226,46 @@ def load_data(config: TrainConfig) -> tuple[ByteCorpus, float]:
     return corpus, unigram
 
 
-def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.device
-                ) -> tuple[MoETransformerLM, torch.optim.AdamW,
-                           torch.optim.lr_scheduler.LambdaLR]:
-    """Seed, build the model on ``device`` in ``config.dtype``, prepare it, build the optimizer."""
+def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.device, *,
+                init_from: Path | None = None) -> tuple[
+                    MoETransformerLM, torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Seed, build the model on ``device`` in ``config.dtype``, prepare it, build the optimizer.
+
+    With ``init_from`` the weights come from that run directory's checkpoint (its model config
+    must equal ``config.model``), loaded into the whole model before the parallel hooks shard it.
+
+    Raises:
+        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model.
+    """
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
+    if init_from is not None:
+        load_weights(model, config, init_from)
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
     return model, optimizer, scheduler
+
+
+def load_weights(model: MoETransformerLM, config: TrainConfig, run_dir: Path) -> None:
+    """Load the model weights of ``run_dir``'s newest checkpoint (fine-tuning; no optimizer).
+
+    Either form: ``checkpoint.pt`` or a sharded ``checkpoint.dcp/``.
+
+    Raises:
+        ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
+            another model.
+    """
+    payload = read_checkpoint(find_checkpoint(run_dir))
+    saved = TrainConfig.from_dict(payload["config"]).model
+    if saved != config.model:
+        changed = [f.name for f in dataclasses.fields(saved)
+                   if getattr(saved, f.name) != getattr(config.model, f.name)]
+        raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in {changed}; "
+                         f"the model flags must match the checkpoint's")
+    with torch.no_grad():
+        load_model_state(payload, model)
 
 
 def restore(payload: dict[str, Any], model: torch.nn.Module,

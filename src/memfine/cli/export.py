@@ -1,0 +1,45 @@
+"""``memfine export``: write a training run's model to safetensors, with its config."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memfine.cli._flags import Flag, NotGiven, add_flags, value
+from memfine.train.inference import export_safetensors, load_trained
+
+_FLAGS = (
+    Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
+         default=NotGiven(text="required")),
+    Flag("--to", (), "the safetensors file to write (the config goes to <stem>_config.json "
+         "beside it)", Path, default=NotGiven(text="--out/model.safetensors")),
+    Flag("--overwrite", (), "replace existing files", action="store_true",
+         default=NotGiven(False)),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``memfine export`` flags."""
+    add_flags(parser, _FLAGS)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export; returns 0.
+
+    Raises:
+        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, or the
+            target exists without ``--overwrite``.
+    """
+    out = value(args, "out")
+    if out is None:
+        raise ValueError("--out is required")
+    target = Path(value(args, "to") or Path(out) / "model.safetensors")
+    config_path = target.with_name(f"{target.stem}_config.json")
+    existing = [str(p) for p in (target, config_path) if p.exists()]
+    if existing and not value(args, "overwrite"):
+        raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "
+                         f"replace them")
+    trained = load_trained(out)
+    written = export_safetensors(trained, target)
+    print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written))
+    return 0

@@ -1,0 +1,132 @@
+"""Memory in the training logs: measured step peaks next to the memory model's prediction.
+
+Measured (:func:`measured_peak`): the peak live tensor bytes of one step's forward + backward,
+above what was alive when the step began, from :class:`memfine.measure.PeakMemoryTracker` (the
+storage tracker on the CPU, ``torch.cuda.max_memory_allocated`` after a reset on CUDA). The
+tracker slows CPU operators (docs/design.md §8), so the loop measures only the steps that write a
+``metrics.jsonl`` line.
+
+Predicted (:func:`predicted_moe_layer_peak`): the memory model's peak of one MoE layer's forward
++ backward (:func:`memfine.memory.layer.moe_layer_memory`) at the step's tokens, dtype, recompute
+mode and chunk count c. The model covers MoE layers only; attention, norms, embedding and logits
+are not modelled, so the whole step's measured peak is larger.
+
+Before training (:func:`check_fits`): static bytes (parameters, gradients, AdamW's two moments)
+plus every MoE layer's predicted saved bytes plus one layer's peak, against the memory the
+device has free; a warning line when it does not fit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from memfine.config import TrainConfig
+from memfine.measure import PeakMemoryTracker
+from memfine.memory.layer import moe_layer_memory
+from memfine.units import format_bytes
+
+ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter dtype
+
+
+def _dtype_bytes(config: TrainConfig) -> int:
+    """D_t, bytes per element of the run's dtype."""
+    return int(getattr(torch, config.dtype).itemsize)
+
+
+@contextlib.contextmanager
+def measured_peak(device: torch.device, enabled: bool) -> Iterator[PeakMemoryTracker | None]:
+    """Measure the region's peak live bytes when ``enabled`` (yields the tracker, else None)."""
+    if not enabled:
+        yield None
+        return
+    with PeakMemoryTracker(device) as tracker:
+        yield tracker
+
+
+def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: int
+                             ) -> int | None:
+    """The memory model's peak bytes of one MoE layer forward + backward.
+
+    Args:
+        config: the run (MoE config, dtype, recompute mode).
+        num_tokens: T, tokens entering the layer on this process.
+        num_chunks: c, the chunk count the layer ran with.
+
+    Returns:
+        Bytes (int), or None when the model does not cover the setting (T < c).
+
+    Reference: :func:`memfine.memory.layer.moe_layer_memory` (MemFine Table 2 items, our timeline).
+    """
+    if num_tokens < num_chunks:
+        return None
+    return moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
+                            num_chunks=num_chunks,
+                            recompute=config.model.chunk.resolved_recompute).peak_bytes
+
+
+def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: int) -> int:
+    """Predicted bytes of a training step: static memory plus the MoE layers' activations.
+
+    Static: parameters, their gradients and AdamW's two moments, ``num_parameters · D_t`` each.
+    Activations: every MoE layer's saved bytes plus one layer's backward peak above its saved
+    bytes, at the configured c (MACT's budget bounds a layer when one is set). Attention, norms,
+    embedding and logits activations are not modelled (a lower bound).
+
+    Reference: MemFine Eq. 1 (static) and Eq. 3 (static + activation ≤ device memory).
+    """
+    chunk = config.model.chunk
+    layer = moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
+                             num_chunks=min(chunk.num_chunks, num_tokens),
+                             recompute=chunk.resolved_recompute)
+    peak_above_saved = layer.peak_bytes - layer.saved_bytes
+    if chunk.memory_budget_bytes is not None:
+        peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
+    static = num_parameters * _dtype_bytes(config) * (2 + ADAM_MOMENTS)
+    return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Free memory of ``device`` in bytes: CUDA's free memory, or the CPU's ``MemAvailable``.
+
+    Returns:
+        Bytes, or None where it cannot be read (no ``/proc/meminfo``).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_fits(config: TrainConfig, num_parameters: int, num_tokens: int,
+               device: torch.device) -> tuple[str, str | None]:
+    """Compare the predicted step bytes with the device's free memory.
+
+    Args:
+        config: the run.
+        num_parameters: parameters of the whole model (all ranks' experts).
+        num_tokens: T, tokens entering each MoE layer on this process.
+        device: where the run computes.
+
+    Returns:
+        An information line, and a warning line when the prediction exceeds the free memory
+        (else None).
+    """
+    predicted = predicted_run_bytes(config, num_parameters, num_tokens)
+    free = available_bytes(device)
+    line = (f"memory: predicted {format_bytes(predicted)} per step (parameters, gradients, "
+            f"AdamW state, MoE layers; attention not modelled); "
+            f"{'free: not measured' if free is None else 'free ' + format_bytes(free)}")
+    if free is None or predicted <= free:
+        return line, None
+    return line, (f"warning: predicted step memory {format_bytes(predicted)} exceeds the free "
+                  f"memory of {device} ({format_bytes(free)}); lower --batch-size or --seq-len, "
+                  f"or set --memory-budget / --num-chunks")

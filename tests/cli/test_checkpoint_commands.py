@@ -1,0 +1,146 @@
+"""``memfine generate``, ``memfine eval``, ``memfine export`` on a trained run; ``--config`` and
+``--init-from`` of ``memfine train`` (memfine.cli.generate, evaluate, export, train)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.cli.main import main
+from memfine.train.data import encode
+from memfine.train.inference import load_safetensors, load_trained
+from tolerances import LOSS_ATOL
+
+CORPUS = str(Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt")
+FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("run")
+    assert main(["train", *FAST, "--max-steps", "4", "--sample-tokens", "0",
+                 "--out", str(out)]) == 0
+    return out
+
+
+def test_eval_repeats_the_final_validation(run_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    assert main(["eval", "--out", str(run_dir), "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert got["step"] == 4
+    assert abs(got["val_loss_nats_per_byte"] - summary["final_val_loss_nats_per_byte"]) \
+        <= LOSS_ATOL
+    assert got["val_loss_bits_per_byte"] == pytest.approx(
+        got["val_loss_nats_per_byte"] / torch.log(torch.tensor(2.0)).item())
+
+
+def test_eval_on_other_text(run_dir: Path, tmp_path: Path,
+                            capsys: pytest.CaptureFixture[str]) -> None:
+    other = tmp_path / "other.txt"
+    other.write_text("def f(x):\n    return x + 1\n" * 200)
+    capsys.readouterr()
+    assert main(["eval", "--out", str(run_dir), "--data", str(other)]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint of step 4 on {other}" in out or "other.txt" in out
+    with pytest.raises(SystemExit) as info:
+        main(["eval", "--out", str(run_dir), "--data", str(tmp_path / "missing.txt")])
+    assert info.value.code == 2
+
+
+def test_generate_is_seeded_and_continues_the_prompt(
+        run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    capsys.readouterr()
+    args = ["generate", "--out", str(run_dir), "--prompt", "def ", "--max-new-bytes", "40",
+            "--temperature", "0.5"]
+    assert main(args) == 0
+    first = capsys.readouterr().out
+    assert main(args) == 0
+    assert capsys.readouterr().out == first and first.startswith("def ")
+    # the continuation is the model's own sample from the same generator seed
+    trained = load_trained(run_dir)
+    gen = torch.Generator().manual_seed(0)
+    ids = trained.model.generate(encode("def ")[None], 40, temperature=0.5, generator=gen)
+    assert first == bytes(ids[0].tolist()).decode("utf-8", errors="replace") + "\n"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    pytest.param(["--temperature", "0"], "--temperature must be > 0, got 0.0", id="temperature"),
+    pytest.param(["--max-new-bytes", "-1"], "--max-new-bytes must be >= 0, got -1", id="bytes"),
+    pytest.param(["--prompt", ""], "--prompt must hold at least one character", id="empty"),
+])
+def test_generate_bad_values(run_dir: Path, capsys: pytest.CaptureFixture[str],
+                             args: list[str], message: str) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--out", str(run_dir), "--prompt", "x", *args])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_generate_without_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--out", str(tmp_path), "--prompt", "x"])
+    assert info.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+
+
+def test_export_round_trips_the_logits(run_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "m.safetensors"
+    assert main(["export", "--out", str(run_dir), "--to", str(target)]) == 0
+    config = json.loads((tmp_path / "m_config.json").read_text())
+    assert config["moe"]["num_experts"] == 4
+    exported, trained = load_safetensors(target), load_trained(run_dir)
+    ids = encode("class A:\n    pass\n")[None]
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained.model(ids).logits)
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--out", str(run_dir), "--to", str(target)])
+    assert info.value.code == 2
+    assert (target.stat().st_mode & 0o777) == ((run_dir / "config.json").stat().st_mode & 0o777)
+
+
+def test_config_file_fills_flags_and_flags_win(tmp_path: Path) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(f'preset = "tiny"\ndata = "{CORPUS}"\nmax_steps = 3\nnum_chunks = 2\n'
+                    'bins = [1, 2]\nsample_tokens = 0\nno_progress = true\n')
+    out = tmp_path / "run"
+    assert main(["train", "--config", str(toml), "--max-steps", "2", "--threads", "1",
+                 "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert config["max_steps"] == 2  # the flag wins
+    assert config["model"]["chunk"]["num_chunks"] == 2 and config["model"]["chunk"]["bins"] == [
+        1, 2]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    pytest.param("max_step = 3\n", "unknown key 'max_step'", id="unknown_key"),
+    pytest.param("max_steps = 'many'\n", "max_steps: invalid literal for int", id="bad_value"),
+    pytest.param("plot = 1\n", "plot must be true or false", id="bad_switch"),
+    pytest.param("max_steps = \n", "is not valid TOML", id="bad_toml"),
+])
+def test_config_file_errors_name_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         text: str, message: str) -> None:
+    toml = tmp_path / "run.toml"
+    toml.write_text(text)
+    with pytest.raises(SystemExit) as info:
+        main(["train", *FAST, "--config", str(toml), "--out", str(tmp_path / "run")])
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+def test_init_from_takes_the_model_of_the_checkpoint(run_dir: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tuned"
+    assert main(["train", "--data", CORPUS, "--no-progress", "--threads", "1", "--max-steps",
+                 "1", "--sample-tokens", "0", "--init-from", str(run_dir),
+                 "--out", str(out)]) == 0
+    # the small preset's other settings, the tiny checkpoint's model
+    config = json.loads((out / "config.json").read_text())
+    assert config["model"] == json.loads((run_dir / "config.json").read_text())["model"]
+    assert config["batch_size"] == 32
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", "--init-from", str(run_dir), "--out", str(run_dir)])
+    assert info.value.code == 2
+    assert "--init-from does not apply with --resume" in capsys.readouterr().err
