@@ -120,6 +120,33 @@ class GatedActivation(_ConfigBase):
         return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
 
 
+DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
+"""Default byte target of one row block of the fused backward (16 MiB)."""
+
+
+def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: int,
+                        up_width: int, dtype_bytes: int) -> int:
+    """Rows per block of the streamed fused backward for a byte target.
+
+    One row of a block costs (3·d + 3·n + G)·D_t bytes of transients: dO, gathered x and dx
+    rows (d each), dA, A and one activation temporary (n each) and dH (G).
+
+    Args:
+        block_bytes: byte target of one block, ≥ 1.
+        hidden_size: d.
+        intermediate_size: n.
+        up_width: G (2n gated, else n).
+        dtype_bytes: D_t, bytes per activation element.
+
+    Returns:
+        ⌊block_bytes / row bytes⌋, at least 1.
+
+    Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
+    """
+    row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
+    return max(1, block_bytes // row_bytes)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig(_ConfigBase):
     """One MoE feed-forward layer: router and routed experts.
@@ -170,6 +197,8 @@ class MoEConfig(_ConfigBase):
             Qwen2-MoE), >= 0; they run on the same fused, chunked path as the routed experts.
         shared_intermediate_size: n of one shared expert per GLU branch; ``None`` means n.
         shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
+        backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
+            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 16 MiB.
     """
 
     hidden_size: int
@@ -198,6 +227,7 @@ class MoEConfig(_ConfigBase):
     num_shared_experts: int = 0
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
+    backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -232,6 +262,7 @@ class MoEConfig(_ConfigBase):
         check_float(self, "skew_bias", 0.0)
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
+        check_int(self, "backward_block_bytes", 1)
 
     @property
     def dropless(self) -> bool:
@@ -258,7 +289,8 @@ class MoEConfig(_ConfigBase):
         return MoEConfig(hidden_size=self.hidden_size, intermediate_size=self.shared_width,
                          num_experts=S, top_k=S, renormalize=False, activation=self.activation,
                          experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
-                         index_builder=self.index_builder)
+                         index_builder=self.index_builder,
+                         backward_block_bytes=self.backward_block_bytes)
 
     @property
     def gated(self) -> bool:

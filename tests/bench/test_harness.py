@@ -54,13 +54,15 @@ def test_interleaved_order_rotates() -> None:
 
 
 def test_run_methods_call_order() -> None:
-    """Warm-up rounds interleaved, one memory call each, then timed rounds interleaved."""
+    """Warm-up rounds interleaved, two memory calls each, then timed rounds interleaved."""
     log: list[str] = []
     methods = [recording_method(n, log) for n in "abc"]
-    run_methods(methods, repeats=3, warmup=2, clock=FakeClock(1.0))
+    results = run_methods(methods, repeats=3, warmup=2, clock=FakeClock(1.0))
     assert log == (["a", "b", "c", "b", "c", "a"]  # warm-up rounds 0, 1
-                   + ["a", "b", "c"]  # memory
+                   + ["a", "b", "c"]  # memory: live tracker
+                   + ["a", "b", "c"]  # memory: torch.profiler (CPU)
                    + ["a", "b", "c", "b", "c", "a", "c", "a", "b"])  # timed rounds 0, 1, 2
+    assert all(r.extras["profiler_peak_bytes"] == (r.peak_bytes, "bytes") for r in results)
 
 
 def test_run_methods_times_from_clock() -> None:
@@ -93,7 +95,8 @@ def test_run_methods_memory_and_prediction() -> None:
     assert isinstance(res.memory, MemoryReport)
     assert (res.saved_bytes, res.peak_bytes) == (nbytes, 2 * nbytes)
     assert res.predicted == {"saved_bytes": nbytes, "peak_bytes": None}
-    assert res.extras == {"dtype_bytes": (4, "bytes")}
+    assert res.extras == {"dtype_bytes": (4, "bytes"),
+                          "profiler_peak_bytes": (2 * nbytes, "bytes")}  # same as the tracker
     assert len(res.times_s["full"]) == 2
 
 
@@ -109,7 +112,7 @@ def test_run_methods_records_a_failing_method() -> None:
     assert bad.error == "RuntimeError: strides should be multiple of 16 bytes"
     assert bad.time_ms() is None and bad.memory is None
     assert ok.error is None and len(ok.times_s["full"]) == 2
-    assert log == ["ok"] * 4  # warm-up, memory, 2 timed
+    assert log == ["ok"] * 5  # warm-up, memory (tracker, profiler), 2 timed
 
 
 @pytest.mark.parametrize("kwargs, match", [

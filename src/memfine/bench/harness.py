@@ -210,10 +210,10 @@ def _timed_call(method: Method, watch: _Stopwatch) -> tuple[float, float]:
     return fwd_s, bwd_s
 
 
-def _measure_call(method: Method, device: torch.device) -> MemoryReport:
-    """One call under the saved-bytes and peak trackers."""
+def _measure_call(method: Method, device: torch.device, peak: str = "tracker") -> MemoryReport:
+    """One call under the saved-bytes tracker and the ``peak`` measurement."""
     method.zero_grad()
-    with measure_memory(device, exclude=list(method.exclude())) as m:
+    with measure_memory(device, exclude=list(method.exclude()), peak=peak) as m:
         out = method.forward()
         m.end_forward()
         method.backward(out)
@@ -232,7 +232,8 @@ def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
         warmup: untimed rounds first (≥ 0).
         device: device of the work; ``cuda`` devices are timed with CUDA events and measured
             with the allocator statistics.
-        measure: run the memory measurement call (one per method).
+        measure: run the memory measurement calls (one per method under the live tracker and,
+            off CUDA, one under ``torch.profiler``: extra ``profiler_peak_bytes``).
         clock: a clock in seconds replacing ``time.perf_counter`` (and CUDA events); for tests.
 
     Returns:
@@ -269,6 +270,10 @@ def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
     if measure:
         for name in list(live):
             results[name].memory = attempt(name, _measure_call, dev)
+        for name in list(live) if dev.type != "cuda" else []:  # CPU ground truth, one more call
+            report = attempt(name, lambda m, d: _measure_call(m, d, "profiler"), dev)
+            if report is not None:
+                results[name].extras["profiler_peak_bytes"] = (report.peak_bytes, "bytes")
     for r in range(repeats):
         for name in interleaved_order(live, r):
             fwd_bwd = attempt(name, _timed_call, watch)

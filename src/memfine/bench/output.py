@@ -19,7 +19,7 @@ from memfine.bench.results import NOT_MODELLED
 from memfine.units import NOT_MEASURED, MiB
 
 HEADERS = ("method", "fwd+bwd ms", "p20-p80 ms", "÷ ref", "tokens/s", "saved MiB", "model MiB",
-           "peak MiB", "model MiB", "peak ÷ ref", "c")
+           "peak MiB", "profiler MiB", "model MiB", "peak ÷ ref", "c")
 
 
 def _mib(value: int | None, missing: str = NOT_MEASURED) -> str:
@@ -44,6 +44,7 @@ def table_rows(point: Point) -> list[tuple[str, ...]]:
         t = res.time_ms()
         tps = res.tokens_per_s()
         chunks = res.extras.get("num_chunks", (None, ""))[0]
+        profiled = res.extras.get("profiler_peak_bytes", (None, ""))[0]
         rows.append((
             res.name,
             NOT_MEASURED if t is None else f"{t[1]:.1f}",
@@ -51,7 +52,8 @@ def table_rows(point: Point) -> list[tuple[str, ...]]:
             _ratio(t[1] if t else None, ref_time[1] if ref_time else None),
             NOT_MEASURED if tps is None else f"{tps[1]:.0f}",
             _mib(res.saved_bytes), _mib(res.predicted.get("saved_bytes"), NOT_MODELLED),
-            _mib(res.peak_bytes), _mib(res.predicted.get("peak_bytes"), NOT_MODELLED),
+            _mib(res.peak_bytes), _mib(profiled if isinstance(profiled, int) else None),
+            _mib(res.predicted.get("peak_bytes"), NOT_MODELLED),
             _ratio(res.peak_bytes, ref_peak),
             "-" if chunks is None else str(chunks),
         ))
@@ -84,8 +86,9 @@ def print_point(point: Point) -> None:
         Console(width=160).print(table)
     else:
         print(format_plain(title, HEADERS, rows))
-    print(f"fwd+bwd: p50 over repeats; ÷ ref: against '{point.reference}'; model MiB: the "
-          "memory model's prediction; c: chunks")
+    print(f"fwd+bwd: p50 over repeats; ÷ ref: against '{point.reference}'; peak: live tracker; "
+          "profiler: torch.profiler's allocator events; model MiB: the memory model's "
+          "prediction; c: chunks")
 
 
 def _pyplot() -> Any:

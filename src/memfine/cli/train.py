@@ -65,6 +65,13 @@ def _budget(text: str) -> int | None:
         raise argparse.ArgumentTypeError(str(err)) from None
 
 
+def _block_bytes(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 _CONFIG_FLAGS = (
     Flag("--data", ("data",), "'pydoc' (Python's documentation topics), 'stdlib' (the "
          "standard library's .py sources) or a path to a text file or directory", str),
@@ -113,6 +120,8 @@ _CONFIG_FLAGS = (
          get_args(GemmBackend)),
     Flag("--index-builder", ("model.moe.index_builder",), "dispatch index builder", str,
          get_args(IndexBuilder)),
+    Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
+         "row block of the fused experts' streamed backward, e.g. 16MiB", _block_bytes),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
          "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
     Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "per-layer MoE "

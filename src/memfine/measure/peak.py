@@ -13,6 +13,15 @@ packing buffers), storages created outside the dispatcher (``torch.from_numpy``)
 alive before the region (reported as ``baseline_bytes`` on CUDA, ``None`` on the CPU). The CPU
 tracker costs about 10% on large operators and up to 6× on tiny ones (docs/design.md §8).
 
+What the CPU tracker changes: under any ``TorchDispatchMode`` every operator output gets a Python
+object that holds a reference to its storage, so when two gradients of one tensor meet in the
+autograd engine's input buffer, the engine sums them out of place instead of adding the second
+into the first: the tracker then sees one more gradient-sized buffer than the program allocates
+without it. ``torch.profiler``'s allocator events do not change the program
+(:class:`memfine.measure.profiled.ProfiledPeakMemory`, the CPU ground truth); on memfine's MoE
+layer, whose chunk loop accumulates the weight gradients itself, both give the same peak
+(tests/measure/test_profiled.py).
+
 Reference: docs/design.md §8 (measurement on CPU), docs/style.md §7.
 """
 

@@ -20,8 +20,12 @@ from dataclasses import dataclass
 import torch
 
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.measure.profiled import ProfiledPeakMemory
 from memfine.measure.saved import SavedTensorsTracker
 from memfine.units import NOT_MEASURED, format_bytes
+
+PEAK_METHODS = ("tracker", "profiler")
+"""How :func:`measure_memory` measures peak bytes (see :class:`MemoryMeasurement`)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -63,11 +67,23 @@ class MemoryMeasurement:
         device: device whose memory is measured (``cpu`` storage tracker, or CUDA statistics).
         exclude: tensors whose storages the saved-bytes count leaves out (parameters are always
             left out).
+        peak: ``tracker`` (live storage tracker on the CPU, allocator statistics on CUDA) or
+            ``profiler`` (``torch.profiler``'s allocator events, CPU ground truth; see
+            :mod:`memfine.measure.profiled`).
+
+    Raises:
+        ValueError: for another ``peak`` value, or ``profiler`` on a CUDA device.
     """
 
-    def __init__(self, device: str | torch.device, exclude: Iterable[torch.Tensor]) -> None:
+    def __init__(self, device: str | torch.device, exclude: Iterable[torch.Tensor],
+                 peak: str = "tracker") -> None:
         """Create the (unentered) peak and saved-tensor trackers; arguments as on the class."""
-        self.peak = PeakMemoryTracker(device)
+        if peak not in PEAK_METHODS:
+            raise ValueError(f"peak must be one of {PEAK_METHODS}, got {peak!r}")
+        if peak == "profiler" and torch.device(device).type == "cuda":
+            raise ValueError("peak='profiler' measures the CPU allocator; use 'tracker' on CUDA")
+        self.peak: PeakMemoryTracker | ProfiledPeakMemory = (
+            PeakMemoryTracker(device) if peak == "tracker" else ProfiledPeakMemory())
         self.saved = SavedTensorsTracker(exclude)
         self._saved_open = False
         self._forward_ended = False
@@ -105,8 +121,8 @@ class MemoryMeasurement:
 
 
 @contextmanager
-def measure_memory(device: str | torch.device = "cpu", *,
-                   exclude: Iterable[torch.Tensor] = ()) -> Iterator[MemoryMeasurement]:
+def measure_memory(device: str | torch.device = "cpu", *, exclude: Iterable[torch.Tensor] = (),
+                   peak: str = "tracker") -> Iterator[MemoryMeasurement]:
     """Measure saved and peak bytes of the code in the ``with`` block.
 
     Example:
@@ -119,12 +135,13 @@ def measure_memory(device: str | torch.device = "cpu", *,
     Args:
         device: ``cpu`` (storage tracker) or a CUDA device (allocator statistics).
         exclude: tensors left out of the saved-bytes count (parameters are always left out).
+        peak: ``tracker`` or ``profiler`` (see :class:`MemoryMeasurement`).
 
     Yields:
         A :class:`MemoryMeasurement`; saved tensors are counted until ``end_forward()`` (or the
         end of the block), so tensors saved by recomputation in backward are not counted.
     """
-    m = MemoryMeasurement(device, exclude)
+    m = MemoryMeasurement(device, exclude, peak)
     with m.peak:
         m.saved.__enter__()
         m._saved_open = True
@@ -139,7 +156,7 @@ def measure_memory(device: str | torch.device = "cpu", *,
 def measure_backward(forward: Callable[[], Sequence[torch.Tensor]],
                      grad_outputs: Sequence[torch.Tensor | None], *,
                      device: str | torch.device = "cpu",
-                     exclude: Iterable[torch.Tensor] = ()) -> MemoryReport:
+                     exclude: Iterable[torch.Tensor] = (), peak: str = "tracker") -> MemoryReport:
     """Measure ``forward()`` then ``torch.autograd.backward(outputs, grad_outputs)``.
 
     The protocol of the memory model's validation: the gradients of the outputs exist before the
@@ -151,11 +168,12 @@ def measure_backward(forward: Callable[[], Sequence[torch.Tensor]],
         grad_outputs: one gradient per output (``None`` for a scalar output: a gradient of 1).
         device: as :func:`measure_memory`.
         exclude: tensors left out of the saved-bytes count.
+        peak: ``tracker`` or ``profiler`` (see :class:`MemoryMeasurement`).
 
     Returns:
         The :class:`MemoryReport`.
     """
-    with measure_memory(device, exclude=exclude) as m:
+    with measure_memory(device, exclude=exclude, peak=peak) as m:
         outputs = forward()
         m.end_forward()
         torch.autograd.backward(list(outputs), list(grad_outputs))

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memfine.config import MoEConfig
+from memfine.config import MoEConfig, backward_block_rows
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
 
 
@@ -210,45 +210,73 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     return h, out
 
 
-def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str], *,
+def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
+                   shared: dict[str, str] | None = None, *, recomputed: bool = False,
                    need_weights: bool = True) -> dict[str, str]:
-    """FusedExpertsFunction.backward; frees the chunk's saved tensors; returns its gradients.
+    """FusedExpertsFunction.backward, streamed over row blocks; frees the chunk's saved tensors.
 
+    ``shared``: the chunk loop's weight-gradient buffers (name → allocation), filled on first
+    use and kept across chunks; ``None``: the Function's own buffers, returned in the result.
+    ``recomputed``: the saved tensors come from a checkpoint's recomputation, which drops each
+    one once unpacked, so token_index_map (unpacked, unused by backward) goes first.
     ``need_weights=False``: the routing weights need no gradient (shared experts without a
     gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    Returns the chunk's gradients (``weights``, ``x``, and ``w_up``/``w_down`` when owned).
     """
     moe, dt = s.moe, s.dt
-    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
-                     moe.top_k)
-    slot = tl.alloc("bwd.slot64", S * 8)
-    w_s = tl.alloc("bwd.w_S", S * dt)
-    tl.free(slot)
-    idx = tl.alloc("bwd.eti64", S * 8)
-    grad_out = tl.alloc("bwd.dO_SD", S * D * dt)
-    tl.free(idx)
-    grad_a = tl.alloc("bwd.dA", S * N * dt)
-    a = activation_forward(tl, s, S, "bwd")
-    grads = {}
+    D, E, K = moe.hidden_size, moe.num_experts, moe.top_k
+    buffers = {} if shared is None else shared
+    grads = {"x": tl.alloc("grad.x_chunk", C * D * dt)}
+    dots = [tl.alloc("bwd.row_dots_S", S * dt)] if need_weights else []
+    if recomputed:
+        tim = next(name for name in saved if name.startswith("idx.token_index_map"))
+        saved = [name for name in saved if name != tim]
+        tl.free(tim)
+    rows = backward_block_rows(moe.backward_block_bytes, D, moe.intermediate_size, moe.up_width,
+                               dt)
+    for r0 in range(0, S, rows):
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, need_weights)
     if need_weights:
-        dots = tl.alloc("bwd.row_dots", S * dt)
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
-        tl.free(tl.alloc("bwd.slot64", S * 8), dots)
-    probe = tl.alloc("bwd.wgrad_probe", N * D * dt)
-    grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
-    tl.free(probe, a, grad_out)
-    grad_h = activation_backward(tl, s, S)
-    tl.free(grad_a)
-    idx = tl.alloc("bwd.eti64", S * 8)
-    xg = tl.alloc("bwd.x_SD", S * D * dt)
-    tl.free(idx)
-    probe = tl.alloc("bwd.wgrad_probe", D * G * dt)
-    grads["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
-    tl.free(probe, xg)
-    dx_rows = tl.alloc("bwd.dx_SD", S * D * dt)
-    rows = slot_rows(tl, s, C, "bwd.reduce")
-    grads["x"] = tl.alloc("grad.x_chunk", C * D * dt)
-    tl.free(rows, w_s, grad_h, dx_rows, *saved)
+        tl.free(tl.alloc("bwd.slot64", S * 8))
+    if shared is None:
+        for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
+                                                             * D)):
+            grads[name] = buffers.get(name) or tl.alloc(f"grad.{name}", size * dt)
+    tl.free(*dots, *saved)
     return grads
+
+
+def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
+                          need_weights: bool = True) -> None:
+    """One row block of B rows: offsets, dO rows, dA, A, dH, x rows, dx rows (in code order)."""
+    moe, dt = s.moe, s.dt
+    D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
+    clamp = tl.alloc("bwd.offsets_clamp", (E + 1) * 4)
+    offs = tl.alloc("bwd.block_offsets", (E + 1) * 4)
+    tl.free(clamp)
+    slot = tl.alloc("bwd.slot64", B * 8)
+    w_b = tl.alloc("bwd.w_B", B * dt)
+    tl.free(slot)
+    idx = tl.alloc("bwd.eti64", B * 8)
+    grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
+    tl.free(idx)
+    grad_a = tl.alloc("bwd.dA", B * N * dt)
+    a = activation_forward(tl, s, B, "bwd")
+    dots = [tl.alloc("bwd.row_dots", B * dt)] if need_weights else []
+    if "w_down" not in buffers:
+        buffers["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
+    tl.free(a, grad_out)
+    grad_h = activation_backward(tl, s, B)
+    tl.free(grad_a)
+    idx = tl.alloc("bwd.eti64", B * 8)
+    xg = tl.alloc("bwd.x_BD", B * D * dt)
+    tl.free(idx)
+    if "w_up" not in buffers:
+        buffers["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
+    tl.free(xg)
+    dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
+    tl.free(w_b, offs, *dots, grad_h, dx_rows)
 
 
 def activation_backward(tl: Timeline, s: Shape, S: int) -> str:
@@ -389,14 +417,16 @@ def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[
                     ) -> tuple[list[str], list[str]]:
     """Backward of every chunk, last chunk first (recomputed first under ``ckpt``).
 
-    ``after_first_chunk`` runs once chunk 0's backward is done, before its weight gradients
-    are summed (the moment the routing weights saved by every chunk are released).
+    ``after_first_chunk`` runs once chunk 0's backward is done (the moment the routing weights
+    saved by every chunk are released).
 
     Returns:
         The chunks' routing-weight gradients and their dx buffers, in backward order.
     """
     plain, K = s.moe.experts_impl == "plain", s.moe.top_k
     wg = WeightGrads(tl)
+    # the fused chunks add into one buffer per weight (ops/weight_grads.py): no engine sum
+    shared: dict[str, str] | None = {} if len(sizes) > 1 and not plain else None
     grads_w, grads_x = [], []
     for i in reversed(range(len(sizes))):
         C, saved = sizes[i], chunk_saved[i]
@@ -406,11 +436,10 @@ def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[
         if plain:
             grads = plain_backward(tl, s, C, C * K, saved, wg)
         else:
-            grads = fused_backward(tl, s, C, C * K, saved, need_weights=need_weights)
+            grads = fused_backward(tl, s, C, C * K, saved, shared, recomputed=ckpt,
+                                   need_weights=need_weights)
         if i == 0 and after_first_chunk is not None:
             after_first_chunk()
-        if not plain:
-            wg.add(grads, "w_up", "w_down")
         if "weights" in grads:
             grads_w.append(grads["weights"])
         grads_x.append(grads["x"])

@@ -322,7 +322,8 @@ def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int) 
     if moe.experts_impl == "plain":
         tlm.plain_backward(tl, s, tokens, tokens * moe.top_k, saved, tlm.WeightGrads(tl))
     else:
-        tlm.fused_backward(tl, s, tokens, tokens * moe.top_k, saved)
+        tlm.fused_backward(tl, s, tokens, tokens * moe.top_k, saved,
+                           recomputed=recompute != "none")
     return tl.trace
 
 

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from memfine.config import MoEConfig, Recompute
-from memfine.schedule.chunked import chunked_experts, local_expert_fn, run_chunked
+from memfine.schedule.chunked import chunked_experts
 from memfine.schedule.policy import ChunkPolicy
 
 
@@ -66,14 +66,15 @@ class GroupedExperts(nn.Module):
         Raises:
             ValueError: from the policy when a budget cannot be met, or on shape mismatches.
 
-        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode.
+        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode
+        (with c > 1 on the fused path the chunks share one weight-gradient buffer per weight).
         Reference: MemFine Eq. 8-9, §4.
         """
         recv = self.received_rows(top_k_index) if policy.budgeted else 0
         num_chunks = policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
-        fn = local_expert_fn(self.w_up, self.w_down, self.config)
-        out_TD = run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                             recompute=policy.config.resolved_recompute)
+        out_TD = chunked_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
+                                 moe=self.config, num_chunks=num_chunks,
+                                 recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks
 
     def received_rows(self, top_k_index: torch.Tensor) -> int:

@@ -10,6 +10,7 @@ from typing import Literal
 
 import torch
 
+from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, backward_block_rows
 from memfine.dispatch import RoutingIndex
 from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
@@ -17,6 +18,7 @@ from memfine.ops.fused import FusedExpertsFunction, expert_of_rows
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
 from memfine.ops.up_projection import UpWeights, up_parts, up_shape
+from memfine.ops.weight_grads import WeightGradBuffers
 
 IMPLS = ("fused", "plain")
 
@@ -112,7 +114,9 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
                 w_up_EDG: UpWeights, w_down_END: torch.Tensor, *,
                 activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
                 backend: str = "auto", b_up_EG: torch.Tensor | None = None,
-                b_down_ED: torch.Tensor | None = None) -> torch.Tensor:
+                b_down_ED: torch.Tensor | None = None,
+                backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES,
+                weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Routed experts: out[t] = Σ_j w[t,j]·(act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]).
 
     e = top_k_index[t, j]; the biases are optional (None: no bias).
@@ -132,6 +136,11 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         b_up_EG: optional (E, G) up-projection bias in x's dtype (the gate and up columns, in
             the activation's layout).
         b_down_ED: optional (E, d) down-projection bias in x's dtype.
+        backward_block_bytes: fused path: byte target of one row block of the streamed backward
+            (:func:`memfine.config.backward_block_rows`), ≥ 1.
+        weight_grads: fused path: shared weight-gradient buffers of a chunk loop
+            (:func:`memfine.ops.weight_grads.share_weight_grads`); ``None``: the Function returns
+            its own.
 
     Returns:
         (T, d) tensor in x's dtype; rows of tokens whose slots are all sentinels are exactly 0.
@@ -145,6 +154,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(backward_block_bytes, int) or backward_block_bytes < 1:
+        raise ValueError(f"backward_block_bytes must be an int >= 1, got {backward_block_bytes!r}")
     check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation,
                         b_up_EG, b_down_ED)
     weights_TK = top_k_weights.to(x_TD.dtype)
@@ -152,8 +163,11 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         return experts_plain(x_TD, weights_TK, index, w_up_EDG, w_down_END, activation, backend,
                              b_up_EG, b_down_ED)
     parts = up_parts(w_up_EDG)
+    G = sum(p.shape[2] for p in parts)
+    block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
+                                     x_TD.element_size())
     out: torch.Tensor = FusedExpertsFunction.apply(
         x_TD, weights_TK, parts[0], w_down_END, b_up_EG, b_down_ED, index.expert_token_indices,
         index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
-        activation, backend, *parts[1:])
+        activation, backend, parts[1] if len(parts) == 2 else None, block_rows, weight_grads)
     return out

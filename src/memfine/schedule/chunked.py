@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from memfine.config import MoEConfig, Recompute
 from memfine.dispatch import build_routing_index
 from memfine.ops import run_experts
+from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """One chunk's expert part: ``(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``.
@@ -136,13 +137,18 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoEConfig) -> ChunkFn:
+def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoEConfig,
+                    weight_grads: WeightGradBuffers | None = None) -> ChunkFn:
     """The chunk function of the local (single-rank) expert path.
 
     Args:
-        w_up_EDG: (E, d, G) up-projection weights.
-        w_down_END: (E, n, d) down-projection weights.
-        moe: the layer's config (activation, ``experts_impl``, ``gemm_backend``, index builder).
+        w_up_EDG: (E, d, G) up-projection weights (or their aliases from
+            :func:`memfine.ops.weight_grads.share_weight_grads`).
+        w_down_END: (E, n, d) down-projection weights (idem).
+        moe: the layer's config (activation, ``experts_impl``, ``gemm_backend``, index builder,
+            ``backward_block_bytes``).
+        weight_grads: the shared weight-gradient buffers of the chunk loop (fused path), or
+            ``None``.
 
     Returns:
         ``chunk_fn(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``: builds the
@@ -154,7 +160,9 @@ def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoECo
         index = build_routing_index(top_k_index_CK, moe.num_experts, moe.index_builder)
         return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,
                            activation=moe.activation, impl=moe.experts_impl,
-                           backend=moe.gemm_backend)
+                           backend=moe.gemm_backend,
+                           backward_block_bytes=moe.backward_block_bytes,
+                           weight_grads=weight_grads)
 
     return chunk_fn
 
@@ -182,11 +190,19 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
         ValueError: as :func:`run_chunked` and :func:`memfine.ops.run_experts`.
 
     Memory: ``experts``/``full`` keep x_TD and the routing only; backward holds one chunk's H
-    (S_c·G·D_t) and its transients (dH S_c·G, dA S_c·n, gathered rows S_c·d, dx rows S_c·d), with
-    S_c the rows of the chunk. ``none`` keeps every chunk's H (S·G·D_t in all).
+    (S_c·G·D_t) and the fused backward's transients of one row block (see
+    :class:`memfine.ops.FusedExpertsFunction`), with S_c the rows of the chunk. ``none`` keeps
+    every chunk's H (S·G·D_t in all). With c > 1 on the fused path the chunks add their weight
+    gradients into one shared buffer per weight (:mod:`memfine.ops.weight_grads`), so the
+    weight gradients cost E·d·G + E·n·d once, as without chunking.
 
     Reference: MemFine §4; docs/design.md §4.
     """
-    fn = local_expert_fn(w_up_EDG, w_down_END, moe)
+    buffers = None
+    if num_chunks > 1 and moe.experts_impl == "fused":
+        # NOTE(memory): one weight-gradient buffer per weight for all c chunks (the engine would
+        # otherwise hold a chunk's gradient and the running sum at once: 2·(E·d·G + E·n·d)).
+        (w_up_EDG, w_down_END), buffers = share_weight_grads((w_up_EDG, w_down_END))
+    fn = local_expert_fn(w_up_EDG, w_down_END, moe, buffers)
     return run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                        recompute=recompute)
