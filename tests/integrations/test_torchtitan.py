@@ -34,7 +34,7 @@ FUSED_MODELS = ("qwen3", "deepseek_v3", "deepseek_v3_sigmoid_scaled")
 CHUNKS = [pytest.param({}, id="c1"), pytest.param({"num_chunks": 3}, id="c3"),
           pytest.param({"memory_budget": "budget"}, id="budget")]
 # Budgets under which MACT picks c = 4 for the default tiny block (T = 24, k = 2, d 32, n 16).
-BUDGETS = {torch.float32: "110KiB", torch.bfloat16: "60KiB"}
+BUDGETS = {torch.float32: "56KiB", torch.bfloat16: "33KiB"}
 
 
 def _convert(moe: torch.nn.Module, chunk: dict, dtype: torch.dtype) -> torch.nn.Module:
