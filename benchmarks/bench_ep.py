@@ -7,7 +7,7 @@ the group: e times its balanced share, MemFine's failure case. Per rank and skew
 backward of the EP experts is measured with :class:`memfine.measure.peak.PeakMemoryTracker`
 (peak bytes of tensors created inside the region; x, the routing and the weights exist before).
 
-Providers:
+Methods:
 - ``c1_none``: no chunks, no recompute (every received row's saved tensors live until backward);
 - ``c1_experts``: no chunks, the expert part recomputed in backward;
 - ``mact``: the MemFine chunk policy (:class:`memfine.schedule.policy.ChunkPolicy`) with a byte
@@ -19,6 +19,14 @@ Output: a printed table, a CSV (docs/style.md §6 columns of :mod:`memfine.bench
 ``peak_bytes`` (bytes), ``recv_rows`` (rows), ``num_chunks`` (c) and ``peak_over_budget``
 (ratio), and a PNG of peak MiB vs skew per rank with the budget line.
 Usage: ``python benchmarks/bench_ep.py [--ep-sizes 2 4] [--tokens 2048] [--out-dir DIR]``.
+
+``--static``: per-rank static memory of the ``small`` language model sharded on a
+(dp_shard, ep) mesh with FSDP2 and experts over ``ep`` (:func:`memfine.parallel.shard_model`),
+after one AdamW step: parameter, gradient and optimizer-state bytes of every rank's local
+shards, measured from the tensors, next to the prediction P·(D_t + D_t + 8)/W (MemFine Eq. 1
+with parameters, gradients and AdamW's two fp32 moments all sharded over the W ranks; the
+AdamW step counters, one fp32 scalar per tensor, are measured but not predicted). Writes
+``ep_static_cpu.csv`` (metrics ``static_bytes``, ``predicted_bytes`` per rank).
 Legend: T tokens per rank, K top-k slots, E experts, D = d, N = n.
 """
 
@@ -36,18 +44,22 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from memfine._optional import pyplot
 from memfine.bench.results import CSV_COLUMNS, collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.nn import MoETransformerLM
 from memfine.parallel import (
+    DistributedTraining,
     ExpertParallelExperts,
-    agree_num_chunks,
     build_context,
     exchange_counts,
 )
 from memfine.schedule.policy import ChunkPolicy
+from memfine.train import preset
+from memfine.train.optim import build_optimizer
 
 BENCHMARK = "ep_peak"
 METHODS = ("c1_none", "c1_experts", "mact")
@@ -72,12 +84,12 @@ def _budget(moe: MoEConfig, tokens: int) -> int:
 
 
 def _measure(module: ExpertParallelExperts, x_TD: torch.Tensor, idx_TK: torch.Tensor,
-             w_TK: torch.Tensor, grad_TD: torch.Tensor, **run_kwargs: Any) -> tuple[int, int]:
+             w_TK: torch.Tensor, grad_TD: torch.Tensor, policy: ChunkPolicy) -> tuple[int, int]:
     """Peak bytes of one forward + backward, and the chunk count used."""
     for p in (x_TD, w_TK, module.w_up, module.w_down):
         p.grad = None
     with PeakMemoryTracker("cpu") as tracker:
-        out, c = module.run(x_TD, idx_TK, w_TK, **run_kwargs)
+        out, c = module.run(x_TD, idx_TK, w_TK, policy)
         out.backward(grad_TD)
         del out
     return tracker.peak_bytes, c
@@ -87,7 +99,7 @@ def _worker(rank: int, ep_size: int, port: int, args: argparse.Namespace, out: s
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=ep_size, timeout=datetime.timedelta(seconds=300))
-    ctx = build_context(ep_size)
+    ctx = build_context(1, ep_size)
     E, k, T = args.experts_per_rank * ep_size, args.top_k, args.tokens
     moe = MoEConfig(hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
                     num_experts=E, top_k=k)
@@ -96,12 +108,11 @@ def _worker(rank: int, ep_size: int, port: int, args: argparse.Namespace, out: s
     w_up = torch.randn(E, moe.hidden_size, moe.up_width, generator=g) * 0.05
     w_down = torch.randn(E, moe.intermediate_size, moe.hidden_size, generator=g) * 0.05
     module = ExpertParallelExperts.from_full(w_up, w_down, moe, ctx)
-    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute="experts",
-                                     allow_over_budget=True), moe)
-    policy.agree_num_chunks = lambda c: agree_num_chunks(c, ctx.ep_group)
-    runs = {"c1_none": {"num_chunks": 1, "recompute": "none"},
-            "c1_experts": {"num_chunks": 1, "recompute": "experts"},
-            "mact": {"policy": policy}}
+    # the EP experts agree on c over ep themselves (one all-reduce MAX per call)
+    runs = {"c1_none": ChunkPolicy(ChunkConfig(num_chunks=1, recompute="none"), moe),
+            "c1_experts": ChunkPolicy(ChunkConfig(num_chunks=1, recompute="experts"), moe),
+            "mact": ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute="experts",
+                                            allow_over_budget=True), moe)}
     records = []
     for skew in args.skews:
         g_rank = torch.Generator().manual_seed(1000 * rank + int(skew * 100))
@@ -111,8 +122,8 @@ def _worker(rank: int, ep_size: int, port: int, args: argparse.Namespace, out: s
         grad_TD = torch.randn(T, moe.hidden_size, generator=g_rank)
         recv = exchange_counts(idx_TK, E, (1,), ctx.ep_group).recv_tokens
         for name in args.methods:
-            _measure(module, x_TD, idx_TK, w_TK, grad_TD, **runs[name])  # warm-up
-            peak, c = _measure(module, x_TD, idx_TK, w_TK, grad_TD, **runs[name])
+            _measure(module, x_TD, idx_TK, w_TK, grad_TD, runs[name])  # warm-up
+            peak, c = _measure(module, x_TD, idx_TK, w_TK, grad_TD, runs[name])
             records.append({"method": name, "skew": skew, "rank": rank, "peak_bytes": peak,
                             "num_chunks": c, "recv_rows": recv})
     gathered: list[Any] = [None] * ep_size
@@ -198,6 +209,73 @@ def plot(datas: list[dict[str, Any]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4))
+
+
+def _local_bytes(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def _static_worker(rank: int, layout: tuple[int, int], port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    world = layout[0] * layout[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=300))
+    config = preset("small")
+    torch.manual_seed(0)
+    model = MoETransformerLM(config.model)
+    num_params = sum(p.numel() for p in model.parameters())
+    if world > 1:
+        DistributedTraining(build_context(*layout)).prepare_model(model)
+    optimizer, _ = build_optimizer(model, config)
+    x_BQ = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(rank))
+    model(x_BQ, x_BQ).loss.backward()
+    optimizer.step()
+    params = sum(_local_bytes(p) for p in model.parameters())
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    state = sum(_local_bytes(v) for s in optimizer.state.values() for v in s.values()
+                if isinstance(v, torch.Tensor))
+    record = {"rank": rank, "parameter_bytes": params, "gradient_bytes": grads,
+              "optimizer_state_bytes": state, "static_bytes": params + grads + state,
+              "predicted_bytes": num_params * (4 + 4 + 8) // world, "num_params": num_params}
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, record)
+    if rank == 0:
+        Path(out).write_text(json.dumps(gathered))
+    dist.destroy_process_group()
+
+
+def run_static(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Spawn every layout; print the table; return the CSV rows."""
+    env = dataclasses.replace(collect_environment("cpu"), threads=1)
+    rows, mib = [], 2**20
+    print("layout (dp_shard, ep)  W  measured MiB per rank (params + grads + AdamW)  "
+          "predicted MiB  measured/predicted (max rank)")
+    for layout in LAYOUTS:
+        out = RESULTS / f".static_{layout[0]}x{layout[1]}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        mp.start_processes(_static_worker, args=(layout, _free_port(), str(out)),
+                           nprocs=layout[0] * layout[1], start_method="spawn", join=True)
+        records = json.loads(out.read_text())
+        out.unlink()
+        measured = [r["static_bytes"] for r in records]
+        predicted = records[0]["predicted_bytes"]
+        print(f"  {str(layout):20s}  {len(records)}  "
+              f"{' '.join(f'{m / mib:6.3f}' for m in measured):40s}  {predicted / mib:6.3f}  "
+              f"{max(measured) / predicted:.3f}")
+        meta = {"layout": list(layout), "preset": "small", "num_params": records[0]["num_params"]}
+        for r in records:
+            rows += [{**csv_row(benchmark="ep_static", method="fsdp2_ep", mode="full",
+                                metric=metric, unit="bytes", x_name="world_size",
+                                x_value=str(len(records)), values=r[metric], config=meta,
+                                env=env),
+                      "rank": str(r["rank"]), "ep_size": str(layout[1]), "budget_bytes": ""}
+                     for metric in ("static_bytes", "predicted_bytes", "parameter_bytes",
+                                    "gradient_bytes", "optimizer_state_bytes")]
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run every EP size; print tables, write the CSV and the PNG."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -210,7 +288,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--experts-per-rank", type=int, default=2)
     parser.add_argument("--top-k", type=int, default=2)
     parser.add_argument("--out-dir", type=Path, default=RESULTS)
+    parser.add_argument("--static", action="store_true",
+                        help="per-rank static memory of each mesh layout instead")
     args = parser.parse_args(argv)
+    if args.static:
+        path = args.out_dir / "ep_static_cpu.csv"
+        write_csv(run_static(args), path, columns=COLUMNS)
+        print(f"wrote {path}")
+        return 0
     datas = [run_ep_size(e, args) for e in args.ep_sizes]
     rows = []
     for data in datas:

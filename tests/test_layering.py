@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     # prediction: replays the code's allocations from configs; never imports the code it models
     "memory": {"dispatch"} | BASE,
     "layout": {"memory"} | BASE,
-    "parallel": {"ops", "dispatch"} | BASE,
+    "parallel": {"ops", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,
     # integrations also builds routing indices and runs the chunk schedule on HF weights (the

@@ -13,7 +13,15 @@ import pytest
 import torch
 
 import tolerances
-from tolerances import CHUNKED_ATOL, FORWARD, GRAD, LOSS_ATOL, assert_close
+from tolerances import (
+    CHUNKED_ATOL,
+    DISTRIBUTED_LOSS_ATOL,
+    DISTRIBUTED_PARAM_ATOL,
+    FORWARD,
+    GRAD,
+    LOSS_ATOL,
+    assert_close,
+)
 
 MARGIN = 1e-3  # relative distance from the bound; the test's own resolution, not a tolerance
 TABLE = [pytest.param(grad, dtype, id=f"{'grad' if grad else 'forward'}-{str(dtype)[6:]}")
@@ -54,7 +62,9 @@ def test_rows_are_ordered_and_complete() -> None:
         assert FORWARD[dtype][0] <= GRAD[dtype][0] and FORWARD[dtype][1] <= GRAD[dtype][1]
 
 
-@pytest.mark.parametrize("atol", [CHUNKED_ATOL, LOSS_ATOL], ids=["chunked", "loss"])
+@pytest.mark.parametrize("atol", [CHUNKED_ATOL, LOSS_ATOL, DISTRIBUTED_LOSS_ATOL,
+                                  DISTRIBUTED_PARAM_ATOL],
+                         ids=["chunked", "loss", "distributed_loss", "distributed_param"])
 def test_absolute_bounds_are_sharp(atol: float) -> None:
     expected = torch.tensor([0.5, -1.0], dtype=torch.float64)
     torch.testing.assert_close(expected + atol * (1 - MARGIN), expected, atol=atol, rtol=0)

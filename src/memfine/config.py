@@ -453,7 +453,10 @@ class TrainConfig(_ConfigBase):
             of text files.
         val_fraction: share of the corpus (its last bytes) held out for validation, in (0, 0.5].
         seq_len: training context length Q, in bytes (= tokens).
-        batch_size: sequences per step B; a step sees B·Q tokens.
+        batch_size: sequences per micro-batch B (over all ranks); a step sees
+            B·``grad_accum``·Q tokens.
+        grad_accum: micro-batches per optimizer step N; the step's gradient is the one of a
+            single batch of N·B sequences (the step's batch, cut into N micro-batches).
         max_steps: optimizer steps of the run (a resumed run stops at the same step), below 2^32
             (the step is the low half of each batch's 64-bit seed).
         lr: peak learning rate of AdamW.
@@ -489,6 +492,7 @@ class TrainConfig(_ConfigBase):
     val_fraction: float = 0.05
     seq_len: int = 128
     batch_size: int = 32
+    grad_accum: int = 1
     max_steps: int = 1000
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
@@ -520,6 +524,7 @@ class TrainConfig(_ConfigBase):
         check_float(self, "val_fraction", 0.0, 0.5, lo_open=True)
         check_int(self, "seq_len", 1, self.model.max_seq_len)
         check_int(self, "batch_size", 1)
+        check_int(self, "grad_accum", 1)
         check_int(self, "max_steps", 0, 2**32 - 1)
         check_float(self, "lr", 0.0, lo_open=True)
         check_float(self, "min_lr_ratio", 0.0, 1.0)

@@ -26,11 +26,12 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
-    "--activation", "--allow-over-budget", "--autocast", "--aux-loss-coef",
+    "--activation", "--allow-over-budget", "--autocast", "--aux-loss-coef", "--backend",
     "--backward-block-bytes", "--batch-size", "--bias-update-rate", "--bins",
-    "--capacity-factor", "--chunk-bins", "--compile", "--config", "--data",
-    "--device", "--drop-policy", "--dtype", "--ep", "--eval-batches", "--eval-every",
-    "--experts-impl", "--gemm-backend", "--grad-clip", "--help", "--hidden-size",
+    "--capacity-factor", "--chunk-bins", "--compile", "--config", "--data", "--device",
+    "--dp-shard", "--drop-policy", "--dtype", "--ep", "--eval-batches", "--eval-every",
+    "--experts-impl", "--gemm-backend", "--grad-accum", "--grad-clip", "--help",
+    "--hidden-size",
     "--index-builder", "--init-from", "--intermediate-size", "--log-every", "--lr",
     "--lr-decay-steps", "--max-steps", "--memory-budget", "--min-capacity", "--min-lr-ratio",
     "--moe-chunks", "--moe-memory-budget", "--n-group", "--no-progress", "--no-renormalize",

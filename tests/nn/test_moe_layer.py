@@ -118,3 +118,21 @@ def test_rejects_bad_inputs() -> None:
         layer(torch.zeros(*SHAPE, D), torch.ones(SHAPE))
     with pytest.raises(ValueError, match=r"^valid_mask must be bool of shape \(2, 5\)"):
         layer(torch.zeros(*SHAPE, D), torch.ones(5, 2, dtype=torch.bool))
+
+
+def test_output_is_not_a_view_and_in_place_ops_keep_gradients() -> None:
+    """The layer returns its own tensor (not a view of an internal one), so an in-place op on
+    it is recorded normally: gradients equal those of the out-of-place op."""
+    layer = _layer(torch.float32)
+    x = torch.randn(2, 5, D)
+    out, _ = layer(x)
+    assert out._base is None and out.shape == x.shape
+    grads = []
+    for in_place in (False, True):
+        layer.zero_grad(set_to_none=True)
+        out, _ = layer(x)
+        out = out.mul_(3.0) if in_place else out * 3.0
+        out.square().sum().backward()
+        grads.append([p.grad.clone() for p in _params(layer)])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)

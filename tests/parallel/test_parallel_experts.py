@@ -1,9 +1,10 @@
 """Expert parallelism over gloo: equal to one process on the concatenated batch.
 
-Covers the EP experts (memfine.parallel.experts, notify, all_to_all), gradient reduction and
-clipping (grads), full state dicts (state) and the training hooks (training). One spawn of 2
-processes runs every scenario in the same process group, each scenario its own pytest case through
-a module-scoped fixture; a 4-process spawn (EP 4, and EP 2 × DP 2) is marked slow.
+Covers the EP experts (memfine.parallel.experts, notify, all_to_all), the sharded model
+(FSDP2 + experts over ``ep``: gradients, DTensor-aware clipping, the optimizer step) and the aux
+losses over the global valid tokens. One spawn of 2 processes runs every scenario in the same
+process group, each scenario its own pytest case through a module-scoped fixture; a 4-process
+spawn (ep 4, and dp_shard 2 × ep 2) is marked slow.
 """
 
 from __future__ import annotations
@@ -18,23 +19,24 @@ import pytest
 import torch
 import torch.distributed as dist
 from ep_harness import check_outcome, run_scenarios, spawn
+from torch.distributed.tensor import DTensor
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.dispatch import build_routing_index
-from memfine.nn import MoETransformerLM
+from memfine.nn import MoELayer, MoETransformerLM
 from memfine.ops import run_experts
 from memfine.parallel import (
     ExpertParallelExperts,
     ParallelContext,
-    agree_num_chunks,
     all_to_all,
     build_context,
     check_expert_sharding,
+    check_layout,
     exchange_counts,
 )
 from memfine.parallel import collectives as collectives_mod
 from memfine.parallel import experts as experts_mod
-from memfine.parallel.training import ExpertParallelTraining
+from memfine.parallel.training import DistributedTraining
 from memfine.schedule.policy import ChunkPolicy
 from tolerances import CHUNKED_ATOL, assert_close
 
@@ -65,6 +67,10 @@ def _moe(E: int) -> MoEConfig:
     return MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _case(ctx: ParallelContext, tokens: list[int], E: int, routing: Routing, *,
           num_chunks: int = 1, recompute: str = "none", policy: Any = None,
           ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], int]:
@@ -88,11 +94,12 @@ def _case(ctx: ParallelContext, tokens: list[int], E: int, routing: Routing, *,
     x_l = x[start:stop].clone().requires_grad_()
     w_l = w[start:stop].clone().requires_grad_()
     module = ExpertParallelExperts.from_full(w_up, w_down, _moe(E), ctx)
-    out, c = module.run(x_l, idx[start:stop], w_l, num_chunks=num_chunks, recompute=recompute,
-                        policy=policy)
+    policy = policy or ChunkPolicy(ChunkConfig(num_chunks=num_chunks, recompute=recompute),
+                                   _moe(E))
+    out, c = module.run(x_l, idx[start:stop], w_l, policy)
     (out * grad_out[start:stop]).sum().backward()
-    got = {"out": out, "x": x_l.grad, "w": w_l.grad, "w_up": module.w_up.grad,
-           "w_down": module.w_down.grad}
+    got = {"out": out, "x": x_l.grad, "w": w_l.grad, "w_up": _local(module.w_up.grad),
+           "w_down": _local(module.w_down.grad)}
     want = {"out": ref[start:stop], "x": leaves[0].grad[start:stop],
             "w": leaves[1].grad[start:stop], "w_up": leaves[2].grad[local.start:local.stop],
             "w_down": leaves[3].grad[local.start:local.stop]}
@@ -175,9 +182,20 @@ def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     recv = exchange_counts(idx, E, (1,), ctx.ep_group).recv_tokens
     own = local_policy.num_chunks(recv, T, 4)
     assert own == (4 if ctx.ep_rank == 0 else 1), (own, recv)
-    policy = ChunkPolicy(chunk, moe, agree_num_chunks=functools.partial(
-        agree_num_chunks, group=ctx.ep_group))
-    got, want, c = _case(ctx, tokens, E, _to_rank0, policy=policy)
+    policy = ChunkPolicy(chunk, moe)  # the EP experts pass their own agreement
+    calls = {"all_reduce": 0}
+    all_reduce = collectives_mod.dist.all_reduce
+
+    def counting_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        calls["all_reduce"] += 1
+        return all_reduce(*args, **kwargs)
+
+    collectives_mod.dist.all_reduce = counting_all_reduce
+    try:
+        got, want, c = _case(ctx, tokens, E, _to_rank0, policy=policy)
+    finally:
+        collectives_mod.dist.all_reduce = all_reduce
+    assert calls == {"all_reduce": 1}, calls  # ONE all-reduce MAX per budgeted call
     for name in got:
         assert_close(got[name], want[name], msg=name)
     return c
@@ -188,9 +206,9 @@ def _chunk_count_mismatch(ctx: ParallelContext, E: int) -> None:
     g = torch.Generator().manual_seed(0)
     module = ExpertParallelExperts.from_full(torch.zeros(E, D, 2 * N), torch.zeros(E, N, D),
                                              _moe(E), ctx)
+    policy = ChunkPolicy(ChunkConfig(num_chunks=1 + ctx.rank, recompute="none"), _moe(E))
     with pytest.raises(ValueError, match="different chunk counts"):
-        module.run(torch.randn(4, D, generator=g), _balanced(4, E, g), torch.rand(4, K),
-                   num_chunks=1 + ctx.rank)
+        module.run(torch.randn(4, D, generator=g), _balanced(4, E, g), torch.rand(4, K), policy)
 
 
 def _timeout_is_an_error(ctx: ParallelContext) -> None:
@@ -203,9 +221,10 @@ def _timeout_is_an_error(ctx: ParallelContext) -> None:
 
 
 def _lm_step_equals_single_process(ctx: ParallelContext, chunk: ChunkConfig) -> None:
-    """One training step of the LM: EP (+DP) gradients, clipped norm, full states == one process.
+    """One training step of the LM sharded with FSDP2 + experts over ``ep``: every gradient, the
+    clipped global norm and every parameter after AdamW equal one process on the whole batch.
 
-    The load-balancing loss (global-batch f, local P) and the z-loss are both on.
+    The load-balancing loss (global-batch f, token-weighted P) and the z-loss are both on.
     """
     moe = MoEConfig(hidden_size=16, intermediate_size=16, num_experts=4, top_k=2)
     config = ModelConfig(num_layers=2, num_heads=2, max_seq_len=16, moe=moe, chunk=chunk)
@@ -213,7 +232,7 @@ def _lm_step_equals_single_process(ctx: ParallelContext, chunk: ChunkConfig) -> 
     ref = MoETransformerLM(config)
     torch.manual_seed(0)
     model = MoETransformerLM(config)
-    hooks = ExpertParallelTraining(ctx)
+    hooks = DistributedTraining(ctx)
     hooks.check(num_experts=4, batch_size=2 * ctx.world_size)
     hooks.prepare_model(model)
     g = torch.Generator().manual_seed(5)
@@ -228,36 +247,50 @@ def _lm_step_equals_single_process(ctx: ParallelContext, chunk: ChunkConfig) -> 
     ref_opt = step(ref, x_BQ, y_BQ)
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
     opt = step(model, *hooks.shard_batch(x_BQ, y_BQ))
-    hooks.reduce_gradients(model)
     norm = hooks.clip_grad_norm_(model.parameters(), 0.5)
     assert_close(norm, ref_norm, msg="global grad norm")
-    local = ctx.local_experts(4)
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
-        want = ref_params[name].grad
-        if getattr(p, "expert_parallel", False):
-            want = want[local.start:local.stop]
-        assert_close(p.grad, want, grad=True, msg=name)
+        assert isinstance(p.grad, DTensor), name  # FSDP2 reduced it; nothing by hand
+        assert_close(p.grad.full_tensor(), ref_params[name].grad, grad=True, msg=name)
     ref_opt.step()
     opt.step()
-    model_state, opt_state = hooks.full_states(model, opt)
-    for name, value in ref.state_dict().items():
-        assert_close(model_state.state_dict()[name], value, grad=True, msg=name)
-    for i, state in ref_opt.state_dict()["state"].items():
-        for key, value in state.items():
-            assert_close(opt_state.state_dict()["state"][i][key], value, grad=True,
-                         msg=f"optimizer state {i} {key}")
-    # a full (one-process) state loads into the sharded model and optimizer by slicing
-    hooks.load_states(model, opt, ref.state_dict(), ref_opt.state_dict())
     for name, p in model.named_parameters():
-        want = ref_params[name]
-        if getattr(p, "expert_parallel", False):
-            want = want[local.start:local.stop]
-        torch.testing.assert_close(p.detach(), want.detach(), atol=0, rtol=0)
+        assert_close(p.detach().full_tensor(), ref_params[name].detach(), grad=True, msg=name)
+
+
+def _aux_over_global_tokens(ctx: ParallelContext, **routing: Any) -> list[float]:
+    """8 valid tokens on rank 0, 2 on rank 1 (the rest padding), E = 4, k = 2: the mean over
+    the ranks of the balancing loss, the z-loss and the router gradient equal one process
+    holding the 10 valid tokens. ``routing``: extra MoEConfig fields (e.g. a capacity factor:
+    the losses count the selection before drops, so they still equal one process)."""
+    moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=4, top_k=K, **routing)
+    torch.manual_seed(3)
+    ref = MoELayer(moe)
+    layer = MoELayer(moe)
+    layer.load_state_dict(ref.state_dict())
+    layer.experts = ExpertParallelExperts.from_full(ref.experts.w_up, ref.experts.w_down, moe,
+                                                    ctx)
+    g = torch.Generator().manual_seed(7)
+    x_2TD = torch.randn(2, 10, D, generator=g) * 3
+    valid = [8, 2]
+    _, ref_aux = ref(torch.cat([x_2TD[0, :8], x_2TD[1, :2]]))
+    (ref_aux.load_balancing_loss + ref_aux.z_loss).backward()
+    mask_T = torch.arange(10) < valid[ctx.rank]
+    _, aux = layer(x_2TD[ctx.rank], mask_T)
+    (aux.load_balancing_loss + aux.z_loss).backward()
+    got = torch.stack([aux.load_balancing_loss.detach(), aux.z_loss.detach()])
+    dist.all_reduce(got)  # mean over the ranks, as data-parallel averaging does
+    grad = layer.router.weight.grad.clone()
+    dist.all_reduce(grad)
+    assert_close(got / 2, torch.stack([ref_aux.load_balancing_loss, ref_aux.z_loss]).detach(),
+                 msg="balancing loss, z-loss")
+    assert_close(grad / 2, ref.router.weight.grad, grad=True, msg="router gradient")
+    return [float(v) for v in got / 2]
 
 
 def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    ctx = build_context(world_size)
+    ctx = build_context(1, world_size)
     E = 4
     even, uneven = [6, 6], [5, 8]
     eq = functools.partial(_equals_single_process, ctx)
@@ -275,6 +308,11 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         "chunk_count_mismatch": lambda: _chunk_count_mismatch(ctx, E),
         "lm_step_equals_single_process": lambda: _lm_step_equals_single_process(
             ctx, ChunkConfig(num_chunks=2, recompute="experts")),
+        "lm_step_dp_shard_2": lambda: _lm_step_equals_single_process(
+            build_context(2, 1), ChunkConfig(memory_budget_bytes=2**20, recompute="experts")),
+        "aux_over_global_tokens": lambda: _aux_over_global_tokens(ctx),
+        "aux_over_global_tokens_with_capacity": lambda: _aux_over_global_tokens(
+            ctx, capacity_factor=0.5),
         "timeout_is_an_error": lambda: _timeout_is_an_error(ctx),
     })
 
@@ -284,7 +322,9 @@ TWO_RANK_SCENARIOS = ["all_to_all_moves_rows_and_grads", "balanced", "one_rank_r
                       "padding_sentinels", "c_greater_than_T", "chunked_equals_unchunked",
                       "recompute_reuses_counts",
                       "budget_same_c_on_every_rank", "chunk_count_mismatch",
-                      "lm_step_equals_single_process", "timeout_is_an_error"]
+                      "lm_step_equals_single_process", "lm_step_dp_shard_2",
+                      "aux_over_global_tokens", "aux_over_global_tokens_with_capacity",
+                      "timeout_is_an_error"]
 
 
 @pytest.fixture(scope="module")
@@ -297,25 +337,31 @@ def test_two_ranks(two_rank_results: list[dict[str, Any]], scenario: str) -> Non
     values = check_outcome(two_rank_results, scenario)
     if scenario == "budget_same_c_on_every_rank":
         assert values == [4, 4]
+    if scenario == "aux_over_global_tokens":
+        assert values[0] == values[1]  # every rank reports the global value
 
 
 def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
-    ctx = build_context(world_size)
+    ctx = build_context(1, world_size)
     E = 8
     eq = functools.partial(_equals_single_process, ctx)
     return run_scenarios({
         "balanced": lambda: eq([3, 5, 0, 4], E, _balanced),
         "one_rank_receives_all": lambda: eq([4, 4, 4, 4], E, _to_rank0, num_chunks=2,
                                             recompute="experts"),
-        "ep2_dp2_lm_step": lambda: _lm_step_equals_single_process(build_context(2),
+        "ep2_dp2_lm_step": lambda: _lm_step_equals_single_process(build_context(2, 2),
                                                                   ChunkConfig()),
+        "ep4_lm_step": lambda: _lm_step_equals_single_process(ctx, ChunkConfig()),
+        "dp4_lm_step": lambda: _lm_step_equals_single_process(build_context(4, 1),
+                                                              ChunkConfig()),
     })
 
 
 @pytest.mark.slow
 def test_four_ranks(tmp_path: Any) -> None:
     results = spawn(_four_ranks, 4, tmp_path)
-    for scenario in ("balanced", "one_rank_receives_all", "ep2_dp2_lm_step"):
+    for scenario in ("balanced", "one_rank_receives_all", "ep2_dp2_lm_step", "ep4_lm_step",
+                     "dp4_lm_step"):
         check_outcome(results, scenario)
 
 
@@ -323,8 +369,18 @@ def test_experts_not_divisible_by_ep_size() -> None:
     with pytest.raises(ValueError, match=r"num_experts=6 must be divisible by the "
                                          r"expert-parallel size ep=4"):
         check_expert_sharding(6, 4)
-    fake = ParallelContext(rank=0, world_size=4, ep_size=4, ep_rank=0, ep_group=None,
-                           expert_dp_group=None, timeout_s=1.0)  # type: ignore[arg-type]
+    fake = ParallelContext(mesh=None, dp_mesh=None, rank=0, world_size=4, dp_shard=1,  # type: ignore[arg-type]
+                           ep_size=4, ep_rank=0)
     with pytest.raises(ValueError, match="num_experts=6"):
         ExpertParallelExperts(_moe(6), fake)
+
+
+@pytest.mark.parametrize(("world", "dp_shard", "ep", "message"), [
+    (4, 2, 1, r"world size 4 must equal --dp-shard × --ep, got 2 × 1 = 2"),
+    (2, 0, 2, r"--dp-shard must be an int >= 1, got 0"),
+    (2, 1, -1, r"--ep must be an int >= 1, got -1"),
+])
+def test_bad_layout(world: int, dp_shard: int, ep: int, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        check_layout(world, dp_shard, ep)
 

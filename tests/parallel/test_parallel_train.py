@@ -1,9 +1,11 @@
-"""``torchrun --nproc_per_node 2 -m memfine train --ep 2``: same losses as one process.
+"""``torchrun ... -m memfine train --dp-shard D --ep E``: the same run as one process.
 
-Every rank builds the model from the same seed and takes its half of each global batch; experts
-are sharded over the two ranks. The per-step training losses (rank 0's metrics.jsonl, averaged
-over the ranks) must equal the single-process run on the same global batches, and the EP run's
-checkpoint (full, gathered expert tensors) must load into the single-process model.
+Every rank builds the model from the same seed and takes its rows of each global batch; experts
+are sharded over ``ep`` and FSDP2 shards the rest over the data dims. The per-step training
+losses and gradient norms (rank 0's metrics.jsonl) must equal the single-process run on the same
+global batches, and the final parameters (the DCP checkpoint, loaded into one process) must
+equal the single-process checkpoint. Checkpoints resume across layouts. One layout and a short
+resume chain run by default; the 4-rank layouts and the full chain are marked slow.
 """
 
 from __future__ import annotations
@@ -21,23 +23,18 @@ from ep_harness import free_port
 
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
-from memfine.train import ByteCorpus, load_checkpoint
-from memfine.train.data import val_batches
-from memfine.train.evaluation import evaluate
-from tolerances import LOSS_ATOL
+from memfine.train.checkpoint import find_checkpoint, load_states, read_checkpoint
+from memfine.train.optim import build_optimizer
+from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 
 pytestmark = pytest.mark.distributed
 
-RUN_TIMEOUT_S = 300
-# The load-balancing loss stays on (default coefficient): under EP each rank uses the global
-# batch's expert fractions f (counts all-reduced over the ranks) with its local P, so the mean
-# over ranks equals the single-process value.
-COMMON = ["train", "--preset", "tiny", "--max-steps", "20", "--sample-tokens", "0",
-          "--no-progress"]
+RUN_TIMEOUT_S = 400
+COMMON = ["train", "--sample-tokens", "0", "--no-progress", "--lr-decay-steps", "20"]
 
 
-def _run(cmd: list[str], cwd: Path) -> str:
-    """Run a command in its own session; kill the whole group on timeout; fail with its output."""
+def _run(cmd: list[str], cwd: Path, *, expect: int = 0) -> str:
+    """Run a command in its own session; kill the whole group on timeout; check its exit code."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -47,80 +44,152 @@ def _run(cmd: list[str], cwd: Path) -> str:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
         pytest.fail(f"{' '.join(cmd)} exceeded {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-4000:]}")
+    if proc.returncode != expect:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}, expected {expect}:\n"
+                    f"{out[-4000:]}")
     return out
 
 
-def _losses(run_dir: Path) -> list[float]:
+def _train(cwd: Path, out: Path, layout: tuple[int, int], *args: str, expect: int = 0) -> str:
+    """``memfine train`` at mesh layout (dp_shard, ep): torchrun when it has > 1 rank."""
+    dp_shard, ep = layout
+    if dp_shard * ep == 1:
+        cmd = [sys.executable, "-m", "memfine"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node",
+               str(dp_shard * ep), "--master_addr", "127.0.0.1", "--master_port",
+               str(free_port()), "-m", "memfine"]
+        args = (*args, "--dp-shard", str(dp_shard), "--ep", str(ep))
+    preset = [] if "--resume" in args else ["--preset", "tiny"]
+    return _run([*cmd, *COMMON, *preset, *args, "--out", str(out)], cwd, expect=expect)
+
+
+def _metrics(run_dir: Path, key: str) -> torch.Tensor:
     lines = (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line)["train_loss"] for line in lines]
+    return torch.tensor([json.loads(line)[key] for line in lines], dtype=torch.float64)
+
+
+def _final_params(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The run's newest checkpoint (either form) loaded into one process."""
+    payload = read_checkpoint(find_checkpoint(run_dir))
+    config = TrainConfig.from_dict(payload["config"])
+    model = MoETransformerLM(config.model)
+    optimizer, _ = build_optimizer(model, config)
+    load_states(payload, model, optimizer, sharded=False)
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def _assert_same_run(got: Path, want: Path,
+                     keys: tuple[str, ...] = ("train_loss", "grad_norm", "load_balancing_loss",
+                                              "z_loss")) -> None:
+    for key in keys:
+        torch.testing.assert_close(_metrics(got, key), _metrics(want, key),
+                                   atol=DISTRIBUTED_LOSS_ATOL, rtol=0, msg=key)
+    want_params = _final_params(want)
+    for name, value in _final_params(got).items():
+        torch.testing.assert_close(value, want_params[name], atol=DISTRIBUTED_PARAM_ATOL, rtol=0,
+                                   msg=name)
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The 20-step one-process reference run."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    _train(out.parent, out, (1, 1), "--max-steps", "20")
+    return out
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param((1, 2), id="dp1_ep2"),
+    pytest.param((2, 1), id="dp2_ep1", marks=pytest.mark.slow),
+    pytest.param((2, 2), id="dp2_ep2", marks=pytest.mark.slow),
+    pytest.param((4, 1), id="dp4_ep1", marks=pytest.mark.slow),
+    pytest.param((1, 4), id="dp1_ep4", marks=pytest.mark.slow),
+])
+def test_layout_matches_single_process(tmp_path: Path, single_run: Path,
+                                       layout: tuple[int, int]) -> None:
+    out = tmp_path / "run"
+    log = _train(tmp_path, out, layout, "--max-steps", "20")
+    # every rank reports the whole model (all experts), not its own shard
+    config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
+    full = sum(p.numel() for p in MoETransformerLM(config.model).parameters())
+    assert log.count(f"model: {full:,} parameters") == layout[0] * layout[1], log[-2000:]
+    assert (out / "checkpoint.dcp" / "meta.pt").is_file()
+    assert not (out / "checkpoint.pt").exists()
+    _assert_same_run(out, single_run)
+
+
+@pytest.mark.parametrize("chain", [
+    pytest.param([(2, 1), (1, 2), (1, 1)], id="dp2-ep2-single"),
+    pytest.param([(2, 1), (1, 2), (1, 1), (2, 2)], id="dp2-ep2-single-dp2ep2",
+                 marks=pytest.mark.slow),
+])
+def test_resume_across_layouts(tmp_path: Path, single_run: Path,
+                               chain: list[tuple[int, int]]) -> None:
+    """Each segment resumes the previous one's checkpoint at another layout; the losses of the
+    whole chain equal the straight run's."""
+    out = tmp_path / "run"
+    stops = [20 * (i + 1) // len(chain) for i in range(len(chain))]
+    for i, (layout, stop) in enumerate(zip(chain, stops, strict=True)):
+        _train(tmp_path, out, layout, *(["--resume"] if i else []), "--max-steps", str(stop))
+    assert len(_metrics(out, "train_loss")) == 20
+    _assert_same_run(out, single_run)
 
 
 # Routing options: shared experts stay whole on every rank, and the aux-loss-free bias moves
-# once per step from the counts summed over both ranks, so EP still equals one process.
-ROUTING = ["--num-shared-experts", "1", "--bias-update-rate", "1e-2", "--n-group", "2",
-           "--topk-group", "1"]
+# once per step from the counts summed over the ranks, so EP still equals one process.
+ROUTING = ("--num-shared-experts", "1", "--bias-update-rate", "1e-2", "--n-group", "2",
+           "--topk-group", "1", "--seq-aux-loss-coef", "1e-3")
 
 
-@pytest.mark.parametrize("extra", [pytest.param([], id="default"),
-                                   pytest.param(ROUTING, id="routing_options")])
-def test_torchrun_ep2_matches_single_process(tmp_path: Path, extra: list[str]) -> None:
-    ep_dir, single_dir = tmp_path / "ep2", tmp_path / "single"
-    ep_out = _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-                   "-m", "memfine", *COMMON, *extra, "--ep", "2", "--out", str(ep_dir)],
-                  tmp_path)
-    single_out = _run([sys.executable, "-m", "memfine", *COMMON, *extra, "--out",
-                       str(single_dir)], tmp_path)
-    # every rank reports the whole model (all experts), not its own shard
-    cfg = TrainConfig.from_dict(json.loads((single_dir / "config.json").read_text()))
-    full = sum(p.numel() for p in MoETransformerLM(cfg.model).parameters())
-    assert f"model: {full:,} parameters" in single_out
-    assert ep_out.count(f"model: {full:,} parameters") == 2, ep_out[-2000:]
-
-    ep_losses, single_losses = _losses(ep_dir), _losses(single_dir)
-    assert len(ep_losses) == len(single_losses) == 20
-    torch.testing.assert_close(torch.tensor(ep_losses), torch.tensor(single_losses),
-                               atol=LOSS_ATOL, rtol=0)
-    assert sorted(p.name for p in ep_dir.iterdir()) == sorted(p.name
-                                                            for p in single_dir.iterdir())
-
-    # The EP checkpoint holds full expert tensors (parameters and AdamW state): it loads into the
-    # one-process model, which then gives the single-process run's final validation loss.
-    ep_ckpt = load_checkpoint(ep_dir / "checkpoint.pt")
-    single_ckpt = load_checkpoint(single_dir / "checkpoint.pt")
-    assert _shapes(ep_ckpt["model"]) == _shapes(single_ckpt["model"])
-    assert {i: _shapes(s) for i, s in ep_ckpt["optimizer"]["state"].items()} == \
-        {i: _shapes(s) for i, s in single_ckpt["optimizer"]["state"].items()}
-    config = TrainConfig.from_dict(ep_ckpt["config"])
-    model = MoETransformerLM(config.model)
-    model.load_state_dict(ep_ckpt["model"])
-    corpus = ByteCorpus.load(config.data, val_fraction=config.val_fraction,
-                             seq_len=config.seq_len)
-    batches = val_batches(corpus.val_ids, num_batches=config.eval_batches,
-                          batch_size=config.batch_size, seq_len=config.seq_len)
-    single_val = json.loads((single_dir / "metrics.jsonl").read_text().splitlines()[-1])
-    assert abs(evaluate(model, batches, torch.device("cpu")) - single_val["val_loss"]) \
-        <= LOSS_ATOL
+@pytest.mark.parametrize("layout", [
+    pytest.param((1, 2), id="dp1_ep2"),
+    pytest.param((2, 2), id="dp2_ep2", marks=pytest.mark.slow),
+])
+def test_routing_options_match_single_process(tmp_path: Path, layout: tuple[int, int]) -> None:
+    single, out = tmp_path / "single", tmp_path / "run"
+    _train(tmp_path, single, (1, 1), "--max-steps", "20", *ROUTING)
+    _train(tmp_path, out, layout, "--max-steps", "20", *ROUTING)
+    _assert_same_run(out, single)
 
 
-def _shapes(state: dict[str, object]) -> dict[str, tuple[int, ...]]:
-    return {k: tuple(v.shape) for k, v in state.items() if isinstance(v, torch.Tensor)}
+def test_grad_accum_equals_larger_batch(tmp_path: Path) -> None:
+    """``--grad-accum 4 --batch-size 2`` updates as ``--batch-size 8`` (one process): losses,
+    z-loss, grad norms and parameters. The balancing loss is off and not compared: its expert
+    fractions are per micro-batch (see the README)."""
+    accum, big = tmp_path / "accum", tmp_path / "big"
+    common = ("--max-steps", "8", "--aux-loss-coef", "0")
+    _train(tmp_path, accum, (1, 1), *common, "--grad-accum", "4", "--batch-size", "2")
+    _train(tmp_path, big, (1, 1), *common, "--batch-size", "8")
+    _assert_same_run(accum, big, keys=("train_loss", "grad_norm", "z_loss"))
 
 
-@pytest.mark.slow
-def test_single_process_checkpoint_resumes_at_ep2(tmp_path: Path) -> None:
-    """A one-process checkpoint (step 10) continues under --ep 2 exactly as one process would."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    schedule = ["--lr-decay-steps", "20"]
-    _run([sys.executable, "-m", "memfine", *COMMON, *schedule, "--out", str(straight)], tmp_path)
-    first_half = [a if a != "20" else "10" for a in COMMON]  # --max-steps 10
-    _run([sys.executable, "-m", "memfine", *first_half, *schedule, "--out", str(resumed)],
-         tmp_path)
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-          "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "memfine",
-          "train", "--resume", "--max-steps", "20", "--no-progress", "--ep", "2",
-          "--out", str(resumed)], tmp_path)
-    torch.testing.assert_close(torch.tensor(_losses(resumed)), torch.tensor(_losses(straight)),
-                               atol=LOSS_ATOL, rtol=0)
+@pytest.mark.parametrize(("env", "args", "message"), [
+    ({"WORLD_SIZE": "2"}, ["--dp-shard", "2", "--ep", "2"],
+     "the world size 2 must equal --dp-shard × --ep, got 2 × 2 = 4"),
+    ({"WORLD_SIZE": "2"}, ["--ep", "2", "--num-experts", "3", "--top-k", "1"],
+     "MoEConfig.num_experts=3 must be divisible by the expert-parallel size ep=2"),
+])
+def test_bad_layout_is_one_line_and_writes_nothing(tmp_path: Path, env: dict[str, str],
+                                                   args: list[str], message: str) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "memfine", *COMMON, "--preset", "tiny", *args,
+                           "--out", str(out)],
+                          env={**os.environ, **env}, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"memfine train: error: {message}"), lines
+    assert not out.exists()
+
+
+def test_checkpoint_of_another_model_shape_is_one_line(tmp_path: Path, single_run: Path) -> None:
+    """Resuming with another model width: one error line; the run's files stay as they were."""
+    before = {p.name: p.read_bytes() for p in single_run.iterdir() if p.is_file()}
+    proc = subprocess.run([sys.executable, "-m", "memfine", *COMMON, "--resume", "--max-steps",
+                           "30", "--hidden-size", "32", "--out", str(single_run)],
+                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--hidden-size cannot change on --resume" in lines[0], lines
+    assert {p.name: p.read_bytes() for p in single_run.iterdir() if p.is_file()} == before

@@ -113,8 +113,10 @@ def test_backward_recomputes_one_chunk_at_a_time() -> None:
     calls: list[tuple[str, int]] = []
     w_up = torch.randn(E, D, 2 * N, requires_grad=True)
 
-    def chunk_fn(x_CD: torch.Tensor, idx_CK: torch.Tensor, w_CK: torch.Tensor) -> torch.Tensor:
+    def chunk_fn(chunk: int, x_CD: torch.Tensor, idx_CK: torch.Tensor, w_CK: torch.Tensor
+                 ) -> torch.Tensor:
         calls.append(("grad" if torch.is_grad_enabled() else "nograd", x_CD.shape[0]))
+        assert x_CD.shape[0] == (4 if chunk == 0 else 3)  # the chunk index comes in order
         return torch.tanh(x_CD @ w_up[0, :, :D]) * w_CK.sum(-1, keepdim=True)
 
     x = torch.randn(10, D, requires_grad=True)
@@ -227,7 +229,8 @@ def test_skew_peak_rows(case: str) -> None:
     x = torch.randn(SKEW_T, SKEW_D)
     with torch.no_grad():
         routing = layer.router(x)
-    c = layer.policy.num_chunks(layer.received_rows(routing.top_k_index), SKEW_T, 4)
+    c = layer.policy.num_chunks(layer.experts.received_rows(routing.top_k_index), SKEW_T,
+                                 4)
     assert c == 16
     # The detector sees the expert rows: unchunked, 64 tokens give 128-row intermediates.
     assert _largest_expert_rows(x[:64], routing.top_k_index[:64], routing.top_k_weights[:64],

@@ -76,3 +76,67 @@ def test_foreign_file_and_missing_file(tmp_path: Path) -> None:
         ckpt.load_checkpoint(path)
     with pytest.raises(ValueError, match="no checkpoint at .*missing.pt"):
         ckpt.load_checkpoint(tmp_path / "missing.pt")
+
+
+def _save_sharded(out: Path, step: int) -> torch.nn.Module:
+    model, optimizer, scheduler = _objects()
+    ckpt.save_sharded_checkpoint(out / ckpt.SHARDED_NAME, step=step, config={"seed": step},
+                                 model=model, optimizer=optimizer, scheduler=scheduler,
+                                 is_main=True, barrier=lambda: None)
+    return model
+
+
+def _loaded(out: Path) -> tuple[int, torch.nn.Module]:
+    """Step and model of the newest checkpoint in ``out``, loaded into fresh objects."""
+    payload = ckpt.read_checkpoint(ckpt.find_checkpoint(out))
+    model = torch.nn.Linear(4, 3)
+    optimizer, _ = build_optimizer(model, TrainConfig())
+    ckpt.load_states(payload, model, optimizer, sharded=False)
+    return int(payload["step"]), model
+
+
+def test_sharded_round_trip_and_either_form_loads(tmp_path: Path) -> None:
+    model = _save_sharded(tmp_path, 4)
+    step, loaded = _loaded(tmp_path)
+    assert step == 4
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    _save(tmp_path / ckpt.CHECKPOINT_NAME, 6)  # the one-file form replaces the directory
+    assert not (tmp_path / ckpt.SHARDED_NAME).exists()
+    assert _loaded(tmp_path)[0] == 6
+    _save_sharded(tmp_path, 8)  # and back: the directory replaces the file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.SHARDED_NAME]
+    assert _loaded(tmp_path)[0] == 8
+
+
+def test_killed_sharded_save_leaves_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_sharded(tmp_path, 1)
+
+    def killed_save(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # a kill while the shards are written
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.dcp, "save", killed_save)
+        with pytest.raises(KeyboardInterrupt):
+            _save_sharded(tmp_path, 2)
+    assert _loaded(tmp_path)[0] == 1
+    replace = ckpt.os.replace
+    calls = []
+
+    def killed_between_renames(src: object, dst: object) -> None:
+        calls.append(dst)
+        if len(calls) == 3:  # meta.pt, then old checkpoint aside, then the new one in: killed
+            raise KeyboardInterrupt
+        replace(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckpt.os, "replace", killed_between_renames)
+    with pytest.raises(KeyboardInterrupt):
+        _save_sharded(tmp_path, 3)
+    assert not (tmp_path / ckpt.SHARDED_NAME).exists()
+    assert ckpt.find_checkpoint(tmp_path).name == ckpt.SHARDED_NAME + ".old"
+    assert _loaded(tmp_path)[0] == 1
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    _save_sharded(tmp_path, 4)  # the next save cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.SHARDED_NAME]
+    assert _loaded(tmp_path)[0] == 4

@@ -38,7 +38,7 @@ from memfine.bench.options import (
 )
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
-from memfine.nn import MoELayer
+from memfine.nn import GroupedExperts, MoELayer
 from memfine.ops.activations import apply_activation
 from memfine.schedule.policy import ChunkPolicy
 from memfine.units import format_bytes
@@ -77,14 +77,23 @@ def expert_loop(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     return out_TD
 
 
-class ExpertLoopMoELayer(MoELayer):
-    """MoE layer whose experts run as a Python loop over experts (transformers ``eager`` style)."""
+class ExpertLoopExperts(GroupedExperts):
+    """Experts run as a Python loop over experts (transformers ``eager`` style)."""
 
-    def run_experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """:func:`expert_loop` over the layer's expert weights; one chunk."""
-        return expert_loop(x_TD, top_k_index, top_k_weights, self.experts.w_up,
-                           self.experts.w_down, self.config.activation), 1
+    def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+        """:func:`expert_loop` over the expert weights; one chunk (the policy is not asked)."""
+        return expert_loop(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
+                           self.config.activation), 1
+
+
+class ExpertLoopMoELayer(MoELayer):
+    """MoE layer whose experts are :class:`ExpertLoopExperts`."""
+
+    def __init__(self, config: MoEConfig, **kwargs: Any) -> None:
+        """As :class:`MoELayer`, with the loop experts."""
+        super().__init__(config, **kwargs)
+        self.experts = ExpertLoopExperts(config)
 
 
 class CheckpointedLayer(nn.Module):

@@ -38,18 +38,11 @@ from memfine.config import (
     ScoreFunc,
     TrainConfig,
 )
-from memfine.train import DEFAULT_PRESET, PRESETS, load_checkpoint, preset, train
-from memfine.train.checkpoint import CHECKPOINT_NAME
+from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
+from memfine.train.checkpoint import find_checkpoint, read_checkpoint
 from memfine.train.rundir import check_run_dir
 from memfine.train.setup import RESUMABLE_FIELDS
 from memfine.units import parse_bytes
-
-
-def _optional_int(text: str) -> int | None:
-    try:
-        return None if text.lower() == "none" else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
 def _optional_float(text: str) -> float | None:
@@ -61,6 +54,13 @@ def _optional_float(text: str) -> float | None:
 
 def _autocast_dtype(text: str) -> str:
     return "bfloat16" if text == "bf16" else text
+
+
+def _optional_int(text: str) -> int | None:
+    try:
+        return None if text.lower() == "none" else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
 
 
 def _budget(text: str) -> int | None:
@@ -83,7 +83,9 @@ _CONFIG_FLAGS = (
     Flag("--val-fraction", ("val_fraction",), "share of the corpus (its end) held out for "
          "validation", float),
     Flag("--seq-len", ("seq_len", "model.max_seq_len"), "context length Q in bytes (= tokens)"),
-    Flag("--batch-size", ("batch_size",), "sequences per step B"),
+    Flag("--batch-size", ("batch_size",), "sequences per micro-batch B (over all ranks)"),
+    Flag("--grad-accum", ("grad_accum",), "micro-batches per optimizer step N (the step's "
+         "gradient is that of one batch of N*B sequences)"),
     Flag("--max-steps", ("max_steps",), "optimizer steps of the run"),
     Flag("--lr", ("lr",), "peak AdamW learning rate", float),
     Flag("--min-lr-ratio", ("min_lr_ratio",), "final LR as a fraction of --lr", float),
@@ -202,9 +204,12 @@ _RUN_FLAGS = (
     Flag("--threads", (), "CPU threads for torch during the run; the presets' small matrices "
          "gain little from more, and on a CPU shared with other jobs more threads can be many "
          "times slower", default=NotGiven(1)),
-    Flag("--ep", (), "expert-parallel size e: shard the experts over e ranks; launch with "
-         "torchrun --nproc_per_node N (N a multiple of e; gloo on CPU, nccl on CUDA)",
-         default=NotGiven(1)),
+    Flag("--ep", (), "size of the mesh dim 'ep': experts sharded E/ep over it; launch with "
+         "torchrun --nproc_per_node W, W = dp-shard x ep", default=NotGiven(1)),
+    Flag("--dp-shard", (), "size of the mesh dim 'dp_shard' (FSDP2 shards the experts over it; "
+         "dense parameters over all W ranks); default W / ep", default=NotGiven(text="W/ep")),
+    Flag("--backend", (), "torch.distributed backend under torchrun", str, ("gloo", "nccl"),
+         default=NotGiven(text="gloo on cpu, nccl on cuda")),
 )
 _SETTING_FLAGS = _CONFIG_FLAGS + _SWITCH_FLAGS
 
@@ -259,11 +264,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
             if given(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
                                  f"configuration comes from the checkpoint in {str(out)!r}")
-        tree = load_checkpoint(out / CHECKPOINT_NAME)["config"]
+        tree = read_checkpoint(find_checkpoint(out))["config"]
     else:
         tree = preset(name).to_dict()
         if given(args, "init_from"):
-            source = load_checkpoint(Path(value(args, "init_from")) / CHECKPOINT_NAME)
+            source = read_checkpoint(find_checkpoint(Path(value(args, "init_from"))))
             tree["model"] = source["config"]["model"]  # and its context length:
             tree["seq_len"] = source["config"]["seq_len"]
     _apply_flags(args, tree, resume=resume, out=out)
@@ -301,16 +306,10 @@ def run(args: argparse.Namespace) -> int:
     if str(config.device).startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
                          f"(torch {torch.__version__}); use --device cpu")
-    threads, ep = value(args, "threads"), int(value(args, "ep"))
+    threads = value(args, "threads")
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
-    if ep < 1:
-        raise ValueError(f"--ep must be >= 1, got {ep}")
-    parallel = None
-    if ep > 1 or int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        from memfine.parallel.training import ExpertParallelTraining
-
-        parallel = ExpertParallelTraining.from_environment(ep, device=config.device)
+    parallel = _parallel(args, config)
     finished = False
     try:
         result = train(config, out, resume=resume, overwrite=overwrite,
@@ -322,3 +321,28 @@ def run(args: argparse.Namespace) -> int:
         if parallel is not None:
             parallel.close(barrier=finished)
     return 0 if result.stop_signal is None else 128 + result.stop_signal
+
+
+def _parallel(args: argparse.Namespace, config: TrainConfig) -> Any:
+    """The distributed engine under torchrun (``WORLD_SIZE`` > 1 or a mesh flag > 1), else None.
+
+    Raises:
+        ValueError: on a size < 1, a world size that is not dp_shard × ep, or mesh flags
+            without torchrun — before any process group exists.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    ep = int(value(args, "ep"))
+    if ep < 1:
+        raise ValueError(f"--ep must be >= 1, got {ep}")
+    dp_shard = value(args, "dp_shard") if given(args, "dp_shard") else max(world // ep, 1)
+    if world == 1 and ep == 1 and dp_shard == 1:
+        return None
+    from memfine.parallel.mesh import check_expert_sharding, check_layout
+    from memfine.parallel.training import DistributedTraining
+
+    check_layout(world, int(dp_shard), ep)  # before any process group exists
+    check_expert_sharding(config.model.moe.num_experts, ep)
+
+    return DistributedTraining.from_environment(
+        dp_shard=int(dp_shard), ep=ep, backend=value(args, "backend") or None,
+        device=config.device)

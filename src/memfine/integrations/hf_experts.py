@@ -176,14 +176,14 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
     Memory: as :func:`memfine.schedule.chunked.run_chunked`: with recompute, only x_TD and the
     routing tensors are kept; backward holds one chunk's H and transients.
     """
-    def chunk_fn(x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
+    def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         return run_module_experts(module, plan, weights, x_CD, top_k_index_CK,
                                   top_k_weights_CK, backend=backend, index_builder=index_builder)
 
     chunked = chunk.memory_budget_bytes is not None or chunk.num_chunks > 1
     if not chunked:
-        return chunk_fn(x_TD, top_k_index, top_k_weights)
+        return chunk_fn(0, x_TD, top_k_index, top_k_weights)
     c = num_chunks_for(module, plan, weights, x_TD, top_k_index, chunk)
     recompute = chunk.resolved_recompute if torch.is_grad_enabled() else "none"
     return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=c,

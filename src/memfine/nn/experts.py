@@ -1,4 +1,14 @@
-"""The module that owns the routed expert weights.
+"""The module that owns the routed expert weights (one process).
+
+The experts contract, shared with the expert-parallel experts
+(:class:`memfine.parallel.ExpertParallelExperts`), so that sharding a model only swaps the
+``experts`` submodule of each :class:`memfine.nn.MoELayer`:
+
+- ``run(x_TD, top_k_index, top_k_weights, policy) -> (out_TD, num_chunks)``: ask the chunk policy
+  for c from the rows these experts receive (s″), then run the one chunk loop
+  (:func:`memfine.schedule.chunked.run_chunked`);
+- ``global_counts(counts)``: per-rank counts summed over every rank of the global batch (the
+  identity on one process), for the aux losses (docs/design.md §2).
 
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n (gated) or n.
 """
@@ -12,6 +22,7 @@ from torch import nn
 
 from memfine.config import MoEConfig, Recompute
 from memfine.schedule.chunked import chunked_experts
+from memfine.schedule.policy import ChunkPolicy
 
 
 class GroupedExperts(nn.Module):
@@ -37,6 +48,73 @@ class GroupedExperts(nn.Module):
         """Normal init: w_up N(0, σ²), w_down N(0, (σ/√(2·depth))²)."""
         nn.init.normal_(self.w_up, std=self.init_std)
         nn.init.normal_(self.w_down, std=self.init_std / math.sqrt(2 * self.depth))
+
+    def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+        """Run the experts on routed tokens in the c chunks ``policy`` chooses.
+
+        Args:
+            x_TD: (T, d) activations.
+            top_k_index: (T, k) int64 expert ids from the router (sentinels ≥ E contribute 0).
+            top_k_weights: (T, k) routing weights.
+            policy: the layer's :class:`ChunkPolicy` (fixed c, or MACT from s″ = the valid
+                (token, slot) pairs, its recompute mode).
+
+        Returns:
+            ``(out_TD, num_chunks)``: (T, d) combined output and the c used.
+
+        Raises:
+            ValueError: from the policy when a budget cannot be met, or on shape mismatches.
+
+        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode
+        (with c > 1 on the fused path the chunks share one weight-gradient buffer per weight).
+        Reference: MemFine Eq. 8-9, §4.
+        """
+        if policy.budgeted:
+            decide = self.budgeted_num_chunks
+            if torch.compiler.is_compiling():  # run eagerly (one graph break; docs/compile.md)
+                decide = torch.compiler.disable(decide)
+            num_chunks = decide(x_TD, top_k_index, policy)
+        else:
+            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
+        out_TD = chunked_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
+                                 moe=self.config, num_chunks=num_chunks,
+                                 recompute=policy.config.resolved_recompute)
+        return out_TD, num_chunks
+
+    def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
+                            policy: ChunkPolicy) -> int:
+        """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
+
+        Runs outside ``torch.compile`` (``torch.compiler.disable`` at the call, so importing
+        memfine loads no Dynamo): the decision needs s″ as a host number (one ``.item()``), and c
+        decides how many chunks the graph holds. A compiled layer with a budget therefore has one
+        graph break here (docs/compile.md) and one graph per chunk count in use.
+
+        Returns:
+            c ≥ 1.
+
+        Raises:
+            ValueError: from the policy when the budget cannot be met.
+        """
+        recv = self.received_rows(top_k_index)
+        return policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+
+    def received_rows(self, top_k_index: torch.Tensor) -> int:
+        """s″: (token, slot) pairs with an id in [0, E) (one ``.item()`` device sync)."""
+        E = self.config.num_experts
+        return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
+
+    def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """Counts of the global batch: on one process, ``counts`` itself.
+
+        Args:
+            counts: (..., ) int64 per-rank counts (e.g. tokens per expert).
+
+        Returns:
+            ``counts`` unchanged (the expert-parallel experts sum them over every rank).
+        """
+        return counts
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,

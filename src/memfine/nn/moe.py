@@ -6,7 +6,7 @@ Reference: docs/design.md §2-§4; MemFine §4 (chunked scheduling, MACT).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -55,9 +55,14 @@ class MoELayer(nn.Module):
     """Router + routed experts, run in c token chunks chosen by a :class:`ChunkPolicy`.
 
     Steps: (1) flatten x to (T, d) and zero padding rows by selection; (2) route once in fp32
-    (outside every recomputed region); (3) ask the policy for c (fixed, or MACT from the rows the
-    experts receive); (4) run the experts chunk by chunk with the configured recomputation;
-    (5) return the output and :class:`MoEAux` (losses are returned, never added silently).
+    (outside every recomputed region); (3) ``experts.run``: the policy picks c (fixed, or MACT
+    from the rows the experts receive) and the experts run chunk by chunk with the configured
+    recomputation; (4) the aux losses over the global batch's valid tokens
+    (``experts.global_counts``); (5) return the output and :class:`MoEAux` (losses are returned,
+    never added silently).
+
+    Expert parallelism swaps ``experts`` for :class:`memfine.parallel.ExpertParallelExperts`,
+    which has the same ``run``/``global_counts`` contract; nothing else of the layer changes.
 
     Args:
         config: :class:`MoEConfig`. Its experiment knobs ``skew_hot_experts``/``skew_bias`` set
@@ -75,7 +80,7 @@ class MoELayer(nn.Module):
         ValueError: if both ``chunk`` and ``policy`` are given, or the policy's MoE config differs.
 
     Attributes:
-        policy: the :class:`ChunkPolicy`; under expert parallelism set its ``agree_num_chunks``.
+        policy: the :class:`ChunkPolicy`, passed to ``experts.run`` on every call.
     """
 
     def __init__(self, config: MoEConfig, *, depth: int = 1, chunk: ChunkConfig | None = None,
@@ -88,9 +93,6 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer policy.moe must equal config, got {policy.moe} vs {config}")
         self.config = config
         self.policy = policy or ChunkPolicy(chunk or NO_CHUNKING, config)
-        # Runtime hook (not config): maps this rank's (E,) assignment counts to the global
-        # batch's, e.g. an all-reduce SUM under data/expert parallelism; None on one process.
-        self.reduce_expert_counts: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize,
                                  options=RouteOptions.from_config(config),
@@ -101,89 +103,6 @@ class MoELayer(nn.Module):
         if config.skew_hot_experts:
             with torch.no_grad():
                 self.router.selection_bias[: config.skew_hot_experts] = config.skew_bias
-
-    def received_rows(self, top_k_index: torch.Tensor) -> int:
-        """s″: rows this layer's experts receive, i.e. (token, slot) pairs with an id in [0, E).
-
-        Sentinel slots (padding, remote experts) are not counted. An expert-parallel layer
-        overrides this (or passes its own count to the policy) with the rows from its count
-        exchange. Synchronises with the device (one ``.item()``).
-        """
-        E = self.config.num_experts
-        return int(((top_k_index >= 0) & (top_k_index < E)).sum().item())
-
-    def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor) -> int:
-        """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
-
-        Runs outside ``torch.compile`` (``torch.compiler.disable`` while compiling; applied at
-        the call, so importing memfine does not load Dynamo): the decision needs s″ as a
-        host number (one ``.item()``), and c decides how many chunks the graph holds. A compiled
-        layer with a budget therefore has one graph break here (docs/compile.md), and one graph
-        per chunk count c in use (at most one per bin).
-
-        Args:
-            x_TD: (T, d) activations (T and the element size enter the memory model).
-            top_k_index: (T, k) int64 expert ids.
-
-        Returns:
-            c ≥ 1.
-
-        Raises:
-            ValueError: from the policy when the budget cannot be met.
-        """
-        recv = self.received_rows(top_k_index)
-        return self.policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
-
-    def run_experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
-                    top_k_weights: torch.Tensor) -> tuple[torch.Tensor, int]:
-        """Expert part on routed tokens; returns ``(out_TD, num_chunks)``. Overridable hook.
-
-        Args:
-            x_TD: (T, d) activations.
-            top_k_index: (T, k) int64 expert ids from the router (sentinels ≥ E allowed).
-            top_k_weights: (T, k) routing weights.
-
-        Returns:
-            (T, d) output and the chunk count c used.
-
-        Raises:
-            ValueError: from the policy when a budget cannot be met.
-
-        Side effects: with a budget, one ``agree_num_chunks`` call (see :class:`ChunkPolicy`).
-
-        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode.
-        """
-        policy = self.policy
-        if policy.budgeted:
-            decide = self.budgeted_num_chunks
-            if torch.compiler.is_compiling():  # run eagerly (one graph break; docs/compile.md)
-                decide = torch.compiler.disable(decide)
-            num_chunks = decide(x_TD, top_k_index)
-        else:
-            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
-        out_TD = self.experts(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                              recompute=policy.config.resolved_recompute)
-        return out_TD, num_chunks
-
-    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
-             num_chunks: int) -> MoEAux:
-        """Losses and counters of one call (outside every recomputed region)."""
-        global_counts_E = None
-        if self.reduce_expert_counts is not None:
-            global_counts_E = self.reduce_expert_counts(routing.tokens_per_expert.clone())
-        seq_loss = None  # not computed (no allocation) when its coefficient is 0
-        if self.config.seq_aux_loss_coef > 0:
-            seq_loss = sequence_balance_loss(routing.scores, routing.selected_index, seq_len,
-                                             mask_T)
-        return MoEAux(
-            load_balancing_loss=load_balancing_loss(routing.logits, routing.selected_index, mask_T,
-                                                    counts_E=global_counts_E),
-            z_loss=z_loss(routing.logits, mask_T),
-            tokens_per_expert=routing.tokens_per_expert,
-            num_chunks=num_chunks,
-            sequence_balance_loss=seq_loss,
-            dropped_pairs=routing.dropped_pairs,
-        )
 
     def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, MoEAux]:
@@ -196,8 +115,7 @@ class MoELayer(nn.Module):
                 left out of counts and losses.
 
         Returns:
-            ``(out, aux)``: out has x's shape and dtype (inside ``torch.autocast`` the
-            autocast dtype, as the experts follow autocast; the router stays fp32).
+            ``(out, aux)``: out has x's shape and dtype.
 
         Raises:
             ValueError: if x's last dimension is not d or the mask shape does not match.
@@ -214,10 +132,74 @@ class MoELayer(nn.Module):
             mask_T = valid_mask.reshape(-1)
             x_TD = torch.where(mask_T[:, None], x_TD, torch.zeros((), dtype=x.dtype))
         routing = self.router(x_TD, mask_T)
-        out_TD, num_chunks = self.run_experts(x_TD, routing.top_k_index, routing.top_k_weights)
+        out_TD, num_chunks = self.experts.run(x_TD, routing.top_k_index, routing.top_k_weights,
+                                              self.policy)
         if self.shared_experts is not None:
-            recompute = self.policy.config.resolved_recompute
-            out_TD = out_TD + self.shared_experts(x_TD, mask_T, num_chunks=num_chunks,
-                                                  recompute=recompute)
+            out_TD = out_TD + self.shared_experts(
+                x_TD, mask_T, num_chunks=num_chunks,
+                recompute=self.policy.config.resolved_recompute)
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
-        return out_TD.view(x.shape), self._aux(routing, mask_T, seq_len, num_chunks)
+        aux = self._aux(routing, mask_T, seq_len)
+        # Not a view: FSDP2 (and any autograd hook on the output) warns that an in-place op on a
+        # returned view would skip its hooks. out_TD is this call's own fresh tensor, so sharing
+        # its storage is safe; _unsafe_view reshapes without a copy (NOTE(memory): no T·d
+        # clone) and without autograd view tracking (its backward is a reshape).
+        out = torch.ops.aten._unsafe_view(out_TD, x.shape)
+        return out, dataclasses.replace(aux, num_chunks=num_chunks)
+
+    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int) -> MoEAux:
+        """Aux losses over the global batch's valid tokens (docs/design.md §2).
+
+        f comes from the global counts of the router's selection (before capacity drops); P
+        and the z-loss are this rank's share of the sum over every valid token.
+
+        One ``experts.global_counts`` call on (E + 1,) int64: the E selection counts and a 1
+        per rank, so the sum also gives the number of ranks W; the global valid tokens are
+        Σ counts / k. Each rank's loss is its tokens' sum divided by the mean valid tokens per
+        rank Σ counts / (k·W): the mean over the ranks (what data-parallel gradient averaging
+        computes) is the loss of one process holding the whole batch, whatever the valid tokens
+        per rank. When ``global_counts`` returns its argument (one process) the losses are the
+        local means (NOTE(memory): no divisor tensor is saved for backward, 4 bytes per loss,
+        so saved bytes stay those of the memory model).
+
+        The sequence-wise loss (computed only when ``seq_aux_loss_coef`` > 0) is per sequence,
+        so it stays this rank's mean over its sequences: the mean over the ranks is the
+        whole batch's when every rank holds as many sequences with valid tokens (the training
+        loop's even batch split).
+        """
+        k = routing.top_k
+        counts_E = _selected_counts(routing, mask_T)
+        stats = torch.cat([counts_E, counts_E.new_ones(1)])
+        global_stats = self.experts.global_counts(stats)
+        global_counts_E, tokens_per_rank = None, None
+        if global_stats is not stats:  # several ranks (one process: the plain local means)
+            global_counts_E, ranks = global_stats[:-1], global_stats[-1]
+            tokens_per_rank = global_counts_E.sum() / (k * ranks)
+        seq_loss = None  # not computed (no allocation) when its coefficient is 0
+        if self.config.seq_aux_loss_coef > 0:
+            seq_loss = sequence_balance_loss(routing.scores, routing.selected_index, seq_len,
+                                             mask_T)
+        return MoEAux(
+            load_balancing_loss=load_balancing_loss(routing.logits, routing.selected_index,
+                                                    mask_T, counts_E=global_counts_E,
+                                                    tokens_per_rank=tokens_per_rank),
+            z_loss=z_loss(routing.logits, mask_T, tokens_per_rank=tokens_per_rank),
+            tokens_per_expert=routing.tokens_per_expert,
+            sequence_balance_loss=seq_loss,
+            dropped_pairs=routing.dropped_pairs,
+        )
+
+
+def _selected_counts(routing: RoutingResult, mask_T: torch.Tensor | None) -> torch.Tensor:
+    """(E,) int64 assignments of the router's selection over valid tokens (before drops).
+
+    Sums to k·(valid tokens). Without padding or capacity drops this is
+    ``routing.tokens_per_expert`` itself (no extra bincount).
+    """
+    if routing.selected_index is routing.top_k_index:
+        return routing.tokens_per_expert
+    E = routing.num_experts
+    ids_TK = routing.selected_index
+    if mask_T is not None:
+        ids_TK = torch.where(mask_T[:, None], ids_TK, E)
+    return torch.bincount(ids_TK.reshape(-1), minlength=E + 1)[:E]

@@ -21,26 +21,15 @@ import torch.distributed as dist
 
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.parallel.collectives import collective_device
+from memfine.schedule.chunked import chunk_sizes
 
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
-    """Contiguous token ranges of c chunks, sizes as ``torch.tensor_split`` (first T mod c larger).
-
-    Args:
-        num_tokens: T ≥ 0.
-        num_chunks: c ≥ 1 (may exceed T: the trailing chunks are empty).
-
-    Returns:
-        c ``(start, stop)`` pairs covering [0, T) in order.
-    """
-    if num_chunks < 1:
-        raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-    base, extra = divmod(num_tokens, num_chunks)
+    """``(start, stop)`` token ranges of the c chunks of :func:`memfine.schedule.chunk_sizes`."""
     bounds, start = [], 0
-    for i in range(num_chunks):
-        stop = start + base + (1 if i < extra else 0)
-        bounds.append((start, stop))
-        start = stop
+    for size in chunk_sizes(num_tokens, num_chunks):
+        bounds.append((start, start + size))
+        start += size
     return bounds
 
 

@@ -59,23 +59,29 @@ def _select_valid(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None) ->
     return logits_TE if valid_mask_T is None else torch.where(valid_mask_T[:, None], logits_TE, 0)
 
 
-def _masked_mean(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:
+def _masked_mean(x_T: torch.Tensor, valid_mask_T: torch.Tensor | None,
+                 tokens_per_rank: torch.Tensor | float | None = None) -> torch.Tensor:
     """Mean over the valid rows of x (dim 0), 0 when there is none.
 
-    Padding rows are removed by selection (``torch.where``), not by indexing, so the shapes do
-    not depend on the mask (``torch.compile`` traces it without a data-dependent size).
+    With ``tokens_per_rank`` (T̄) it is the sum over the valid rows divided by T̄. Padding rows
+    are removed by selection (``torch.where``), not by indexing, so the shapes do not depend on
+    the mask (``torch.compile`` traces it without a data-dependent size).
     """
+    if valid_mask_T is not None:
+        mask = valid_mask_T.reshape(-1, *([1] * (x_T.dim() - 1)))
+        x_T = torch.where(mask, x_T, 0)
+    if tokens_per_rank is not None:
+        return x_T.sum(0) / tokens_per_rank
     if valid_mask_T is None:
         return x_T.mean(0) if x_T.shape[0] else x_T.sum(0)
-    mask = valid_mask_T.reshape(-1, *([1] * (x_T.dim() - 1)))
-    total = torch.where(mask, x_T, 0).sum(0)
-    return total / valid_mask_T.sum().clamp(min=1).to(x_T.dtype)
+    return x_T.sum(0) / valid_mask_T.sum().clamp(min=1).to(x_T.dtype)
 
 
 @fp32_routing
 def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
                         valid_mask_T: torch.Tensor | None = None, *,
-                        counts_E: torch.Tensor | None = None) -> torch.Tensor:
+                        counts_E: torch.Tensor | None = None,
+                        tokens_per_rank: torch.Tensor | float | None = None) -> torch.Tensor:
     """Switch load-balancing loss E·Σ_i f_i·P_i.
 
     Args:
@@ -86,8 +92,13 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
             selection.
         counts_E: optional (E,) int assignment counts over the *global* batch (e.g. summed over
             the ranks of a data- or expert-parallel run). When given, f_i = counts_i / Σ counts
-            replaces the local fraction and P stays local, so the mean of the per-rank losses
-            equals the loss of one process on the whole batch (equal tokens per rank).
+            replaces the local fraction.
+        tokens_per_rank: optional T̄ = (global valid tokens) / W, the mean valid tokens per rank
+            of the global batch (0-dim tensor or float). When given, P_i is this rank's share
+            Σ_{t valid here} p_ti / T̄ instead of the local mean, so that with global
+            ``counts_E`` the mean of the W per-rank losses (and of their gradients) is the loss
+            of one process holding every rank's tokens, however the valid tokens are spread
+            (8 and 2 on two ranks give the 10-token value).
 
     Returns:
         0-dim fp32 tensor. 1.0 for uniform routing with balanced assignments (any k); ≈E when every
@@ -107,7 +118,8 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
     T, E = logits_TE.shape
     k = top_k_index_TK.shape[-1]
     valid_mask_T = check_token_mask(valid_mask_T, T)
-    p_E = _masked_mean(_select_valid(logits_TE, valid_mask_T).softmax(-1), valid_mask_T)
+    p_E = _masked_mean(_select_valid(logits_TE, valid_mask_T).softmax(-1), valid_mask_T,
+                       tokens_per_rank)
     if counts_E is not None:
         if counts_E.shape != (E,):
             raise ValueError(f"counts_E must be (E,) with E={E}, got {tuple(counts_E.shape)}")
@@ -122,7 +134,8 @@ def load_balancing_loss(logits_TE: torch.Tensor, top_k_index_TK: torch.Tensor,
 
 
 @fp32_routing
-def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) -> torch.Tensor:
+def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None, *,
+           tokens_per_rank: torch.Tensor | float | None = None) -> torch.Tensor:
     """Router z-loss mean(logsumexp(logits)²) in fp32.
 
     Args:
@@ -130,6 +143,9 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
             stays finite).
         valid_mask_T: optional (T,) bool or integer 0/1 mask; padding tokens are excluded by
             selection.
+        tokens_per_rank: optional T̄, the mean valid tokens per rank of the global batch: the
+            result is then this rank's share Σ_{t valid here} lse_t² / T̄, whose mean over the
+            ranks is the z-loss of the whole batch (see :func:`load_balancing_loss`).
 
     Returns:
         0-dim fp32 tensor; (ln E)² for all-zero logits; 0.0 when there is no valid token.
@@ -143,7 +159,7 @@ def z_loss(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None = None) ->
         raise ValueError(f"logits must be (T, E), got {tuple(logits_TE.shape)}")
     valid_mask_T = check_token_mask(valid_mask_T, logits_TE.shape[0])
     lse_T = torch.logsumexp(_select_valid(logits_TE, valid_mask_T), dim=-1)
-    return _masked_mean(lse_T ** 2, valid_mask_T)
+    return _masked_mean(lse_T ** 2, valid_mask_T, tokens_per_rank)
 
 
 @fp32_routing

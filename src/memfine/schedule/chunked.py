@@ -40,8 +40,11 @@ from memfine.dispatch import build_routing_index
 from memfine.ops import autocast_operands, run_experts
 from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
 
-ChunkFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-"""One chunk's expert part: ``(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``."""
+ChunkFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+"""One chunk's expert part: ``(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``.
+
+``chunk`` is the chunk's position i in [0, c): an expert-parallel chunk function looks up the
+chunk's frozen dispatch plan by it (the same plan in forward and in recompute)."""
 
 RECOMPUTE_MODES: tuple[str, ...] = ("none", "experts", "full")
 
@@ -73,23 +76,27 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
                 recompute: Recompute = "experts") -> torch.Tensor:
     """Run ``chunk_fn`` on c contiguous token chunks and concatenate the results.
 
-    The generic chunk loop: :func:`chunked_experts` uses it with the local expert path; an
-    expert-parallel layer passes a ``chunk_fn`` that also does the chunk's all-to-all (every rank
-    must then use the same ``num_chunks``, see :class:`memfine.schedule.policy.ChunkPolicy`).
+    The one chunk loop of memfine: :func:`chunked_experts` uses it with the local expert path;
+    the expert-parallel experts (:class:`memfine.parallel.ExpertParallelExperts`) pass a
+    ``chunk_fn`` that also does the chunk's all-to-alls (every rank must then use the same
+    ``num_chunks``, see :class:`memfine.schedule.policy.ChunkPolicy`). Every one of the c chunks
+    runs, empty ones included (c > T, or T = 0 on this rank), so collectives inside ``chunk_fn``
+    are issued the same number of times on every rank.
 
     Args:
-        chunk_fn: ``(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``; pure in its tensor
-            inputs and the parameters it closes over (it is re-run in backward when recomputing).
+        chunk_fn: ``(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD`` with ``chunk``
+            the chunk's index in [0, c); pure in its tensor inputs and the parameters it closes
+            over (it is re-run in backward when recomputing).
         x_TD: (T, d) float layer input.
         top_k_index: (T, k) int64 expert ids from the router (sentinels ≥ E allowed).
         top_k_weights: (T, k) routing weights (differentiable: the router gets its gradient
             through them).
-        num_chunks: c ≥ 1; c > T is allowed (empty chunks are skipped).
+        num_chunks: c ≥ 1; c > T is allowed (the trailing chunks are then empty).
         recompute: ``none`` runs the chunks plainly; ``experts`` and ``full`` checkpoint each chunk.
 
     Returns:
-        (T, d) output, ``torch.cat`` of the chunk outputs. With T = 0 one empty chunk still runs,
-        so parameters get (zero) gradients.
+        (T, d) output, ``torch.cat`` of the chunk outputs. Empty chunks run too, so parameters
+        get (zero) gradients with T = 0.
 
     Raises:
         ValueError: on an unknown recompute mode, c < 1, or (T, k) shapes that do not match x.
@@ -113,21 +120,19 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
         raise ValueError(f"top_k_weights must be (T, k)={tuple(top_k_index.shape)}, "
                          f"got {tuple(top_k_weights.shape)}")
     sizes = chunk_sizes(T, num_chunks)
-    if num_chunks == 1 or T == 0:  # one piece: the layer's own tensors, no split node
+    if num_chunks == 1:  # one piece: the layer's own tensors, no split node
         pieces = [(x_TD, top_k_index, top_k_weights)]
     else:
         pieces = list(zip(torch.split(x_TD, sizes), torch.split(top_k_index, sizes),
                           torch.split(top_k_weights, sizes), strict=True))
     outs = []
-    for x_CD, index_CK, weights_CK in pieces:
-        if x_CD.shape[0] == 0 and T > 0:
-            continue  # c > T: an empty chunk has nothing to dispatch
+    for i, (x_CD, index_CK, weights_CK) in enumerate(pieces):
         if recompute == "none" or not torch.is_grad_enabled():  # no backward: nothing to drop
-            outs.append(chunk_fn(x_CD, index_CK, weights_CK))
+            outs.append(chunk_fn(i, x_CD, index_CK, weights_CK))
         else:
             # NOTE(memory): only the chunk inputs (views of the layer's tensors) are kept; H
             # (S_c·G·D_t bytes) and the index arrays are rebuilt in backward, one chunk at a time.
-            outs.append(checkpoint(chunk_fn, x_CD, index_CK, weights_CK, use_reentrant=False,
+            outs.append(checkpoint(chunk_fn, i, x_CD, index_CK, weights_CK, use_reentrant=False,
                                    preserve_rng_state=False))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
@@ -146,10 +151,11 @@ def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoECo
             ``None``.
 
     Returns:
-        ``chunk_fn(x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``: builds the chunk's
-        :class:`~memfine.dispatch.RoutingIndex` and calls :func:`memfine.ops.run_experts`.
+        ``chunk_fn(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``: builds the
+        chunk's :class:`~memfine.dispatch.RoutingIndex` and calls :func:`memfine.ops.run_experts`
+        (the chunk index is not needed locally).
     """
-    def chunk_fn(x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
+    def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         index = build_routing_index(top_k_index_CK, moe.num_experts, moe.index_builder)
         return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,

@@ -141,7 +141,8 @@ class ChunkPolicy:
         rows = math.ceil(max(recv_rows, 1) / self.config.bins[-1])
         return line.fixed_bytes + rows * line.row_bytes
 
-    def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int) -> int:
+    def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+                   agree: AgreeNumChunks | None = None) -> int:
         """Chunk count c for one MoE layer call on this rank.
 
         Args:
@@ -149,6 +150,8 @@ class ChunkPolicy:
                 (token, slot) pairs; under EP: the rows arriving from the count exchange).
             num_tokens: T, tokens entering the layer on this rank.
             dtype_bytes: D_t, bytes per activation element (4 for fp32, 2 for bf16).
+            agree: the agreement of this call (the expert-parallel experts pass their
+                all-reduce MAX over ``ep``); default ``agree_num_chunks``.
 
         Returns:
             c: ``ChunkConfig.num_chunks`` without a budget; with one, the group-agreed bin (the
@@ -159,8 +162,8 @@ class ChunkPolicy:
                 meet the budget (the message names the smallest feasible budget in bytes and
                 MiB/GiB) and ``allow_over_budget`` is False.
 
-        Side effects: calls ``agree_num_chunks`` once (budget mode only); warns once per policy
-        object (``UserWarning``) when over budget with ``allow_over_budget``.
+        Side effects: calls ``agree`` (or ``agree_num_chunks``) once (budget mode only); warns
+        once per policy object (``UserWarning``) when over budget with ``allow_over_budget``.
 
         Reference: MemFine Eq. 8 (s′_max), Eq. 9 and §4.2 (bins, MACT).
         """
@@ -174,7 +177,7 @@ class ChunkPolicy:
         choice = choose_num_chunks(recv_rows, s_max, bins)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
         local = choice.num_chunks or max(bins[-1] + 1, choice.chunks_needed or 0)
-        agreed = int(self.agree_num_chunks(local))
+        agreed = int((agree or self.agree_num_chunks)(local))
         if agreed <= bins[-1]:
             return agreed
         msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed)

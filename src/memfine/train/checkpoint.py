@@ -1,26 +1,51 @@
 """Training checkpoints: written atomically, read back with clear errors.
 
-A checkpoint is one ``torch.save`` file holding the model, optimizer and LR-scheduler state dicts,
-the RNG states, the number of completed steps and the :class:`TrainConfig` as a dict. It is written
-to a temporary file in the same directory and moved into place with :func:`os.replace`, so the
-file at ``path`` is always either the previous checkpoint or the new one, never a partial write.
-Its permissions are those of any file the process creates (``0o666`` less the umask, e.g. 0644),
-not the temporary file's 0600.
+Two forms, and every run loads both:
+
+- one process: ``checkpoint.pt``, one ``torch.save`` file holding the model, optimizer and
+  LR-scheduler state dicts, the RNG states, the number of completed steps and the
+  :class:`TrainConfig` as a dict. It is written to a temporary file in the same directory and
+  moved into place with :func:`os.replace`, so the file is always either the previous checkpoint
+  or the new one, never a partial write.
+- sharded (under torchrun): ``checkpoint.dcp/``, a torch.distributed.checkpoint (DCP) directory
+  in which every rank writes its own shards of the model and optimizer states
+  (``get_state_dict``; tensors under their single-process names and global shapes, so a run
+  resumes at another mesh layout), plus ``meta.pt`` (step, config, scheduler, RNG states) from
+  the main rank. It is written to a temporary directory; the main rank then renames the
+  previous one to ``checkpoint.dcp.old``, the new one into place, and deletes the old one. A
+  save killed at any point leaves a loadable checkpoint: ``checkpoint.dcp`` or, between the
+  two renames, ``checkpoint.dcp.old``.
+
+After a save of either form, the other form's files are deleted; :func:`find_checkpoint` takes
+the newest of what is there. ``checkpoint.pt`` and ``meta.pt`` get the permissions of any file
+the process creates (``0o666`` less the umask, e.g. 0644), not the temporary file's 0600.
 """
 
 from __future__ import annotations
 
 import os
 import random
+import shutil
 import tempfile
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 
 FORMAT = "memfine-checkpoint-v1"
 CHECKPOINT_NAME = "checkpoint.pt"
+SHARDED_NAME = "checkpoint.dcp"
+META_NAME = "meta.pt"
 _KEYS = ("format", "step", "config", "model", "optimizer", "scheduler", "rng")
+_META_KEYS = ("format", "step", "config", "scheduler", "rng")
 
 
 def rng_state() -> dict[str, Any]:
@@ -54,6 +79,13 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
     payload = {"format": FORMAT, "step": step, "config": config,
                "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                "scheduler": scheduler.state_dict(), "rng": rng_state()}
+    _atomic_save(payload, path)
+    for stale in (path.parent / SHARDED_NAME, _old(path.parent / SHARDED_NAME)):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _atomic_save(payload: dict[str, Any], path: Path) -> None:
+    """``torch.save`` to a temporary file in ``path``'s directory, fsync, ``os.replace``."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, file_mode())
@@ -84,7 +116,10 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         ValueError: naming the path, when the file is missing, truncated, corrupt, or not a
             memfine checkpoint.
     """
-    path = Path(path)
+    return _read(Path(path), _KEYS)
+
+
+def _read(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     if not path.is_file():
         raise ValueError(f"no checkpoint at {str(path)!r} (train without --resume first)")
     try:
@@ -95,7 +130,156 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
                          ) from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(path)!r} is not a {FORMAT} file")
-    missing = [k for k in _KEYS if k not in payload]
+    missing = [k for k in keys if k not in payload]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
     return payload
+
+
+def _old(path: Path) -> Path:
+    return path.with_name(path.name + ".old")
+
+
+def save_sharded_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str, Any],
+                            model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            scheduler: torch.optim.lr_scheduler.LRScheduler, is_main: bool,
+                            barrier: Callable[[], None]) -> None:
+    """Write a DCP checkpoint directory atomically; a collective (call on every rank).
+
+    Args:
+        path: the destination directory (``out_dir/checkpoint.dcp``), on a file system every
+            rank sees.
+        step: completed optimizer steps.
+        config: ``TrainConfig.to_dict()``.
+        model: its shards are stored (``get_state_dict``: DTensor shards under the
+            single-process names).
+        optimizer: its shards are stored, keyed by parameter name.
+        scheduler: its ``state_dict()`` goes to ``meta.pt``.
+        is_main: this rank writes ``meta.pt`` and swaps the directories.
+        barrier: waits for every rank.
+
+    Side effects: every rank writes its shards into a temporary directory next to ``path``;
+    after a barrier the main rank renames (see the module docstring) and deletes
+    ``checkpoint.pt`` of the same run directory.
+    """
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    if is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save killed before
+    barrier()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    with warnings.catch_warnings():  # without a process group DCP writes one process's shards
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+    barrier()  # every shard is on disk
+    if is_main:
+        meta = {"format": FORMAT, "step": step, "config": config,
+                "scheduler": scheduler.state_dict(), "rng": rng_state()}
+        _atomic_save(meta, tmp / META_NAME)
+        old = _old(path)
+        shutil.rmtree(old, ignore_errors=True)
+        if path.exists():
+            os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+        (path.parent / CHECKPOINT_NAME).unlink(missing_ok=True)
+    barrier()
+
+
+def find_checkpoint(out_dir: str | os.PathLike[str]) -> Path:
+    """The newest checkpoint of a run directory.
+
+    Candidates: ``checkpoint.pt``, ``checkpoint.dcp`` and the ``checkpoint.dcp.old`` left by a
+    save killed between its two renames.
+
+    Raises:
+        ValueError: when there is none, or naming the path when one is corrupt.
+    """
+    out_dir = Path(out_dir)
+    candidates = [p for p in (out_dir / CHECKPOINT_NAME, out_dir / SHARDED_NAME,
+                              _old(out_dir / SHARDED_NAME))
+                  if p.is_file() or (p / META_NAME).is_file()]
+    if not candidates:
+        raise ValueError(f"no checkpoint at {str(out_dir / CHECKPOINT_NAME)!r} or "
+                         f"{str(out_dir / SHARDED_NAME)!r} (train without --resume first)")
+    return max(candidates, key=lambda p: int(read_checkpoint(p)["step"]))
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The payload of a checkpoint file, or the ``meta.pt`` of a DCP directory.
+
+    Returns:
+        The payload; a DCP one has no ``model``/``optimizer`` but ``sharded_path`` (the
+        directory, for :func:`load_states`).
+
+    Raises:
+        ValueError: as :func:`load_checkpoint`.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return {**_read(path / META_NAME, _META_KEYS), "sharded_path": str(path)}
+    return load_checkpoint(path)
+
+
+def load_states(payload: dict[str, Any], model: torch.nn.Module,
+                optimizer: torch.optim.Optimizer, *, sharded: bool) -> None:
+    """Load a checkpoint's model and optimizer states, whatever form and layout wrote them.
+
+    Args:
+        payload: from :func:`read_checkpoint`.
+        model: the model (sharded with FSDP2 and expert parallelism, or whole).
+        optimizer: its optimizer.
+        sharded: whether ``model`` is sharded (its state dict holds DTensors).
+
+    Raises:
+        RuntimeError, KeyError, ValueError: when the states do not fit the model.
+
+    Side effects: with a DCP payload, every rank reads the shards it needs (a collective when
+    sharded).
+    """
+    if "sharded_path" in payload:
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load({"model": model_state, "optimizer": optim_state},
+                     checkpoint_id=payload["sharded_path"])
+        set_state_dict(model, optimizer, model_state_dict=model_state,
+                       optim_state_dict=optim_state)
+    elif not sharded:
+        model.load_state_dict(payload["model"])
+        optimizer.load_state_dict(payload["optimizer"])
+    else:  # one file of full tensors into a sharded model: every rank keeps its shards
+        set_state_dict(model, optimizer, model_state_dict=payload["model"],
+                       optim_state_dict=_named_optimizer_state(payload["optimizer"], model,
+                                                               optimizer),
+                       options=StateDictOptions(full_state_dict=True))
+
+
+def load_model_state(payload: dict[str, Any], model: torch.nn.Module) -> None:
+    """Load only a checkpoint's model state into a whole (unsharded) model, either form.
+
+    Args:
+        payload: from :func:`read_checkpoint`.
+        model: the whole model (e.g. before the parallel hooks shard it).
+
+    Raises:
+        RuntimeError, KeyError, ValueError: when the state does not fit the model.
+    """
+    if "sharded_path" not in payload:
+        model.load_state_dict(payload["model"])
+        return
+    state = model.state_dict()
+    with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load({"model": state}, checkpoint_id=payload["sharded_path"])
+    model.load_state_dict(state)
+
+
+def _named_optimizer_state(state: dict[str, Any], model: torch.nn.Module,
+                           optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer.state_dict()`` (keyed by parameter position) keyed by parameter name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    fqns = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {fqns[i]: v for i, v in state["state"].items()},
+            "param_groups": [{**g, "params": [fqns[i] for i in g["params"]]}
+                             for g in state["param_groups"]]}

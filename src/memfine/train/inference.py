@@ -23,7 +23,14 @@ import torch
 from memfine._optional import require
 from memfine.config import ModelConfig, TrainConfig
 from memfine.nn import MoETransformerLM
-from memfine.train.checkpoint import CHECKPOINT_NAME, file_mode, load_checkpoint
+from memfine.train.checkpoint import (
+    CHECKPOINT_NAME,
+    SHARDED_NAME,
+    file_mode,
+    find_checkpoint,
+    load_model_state,
+    read_checkpoint,
+)
 from memfine.train.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.train.evaluation import evaluate
 from memfine.train.metrics import nats_to_bits
@@ -47,19 +54,24 @@ class Trained:
 
 
 def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Trained:
-    """Rebuild the model of ``run_dir/checkpoint.pt`` on ``device``.
+    """Rebuild the model of ``run_dir``'s checkpoint on ``device``.
+
+    ``checkpoint.pt``, or the newest checkpoint when a sharded ``checkpoint.dcp/`` (a torchrun
+    run) is there too (:func:`memfine.train.checkpoint.find_checkpoint`).
 
     Raises:
         ValueError: naming the path when the checkpoint is missing, corrupt, or does not fit
             its own config.
     """
     path = Path(run_dir) / CHECKPOINT_NAME
-    payload = load_checkpoint(path)
+    if (Path(run_dir) / SHARDED_NAME).is_dir():
+        path = find_checkpoint(run_dir)
+    payload = read_checkpoint(path)
     config = TrainConfig.from_dict(payload["config"])
     model = MoETransformerLM(config.model)
     try:
-        model.load_state_dict(payload["model"])
-    except RuntimeError as err:
+        load_model_state(payload, model)
+    except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(f"checkpoint {str(path)!r} does not match its config "
                          f"({str(err).splitlines()[0]})") from err
     model = model.to(device=torch.device(device), dtype=getattr(torch, config.dtype)).eval()

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from memfine.config import TrainConfig
-from memfine.train.checkpoint import save_checkpoint
+from memfine.train.checkpoint import save_checkpoint, save_sharded_checkpoint
 from memfine.train.data import train_batch
 from memfine.train.evaluation import evaluate, sample_after_validation_prompt
 from memfine.train.execution import autocast_region
@@ -85,11 +85,13 @@ class StepRecord:
 
     Attributes:
         step: completed steps after this one.
-        train_loss: cross-entropy of the step, nats/byte (mean over the ranks).
+        train_loss: cross-entropy of the step, nats/byte (mean over micro-batches and ranks).
         lr: learning rate the step used.
         grad_norm: global gradient norm before clipping.
-        load_balancing_loss: this rank's load-balancing loss (mean over layers).
-        z_loss: this rank's router z-loss (mean over layers).
+        load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
+            and ranks: each micro-batch's value over all ranks' tokens, with its own expert
+            fractions f).
+        z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
         seconds: wall time of the step, seconds.
@@ -140,9 +142,9 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         on_step: called with the number of completed steps after each step (a
             ``KeyboardInterrupt`` raised there is handled like Ctrl-C).
         parallel: the parallel hooks (:class:`memfine.train.parallel.ParallelTraining`), e.g.
-            ``memfine.parallel.ExpertParallelTraining`` from ``memfine train --ep`` under
-            torchrun: shards the experts and each global batch, reduces and clips gradients over
-            the ranks; only its main rank writes files. None: one process.
+            ``memfine.parallel.DistributedTraining`` from ``memfine train`` under torchrun:
+            shards the model (experts over ``ep``, FSDP2 over the data dims) and each global
+            batch, clips by the global norm; only its main rank writes files. None: one process.
         threads: CPU threads for torch during the run (restored afterwards); ``None`` keeps
             torch's setting. One thread is much faster than two on a CPU shared with other jobs.
 
@@ -219,26 +221,26 @@ def _saves(config: TrainConfig, step: int) -> bool:
 def _step(run: RunState, step_index: int) -> StepRecord:
     """One optimizer step on the batch of ``step_index`` (0-based); updates ``run``'s progress.
 
+    The step's batch of N·B sequences (N = ``grad_accum``) runs as N micro-batches of B, each
+    loss divided by N, so the summed gradients are those of the whole batch; gradients are
+    reduced over the ranks on the last micro-batch only.
+
     Raises:
         ValueError: when the training loss is not finite (divergence).
     """
     config, model, parallel = run.config, run.model, run.parallel
-    moe = config.model.moe
     t0 = time.perf_counter()
-    x_BQ, y_BQ = train_batch(run.corpus.train_ids, batch_size=config.batch_size,
-                             seq_len=config.seq_len, seed=config.seed, step=step_index)
-    x_BQ, y_BQ = parallel.shard_batch(x_BQ, y_BQ)
+    N, B = config.grad_accum, config.batch_size
+    x_NBQ, y_NBQ = train_batch(run.corpus.train_ids, batch_size=N * B, seq_len=config.seq_len,
+                               seed=config.seed, step=step_index)
     run.optimizer.zero_grad(set_to_none=True)
-    forward = run.forward or model
+    outs = []
     with measured_peak(run.device, _logs(config, step_index + 1)) as tracker:
-        with autocast_region(run.device, config):
-            out = forward(x_BQ.to(run.device), y_BQ.to(run.device))
-            loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
-                    + moe.z_loss_coef * out.z_loss)
-            if moe.seq_aux_loss_coef > 0:
-                loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
-        loss.backward()
-    parallel.reduce_gradients(model)
+        for m in range(N):
+            parallel.set_gradient_sync(model, m == N - 1)
+            outs.append(_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
+                                     N))
+    losses_N3 = torch.stack([out[0] for out in outs])
     grad_norm = parallel.clip_grad_norm_(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
     lr = run.scheduler.get_last_lr()[0]
@@ -249,27 +251,55 @@ def _step(run: RunState, step_index: int) -> StepRecord:
     dt = time.perf_counter() - t0
     run.run_time, run.log_time, run.log_steps = (run.run_time + dt, run.log_time + dt,
                                                  run.log_steps + 1)
-    run.losses.append(parallel.mean(out.loss).item())
-    if not math.isfinite(run.losses[-1]):
+    # CE, LBL, z-loss: mean over the micro-batches, then over the ranks
+    ce, lbl, z = parallel.mean(losses_N3.mean(0)).tolist()
+    run.losses.append(ce)
+    if not math.isfinite(ce):
         _diverged(run)
-    load_LE = parallel.sum(out.tokens_per_expert).cpu()
-    model.update_expert_bias(load_LE)  # once per step, global counts
+    load_LE = parallel.sum(torch.stack([out[1] for out in outs]).sum(0)).cpu()
+    model.update_expert_bias(load_LE)  # once per step, global counts of every micro-batch
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
-    num_chunks = [a.num_chunks for a in out.aux]
+    num_chunks = outs[-1][2]
+    local_tokens = parallel.shard_batch(x_NBQ[:B])[0].numel()  # one micro-batch on this rank
     return StepRecord(
-        step=run.step, train_loss=run.losses[-1], lr=lr, grad_norm=grad_norm.item(),
-        load_balancing_loss=out.load_balancing_loss.item(), z_loss=out.z_loss.item(),
-        num_chunks=num_chunks, tokens_per_expert_LE=load_LE, seconds=dt,
-        dropped_pairs=None if moe.dropless else [int(a.dropped_pairs or 0) for a in out.aux],
+        step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm.item(),
+        load_balancing_loss=lbl, z_loss=z, num_chunks=num_chunks, tokens_per_expert_LE=load_LE,
+        seconds=dt,
+        dropped_pairs=None if config.model.moe.dropless
+        else torch.tensor([out[3] for out in outs]).sum(0).tolist(),
         peak_bytes=None if tracker is None else tracker.peak_bytes,
         peak_bytes_predicted=None if tracker is None else [
-            predicted_moe_layer_peak(config, x_BQ.numel(), c) for c in num_chunks])
+            predicted_moe_layer_peak(config, local_tokens, c) for c in num_chunks])
+
+
+def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+    """Forward and backward of one micro-batch (this rank's rows of it).
+
+    Returns:
+        (3,) detached [cross-entropy, load-balancing loss, z-loss] of this rank, the (L, E)
+        tokens per expert of this rank, the chunk count c per layer and the pairs dropped by
+        capacity per layer (0 when dropless).
+    """
+    moe = run.config.model.moe
+    x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
+    forward = run.forward or run.model  # the compiled step when --compile
+    with autocast_region(run.device, run.config):
+        out = forward(x_BQ.to(run.device), y_BQ.to(run.device))
+        loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
+                + moe.z_loss_coef * out.z_loss)
+        if moe.seq_aux_loss_coef > 0:
+            loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
+    (loss / num_micro).backward()
+    losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
+    dropped = [int(a.dropped_pairs or 0) for a in out.aux]
+    return losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped
 
 
 def _diverged(run: RunState) -> None:
     """Raise the divergence error, naming the checkpoint to go back to when there is one."""
-    saved = run.ckpt_path.is_file()
+    saved = run.ckpt_path.exists()
     where = (f"{run.ckpt_path} keeps the last saved step" if saved
              else "no checkpoint was saved before it (see --save-every)")
     raise ValueError(f"training diverged at step {run.step}: train loss {run.losses[-1]}; lower "
@@ -287,11 +317,15 @@ def _evaluate(run: RunState, record: StepRecord) -> None:
 
 
 def _checkpoint(run: RunState) -> None:
-    """Save ``run.step`` to ``checkpoint.pt`` (gathered on every rank; written by the main one)."""
-    model, optimizer = run.parallel.full_states(run.model, run.optimizer)
-    if run.parallel.is_main:
-        save_checkpoint(run.ckpt_path, step=run.step, config=run.config.to_dict(), model=model,
-                        optimizer=optimizer, scheduler=run.scheduler)
+    """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank)."""
+    parallel = run.parallel
+    args = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
+            "optimizer": run.optimizer, "scheduler": run.scheduler}
+    if parallel.sharded:
+        save_sharded_checkpoint(run.ckpt_path, is_main=parallel.is_main,
+                                barrier=parallel.barrier, **args)
+    else:
+        save_checkpoint(run.ckpt_path, **args)
 
 
 def _log(run: RunState, record: StepRecord, *, is_eval: bool) -> None:

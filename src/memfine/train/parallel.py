@@ -3,17 +3,19 @@
 Legend: B batch.
 
 :func:`memfine.train.train` calls a :class:`ParallelTraining` at a few points: after building the
-model (shard it), per step (take this rank's rows of the global batch; reduce and clip the
-gradients; combine logged values over the ranks) and for checkpoints (full states in, full states
-out). :class:`SingleProcess` is the one-process implementation the loop uses by default;
-``memfine.parallel.ExpertParallelTraining`` is the expert-parallel one (``memfine train --ep``).
-The loop never branches on which one it has.
+model (shard it), per micro-batch (take this rank's rows of the global batch; switch gradient
+synchronisation off on all but the last micro-batch of a step), per step (clip by the global
+gradient norm; combine logged values over the ranks) and for checkpoints (``sharded``: the
+model's state dict holds DTensors, written with torch.distributed.checkpoint by every rank).
+:class:`SingleProcess` is the one-process implementation the loop uses by default;
+``memfine.parallel.DistributedTraining`` is the DeviceMesh + FSDP2 one (``memfine train`` under
+torchrun). The loop never branches on which one it has.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -23,10 +25,15 @@ class ParallelTraining(Protocol):
     """What the training loop needs from a parallel engine.
 
     Attributes:
-        is_main: True on the process that writes files (metrics, checkpoints, reports).
+        is_main: True on the process that writes the run's files (metrics, reports, the
+            checkpoint's metadata).
+        sharded: True when parameters are sharded over ranks (checkpoints then go through
+            torch.distributed.checkpoint, written by every rank); False on one process (one
+            ``checkpoint.pt`` file).
     """
 
     is_main: bool
+    sharded: bool
 
     def check(self, *, num_experts: int, batch_size: int) -> None:
         """Raise ValueError when E or the global batch does not split over the ranks."""
@@ -37,8 +44,8 @@ class ParallelTraining(Protocol):
     def shard_batch(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """This rank's rows of each (B, ...) tensor of the global batch."""
 
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Turn local gradients into gradients of the global mean loss (a collective)."""
+    def set_gradient_sync(self, model: torch.nn.Module, enabled: bool) -> None:
+        """Whether the next backward reduces gradients over the ranks (off while accumulating)."""
 
     def clip_grad_norm_(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """Clip by the global gradient norm; returns the norm before clipping (a 0-d tensor)."""
@@ -49,13 +56,8 @@ class ParallelTraining(Protocol):
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum of a detached tensor over the ranks (e.g. tokens per expert)."""
 
-    def full_states(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                    ) -> tuple[Any, Any]:
-        """Objects whose ``state_dict()`` are the full model and optimizer states."""
-
-    def load_states(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        """Load full states (as :meth:`full_states` writes them) into this rank's parts."""
+    def barrier(self) -> None:
+        """Wait for every rank (around checkpoint writes)."""
 
 
 class SingleProcess:
@@ -63,9 +65,11 @@ class SingleProcess:
 
     Attributes:
         is_main: always True.
+        sharded: always False.
     """
 
     is_main = True
+    sharded = False
 
     def check(self, *, num_experts: int, batch_size: int) -> None:
         """Nothing to check on one process."""
@@ -77,8 +81,8 @@ class SingleProcess:
         """The whole batch."""
         return tensors
 
-    def reduce_gradients(self, model: torch.nn.Module) -> None:
-        """Local gradients are already global."""
+    def set_gradient_sync(self, model: torch.nn.Module, enabled: bool) -> None:
+        """Nothing to synchronise."""
 
     def clip_grad_norm_(self, params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_``."""
@@ -92,13 +96,5 @@ class SingleProcess:
         """``value`` itself."""
         return value
 
-    def full_states(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer
-                    ) -> tuple[Any, Any]:
-        """``(model, optimizer)``: their state dicts are already full."""
-        return model, optimizer
-
-    def load_states(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    model_state: dict[str, Any], optimizer_state: dict[str, Any]) -> None:
-        """``load_state_dict`` on both."""
-        model.load_state_dict(model_state)
-        optimizer.load_state_dict(optimizer_state)
+    def barrier(self) -> None:
+        """Nothing to wait for."""

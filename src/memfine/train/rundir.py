@@ -14,11 +14,11 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfine.train.checkpoint import CHECKPOINT_NAME
+from memfine.train.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
 from memfine.train.data import BUILTIN_CORPORA
 
-RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, "summary.json", "sample.txt",
-             "loss.png", "chunks.png", "tensorboard")
+RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
+             "sample.txt", "loss.png", "chunks.png", "tensorboard")
 LOCK_NAME = ".memfine.lock"
 
 

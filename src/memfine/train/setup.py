@@ -23,7 +23,15 @@ import torch
 
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
-from memfine.train.checkpoint import CHECKPOINT_NAME, load_checkpoint, set_rng_state
+from memfine.train.checkpoint import (
+    CHECKPOINT_NAME,
+    SHARDED_NAME,
+    find_checkpoint,
+    load_model_state,
+    load_states,
+    read_checkpoint,
+    set_rng_state,
+)
 from memfine.train.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.train.execution import step_forward
 from memfine.train.memory_log import check_fits
@@ -102,13 +110,13 @@ class RunState:
 
     @property
     def ckpt_path(self) -> Path:
-        """``out_dir/checkpoint.pt``."""
-        return self.out_dir / CHECKPOINT_NAME
+        """``out_dir/checkpoint.dcp`` (sharded runs) or ``out_dir/checkpoint.pt``."""
+        return self.out_dir / (SHARDED_NAME if self.parallel.sharded else CHECKPOINT_NAME)
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens of one global batch, B·Q."""
-        return self.config.batch_size * self.config.seq_len
+        """Tokens of one optimizer step, B·N·Q (N micro-batches of B sequences)."""
+        return self.config.batch_size * self.config.grad_accum * self.config.seq_len
 
     def say(self, text: str) -> None:
         """Print on the main process (through the progress bar when there is one)."""
@@ -135,7 +143,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
             it, or a checkpoint already at ``max_steps``.
     """
     t_start = time.perf_counter()
-    config, payload = resolve_config(config, out_dir / CHECKPOINT_NAME, resume=resume)
+    config, payload = resolve_config(config, out_dir, resume=resume)
     config_text = json.dumps(config.to_dict(), indent=2)
     print(f"config:\n{config_text}")
     if parallel.is_main:
@@ -143,8 +151,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
     model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
-    start = (restore(payload, out_dir / CHECKPOINT_NAME, model, optimizer, scheduler, parallel)
-             if payload else 0)
+    start = restore(payload, model, optimizer, scheduler, parallel) if payload else 0
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
@@ -181,19 +188,22 @@ def _announce(config: TrainConfig, *, start: int, resume: bool, out_dir: Path,
         print(warning, file=sys.stderr)
 
 
-def resolve_config(config: TrainConfig, ckpt_path: Path, *, resume: bool
+def resolve_config(config: TrainConfig, out_dir: Path, *, resume: bool
                    ) -> tuple[TrainConfig, dict[str, Any] | None]:
     """Apply the resume rules and resolve ``lr_decay_steps``.
 
     Returns:
-        The config to run and the checkpoint payload (None without ``resume``).
+        The config to run and the payload of the newest checkpoint in ``out_dir``
+        (:func:`memfine.train.checkpoint.read_checkpoint`; None without ``resume``).
 
     Raises:
         ValueError: when the checkpoint is missing or corrupt, or ``config`` differs from the
             saved one outside :data:`RESUMABLE_FIELDS`.
     """
-    payload = load_checkpoint(ckpt_path) if resume else None
-    if payload is not None:
+    payload = None
+    if resume:
+        ckpt_path = find_checkpoint(out_dir)
+        payload = {**read_checkpoint(ckpt_path), "path": str(ckpt_path)}
         saved = TrainConfig.from_dict(payload["config"])
         if config.lr_decay_steps is None:
             config = dataclasses.replace(config, lr_decay_steps=saved.lr_decay_steps)
@@ -238,7 +248,7 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     random.seed(config.seed)
     model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
     if init_from is not None:
-        load_weights(model, config, init_from / CHECKPOINT_NAME)
+        load_weights(model, config, init_from)
     if config.compile and not isinstance(parallel, SingleProcess):
         raise ValueError("--compile does not combine with expert parallelism (--ep): the "
                          "all-to-all exchange runs eagerly")
@@ -248,39 +258,46 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     return model, optimizer, scheduler
 
 
-def load_weights(model: MoETransformerLM, config: TrainConfig, path: Path) -> None:
-    """Load the model weights of the checkpoint at ``path`` (fine-tuning; no optimizer state).
+def load_weights(model: MoETransformerLM, config: TrainConfig, run_dir: Path) -> None:
+    """Load the model weights of ``run_dir``'s newest checkpoint (fine-tuning; no optimizer).
+
+    Either form: ``checkpoint.pt`` or a sharded ``checkpoint.dcp/``.
 
     Raises:
-        ValueError: naming ``path`` when it is missing or corrupt, or holds another model.
+        ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
+            another model.
     """
-    payload = load_checkpoint(path)
+    payload = read_checkpoint(find_checkpoint(run_dir))
     saved = TrainConfig.from_dict(payload["config"]).model
     if saved != config.model:
         changed = [f.name for f in dataclasses.fields(saved)
                    if getattr(saved, f.name) != getattr(config.model, f.name)]
-        raise ValueError(f"--init-from {str(path.parent)!r}: its model differs in {changed}; "
+        raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in {changed}; "
                          f"the model flags must match the checkpoint's")
     with torch.no_grad():
-        model.load_state_dict(payload["model"])
+        load_model_state(payload, model)
 
 
-def restore(payload: dict[str, Any], path: Path, model: torch.nn.Module,
+def restore(payload: dict[str, Any], model: torch.nn.Module,
             optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
             parallel: ParallelTraining) -> int:
     """Load a checkpoint payload into model, optimizer, scheduler and the RNGs.
+
+    Either form (one file, or a DCP directory written at any mesh layout) loads into a whole or
+    a sharded model (:func:`memfine.train.checkpoint.load_states`).
 
     Returns:
         The checkpoint's completed steps.
 
     Raises:
-        ValueError: naming ``path`` when the states do not fit the model built from the config.
+        ValueError: naming the checkpoint when the states do not fit the model built from the
+            config.
     """
-    try:  # full expert tensors; the parallel hooks slice them for this rank (any saved EP size)
-        parallel.load_states(model, optimizer, payload["model"], payload["optimizer"])
+    try:
+        load_states(payload, model, optimizer, sharded=parallel.sharded)
         scheduler.load_state_dict(payload["scheduler"])
         set_rng_state(payload["rng"])
     except (RuntimeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {str(path)!r} does not match its config "
+        raise ValueError(f"checkpoint {payload['path']!r} does not match its config "
                          f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
     return int(payload["step"])
