@@ -22,6 +22,7 @@ from memfine.routing import (
     sequence_balance_loss,
     z_loss,
 )
+from memfine.routing.precision import count_per_expert
 from memfine.routing.router import RoutingResult
 from memfine.schedule.policy import ChunkPolicy
 
@@ -202,4 +203,4 @@ def _selected_counts(routing: RoutingResult, mask_T: torch.Tensor | None) -> tor
     ids_TK = routing.selected_index
     if mask_T is not None:
         ids_TK = torch.where(mask_T[:, None], ids_TK, E)
-    return torch.bincount(ids_TK.reshape(-1), minlength=E + 1)[:E]
+    return count_per_expert(ids_TK, E)  # fixed shape: traceable by torch.compile
