@@ -128,6 +128,8 @@ BAD_INPUTS = [
                  "MoEConfig.top_k must be in [1, num_experts=4], got 5", id="top_k_gt_experts"),
     pytest.param(lambda p: ["--activation", "swish"], "invalid choice: 'swish'",
                  id="unknown_activation"),
+    pytest.param(lambda p: ["--memory-budget", "16"], "--memory-budget: needs a unit",
+                 id="budget-without-unit"),
     pytest.param(lambda p: ["--memory-budget", "12XB"], "byte size must look like",
                  id="bad_memory_budget"),
     pytest.param(lambda p: ["--data", _write(p, "empty.txt", b"")], "empty.txt' is empty",

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -64,6 +65,9 @@ def _optional_int(text: str) -> int | None:
 
 
 def _budget(text: str) -> int | None:
+    if re.fullmatch(r"\s*[0-9.]+\s*", text):  # a bare number was meant as MiB or GiB, not bytes
+        raise argparse.ArgumentTypeError(f"needs a unit, e.g. {text.strip()}MiB or "
+                                         f"{text.strip()}GiB, got {text!r}")
     try:
         return None if text.lower() == "none" else parse_bytes(text)
     except ValueError as err:
