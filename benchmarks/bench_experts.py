@@ -1,6 +1,6 @@
 """One MoE layer on MoEBlaze Table 1 shapes: memfine fused against what people use today.
 
-A thin script over the ``experts`` suite (:mod:`memfine.bench.suite_experts`; the Table 1 rows
+A thin script over the ``experts`` suite (:mod:`memfine.bench.suites.experts`; the Table 1 rows
 are :data:`memfine.bench.options.TABLE1`, run by :func:`memfine.bench.runner.script_main`;
 ``memfine bench --suite experts`` is the same with every flag): methods ``plain``,
 ``expert_loop``, ``grouped_mm``, ``fused``, ``fused_mact`` and ``full_recompute`` on Table 1 rows

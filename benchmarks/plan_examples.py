@@ -24,10 +24,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memfine.layout.search import search
-from memfine.memory.layout import PlanConfig
-from memfine.memory.presets import get_preset
-from memfine.memory.stage import layer_activation, plan_layout, static_memory
+from memfine.plan.layout import PlanConfig
+from memfine.plan.presets import get_preset
+from memfine.plan.search import search
+from memfine.plan.stage import layer_activation, plan_layout, static_memory
 from memfine.units import GiB
 
 RESULTS = Path(__file__).parent / "results"

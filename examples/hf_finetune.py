@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 from memfine.bench.results import collect_environment, csv_row, write_csv
+from memfine.data import VOCAB_SIZE, ByteCorpus
 from memfine.integrations.transformers import register
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.measure.saved import SavedTensorsTracker
-from memfine.train.data import VOCAB_SIZE, ByteCorpus
 
 _MiB = 1 << 20
 DEFAULT_CSV = "benchmarks/results/hf_finetune_cpu.csv"

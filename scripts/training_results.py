@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from memfine.bench.results import collect_environment
-from memfine.train.metrics import read_metrics
+from memfine.runs.metrics import read_metrics
 
 
 def collect(run_dir: Path) -> dict[str, object]:

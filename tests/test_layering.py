@@ -26,6 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"_checks", "units"},
     "_optional": set(),
     "reference": BASE,
+    "data": BASE,
     "measure": BASE,
     "routing": BASE,
     "dispatch": {"routing"} | BASE,
@@ -33,7 +34,8 @@ ALLOWED: dict[str, set[str]] = {
     "ops": {"dispatch", "_optional", "ops.triton"} | BASE,
     # prediction: replays the code's allocations from configs; never imports the code it models
     "memory": {"dispatch"} | BASE,
-    "layout": {"memory"} | BASE,
+    # whole training layouts: pipeline stages, presets, the layout search (prediction only)
+    "plan": {"memory"} | BASE,
     "parallel": {"ops", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,
@@ -41,14 +43,16 @@ ALLOWED: dict[str, set[str]] = {
     # transformers experts interface hands it routed tokens, not an MoELayer), so it may import
     # dispatch and schedule as nn does.
     "integrations": {"nn", "ops", "dispatch", "schedule", "memory", "_optional"} | BASE,
-    # tqdm/matplotlib are optional extras of training, loaded through _optional.
-    "train": {"nn", "schedule", "memory", "measure", "_optional"} | BASE,
+    # a run's directory, checkpoints, metrics and what is done with a checkpoint afterwards;
+    # tqdm/matplotlib/tensorboard/safetensors are optional extras, loaded through _optional.
+    "runs": {"nn", "data", "memory", "measure", "_optional"} | BASE,
+    "train": {"nn", "data", "runs", "schedule", "memory", "measure", "_optional"} | BASE,
     # the benchmark system measures every layer of the package (never against the reference)
-    "bench": ALL_BELOW_NN | {"nn", "integrations", "train"},
+    "bench": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "runs"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.
-    "__init__": ALL_BELOW_NN | {"nn", "integrations", "train"},
+    "__init__": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "runs"},
 }
 OPTIONAL_PACKAGES = ("triton", "transformers", "torchtitan")
 # Modules that subclass an optional package's classes import it at module level; they are

@@ -17,11 +17,11 @@ import torch
 
 from memfine._optional import is_available
 from memfine.bench import select_methods
-from memfine.bench import suite_experts as experts
 from memfine.bench.harness import MethodResult
 from memfine.bench.options import BenchOptions, resolve_shapes, table1_shape
 from memfine.bench.output import format_plain, table_rows
 from memfine.bench.results import CSV_COLUMNS, NOT_MODELLED
+from memfine.bench.suites import experts
 from memfine.cli import bench
 from memfine.cli.main import main
 from memfine.measure.report import NOT_MEASURED

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from memfine.cli.main import build_parser, main
+from memfine.runs.metrics import read_metrics
 from memfine.train import load_checkpoint
-from memfine.train.metrics import read_metrics
 from tolerances import LOSS_ATOL, assert_close
 
 ASSETS = Path(__file__).parents[1] / "assets"

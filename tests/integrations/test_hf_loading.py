@@ -20,8 +20,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 from hf_models import CAUSAL_LMS, experts_modules, tiny_causal_lm  # noqa: E402
 
-from memfine.integrations import hf_experts  # noqa: E402
 from memfine.integrations import transformers as mf_hf  # noqa: E402
+from memfine.integrations.hf import experts as hf_experts  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 5, 40, 2, 9]])
 

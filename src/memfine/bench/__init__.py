@@ -1,19 +1,16 @@
-"""The suites of ``memfine bench``: ``experts``, ``chunking``, ``model`` and ``hf``.
+"""The one benchmark system (``memfine bench`` and the scripts in ``benchmarks/``).
 
-Each suite module exposes ``NAME``, ``METHODS`` (its method names, in table order) and
-``run(opts, device, names) -> list[Point]``; the measurements go through the shared harness
-(:mod:`memfine.bench.harness`), so every suite writes the same CSV schema.
+The suites (:mod:`memfine.bench.suites`) measure through the shared harness
+(:mod:`memfine.bench.harness`), so every suite writes the same CSV schema
+(:mod:`memfine.bench.results`).
 """
 
 from __future__ import annotations
 
 from types import ModuleType
 
-from memfine.bench import suite_chunking as chunking
-from memfine.bench import suite_experts as experts
-from memfine.bench import suite_hf as hf
-from memfine.bench import suite_model as model
 from memfine.bench.options import SUITES, BenchOptions, LayerShape, Point
+from memfine.bench.suites import chunking, experts, hf, model
 
 SUITE_MODULES: dict[str, ModuleType] = {"experts": experts, "chunking": chunking,
                                         "model": model, "hf": hf}

@@ -10,9 +10,9 @@ import dataclasses
 import json
 from typing import Any
 
-from memfine.layout.search import Candidate, SearchResult, layout_cost
-from memfine.memory.layout import PlanConfig
-from memfine.memory.stage import Plan, SkewPlan, StagePlan, plan_layout
+from memfine.plan.layout import PlanConfig
+from memfine.plan.search import Candidate, SearchResult, layout_cost
+from memfine.plan.stage import Plan, SkewPlan, StagePlan, plan_layout
 from memfine.units import format_bytes
 
 _FB = format_bytes

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
-from memfine.train.inference import evaluate_text, load_trained
+from memfine.runs.inference import evaluate_text, load_trained
 
 _FLAGS = (
     Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,

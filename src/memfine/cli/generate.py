@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
-from memfine.train.inference import generate_text, load_trained
+from memfine.runs.inference import generate_text, load_trained
 
 _FLAGS = (
     Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,

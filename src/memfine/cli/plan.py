@@ -14,7 +14,7 @@ deepseek_v3, mixtral, olmoe, gpt_oss) or the size flags (which override either).
 from the flags, then from the preset's setting (its publisher's layout where published; each
 field is marked published or assumed), then from the defaults shown here. --search plans every
 valid layout on --devices N and ranks the ones that fit at the worst skew by recompute FLOPs and
-the 1F1B pipeline bubble (see memfine.layout.search). Byte sizes need a unit: 80GiB, 80GB (10^9),
+the 1F1B pipeline bubble (see memfine.plan.search). Byte sizes need a unit: 80GiB, 80GB (10^9),
 512MiB. Output: a one-line answer first; --verbose adds the per-stage and per-skew tables;
 --json prints everything as one JSON object. Exit status 0 when a plan was produced (fits or
 not; the JSON says "fits"), 2 for bad input.
@@ -28,10 +28,10 @@ import re
 from typing import Any
 
 from memfine.cli import _plan_output as output
-from memfine.layout.hf_config import load_hf_config
-from memfine.layout.search import search
-from memfine.memory.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
-from memfine.memory.presets import PRESETS, ModelPreset
+from memfine.plan.hf_config import load_hf_config
+from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
+from memfine.plan.presets import PRESETS, ModelPreset
+from memfine.plan.search import search
 from memfine.units import DTYPE_BYTES, parse_bytes
 
 # (flag, ModelPreset field, help) for the model sizes.

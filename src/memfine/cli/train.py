@@ -39,9 +39,9 @@ from memfine.config import (
     ScoreFunc,
     TrainConfig,
 )
+from memfine.runs.checkpoint import find_checkpoint, read_checkpoint
+from memfine.runs.rundir import check_run_dir
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
-from memfine.train.checkpoint import find_checkpoint, read_checkpoint
-from memfine.train.rundir import check_run_dir
 from memfine.train.setup import RESUMABLE_FIELDS
 from memfine.units import parse_bytes
 

@@ -34,8 +34,8 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
-from memfine.integrations.hf_experts import run_module
-from memfine.integrations.hf_layout import ExpertsPlan, ExpertWeights
+from memfine.integrations.hf.experts import run_module
+from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
 
 _log = logging.getLogger(__name__)

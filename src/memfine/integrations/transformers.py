@@ -37,8 +37,8 @@ from torch import nn
 from memfine._checks import check_choice, fail
 from memfine._optional import require
 from memfine.config import ChunkConfig, _ConfigBase
-from memfine.integrations.hf_experts import run_module
-from memfine.integrations.hf_layout import ExpertsPlan, expert_weights, plan_experts
+from memfine.integrations.hf.experts import run_module
+from memfine.integrations.hf.layout import ExpertsPlan, expert_weights, plan_experts
 
 MIN_TRANSFORMERS_VERSION = (5, 7, 0)
 IMPLEMENTATION_NAME = "memfine"

@@ -4,7 +4,7 @@ Saved-for-backward bytes are closed-form sums over the tensors memfine's code sa
 routing losses, and the expert path of each execution mode); they equal what saved-tensor hooks
 measure (:class:`memfine.measure.saved.SavedTensorsTracker`) exactly. Peak bytes come from an
 allocation timeline that replays the layer's forward and backward step by step
-(:mod:`memfine.memory._timeline_layer`); they equal what the live-storage tracker
+(:mod:`memfine.memory.timeline.layer`); they equal what the live-storage tracker
 (:class:`memfine.measure.peak.PeakMemoryTracker`) measures.
 
 Execution modes (as :class:`memfine.nn.MoELayer` runs them):
@@ -34,8 +34,8 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from memfine.config import MAX_BIN, MoEConfig
-from memfine.memory import _timeline_layer as tlm
-from memfine.memory._timeline_shared import shared_saved_items
+from memfine.memory.timeline import layer as tlm
+from memfine.memory.timeline.shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -244,7 +244,7 @@ def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     Args: as :func:`moe_layer_memory`.
 
     Returns:
-        A :class:`memfine.memory._timeline_layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
+        A :class:`memfine.memory.timeline.layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
         bytes alive at the peak), ``marks`` and ``phase_peaks`` (``forward``, ``end``).
 
     Raises:

@@ -3,7 +3,7 @@
 from memfine.ops.activations import activation_backward, apply_activation
 from memfine.ops.combine import combine_rows, gather_rows, reduce_rows
 from memfine.ops.experts import autocast_operands, experts_plain, run_experts
-from memfine.ops.fused import FusedExpertsFunction
+from memfine.ops.fused.function import FusedExpertsFunction
 from memfine.ops.grouped import grouped_mm, grouped_mm_supported, grouped_weight_grad
 from memfine.ops.grouped_function import GroupedMatmulFunction
 

@@ -14,11 +14,11 @@ from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, backward_block_rows
 from memfine.dispatch import RoutingIndex
 from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
-from memfine.ops.fused import FusedExpertsFunction, expert_of_rows
+from memfine.ops.fused.function import FusedExpertsFunction, expert_of_rows
+from memfine.ops.fused.up_projection import UpWeights, up_parts, up_shape
+from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
-from memfine.ops.up_projection import UpWeights, up_parts, up_shape
-from memfine.ops.weight_grads import WeightGradBuffers
 
 IMPLS = ("fused", "plain")
 
@@ -164,7 +164,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         index: the :class:`RoutingIndex` of this routing decision.
         w_up_EDG: (E, d, G) up-projection; gated activations hold [gate | up] halves (G = 2n).
             A gated up-projection may also be given as a (gate, up) pair of (E, d, n) tensors
-            (kept apart, never concatenated; :mod:`memfine.ops.up_projection`).
+            (kept apart, never concatenated; :mod:`memfine.ops.fused.up_projection`).
         w_down_END: (E, n, d) down-projection.
         activation: ``swiglu``, ``geglu``, ``silu``, ``gelu``, ``relu`` or a
             :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).
@@ -176,8 +176,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         backward_block_bytes: fused path: byte target of one row block of the streamed backward
             (:func:`memfine.config.backward_block_rows`), ≥ 1.
         weight_grads: fused path: shared weight-gradient buffers of a chunk loop
-            (:func:`memfine.ops.weight_grads.share_weight_grads`); ``None``: the Function returns
-            its own.
+            (:func:`memfine.ops.fused.weight_grads.share_weight_grads`); ``None``: the Function
+            returns its own.
 
     Returns:
         (T, d) tensor in x's dtype (in the autocast dtype inside ``torch.autocast``, see

@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from memfine.config import MoEConfig, Recompute
 from memfine.dispatch import build_routing_index
 from memfine.ops import autocast_operands, run_experts
-from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
+from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """One chunk's expert part: ``(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``.
@@ -143,7 +143,7 @@ def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoECo
 
     Args:
         w_up_EDG: (E, d, G) up-projection weights (or their aliases from
-            :func:`memfine.ops.weight_grads.share_weight_grads`).
+            :func:`memfine.ops.fused.weight_grads.share_weight_grads`).
         w_down_END: (E, n, d) down-projection weights (idem).
         moe: the layer's config (activation, ``experts_impl``, ``gemm_backend``, index builder,
             ``backward_block_bytes``).
@@ -194,7 +194,7 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     (S_c·G·D_t) and the fused backward's transients of one row block (see
     :class:`memfine.ops.FusedExpertsFunction`), with S_c the rows of the chunk. ``none`` keeps
     every chunk's H (S·G·D_t in all). With c > 1 on the fused path the chunks add their weight
-    gradients into one shared buffer per weight (:mod:`memfine.ops.weight_grads`), so the
+    gradients into one shared buffer per weight (:mod:`memfine.ops.fused.weight_grads`), so the
     weight gradients cost E·d·G + E·n·d once, as without chunking.
 
     Reference: MemFine §4; docs/design.md §4.

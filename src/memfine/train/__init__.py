@@ -1,16 +1,14 @@
 """Training of the small byte-level MoE language model on real text (``memfine train``).
 
-Modules: ``data`` (corpora, byte tokenizer, split, batches), ``setup`` (resume rules, data, model,
+Modules: ``setup`` (resume rules, data, model,
 optimizer), ``loop`` (:func:`train`: step, log, evaluate, checkpoint, finish), ``parallel`` (the
-``ParallelTraining`` protocol), ``rundir`` (safe run directories, the lock), ``stop`` (SIGINT and
-SIGTERM), ``optim`` (AdamW, LR schedule), ``checkpoint`` (atomic save, checked load),
-``metrics`` (``metrics.jsonl``, expert load, plots), ``memory_log`` (measured and predicted
-bytes), ``outputs`` (progress bar, TensorBoard, plots), ``evaluation`` (validation loss, sample),
-``inference`` (generate, eval, export), ``presets`` (``tiny``, ``small``).
+``ParallelTraining`` protocol), ``execution`` (autocast, one forward), ``stop`` (SIGINT and
+SIGTERM), ``optim`` (AdamW, LR schedule), ``presets`` (``tiny``, ``small``). The data lives in
+:mod:`memfine.data`; the run directory, checkpoints and metrics in :mod:`memfine.runs`.
 """
 
-from memfine.train.checkpoint import load_checkpoint, save_checkpoint
-from memfine.train.data import ByteCorpus, decode, encode, load_corpus, unigram_entropy
+from memfine.data import ByteCorpus, decode, encode, load_corpus, unigram_entropy
+from memfine.runs.checkpoint import load_checkpoint, save_checkpoint
 from memfine.train.loop import TrainResult, train
 from memfine.train.presets import DEFAULT_PRESET, PRESETS, preset
 

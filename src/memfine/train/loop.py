@@ -8,12 +8,12 @@ loss = cross-entropy + ``aux_loss_coef``Â·load-balancing loss + ``z_loss_coef``Â
 AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts; it
 returns a :class:`StepRecord`.
 Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`_log`) with the step's measured peak
-bytes and the memory model's prediction (:mod:`memfine.train.memory_log`); every ``eval_every``
+bytes and the memory model's prediction (:mod:`memfine.runs.memory_log`); every ``eval_every``
 steps (and at the end) validation on fixed windows (:func:`_evaluate`); a checkpoint at each
 evaluation, or every ``save_every`` steps when set (:func:`_checkpoint`). The first SIGINT
 (Ctrl-C) or SIGTERM finishes the current step, saves a checkpoint and returns; a second one
 aborts (:mod:`memfine.train.stop`). Set-up (resume rules, data, model, optimizer) is in
-:mod:`memfine.train.setup`; the run directory's rules in :mod:`memfine.train.rundir`.
+:mod:`memfine.train.setup`; the run directory's rules in :mod:`memfine.runs.rundir`.
 """
 
 from __future__ import annotations
@@ -29,21 +29,21 @@ from typing import Any
 import torch
 
 from memfine.config import TrainConfig
-from memfine.train.checkpoint import save_checkpoint, save_sharded_checkpoint
-from memfine.train.data import train_batch
-from memfine.train.evaluation import evaluate, sample_after_validation_prompt
-from memfine.train.execution import autocast_region
-from memfine.train.memory_log import measured_peak, predicted_moe_layer_peak
-from memfine.train.metrics import (
+from memfine.data import train_batch
+from memfine.runs.checkpoint import save_checkpoint, save_sharded_checkpoint
+from memfine.runs.evaluation import evaluate, sample_after_validation_prompt
+from memfine.runs.memory_log import measured_peak, predicted_moe_layer_peak
+from memfine.runs.metrics import (
     format_expert_load,
     load_max_over_mean,
     nats_to_bits,
     plot_run,
     report_final,
 )
-from memfine.train.outputs import Outputs
+from memfine.runs.outputs import Outputs
+from memfine.runs.rundir import check_run_dir, run_lock
+from memfine.train.execution import autocast_region
 from memfine.train.parallel import ParallelTraining, SingleProcess
-from memfine.train.rundir import check_run_dir, run_lock
 from memfine.train.setup import RunState, setup_run
 from memfine.train.stop import graceful_stop
 
@@ -128,7 +128,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         config: the run; ``lr_decay_steps=None`` is resolved to ``max_steps`` first.
         out_dir: run directory for ``config.json``, ``metrics.jsonl``, ``checkpoint.pt``,
             ``summary.json`` and ``sample.txt`` (created if missing; see
-            :func:`memfine.train.rundir.check_run_dir` for what it refuses).
+            :func:`memfine.runs.rundir.check_run_dir` for what it refuses).
         resume: continue from ``out_dir/checkpoint.pt``; ``config`` must equal the saved one
             except for :data:`memfine.train.setup.RESUMABLE_FIELDS`.
         overwrite: replace the files of an earlier run in ``out_dir``.

@@ -1,0 +1,55 @@
+"""Frozen, keyword-only configuration dataclasses, validated on construction.
+
+- :mod:`memfine.config.base`: the ``to_dict``/``from_dict`` base, the ``Literal`` option types.
+- :mod:`memfine.config.moe`: :class:`MoEConfig` (router, routed and shared experts) and
+  :class:`GatedActivation`.
+- :mod:`memfine.config.model`: :class:`ChunkConfig` (MemFine chunking, MACT budget),
+  :class:`ModelConfig`, :class:`TrainConfig`.
+
+Every check raises ``ValueError`` naming the class, the field, what is allowed and the value
+received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``.
+"""
+
+from memfine.config.base import (
+    GATED_ACTIVATIONS,
+    MAX_BIN,
+    Activation,
+    AutocastDType,
+    DropPolicy,
+    DType,
+    ExpertsImpl,
+    GemmBackend,
+    IndexBuilder,
+    Recompute,
+    ScoreFunc,
+    _ConfigBase,
+)
+from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
+from memfine.config.moe import (
+    DEFAULT_BACKWARD_BLOCK_BYTES,
+    GatedActivation,
+    MoEConfig,
+    backward_block_rows,
+)
+
+__all__ = [
+    "DEFAULT_BACKWARD_BLOCK_BYTES",
+    "GATED_ACTIVATIONS",
+    "MAX_BIN",
+    "Activation",
+    "AutocastDType",
+    "ChunkConfig",
+    "DType",
+    "DropPolicy",
+    "ExpertsImpl",
+    "GatedActivation",
+    "GemmBackend",
+    "IndexBuilder",
+    "ModelConfig",
+    "MoEConfig",
+    "Recompute",
+    "ScoreFunc",
+    "TrainConfig",
+    "_ConfigBase",
+    "backward_block_rows",
+]

@@ -1,0 +1,73 @@
+"""The shared base of the config dataclasses, their ``Literal`` types and constants.
+
+Every check raises ``ValueError`` naming the class, the field, what is allowed and the value
+received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``. Configs hold plain values
+only; derive new ones with :func:`dataclasses.replace`; ``to_dict``/``from_dict`` round-trip and
+reject unknown keys. Byte units and their formatting are in :mod:`memfine.units`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, TypeVar
+
+ScoreFunc = Literal["softmax", "sigmoid"]
+Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
+ExpertsImpl = Literal["fused", "plain"]
+GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
+IndexBuilder = Literal["auto", "sort_free", "argsort"]
+Recompute = Literal["auto", "none", "experts", "full"]
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+DropPolicy = Literal["probs", "position"]
+AutocastDType = Literal["none", "bfloat16"]
+
+GATED_ACTIVATIONS = ("swiglu", "geglu")
+MAX_BIN = 16
+"""Largest chunk-count bin of :attr:`ChunkConfig.bins` (the memory model's proven bound)."""
+
+_C = TypeVar("_C", bound="_ConfigBase")
+
+class _ConfigBase:
+    """Shared ``to_dict``/``from_dict`` for the config dataclasses."""
+
+    __slots__ = ()  # keeps the subclasses' ``slots=True`` effective (no instance __dict__)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Return the fields as a JSON-ready dict (tuples become lists)."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            if isinstance(value, _ConfigBase):
+                value = value.to_dict()
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    @classmethod
+    def from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
+        """Build from ``to_dict`` output.
+
+        Raises:
+            ValueError: if ``data`` is not a dict, or on a key that is not a field of the class.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
+        fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - set(fields))
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown keys {unknown}; allowed {sorted(fields)}")
+        kwargs: dict[str, Any] = {}
+        for key, value in data.items():
+            sub = _SUBCONFIGS.get((cls.__name__, key))
+            if sub is not None and isinstance(value, dict):
+                value = sub.from_dict(value)
+            elif isinstance(value, list):
+                value = tuple(value)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+
+
+_SUBCONFIGS: dict[tuple[str, str], type[_ConfigBase]] = {}
+"""(class name, field) → the config class a nested dict of ``from_dict`` is built into."""

@@ -1,0 +1,283 @@
+"""The MoE layer's config: router, routed experts and their activation (:class:`MoEConfig`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from memfine._checks import check_choice, check_float, check_int, fail
+from memfine.config.base import (
+    GATED_ACTIVATIONS,
+    Activation,
+    DropPolicy,
+    ExpertsImpl,
+    GemmBackend,
+    IndexBuilder,
+    ScoreFunc,
+    _ConfigBase,
+)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class GatedActivation(_ConfigBase):
+    """A = f_α(min(gate, limit)) ⊙ (clamp(up, -limit, limit) + up_offset), row by row.
+
+    ``swiglu`` is ``GatedActivation()``, ``geglu`` ``GatedActivation(gate_fn="gelu")``, GPT-OSS's
+    clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.ops.activations`.
+
+    Attributes:
+        gate_fn: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu`` (tanh approximation; needs α = 1).
+        alpha: α > 0 (1.0: plain SiLU; GPT-OSS: 1.702).
+        limit: clamp bound > 0 (gate clamped from above, up to ±limit), or None for no clamp.
+        up_offset: added to the (clamped) up half (GPT-OSS: 1.0).
+        interleaved: gate/up columns of H interleaved (gate 0, 2, 4, ...; up 1, 3, ...) instead
+            of the halves ``[gate | up]``.
+        upcast: compute in fp32 and cast the result back (a no-op for fp32 H).
+
+    Reference: transformers' ``GptOssExperts._apply_gate`` (GPT-OSS; our reading of its code)
+    and ``DeepseekV4Experts._apply_gate`` (the clamp with α = 1, offset 0).
+    """
+
+    gate_fn: Literal["silu", "gelu"] = "silu"
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+    interleaved: bool = False
+    upcast: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every field; raise ValueError naming the field, allowed values and value."""
+        check_choice(self, "gate_fn", ("silu", "gelu"))
+        check_float(self, "alpha", 0.0, lo_open=True)
+        if self.gate_fn == "gelu" and self.alpha != 1.0:
+            fail(self, "alpha", "1.0 with gate_fn='gelu'", self.alpha)
+        if self.limit is not None:
+            check_float(self, "limit", 0.0, lo_open=True)
+        if isinstance(self.up_offset, bool) or not isinstance(self.up_offset, (int, float)) \
+                or abs(self.up_offset) == float("inf") or self.up_offset != self.up_offset:
+            fail(self, "up_offset", "a finite number", self.up_offset)
+        for name in ("interleaved", "upcast"):
+            if not isinstance(getattr(self, name), bool):
+                fail(self, name, "a bool", getattr(self, name))
+
+    @classmethod
+    def gpt_oss(cls, alpha: float = 1.702, limit: float = 7.0) -> GatedActivation:
+        """GPT-OSS: interleaved gate/up, (clamp(up, ±L) + 1) · g'·σ(α·g'), g' = min(gate, L)."""
+        return cls(alpha=alpha, limit=limit, up_offset=1.0, interleaved=True)
+
+
+DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
+"""Default byte target of one row block of the fused backward (16 MiB)."""
+
+
+def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: int,
+                        up_width: int, dtype_bytes: int) -> int:
+    """Rows per block of the streamed fused backward for a byte target.
+
+    One row of a block costs (3·d + 3·n + G)·D_t bytes of transients: dO, gathered x and dx
+    rows (d each), dA, A and one activation temporary (n each) and dH (G).
+
+    Args:
+        block_bytes: byte target of one block, ≥ 1.
+        hidden_size: d.
+        intermediate_size: n.
+        up_width: G (2n gated, else n).
+        dtype_bytes: D_t, bytes per activation element.
+
+    Returns:
+        ⌊block_bytes / row bytes⌋, at least 1.
+
+    Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
+    """
+    row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
+    return max(1, block_bytes // row_bytes)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class MoEConfig(_ConfigBase):
+    """One MoE feed-forward layer: router and routed experts.
+
+    Attributes:
+        hidden_size: d, the model width.
+        intermediate_size: n, expert intermediate size per GLU branch.
+        num_experts: E, routed experts.
+        top_k: k, experts per token, in [1, E].
+        score_func: ``softmax`` or ``sigmoid`` router scores (computed in fp32).
+        renormalize: rescale the k selected scores to sum to 1 per token. Rejected with
+            ``top_k=1`` (every weight would be exactly 1.0 and the router would get no gradient
+            from the output).
+        activation: expert activation; ``swiglu``/``geglu`` are gated (w_up holds 2n columns).
+        experts_impl: ``fused`` (MoEBlaze path, saves x and H) or ``plain`` (autograd over
+            gathered/scattered copies).
+        gemm_backend: grouped GEMM backend for the expert matmuls.
+        index_builder: how the four dispatch index arrays are built.
+        aux_loss_coef: weight of the Switch load-balancing loss in the training loss.
+        z_loss_coef: weight of the router z-loss in the training loss.
+        skew_hot_experts: experiment knob (0 = off): number of "hot" experts, ids
+            0..skew_hot_experts-1, that the router's selection bias favours; in [0, num_experts].
+        skew_bias: experiment knob: bias added to the hot experts' scores for top-k selection
+            only (weights stay unbiased), >= 0. Scores lie in [0, 1], so a bias > 1 with
+            ``skew_hot_experts = top_k`` sends every token to experts 0..k-1 (the worst case of
+            MemFine's skew); small values skew partially. Used to show chunking under skew on one
+            device; leave at 0 for training.
+        capacity_factor: ``None`` (default) routes without dropping; else each expert keeps at
+            most ``capacity = min(T, max(min_capacity, ceil(capacity_factor·T·k/E)))`` of the
+            (token, slot) pairs that chose it (GShard §2.2, Switch Transformer §2.2), > 0.
+        min_capacity: lower bound of the capacity in tokens, >= 0 (DeepSpeed-MoE's
+            ``min_capacity``); only used with ``capacity_factor``.
+        drop_policy: which pairs an over-full expert keeps: ``probs`` (the highest routing
+            weights) or ``position`` (the earliest tokens). Ties go to the lower token index.
+        n_group: expert groups for group-limited routing (DeepSeek-V3 §2.1.2 node-limited
+            routing; HF ``n_group``); 1 disables it. Must divide E with >= 2 experts per group.
+        topk_group: groups each token may use, in [1, n_group]; a group's score is the sum of
+            its two highest (biased) scores; ``topk_group·E/n_group >= k``.
+        routed_scaling_factor: multiplies the k routing weights after renormalisation
+            (DeepSeek-V3: 2.5), > 0.
+        bias_update_rate: γ of aux-loss-free balancing (DeepSeek-V3 §2.1.2): after each
+            optimizer step the selection bias moves by ``γ·sign(mean_load − load_i)``; 0 = off.
+        seq_aux_loss_coef: weight α of DeepSeek-V3's sequence-wise balance loss (Eq. 17-20) in
+            the training loss, >= 0 (the loss is always returned; 0 skips computing it).
+        router_jitter_eps: ε of Switch Transformer's router input jitter: in training mode the
+            router input is multiplied by U(1−ε, 1+ε) (the experts' input is not), in [0, 1).
+        num_shared_experts: always-on shared experts added to the routed output (DeepSeek-MoE,
+            Qwen2-MoE), >= 0; they run on the same fused, chunked path as the routed experts.
+        shared_intermediate_size: n of one shared expert per GLU branch; ``None`` means n.
+        shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
+        backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
+            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 16 MiB.
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_experts: int
+    top_k: int
+    score_func: ScoreFunc = "softmax"
+    renormalize: bool = True
+    activation: Activation = "swiglu"
+    experts_impl: ExpertsImpl = "fused"
+    gemm_backend: GemmBackend = "auto"
+    index_builder: IndexBuilder = "auto"
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    skew_hot_experts: int = 0
+    skew_bias: float = 0.0
+    capacity_factor: float | None = None
+    min_capacity: int = 0
+    drop_policy: DropPolicy = "probs"
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    bias_update_rate: float = 0.0
+    seq_aux_loss_coef: float = 0.0
+    router_jitter_eps: float = 0.0
+    num_shared_experts: int = 0
+    shared_intermediate_size: int | None = None
+    shared_expert_gate: bool = False
+    backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES
+
+    def __post_init__(self) -> None:
+        """Validate every field and cross-field rule.
+
+        Raises:
+            ValueError: naming the class and field, what is allowed and the value received.
+        """
+        self._check_sizes()
+        _check_routing(self)
+
+    def _check_sizes(self) -> None:
+        check_int(self, "hidden_size", 1)
+        check_int(self, "intermediate_size", 1)
+        check_int(self, "num_experts", 1)
+        check_int(self, "top_k", 1)
+        if not 1 <= self.top_k <= self.num_experts:
+            fail(self, "top_k", f"in [1, num_experts={self.num_experts}]", self.top_k)
+        check_choice(self, "score_func", ScoreFunc)
+        check_choice(self, "activation", Activation)
+        check_choice(self, "experts_impl", ExpertsImpl)
+        check_choice(self, "gemm_backend", GemmBackend)
+        check_choice(self, "index_builder", IndexBuilder)
+        if not isinstance(self.renormalize, bool):
+            fail(self, "renormalize", "a bool", self.renormalize)
+        if self.renormalize and self.top_k == 1:
+            fail(self, "renormalize",
+                  "False when top_k=1 (renormalised top-1 weights are all 1.0, so the router "
+                  "would get no gradient from the output)", self.renormalize)
+        check_float(self, "aux_loss_coef", 0.0)
+        check_float(self, "z_loss_coef", 0.0)
+        check_int(self, "skew_hot_experts", 0, self.num_experts)
+        check_float(self, "skew_bias", 0.0)
+        if self.skew_bias > 0 and self.skew_hot_experts == 0:
+            fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
+        check_int(self, "backward_block_bytes", 1)
+
+    @property
+    def dropless(self) -> bool:
+        """True when no capacity is set (every selected pair is dispatched)."""
+        return self.capacity_factor is None
+
+    @property
+    def shared_width(self) -> int:
+        """N of one shared expert (``shared_intermediate_size`` or n)."""
+        return self.shared_intermediate_size or self.intermediate_size
+
+    def shared_experts_config(self) -> MoEConfig:
+        """The config the shared experts run with: E = k = S, n = n_s, no renormalisation.
+
+        Shared experts are a routed layer whose routing is fixed (every token to all S), so
+        they reuse the fused, chunked expert path and its memory model unchanged.
+
+        Raises:
+            ValueError: if ``num_shared_experts`` is 0.
+        """
+        S = self.num_shared_experts
+        if S < 1:
+            fail(self, "num_shared_experts", ">= 1 for a shared-experts config", S)
+        return MoEConfig(hidden_size=self.hidden_size, intermediate_size=self.shared_width,
+                         num_experts=S, top_k=S, renormalize=False, activation=self.activation,
+                         experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
+                         index_builder=self.index_builder,
+                         backward_block_bytes=self.backward_block_bytes)
+
+    @property
+    def gated(self) -> bool:
+        """True for gated activations (w_up has 2n columns)."""
+        return self.activation in GATED_ACTIVATIONS
+
+    @property
+    def up_width(self) -> int:
+        """G: columns of w_up (2n gated, n otherwise)."""
+        return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+
+def _check_routing(moe: MoEConfig) -> None:
+    """Routing options of :class:`MoEConfig` (capacity, groups, balancing, shared experts)."""
+    if moe.capacity_factor is not None:
+        check_float(moe, "capacity_factor", 0.0, lo_open=True)
+    check_int(moe, "min_capacity", 0)
+    check_choice(moe, "drop_policy", DropPolicy)
+    E = moe.num_experts
+    check_int(moe, "n_group", 1, E)
+    if E % moe.n_group:
+        fail(moe, "n_group", f"a divisor of num_experts={E}", moe.n_group)
+    if moe.n_group > 1 and E // moe.n_group < 2:
+        fail(moe, "n_group", f"at most num_experts/2={E // 2} (a group's score is the sum of "
+              "its top-2 scores, so each group needs >= 2 experts)", moe.n_group)
+    check_int(moe, "topk_group", 1, moe.n_group)
+    if moe.topk_group * (E // moe.n_group) < moe.top_k:
+        fail(moe, "topk_group", f"large enough that topk_group·num_experts/n_group >= "
+              f"top_k={moe.top_k} (n_group={moe.n_group})", moe.topk_group)
+    check_float(moe, "routed_scaling_factor", 0.0, lo_open=True)
+    check_float(moe, "bias_update_rate", 0.0)
+    check_float(moe, "seq_aux_loss_coef", 0.0)
+    check_float(moe, "router_jitter_eps", 0.0)
+    if moe.router_jitter_eps >= 1:
+        fail(moe, "router_jitter_eps", "in [0, 1)", moe.router_jitter_eps)
+    check_int(moe, "num_shared_experts", 0)
+    if moe.shared_intermediate_size is not None:
+        check_int(moe, "shared_intermediate_size", 1)
+    if not isinstance(moe.shared_expert_gate, bool):
+        fail(moe, "shared_expert_gate", "a bool", moe.shared_expert_gate)
+    if moe.shared_expert_gate and moe.num_shared_experts == 0:
+        fail(moe, "shared_expert_gate", "False when num_shared_experts=0",
+              moe.shared_expert_gate)
+

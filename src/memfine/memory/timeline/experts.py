@@ -1,0 +1,452 @@
+"""Allocation timeline of memfine's expert path, replayed from the code's own steps.
+
+Each function mirrors one function of memfine (routing-index builders, the fused and plain expert
+paths, the chunk loop and the autograd engine's gradient buffers) as a sequence of
+``alloc``/``free`` events with byte sizes from the config. The running sum is what the live-storage
+tracker sees (tensors created inside the measured region); its maximum is the model's peak.
+Integer arithmetic only: nothing is allocated. :mod:`memfine.memory.timeline.layer` adds the
+router, the losses and the layer driver.
+
+Legend: C tokens of one chunk, K = k, E experts, D = d, N = n, G = 2n (gated) or n, S routed rows
+(S = C·k without sentinels), D_t activation bytes (``dt``), R router bytes (``r``: 4, or 8 for
+float64). Sizes of at most 8 bytes (scalars, ``any``/``max`` results) are left out.
+Reference: our derivation from the code (docs/design.md §5: peak = saved + largest transient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memfine.config import MoEConfig, backward_block_rows
+from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``)."""
+
+    moe: MoEConfig
+    T: int
+    dt: int
+
+    @property
+    def r(self) -> int:
+        """Router bytes per element: fp32, or float64 for float64 activations."""
+        return 8 if self.dt == 8 else 4
+
+    @property
+    def cast(self) -> bool:
+        """True when the router works on a copy of x in another dtype."""
+        return self.dt != self.r
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Running and peak live bytes over named allocations."""
+
+    record: bool = True
+    current: int = 0
+    peak: int = 0
+    live: dict[str, int] = field(default_factory=dict)
+    peak_live: dict[str, int] = field(default_factory=dict)
+    trace: list[int] = field(default_factory=list)
+    marks: dict[str, int] = field(default_factory=dict)
+    phase_peaks: dict[str, int] = field(default_factory=dict)
+    _phase_peak: int = 0
+
+    def alloc(self, name: str, nbytes: int) -> str:
+        """Allocate ``nbytes`` under ``name`` (made unique); returns the name used."""
+        key, i = name, 1
+        while key in self.live:
+            i += 1
+            key = f"{name}#{i}"
+        self.live[key] = nbytes
+        self.current += nbytes
+        if self.record:
+            self.trace.append(self.current)
+        self._phase_peak = max(self._phase_peak, self.current)
+        if self.current > self.peak:
+            self.peak = self.current
+            if self.record:
+                self.peak_live = dict(self.live)
+        return key
+
+    def free(self, *names: str) -> None:
+        """Free the named allocations."""
+        for name in names:
+            self.current -= self.live.pop(name)
+        if self.record:
+            self.trace.append(self.current)
+
+    def mark(self, name: str) -> None:
+        """Record the live bytes now and close the current phase (its peak kept under name)."""
+        self.marks[name] = self.current
+        self.phase_peaks[name] = self._phase_peak
+        self._phase_peak = self.current
+
+
+class WeightGrads:
+    """The autograd engine's input buffers of w_up / w_down while chunks' gradients arrive.
+
+    The first gradient is kept as is; each later one is summed out of place into a new buffer,
+    the old buffer freed, and the incoming gradients freed once the node's outputs are handled.
+    """
+
+    def __init__(self, tl: Timeline) -> None:
+        """Start with no buffer on ``tl``."""
+        self.tl = tl
+        self.buffer: dict[str, str] = {}
+
+    def add(self, grads: dict[str, str], *names: str) -> None:
+        """Accumulate the gradients ``grads[name]`` for ``names``, in order."""
+        incoming = []
+        for name in names:
+            if name in self.buffer:
+                total = self.tl.alloc(f"grad.{name}_sum", self.tl.live[grads[name]])
+                self.tl.free(self.buffer[name])
+                self.buffer[name] = total
+                incoming.append(grads[name])
+            else:
+                self.buffer[name] = grads[name]
+        self.tl.free(*incoming)
+
+
+def _use_sort_free(moe: MoEConfig, tokens: int) -> bool:
+    if moe.index_builder == "auto":
+        return tokens * moe.num_experts <= SORT_FREE_MAX_CELLS
+    return moe.index_builder == "sort_free"
+
+
+def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
+    """build_routing_index for C tokens and S rows; returns the five int32 arrays."""
+    E, K = s.moe.num_experts, s.moe.top_k
+    if _use_sort_free(s.moe, C):
+        ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
+        valid = tl.alloc("idx.valid", C * K)
+        tl.free(ge, lt)
+        safe = tl.alloc("idx.safe", C * K * 8)
+        dense = tl.alloc("idx.dense_map", C * (E + 1) * 8)
+        tl.free(tl.alloc("idx.ones", C * K * 8))
+        counts = tl.alloc("idx.counts", E * 8)
+        offs64 = tl.alloc("idx.offsets64", (E + 1) * 8)
+        tl.free(tl.alloc("idx.counts_cumsum", E * 8))
+        cum = tl.alloc("idx.cumsum", C * E * 8)
+        sub = tl.alloc("idx.cumsum_minus_1", C * E * 8)
+        tl.free(cum)
+        row_te = tl.alloc("idx.row_TE", C * E * 8)
+        tl.free(sub)
+        clamp = tl.alloc("idx.clamp", C * K * 8)
+        gath = tl.alloc("idx.gather", C * K * 8)
+        tl.free(clamp)
+        row_tk = tl.alloc("idx.row_TK", C * K * 8)
+        tl.free(gath)
+        sentinel = tl.alloc("idx.sentinel", C * K)
+        rank = tl.alloc("idx.sentinel_rank", C * K * 8)
+        perm = tl.alloc("idx.perm", C * K * 8)
+        tl.free(rank)
+        slot = tl.alloc("idx.slot_arange", C * K * 8)
+        eslot = tl.alloc("idx.expert_slot64", C * K * 8)  # scattered over all C·k slots
+        locals_ = [valid, safe, dense, counts, offs64, row_te, row_tk, sentinel, perm, slot,
+                   eslot]
+    else:  # argsort builder (used when C·E > SORT_FREE_MAX_CELLS); sort temporaries approximated
+        ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
+        valid = tl.alloc("idx.valid", C * K)
+        tl.free(ge, lt)
+        key = tl.alloc("idx.key", C * K * 8)
+        values = tl.alloc("idx.sort_values", C * K * 8)
+        order = tl.alloc("idx.order", C * K * 8)
+        tl.free(values)
+        shifted = tl.alloc("idx.shifted_ids", C * K * 8)  # count_per_expert
+        counts = tl.alloc("idx.counts", (E + 2) * 8)
+        tl.free(shifted)
+        offs64 = tl.alloc("idx.offsets64", (E + 1) * 8)
+        tl.free(tl.alloc("idx.counts_cumsum", E * 8))
+        row = tl.alloc("idx.row_of_slot", C * K * 8)
+        tl.free(tl.alloc("idx.arange", C * K * 8))
+        row_tk = tl.alloc("idx.row_TK", C * K * 8)
+        tl.free(row)
+        locals_ = [valid, key, counts, offs64, row_tk, order]
+    fdiv = tl.alloc("idx.floor_div", S * 8)
+    arrays = {"eti": tl.alloc("idx.expert_token_indices", S * 4)}
+    tl.free(fdiv)
+    arrays["offs"] = tl.alloc("idx.expert_token_offsets", (E + 1) * 4)
+    arrays["tei"] = tl.alloc("idx.token_expert_indices", C * K * 4)
+    arrays["tim"] = tl.alloc("idx.token_index_map", C * K * 4)
+    arrays["esi"] = tl.alloc("idx.expert_slot_indices", S * 4)
+    tl.free(*locals_)
+    return arrays
+
+
+def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
+    """apply_activation on H (S, G) → A (S, n) without autograd (gated: act(gate) *= up)."""
+    return tl.alloc(f"{prefix}.A", S * s.moe.intermediate_size * s.dt)
+
+
+def slot_rows(tl: Timeline, s: Shape, C: int, prefix: str) -> str:
+    """combine.slot_rows: the (C, k, d) gathered copy, sentinel rows zero-filled in place."""
+    K, D = s.moe.top_k, s.moe.hidden_size
+    valid = tl.alloc(f"{prefix}.valid", C * K)
+    clamp = tl.alloc(f"{prefix}.clamp", C * K * 4)
+    idx = tl.alloc(f"{prefix}.idx64", C * K * 8)
+    tl.free(clamp)
+    rows = tl.alloc(f"{prefix}.rows_TKD", C * K * D * s.dt)
+    tl.free(tl.alloc(f"{prefix}.not_valid", C * K))
+    tl.free(valid, idx)
+    return rows
+
+
+def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
+    """FusedExpertsFunction.forward; returns (H, out)."""
+    D, G = s.moe.hidden_size, s.moe.up_width
+    idx = tl.alloc("fwd.eti64", S * 8)
+    xg = tl.alloc("fwd.x_SD", S * D * s.dt)
+    tl.free(idx)
+    h = tl.alloc("fwd.H", S * G * s.dt)
+    tl.free(xg)
+    a = activation_forward(tl, s, S, "fwd")
+    y = tl.alloc("fwd.Y", S * D * s.dt)
+    tl.free(a)
+    rows = slot_rows(tl, s, C, "fwd.combine")
+    ge = tl.alloc("fwd.combine.ge", C * s.moe.top_k)
+    w = tl.alloc("fwd.combine.w_TK", C * s.moe.top_k * s.dt)
+    tl.free(ge)
+    out = tl.alloc("fwd.out", C * D * s.dt)
+    tl.free(rows, w, y)
+    return h, out
+
+
+def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
+                   shared: dict[str, str] | None = None, *, recomputed: bool = False,
+                   need_weights: bool = True) -> dict[str, str]:
+    """FusedExpertsFunction.backward, streamed over row blocks; frees the chunk's saved tensors.
+
+    ``shared``: the chunk loop's weight-gradient buffers (name → allocation), filled on first
+    use and kept across chunks; ``None``: the Function's own buffers, returned in the result.
+    ``recomputed``: the saved tensors come from a checkpoint's recomputation, which drops each
+    one once unpacked, so token_index_map (unpacked, unused by backward) goes first.
+    ``need_weights=False``: the routing weights need no gradient (shared experts without a
+    gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    Returns the chunk's gradients (``weights``, ``x``, and ``w_up``/``w_down`` when owned).
+    """
+    moe, dt = s.moe, s.dt
+    D, E, K = moe.hidden_size, moe.num_experts, moe.top_k
+    buffers = {} if shared is None else shared
+    grads = {"x": tl.alloc("grad.x_chunk", C * D * dt)}
+    dots = [tl.alloc("bwd.row_dots_S", S * dt)] if need_weights else []
+    if recomputed:
+        tim = next(name for name in saved if name.startswith("idx.token_index_map"))
+        saved = [name for name in saved if name != tim]
+        tl.free(tim)
+    rows = backward_block_rows(moe.backward_block_bytes, D, moe.intermediate_size, moe.up_width,
+                               dt)
+    for r0 in range(0, S, rows):
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, need_weights)
+    if need_weights:
+        grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
+        tl.free(tl.alloc("bwd.slot64", S * 8))
+    if shared is None:
+        for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
+                                                             * D)):
+            grads[name] = buffers.get(name) or tl.alloc(f"grad.{name}", size * dt)
+    tl.free(*dots, *saved)
+    return grads
+
+
+def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
+                          need_weights: bool = True) -> None:
+    """One row block of B rows: offsets, dO rows, dA, A, dH, x rows, dx rows (in code order)."""
+    moe, dt = s.moe, s.dt
+    D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
+    clamp = tl.alloc("bwd.offsets_clamp", (E + 1) * 4)
+    offs = tl.alloc("bwd.block_offsets", (E + 1) * 4)
+    tl.free(clamp)
+    slot = tl.alloc("bwd.slot64", B * 8)
+    w_b = tl.alloc("bwd.w_B", B * dt)
+    tl.free(slot)
+    idx = tl.alloc("bwd.eti64", B * 8)
+    grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
+    tl.free(idx)
+    grad_a = tl.alloc("bwd.dA", B * N * dt)
+    a = activation_forward(tl, s, B, "bwd")
+    dots = [tl.alloc("bwd.row_dots", B * dt)] if need_weights else []
+    if "w_down" not in buffers:
+        buffers["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
+    tl.free(a, grad_out)
+    grad_h = activation_backward(tl, s, B)
+    tl.free(grad_a)
+    idx = tl.alloc("bwd.eti64", B * 8)
+    xg = tl.alloc("bwd.x_BD", B * D * dt)
+    tl.free(idx)
+    if "w_up" not in buffers:
+        buffers["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
+    tl.free(xg)
+    dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
+    tl.free(w_b, offs, *dots, grad_h, dx_rows)
+
+
+def activation_backward(tl: Timeline, s: Shape, S: int) -> str:
+    """ops.activations.activation_backward: dH (S, G) from H and dA."""
+    N, G = s.moe.intermediate_size, s.moe.up_width
+    if not s.moe.gated:
+        return tl.alloc("bwd.dH", S * N * s.dt)
+    grad_h = tl.alloc("bwd.dH", S * G * s.dt)
+    tl.free(tl.alloc("bwd.act_gate", S * N * s.dt))
+    prod = tl.alloc("bwd.dA_times_up", S * N * s.dt)
+    tl.free(tl.alloc("bwd.act_grad", S * N * s.dt), prod)
+    return grad_h
+
+
+def plain_forward(tl: Timeline, s: Shape, C: int, S: int, *, early_stop: bool = False
+                  ) -> tuple[list[str], str | None]:
+    """experts_plain under autograd; returns (its saved tensors, out).
+
+    With ``early_stop`` (a checkpoint's recomputation) it stops once the last saved tensor
+    (the combine weights) exists, as non-reentrant checkpointing does: no product, no output.
+    """
+    moe, dt = s.moe, s.dt
+    D, N, G, K = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.top_k
+    saved = [tl.alloc("plain.eti64", S * 8), tl.alloc("plain.x_SD", S * D * dt)]
+    h = tl.alloc("plain.H", S * G * dt)
+    if moe.gated:
+        saved += [tl.alloc("plain.act_gate", S * N * dt)]
+    saved += [tl.alloc("plain.A", S * N * dt)]
+    if moe.activation != "relu":  # relu keeps its result (A), not its input
+        saved.append(h)
+    y = tl.alloc("plain.Y", S * D * dt)
+    valid = tl.alloc("plain.combine.valid", C * K)
+    clamp = tl.alloc("plain.combine.clamp", C * K * 4)
+    saved.append(tl.alloc("plain.combine.idx64", C * K * 8))
+    tl.free(clamp)
+    saved.append(tl.alloc("plain.combine.rows_TKD", C * K * D * dt))
+    saved.append(tl.alloc("plain.combine.not_valid", C * K))
+    tl.free(valid)
+    saved.append(tl.alloc("plain.combine.ge", C * K))
+    saved.append(tl.alloc("plain.combine.w_TK", C * K * dt))
+    if early_stop:
+        tl.free(y, *([h] if moe.activation == "relu" else []))
+        return saved, None
+    product = tl.alloc("plain.combine.weighted", C * K * D * dt)
+    out = tl.alloc("fwd.out", C * D * dt)
+    tl.free(product, y)
+    if moe.activation == "relu":
+        tl.free(h)
+    return saved, out
+
+
+def plain_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
+                   wg: WeightGrads) -> dict[str, str]:
+    """Autograd backward of experts_plain (engine order as measured); returns its gradients."""
+    moe, dt = s.moe, s.dt
+    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
+                     moe.top_k)
+    named = {name.split("#")[0]: name for name in saved}
+    full = tl.alloc("pbwd.d_w_full", C * K * D * dt)
+    grad_rows = tl.alloc("pbwd.d_rows", C * K * D * dt)
+    grad_w = tl.alloc("pbwd.d_w", C * K * dt)
+    tl.free(full, named["plain.combine.w_TK"], named["plain.combine.rows_TKD"])
+    grads = {"weights": tl.alloc("grad.top_k_weights", C * K * dt)}
+    tl.free(grad_w, named["plain.combine.ge"])
+    zeros = tl.alloc("pbwd.copyslices_zeros", C * K * D * dt)
+    tl.free(grad_rows)
+    base = tl.alloc("pbwd.copyslices_base", C * K * D * dt)
+    clone = tl.alloc("pbwd.copyslices_clone", C * K * D * dt)
+    tl.free(tl.alloc("pbwd.masked", C * K * D * dt), clone, zeros,
+            named["plain.combine.not_valid"])
+    zeros = tl.alloc("pbwd.index_zeros", S * D * dt)
+    grad_y = tl.alloc("pbwd.dY", S * D * dt)
+    tl.free(zeros, base, named["plain.combine.idx64"])
+    grad_a = tl.alloc("pbwd.dA", S * N * dt)
+    probe = tl.alloc("pbwd.wgrad_probe", N * D * dt)
+    grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
+    relu = moe.activation == "relu"  # relu's own node also keeps A (its result)
+    tl.free(probe, grad_y, *([] if relu else [named["plain.A"]]))
+    wg.add(grads, "w_down")
+    if moe.gated:
+        g1, g2 = tl.alloc("pbwd.d_act", S * N * dt), tl.alloc("pbwd.d_up", S * N * dt)
+        tl.free(grad_a, named["plain.act_gate"])
+        act = tl.alloc("pbwd.d_gate", S * N * dt)
+        tl.free(g2, named["plain.H"])
+        grad_h = tl.alloc("pbwd.dH", S * G * dt)
+        tl.free(act, g1)
+    else:
+        grad_h = tl.alloc("pbwd.dH", S * N * dt)
+        tl.free(named["plain.A"] if relu else named["plain.H"], grad_a)
+    dx_rows = tl.alloc("pbwd.dx_SD", S * D * dt)
+    probe = tl.alloc("pbwd.wgrad_probe", D * G * dt)
+    grads["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
+    tl.free(probe, grad_h, named["plain.x_SD"])
+    wg.add(grads, "w_up")
+    zeros = tl.alloc("pbwd.index_zeros", C * D * dt)
+    grads["x"] = tl.alloc("grad.x_chunk", C * D * dt)
+    tl.free(zeros, dx_rows, named["plain.eti64"], named["idx.expert_token_offsets"])
+    return grads
+
+
+def chunk_tokens(num_tokens: int, num_chunks: int) -> list[int]:
+    """Tokens per chunk as :func:`memfine.schedule.chunked.run_chunked` splits them."""
+    if num_chunks == 1 or num_tokens == 0:
+        return [num_tokens]
+    base, extra = divmod(num_tokens, num_chunks)
+    sizes = [base + 1 if i < extra else base for i in range(num_chunks)]
+    return [c for c in sizes if c > 0]
+
+
+def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,
+                    rerun: bool = False) -> tuple[list[str], str | None]:
+    """One chunk: index build, expert path, drop the index object; returns (saved, out).
+
+    ``recompute``: a checkpointed forward (nothing kept); ``rerun``: its recomputation in
+    backward (stops early after the last saved tensor; the output is dropped).
+    """
+    arrays = index_forward(tl, s, C, S)
+    if plain:
+        saved, out = plain_forward(tl, s, C, S, early_stop=rerun)
+        tl.free(arrays["eti"], arrays["tim"], arrays["esi"])
+        saved.append(arrays["offs"])  # saved by both grouped matmuls
+    else:
+        h, out = fused_forward(tl, s, C, S)
+        saved = [h, arrays["eti"], arrays["offs"], arrays["tim"], arrays["esi"]]
+    tl.free(arrays["tei"])
+    if recompute:
+        tl.free(*saved)
+        saved = []
+    if rerun and out is not None:
+        tl.free(out)
+        out = None
+    return saved, out
+
+
+def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[list[str]], *,
+                    ckpt: bool, need_weights: bool = True,
+                    after_first_chunk: Callable[[], None] | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """Backward of every chunk, last chunk first (recomputed first under ``ckpt``).
+
+    ``after_first_chunk`` runs once chunk 0's backward is done (the moment the routing weights
+    saved by every chunk are released).
+
+    Returns:
+        The chunks' routing-weight gradients and their dx buffers, in backward order.
+    """
+    plain, K = s.moe.experts_impl == "plain", s.moe.top_k
+    wg = WeightGrads(tl)
+    # the fused chunks add into one buffer per weight (ops/weight_grads.py): no engine sum
+    shared: dict[str, str] | None = {} if len(sizes) > 1 and not plain else None
+    grads_w, grads_x = [], []
+    for i in reversed(range(len(sizes))):
+        C, saved = sizes[i], chunk_saved[i]
+        if ckpt:
+            saved, _ = experts_forward(tl, s, C, C * K, plain=plain, recompute=False,
+                                       rerun=True)
+        if plain:
+            grads = plain_backward(tl, s, C, C * K, saved, wg)
+        else:
+            grads = fused_backward(tl, s, C, C * K, saved, shared, recomputed=ckpt,
+                                   need_weights=need_weights)
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk()
+        if "weights" in grads:
+            grads_w.append(grads["weights"])
+        grads_x.append(grads["x"])
+    return grads_w, grads_x

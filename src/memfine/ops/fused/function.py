@@ -1,0 +1,289 @@
+"""The MoEBlaze fused expert Function, saving only x and H.
+
+One Function runs gather → up-projection (+ bias) → activation → down-projection (+ bias) →
+weighted combine.
+
+Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n.
+Reference: MoEBlaze (arXiv 2601.05296) §4-§5 (buffer-free dispatch, smart checkpointing);
+docs/design.md §3, §5; docs/style.md §9.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfine.ops.activations import Activation, activation_backward, apply_activation
+from memfine.ops.combine import combine_rows, gather_rows, scatter_slots
+from memfine.ops.fused.up_projection import up_input_grad, up_project
+from memfine.ops.fused.weight_grads import WeightGradBuffers, accumulate_grouped_weight_grad_
+from memfine.ops.grouped import grouped_mm, grouped_row_sums
+
+# Activations the Triton up-projection kernel computes in its epilogue.
+TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
+
+
+def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
+    """(S,) per-row inner products ⟨a_r, b_r⟩ without an (S, n) product temporary."""
+    return torch.bmm(a_SN.unsqueeze(1), b_SN.unsqueeze(2)).view(-1)
+
+
+def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """(S,) int64 expert id of every expert-grouped row, from expert_token_offsets (E + 1,)."""
+    E = offsets_E1.shape[0] - 1
+    counts_E = (offsets_E1[1:] - offsets_E1[:-1]).long()
+    return torch.repeat_interleave(torch.arange(E, device=offsets_E1.device), counts_E,
+                                   output_size=num_rows)
+
+
+def _add_row_bias_(rows_SO: torch.Tensor, bias_EO: torch.Tensor | None,
+                   offsets_E1: torch.Tensor) -> torch.Tensor:
+    """rows[r] += bias[expert of r] in place (no-op without a bias); returns rows."""
+    if bias_EO is None:
+        return rows_SO
+    expert_S = expert_of_rows(offsets_E1, rows_SO.shape[0])
+    # NOTE(memory): the (S, O) gathered bias is transient; only the parameter is saved.
+    return rows_SO.add_(bias_EO.index_select(0, expert_S))
+
+
+def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
+                    w_down_END: torch.Tensor, expert_token_indices_S: torch.Tensor,
+                    offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
+                    expert_slot_indices_S: torch.Tensor, activation: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, out) computed with the Triton kernels.
+
+    The gather is fused into the up-projection with the activation in its epilogue, the routing
+    weight is applied in the down-projection's epilogue, then a per-token combine sums the rows.
+    """
+    from memfine.ops.triton import down_combine, gather_up
+
+    h_SG, a_SN = gather_up(x_TD, w_up_EDG, expert_token_indices_S, offsets_E1, activation)
+    w_S = weights_TK.reshape(-1).index_select(0, expert_slot_indices_S.long())
+    return h_SG, down_combine(a_SN, w_down_END, offsets_E1, w_S, token_index_map_TK)
+
+
+def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                  up_parts: tuple[torch.Tensor, ...], w_down_END: torch.Tensor,
+                  b_up_EG: torch.Tensor | None, b_down_ED: torch.Tensor | None,
+                  token_idx_S: torch.Tensor,
+                  offsets_E1: torch.Tensor, map_TK: torch.Tensor, activation: Activation,
+                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(H, out) with the grouped GEMM backend; the per-row biases are added in place.
+
+    ``up_parts``: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
+    """
+    x_SD = gather_rows(x_TD, token_idx_S)
+    h_SG = _add_row_bias_(up_project(x_SD, up_parts, offsets_E1, backend), b_up_EG, offsets_E1)
+    del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
+    a_SN = apply_activation(h_SG, activation)
+    y_SD = grouped_mm(a_SN, w_down_END, offsets_E1, backend)
+    del a_SN  # NOTE(memory): A is recomputed from H in backward (saves S·n·D_t bytes)
+    out_TD = combine_rows(_add_row_bias_(y_SD, b_down_ED, offsets_E1), weights_TK, map_TK)
+    del y_SD  # NOTE(memory): Y is never saved (saves S·d·D_t bytes)
+    return h_SG, out_TD
+
+
+class FusedExpertsFunction(torch.autograd.Function):
+    """Routed experts with minimal saved activations.
+
+    forward(x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, expert_token_indices_S,
+    expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend,
+    w_up_second_EDN=None, block_rows=2**62, weight_grads=None) → out_TD (T, d) with
+    out[t] = Σ_j w[t,j] · (act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]), e = e_tj.
+    ``b_up_EG`` (E, G) and ``b_down_ED`` (E, d) are optional (None: no bias); ``activation`` is a
+    name or a :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped,
+    interleaved SwiGLU).
+
+    ``w_up_second_EDN`` (E, d, n), the last input, is None or the up half of a gated
+    up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and
+    H = [x·w_up | x·w_up_second], exactly as if the two were one concatenated tensor
+    (torchtitan's separate ``w1``/``w3``; :mod:`memfine.ops.fused.up_projection`). With two halves
+    the Triton path runs its grouped GEMM per half, not the fused gather-up kernel.
+
+    Saved for backward (D_t = bytes per element of x):
+        - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
+        - h_SG: S·G·D_t bytes (pre-activation, bias included; G = 2n for gated activations,
+          n for GELU/ReLU/SiLU);
+        - weights_TK: T·k·D_t bytes (routing weights, already in x's dtype);
+        - the int32 index arrays expert_token_indices (S), expert_slot_indices (S),
+          token_index_map (T·k), expert_token_offsets (E + 1): 4·(2·S + T·k + E + 1) bytes;
+        - w_up, w_down and the biases: parameters, not activations (no extra bytes; a bias
+          adds no saved activation).
+        Total activation bytes: (T·d + S·G + T·k)·D_t + 4·(2·S + T·k + E + 1); with S = T·k and
+        a gated activation that is the no-recompute floor (T·d + 2·T·k·n) elements
+        (docs/design.md §5) plus the weights and indices. Not kept: the gathered x (S·d), A (S·n),
+        Y (S·d), the (T, k, d) scattered copy, the per-row biases.
+
+    Recomputed in backward:
+        the gathered rows x[expert_token_indices] and dO[expert_token_indices] and A = act(H).
+        The routing-weight gradient is dw_(t,j) = ⟨dO_t·w_downᵀ, A_r⟩ + ⟨dO_t, b_down[e]⟩, so Y
+        is never needed. The bias gradients are per-expert segment sums:
+        db_up[e] = Σ_{rows of e} dH_r, db_down[e] = Σ_{rows of e} w_r·dO_t.
+
+    Streamed backward (MoEBlaze §4.2, row tiles of the expert-grouped rows): backward walks the
+    S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
+    the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
+    forms dA, dH and the gathered rows, adds the block's per-expert products into the weight
+    gradients in place (``addmm_``) and its dx rows into dx (T, d) with ``index_add_`` over
+    expert_token_indices (on the CPU a sequential, deterministic sum; rows are added in
+    expert-grouped order). ``weight_grads``: the chunk loop's shared buffers
+    (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
+    is returned for those inputs. Otherwise the Function owns its buffers and returns them.
+
+    Backward transients: per block of B rows, dO rows (B·d), dA (B·n), A (B·n), dH (B·G),
+    gathered x (B·d), dx rows (B·d), the activation's temporaries (B·n each) and, with a down
+    bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
+    gradient buffers (E·d·G + E·n·d, the only weight-gradient-sized allocations). No (S, ·)
+    array and no (T, k, d) gather exists in backward when B < S. The offsets are read to the
+    host once per backward (one device sync on CUDA) for the per-expert ``addmm_`` ranges.
+
+    With ``backend="triton"``, a named activation and no biases, the forward gathers x inside the
+    up-projection kernel (SwiGLU or the plain activation in its epilogue) and applies the routing
+    weights in the down-projection epilogue before a per-token combine kernel; otherwise the
+    Triton grouped GEMM runs the same steps as the other backends.
+
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
+                w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
+                b_down_ED: torch.Tensor | None, expert_token_indices_S: torch.Tensor,
+                expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
+                expert_slot_indices_S: torch.Tensor, activation: Activation, backend: str,
+                w_up_second_EDN: torch.Tensor | None = None, block_rows: int = 2**62,
+                weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
+        """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, weights, indices.
+
+        Arguments, saved tensors and their bytes are described on the class.
+        """
+        parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
+        no_bias = b_up_EG is None and b_down_ED is None
+        if (backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS
+                and len(parts) == 1):
+            h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
+                                           expert_token_indices_S, expert_token_offsets_E1,
+                                           token_index_map_TK, expert_slot_indices_S, activation)
+        else:
+            h_SG, out_TD = _forward_rows(x_TD, weights_TK, parts, w_down_END, b_up_EG,
+                                         b_down_ED, expert_token_indices_S,
+                                         expert_token_offsets_E1, token_index_map_TK,
+                                         activation, backend)
+        # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
+        # the biases are parameters (saved by reference, no activation bytes).
+        ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED,
+                              expert_token_indices_S, expert_token_offsets_E1,
+                              token_index_map_TK, expert_slot_indices_S, *parts[1:])
+        ctx.activation, ctx.backend = activation, backend
+        ctx.block_rows, ctx.weight_grads = max(1, block_rows), weight_grads
+        return out_TD
+
+    @staticmethod
+    def backward(ctx: Any, grad_out_TD: torch.Tensor) -> tuple[Any, ...]:
+        """Gradients of x, the routing weights, w_up, w_down and the biases from dO (T, d).
+
+        Streams over row blocks of ``ctx.block_rows`` expert-grouped rows (see the class);
+        a gradient whose input does not need one is None, as are the entries of the index
+        arrays, activation, backend, block_rows and weight_grads. With shared ``weight_grads``
+        the w_up / w_down gradients go into those buffers and None is returned for them.
+        """
+        st = _BackwardState(ctx, grad_out_TD)
+        S = st.h_SG.shape[0]
+        if st.bounds is None:  # under torch.compile S is symbolic: one block, no host loop
+            _backward_block(st, 0, S)
+        else:
+            for r0 in range(0, S, ctx.block_rows):
+                _backward_block(st, r0, min(S, r0 + ctx.block_rows))
+        grad_weights = None
+        if st.need_w:
+            grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
+        own = ctx.weight_grads is None  # else the chunk loop's wrapper hands the buffers over
+        grad_up = st.grads.take(0, st.w_up_EDG) if st.need_up[0] and own else None
+        grad_down = st.grads.take(1, st.w_down_END) if st.need_down and own else None
+        grad_up_second = None
+        if len(st.parts) == 2 and st.need_up[1]:  # the up half: slot 2, never shared
+            grad_up_second = st.grads.take(2, st.parts[1])
+        # None: expert_token_indices, expert_token_offsets, token_index_map,
+        # expert_slot_indices, activation, backend, block_rows, weight_grads
+        return (st.grad_x_TD, grad_weights, grad_up, grad_down, st.grad_b_up, st.grad_b_down,
+                None, None, None, None, None, None, grad_up_second, None, None)
+
+
+class _BackwardState:
+    """Saved tensors, gradient flags and the gradient accumulators of one fused backward."""
+
+    def __init__(self, ctx: Any, grad_out_TD: torch.Tensor) -> None:
+        (self.x_TD, self.h_SG, self.weights_TK, self.w_up_EDG, self.w_down_END, self.b_up_EG,
+         self.b_down_ED, self.token_idx_S, self.offsets_E1, _, self.slot_S,
+         *second) = ctx.saved_tensors
+        self.parts = (self.w_up_EDG, *second)  # one (E, d, G) tensor or (gate, up) halves
+        self.act, self.backend = ctx.activation, ctx.backend
+        (self.need_x, self.need_w, need_up, self.need_down, self.need_b_up,
+         self.need_b_down) = ctx.needs_input_grad[:6]
+        self.need_up = (need_up, len(self.parts) == 2 and ctx.needs_input_grad[12])
+        self.grad_out_TD = grad_out_TD.contiguous()
+        self.grads = ctx.weight_grads or WeightGradBuffers()
+        # E + 1 host ints: the per-expert addmm_ ranges. Under torch.compile host values are
+        # unknown while tracing, so the backward runs as one block with grouped weight GEMMs.
+        self.bounds = None if torch.compiler.is_compiling() else self.offsets_E1.tolist()
+        E = self.w_up_EDG.shape[0]
+        S = self.h_SG.shape[0]
+        # NOTE(memory): the outputs are filled block by block: dx (T·d), the row dots (S), the
+        # bias gradients (E·G, E·d); no (S, ·) array outlives a block.
+        self.grad_x_TD = torch.zeros_like(self.x_TD) if self.need_x else None
+        self.dots_S = self.h_SG.new_empty(S) if self.need_w else None
+        self.grad_b_up = (self.h_SG.new_zeros(E, self.h_SG.shape[1]) if self.need_b_up
+                          else None)
+        self.grad_b_down = (self.x_TD.new_zeros(E, self.x_TD.shape[1]) if self.need_b_down
+                            else None)
+
+
+def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
+    """Back-propagate expert-grouped rows [r0, r1): A, dA, dH and the rows exist for them only.
+
+    The block's grouped offsets are clamp(offsets, r0, r1) − r0 (no host copy needed for the
+    GEMMs); weight gradients are added into the buffers per expert, dx per token (index_add_).
+    """
+    E = st.w_up_EDG.shape[0]
+    offs_E1 = st.offsets_E1.clamp(r0, r1) - r0
+    token_B = st.token_idx_S[r0:r1]
+    h_BG = st.h_SG[r0:r1]
+    w_B1 = st.weights_TK.reshape(-1).index_select(0, st.slot_S[r0:r1].long())[:, None]
+    grad_out_BD = gather_rows(st.grad_out_TD, token_B)  # NOTE(memory): transient B·d
+    grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
+    # NOTE(memory): A recomputed from H for this block only (transient B·n)
+    a_BN = apply_activation(h_BG, st.act) if st.need_w or st.need_down else None
+    if st.dots_S is not None:  # ⟨dO·w_downᵀ, A⟩ (+ ⟨dO, b_down⟩) (MoEBlaze §5): no Y needed
+        assert a_BN is not None, "A is recomputed when the weights need a gradient"
+        dots_B = _row_dots(grad_a_BN, a_BN)
+        if st.b_down_ED is not None:
+            bias_BD = st.b_down_ED.index_select(0, expert_of_rows(offs_E1, r1 - r0))
+            dots_B += _row_dots(grad_out_BD, bias_BD)
+        st.dots_S[r0:r1] = dots_B
+    if st.need_down or st.need_b_down:
+        grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
+        if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
+            accumulate_grouped_weight_grad_(st.grads.buffer(1, st.w_down_END), a_BN,
+                                            grad_out_BD, st.bounds, r0, offs_E1, st.backend)
+        if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
+            st.grad_b_down += grouped_row_sums(grad_out_BD, offs_E1, E)
+    del a_BN, grad_out_BD
+    grad_h_BG = activation_backward(h_BG, grad_a_BN.mul_(w_B1), st.act)  # transient B·G
+    del grad_a_BN
+    if st.grad_b_up is not None:
+        st.grad_b_up += grouped_row_sums(grad_h_BG, offs_E1, E)
+    if any(st.need_up):  # dW_up[e] += x_eᵀ · dH_e (per part: its columns of dH), in place
+        x_BD = gather_rows(st.x_TD, token_B)  # NOTE(memory): recomputed gather, B·d
+        col = 0
+        for slot, part, needed in zip((0, 2), st.parts, st.need_up, strict=False):
+            width = part.shape[2]
+            if needed:
+                accumulate_grouped_weight_grad_(st.grads.buffer(slot, part), x_BD,
+                                                grad_h_BG[:, col:col + width], st.bounds, r0,
+                                                offs_E1, st.backend)
+            col += width
+        del x_BD
+    if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t
+        grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
+        st.grad_x_TD.index_add_(0, token_B, grad_x_BD)

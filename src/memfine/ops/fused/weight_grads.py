@@ -1,0 +1,139 @@
+"""Expert weight gradients accumulated in place: across row blocks and across token chunks.
+
+The fused backward (:class:`memfine.ops.fused.function.FusedExpertsFunction`) streams over row
+blocks and adds each block's per-expert products into one buffer per weight (``addmm_``), so no
+block ever holds a weight-gradient-sized result of its own. Under token chunking (MemFine §4) the c
+chunks share those buffers: :class:`SharedWeightGradsFunction` wraps the expert weights once, before
+the chunk loop, hands the chunks aliases of them plus one :class:`WeightGradBuffers`, and in
+backward returns the buffers as the weights' gradients. The autograd engine then never sums c
+weight-gradient-sized tensors (which keeps two such buffers alive at once), and the gradients still
+reach the parameters through their ``AccumulateGrad`` nodes, so ``.grad`` accumulation, tensor hooks
+and post-accumulate-grad hooks (FSDP2's reduce-scatter) run as without chunking, once per layer
+call. What is bypassed: hooks registered on the *aliases* see no per-chunk gradient (the chunks hand
+theirs to the buffers), and a chunk Function that returns its own weight gradient (the plain path)
+is summed into the buffer by the wrapper's backward.
+
+Legend: E experts, I input features, O output features, S routed rows.
+Reference: MoEBlaze §4.2 (weight gradients accumulated tile by tile); MemFine §4 (chunks);
+docs/design.md §5.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from memfine.ops.grouped import grouped_weight_grad
+
+
+class WeightGradBuffers:
+    """One gradient buffer per expert weight, created zero-filled on first use and filled in place.
+
+    Memory: one buffer per weight, in the weight's own memory layout (``zeros_like``); nothing
+    else. A buffer that is never touched (no rows) is created at hand-over, zero-filled, so
+    unused experts get zeros, not ``None``.
+    """
+
+    def __init__(self) -> None:
+        """Create an empty set of buffers."""
+        self._grads: dict[int, torch.Tensor] = {}
+
+    def buffer(self, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of weight ``slot`` (0: w_up, 1: w_down, ...), created like ``like``."""
+        grad = self._grads.get(slot)
+        if grad is None:
+            # NOTE(memory): the only weight-gradient-sized allocation per weight and layer call.
+            grad = self._grads[slot] = torch.zeros_like(like)
+        return grad
+
+    def take(self, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """Hand over the buffer of ``slot`` (zeros if never written) and forget it."""
+        grad = self.buffer(slot, like)
+        del self._grads[slot]
+        return grad
+
+
+def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor,
+                                    grad_y_SO: torch.Tensor, bounds: list[int] | None, row0: int,
+                                    block_offsets_E1: torch.Tensor | None = None,
+                                    backend: str = "auto") -> None:
+    """grad_w[e] += X[rows of e]ᵀ · dY[rows of e] for the experts present in a row block.
+
+    Args:
+        grad_w_EIO: (E, I, O) buffer, written in place (any dense layout, e.g. a transposed view).
+        x_SI: (B, I) input rows of the block (rows ``row0 .. row0 + B`` of the grouped order).
+        grad_y_SO: (B, O) output-gradient rows of the block.
+        bounds: the E + 1 expert_token_offsets as Python ints (host copy, read once per backward),
+            or None under ``torch.compile``, where host values are unknown while tracing: the
+            block's gradient is then one grouped GEMM over ``block_offsets_E1`` added into the
+            buffer (a transient of the buffer's size).
+        row0: first grouped row of the block.
+        block_offsets_E1: (E + 1,) int32 offsets of the block's rows (used when ``bounds`` is None).
+        backend: grouped GEMM backend for that case.
+
+    Memory: none (``addmm_`` writes into the buffer; BLAS reads transposed operands in place).
+    """
+    if bounds is None:
+        assert block_offsets_E1 is not None, "the traceable path needs the block's offsets"
+        grad_w_EIO.add_(grouped_weight_grad(x_SI, grad_y_SO, block_offsets_E1,
+                                            grad_w_EIO.shape[0], backend, like=grad_w_EIO))
+        return
+    row1 = row0 + x_SI.shape[0]
+    for e in range(len(bounds) - 1):
+        lo, hi = max(bounds[e], row0), min(bounds[e + 1], row1)
+        if hi > lo:
+            grad_w_EIO[e].addmm_(x_SI[lo - row0:hi - row0].t(), grad_y_SO[lo - row0:hi - row0])
+
+
+class SharedWeightGradsFunction(torch.autograd.Function):
+    """Identity on the expert weights whose backward returns the chunks' shared buffers.
+
+    forward(buffers, *weights) → aliases (views) of the weights. The chunks compute with the
+    aliases and add their weight gradients into ``buffers`` (slot i for weight i); backward returns
+    ``buffers.take(i)`` for weight i, plus any gradient a chunk returned through autograd.
+
+    Saved for backward: the weights (parameters: no activation bytes); the buffers object is a
+    Python attribute of ctx.
+    Reference: MemFine §4 (chunked backward); MoEBlaze §4.2.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, buffers: WeightGradBuffers, *weights: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        """Return views of ``weights`` (no copy); remember ``buffers`` for backward."""
+        ctx.buffers = buffers
+        ctx.save_for_backward(*weights)  # NOTE(memory): the weights themselves (no activation)
+        ctx.set_materialize_grads(False)  # NOTE(memory): no zero-filled placeholder gradients
+        return tuple(w.view_as(w) for w in weights)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[Any, ...]:
+        """The accumulated buffers (zeros where no chunk had rows) as the weights' gradients."""
+        out: list[torch.Tensor | None] = [None]  # None: buffers
+        needs = ctx.needs_input_grad[1:]
+        for slot, (grad, needed, weight) in enumerate(zip(grads, needs, ctx.saved_tensors,
+                                                          strict=True)):
+            if not needed:
+                out.append(None)
+                continue
+            total = ctx.buffers.take(slot, weight)
+            out.append(total if grad is None else total.add_(grad))
+        return tuple(out)
+
+
+def share_weight_grads(weights: tuple[torch.Tensor, ...]
+                       ) -> tuple[tuple[torch.Tensor, ...], WeightGradBuffers | None]:
+    """Aliases of ``weights`` whose chunks accumulate into one set of buffers.
+
+    Args:
+        weights: the expert weights (w_up, w_down, optional biases) in slot order.
+
+    Returns:
+        ``(aliases, buffers)``; when autograd is off or no weight requires a gradient, the
+        weights themselves and ``None`` (nothing to accumulate).
+    """
+    if not torch.is_grad_enabled() or not any(w.requires_grad for w in weights):
+        return weights, None
+    buffers = WeightGradBuffers()
+    return SharedWeightGradsFunction.apply(buffers, *weights), buffers

@@ -1,0 +1,194 @@
+"""Which layout fits: enumerate the valid layouts on N devices, plan each, rank those that fit.
+
+A layout is (t, p, e, dp, cp, b, recompute, bins) with v = 1 (1F1B). Valid means:
+N = t·p·dp·cp; t ∈ {1, 2, 4, 8} divides the attention heads; cp ∈ {1, 2}; p ≤ L; e divides E
+and t·dp·cp (expert tensor parallelism 1, as Megatron-Core); dp·b divides the global batch.
+Each is planned at the worst routing skew e·min(k, E/e)/k (:mod:`memfine.plan.stage`) and kept
+when every pipeline stage fits.
+
+Cost (lower is better), relative time per step on the same devices, communication not modelled:
+``(1 + r) · (m + p − 1) / m``. r = recomputed forward FLOPs / (3 × forward FLOPs): every layer's
+forward under ``full``, the routed experts' forward under ``experts``, 0 under ``none``
+(forward FLOPs per token: 2 per parameter of the layer's matmuls plus causal attention
+2·s·a·h_d; training = 3 × forward). (m + p − 1)/m is the 1F1B schedule's time over its ideal,
+bubble fraction (p − 1)/(m + p − 1), with m = global batch / (dp·b) micro-batches. Ties go to
+smaller t, then smaller cp, then fewer bins, then the smaller peak.
+
+Reference: MemFine Eq. 1-3, 8, 9; Narayanan et al., "Efficient Large-Scale Language Model Training
+on GPU Clusters Using Megatron-LM" (2021), §2.2 (1F1B bubble) and §3.5 (FLOPs, recomputation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from memfine.plan.layout import PlanConfig
+from memfine.plan.presets import ModelPreset
+from memfine.plan.stage import Plan, plan_layout
+
+TENSOR_PARALLEL = (1, 2, 4, 8)
+CONTEXT_PARALLEL = (1, 2)
+MICRO_BATCHES = (1, 2, 4)
+RECOMPUTE = ("none", "experts", "full")
+BINS = ((1, 2, 4, 8), (1, 2, 4, 8, 16))
+MAX_DEVICES_FACTOR = 1 << 12  # the smallest-N search stops at N · 4096
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Cost:
+    """The ranking cost of one layout (dimensionless).
+
+    Attributes:
+        recompute_fraction: r, recomputed FLOPs over the step's forward + backward FLOPs.
+        bubble_fraction: (p − 1)/(m + p − 1) of the 1F1B schedule.
+        relative_time: (1 + r)/(1 − bubble fraction) = (1 + r)·(m + p − 1)/m.
+    """
+
+    recompute_fraction: float
+    bubble_fraction: float
+    relative_time: float
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Candidate:
+    """One planned layout and its cost."""
+
+    plan: Plan
+    cost: Cost
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SearchResult:
+    """The layouts on N devices that fit, ranked, and what would fit when none does.
+
+    Attributes:
+        fitting: the layouts that fit, best first.
+        considered: how many valid layouts were planned.
+        smallest_device_memory_bytes: when none fits, the least M_device that fits some layout
+            on these N devices (else ``None``).
+        smallest_devices: when none fits, the least N·2^j (j ≥ 1) on which some layout fits in
+            the given memory (``full`` recompute, b = 1, the largest bins), or ``None`` when
+            none does up to N·4096 or when a layout fits.
+    """
+
+    fitting: tuple[Candidate, ...]
+    considered: int
+    smallest_device_memory_bytes: int | None
+    smallest_devices: int | None
+
+
+def forward_flops_per_token(model: ModelPreset, seq_len: int) -> tuple[int, int, int]:
+    """(all layers, routed experts, output head) forward FLOPs per token.
+
+    2 FLOPs per multiply-add: attention projections 2·params, causal attention 2·s·a·h_d,
+    router 2·d·E, routed experts 2·k·3·d·n (SwiGLU), shared experts 2·3·d·n_sh each, dense
+    FFN 2·3·d·n_dense, output head 2·d·V.
+    """
+    m, d = model, model.hidden_size
+    attention = 2 * m.attention_params + 2 * seq_len * m.num_heads * m.head_dim
+    experts = 2 * m.top_k * 3 * d * m.moe_intermediate_size
+    moe = (attention + 2 * d * m.num_experts + experts
+           + 2 * m.num_shared_experts * 3 * d * m.shared_intermediate_size)
+    dense = attention + 2 * 3 * d * m.dense_intermediate_size
+    layers = m.num_dense_layers * dense + m.num_moe_layers * moe
+    return layers, m.num_moe_layers * experts, 2 * d * m.vocab_size
+
+
+def layout_cost(cfg: PlanConfig) -> Cost:
+    """The ranking cost of one layout (module docstring); m = p·4 when no global batch is set.
+
+    Reference: Megatron-LM (Narayanan et al. 2021) §2.2: 1F1B bubble (p − 1)/m of the ideal.
+    """
+    layers, experts, head = forward_flops_per_token(cfg.model, cfg.seq_len)
+    extra = {"none": 0, "experts": experts, "full": layers}[cfg.recompute]
+    r = extra / (3 * (layers + head))
+    m = cfg.micro_batches or 4 * cfg.p
+    bubble = (cfg.p - 1) / (m + cfg.p - 1)
+    return Cost(recompute_fraction=r, bubble_fraction=bubble,
+                relative_time=(1 + r) * (m + cfg.p - 1) / m)
+
+
+def _divisors(n: int) -> list[int]:
+    return [i for i in range(1, n + 1) if n % i == 0]
+
+
+def _shapes(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
+    """Every valid (t, cp, p, dp, e) on ``devices``, other fields from ``base``."""
+    m = base.model
+    for t in (t for t in TENSOR_PARALLEL if devices % t == 0 and m.num_heads % t == 0):
+        for cp in (c for c in CONTEXT_PARALLEL if devices % (t * c) == 0
+                   and base.seq_len % (2 * c) == 0):
+            rest = devices // (t * cp)
+            for p in (p for p in _divisors(rest) if p <= m.num_layers):
+                dp = rest // p
+                for e in (e for e in _divisors(m.num_experts) if (t * dp * cp) % e == 0):
+                    yield replace(base, t=t, cp=cp, p=p, dp=dp, e=e, v=1)
+
+
+def layouts(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
+    """Every valid layout on ``devices`` (module docstring), skew set to the worst case.
+
+    ``base`` supplies the model, device memory, α, dtype, s, byte counts and global batch.
+    """
+    for shape in _shapes(base, devices):
+        for b in MICRO_BATCHES:
+            if base.global_batch is not None and base.global_batch % (shape.dp * b):
+                continue
+            for recompute in RECOMPUTE:
+                for bins in BINS if recompute != "none" else BINS[:1]:
+                    cfg = replace(shape, micro_batch=b, recompute=recompute, bins=bins)
+                    yield replace(cfg, skews=(cfg.worst_skew,))
+
+
+def _rank_key(c: Candidate) -> tuple[float, int, int, int, int]:
+    cfg = c.plan.config
+    return (round(c.cost.relative_time, 9), cfg.t, cfg.cp, len(cfg.bins), c.plan.peak_bytes)
+
+
+def smallest_devices(base: PlanConfig, devices: int) -> int | None:
+    """The least N·2^j (j ≥ 1, up to N·4096) with a layout that fits (``full``, b = 1, bins to 16).
+
+    ``full`` recompute, one sequence per micro-batch and the most chunks hold the least
+    activation of each (t, p, e, dp, cp), so when none of those fits, nothing does.
+    """
+    frugal = replace(base, micro_batch=1, recompute="full", bins=BINS[-1], global_batch=None)
+    n = devices * 2
+    while n <= devices * MAX_DEVICES_FACTOR:
+        for shape in _shapes(frugal, n):
+            if plan_layout(replace(shape, skews=(shape.worst_skew,))).fits:
+                return n
+        n *= 2
+    return None
+
+
+def search(base: PlanConfig, devices: int) -> SearchResult:
+    """Plan every valid layout on ``devices`` and rank the ones that fit at the worst skew.
+
+    Args:
+        base: the model, device memory, α, dtype, s, byte counts and global batch (its layout
+            fields are replaced).
+        devices: N ≥ 1.
+
+    Returns:
+        The :class:`SearchResult`.
+
+    Raises:
+        ValueError: if devices < 1.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"--devices must be an int >= 1, got {devices!r}")
+    fitting, least, considered = [], None, 0
+    for cfg in layouts(base, devices):
+        plan = plan_layout(cfg)
+        considered += 1
+        if plan.fits:
+            fitting.append(Candidate(plan=plan, cost=layout_cost(cfg)))
+        elif not fitting:
+            need = plan.min_device_memory_bytes
+            least = need if least is None else min(least, need)
+    fitting.sort(key=_rank_key)
+    return SearchResult(
+        fitting=tuple(fitting), considered=considered,
+        smallest_device_memory_bytes=None if fitting else least,
+        smallest_devices=None if fitting else smallest_devices(base, devices))

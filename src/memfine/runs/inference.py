@@ -1,0 +1,194 @@
+"""Using a trained checkpoint: load the model, generate text, evaluate on text, export weights.
+
+Legend: B batch, Q sequence length.
+
+Behind ``memfine generate``, ``memfine eval`` and ``memfine export``. A run directory's
+``checkpoint.pt`` holds the model weights and the :class:`memfine.config.TrainConfig` they were
+trained with; :func:`load_trained` rebuilds the model from it. Export writes the weights to
+``model.safetensors`` (``safetensors`` package) with the model config in the file's metadata and
+in ``model_config.json`` beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from memfine._optional import require
+from memfine.config import ModelConfig, TrainConfig
+from memfine.nn import MoETransformerLM
+from memfine.runs.checkpoint import (
+    CHECKPOINT_NAME,
+    SHARDED_NAME,
+    file_mode,
+    find_checkpoint,
+    load_model_state,
+    read_checkpoint,
+)
+from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
+from memfine.runs.evaluation import evaluate
+from memfine.runs.metrics import nats_to_bits
+
+EXPORT_FORMAT = "memfine-model-v1"
+
+
+@dataclass(frozen=True, slots=True)
+class Trained:
+    """A model rebuilt from a checkpoint, in eval mode.
+
+    Attributes:
+        model: the language model with the checkpoint's weights.
+        config: the run's config.
+        step: completed training steps of the checkpoint.
+    """
+
+    model: MoETransformerLM
+    config: TrainConfig
+    step: int
+
+
+def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Trained:
+    """Rebuild the model of ``run_dir``'s checkpoint on ``device``.
+
+    ``checkpoint.pt``, or the newest checkpoint when a sharded ``checkpoint.dcp/`` (a torchrun
+    run) is there too (:func:`memfine.runs.checkpoint.find_checkpoint`).
+
+    Raises:
+        ValueError: naming the path when the checkpoint is missing, corrupt, or does not fit
+            its own config.
+    """
+    path = Path(run_dir) / CHECKPOINT_NAME
+    if (Path(run_dir) / SHARDED_NAME).is_dir():
+        path = find_checkpoint(run_dir)
+    payload = read_checkpoint(path)
+    config = TrainConfig.from_dict(payload["config"])
+    model = MoETransformerLM(config.model)
+    try:
+        load_model_state(payload, model)
+    except (RuntimeError, KeyError, ValueError) as err:
+        raise ValueError(f"checkpoint {str(path)!r} does not match its config "
+                         f"({str(err).splitlines()[0]})") from err
+    model = model.to(device=torch.device(device), dtype=getattr(torch, config.dtype)).eval()
+    return Trained(model=model, config=config, step=int(payload["step"]))
+
+
+def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperature: float,
+                  seed: int = 0) -> str:
+    """Sample ``max_new_bytes`` bytes after ``prompt`` (UTF-8); returns the continuation only.
+
+    Raises:
+        ValueError: when ``prompt`` is empty, ``max_new_bytes < 0`` or ``temperature <= 0``.
+    """
+    if not prompt:
+        raise ValueError("--prompt must hold at least one character, got ''")
+    if max_new_bytes < 0:
+        raise ValueError(f"--max-new-bytes must be >= 0, got {max_new_bytes}")
+    if not temperature > 0:
+        raise ValueError(f"--temperature must be > 0, got {temperature}")
+    device = next(trained.model.parameters()).device
+    prompt_1Q = encode(prompt)[None].to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    ids = trained.model.generate(prompt_1Q, max_new_bytes, temperature=temperature,
+                                 generator=gen)
+    return decode(ids[0, prompt_1Q.shape[1]:].cpu())
+
+
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """Validation loss of a checkpoint on a text's validation split.
+
+    Attributes:
+        val_loss: mean cross-entropy, nats/byte.
+        bits_per_byte: the same in bits/byte.
+        unigram_entropy: byte-unigram entropy of the split, nats/byte (the baseline).
+        description: the text evaluated.
+    """
+
+    val_loss: float
+    bits_per_byte: float
+    unigram_entropy: float
+    description: str
+
+
+def evaluate_text(trained: Trained, data: str | None = None) -> Evaluation:
+    """Validation loss on the last ``val_fraction`` of ``data`` (default: the run's own data).
+
+    Uses the run's ``val_fraction``, ``seq_len``, ``batch_size`` and ``eval_batches``, so on the
+    run's own data it repeats the training's final validation.
+
+    Raises:
+        ValueError: on a missing, empty, binary or too short text (naming the path).
+    """
+    config = trained.config
+    corpus = ByteCorpus.load(data if data is not None else config.data,
+                             val_fraction=config.val_fraction, seq_len=config.seq_len)
+    batches = val_batches(corpus.val_ids, num_batches=config.eval_batches,
+                          batch_size=config.batch_size, seq_len=config.seq_len)
+    device = next(trained.model.parameters()).device
+    loss = evaluate(trained.model, batches, device)
+    trained.model.eval()
+    return Evaluation(val_loss=loss, bits_per_byte=nats_to_bits(loss),
+                      unigram_entropy=unigram_entropy(corpus.val_ids),
+                      description=corpus.description)
+
+
+def export_safetensors(trained: Trained, path: str | os.PathLike[str]) -> list[Path]:
+    """Write the weights to ``path`` (safetensors) and the model config to ``<stem>_config.json``.
+
+    The file's metadata holds ``format`` (``memfine-model-v1``), ``model_config`` (JSON of
+    :class:`memfine.config.ModelConfig`), ``dtype`` and ``step``. Both files are written to a
+    temporary name and renamed.
+
+    Returns:
+        The written paths.
+
+    Raises:
+        ImportError: naming the extra when ``safetensors`` is missing (nothing is written).
+    """
+    save_file = require("safetensors.torch").save_file
+    path = Path(path)
+    config_json = json.dumps(trained.config.model.to_dict(), indent=2)
+    metadata = {"format": EXPORT_FORMAT, "model_config": config_json,
+                "dtype": trained.config.dtype, "step": str(trained.step)}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in trained.model.state_dict().items()}
+    config_path = path.with_name(f"{path.stem}_config.json")
+    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    _atomic(config_path, lambda tmp: Path(tmp).write_text(config_json + "\n", encoding="utf-8"))
+    return [path, config_path]
+
+
+def load_safetensors(path: str | os.PathLike[str]) -> MoETransformerLM:
+    """Rebuild a model written by :func:`export_safetensors` (CPU, the exported dtype).
+
+    Raises:
+        ValueError: when the file is not a memfine export.
+    """
+    safe_open = require("safetensors").safe_open
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+        if metadata.get("format") != EXPORT_FORMAT:
+            raise ValueError(f"{str(path)!r} is not a {EXPORT_FORMAT} file")
+        state = {key: f.get_tensor(key) for key in f.keys()}  # noqa: SIM118 (not a dict)
+    model = MoETransformerLM(ModelConfig.from_dict(json.loads(metadata["model_config"])))
+    model = model.to(dtype=getattr(torch, metadata["dtype"]))
+    model.load_state_dict(state)
+    return model.eval()
+
+
+def _atomic(path: Path, write: Callable[[str], object]) -> None:
+    """Call ``write(tmp_name)`` and rename the result to ``path`` (0644 like other files)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.chmod(tmp, file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,105 @@
+"""Layout search: the fitting set against brute force, the cost by hand, smallest N and M."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+
+from memfine.plan.layout import PlanConfig
+from memfine.plan.presets import ModelPreset
+from memfine.plan.search import (
+    BINS,
+    forward_flops_per_token,
+    layout_cost,
+    search,
+)
+from memfine.plan.stage import plan_layout
+
+TINY = ModelPreset(
+    name="tiny", hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2,
+    num_layers=4, num_dense_layers=1, dense_intermediate_size=128, num_shared_experts=0,
+    shared_intermediate_size=0, num_heads=4, num_kv_heads=4, head_dim=16,
+    attention_params=4 * 64 * 64, vocab_size=1000, tied_embeddings=False, source="test")
+BASE = PlanConfig(model=TINY, device_memory_bytes=3 << 20, seq_len=64, global_batch=64,
+                  dtype="float32")
+
+
+def _brute_force(base: PlanConfig, devices: int) -> set[tuple[object, ...]]:
+    """Every (t, p, e, dp, cp, b, recompute, bins) by the documented rules, planned one by one."""
+    found = set()
+    sizes = range(1, devices + 1)
+    for t, p, dp, cp, e in itertools.product(sizes, sizes, sizes, (1, 2), range(1, 9)):
+        if (t * p * dp * cp != devices or t not in (1, 2, 4, 8) or TINY.num_heads % t
+                or p > TINY.num_layers or TINY.num_experts % e or (t * dp * cp) % e
+                or base.seq_len % (2 * cp)):
+            continue
+        for b, recompute in itertools.product((1, 2, 4), ("none", "experts", "full")):
+            if base.global_batch is not None and base.global_batch % (dp * b):
+                continue
+            for bins in (BINS if recompute != "none" else BINS[:1]):
+                cfg = dataclasses.replace(base, t=t, p=p, dp=dp, cp=cp, e=e, micro_batch=b,
+                                          recompute=recompute, bins=bins)
+                cfg = dataclasses.replace(cfg, skews=(cfg.worst_skew,))
+                if plan_layout(cfg).fits:
+                    found.add((t, p, e, dp, cp, b, recompute, bins))
+    return found
+
+
+def _key(cfg: PlanConfig) -> tuple[object, ...]:
+    return (cfg.t, cfg.p, cfg.e, cfg.dp, cfg.cp, cfg.micro_batch, cfg.recompute, cfg.bins)
+
+
+def test_fitting_layouts_equal_brute_force() -> None:
+    result = search(BASE, 8)
+    got = [_key(c.plan.config) for c in result.fitting]
+    expected = _brute_force(BASE, 8)
+    assert 0 < len(expected) < result.considered  # the budget separates the layouts
+    assert len(got) == len(set(got)) and set(got) == expected
+    times = [c.cost.relative_time for c in result.fitting]
+    assert times == sorted(times)
+    for c in result.fitting:  # each fits at the worst skew, every stage
+        assert c.plan.config.skews == (c.plan.config.worst_skew,) and c.plan.fits
+    assert result.smallest_devices is None and result.smallest_device_memory_bytes is None
+
+
+def test_cost_by_hand() -> None:
+    """r = extra forward FLOPs / (3 × forward FLOPs); 1F1B: time (m + p − 1)/m."""
+    attention = 2 * 4 * 64 * 64 + 2 * 64 * 4 * 16
+    experts = 2 * 2 * 3 * 64 * 32
+    moe = attention + 2 * 64 * 8 + experts
+    dense = attention + 2 * 3 * 64 * 128
+    head = 2 * 64 * 1000
+    assert forward_flops_per_token(TINY, 64) == (dense + 3 * moe, 3 * experts, head)
+    cfg = dataclasses.replace(BASE, p=2, dp=4, recompute="experts")  # m = 64/4 = 16
+    cost = layout_cost(cfg)
+    r = 3 * experts / (3 * (dense + 3 * moe + head))
+    assert cost.recompute_fraction == pytest.approx(r)
+    assert cost.bubble_fraction == pytest.approx(1 / 17)
+    assert cost.relative_time == pytest.approx((1 + r) * 17 / 16)
+    full = layout_cost(dataclasses.replace(cfg, recompute="full"))
+    assert full.recompute_fraction == pytest.approx((dense + 3 * moe) / (3 * (dense + 3 * moe
+                                                                              + head)))
+    assert layout_cost(dataclasses.replace(cfg, recompute="none")).recompute_fraction == 0
+
+
+def test_nothing_fits_names_the_smallest_memory_and_devices() -> None:
+    tight = dataclasses.replace(BASE, device_memory_bytes=1 << 20)
+    result = search(tight, 2)
+    assert result.fitting == () and result.considered > 0
+    least = result.smallest_device_memory_bytes
+    assert least is not None
+    # that memory fits some layout on 2 devices; a little less fits none (α = 0.9 rounding)
+    assert search(dataclasses.replace(tight, device_memory_bytes=least), 2).fitting
+    assert not search(dataclasses.replace(tight, device_memory_bytes=least - 2), 2).fitting
+    n = result.smallest_devices
+    assert n is not None and n > 2
+    frugal = dataclasses.replace(tight, global_batch=None)
+    assert search(frugal, n).fitting
+    assert n == 4 or not search(frugal, n // 2).fitting
+
+
+def test_devices_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="--devices must be an int >= 1, got 0"):
+        search(BASE, 0)

@@ -1,0 +1,142 @@
+"""Checkpoints: atomic writes and clear errors on bad files (memfine.runs.checkpoint)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.config import TrainConfig
+from memfine.runs import checkpoint as ckpt
+from memfine.train.optim import build_optimizer
+
+
+def _objects() -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+    model = torch.nn.Linear(4, 3)
+    optimizer, scheduler = build_optimizer(model, TrainConfig())
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    return model, optimizer, scheduler
+
+
+def _save(path: Path, step: int) -> torch.nn.Module:
+    model, optimizer, scheduler = _objects()
+    ckpt.save_checkpoint(path, step=step, config={"seed": step}, model=model,
+                         optimizer=optimizer, scheduler=scheduler)
+    return model
+
+
+def test_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    model = _save(path, 5)
+    payload = ckpt.load_checkpoint(path)
+    assert payload["step"] == 5 and payload["config"] == {"seed": 5}
+    for key, value in model.state_dict().items():
+        assert torch.equal(payload["model"][key], value)
+    assert payload["scheduler"]["last_epoch"] == 1
+    assert torch.equal(payload["rng"]["torch"], torch.get_rng_state())
+
+
+def test_failed_write_keeps_previous_checkpoint_and_no_partial_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = tmp_path / "checkpoint.pt"
+    _save(path, 1)
+    before = path.read_bytes()
+
+    def broken_save(obj: object, f: object) -> None:
+        f.write(b"partial bytes")  # type: ignore[attr-defined]
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ckpt.torch, "save", broken_save)
+    with pytest.raises(OSError, match="disk full"):
+        _save(path, 2)
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    assert ckpt.load_checkpoint(path)["step"] == 1
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty"])
+def test_corrupt_checkpoint_is_a_value_error_naming_the_path(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "checkpoint.pt"
+    _save(path, 3)
+    raw = path.read_bytes()
+    path.write_bytes({"truncated": raw[: len(raw) // 2], "garbage": b"not a checkpoint" * 10,
+                      "empty": b""}[damage])
+    with pytest.raises(ValueError, match="corrupt or truncated") as info:
+        ckpt.load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+def test_foreign_file_and_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(ValueError, match="is not a memfine-checkpoint-v1 file"):
+        ckpt.load_checkpoint(path)
+    with pytest.raises(ValueError, match="no checkpoint at .*missing.pt"):
+        ckpt.load_checkpoint(tmp_path / "missing.pt")
+
+
+def _save_sharded(out: Path, step: int) -> torch.nn.Module:
+    model, optimizer, scheduler = _objects()
+    ckpt.save_sharded_checkpoint(out / ckpt.SHARDED_NAME, step=step, config={"seed": step},
+                                 model=model, optimizer=optimizer, scheduler=scheduler,
+                                 is_main=True, barrier=lambda: None)
+    return model
+
+
+def _loaded(out: Path) -> tuple[int, torch.nn.Module]:
+    """Step and model of the newest checkpoint in ``out``, loaded into fresh objects."""
+    payload = ckpt.read_checkpoint(ckpt.find_checkpoint(out))
+    model = torch.nn.Linear(4, 3)
+    optimizer, _ = build_optimizer(model, TrainConfig())
+    ckpt.load_states(payload, model, optimizer, sharded=False)
+    return int(payload["step"]), model
+
+
+def test_sharded_round_trip_and_either_form_loads(tmp_path: Path) -> None:
+    model = _save_sharded(tmp_path, 4)
+    step, loaded = _loaded(tmp_path)
+    assert step == 4
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value)
+    _save(tmp_path / ckpt.CHECKPOINT_NAME, 6)  # the one-file form replaces the directory
+    assert not (tmp_path / ckpt.SHARDED_NAME).exists()
+    assert _loaded(tmp_path)[0] == 6
+    _save_sharded(tmp_path, 8)  # and back: the directory replaces the file
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.SHARDED_NAME]
+    assert _loaded(tmp_path)[0] == 8
+
+
+def test_killed_sharded_save_leaves_the_previous_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    _save_sharded(tmp_path, 1)
+
+    def killed_save(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt  # a kill while the shards are written
+
+    with monkeypatch.context() as m:
+        m.setattr(ckpt.dcp, "save", killed_save)
+        with pytest.raises(KeyboardInterrupt):
+            _save_sharded(tmp_path, 2)
+    assert _loaded(tmp_path)[0] == 1
+    replace = ckpt.os.replace
+    calls = []
+
+    def killed_between_renames(src: object, dst: object) -> None:
+        calls.append(dst)
+        if len(calls) == 3:  # meta.pt, then old checkpoint aside, then the new one in: killed
+            raise KeyboardInterrupt
+        replace(src, dst)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ckpt.os, "replace", killed_between_renames)
+    with pytest.raises(KeyboardInterrupt):
+        _save_sharded(tmp_path, 3)
+    assert not (tmp_path / ckpt.SHARDED_NAME).exists()
+    assert ckpt.find_checkpoint(tmp_path).name == ckpt.SHARDED_NAME + ".old"
+    assert _loaded(tmp_path)[0] == 1
+    monkeypatch.setattr(ckpt.os, "replace", replace)
+    _save_sharded(tmp_path, 4)  # the next save cleans up
+    assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.SHARDED_NAME]
+    assert _loaded(tmp_path)[0] == 4
