@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from memfine.bench import SUITES, BenchOptions, select_methods
-from memfine.bench.options import DEVICES, DTYPES, TABLE1
+from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
 from memfine.bench.runner import run_suites
 from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, name_flag, value
 from memfine.units import parse_bytes
@@ -71,6 +71,12 @@ _FLAGS = (
     Flag("--device", ("device",), "cuda when available with 'auto'", str, DEVICES,
          NotGiven("auto")),
     Flag("--seed", ("seed",), "seed of weights, inputs, routing", default=NotGiven(0)),
+    Flag("--compile", ("compile",), "add a compiled column: <method>_compiled (torch.compile) "
+         "for the memfine methods of the experts and model suites; peak bytes from "
+         "torch.profiler", action="store_true", default=NotGiven(False)),
+    Flag("--compile-backend", ("compile_backend",), "torch.compile backend of the compiled "
+         "methods (aot_eager: no code generation)", str, COMPILE_BACKENDS,
+         NotGiven("inductor")),
 )
 
 
@@ -109,7 +115,8 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         methods=tuple(value(args, "methods") or ()),
         budget_bytes=None if budget.lower() == "auto" else parse_bytes(budget),
         skew_levels=tuple(value(args, "skew_levels")), device=device.type,
-        seed=value(args, "seed")))
+        seed=value(args, "seed"), compile=bool(value(args, "compile")),
+        compile_backend=value(args, "compile_backend")))
 
 
 def _options(args: argparse.Namespace, fields: dict[str, Any]) -> BenchOptions:
@@ -140,7 +147,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
                          f"them or choose another --out")
     for suite in opts.suites:
-        select_methods(suite, opts.methods)  # fail on unknown names before any work
+        select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
     failures = run_suites(opts, device)
     for failure in failures:
         print(f"memfine bench: method failed: {failure}", file=sys.stderr)
