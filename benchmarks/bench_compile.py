@@ -2,7 +2,9 @@
 
 Rows (``provider``): eager fp32, compiled fp32 (inductor, capture_scalar_outputs), eager under
 torch.autocast(bf16) with fp32 master weights; then the streamed fused backward with row blocks
-of ``--block-rows`` rows, eager and compiled (``*_blocks``); then c = 2 chunks with per-chunk
+of ``--block-rows`` rows, eager and compiled (``*_blocks``; under compile the backward is one
+block by default) and compiled with the traced row blocks (``compiled_fp32_streamed``,
+``memfine.ops.fused.function.STREAM_UNDER_COMPILE`` on); then c = 2 chunks with per-chunk
 recompute, eager and compiled (``*_c2``). Each: forward + backward of the layer, median of
 ``--repeats`` after two warm-up calls (the first compiled call compiles); ``saved_bytes``: the
 bytes saved for backward by one forward (saved-tensor hooks, parameters left out; a compiled
@@ -34,6 +36,7 @@ import memfine
 from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
 from memfine.measure import SavedTensorsTracker, profiled_peak_bytes
 from memfine.nn import MoELayer
+from memfine.ops.fused import function as fused_function
 
 OUT = Path(__file__).parent / "results" / "compile_cpu.csv"
 D, N, E, K = 128, 256, 8, 2
@@ -88,6 +91,7 @@ def _variants(args: argparse.Namespace) -> dict[str, tuple[MoEConfig, ChunkConfi
             "eager_autocast_bf16": (base, None, False, True),
             "eager_fp32_blocks": (blocks, None, False, False),
             "compiled_fp32_blocks": (blocks, None, True, False),
+            "compiled_fp32_streamed": (blocks, None, True, False),
             "eager_fp32_c2": (base, c2, False, False),
             "compiled_fp32_c2": (base, c2, True, False)}
 
@@ -95,7 +99,9 @@ def _variants(args: argparse.Namespace) -> dict[str, tuple[MoEConfig, ChunkConfi
 def _config_text(moe: MoEConfig, chunk: ChunkConfig | None) -> str:
     rows = backward_block_rows(moe.backward_block_bytes, D, N, 2 * N, 4)
     c = chunk.num_chunks if chunk is not None else 1
-    return f"d={D},n={N},E={E},k={K},swiglu,fused,block_rows={rows},c={c}"
+    streamed = int(fused_function.STREAM_UNDER_COMPILE)
+    return (f"d={D},n={N},E={E},k={K},swiglu,fused,block_rows={rows},c={c},"
+            f"stream_compiled={streamed}")
 
 
 def _load() -> float:
@@ -117,12 +123,14 @@ def main() -> None:
     grad = torch.randn(args.tokens, D, generator=torch.Generator().manual_seed(2))
     rows: dict[str, tuple[dict[str, float], str]] = {}
     for name, (moe, chunk, compiled, autocast) in _variants(args).items():
+        fused_function.STREAM_UNDER_COMPILE = name.endswith("_streamed")
         torch.manual_seed(0)
         layer = MoELayer(moe, chunk=chunk)
         fn = torch.compile(layer) if compiled else layer
         rows[name] = (_measure(fn, layer, x, grad, args.repeats, autocast),
                       _config_text(moe, chunk))
         torch._dynamo.reset()
+    fused_function.STREAM_UNDER_COMPILE = False
     _write(rows, args, load_start, _load())
 
 

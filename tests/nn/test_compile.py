@@ -19,6 +19,7 @@ from torch._dynamo.utils import counters
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoELayer, MoETransformerLM
+from memfine.ops.fused import function as fused_function
 from tolerances import assert_close
 
 DOCS = Path(__file__).parents[2] / "docs" / "compile.md"
@@ -185,13 +186,20 @@ def _is_weight_grad(node: torch.fx.Node) -> bool:
     return isinstance(val, torch.Tensor) and val.dim() == 3
 
 
-def test_compiled_backward_streams_row_blocks() -> None:
-    """Under compile the fused backward runs one block per B rows of the bound S ≤ T·k: with
-    3 blocks the backward graph has 3× the weight-gradient GEMMs of the one-block backward
-    (w_up and w_down per block), each over at most B rows (MoEBlaze §4.2)."""
-    one = _backward_weight_grads("c1")
-    assert one == 2  # w_up and w_down, one block
-    assert _backward_weight_grads("c1-blocks") == 3 * one
+def test_compiled_backward_is_one_block_by_default() -> None:
+    """The block knob asks for 3 blocks; under compile the backward is one block (w_up and
+    w_down: 2 weight-gradient GEMMs), so the graph does not grow with T·k / B."""
+    assert _backward_weight_grads("c1") == _backward_weight_grads("c1-blocks") == 2
+
+
+def test_compiled_backward_streams_row_blocks_when_enabled(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """With STREAM_UNDER_COMPILE the traced backward runs one block per B rows of the bound
+    S ≤ T·k: 3 blocks, 3× the weight-gradient GEMMs, and eager's values (MoEBlaze §4.2)."""
+    monkeypatch.setattr(fused_function, "STREAM_UNDER_COMPILE", True)
+    assert _backward_weight_grads("c1-blocks") == 3 * 2
+    dynamo.reset()
+    _check_equal_to_eager("c1-blocks", torch.float32, "aot_eager")
 
 
 def _model(chunk: ChunkConfig) -> MoETransformerLM:

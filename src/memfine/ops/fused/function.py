@@ -22,6 +22,10 @@ from memfine.ops.grouped import grouped_mm, grouped_row_sums
 
 # Activations the Triton up-projection kernel computes in its epilogue.
 TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
+# Under torch.compile the backward runs as one block unless this is True: the traced row blocks
+# (:func:`_row_blocks`) equal eager but raised the compiled peak and time where measured
+# (docs/compile.md, "The streamed backward under compile").
+STREAM_UNDER_COMPILE = False
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
@@ -211,12 +215,15 @@ def _row_blocks(S: Any, max_rows: int, block_rows: int, traced: bool
                 ) -> list[tuple[Any, Any]]:
     """The [r0, r1) row blocks of the streamed backward.
 
-    Eager: blocks of ``block_rows`` over the S rows. Under torch.compile S is an unbacked size,
-    so the blocks tile the static bound S ≤ T·k (``max_rows``) and each end is min(S, r0 + B):
-    blocks past S are empty, and the block count is fixed by T and k, not by the routing.
+    Eager: blocks of ``block_rows`` over the S rows. Under torch.compile S is an unbacked size:
+    one block [0, S) by default; with :data:`STREAM_UNDER_COMPILE` the blocks tile the static
+    bound S ≤ T·k (``max_rows``) and each end is min(S, r0 + B), so blocks past S are empty and
+    the block count is fixed by T and k, not by the routing.
     """
     if not traced:
         return [(r0, min(S, r0 + block_rows)) for r0 in range(0, S, block_rows)]
+    if not STREAM_UNDER_COMPILE:
+        return [(0, S)]
     blocks = []
     for r0 in range(0, max(1, max_rows), block_rows):
         r1 = torch.sym_min(S, r0 + block_rows)
