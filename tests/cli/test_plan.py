@@ -150,9 +150,11 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
 @pytest.mark.parametrize(("args", "message"), [
     (["--hidden-size", "0"], "ModelPreset.hidden_size must be >= 1, got 0"),
     (["--num-dense-layers", "2"], r"ModelPreset.num_dense_layers must be in \[0, 1\], got 2"),
-    (["--device-memory", "80"], "--device-memory needs a unit, e.g. 80GiB or 80GB, got '80'"),
-    (["--static-memory", "10"], "--static-memory needs a unit, e.g. 10GiB or 10GB, got '10'"),
-    (["--device-memory", "80 parsecs"], "--device-memory: byte size must look like"),
+    (["--device-memory", "80"], "argument --device-memory: byte size needs a unit, e.g. "
+     "80MiB, 80GiB or 80GB, got '80'"),
+    (["--static-memory", "10"], "argument --static-memory: byte size needs a unit, e.g. "
+     "10MiB, 10GiB or 10GB, got '10'"),
+    (["--device-memory", "80 parsecs"], "argument --device-memory: byte size must look like"),
     (["--micro-batch", "0"], "PlanConfig.micro_batch must be >= 1, got 0"),
     (["--e", "3"], "PlanConfig.e must be a divisor of num_experts=8, got 3"),
     (["--p", "3"], "PlanConfig.p must be with v such that p·v <= num_layers=2, got 3"),
@@ -265,6 +267,51 @@ def test_search_infeasible_names_smallest_memory_and_devices(capsys: pytest.Capt
     assert (f"none of {data['considered']} layouts fits at the worst skew; the least device "
             f"memory that fits on 1 devices is {format_bytes(least)}; {more} devices of "
             "1.00 MiB fit") in out
+
+
+def test_search_skips_data_parallel_sizes_that_cannot_divide_the_global_batch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # 7 devices, 8 layers, 4 heads: t = cp = 1; p = 1 gives dp = 7, which does not divide 64,
+    # so only p = 7, dp = 1 (e = 1) is valid; it used to stop with PlanConfig.global_batch's
+    # divisibility error instead.
+    args = ["--hf-config", str(ASSETS / "mixtral.json"), "--num-layers", "8", "--seq-len",
+            "64", "--device-memory",
+            "1GiB", "--global-batch", "64", "--dtype", "float32", "--search", "--devices", "7",
+            "--json"]
+    code, out, _ = _run(args, capsys)
+    data = json.loads(out)
+    assert code == 0 and data["considered"] > 0
+    assert data["layouts"]
+    assert {(x["p"], x["dp"], x["e"]) for x in data["layouts"]} == {(7, 1, 1)}
+
+
+def test_search_without_a_valid_layout_says_why_and_what_to_try(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # SMALL: L = 2, 4 heads. On 7 devices t = 1, cp = 1, p = 1 and dp = 7, which does not divide
+    # 64; 6 and 5 have no layout either, 4 (dp = 4) and 8 (dp = 8) do.
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *SMALL, "--global-batch", "64", "--search", "--devices", "7"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("memfine plan: error: no valid layout on 7 devices: ")
+    assert "p <= L = 2" in err and "the global batch 64 (--global-batch)" in err
+    assert err.rstrip().endswith("try --devices 4 or 8")
+
+
+@pytest.mark.parametrize(("args", "prefix"), [
+    (["--skew", "0"], "--skew 0: PlanConfig.skews must be"),
+    (["--skew", "1,0.5"], "--skew 1,0.5: PlanConfig.skews must be"),
+    (["--global-batch", "0"], "--global-batch 0: PlanConfig.global_batch must be >= 1"),
+    (["--hidden-size", "0"], "--hidden-size 0: ModelPreset.hidden_size must be >= 1"),
+    (["--micro-batch", "0"], "--micro-batch 0: PlanConfig.micro_batch must be >= 1"),
+])
+def test_config_errors_name_the_flag_as_typed(args: list[str], prefix: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *SMALL, *args])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.startswith(f"memfine plan: error: {prefix}")
 
 
 def _numbers(value: Any) -> list[float]:

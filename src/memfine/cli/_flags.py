@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfine.units import parse_bytes
+
 
 class NotGiven:
     """Default of a flag that was not given.
@@ -76,6 +78,53 @@ def comma_ints(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
                                          f"{text!r}") from None
+
+
+def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
+    """An argparse ``type`` for a byte size that names its unit (``512MiB``, ``80GiB``, ``80GB``).
+
+    A bare number is refused (:func:`memfine.units.parse_bytes` with ``require_unit``): on a
+    command line it is meant as MiB or GiB, and reading it as bytes would be a silent wrong
+    answer.
+
+    Args:
+        keyword: a word that stands for None (``"none"``, ``"auto"``; case-insensitive), or None
+            when every value must be a size.
+
+    Returns:
+        The converter: bytes (int > 0), or None for ``keyword``; it raises
+        ``argparse.ArgumentTypeError`` (argparse names the flag, exit status 2).
+    """
+    def convert(text: str) -> int | None:
+        if keyword is not None and str(text).strip().lower() == keyword:
+            return None
+        try:
+            return parse_bytes(text, require_unit=True)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = "byte size"  # argparse's "invalid <name> value" if it ever shows
+    return convert
+
+
+def run_directory(args: argparse.Namespace, dest: str = "out") -> Path:
+    """The run directory a checkpoint command reads (``--out DIR`` of ``memfine train``).
+
+    Raises:
+        ValueError: naming the flag when it is missing, names a file, or does not exist.
+    """
+    flag = "--" + dest.replace("_", "-")
+    got = value(args, dest)
+    if got is None:
+        raise ValueError(f"{flag} is required: the run directory of memfine train")
+    path = Path(got)
+    if path.is_file():
+        raise ValueError(f"{flag} {str(path)!r} is a file; {flag} takes the run directory of "
+                         f"memfine train (the directory holding checkpoint.pt)")
+    if not path.exists():
+        raise ValueError(f"{flag} {str(path)!r} does not exist; {flag} takes the run directory "
+                         f"of memfine train (the directory holding checkpoint.pt)")
+    return path
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, value
+from memfine.cli._flags import Flag, NotGiven, add_flags, run_directory, value
 from memfine.runs.inference import export_safetensors, load_trained
 
 _FLAGS = (
@@ -30,9 +30,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, or the
             target exists without ``--overwrite``.
     """
-    out = value(args, "out")
-    if out is None:
-        raise ValueError("--out is required")
+    out = run_directory(args)
     target = Path(value(args, "to") or Path(out) / "model.safetensors")
     config_path = target.with_name(f"{target.stem}_config.json")
     existing = [str(p) for p in (target, config_path) if p.exists()]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, value
+from memfine.cli._flags import Flag, NotGiven, add_flags, run_directory, value
 from memfine.runs.inference import generate_text, load_trained
 
 _FLAGS = (
@@ -31,10 +31,10 @@ def run(args: argparse.Namespace) -> int:
         ValueError: when ``--out`` or ``--prompt`` is missing, the checkpoint is missing or
             corrupt, or a value is out of range.
     """
-    for required in ("out", "prompt"):
-        if value(args, required) is None:
-            raise ValueError(f"--{required} is required")
-    trained = load_trained(value(args, "out"), device=value(args, "device"))
+    out = run_directory(args)
+    if value(args, "prompt") is None:
+        raise ValueError("--prompt is required: the text to continue")
+    trained = load_trained(out, device=value(args, "device"))
     prompt = value(args, "prompt")
     text = generate_text(trained, prompt, max_new_bytes=value(args, "max_new_bytes"),
                          temperature=value(args, "temperature"), seed=value(args, "seed"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from pathlib import Path
 from typing import Any, get_args
 
@@ -22,6 +21,7 @@ from memfine.cli._flags import (
     NotGiven,
     add_flags,
     apply_config_file,
+    byte_size,
     comma_ints,
     given,
     name_flag,
@@ -43,7 +43,6 @@ from memfine.runs.checkpoint import find_checkpoint, read_checkpoint
 from memfine.runs.rundir import check_run_dir
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
 from memfine.train.setup import RESUMABLE_FIELDS
-from memfine.units import parse_bytes
 
 
 def _optional_float(text: str) -> float | None:
@@ -62,23 +61,6 @@ def _optional_int(text: str) -> int | None:
         return None if text.lower() == "none" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
-
-
-def _budget(text: str) -> int | None:
-    if re.fullmatch(r"\s*[0-9.]+\s*", text):  # a bare number was meant as MiB or GiB, not bytes
-        raise argparse.ArgumentTypeError(f"needs a unit, e.g. {text.strip()}MiB or "
-                                         f"{text.strip()}GiB, got {text!r}")
-    try:
-        return None if text.lower() == "none" else parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _block_bytes(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 _CONFIG_FLAGS = (
@@ -133,12 +115,12 @@ _CONFIG_FLAGS = (
     Flag("--index-builder", ("model.moe.index_builder",), "dispatch index builder", str,
          get_args(IndexBuilder)),
     Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
-         "row block of the fused experts' streamed backward, e.g. 16MiB", _block_bytes),
+         "row block of the fused experts' streamed backward, e.g. 16MiB", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
          "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
     Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "per-layer MoE "
          "activation budget, e.g. 512MiB; c is then chosen per step (MACT); 'none' for a fixed "
-         "c", _budget, aliases=("--moe-memory-budget",)),
+         "c", byte_size("none"), aliases=("--moe-memory-budget",)),
     Flag("--recompute", ("model.chunk.recompute",), "recompute mode of the MoE layers", str,
          get_args(Recompute)),
     Flag("--bins", ("model.chunk.bins",), "allowed chunk counts c, comma-separated",
