@@ -23,8 +23,8 @@ SUBCOMMANDS = {
     "bench": "measure memory and speed of MoE methods side by side",
 }
 
-_MODULES = {"eval": "evaluate"}
-_KINETO_QUIET = "6"  # above kineto's highest message level (USDT = 5)  # a module named eval would shadow the builtin in tools
+_MODULES = {"eval": "evaluate"}  # a module named eval would shadow the builtin in tools
+_KINETO_QUIET = "6"  # above kineto's highest message level (USDT = 5)
 
 
 class _Parser(argparse.ArgumentParser):

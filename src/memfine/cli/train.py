@@ -250,11 +250,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
             if given(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
                                  f"configuration comes from the checkpoint in {str(out)!r}")
-        tree = read_checkpoint(find_checkpoint(out))["config"]
+        tree = _checkpoint_of("--out", out)["config"]
     else:
         tree = preset(name).to_dict()
         if given(args, "init_from"):
-            source = read_checkpoint(find_checkpoint(Path(value(args, "init_from"))))
+            source = _checkpoint_of("--init-from", Path(value(args, "init_from")))
             tree["model"] = source["config"]["model"]  # and its context length:
             tree["seq_len"] = source["config"]["seq_len"]
     _apply_flags(args, tree, resume=resume, out=out)
@@ -264,6 +264,14 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         return TrainConfig.from_dict(tree), out
     except ValueError as err:
         raise ValueError(name_flag(str(err), args, _SETTING_FLAGS)) from err
+
+
+def _checkpoint_of(flag: str, run_dir: Path) -> dict[str, Any]:
+    """The newest checkpoint payload of ``run_dir``; a ValueError names ``flag``."""
+    try:
+        return read_checkpoint(find_checkpoint(run_dir))
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from err
 
 
 def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
