@@ -3,6 +3,7 @@ subcommand, checkpoint commands on a path that is not a run directory, no profil
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import subprocess
@@ -10,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from memfine.cli.bench import add_arguments, options_from_args
 from memfine.cli.main import main
 
 
@@ -63,12 +66,6 @@ def test_a_bare_number_needs_a_unit_in_every_subcommand(
 
 
 def test_bench_memory_budget_takes_a_unit_and_auto() -> None:
-    from memfine.cli.bench import add_arguments, options_from_args
-
-    import argparse
-
-    import torch
-
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     cpu = torch.device("cpu")
