@@ -36,7 +36,7 @@ def test_quick_start_covers_every_subcommand() -> None:
 def test_quick_start_command_parses_and_reads_files_in_the_repository(command: str) -> None:
     argv = shlex.split(command)[1:]
     if {"--help", "--version", "-V"} & set(argv):
-        return  # argparse exits for these; test_usage.py covers --version
+        return  # argparse exits for these; test_main.py covers --version
     _, unknown = build_parser().parse_known_args(argv)
     assert unknown == [], command
     for flag in READ_FLAGS:
