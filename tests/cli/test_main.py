@@ -115,3 +115,33 @@ def test_bench_prints_no_profiler_trace_lines(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr
     assert "experts" in done.stdout and (tmp_path / "bench_experts.csv").exists()
     assert "USDT" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", [["eval"], ["generate", "--prompt", "x"]])
+@pytest.mark.parametrize(("device", "message"), [
+    ("bogus", "--device 'bogus' is not a torch device; use cpu or cuda[:i]"),
+    ("cuda", "--device cuda needs CUDA, and this torch has no CUDA device"),
+])
+def test_checkpoint_commands_refuse_a_device_before_loading(
+        tmp_path: Path, command: list[str], device: str, message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    line = _usage_error([command[0], "--out", str(tmp_path), "--device", device, *command[1:]],
+                        capsys)
+    assert line.startswith(f"memfine {command[0]}: error: {message}")
+
+
+def test_export_to_a_missing_folder_names_it(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "missing" / "m.safetensors"
+    line = _usage_error(["export", "--out", str(tmp_path), "--to", str(target)], capsys)
+    assert line == (f"memfine export: error: --to '{target}': the folder '{target.parent}' does "
+                    f"not exist; create it or choose another --to")
+
+
+def test_train_checks_its_flags_before_the_run_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{}")  # an earlier run's file
+    line = _usage_error(["train", "--threads", "0", "--out", str(tmp_path)], capsys)
+    assert line == "memfine train: error: --threads must be >= 1, got 0"

@@ -160,6 +160,7 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
     (["--micro-batch", "0"], "error: --micro-batch 0: PlanConfig.micro_batch must be >= 1, "
      "got 0"),
     (["--e", "3"], "error: --e 3: PlanConfig.e must be a divisor of num_experts=8, got 3"),
+    (["--t", "3"], "error: --t 3: PlanConfig.t must be a divisor of num_heads=4, got 3"),
     (["--p", "3"], "PlanConfig.p must be with v such that p·v <= num_layers=2, got 3"),
     (["--skew", "0.5"], r"error: --skew 0.5: PlanConfig.skews must be a non-empty tuple of "
      r"numbers >= 1"),

@@ -127,6 +127,29 @@ def run_directory(args: argparse.Namespace, dest: str = "out") -> Path:
     return path
 
 
+def check_device(device: str, flag: str = "--device") -> str:
+    """Refuse a torch device this machine cannot run before anything is loaded or written.
+
+    Returns:
+        ``device`` unchanged.
+
+    Raises:
+        ValueError: naming the flag when ``device`` is not a torch device string, or asks for
+            CUDA where this torch has no CUDA device.
+    """
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag} {device!r} is not a torch device; use cpu or cuda[:i]"
+                         ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {device} needs CUDA, and this torch has no CUDA device "
+                         f"(torch {torch.__version__}); use {flag} cpu")
+    return device
+
+
 @dataclass(frozen=True, slots=True)
 class Flag:
     """One command-line flag and the config fields it sets.

@@ -6,7 +6,14 @@ import argparse
 import json
 from pathlib import Path
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, run_directory, value
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    check_device,
+    run_directory,
+    value,
+)
 from memfine.runs.inference import evaluate_text, load_trained
 
 _FLAGS = (
@@ -32,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, or the text
             is missing, empty, binary or too short.
     """
-    trained = load_trained(run_directory(args), device=value(args, "device"))
+    trained = load_trained(run_directory(args), device=check_device(value(args, "device")))
     result = evaluate_text(trained, value(args, "data"))
     if value(args, "json"):
         print(json.dumps({"step": trained.step, "data": result.description,

@@ -27,12 +27,15 @@ def run(args: argparse.Namespace) -> int:
     """Export; returns 0.
 
     Raises:
-        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, or the
-            target exists without ``--overwrite``.
+        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, the
+            target's folder does not exist, or the target exists without ``--overwrite``.
     """
     out = run_directory(args)
     target = Path(value(args, "to") or Path(out) / "model.safetensors")
     config_path = target.with_name(f"{target.stem}_config.json")
+    if not target.parent.is_dir():
+        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
+                         f"exist; create it or choose another --to")
     existing = [str(p) for p in (target, config_path) if p.exists()]
     if existing and not value(args, "overwrite"):
         raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "

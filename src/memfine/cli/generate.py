@@ -5,7 +5,14 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, run_directory, value
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    check_device,
+    run_directory,
+    value,
+)
 from memfine.runs.inference import generate_text, load_trained
 
 _FLAGS = (
@@ -34,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     out = run_directory(args)
     if value(args, "prompt") is None:
         raise ValueError("--prompt is required: the text to continue")
-    trained = load_trained(out, device=value(args, "device"))
+    trained = load_trained(out, device=check_device(value(args, "device")))
     prompt = value(args, "prompt")
     text = generate_text(trained, prompt, max_new_bytes=value(args, "max_new_bytes"),
                          temperature=value(args, "temperature"), seed=value(args, "seed"))

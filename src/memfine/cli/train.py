@@ -14,8 +14,6 @@ import os
 from pathlib import Path
 from typing import Any, get_args
 
-import torch
-
 from memfine import config
 from memfine.cli._flags import (
     Flag,
@@ -23,6 +21,7 @@ from memfine.cli._flags import (
     add_flags,
     apply_config_file,
     byte_size,
+    check_device,
     comma_ints,
     given,
     name_flag,
@@ -287,13 +286,11 @@ def run(args: argparse.Namespace) -> int:
     """
     config, out = resolve_config(args)
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
-    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
-    if str(config.device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
-                         f"(torch {torch.__version__}); use --device cpu")
+    check_device(config.device)  # the flags first, then the directory
     threads = value(args, "threads")
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     parallel = _parallel(args, config)
     finished = False
     try:
