@@ -33,15 +33,15 @@ def step_forward(model: nn.Module, config: TrainConfig) -> Callable[..., Any]:
         config: the run; ``config.compile`` selects ``torch.compile(model)``.
 
     Returns:
-        ``forward(*args)`` returning what ``model(*args)`` returns.
+        ``forward(*args, **kwargs)`` returning what ``model(*args, **kwargs)`` returns.
     """
     if not config.compile:
         return model
     compiled = torch.compile(model)
 
-    def forward(*args: Any) -> Any:
+    def forward(*args: Any, **kwargs: Any) -> Any:
         with torch._dynamo.config.patch(capture_scalar_outputs=True):
-            return compiled(*args)
+            return compiled(*args, **kwargs)
 
     return forward
 
