@@ -111,8 +111,10 @@ class Block(nn.Module):
 
     def forward(self, x_BQD: torch.Tensor, step_selection_counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, MoEAux]:
-        """(B, Q, d) → ((B, Q, d), MoEAux); ``step_selection_counts`` (E + 1,) as
-        :meth:`MoELayer.forward`."""
+        """(B, Q, d) → ((B, Q, d), MoEAux).
+
+        ``step_selection_counts``: optional (E + 1,) int64, as :meth:`MoELayer.forward`.
+        """
         if self.recompute == "full" and torch.is_grad_enabled():
             # NOTE(memory): keeps x (T·d) instead of the attention activations (q, k, v, scores
             # output, norms: several T·d); recomputed once in backward.
