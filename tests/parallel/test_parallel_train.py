@@ -198,3 +198,12 @@ def test_checkpoint_of_another_model_shape_is_one_line(tmp_path: Path, single_ru
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--hidden-size cannot change on --resume" in lines[0], lines
     assert {p.name: p.read_bytes() for p in single_run.iterdir() if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_compile_with_expert_parallelism(tmp_path: Path, single_run: Path) -> None:
+    """``--compile`` at (dp_shard, ep) = (1, 2): each block's collective-free regions run
+    compiled, the experts' all-to-alls and FSDP2's hooks eagerly; the run equals one process."""
+    out = tmp_path / "run"
+    _train(tmp_path, out, (1, 2), "--max-steps", "20", "--compile")
+    _assert_same_run(out, single_run)

@@ -13,7 +13,8 @@ the step's mean valid tokens per (rank, micro-batch) share: the mean over micro-
 is the N·B batch's loss, and its gradient the N·B batch's gradient.
 
 Cost: one extra forward per micro-batch without autograd (no saved activations; under expert
-parallelism its all-to-alls too), about a third of a micro-batch's forward + backward arithmetic;
+parallelism its all-to-alls too), about a third of a micro-batch's forward + backward arithmetic
+(forward : backward FLOPs = 1 : 2, docs/design.md §5);
 it runs only when N > 1 and ``aux_loss_coef`` > 0 (the only case where f moves a gradient).
 Routing decides the same in both passes: the same weights, inputs and autocast region; the RNG
 state (router jitter) is restored after the pre-pass, so the real pass draws the same noise in

@@ -55,7 +55,7 @@ def step_forward(model: nn.Module, config: TrainConfig, *,
     return forward
 
 
-def compile_regions(model: nn.Module) -> nn.Module:
+def compile_regions(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
     """Compile, in place, every block's regions that issue no collective; return ``model``.
 
     For each block of ``model.blocks``: ``attn_norm``, ``attn``, ``moe_norm`` and
@@ -66,6 +66,7 @@ def compile_regions(model: nn.Module) -> nn.Module:
 
     Args:
         model: a :class:`memfine.nn.MoETransformerLM`, sharded or not.
+        backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager``).
 
     Returns:
         ``model`` itself (its regions now run compiled wherever it is called, evaluation and
@@ -75,7 +76,7 @@ def compile_regions(model: nn.Module) -> nn.Module:
     for block in getattr(model, "blocks", ()):
         regions += [block.attn_norm, block.attn, block.moe_norm, block.moe.router]
     for region in regions:
-        region.compile()
+        region.compile(backend=backend)
     return model
 
 
