@@ -385,8 +385,10 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
         "balanced": lambda: eq([3, 5, 0, 4], E, _balanced),
         "one_rank_receives_all": lambda: eq([4, 4, 4, 4], E, _to_rank0, num_chunks=2,
                                             recompute="experts"),
-        "ep2_dp2_lm_step": lambda: _lm_step_equals_single_process(build_context(2, 2),
-                                                                  ChunkConfig()),
+        # experts FSDP-sharded over dp_shard = 2, c = 2 chunks sharing their weight-gradient
+        # buffers across FSDP2's reshard and re-gather (recompute reads the re-gathered weights)
+        "ep2_dp2_lm_step": lambda: _lm_step_equals_single_process(
+            build_context(2, 2), ChunkConfig(num_chunks=2, recompute="experts")),
         "ep4_lm_step": lambda: _lm_step_equals_single_process(ctx, ChunkConfig()),
         "dp4_lm_step": lambda: _lm_step_equals_single_process(build_context(4, 1),
                                                               ChunkConfig()),
