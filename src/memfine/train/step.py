@@ -22,7 +22,7 @@ import torch
 from memfine.config import TrainConfig
 from memfine.data import train_batch
 from memfine.runs.memory_log import measured_peak, predicted_moe_layer_peak
-from memfine.train.execution import autocast_region
+from memfine.train.accumulation import micro_batch, routing_prepass
 from memfine.train.setup import RunState
 
 # What one micro-batch returns: (3,) [CE, LBL, z-loss], (L, E) counts, c per layer, drops.
@@ -39,8 +39,8 @@ class StepRecord:
         lr: learning rate the step used.
         grad_norm: global gradient norm before clipping.
         load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
-            and ranks: each micro-batch's value over all ranks' tokens, with its own expert
-            fractions f).
+            and ranks: with the balancing loss on, the whole step's value, f over every
+            micro-batch and rank; with ``aux_loss_coef`` 0 each micro-batch's own f).
         z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
@@ -84,7 +84,9 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
 
     The step's batch of N·B sequences (N = ``grad_accum``) runs as N micro-batches of B, each
     loss divided by N, so the summed gradients are those of the whole batch; gradients are
-    reduced over the ranks on the last micro-batch only.
+    reduced over the ranks on the last micro-batch only. With N > 1 and the balancing loss on,
+    a routing pre-pass first counts the step's expert selection, so every micro-batch's aux
+    losses use the whole step's f (:mod:`memfine.train.accumulation`).
 
     Raises:
         ValueError: when the training loss is not finite (divergence).
@@ -95,9 +97,13 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     x_NBQ, y_NBQ = train_batch(run.corpus.train_ids, batch_size=N * B, seq_len=config.seq_len,
                                seed=config.seed, step=step_index)
     run.optimizer.zero_grad(set_to_none=True)
+    step_counts = routing_prepass(run, x_NBQ)  # the step's f (None unless it matters)
+    outs: list[MicroOut] = []
     with measured_peak(run.device, logs_at(config, step_index + 1)) as tracker:
-        outs = [_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B], m)
-                for m in range(N)]
+        for m in range(N):
+            parallel.set_gradient_sync(run.model, m == N - 1)
+            outs.append(micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
+                                    N, step_counts))
     grad_norm, lr = _update(run, step_index)
     dt = time.perf_counter() - t0
     run.run_time, run.log_time, run.log_steps = (run.run_time + dt, run.log_time + dt,
@@ -118,31 +124,6 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
         peak_bytes=None if tracker is None else tracker.peak_bytes,
         peak_bytes_predicted=None if tracker is None else [
             predicted_moe_layer_peak(config, local_tokens, c) for c in num_chunks])
-
-
-def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, index: int
-                 ) -> MicroOut:
-    """Forward and backward of micro-batch ``index`` of the step (this rank's rows of it).
-
-    Returns:
-        (3,) detached [cross-entropy, load-balancing loss, z-loss] of this rank, the (L, E)
-        tokens per expert of this rank, the chunk count c per layer and the pairs dropped by
-        capacity per layer (0 when dropless).
-    """
-    config, moe = run.config, run.config.model.moe
-    run.parallel.set_gradient_sync(run.model, index == config.grad_accum - 1)
-    x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
-    forward = run.forward or run.model  # the compiled step when --compile
-    with autocast_region(run.device, config):
-        out = forward(x_BQ.to(run.device), y_BQ.to(run.device))
-        loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
-                + moe.z_loss_coef * out.z_loss)
-        if moe.seq_aux_loss_coef > 0:
-            loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
-    (loss / config.grad_accum).backward()
-    losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
-    dropped = [int(a.dropped_pairs or 0) for a in out.aux]
-    return losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped
 
 
 def _update(run: RunState, step_index: int) -> tuple[float, float]:
