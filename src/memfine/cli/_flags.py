@@ -107,26 +107,6 @@ def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
     return convert
 
 
-def run_directory(args: argparse.Namespace, dest: str = "out") -> Path:
-    """The run directory a checkpoint command reads (``--out DIR`` of ``memfine train``).
-
-    Raises:
-        ValueError: naming the flag when it is missing, names a file, or does not exist.
-    """
-    flag = "--" + dest.replace("_", "-")
-    got = value(args, dest)
-    if got is None:
-        raise ValueError(f"{flag} is required: the run directory of memfine train")
-    path = Path(got)
-    if path.is_file():
-        raise ValueError(f"{flag} {str(path)!r} is a file; {flag} takes the run directory of "
-                         f"memfine train (the directory holding checkpoint.pt)")
-    if not path.exists():
-        raise ValueError(f"{flag} {str(path)!r} does not exist; {flag} takes the run directory "
-                         f"of memfine train (the directory holding checkpoint.pt)")
-    return path
-
-
 def check_device(device: str, flag: str = "--device") -> str:
     """Refuse a torch device this machine cannot run before anything is loaded or written.
 

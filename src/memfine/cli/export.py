@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.cli._flags import Flag, NotGiven, add_flags, run_directory, value
+from memfine.cli._checkpoint import OUT_FLAG, run_directory
+from memfine.cli._flags import Flag, NotGiven, add_flags, value
 from memfine.runs.inference import export_safetensors, load_trained
 
 _FLAGS = (
-    Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
-         default=NotGiven(text="required")),
+    OUT_FLAG,
     Flag("--to", (), "the safetensors file to write (the config goes to <stem>_config.json "
          "beside it)", Path, default=NotGiven(text="--out/model.safetensors")),
     Flag("--overwrite", (), "replace existing files", action="store_true",
