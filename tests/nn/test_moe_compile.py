@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo as dynamo
+from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
@@ -169,9 +170,10 @@ def _backward_weight_grads(case: str) -> int:
     def bw_compiler(gm: torch.fx.GraphModule, _: object) -> object:
         counts.append(sum("grouped" in str(n.target) and _is_weight_grad(n)
                           for n in gm.graph.nodes))
-        return gm.forward
+        return make_boxed_func(gm.forward)
 
-    backend = aot_autograd(fw_compiler=lambda gm, _: gm.forward, bw_compiler=bw_compiler)
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           bw_compiler=bw_compiler)
     layer = _layer(case)
     with dynamo.config.patch(capture_scalar_outputs=True):
         _step(torch.compile(layer, backend=backend, fullgraph=True), layer,
