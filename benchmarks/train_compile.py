@@ -4,7 +4,7 @@ Runs ``python -m memfine train --preset tiny --max-steps N`` twice, eager and wi
 ``--compile`` (inductor, the compilation included in its time), into temporary run directories.
 The tiny preset logs every step, and a logged step measures its peak under the live-storage
 tracker, a ``TorchDispatchMode`` under which Dynamo does not compile: those steps would run
-eagerly. Both runs therefore replace ``memfine.train.loop.measured_peak`` with a context that
+eagerly. Both runs therefore replace ``memfine.train.step.measured_peak`` with a context that
 measures nothing (``peak_bytes`` is then not logged), so every step of the compiled run runs the
 compiled graph. Writes benchmarks/results/train_compile_cpu.csv: one row per run and step with
 the training loss (nats/byte), then the largest absolute loss difference (nats/byte), each run's
@@ -38,8 +38,8 @@ COLUMNS = ["benchmark", "provider", "metric", "unit", "step", "value", "torch", 
 # `python -m memfine ...` with the logged steps' peak measurement replaced by a no-op.
 _UNMEASURED_RUN = """
 import contextlib, runpy, sys
-import memfine.train.loop as loop
-loop.measured_peak = lambda device, enabled: contextlib.nullcontext(None)
+import memfine.train.step as step
+step.measured_peak = lambda device, enabled: contextlib.nullcontext(None)
 sys.argv = sys.argv[1:]
 runpy.run_module("memfine", run_name="__main__")
 """
