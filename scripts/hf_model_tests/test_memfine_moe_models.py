@@ -17,6 +17,7 @@ under 3M parameters that runs a forward pass; ``SKIPPED`` holds the others with 
 
 from __future__ import annotations
 
+import os
 import unittest
 from pathlib import Path
 
@@ -112,9 +113,14 @@ def _auto_arch(model_type: str) -> tuple[tuple[str, str, str, dict[str, object]]
     return (config.__class__.__name__, base, causal, keys), ""
 
 
+# MEMFINE_HF_ARCHS=a,b (set by scripts/run_hf_model_tests.sh --arch): build and test only these
+# architectures (probing all of them at import takes a minute or more on a loaded CPU).
+_ONLY = {a for a in os.environ.get("MEMFINE_HF_ARCHS", "").split(",") if a}
+if _ONLY:
+    ARCHS = {arch: entry for arch, entry in ARCHS.items() if arch in _ONLY}
 SKIPPED: dict[str, str] = {}
 for _arch in _experts_architectures():
-    if _arch in ARCHS:
+    if _arch in ARCHS or (_ONLY and _arch not in _ONLY):
         continue
     _entry, _why = _auto_arch(_arch)
     if _entry is None:
