@@ -152,7 +152,7 @@ def rows_of(model_type: str, impl: str, log: dict[str, Any], config: dict[str, A
                ("saved_bytes", "bytes", log["saved_bytes"]),
                ("first_loss", "nats/byte", log["loss"][0]),
                ("final_loss", "nats/byte", log["loss"][-1])]
-    return [csv_row(benchmark="hf_finetune", provider=impl, mode="full", metric=metric,
+    return [csv_row(benchmark="hf_finetune", method=impl, mode="full", metric=metric,
                     unit=unit, x_name="model", x_value=model_type, values=values,
                     config=config, env=env) for metric, unit, values in metrics]
 

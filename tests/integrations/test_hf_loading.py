@@ -1,6 +1,8 @@
 """Loading saved tiny checkpoints of every family with and without memfine's per-model options.
 
-Three ways to set options on an ordinary checkpoint (one whose config has no ``memfine_experts``):
+Four ways to set options on an ordinary checkpoint (one whose config has no ``memfine_experts``):
+transformers' own ``from_pretrained(path, experts_implementation=NAME)`` with a name that
+:func:`register` bound to options (nothing is written into the config),
 :func:`memfine.integrations.transformers.from_pretrained`, :func:`configure` after loading, and
 a checkpoint saved after :func:`configure`. Each loaded model's logits are compared with the same
 checkpoint loaded with ``"eager"``, and a spy counts the chunks every MoE layer ran with.
@@ -67,6 +69,14 @@ def test_load_with_and_without_options(checkpoint: tuple[Path, torch.Tensor, int
     assert not hasattr(plain.config, mf_hf.CONFIG_ATTRIBUTE)
     assert_close(_logits(plain), eager_logits)
     assert chunk_calls == []  # no options: unchunked
+    mf_hf.register(name="memfine_4_chunks", num_chunks=4)
+    named = auto.from_pretrained(path, experts_implementation="memfine_4_chunks")
+    assert not hasattr(named.config, mf_hf.CONFIG_ATTRIBUTE)
+    assert_close(_logits(named), eager_logits)
+    assert chunk_calls == [4] * layers
+    chunk_calls.clear()
+    named.save_pretrained(path / "resaved")  # the name is not written into config.json
+    assert "memfine" not in (path / "resaved" / "config.json").read_text()
     loaded = mf_hf.from_pretrained(auto, path, memfine_experts={"chunk": {"num_chunks": 2}})
     assert loaded.config._experts_implementation == "memfine"
     assert_close(_logits(loaded), eager_logits)
