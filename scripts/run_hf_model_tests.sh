@@ -50,7 +50,8 @@ touch "$T/__init__.py" "$T/exporters/__init__.py" "$T/generation/__init__.py" \
   > "$T/exporters/test_export.py"
 [ -f "$T/generation/test_utils.py" ] || printf 'class GenerationTesterMixin:\n    pass\n' \
   > "$T/generation/test_utils.py"
-cp scripts/hf_model_tests/test_memfine_moe_models.py "$T/models/memfine_moe/"
+cp scripts/hf_model_tests/test_memfine_moe_models.py tests/integrations/hf_models.py \
+  "$T/models/memfine_moe/"
 cp scripts/hf_model_tests/conftest.py "$WORK/conftest.py"
 export RUN_TRAINING_TESTS=${RUN_TRAINING_TESTS:-1}
 LISTING="$WORK/architectures.json"
