@@ -92,7 +92,8 @@ def summary_lines(slices: Path, listing: dict) -> tuple[list[str], int]:
             extra_args.append(f"  {arch}: {settings}")
         for impl in IMPLS:
             totals[impl].update(res[impl])
-            lines.append(f"{arch if impl == 'eager' else '':<18} {impl:<8} {counts_text(res[impl])}")
+            name = arch if impl == "eager" else ""
+            lines.append(f"{name:<18} {impl:<8} {counts_text(res[impl])}")
         differ += [f"DIFF {arch} {t}: eager {res['eager'].get(t, ('absent',))[0]} -> memfine "
                    f"{res['memfine'].get(t, ('absent', ''))[0]} "
                    f"{res['memfine'].get(t, ('', ''))[1]}" for t in differing(*res.values())]
@@ -104,7 +105,9 @@ def summary_lines(slices: Path, listing: dict) -> tuple[list[str], int]:
                      if o in ("failed", "error") and totals["eager"].get(t, ("",))[0] == o)
     lines += ["", "failed or errored with both implementations (test: architectures):"]
     lines += [f"  {name}: {n}" for name, n in sorted(shared.items())] or ["  none"]
-    lines += ["", "slices run with other settings than RUN_TRAINING_TESTS=1 and no pytest arguments:", *(extra_args or ["  none"])]
+    lines += ["", "slices run with other settings than RUN_TRAINING_TESTS=1 and no pytest "
+              "arguments (RUN_TRAINING_TESTS=0 skips test_training_overfit, 300 steps):",
+              *(extra_args or ["  none"])]
     lines += ["", "not run yet: " + (", ".join(missing) or "none")]
     lines += ["", f"not run ({len(listing['not_run'])}; their experts classes are compared with "
               "eager at the experts level by tests/integrations):"]

@@ -11,7 +11,10 @@ Usage::
 per-chunk recompute (MemFine); :func:`configure` sets the same options on one model (stored in its
 config as ``memfine_experts``, saved with it, taking precedence over ``register``'s);
 :func:`from_pretrained` loads any checkpoint with per-model options
-(``from_pretrained(AutoModelForCausalLM, path, memfine_experts={"chunk": {"num_chunks": 4}})``).
+(``from_pretrained(AutoModelForCausalLM, path, memfine_experts={"chunk": {"num_chunks": 4}})``);
+``register(name="memfine_4_chunks", num_chunks=4)`` binds options to a name that transformers'
+own ``from_pretrained(path, experts_implementation="memfine_4_chunks")`` accepts for any
+checkpoint (nothing is written into the config).
 
 Nothing happens on import: transformers is imported by :func:`register` only (extra
 ``memfine[hf]``), and nothing in transformers is patched; the function is added to

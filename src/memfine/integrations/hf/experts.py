@@ -27,8 +27,13 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
-from memfine.ops import (GroupedMatmulFunction, autocast_operands, combine_rows, gather_rows,
-                         run_experts)
+from memfine.ops import (
+    GroupedMatmulFunction,
+    autocast_operands,
+    combine_rows,
+    gather_rows,
+    run_experts,
+)
 from memfine.ops.experts import grouped_up_projection
 from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
@@ -46,9 +51,11 @@ def _rows_bias(bias_EO: torch.Tensor, index: RoutingIndex) -> torch.Tensor:
 
 
 def compute_dtype(x_TD: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the experts compute in: the autocast dtype inside ``torch.autocast`` on x's
-    device (for floating weights other than float64, as autocast treats ``nn.Linear``), else
-    the weights' dtype."""
+    """The dtype the experts compute in (autocast's, else the weights').
+
+    Inside ``torch.autocast`` on x's device it is the autocast dtype (for floating weights other
+    than float64, as autocast treats ``nn.Linear``); otherwise ``weights_dtype``.
+    """
     device_type = x_TD.device.type
     if (weights_dtype.is_floating_point and weights_dtype != torch.float64
             and torch.amp.is_autocast_available(device_type)
