@@ -20,12 +20,7 @@ from tolerances import assert_close
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "
                                    "(pip install 'memfine[hf]')")
 
-from hf_models import (  # noqa: E402
-    CAUSAL_LMS,
-    experts_architectures,
-    experts_modules,
-    tiny_causal_lm,
-)
+import hf_models  # noqa: E402
 
 from memfine.integrations import transformers as mf_hf  # noqa: E402
 from memfine.integrations.hf import experts as hf_experts  # noqa: E402
@@ -51,7 +46,7 @@ def chunk_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, torch.Tensor, int]:
     """A saved tiny checkpoint (no memfine options), its eager logits, its MoE layer count."""
     try:
-        model = tiny_causal_lm(request.param)
+        model = hf_models.tiny_causal_lm(request.param)
     except ValueError as err:  # multimodal, or a layout the generic shrink cannot build
         pytest.skip(str(err))
     model.save_pretrained(tmp_path)
@@ -59,7 +54,7 @@ def checkpoint(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, to
                                                               experts_implementation="eager")
     with torch.no_grad():
         logits = eager(input_ids=IDS).logits
-    return tmp_path, logits, len(experts_modules(model))
+    return tmp_path, logits, len(hf_models.experts_modules(model))
 
 
 def _logits(model: torch.nn.Module) -> torch.Tensor:
@@ -69,8 +64,8 @@ def _logits(model: torch.nn.Module) -> torch.Tensor:
 
 def _families() -> list[object]:
     """Every architecture with an experts module; the six hand-written ones in the default run."""
-    return [pytest.param(a, id=a, marks=() if a in CAUSAL_LMS else pytest.mark.slow)
-            for a in sorted({*CAUSAL_LMS, *experts_architectures()})]
+    return [pytest.param(a, id=a, marks=() if a in hf_models.CAUSAL_LMS else pytest.mark.slow)
+            for a in sorted({*hf_models.CAUSAL_LMS, *hf_models.experts_architectures()})]
 
 
 @pytest.mark.parametrize("checkpoint", _families(), indirect=True)
