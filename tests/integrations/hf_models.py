@@ -158,8 +158,8 @@ def tiny_experts(model_type: str, seed: int = 0) -> list[nn.Module]:
 
 
 # Whole causal LMs of every architecture, shrunk generically from the default config (used by
-# tests/integrations/test_transformers_loading.py and by scripts/run_hf_model_tests.sh, which copies this
-# file next to transformers' test mixins).
+# tests/integrations/test_transformers_loading.py and by scripts/run_hf_model_tests.sh, which
+# copies this file next to transformers' test mixins).
 _LM_SHRINK = dict(
     hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
     intermediate_size=40, moe_intermediate_size=N_ODD, expert_intermediate_size=N_ODD,
