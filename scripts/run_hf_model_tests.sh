@@ -24,6 +24,9 @@
 # Usage:
 #   scripts/run_hf_model_tests.sh                   # every architecture, slice by slice
 #   scripts/run_hf_model_tests.sh --arch olmoe,gpt_oss [extra pytest args, e.g. -x]
+#   scripts/run_hf_model_tests.sh --checks          # only memfine's in-test checks against
+#                                                   # eager (generation, padded aux loss), every
+#                                                   # architecture in one process (minutes)
 #   scripts/run_hf_model_tests.sh --list            # architectures run / not run (with why)
 #   scripts/run_hf_model_tests.sh --summary [FILE]  # all slices -> one summary (stdout or FILE)
 # Env: PY (python, default .venv/bin/python), HF_TESTS_DIR (work dir, default
@@ -87,6 +90,14 @@ run_slice() {  # run_slice ARCH [pytest args]: both implementations, JUnit XML p
 case "${1:-}" in
   --list)
     list_architectures && cat "$LISTING"; exit 0 ;;
+  --checks)
+    shift
+    (cd "$WORK" && MEMFINE_HF_EXPERTS=memfine "$PY" -m pytest -q -p no:cacheprovider \
+      -o addopts="" --rootdir "$WORK" -W ignore::DeprecationWarning "tests/models/memfine_moe" \
+      -k "memfine_generate or memfine_padded" --junitxml "$WORK/checks.xml.partial" "$@" \
+      | tail -n 3) && status=0 || status=1
+    mv "$WORK/checks.xml.partial" "$WORK/checks.xml"
+    exit $status ;;
   --summary)
     list_architectures
     "$PY" scripts/hf_model_tests/compare.py --summary "$WORK/slices" "$LISTING" ${2:+--out "$2"}

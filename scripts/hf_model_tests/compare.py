@@ -8,8 +8,10 @@ Usage:
         scripts/run_hf_model_tests.sh: per architecture and in total the tests run, passed,
         failed, errored and skipped per implementation, the tests whose outcome differs, the
         failures both implementations share (by test name), the architectures not run and why,
-        the transformers/torch versions and the date.
-Exit status 1 when any outcome differs (or, for --summary, when an architecture has no slice).
+        the transformers/torch versions and the date; with ``checks.xml`` beside SLICES_DIR
+        (``run_hf_model_tests.sh --checks``), the outcome of memfine's in-test comparisons.
+Exit status 1 when any outcome differs (or, for --summary, when an architecture has no slice or a
+memfine-vs-eager check failed).
 """
 
 from __future__ import annotations
@@ -70,6 +72,20 @@ def compare(base_path: str, other_path: str) -> int:
     return int(bool(differ))
 
 
+def checks_lines(path: Path) -> tuple[list[str], bool]:
+    """The summary's part for ``--checks`` (memfine's in-test comparisons with eager), and
+    whether a check failed or errored."""
+    if not path.is_file():
+        return ["", "memfine-vs-eager checks (--checks): not run"], False
+    res = outcomes(path)
+    lines = ["", "memfine-vs-eager checks (--checks: greedy generation with a cache on a "
+             "left-padded batch; loss and load-balancing loss of a padded batch with "
+             f"output_router_logits=True), {len(res) // 2} architectures: {counts_text(res)}"]
+    lines += [f"  {outcome} {test_id.rsplit('.', 1)[-1]}: {message}"
+              for test_id, (outcome, message) in sorted(res.items()) if outcome != "passed"]
+    return lines, any(outcome in ("failed", "error") for outcome, _ in res.values())
+
+
 def summary_lines(slices: Path, listing: dict) -> tuple[list[str], int]:
     """The summary's lines and its exit status (1: a difference or a missing slice)."""
     import torch
@@ -109,10 +125,12 @@ def summary_lines(slices: Path, listing: dict) -> tuple[list[str], int]:
               "arguments (RUN_TRAINING_TESTS=0 skips test_training_overfit, 300 steps):",
               *(extra_args or ["  none"])]
     lines += ["", "not run yet: " + (", ".join(missing) or "none")]
+    checks, checks_failed = checks_lines(slices.parent / "checks.xml")
+    lines += checks
     lines += ["", f"not run ({len(listing['not_run'])}; their experts classes are compared with "
               "eager at the experts level by tests/integrations):"]
     lines += [f"  {arch}: {why}" for arch, why in sorted(listing["not_run"].items())]
-    return lines, int(bool(differ or missing))
+    return lines, int(bool(differ or missing or checks_failed))
 
 
 def main(argv: list[str]) -> int:
