@@ -46,6 +46,12 @@ def outcomes(path: str | Path) -> dict[str, tuple[str, str]]:
     return result
 
 
+def seconds(path: str | Path, name: str | None = None) -> float:
+    """Summed test time in a JUnit XML file (of the tests called ``name`` only, if given), s."""
+    return sum(float(case.get("time") or 0) for case in ET.parse(path).getroot().iter("testcase")
+               if name is None or case.get("name") == name)
+
+
 def differing(base: dict[str, tuple[str, str]], other: dict[str, tuple[str, str]]) -> list[str]:
     """Test ids whose outcome differs (a test missing from one side counts as ``absent``)."""
     return sorted(t for t in base.keys() | other.keys()
@@ -108,8 +114,9 @@ def summary_lines(slices: Path, listing: dict) -> tuple[list[str], int]:
             extra_args.append(f"  {arch}: {settings}")
         for impl in IMPLS:
             totals[impl].update(res[impl])
-            name = arch if impl == "eager" else ""
-            lines.append(f"{name:<18} {impl:<8} {counts_text(res[impl])}")
+            name, xml = arch if impl == "eager" else "", slices / arch / f"{impl}.xml"
+            lines.append(f"{name:<18} {impl:<8} {counts_text(res[impl])}; {seconds(xml):.0f} s, "
+                         f"test_training_overfit {seconds(xml, 'test_training_overfit'):.0f} s")
         differ += [f"DIFF {arch} {t}: eager {res['eager'].get(t, ('absent',))[0]} -> memfine "
                    f"{res['memfine'].get(t, ('absent', ''))[0]} "
                    f"{res['memfine'].get(t, ('', ''))[1]}" for t in differing(*res.values())]
