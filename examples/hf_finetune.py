@@ -12,6 +12,10 @@ writes them as CSV rows (docs/style.md §6 schema).
     pip install -e '.[hf]'                 # transformers + accelerate (the Trainer needs it)
     python examples/hf_finetune.py         # both models, 3 implementations, 12 steps each
     python examples/hf_finetune.py --models qwen3_moe --steps 40 --csv out.csv
+    python examples/hf_finetune.py --csv benchmarks/results/hf_finetune_cpu.csv  # the committed CSV
+
+The CSV goes to ``runs/hf_finetune/hf_finetune_cpu.csv`` (git-ignored) unless ``--csv`` names
+another file.
 
 The only memfine-specific lines are ``register()`` and ``experts_implementation="memfine"``.
 """
@@ -34,7 +38,7 @@ from memfine.measure.profiled import ProfiledPeakMemory
 from memfine.measure.saved import SavedTensorsTracker
 
 _MiB = 1 << 20
-DEFAULT_CSV = "benchmarks/results/hf_finetune_cpu.csv"
+DEFAULT_CSV = "runs/hf_finetune/hf_finetune_cpu.csv"  # git-ignored; results are committed by --csv
 
 
 def build_model(model_type: str, args: argparse.Namespace) -> torch.nn.Module:

@@ -38,7 +38,7 @@ from memfine.runs.metrics import MetricsLog
 from memfine.runs.outputs import Outputs
 from memfine.train.execution import step_forward
 from memfine.train.optim import build_optimizer
-from memfine.train.parallel import ParallelTraining, SingleProcess
+from memfine.train.parallel import ParallelTraining
 
 # Fields a resumed run may change; everything else must match the checkpoint.
 RESUMABLE_FIELDS = ("max_steps", "eval_every", "save_every", "eval_batches", "log_every",
@@ -130,6 +130,9 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
               parallel: ParallelTraining, init_from: Path | None = None) -> RunState:
     """Resolve the config, load data, build model and optimizer, restore, open the outputs.
 
+    Everything that can fail on the configuration (data, model, checkpoint) runs before the
+    first file is written (``config.json``, then ``metrics.jsonl`` and the outputs).
+
     Args:
         config: the run as given.
         out_dir: the run directory (checked and locked by the caller).
@@ -144,10 +147,6 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     """
     t_start = time.perf_counter()
     config, payload = resolve_config(config, out_dir, resume=resume)
-    config_text = json.dumps(config.to_dict(), indent=2)
-    print(f"config:\n{config_text}")
-    if parallel.is_main:
-        (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
     model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
@@ -155,6 +154,10 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
+    config_text = json.dumps(config.to_dict(), indent=2)  # written once all of it checked out
+    print(f"config:\n{config_text}")
+    if parallel.is_main:
+        (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
     _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)
@@ -164,7 +167,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     unigram=unigram, device=device, model=model, optimizer=optimizer,
                     scheduler=scheduler, start=start, resume=resume, val_data=val_data, log=log,
                     bar=bar, tensorboard=tensorboard, t_start=t_start, step=start,
-                    forward=step_forward(model, config))
+                    forward=step_forward(model, config, sharded=parallel.sharded))
 
 
 def num_parameters(config: TrainConfig) -> int:
@@ -241,17 +244,13 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     must equal ``config.model``), loaded into the whole model before the parallel hooks shard it.
 
     Raises:
-        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model,
-            or when ``config.compile`` meets expert parallelism.
+        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model.
     """
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
     if init_from is not None:
         load_weights(model, config, init_from)
-    if config.compile and not isinstance(parallel, SingleProcess):
-        raise ValueError("--compile does not combine with expert parallelism (--ep): the "
-                         "all-to-all exchange runs eagerly")
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
