@@ -63,7 +63,7 @@ def _assert_bf16_close(actual: torch.Tensor, expected: torch.Tensor, *, grad: bo
                        name: str) -> None:
     """bf16 tolerance relative to the tensor's largest entry: bf16 rounds every operand, so an
     entry's error scales with the largest terms of the sums that make it, not with itself."""
-    scale = float(expected.abs().max().clamp_min(1.0))
+    scale = float(expected.detach().abs().max().clamp_min(1.0))
     assert_close(actual / scale, expected / scale, grad=grad, dtype=BF16, msg=name)
 
 
