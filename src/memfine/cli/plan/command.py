@@ -26,8 +26,8 @@ import argparse
 import dataclasses
 from typing import Any
 
-from memfine.cli import _plan_output as output
 from memfine.cli._flags import byte_size
+from memfine.cli.plan import output
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset

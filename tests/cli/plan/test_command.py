@@ -37,7 +37,7 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 
 
-ASSETS = Path(__file__).parents[1] / "assets" / "hf_configs"
+ASSETS = Path(__file__).parents[2] / "assets" / "hf_configs"
 
 
 def test_flag_set_is_pinned() -> None:
