@@ -2,11 +2,11 @@
 
 Runs ``python -m memfine train --preset tiny --max-steps N`` twice, eager and with
 ``--compile`` (inductor, the compilation included in its time), into temporary run directories.
-The tiny preset logs every step, and a logged step measures its peak under the live-storage
-tracker, a ``TorchDispatchMode`` under which Dynamo does not compile: those steps would run
-eagerly. Both runs therefore replace ``memfine.train.step.measured_peak`` with a context that
-measures nothing (``peak_bytes`` is then not logged), so every step of the compiled run runs the
-compiled graph. Writes benchmarks/results/train_compile_cpu.csv: one row per run and step with
+The tiny preset logs every step, and a logged step measures its peak bytes (the storage tracker
+eagerly, ``torch.profiler`` under ``--compile``). Both runs replace
+``memfine.train.step.measured_peak`` with a context that measures nothing (``peak_bytes`` is
+then not logged), so the two runs do the same work per step. Writes
+benchmarks/results/train_compile_cpu.csv: one row per run and step with
 the training loss (nats/byte), then the largest absolute loss difference (nats/byte), each run's
 ``wall_s`` (seconds, from its summary.json) and the machine's 1-minute load average at the start
 and end.
@@ -39,7 +39,7 @@ COLUMNS = ["benchmark", "provider", "metric", "unit", "step", "value", "torch", 
 _UNMEASURED_RUN = """
 import contextlib, runpy, sys
 import memfine.train.step as step
-step.measured_peak = lambda device, enabled: contextlib.nullcontext(None)
+step.measured_peak = lambda device, enabled, **kw: contextlib.nullcontext(None)
 sys.argv = sys.argv[1:]
 runpy.run_module("memfine", run_name="__main__")
 """

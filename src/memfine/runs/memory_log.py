@@ -4,7 +4,10 @@ Measured (:func:`measured_peak`): the peak live tensor bytes of one step's forwa
 above what was alive when the step began, from :class:`memfine.measure.PeakMemoryTracker` (the
 storage tracker on the CPU, ``torch.cuda.max_memory_allocated`` after a reset on CUDA). The
 tracker slows CPU operators (docs/design.md §8), so the loop measures only the steps that write a
-``metrics.jsonl`` line.
+``metrics.jsonl`` line. The CPU tracker is a ``TorchDispatchMode``, under which Dynamo does not
+compile, so a compiled run (``--compile``) on the CPU measures with
+:class:`memfine.measure.ProfiledPeakMemory` (``torch.profiler`` allocation events) instead, and its
+logged steps run the compiled graph like every other step.
 
 Predicted (:func:`predicted_moe_layer_peak`): the memory model's peak of one MoE layer's forward
 + backward (:func:`memfine.memory.layer.moe_layer_memory`) at the step's tokens, dtype, recompute
@@ -25,7 +28,7 @@ from pathlib import Path
 import torch
 
 from memfine.config import TrainConfig
-from memfine.measure import PeakMemoryTracker
+from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
 from memfine.memory.layer import moe_layer_memory
 from memfine.units import format_bytes
 
@@ -38,10 +41,25 @@ def _dtype_bytes(config: TrainConfig) -> int:
 
 
 @contextlib.contextmanager
-def measured_peak(device: torch.device, enabled: bool) -> Iterator[PeakMemoryTracker | None]:
-    """Measure the region's peak live bytes when ``enabled`` (yields the tracker, else None)."""
+def measured_peak(device: torch.device, enabled: bool, *, compiled: bool = False
+                  ) -> Iterator[PeakMemoryTracker | ProfiledPeakMemory | None]:
+    """Measure the region's peak live bytes when ``enabled`` (yields the measurement, else None).
+
+    Args:
+        device: where the step runs.
+        enabled: measure this region (the loop measures logged steps only).
+        compiled: the region runs ``torch.compile``d code; on the CPU it is then measured with
+            ``torch.profiler`` (:class:`ProfiledPeakMemory`), which leaves Dynamo compiling.
+
+    Yields:
+        The measurement (its ``peak_bytes``, in bytes, is valid after the block), or None.
+    """
     if not enabled:
         yield None
+        return
+    if compiled and device.type == "cpu":
+        with ProfiledPeakMemory() as profiled:
+            yield profiled
         return
     with PeakMemoryTracker(device) as tracker:
         yield tracker

@@ -99,7 +99,8 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     run.optimizer.zero_grad(set_to_none=True)
     step_counts = routing_prepass(run, x_NBQ)  # the step's f (None unless it matters)
     outs: list[MicroOut] = []
-    with measured_peak(run.device, logs_at(config, step_index + 1)) as tracker:
+    with measured_peak(run.device, logs_at(config, step_index + 1),
+                       compiled=config.compile) as tracker:
         for m in range(N):
             parallel.set_gradient_sync(run.model, m == N - 1)
             outs.append(micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
