@@ -82,31 +82,48 @@ def methods(T: int, seed: int) -> list[Method]:
             layer_method("plain", sharing(base, loop), x_TD, grad_TD)]
 
 
+Measured = tuple[int, str, int, Any, tuple[float, ...]]
+"""(T, method, FLOPs per call, time (p20, p50, p80) in ms, GFLOP/s (p20, p50, p80))."""
+
+
+def measure_all(tokens: list[int], seed: int, repeats: int, warmup: int) -> list[Measured]:
+    """Time every method at every T (methods interleaved within a T); print each result.
+
+    Raises:
+        RuntimeError: when a method fails (e.g. ``torch._grouped_mm`` missing).
+    """
+    measured: list[Measured] = []
+    for T in tokens:
+        flops = 18 * T * K * D * N
+        for res in run_methods(methods(T, seed), repeats=repeats, warmup=warmup, measure=False):
+            if res.error:
+                raise RuntimeError(f"{res.name} at T={T}: {res.error}")
+            rates = percentiles([flops / t / 1e9 for t in res.times_s["full"]])
+            measured.append((T, res.name, flops, res.time_ms("full"), rates))
+            print(f"T={T:6d} {res.name:18s} {res.time_ms('full')[1]:9.1f} ms "
+                  f"{rates[1]:6.1f} GFLOP/s", flush=True)
+    return measured
+
+
+OPTIONS: dict[str, dict[str, Any]] = {
+    "--tokens": {"type": int, "nargs": "+", "default": [2048, 4096, 8192, 16384]},
+    "--repeats": {"type": int, "default": 5},
+    "--warmup": {"type": int, "default": 1},
+    "--out": {"default": "benchmarks/results/flops_cpu.csv"},
+    "--threads": {"type": int, "default": 1},
+    "--seed": {"type": int, "default": 0},
+}
+
+
 def main() -> None:
     """Time every method at every T; print GFLOP/s and write the CSV."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokens", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", default="benchmarks/results/flops_cpu.csv")
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--seed", type=int, default=0)
+    for flag, options in OPTIONS.items():
+        parser.add_argument(flag, **options)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    env = collect_environment("cpu")
-    load_start = os.getloadavg()[0]
-    measured = []
-    for T in args.tokens:
-        flops = 18 * T * K * D * N
-        results = run_methods(methods(T, args.seed), repeats=args.repeats, warmup=args.warmup,
-                              measure=False)
-        for res in results:
-            if res.error:
-                raise RuntimeError(f"{res.name} at T={T}: {res.error}")
-            rates = [flops / t / 1e9 for t in res.times_s["full"]]
-            measured.append((T, res.name, flops, res.time_ms("full"), percentiles(rates)))
-            print(f"T={T:6d} {res.name:18s} {res.time_ms('full')[1]:9.1f} ms "
-                  f"{percentiles(rates)[1]:6.1f} GFLOP/s", flush=True)
+    env, load_start = collect_environment("cpu"), os.getloadavg()[0]
+    measured = measure_all(args.tokens, args.seed, args.repeats, args.warmup)
     config = {"d": D, "n": N, "E": E, "k": K, "dtype": "float32", "activation": "swiglu",
               "repeats": args.repeats, "load_average_1min_start": round(load_start, 2),
               "load_average_1min_end": round(os.getloadavg()[0], 2),
