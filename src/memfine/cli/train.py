@@ -17,6 +17,7 @@ from typing import Any, get_args
 
 import torch
 
+from memfine import config
 from memfine.cli._flags import (
     Flag,
     NotGiven,
@@ -27,18 +28,7 @@ from memfine.cli._flags import (
     name_flag,
     value,
 )
-from memfine.config import (
-    Activation,
-    AutocastDType,
-    DropPolicy,
-    DType,
-    ExpertsImpl,
-    GemmBackend,
-    IndexBuilder,
-    Recompute,
-    ScoreFunc,
-    TrainConfig,
-)
+from memfine.config import TrainConfig
 from memfine.runs.checkpoint import find_checkpoint, read_checkpoint
 from memfine.runs.rundir import check_run_dir
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
@@ -109,10 +99,10 @@ _CONFIG_FLAGS = (
     Flag("--dtype", ("dtype",), "dtype of the weights, activations and AdamW state: bfloat16 "
          "means bf16 weights throughout (no fp32 master copy; the router's selection bias stays "
          "fp32); bf16 is slow on CPUs without bf16 units",
-         str, tuple(d for d in get_args(DType) if d != "float16")),
+         str, tuple(d for d in get_args(config.DType) if d != "float16")),
     Flag("--autocast", ("autocast",), "mixed precision: bf16 (= bfloat16) runs the forward "
          "under torch.autocast with fp32 master weights and bf16 compute; the router stays "
-         "fp32", _autocast_dtype, get_args(AutocastDType)),
+         "fp32", _autocast_dtype, get_args(config.AutocastDType)),
     Flag("--device", ("device",), "torch device: cpu or cuda[:i]", str),
     Flag("--hidden-size", ("model.moe.hidden_size",), "model width d"),
     Flag("--num-layers", ("model.num_layers",), "transformer blocks"),
@@ -122,16 +112,17 @@ _CONFIG_FLAGS = (
     Flag("--intermediate-size", ("model.moe.intermediate_size",),
          "expert intermediate size n per GLU branch"),
     Flag("--activation", ("model.moe.activation",), "expert activation", str,
-         get_args(Activation)),
-    Flag("--score-func", ("model.moe.score_func",), "router scores", str, get_args(ScoreFunc)),
+         get_args(config.Activation)),
+    Flag("--score-func", ("model.moe.score_func",), "router scores", str,
+         get_args(config.ScoreFunc)),
     Flag("--aux-loss-coef", ("model.moe.aux_loss_coef",), "load-balancing loss weight", float),
     Flag("--z-loss-coef", ("model.moe.z_loss_coef",), "router z-loss weight", float),
     Flag("--experts-impl", ("model.moe.experts_impl",), "expert computation", str,
-         get_args(ExpertsImpl)),
+         get_args(config.ExpertsImpl)),
     Flag("--gemm-backend", ("model.moe.gemm_backend",), "grouped GEMM backend", str,
-         get_args(GemmBackend)),
+         get_args(config.GemmBackend)),
     Flag("--index-builder", ("model.moe.index_builder",), "dispatch index builder", str,
-         get_args(IndexBuilder)),
+         get_args(config.IndexBuilder)),
     Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
          "row block of the fused experts' streamed backward, e.g. 16MiB", _block_bytes),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
@@ -140,7 +131,7 @@ _CONFIG_FLAGS = (
          "activation budget, e.g. 512MiB; c is then chosen per step (MACT); 'none' for a fixed "
          "c", _budget, aliases=("--moe-memory-budget",)),
     Flag("--recompute", ("model.chunk.recompute",), "recompute mode of the MoE layers", str,
-         get_args(Recompute)),
+         get_args(config.Recompute)),
     Flag("--bins", ("model.chunk.bins",), "allowed chunk counts c, comma-separated",
          lambda text: list(comma_ints(text)), aliases=("--chunk-bins",)),
     Flag("--capacity-factor", ("model.moe.capacity_factor",), "expert capacity factor cf: "
@@ -149,7 +140,7 @@ _CONFIG_FLAGS = (
     Flag("--min-capacity", ("model.moe.min_capacity",), "lower bound of the expert capacity, "
          "tokens"),
     Flag("--drop-policy", ("model.moe.drop_policy",), "which tokens an over-full expert "
-         "keeps: highest routing weights or earliest positions", str, get_args(DropPolicy)),
+         "keeps: highest routing weights or earliest positions", str, get_args(config.DropPolicy)),
     Flag("--n-group", ("model.moe.n_group",), "expert groups of group-limited routing "
          "(DeepSeek-V3; 1: off)"),
     Flag("--topk-group", ("model.moe.topk_group",), "groups each token may use"),

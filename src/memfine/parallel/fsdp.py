@@ -33,7 +33,7 @@ from memfine.parallel.mesh import ParallelContext
 def _is_moe_layer(module: nn.Module) -> bool:
     """A module with a ``router`` and an ``experts`` child holding ``w_up``, ``w_down``, ``config``.
 
-    Shared experts (:class:`memfine.nn.SharedExperts`, no router) are not MoE layers: they
+    Shared experts (:class:`memfine.nn.shared.SharedExperts`, no router) are not MoE layers: they
     stay whole on every rank's ``ep`` slice and are sharded over ``dp`` like the attention.
     """
     experts = getattr(module, "experts", None)
