@@ -207,7 +207,12 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     a = activation_forward(tl, s, S, "fwd")
     y = tl.alloc("fwd.Y", S * D * s.dt)
     tl.free(a)
-    rows = slot_rows(tl, s, C, "fwd.combine")
+    if C * s.moe.top_k == S:  # no sentinel slot: the rows are gathered directly
+        idx = tl.alloc("fwd.combine.idx64", S * 8)
+        rows = tl.alloc("fwd.combine.rows_TKD", S * D * s.dt)
+        tl.free(idx)
+    else:
+        rows = slot_rows(tl, s, C, "fwd.combine")
     ge = tl.alloc("fwd.combine.ge", C * s.moe.top_k)
     w = tl.alloc("fwd.combine.w_TK", C * s.moe.top_k * s.dt)
     tl.free(ge)
