@@ -30,6 +30,7 @@ from memfine.config.moe import (
     GatedActivation,
     MoEConfig,
     backward_block_rows,
+    balanced_block_rows,
 )
 
 __all__ = [
@@ -52,4 +53,5 @@ __all__ = [
     "TrainConfig",
     "_ConfigBase",
     "backward_block_rows",
+    "balanced_block_rows",
 ]
