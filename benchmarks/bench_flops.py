@@ -18,6 +18,7 @@ down-projection, twice that backward; S = T·k). GFLOP/s = that count ÷ the cal
 
     python benchmarks/bench_flops.py --tokens 2048 4096 8192 16384 --repeats 5 \
         --out benchmarks/results/flops_cpu.csv
+    python benchmarks/bench_flops.py --profile 4096 --out benchmarks/results/flops_profile_cpu.csv
 
 Writes one CSV row per method × T × metric (``time`` in ms, ``gflops`` in GFLOP/s, both
 p20/p50/p80; ``flops`` per call) with versions, git SHA and the 1-minute load average at the
@@ -105,6 +106,35 @@ def measure_all(tokens: list[int], seed: int, repeats: int, warmup: int) -> list
     return measured
 
 
+GEMM_OPS = ("aten::mm", "aten::addmm_", "aten::addmm", "aten::bmm")
+
+
+def profile_ops(T: int, seed: int, top: int = 12) -> list[tuple[str, str, float]]:
+    """Self CPU time per operator of one warm call of each method, from ``torch.profiler``.
+
+    Returns:
+        ``(method, operator, milliseconds)`` rows: the ``top`` operators by self time, plus
+        ``gemm total`` (matrix products: mm, addmm, bmm), ``other total`` and ``total``.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for method in methods(T, seed):
+        method.zero_grad()
+        method.backward(method.forward())  # warm-up
+        method.zero_grad()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            method.backward(method.forward())
+        self_ms = {ev.key: ev.self_cpu_time_total / 1e3 for ev in prof.key_averages()}
+        gemm = sum(v for key, v in self_ms.items() if key in GEMM_OPS)
+        total = sum(self_ms.values())
+        ranked = sorted(self_ms.items(), key=lambda kv: -kv[1])[:top]
+        rows += [(method.name, key, ms) for key, ms in ranked]
+        rows += [(method.name, "gemm total", gemm), (method.name, "other total", total - gemm),
+                 (method.name, "total", total)]
+    return rows
+
+
 OPTIONS: dict[str, dict[str, Any]] = {
     "--tokens": {"type": int, "nargs": "+", "default": [2048, 4096, 8192, 16384]},
     "--repeats": {"type": int, "default": 5},
@@ -112,7 +142,24 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "--out": {"default": "benchmarks/results/flops_cpu.csv"},
     "--threads": {"type": int, "default": 1},
     "--seed": {"type": int, "default": 0},
+    "--profile": {"type": int, "default": None, "metavar": "T",
+                  "help": "instead: self CPU ms per operator of one call per method at T "
+                          "(torch.profiler), written to the CSV as metric self_cpu_time"},
 }
+
+
+def write_profile(T: int, seed: int, out: str, env: Any, load: float) -> None:
+    """Profile every method at T (:func:`profile_ops`); print and write the rows."""
+    config = {"d": D, "n": N, "E": E, "k": K, "dtype": "float32", "activation": "swiglu",
+              "T": T, "load_average_1min_start": round(load, 2), "clock": "self CPU time"}
+    rows = []
+    for name, op, ms in profile_ops(T, seed):
+        print(f"{name:18s} {op:45s} {ms:9.1f} ms")
+        rows.append(csv_row(benchmark="flops_profile", method=name, mode="full",
+                            metric="self_cpu_time", unit="ms", x_name="operator", x_value=op,
+                            values=ms, config=config, env=env))
+    write_csv(rows, out)
+    print(f"wrote {out} (load average {load:.1f} at start)")
 
 
 def main() -> None:
@@ -123,6 +170,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     env, load_start = collect_environment("cpu"), os.getloadavg()[0]
+    if args.profile is not None:
+        write_profile(args.profile, args.seed, args.out, env, load_start)
+        return
     measured = measure_all(args.tokens, args.seed, args.repeats, args.warmup)
     config = {"d": D, "n": N, "E": E, "k": K, "dtype": "float32", "activation": "swiglu",
               "repeats": args.repeats, "load_average_1min_start": round(load_start, 2),
