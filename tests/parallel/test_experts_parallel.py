@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.dispatch import build_routing_index
+from memfine.measure.peak import PeakMemoryTracker
 from memfine.nn import MoELayer, MoETransformerLM
 from memfine.ops import run_experts
 from memfine.parallel import (
@@ -128,6 +129,39 @@ def _chunked_equals_unchunked(ctx: ParallelContext, tokens: list[int], E: int, r
                 assert_close(got[name], base[name], grad=True, msg=f"c={c} {name}")
 
 
+def _ep_peak_bytes(ctx: ParallelContext, num_chunks: int, recompute: str) -> int:
+    """This rank's peak live bytes of one EP forward + backward (weights 4× the activations)."""
+    E, d, n, T = 4, 32, 64, 8
+    moe = MoEConfig(hidden_size=d, intermediate_size=n, num_experts=E, top_k=K)
+    g = torch.Generator().manual_seed(11)
+    module = ExpertParallelExperts.from_full(torch.randn(E, d, 2 * n, generator=g),
+                                             torch.randn(E, n, d, generator=g), moe, ctx)
+    x_TD = torch.randn(T, d, generator=g).requires_grad_()
+    w_TK = torch.rand(T, K, generator=g).requires_grad_()
+    policy = ChunkPolicy(ChunkConfig(num_chunks=num_chunks, recompute=recompute), moe)
+    with PeakMemoryTracker("cpu") as tracker:
+        out, _ = module.run(x_TD, _to_rank0(T, E, g), w_TK, policy)
+        out.sum().backward()
+        del out
+    return tracker.peak_bytes
+
+
+def _chunked_peak_not_above_unchunked(ctx: ParallelContext) -> list[int]:
+    """c = 4 with recompute shares one weight-gradient buffer per weight across the chunks: its
+    peak stays at or below the unchunked one; summing c chunk gradients (no shared buffer)
+    would hold two weight-gradient-sized tensors at once and exceed it."""
+    unchunked = _ep_peak_bytes(ctx, 1, "none")
+    chunked = _ep_peak_bytes(ctx, 4, "experts")
+    share = experts_mod.share_chunk_weight_grads
+    experts_mod.share_chunk_weight_grads = lambda weights, c, moe: (weights, None)
+    try:
+        summed = _ep_peak_bytes(ctx, 4, "experts")
+    finally:
+        experts_mod.share_chunk_weight_grads = share
+    assert chunked <= unchunked < summed, (chunked, unchunked, summed)
+    return [chunked, unchunked, summed]
+
+
 def _all_to_all_moves_rows_and_grads(ctx: ParallelContext) -> None:
     """Uneven and zero splits: rows land at the right rank in source order; backward returns
     every row's gradient to its origin (an exact invariant, float64)."""
@@ -171,16 +205,16 @@ def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     """A budget that needs c=4 on the hot rank and c=1 elsewhere: every rank runs c=4."""
     moe = _moe(E)
     probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
-    probe.transport_row_elements = moe.hidden_size  # as the EP path sets it: received x rows
+    transport = ExpertParallelExperts(moe, ctx).transport_row_elements  # received x rows: d
+    assert transport == moe.hidden_size
     T, rows_hot = tokens[ctx.rank], sum(tokens) * K
-    fixed, row = probe.fixed_bytes(T, 4), probe.row_bytes(4)
+    fixed, row = probe.fixed_bytes(T, 4), probe.row_bytes(4, transport_row_elements=transport)
     budget = fixed + math.ceil(rows_hot / 4) * row  # s'_max = rows_hot/4 → hot rank needs c=4
     chunk = ChunkConfig(memory_budget_bytes=budget, recompute="experts")
     local_policy = ChunkPolicy(chunk, moe)  # identity agreement: this rank's own choice
-    local_policy.transport_row_elements = moe.hidden_size
     idx = _to_rank0(T, E, torch.Generator())
     recv = exchange_counts(idx, E, (1,), ctx.ep_group).recv_tokens
-    own = local_policy.num_chunks(recv, T, 4)
+    own = local_policy.num_chunks(recv, T, 4, transport_row_elements=transport)
     assert own == (4 if ctx.ep_rank == 0 else 1), (own, recv)
     policy = ChunkPolicy(chunk, moe)  # the EP experts pass their own agreement
     calls = {"all_reduce": 0}
@@ -303,6 +337,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
                                         recompute="experts"),
         "c_greater_than_T": lambda: eq([3, 2], E, _balanced, num_chunks=4, recompute="experts"),
         "chunked_equals_unchunked": lambda: _chunked_equals_unchunked(ctx, uneven, E, _to_rank0),
+        "chunked_peak_not_above_unchunked": lambda: _chunked_peak_not_above_unchunked(ctx),
         "recompute_reuses_counts": lambda: _recompute_reuses_counts(ctx, E),
         "budget_same_c_on_every_rank": lambda: _budget_agreement(ctx, even, E),
         "chunk_count_mismatch": lambda: _chunk_count_mismatch(ctx, E),
@@ -320,6 +355,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
 TWO_RANK_SCENARIOS = ["all_to_all_moves_rows_and_grads", "balanced", "one_rank_receives_all",
                       "rank_sends_none",
                       "padding_sentinels", "c_greater_than_T", "chunked_equals_unchunked",
+                      "chunked_peak_not_above_unchunked",
                       "recompute_reuses_counts",
                       "budget_same_c_on_every_rank", "chunk_count_mismatch",
                       "lm_step_equals_single_process", "lm_step_dp_shard_2",
@@ -349,8 +385,10 @@ def _four_ranks(rank: int, world_size: int) -> dict[str, Any]:
         "balanced": lambda: eq([3, 5, 0, 4], E, _balanced),
         "one_rank_receives_all": lambda: eq([4, 4, 4, 4], E, _to_rank0, num_chunks=2,
                                             recompute="experts"),
-        "ep2_dp2_lm_step": lambda: _lm_step_equals_single_process(build_context(2, 2),
-                                                                  ChunkConfig()),
+        # experts FSDP-sharded over dp_shard = 2, c = 2 chunks sharing their weight-gradient
+        # buffers across FSDP2's reshard and re-gather (recompute reads the re-gathered weights)
+        "ep2_dp2_lm_step": lambda: _lm_step_equals_single_process(
+            build_context(2, 2), ChunkConfig(num_chunks=2, recompute="experts")),
         "ep4_lm_step": lambda: _lm_step_equals_single_process(ctx, ChunkConfig()),
         "dp4_lm_step": lambda: _lm_step_equals_single_process(build_context(4, 1),
                                                               ChunkConfig()),

@@ -167,10 +167,24 @@ def test_transport_row_elements_add_to_the_per_row_bytes() -> None:
     moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=1 << 20), moe)
     base = policy.row_bytes(4)
-    policy.transport_row_elements = moe.hidden_size
-    assert policy.row_bytes(4) == base + moe.hidden_size * 4
-    assert policy.row_bytes(2) == layer_memory.expert_row_bytes(
-        moe, 2, recompute="experts") + moe.hidden_size * 2
+    d = moe.hidden_size
+    assert policy.row_bytes(4, transport_row_elements=d) == base + d * 4
+    assert policy.row_bytes(2, transport_row_elements=d) == layer_memory.expert_row_bytes(
+        moe, 2, recompute="experts") + d * 2
+    assert policy.row_bytes(4) == base  # a per-call argument: nothing stays on the policy
+
+
+def test_transport_row_elements_move_the_chunk_count() -> None:
+    """A budget whose s'_max is exactly s'' without transport rows: c = 1 locally, while the
+    d extra elements per row of expert parallelism's received x need the next bin (c = 2)."""
+    moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
+    probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1 << 20), moe)
+    rows = 2 * T
+    budget = probe.fixed_bytes(T, DTYPE_BYTES) + rows * probe.row_bytes(DTYPE_BYTES)
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget), moe)
+    assert policy.num_chunks(rows, T, DTYPE_BYTES) == 1
+    assert policy.num_chunks(rows, T, DTYPE_BYTES,
+                             transport_row_elements=moe.hidden_size) == 2
 
 
 def test_memory_model_is_asked_once_per_token_count(monkeypatch: pytest.MonkeyPatch) -> None:

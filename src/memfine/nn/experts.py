@@ -8,7 +8,11 @@ The experts contract, shared with the expert-parallel experts
   for c from the rows these experts receive (s″), then run the one chunk loop
   (:func:`memfine.schedule.chunked.run_chunked`);
 - ``global_counts(counts)``: per-rank counts summed over every rank of the global batch (the
-  identity on one process), for the aux losses (docs/design.md §2).
+  identity on one process), for the aux losses (docs/design.md §2);
+- ``transport_row_elements``: elements per received row that the experts' transport keeps beside
+  the expert computation (0 here; d for the expert-parallel experts, their received copy of x),
+  which ``run`` hands to every chunk-count decision of the policy (the memory model's per-row
+  bytes grow by it).
 
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n (gated) or n.
 """
@@ -32,7 +36,12 @@ class GroupedExperts(nn.Module):
         config: the layer's :class:`MoEConfig` (activation, impl, backend, index builder).
         init_std: std of the normal init of w_up; w_down uses ``init_std / sqrt(2·depth)``.
         depth: number of residual blocks (scales the output projection init, GPT-2 style).
+
+    Attributes:
+        transport_row_elements: 0 (no transport: the rows never leave this process).
     """
+
+    transport_row_elements = 0
 
     def __init__(self, config: MoEConfig, *, init_std: float = 0.02, depth: int = 1) -> None:
         """Allocate ``w_up``/``w_down`` and initialise them; arguments as on the class."""
@@ -98,7 +107,8 @@ class GroupedExperts(nn.Module):
             ValueError: from the policy when the budget cannot be met.
         """
         recv = self.received_rows(top_k_index)
-        return policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size())
+        return policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size(),
+                                 transport_row_elements=self.transport_row_elements)
 
     def received_rows(self, top_k_index: torch.Tensor) -> int:
         """s″: (token, slot) pairs with an id in [0, E) (one ``.item()`` device sync)."""

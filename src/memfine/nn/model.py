@@ -109,8 +109,12 @@ class Block(nn.Module):
         h_BQD = x_BQD + self.attn(self.attn_norm(x_BQD))
         return h_BQD, self.moe_norm(h_BQD)
 
-    def forward(self, x_BQD: torch.Tensor) -> tuple[torch.Tensor, MoEAux]:
-        """(B, Q, d) → ((B, Q, d), MoEAux)."""
+    def forward(self, x_BQD: torch.Tensor, step_selection_counts: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, MoEAux]:
+        """(B, Q, d) → ((B, Q, d), MoEAux).
+
+        ``step_selection_counts``: optional (E + 1,) int64, as :meth:`MoELayer.forward`.
+        """
         if self.recompute == "full" and torch.is_grad_enabled():
             # NOTE(memory): keeps x (T·d) instead of the attention activations (q, k, v, scores
             # output, norms: several T·d); recomputed once in backward.
@@ -118,7 +122,7 @@ class Block(nn.Module):
                                            preserve_rng_state=False)
         else:
             h_BQD, normed_BQD = self._attention_part(x_BQD)
-        moe_out, aux = self.moe(normed_BQD)
+        moe_out, aux = self.moe(normed_BQD, step_selection_counts=step_selection_counts)
         return h_BQD + moe_out, aux
 
 
@@ -157,6 +161,20 @@ class LMOutput:
         """(L, E) int64 assignments per layer and expert of this call."""
         return torch.stack([a.tokens_per_expert for a in self.aux])
 
+    @property
+    def selection_counts(self) -> torch.Tensor:
+        """(L, E + 1) int64 :attr:`MoEAux.selection_counts` per layer (global over the ranks).
+
+        Raises:
+            ValueError: when the forward did not keep them (it ran with autograd or was given
+                ``step_selection_counts``).
+        """
+        counts = [a.selection_counts for a in self.aux]
+        if any(c is None for c in counts):
+            raise ValueError("selection_counts are kept by forwards under torch.no_grad() "
+                             "without step_selection_counts only")
+        return torch.stack(counts)  # type: ignore[arg-type]
+
 
 class MoETransformerLM(nn.Module):
     """Decoder-only MoE language model.
@@ -192,19 +210,30 @@ class MoETransformerLM(nn.Module):
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * self.config.num_layers) ** 0.5)
 
-    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> LMOutput:
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None, *,
+                step_selection_counts: torch.Tensor | None = None) -> LMOutput:
         """Run the model.
 
         Args:
             input_ids: (B, Q) int64 token ids in [0, V), Q ≤ max_seq_len.
             targets: optional (B, Q) int64 next-token ids.
+            step_selection_counts: optional (L, E + 1) int64, the :attr:`LMOutput.selection_counts`
+                of every micro-batch of the optimizer step summed (gradient accumulation's
+                routing pre-pass, :mod:`memfine.train.accumulation`): each layer's aux losses
+                then use the whole step's expert fractions f (:meth:`MoELayer.forward`).
 
         Returns:
             :class:`LMOutput` with the mean cross-entropy (nats/token) when targets are given.
 
         Raises:
-            ValueError: on a wrong shape, a sequence longer than max_seq_len, or ids out of range.
+            ValueError: on a wrong shape, a sequence longer than max_seq_len, ids out of range, or
+                ``step_selection_counts`` not (L, E + 1).
         """
+        L = len(self.blocks)
+        if step_selection_counts is not None and (step_selection_counts.dim() != 2
+                                                  or step_selection_counts.shape[0] != L):
+            raise ValueError(f"step_selection_counts must be (L, E + 1) with L={L}, got "
+                             f"{tuple(step_selection_counts.shape)}")
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be (B, Q), got {tuple(input_ids.shape)}")
         if input_ids.shape[1] > self.config.max_seq_len:
@@ -219,8 +248,9 @@ class MoETransformerLM(nn.Module):
                      lambda: f", got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
         x_BQD = self.embed(input_ids)
         auxes = []
-        for block in self.blocks:
-            x_BQD, aux = block(x_BQD)
+        for i, block in enumerate(self.blocks):
+            x_BQD, aux = block(x_BQD, None if step_selection_counts is None
+                               else step_selection_counts[i])
             auxes.append(aux)
         logits_BQV = F.linear(self.norm(x_BQD), self.embed.weight).float()
         loss = None

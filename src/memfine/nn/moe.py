@@ -42,6 +42,13 @@ class MoEAux:
         sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
             ``seq_aux_loss_coef`` is 0 (not computed).
         dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
+        selection_counts: (E + 1,) int64: the router's selection per expert over the valid
+            tokens the losses' f counted (before capacity drops; summed over every rank), then
+            the number of per-rank shares they sum (1 on one process, W under data/expert
+            parallelism). Summed over a step's micro-batches it is the step's
+            ``step_selection_counts`` (:meth:`MoELayer.forward`). Kept by calls without
+            autograd only (the routing pre-pass); None when autograd records or the call was
+            given step counts.
     """
 
     load_balancing_loss: torch.Tensor
@@ -50,6 +57,7 @@ class MoEAux:
     num_chunks: int = 1
     sequence_balance_loss: torch.Tensor | None = None
     dropped_pairs: torch.Tensor | None = None
+    selection_counts: torch.Tensor | None = None
 
 
 class MoELayer(nn.Module):
@@ -105,7 +113,8 @@ class MoELayer(nn.Module):
             with torch.no_grad():
                 self.router.selection_bias[: config.skew_hot_experts] = config.skew_bias
 
-    def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None
+    def forward(self, x: torch.Tensor, valid_mask: torch.Tensor | None = None, *,
+                step_selection_counts: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, MoEAux]:
         """Apply the layer.
 
@@ -114,12 +123,17 @@ class MoELayer(nn.Module):
             valid_mask: optional bool tensor of shape x.shape[:-1]; False marks padding tokens,
                 which are removed by selection (output rows exactly 0, no NaN propagation) and
                 left out of counts and losses.
+            step_selection_counts: optional (E + 1,) int64, the ``selection_counts`` of every
+                micro-batch of the optimizer step summed (a routing pre-pass): the losses' f
+                and token divisor are then the whole step's (gradient accumulation equals one
+                larger batch with the balancing loss on), and no count collective runs.
 
         Returns:
             ``(out, aux)``: out has x's shape and dtype.
 
         Raises:
-            ValueError: if x's last dimension is not d or the mask shape does not match.
+            ValueError: if x's last dimension is not d, the mask shape does not match, or
+                ``step_selection_counts`` is not (E + 1,).
         """
         D = self.config.hidden_size
         if x.dim() < 1 or x.shape[-1] != D:
@@ -132,6 +146,10 @@ class MoELayer(nn.Module):
                                  f"{valid_mask.dtype} {tuple(valid_mask.shape)}")
             mask_T = valid_mask.reshape(-1)
             x_TD = torch.where(mask_T[:, None], x_TD, torch.zeros((), dtype=x.dtype))
+        E = self.config.num_experts
+        if step_selection_counts is not None and tuple(step_selection_counts.shape) != (E + 1,):
+            raise ValueError(f"step_selection_counts must be (E + 1,)=({E + 1},), got "
+                             f"{tuple(step_selection_counts.shape)}")
         routing = self.router(x_TD, mask_T)
         out_TD, num_chunks = self.experts.run(x_TD, routing.top_k_index, routing.top_k_weights,
                                               self.policy)
@@ -140,7 +158,7 @@ class MoELayer(nn.Module):
                 x_TD, mask_T, num_chunks=num_chunks,
                 recompute=self.policy.config.resolved_recompute)
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
-        aux = self._aux(routing, mask_T, seq_len)
+        aux = self._aux(routing, mask_T, seq_len, step_selection_counts)
         # Not a view: FSDP2 (and any autograd hook on the output) warns that an in-place op on a
         # returned view would skip its hooks. out_TD is this call's own fresh tensor, so sharing
         # its storage is safe; _unsafe_view reshapes without a copy (NOTE(memory): no T·d
@@ -148,20 +166,24 @@ class MoELayer(nn.Module):
         out = torch.ops.aten._unsafe_view(out_TD, x.shape)
         return out, dataclasses.replace(aux, num_chunks=num_chunks)
 
-    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int) -> MoEAux:
+    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
+             step_counts: torch.Tensor | None = None) -> MoEAux:
         """Aux losses over the global batch's valid tokens (docs/design.md §2).
 
         f comes from the global counts of the router's selection (before capacity drops); P
         and the z-loss are this rank's share of the sum over every valid token.
 
         One ``experts.global_counts`` call on (E + 1,) int64: the E selection counts and a 1
-        per rank, so the sum also gives the number of ranks W; the global valid tokens are
-        Σ counts / k. Each rank's loss is its tokens' sum divided by the mean valid tokens per
-        rank Σ counts / (k·W): the mean over the ranks (what data-parallel gradient averaging
-        computes) is the loss of one process holding the whole batch, whatever the valid tokens
-        per rank. When ``global_counts`` returns its argument (one process) the losses are the
-        local means (NOTE(memory): no divisor tensor is saved for backward, 4 bytes per loss,
-        so saved bytes stay those of the memory model).
+        per rank, so the sum also gives the number of shares W (ranks); the global valid tokens
+        are Σ counts / k. Each share's loss is its tokens' sum divided by the mean valid tokens
+        per share Σ counts / (k·W): the mean over the shares (what data-parallel gradient
+        averaging computes) is the loss of one process holding the whole batch, whatever the
+        valid tokens per rank. With ``step_counts`` (the step's micro-batches summed: W = ranks
+        × micro-batches) they replace the call's own counts, so the mean over the micro-batches
+        and ranks is the loss of the whole step's batch. When ``global_counts`` returns its
+        argument (one process, no step counts) the losses are the local means (NOTE(memory): no
+        divisor tensor is saved for backward, 4 bytes per loss, so saved bytes stay those of
+        the memory model).
 
         The sequence-wise loss (computed only when ``seq_aux_loss_coef`` > 0) is per sequence,
         so it stays this rank's mean over its sequences: the mean over the ranks is the
@@ -171,11 +193,11 @@ class MoELayer(nn.Module):
         k = routing.top_k
         counts_E = _selected_counts(routing, mask_T)
         stats = torch.cat([counts_E, counts_E.new_ones(1)])
-        global_stats = self.experts.global_counts(stats)
+        global_stats = self.experts.global_counts(stats) if step_counts is None else step_counts
         global_counts_E, tokens_per_rank = None, None
-        if global_stats is not stats:  # several ranks (one process: the plain local means)
-            global_counts_E, ranks = global_stats[:-1], global_stats[-1]
-            tokens_per_rank = global_counts_E.sum() / (k * ranks)
+        if global_stats is not stats:  # several shares (one process: the plain local means)
+            global_counts_E, shares = global_stats[:-1], global_stats[-1]
+            tokens_per_rank = global_counts_E.sum() / (k * shares)
         seq_loss = None  # not computed (no allocation) when its coefficient is 0
         if self.config.seq_aux_loss_coef > 0:
             seq_loss = sequence_balance_loss(routing.scores, routing.selected_index, seq_len,
@@ -188,6 +210,10 @@ class MoELayer(nn.Module):
             tokens_per_expert=routing.tokens_per_expert,
             sequence_balance_loss=seq_loss,
             dropped_pairs=routing.dropped_pairs,
+            # NOTE(memory): kept only by forwards without autograd (the routing pre-pass): a
+            # training forward holds no (E + 1)·8 bytes beyond the memory model's.
+            selection_counts=(global_stats if step_counts is None and not torch.is_grad_enabled()
+                              else None),
         )
 
 

@@ -17,7 +17,10 @@ names, same ``run``/``global_counts`` contract, so sharding a model only swaps e
    the ranks holding their experts (uneven, possibly zero splits), run the local experts on the
    fused path, all-to-all the weighted rows back and sum them per token (deterministic).
 Recompute reuses the frozen per-chunk plans: it re-issues the chunk's all-to-alls with the same
-shapes, never re-routes, never re-exchanges counts.
+shapes, never re-routes, never re-exchanges counts. As in the local loop, the c chunks add their
+weight gradients into one shared buffer per weight
+(:func:`memfine.schedule.chunked.share_chunk_weight_grads`), so the local weights' gradient, and
+FSDP2's reduce-scatter hooked on it, arrive once per layer call.
 
 Weights are DTensors of global shape (E, d, G) / (E, n, d), ``Shard(0)`` over ``ep``: a state
 dict holds every expert under its single-process name and shape, so DCP checkpoints reshard
@@ -36,17 +39,19 @@ from torch.distributed.tensor import DTensor, Shard
 
 from memfine.config import MoEConfig
 from memfine.ops import run_experts
+from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding
 from memfine.parallel.notify import ChunkDispatch, ExpertCounts, exchange_counts, plan_chunks
 from memfine.parallel.rows import combine_returned_rows, dispatch_rows
-from memfine.schedule.chunked import run_chunked
+from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
 from memfine.schedule.policy import ChunkPolicy
 
 
 def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: torch.Tensor,
                      w_down_LND: torch.Tensor, plan: ChunkDispatch,
-                     group: dist.ProcessGroup, config: MoEConfig) -> torch.Tensor:
+                     group: dist.ProcessGroup, config: MoEConfig,
+                     weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Dispatch → local experts → combine for one chunk of tokens.
 
     Args:
@@ -57,6 +62,8 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
         plan: the chunk's frozen :class:`ChunkDispatch`.
         group: the ``ep`` process group.
         config: the layer's :class:`MoEConfig` (activation, experts_impl, gemm_backend).
+        weight_grads: the chunk loop's shared weight-gradient buffers (fused path, c > 1), or
+            ``None``: the fused backward adds this chunk's weight gradients into them.
 
     Returns:
         (T_c, d) combined output in x's dtype.
@@ -78,7 +85,8 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
     # Weights are applied on the expert side: the fused path saves only x_SD and H, and its
     # weight gradient ⟨dO·w_downᵀ, A⟩ needs no saved expert output (MoEBlaze §5).
     y_SD = run_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, activation=config.activation,
-                       impl=config.experts_impl, backend=config.gemm_backend)
+                       impl=config.experts_impl, backend=config.gemm_backend,
+                       weight_grads=weight_grads)
     y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
 
@@ -99,6 +107,11 @@ class ExpertParallelExperts(nn.Module):
             data-parallel training passes 1/ep (then averaging over ``dp_shard`` gives the
             mean over all W ranks). 1.0 (default): the plain gradient of the summed loss.
 
+    Attributes:
+        transport_row_elements: d: every received row's copy of x stays alive beside the
+            experts' own per-row bytes (the single-device memory model does not see it); ``run``
+            hands it to the policy's decision (the experts contract, :mod:`memfine.nn.experts`).
+
     Raises:
         ValueError: if E is not divisible by ep.
     """
@@ -109,6 +122,7 @@ class ExpertParallelExperts(nn.Module):
         super().__init__()
         check_expert_sharding(config.num_experts, context.ep_size)
         self.config, self.context, self.grad_scale = config, context, float(grad_scale)
+        self.transport_row_elements = config.hidden_size
         L = config.num_experts // context.ep_size
         self.w_up = self._shard(torch.zeros(L, config.hidden_size, config.up_width))
         self.w_down = self._shard(torch.zeros(L, config.intermediate_size, config.hidden_size))
@@ -162,11 +176,9 @@ class ExpertParallelExperts(nn.Module):
         E, group = self.config.num_experts, self.context.ep_group
         if policy.budgeted:
             counts = exchange_counts(top_k_index, E, policy.config.bins, group)
-            # The received rows of x (one d-row per received row) stay alive beside the experts'
-            # own per-row bytes; the single-device memory model does not see them.
-            policy.transport_row_elements = self.config.hidden_size
             num_chunks = policy.num_chunks(counts.recv_tokens, x_TD.shape[0],
-                                           x_TD.element_size(), agree=self.agree)
+                                           x_TD.element_size(), agree=self.agree,
+                                           transport_row_elements=self.transport_row_elements)
             if num_chunks not in counts.candidates:  # a policy outside its bins: notify again
                 counts = exchange_counts(top_k_index, E, (num_chunks,), group)
             return counts, num_chunks
@@ -199,8 +211,25 @@ class ExpertParallelExperts(nn.Module):
         and the weights) and its int32 plan; backward recomputes (re-issuing the chunk's
         all-to-alls with the plan's split sizes, no new count exchange) and back-propagates one
         chunk at a time, so the expert-side peak is one chunk's received rows. With ``none``, as
-        :func:`ep_chunk_forward` for every chunk.
+        :func:`ep_chunk_forward` for every chunk. With c > 1 on the fused path the chunks add
+        their weight gradients into one buffer per local weight, as the local loop does.
         """
+        self._check_inputs(x_TD, top_k_index, top_k_weights)
+        counts, num_chunks = self._choose(x_TD, top_k_index, policy)
+        plans = plan_chunks(top_k_index, counts, num_chunks, self.config.index_builder)
+        # NOTE(memory): the local weights once per call; their aliases stay valid in recompute
+        # (FSDP2 re-gathers into the same storage before backward), and the chunks share one
+        # weight-gradient buffer per weight (L·d·G + L·n·d elements, not twice that).
+        weights, buffers = share_chunk_weight_grads(self.local_weights(), num_chunks,
+                                                    self.config)
+        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers)
+        out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                             recompute=policy.config.resolved_recompute)
+        return out_TD, num_chunks
+
+    def _check_inputs(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
+                      top_k_weights: torch.Tensor) -> None:
+        """Raise ValueError unless x is (T, d) and the routing (T, k) with the same T."""
         D = self.config.hidden_size
         if (x_TD.dim() != 2 or x_TD.shape[1] != D or top_k_index.dim() != 2
                 or top_k_index.shape[0] != x_TD.shape[0]
@@ -208,15 +237,11 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"expected hidden_states (T, d={D}), top_k_index and top_k_weights "
                              f"(T, k); got {tuple(x_TD.shape)}, {tuple(top_k_index.shape)}, "
                              f"{tuple(top_k_weights.shape)}")
-        counts, num_chunks = self._choose(x_TD, top_k_index, policy)
-        plans = plan_chunks(top_k_index, counts, num_chunks, self.config.index_builder)
 
-        def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
-                     top_k_weights_CK: torch.Tensor) -> torch.Tensor:
-            w_up_LDG, w_down_LND = self.local_weights()  # in recompute too (FSDP re-gathers)
-            return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
-                                    self.context.ep_group, self.config)
-
-        out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                             recompute=policy.config.resolved_recompute)
-        return out_TD, num_chunks
+    def _run_chunk(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
+                   buffers: WeightGradBuffers | None, chunk: int, x_CD: torch.Tensor,
+                   top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+        """The chunk function of the loop: chunk ``chunk``'s frozen plan, local weights, buffers."""
+        w_up_LDG, w_down_LND = weights
+        return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
+                                self.context.ep_group, self.config, buffers)

@@ -71,6 +71,54 @@ def chunk_sizes(num_tokens: int, num_chunks: int) -> list[int]:
     return [base + 1 if i < extra else base for i in range(num_chunks)]
 
 
+def _check_chunk_inputs(x_TD: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor, recompute: str) -> None:
+    """Raise ValueError on an unknown recompute mode or (T, d) / (T, k) shapes that disagree."""
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
+    if x_TD.dim() != 2:
+        raise ValueError(f"x must be (T, d), got {tuple(x_TD.shape)}")
+    T = x_TD.shape[0]
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
+        raise ValueError(f"top_k_index must be (T, k) with T={T}, got {tuple(top_k_index.shape)}")
+    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
+        raise ValueError(f"top_k_weights must be (T, k)={tuple(top_k_index.shape)}, "
+                         f"got {tuple(top_k_weights.shape)}")
+
+
+def share_chunk_weight_grads(weights: tuple[torch.Tensor, ...], num_chunks: int,
+                             moe: MoEConfig
+                             ) -> tuple[tuple[torch.Tensor, ...], WeightGradBuffers | None]:
+    """The expert weights the c chunks compute with, and their shared weight-gradient buffers.
+
+    With c > 1 on the fused path (eager) the chunks get aliases of ``weights`` from
+    :func:`memfine.ops.fused.weight_grads.share_weight_grads` and add their weight gradients
+    into one buffer per weight; the weights' own gradient (and every hook on them, e.g. FSDP2's
+    reduce-scatter) then arrives once per layer call. Otherwise the weights themselves and
+    ``None``. Used by the local chunk loop (:func:`chunked_experts`) and the expert-parallel one
+    (:class:`memfine.parallel.ExpertParallelExperts`).
+
+    Args:
+        weights: the expert weights in slot order (w_up, w_down): (E, d, G) and (E, n, d), or a
+            rank's (L, d, G) and (L, n, d).
+        num_chunks: c ≥ 1.
+        moe: the layer's config (``experts_impl``).
+
+    Returns:
+        ``(weights_for_chunks, buffers)``; pass ``buffers`` as ``weight_grads`` to
+        :func:`memfine.ops.run_experts`.
+
+    Memory: NOTE(memory): one weight-gradient buffer per weight for all c chunks; the engine
+    would otherwise hold a chunk's gradient and the running sum at once (2·(E·d·G + E·n·d)
+    elements instead of E·d·G + E·n·d).
+    """
+    # Under torch.compile the shared buffers (Python-side state mutated inside checkpointed
+    # regions) are not traceable: the engine sums the chunks' weight gradients instead.
+    if num_chunks > 1 and moe.experts_impl == "fused" and not torch.compiler.is_compiling():
+        return share_weight_grads(weights)
+    return weights, None
+
+
 def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int,
                 recompute: Recompute = "experts") -> torch.Tensor:
@@ -109,17 +157,8 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
 
     Reference: MemFine §4 (per-chunk recompute; router outside the chunk loop).
     """
-    if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {recompute!r}")
-    if x_TD.dim() != 2:
-        raise ValueError(f"x must be (T, d), got {tuple(x_TD.shape)}")
-    T = x_TD.shape[0]
-    if top_k_index.dim() != 2 or top_k_index.shape[0] != T:
-        raise ValueError(f"top_k_index must be (T, k) with T={T}, got {tuple(top_k_index.shape)}")
-    if tuple(top_k_weights.shape) != tuple(top_k_index.shape):
-        raise ValueError(f"top_k_weights must be (T, k)={tuple(top_k_index.shape)}, "
-                         f"got {tuple(top_k_weights.shape)}")
-    sizes = chunk_sizes(T, num_chunks)
+    _check_chunk_inputs(x_TD, top_k_index, top_k_weights, recompute)
+    sizes = chunk_sizes(x_TD.shape[0], num_chunks)
     if num_chunks == 1:  # one piece: the layer's own tensors, no split node
         pieces = [(x_TD, top_k_index, top_k_weights)]
     else:
@@ -201,13 +240,8 @@ def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights
     """
     # Under torch.autocast: x and the weights are cast once per layer call, not once per chunk.
     x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, w_up_EDG, w_down_END)
-    buffers = None
-    # Under torch.compile the shared buffers (Python-side state mutated inside checkpointed
-    # regions) are not traceable: the engine sums the chunks' weight gradients instead.
-    if num_chunks > 1 and moe.experts_impl == "fused" and not torch.compiler.is_compiling():
-        # NOTE(memory): one weight-gradient buffer per weight for all c chunks (the engine would
-        # otherwise hold a chunk's gradient and the running sum at once: 2·(E·d·G + E·n·d)).
-        (w_up_EDG, w_down_END), buffers = share_weight_grads((w_up_EDG, w_down_END))
+    (w_up_EDG, w_down_END), buffers = share_chunk_weight_grads((w_up_EDG, w_down_END),
+                                                               num_chunks, moe)
     fn = local_expert_fn(w_up_EDG, w_down_END, moe, buffers)
     return run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                        recompute=recompute)

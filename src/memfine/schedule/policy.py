@@ -12,6 +12,11 @@ identity (one process); the expert-parallel code plugs in an all-reduce with ``M
 group. Configs hold plain values only, so the callable is a constructor argument (and a public,
 assignable attribute), never a config field.
 
+What a transport layer keeps per received row beside the experts' own bytes (expert parallelism's
+received copy of x: d elements) is an argument of each decision, ``transport_row_elements``: the
+experts that call the policy state it (their ``transport_row_elements`` in the experts contract,
+:mod:`memfine.nn.experts`), so one policy serves local and expert-parallel experts unchanged.
+
 Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4; docs/style.md §7.
 """
 
@@ -71,10 +76,6 @@ class ChunkPolicy:
         self.moe = moe
         self.agree_num_chunks: AgreeNumChunks = agree_num_chunks or identity_agreement
         self._warned = False
-        # Runtime (not config): elements per received row held outside the expert computation
-        # by a transport layer, e.g. expert parallelism's received copy of x and the gradient
-        # returning through the all-to-all; added to the memory model's per-row bytes.
-        self.transport_row_elements = 0
         # The memory model is pure in (config, T, D_t) and the policy is asked on every step of
         # every layer: its line fixed + row·rows, once per (T, D_t); the only cache.
         self._lines: dict[tuple[int, int], ChunkBytes] = {}
@@ -84,12 +85,16 @@ class ChunkPolicy:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
-    def chunk_bytes(self, num_tokens: int, dtype_bytes: int) -> ChunkBytes:
+    def chunk_bytes(self, num_tokens: int, dtype_bytes: int, *,
+                    transport_row_elements: int = 0) -> ChunkBytes:
         """The memory model's ``fixed + row · rows`` line for T tokens (transport rows included).
 
         Args:
             num_tokens: T, tokens entering the layer on this rank.
             dtype_bytes: D_t, bytes per activation element.
+            transport_row_elements: elements per received row that a transport layer holds
+                outside the expert computation (expert parallelism: the received copy of x, d);
+                0 for local experts.
 
         Returns:
             :class:`memfine.memory.layer.ChunkBytes`; ``row_bytes`` includes
@@ -102,23 +107,27 @@ class ChunkPolicy:
                 self._lines.clear()
             line = self._lines[key] = layer_memory.chunk_bytes(
                 num_tokens, self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
-        extra = self.transport_row_elements * dtype_bytes
+        extra = transport_row_elements * dtype_bytes
         return dataclasses.replace(line, row_bytes=line.row_bytes + extra) if extra else line
 
-    def row_bytes(self, dtype_bytes: int, num_tokens: int = 0) -> int:
+    def row_bytes(self, dtype_bytes: int, num_tokens: int = 0, *,
+                  transport_row_elements: int = 0) -> int:
         """Peak bytes per received row of one chunk (memory model, this recompute mode)."""
-        return self.chunk_bytes(num_tokens, dtype_bytes).row_bytes
+        return self.chunk_bytes(num_tokens, dtype_bytes,
+                                transport_row_elements=transport_row_elements).row_bytes
 
     def fixed_bytes(self, num_tokens: int, dtype_bytes: int) -> int:
         """Bytes of the layer that do not scale with the received rows (memory model)."""
         return self.chunk_bytes(num_tokens, dtype_bytes).fixed_bytes
 
-    def s_prime_max(self, num_tokens: int, dtype_bytes: int) -> int:
+    def s_prime_max(self, num_tokens: int, dtype_bytes: int, *,
+                    transport_row_elements: int = 0) -> int:
         """s′_max: the most received rows one chunk may hold within the budget (Eq. 8).
 
         Args:
             num_tokens: T, tokens entering the layer on this rank.
             dtype_bytes: D_t, bytes per activation element.
+            transport_row_elements: as :meth:`chunk_bytes`.
 
         Returns:
             Rows; ≤ 0 when the budget does not even cover the fixed part.
@@ -129,20 +138,24 @@ class ChunkPolicy:
         budget = self.config.memory_budget_bytes
         if budget is None:
             raise ValueError("ChunkPolicy.s_prime_max needs ChunkConfig.memory_budget_bytes")
-        line = self.chunk_bytes(num_tokens, dtype_bytes)
+        line = self.chunk_bytes(num_tokens, dtype_bytes,
+                                transport_row_elements=transport_row_elements)
         return s_prime_max(budget, line.fixed_bytes, line.row_bytes)
 
-    def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int) -> int:
+    def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+                                 transport_row_elements: int = 0) -> int:
         """The least budget for which the largest bin keeps a chunk within it, in bytes.
 
-        fixed + ⌈max(s″, 1) / c_max⌉ · row bytes, with c_max the largest bin.
+        fixed + ⌈max(s″, 1) / c_max⌉ · row bytes, with c_max the largest bin
+        (``transport_row_elements`` as :meth:`chunk_bytes`).
         """
-        line = self.chunk_bytes(num_tokens, dtype_bytes)
+        line = self.chunk_bytes(num_tokens, dtype_bytes,
+                                transport_row_elements=transport_row_elements)
         rows = math.ceil(max(recv_rows, 1) / self.config.bins[-1])
         return line.fixed_bytes + rows * line.row_bytes
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
-                   agree: AgreeNumChunks | None = None) -> int:
+                   agree: AgreeNumChunks | None = None, transport_row_elements: int = 0) -> int:
         """Chunk count c for one MoE layer call on this rank.
 
         Args:
@@ -152,6 +165,9 @@ class ChunkPolicy:
             dtype_bytes: D_t, bytes per activation element (4 for fp32, 2 for bf16).
             agree: the agreement of this call (the expert-parallel experts pass their
                 all-reduce MAX over ``ep``); default ``agree_num_chunks``.
+            transport_row_elements: elements per received row held by the experts' transport
+                (the experts contract's ``transport_row_elements``: d under expert parallelism,
+                0 locally), added to the memory model's per-row bytes.
 
         Returns:
             c: ``ChunkConfig.num_chunks`` without a budget; with one, the group-agreed bin (the
@@ -172,15 +188,16 @@ class ChunkPolicy:
                              f"{num_tokens}")
         if not self.budgeted:
             return self.config.num_chunks
-        bins = self.config.bins
-        s_max = self.s_prime_max(num_tokens, dtype_bytes)
+        bins, extra = self.config.bins, transport_row_elements
+        s_max = self.s_prime_max(num_tokens, dtype_bytes, transport_row_elements=extra)
         choice = choose_num_chunks(recv_rows, s_max, bins)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
         local = choice.num_chunks or max(bins[-1] + 1, choice.chunks_needed or 0)
         agreed = int((agree or self.agree_num_chunks)(local))
         if agreed <= bins[-1]:
             return agreed
-        msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed)
+        msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed,
+                                transport_row_elements=extra)
         if not self.config.allow_over_budget:
             raise ValueError(msg + "; raise the budget, add a larger bin, or set "
                              "allow_over_budget to run with the largest bin")
@@ -191,15 +208,17 @@ class ChunkPolicy:
         return bins[-1]
 
     def _over_budget(self, choice: ChunkChoice, recv_rows: int, num_tokens: int,
-                     dtype_bytes: int, *, agreed: int) -> str:
+                     dtype_bytes: int, *, agreed: int, transport_row_elements: int) -> str:
         """The message of a budget no bin meets: why, and the smallest feasible budget."""
         bins, budget = self.config.bins, self.config.memory_budget_bytes
-        s_max = self.s_prime_max(num_tokens, dtype_bytes)
+        extra = transport_row_elements
+        s_max = self.s_prime_max(num_tokens, dtype_bytes, transport_row_elements=extra)
         if choice.num_chunks is not None:
             reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
                       f"bin {bins[-1]}")
         else:
-            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes)
+            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes,
+                                                 transport_row_elements=extra)
             if choice.chunks_needed is None:
                 fixed = self.fixed_bytes(num_tokens, dtype_bytes)
                 reason = (f"s'_max={s_max} rows: the budget does not cover the "

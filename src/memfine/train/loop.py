@@ -42,7 +42,7 @@ from memfine.runs.metrics import (
 )
 from memfine.runs.outputs import Outputs
 from memfine.runs.rundir import check_run_dir, run_lock
-from memfine.train.execution import autocast_region
+from memfine.train.accumulation import micro_batch, routing_prepass
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run
 from memfine.train.stop import graceful_stop
@@ -89,8 +89,8 @@ class StepRecord:
         lr: learning rate the step used.
         grad_norm: global gradient norm before clipping.
         load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
-            and ranks: each micro-batch's value over all ranks' tokens, with its own expert
-            fractions f).
+            and ranks: with the balancing loss on, the whole step's value, f over every
+            micro-batch and rank; with ``aux_loss_coef`` 0 each micro-batch's own f).
         z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
@@ -223,7 +223,9 @@ def _step(run: RunState, step_index: int) -> StepRecord:
 
     The step's batch of N·B sequences (N = ``grad_accum``) runs as N micro-batches of B, each
     loss divided by N, so the summed gradients are those of the whole batch; gradients are
-    reduced over the ranks on the last micro-batch only.
+    reduced over the ranks on the last micro-batch only. With N > 1 and the balancing loss on,
+    a routing pre-pass first counts the step's expert selection, so every micro-batch's aux
+    losses use the whole step's f (:mod:`memfine.train.accumulation`).
 
     Raises:
         ValueError: when the training loss is not finite (divergence).
@@ -234,12 +236,13 @@ def _step(run: RunState, step_index: int) -> StepRecord:
     x_NBQ, y_NBQ = train_batch(run.corpus.train_ids, batch_size=N * B, seq_len=config.seq_len,
                                seed=config.seed, step=step_index)
     run.optimizer.zero_grad(set_to_none=True)
+    step_counts = routing_prepass(run, x_NBQ)  # the step's f (None unless it matters)
     outs = []
     with measured_peak(run.device, _logs(config, step_index + 1)) as tracker:
         for m in range(N):
             parallel.set_gradient_sync(model, m == N - 1)
-            outs.append(_micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
-                                     N))
+            outs.append(micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
+                                    N, step_counts))
     losses_N3 = torch.stack([out[0] for out in outs])
     grad_norm = parallel.clip_grad_norm_(
         model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
@@ -271,30 +274,6 @@ def _step(run: RunState, step_index: int) -> StepRecord:
         peak_bytes=None if tracker is None else tracker.peak_bytes,
         peak_bytes_predicted=None if tracker is None else [
             predicted_moe_layer_peak(config, local_tokens, c) for c in num_chunks])
-
-
-def _micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro: int
-                 ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
-    """Forward and backward of one micro-batch (this rank's rows of it).
-
-    Returns:
-        (3,) detached [cross-entropy, load-balancing loss, z-loss] of this rank, the (L, E)
-        tokens per expert of this rank, the chunk count c per layer and the pairs dropped by
-        capacity per layer (0 when dropless).
-    """
-    moe = run.config.model.moe
-    x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
-    forward = run.forward or run.model  # the compiled step when --compile
-    with autocast_region(run.device, run.config):
-        out = forward(x_BQ.to(run.device), y_BQ.to(run.device))
-        loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
-                + moe.z_loss_coef * out.z_loss)
-        if moe.seq_aux_loss_coef > 0:
-            loss = loss + moe.seq_aux_loss_coef * out.sequence_balance_loss
-    (loss / num_micro).backward()
-    losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
-    dropped = [int(a.dropped_pairs or 0) for a in out.aux]
-    return losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped
 
 
 def _diverged(run: RunState) -> None:

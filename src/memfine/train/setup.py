@@ -38,7 +38,7 @@ from memfine.runs.metrics import MetricsLog
 from memfine.runs.outputs import Outputs
 from memfine.train.execution import step_forward
 from memfine.train.optim import build_optimizer
-from memfine.train.parallel import ParallelTraining, SingleProcess
+from memfine.train.parallel import ParallelTraining
 
 # Fields a resumed run may change; everything else must match the checkpoint.
 RESUMABLE_FIELDS = ("max_steps", "eval_every", "save_every", "eval_batches", "log_every",
@@ -164,7 +164,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     unigram=unigram, device=device, model=model, optimizer=optimizer,
                     scheduler=scheduler, start=start, resume=resume, val_data=val_data, log=log,
                     bar=bar, tensorboard=tensorboard, t_start=t_start, step=start,
-                    forward=step_forward(model, config))
+                    forward=step_forward(model, config, sharded=parallel.sharded))
 
 
 def num_parameters(config: TrainConfig) -> int:
@@ -241,17 +241,13 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     must equal ``config.model``), loaded into the whole model before the parallel hooks shard it.
 
     Raises:
-        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model,
-            or when ``config.compile`` meets expert parallelism.
+        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model.
     """
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
     if init_from is not None:
         load_weights(model, config, init_from)
-    if config.compile and not isinstance(parallel, SingleProcess):
-        raise ValueError("--compile does not combine with expert parallelism (--ep): the "
-                         "all-to-all exchange runs eagerly")
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
