@@ -30,7 +30,6 @@ from memfine.config.moe import (
     GatedActivation,
     MoEConfig,
     backward_block_rows,
-    balanced_block_rows,
 )
 
 __all__ = [
@@ -53,5 +52,4 @@ __all__ = [
     "TrainConfig",
     "_ConfigBase",
     "backward_block_rows",
-    "balanced_block_rows",
 ]

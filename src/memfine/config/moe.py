@@ -93,26 +93,6 @@ def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: i
     return max(1, block_bytes // row_bytes)
 
 
-def balanced_block_rows(num_rows: int, block_rows: int) -> int:
-    """Rows per block when S rows are cut into ⌈S / block_rows⌉ blocks of near-equal size.
-
-    The same number of blocks as tiles of ``block_rows`` rows, none larger (so the streamed
-    backward's transient never grows), but no block is much smaller than the others: S = 1,024
-    rows at 630 rows per block give two blocks of 512, not 630 and 394.
-
-    Args:
-        num_rows: S, routed rows (≥ 0).
-        block_rows: the largest block (≥ 1), from :func:`backward_block_rows`.
-
-    Returns:
-        ⌈S / ⌈S / block_rows⌉⌉, at least 1.
-    """
-    if num_rows <= block_rows:
-        return max(1, num_rows)
-    blocks = -(-num_rows // block_rows)
-    return -(-num_rows // blocks)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class MoEConfig(_ConfigBase):
     """One MoE feed-forward layer: router and routed experts.

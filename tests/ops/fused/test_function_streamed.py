@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_function import make_problem
 
-from memfine.config import ChunkConfig, MoEConfig, backward_block_rows, balanced_block_rows
+from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
 from memfine.dispatch import build_routing_index
 from memfine.nn import MoELayer
 from memfine.ops import run_experts
@@ -31,17 +31,6 @@ def _row_bytes(d: int, n: int, G: int, dtype_bytes: int) -> int:
 def test_block_rows_from_bytes() -> None:
     assert backward_block_rows(_row_bytes(8, 4, 8, 4) * 3 + 5, 8, 4, 8, 4) == 3
     assert backward_block_rows(1, 8, 4, 8, 4) == 1  # never 0 rows
-
-
-@pytest.mark.parametrize(("S", "limit", "want"), [
-    (1024, 630, 512),  # two blocks of 512, not 630 + 394
-    (630, 630, 630), (5, 630, 5), (0, 630, 1), (1261, 630, 421), (7, 1, 1),
-])
-def test_balanced_block_rows(S: int, limit: int, want: int) -> None:
-    rows = balanced_block_rows(S, limit)
-    assert rows == want
-    assert rows <= limit
-    assert -(-S // rows) == -(-S // limit)  # as many blocks as tiles of `limit` rows
 
 
 @pytest.mark.parametrize("rows", [1, 3])

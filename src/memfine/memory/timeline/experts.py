@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from memfine.config import MoEConfig, backward_block_rows, balanced_block_rows
+from memfine.config import MoEConfig, backward_block_rows
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
 
 
@@ -243,8 +243,8 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
         tim = next(name for name in saved if name.startswith("idx.token_index_map"))
         saved = [name for name in saved if name != tim]
         tl.free(tim)
-    rows = balanced_block_rows(S, backward_block_rows(moe.backward_block_bytes, D,
-                                                      moe.intermediate_size, moe.up_width, dt))
+    rows = backward_block_rows(moe.backward_block_bytes, D, moe.intermediate_size, moe.up_width,
+                               dt)
     for r0 in range(0, S, rows):
         _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, need_weights)
     if need_weights:

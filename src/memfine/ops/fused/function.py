@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from memfine.config import balanced_block_rows
 from memfine.ops.activations import (
     Activation,
     activation_and_gate,
@@ -129,8 +128,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         db_up[e] = Σ_{rows of e} dH_r, db_down[e] = Σ_{rows of e} w_r·dO_t.
 
     Streamed backward (MoEBlaze §4.2, row tiles of the expert-grouped rows): backward walks the
-    S rows in ⌈S / block_rows⌉ blocks [r0, r1) of near-equal size, at most ``block_rows`` rows
-    (:func:`memfine.config.balanced_block_rows`; a plain row tile that may cut an expert;
+    S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
     the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
     forms dA, dH and the gathered rows, adds the block's per-expert products into the weight
     gradients in place (``addmm_``) and its dx rows into dx (T, d) with ``index_add_`` over
@@ -201,9 +199,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         if st.bounds is None:  # under torch.compile S is symbolic: one block, no host loop
             _backward_block(st, 0, S)
         else:
-            rows = balanced_block_rows(S, ctx.block_rows)
-            for r0 in range(0, S, rows):
-                _backward_block(st, r0, min(S, r0 + rows))
+            for r0 in range(0, S, ctx.block_rows):
+                _backward_block(st, r0, min(S, r0 + ctx.block_rows))
         grad_weights = None
         if st.need_w:
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
