@@ -186,9 +186,10 @@ def _gated_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, spec: GatedActi
         # copy_ into the views: torch.compile traces no out= into a non-contiguous view.
         grad_up_SN.copy_(gate_value_SN * grad_a)
         grad_gate_SN.copy_(_gate_grad(grad_a * up_SN, gate_SN, spec))
-    else:  # NOTE(memory): written into dH's halves in place: no (S, n) result to copy
+    else:  # NOTE(memory): written into dH's halves in place: no (S, n) temporary
         torch.mul(gate_value_SN, grad_a, out=grad_up_SN)
-        _gate_backward(grad_a * up_SN, gate_SN, spec, grad_gate_SN)
+        torch.mul(grad_a, up_SN, out=grad_gate_SN)  # dA ⊙ up, then ⊙ f' in place
+        _gate_backward(grad_gate_SN, gate_SN, spec, grad_gate_SN)
     if spec.limit is not None:  # clamp passes the gradient where min <= v <= max (as torch)
         grad_gate_SN.masked_fill_(raw_gate_SN > spec.limit, 0)
         grad_up_SN.masked_fill_(raw_up_SN.abs() > spec.limit, 0)
@@ -222,9 +223,10 @@ def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation:
     Raises:
         ValueError: for an unknown activation, or an odd width with a gated one.
 
-    Memory: allocates dH (S·G) and, for gated activations, dA ⊙ up and (unless given) f_α(gate)
-    (S·n each; clamped copies of gate and up, S·n each, with a limit), all transient; the two
-    halves of dH are written in place (in eager mode).
+    Memory: allocates dH (S·G) and, for gated activations unless given, f_α(gate) (S·n;
+    clamped copies of gate and up, S·n each, with a limit; under torch.compile also dA ⊙ up),
+    all transient; in eager mode dA ⊙ f_α(gate) and dA ⊙ up ⊙ f_α'(gate) are written into dH's
+    halves in place.
     """
     check_activation(activation)
     spec = _spec(activation)

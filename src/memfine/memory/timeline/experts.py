@@ -294,15 +294,15 @@ def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str
 def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
     """ops.activations.activation_backward: dH (S, G) from H and dA.
 
-    Gated: f(gate) (unless ``gate_kept``) and dA ⊙ up are transients; both halves of dH are
-    written in place.
+    Gated: f(gate) (unless ``gate_kept``) is a transient; both halves of dH, dA ⊙ up included,
+    are written in place.
     """
     N, G = s.moe.intermediate_size, s.moe.up_width
     if not s.moe.gated:
         return tl.alloc("bwd.dH", S * N * s.dt)
     grad_h = tl.alloc("bwd.dH", S * G * s.dt)
-    gate = [] if gate_kept else [tl.alloc("bwd.act_gate", S * N * s.dt)]
-    tl.free(tl.alloc("bwd.dA_times_up", S * N * s.dt), *gate)
+    if not gate_kept:
+        tl.free(tl.alloc("bwd.act_gate", S * N * s.dt))
     return grad_h
 
 
