@@ -5,12 +5,17 @@ A small random Qwen3-MoE (or GPT-OSS, ``--model gpt_oss``) language model is bui
 ``pydoc_data/topics.py``, byte-level: vocabulary 256), with gradient checkpointing and bf16
 autocast on the CPU, once per experts implementation, from the same initial weights and on the
 same batches. Per implementation the script records the time of each step, the peak live bytes
-of one step (memfine's CPU storage tracker) and the bytes saved for backward outside the
-checkpointed layers, and writes them as CSV rows (docs/style.md §6 schema).
+of one step (memfine's CPU storage tracker) and of the next (``torch.profiler`` with
+``profile_memory=True``), the bytes saved for backward outside the checkpointed layers, and
+writes them as CSV rows (docs/style.md §6 schema).
 
     pip install -e '.[hf]'                 # transformers + accelerate (the Trainer needs it)
     python examples/hf_finetune.py         # both models, 3 implementations, 12 steps each
     python examples/hf_finetune.py --models qwen3_moe --steps 40 --csv out.csv
+    python examples/hf_finetune.py --csv benchmarks/results/hf_finetune_cpu.csv  # the committed CSV
+
+The CSV goes to ``runs/hf_finetune/hf_finetune_cpu.csv`` (git-ignored) unless ``--csv`` names
+another file.
 
 The only memfine-specific lines are ``register()`` and ``experts_implementation="memfine"``.
 """
@@ -29,10 +34,11 @@ from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.data import VOCAB_SIZE, ByteCorpus
 from memfine.integrations.transformers import register
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.measure.profiled import ProfiledPeakMemory
 from memfine.measure.saved import SavedTensorsTracker
 
 _MiB = 1 << 20
-DEFAULT_CSV = "benchmarks/results/hf_finetune_cpu.csv"
+DEFAULT_CSV = "runs/hf_finetune/hf_finetune_cpu.csv"  # git-ignored; results are committed by --csv
 
 
 def build_model(model_type: str, args: argparse.Namespace) -> torch.nn.Module:
@@ -74,10 +80,13 @@ class ByteWindows(torch.utils.data.Dataset):
 
 
 def step_stats_callback(measure_step: int) -> Any:
-    """A TrainerCallback timing every step and measuring memory on step ``measure_step``.
+    """A TrainerCallback timing every step and measuring memory on two steps.
 
-    The measured step runs under the peak tracker and a saved-tensor tracker (both slow the step
-    down), so its time is left out of the timings.
+    Step ``measure_step`` runs under memfine's storage tracker (peak live bytes) and a
+    saved-tensor tracker; step ``measure_step + 1`` under ``torch.profiler`` with
+    ``profile_memory=True`` (:class:`ProfiledPeakMemory`, the CPU ground truth: it does not
+    change what the program allocates). Both slow their step down, so their times are left out
+    of the timings.
     """
     from transformers import TrainerCallback
 
@@ -85,6 +94,7 @@ def step_stats_callback(measure_step: int) -> Any:
         def __init__(self) -> None:
             self.step_ms: list[float] = []
             self.peak_bytes: int | None = None
+            self.profiled_peak_bytes: int | None = None
             self.saved_bytes: int | None = None
             self._trackers: tuple[Any, ...] = ()
 
@@ -93,8 +103,10 @@ def step_stats_callback(measure_step: int) -> Any:
                 model = kwargs["model"]
                 self._trackers = (PeakMemoryTracker("cpu"),
                                   SavedTensorsTracker(exclude=list(model.parameters())))
-                for tracker in self._trackers:
-                    tracker.__enter__()
+            elif state.global_step == measure_step + 1:
+                self._trackers = (ProfiledPeakMemory(),)
+            for tracker in self._trackers:
+                tracker.__enter__()
             self._t0 = time.perf_counter()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -102,10 +114,13 @@ def step_stats_callback(measure_step: int) -> Any:
             if not self._trackers:
                 self.step_ms.append(elapsed_ms)
                 return
-            peak, saved = self._trackers
             for tracker in reversed(self._trackers):
                 tracker.__exit__(None, None, None)
-            self.peak_bytes, self.saved_bytes = peak.peak_bytes, saved.total_bytes
+            if len(self._trackers) == 2:
+                self.peak_bytes = self._trackers[0].peak_bytes
+                self.saved_bytes = self._trackers[1].total_bytes
+            else:
+                self.profiled_peak_bytes = self._trackers[0].peak_bytes
             self._trackers = ()
 
     return StepStats()
@@ -133,10 +148,11 @@ def train(model_type: str, impl: str, dataset: ByteWindows, args: argparse.Names
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     print(f"  {model_type} {impl:>10}: loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
           f"median {statistics.median(stats.step_ms):.1f} ms/step, peak "
-          f"{stats.peak_bytes / _MiB:.2f} MiB, saved {stats.saved_bytes / _MiB:.2f} MiB",
+          f"{stats.peak_bytes / _MiB:.2f} MiB (profiler {stats.profiled_peak_bytes / _MiB:.2f}"
+          f" MiB), saved {stats.saved_bytes / _MiB:.2f} MiB",
           flush=True)
     return {"loss": losses, "step_ms": stats.step_ms, "peak_bytes": stats.peak_bytes,
-            "saved_bytes": stats.saved_bytes}
+            "profiled_peak_bytes": stats.profiled_peak_bytes, "saved_bytes": stats.saved_bytes}
 
 
 def _quantiles(values: list[float]) -> tuple[float, float, float]:
@@ -149,10 +165,11 @@ def rows_of(model_type: str, impl: str, log: dict[str, Any], config: dict[str, A
     """CSV rows of one run: time (ms), peak and saved bytes, first and last loss."""
     metrics = [("time", "ms", _quantiles(log["step_ms"])),
                ("peak_bytes", "bytes", log["peak_bytes"]),
+               ("profiled_peak_bytes", "bytes", log["profiled_peak_bytes"]),
                ("saved_bytes", "bytes", log["saved_bytes"]),
                ("first_loss", "nats/byte", log["loss"][0]),
                ("final_loss", "nats/byte", log["loss"][-1])]
-    return [csv_row(benchmark="hf_finetune", provider=impl, mode="full", metric=metric,
+    return [csv_row(benchmark="hf_finetune", method=impl, mode="full", metric=metric,
                     unit=unit, x_name="model", x_value=model_type, values=values,
                     config=config, env=env) for metric, unit, values in metrics]
 
@@ -160,10 +177,11 @@ def rows_of(model_type: str, impl: str, log: dict[str, Any], config: dict[str, A
 def print_table(logs: dict[tuple[str, str], dict[str, Any]]) -> None:
     """One line per (model, implementation)."""
     print(f"\n{'model':>10} {'impl':>10} {'median ms/step':>15} {'peak MiB':>9} "
-          f"{'saved MiB':>10} {'first loss':>10} {'final loss':>10}")
+          f"{'profiled':>9} {'saved MiB':>10} {'first loss':>10} {'final loss':>10}")
     for (model_type, impl), log in logs.items():
         print(f"{model_type:>10} {impl:>10} {statistics.median(log['step_ms']):15.1f} "
-              f"{log['peak_bytes'] / _MiB:9.2f} {log['saved_bytes'] / _MiB:10.2f} "
+              f"{log['peak_bytes'] / _MiB:9.2f} {log['profiled_peak_bytes'] / _MiB:9.2f} "
+              f"{log['saved_bytes'] / _MiB:10.2f} "
               f"{log['loss'][0]:10.4f} {log['loss'][-1]:10.4f}")
 
 
@@ -202,7 +220,8 @@ def main() -> None:
 
     config = {k: v for k, v in vars(args).items() if k not in ("csv", "models", "impls")}
     config.update(bf16_autocast=True, gradient_checkpointing=True, trainer="transformers.Trainer",
-                  transformers_version=transformers.__version__, measured_step=1)
+                  transformers_version=transformers.__version__, measured_step=1,
+                  profiled_step=2)
     logs, rows = {}, []
     for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
         for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:

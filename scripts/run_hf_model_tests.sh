@@ -2,10 +2,11 @@
 # Run transformers' own common model tests on every MoE architecture with an experts module that
 # has a text causal LM (six hand-written tiny configs, the others shrunk generically; see
 # scripts/hf_model_tests/test_memfine_moe_models.py) twice: with transformers' reference experts
-# loop ("eager") as the default experts implementation, then with "memfine"; print the tests
-# whose outcome differs. Each run also compares memfine with eager inside the test (generation
-# with a cache on a left-padded batch; the load-balancing loss of a padded batch). (transformers' own CPU default, "grouped_mm", cannot run these tiny models:
-# their expert intermediate size n = 30 breaks torch._grouped_mm's 16-byte stride rule.)
+# loop ("eager") as the default experts implementation, then with "memfine"; compare the outcomes
+# test by test. Each run also compares memfine with eager inside the test (generation with a
+# cache on a left-padded batch; the load-balancing loss of a padded batch). (transformers' own
+# CPU default, "grouped_mm", cannot run these tiny models: their expert intermediate size n = 30
+# breaks torch._grouped_mm's 16-byte stride rule.)
 #
 # transformers' per-model test files (tests/models/<arch>/test_modeling_<arch>.py) and
 # tests/causal_lm_tester.py are not shipped in its sdist or wheel. The sdist does ship the common
@@ -15,17 +16,30 @@
 # sdist lacks (generation and export tests: those tests are left out), adds
 # scripts/hf_model_tests/test_memfine_moe_models.py (one tiny config per architecture) and runs.
 #
-# Usage: scripts/run_hf_model_tests.sh [extra pytest args, e.g. -k qwen3]
+# The run is sliced by architecture: each architecture is one slice, run with both
+# implementations, its JUnit reports kept in $WORK/slices/<arch>/; a slice already there is not
+# run again (FORCE=1 reruns it), so an interrupted run continues where it stopped. --summary
+# collects every slice into one report.
+#
+# Usage:
+#   scripts/run_hf_model_tests.sh                   # every architecture, slice by slice
+#   scripts/run_hf_model_tests.sh --arch olmoe,gpt_oss [extra pytest args, e.g. -x]
+#   scripts/run_hf_model_tests.sh --checks          # only memfine's in-test checks against
+#                                                   # eager (generation, padded aux loss), every
+#                                                   # architecture in one process (minutes)
+#   scripts/run_hf_model_tests.sh --list            # architectures run / not run (with why)
+#   scripts/run_hf_model_tests.sh --summary [FILE]  # all slices -> one summary (stdout or FILE)
 # Env: PY (python, default .venv/bin/python), HF_TESTS_DIR (work dir, default
-#      $TMPDIR/memfine_hf_model_tests/<version>), RUN_TRAINING_TESTS (default 1).
+#      $TMPDIR/memfine_hf_model_tests/<version>), RUN_TRAINING_TESTS (default 1), FORCE (0).
 # Needs: transformers (memfine[hf]), pytest, parameterized (pip install parameterized).
+# On a shared machine: nice -n 10 scripts/run_hf_model_tests.sh --arch ... (in the background).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
 VER=$("$PY" -c "import transformers; print(transformers.__version__)")
 WORK=${HF_TESTS_DIR:-${TMPDIR:-/tmp}/memfine_hf_model_tests/$VER}
-mkdir -p "$WORK"
+mkdir -p "$WORK/slices"
 if [ ! -f "$WORK/tests/test_modeling_common.py" ]; then
   "$PY" -m pip download -q --no-deps --no-binary :all: "transformers==$VER" -d "$WORK/sdist"
   tar -xzf "$WORK/sdist/transformers-$VER.tar.gz" -C "$WORK" --strip-components=1 \
@@ -39,20 +53,64 @@ touch "$T/__init__.py" "$T/exporters/__init__.py" "$T/generation/__init__.py" \
   > "$T/exporters/test_export.py"
 [ -f "$T/generation/test_utils.py" ] || printf 'class GenerationTesterMixin:\n    pass\n' \
   > "$T/generation/test_utils.py"
-cp scripts/hf_model_tests/test_memfine_moe_models.py "$T/models/memfine_moe/"
+cp scripts/hf_model_tests/test_memfine_moe_models.py tests/integrations/hf_models.py \
+  "$T/models/memfine_moe/"
 cp scripts/hf_model_tests/conftest.py "$WORK/conftest.py"
 export RUN_TRAINING_TESTS=${RUN_TRAINING_TESTS:-1}
-status=0
-for impl in eager memfine; do
-  echo "== experts implementation: $impl"
-  (cd "$WORK" && MEMFINE_HF_EXPERTS=$impl "$PY" -m pytest -q -p no:cacheprovider -o addopts="" \
-    --rootdir "$WORK" -W ignore::DeprecationWarning "tests/models/memfine_moe" \
-    --junitxml "$WORK/$impl.xml" "$@" | tail -n 3) || status=1
-done
-(cd "$WORK" && "$PY" -c "
+LISTING="$WORK/architectures.json"
+
+list_architectures() {  # probes every architecture once (a minute or more); cached per work dir
+  [ -f "$LISTING" ] || (cd "$WORK" && "$PY" -c "
+import json
 from tests.models.memfine_moe import test_memfine_moe_models as m
-print(len(m.ARCHS), 'architectures run:', ', '.join(sorted(m.ARCHS)))
-for arch, why in sorted(m.SKIPPED.items()):
-    print('not run:', arch + ':', why)")
-"$PY" scripts/hf_model_tests/compare.py "$WORK/eager.xml" "$WORK/memfine.xml"
+print(json.dumps({'run': sorted(m.ARCHS), 'not_run': m.SKIPPED}, indent=1))" > "$LISTING.tmp" \
+    && mv "$LISTING.tmp" "$LISTING")
+}
+
+run_slice() {  # run_slice ARCH [pytest args]: both implementations, JUnit XML per implementation
+  local arch=$1 dir="$WORK/slices/$1" impl status=0
+  shift
+  if [ -f "$dir/memfine.xml" ] && [ "${FORCE:-0}" != 1 ]; then
+    echo "== $arch: done before ($dir; FORCE=1 reruns)"
+    return 0
+  fi
+  rm -rf "$dir" && mkdir -p "$dir.partial"
+  printf 'RUN_TRAINING_TESTS=%s %s\n' "$RUN_TRAINING_TESTS" "$*" > "$dir.partial/settings.txt"
+  for impl in eager memfine; do
+    echo "== $arch: experts implementation $impl"
+    (cd "$WORK" && MEMFINE_HF_ARCHS=$arch MEMFINE_HF_EXPERTS=$impl "$PY" -m pytest -q \
+      -p no:cacheprovider -o addopts="" --rootdir "$WORK" -W ignore::DeprecationWarning \
+      "tests/models/memfine_moe" --junitxml "$dir.partial/$impl.xml" "$@" | tail -n 2) || status=1
+  done
+  mv "$dir.partial" "$dir"
+  "$PY" scripts/hf_model_tests/compare.py "$dir/eager.xml" "$dir/memfine.xml" || status=1
+  return $status
+}
+
+case "${1:-}" in
+  --list)
+    list_architectures && cat "$LISTING"; exit 0 ;;
+  --checks)
+    shift
+    (cd "$WORK" && MEMFINE_HF_EXPERTS=memfine "$PY" -m pytest -q -p no:cacheprovider \
+      -o addopts="" --rootdir "$WORK" -W ignore::DeprecationWarning "tests/models/memfine_moe" \
+      -k "memfine_generate or memfine_padded" --junitxml "$WORK/checks.xml.partial" "$@" \
+      | tail -n 3) && status=0 || status=1
+    mv "$WORK/checks.xml.partial" "$WORK/checks.xml"
+    exit $status ;;
+  --summary)
+    list_architectures
+    "$PY" scripts/hf_model_tests/compare.py --summary "$WORK/slices" "$LISTING" ${2:+--out "$2"}
+    exit ;;
+  --arch)
+    ARCH_LIST=$2; shift 2 ;;
+  *)
+    list_architectures
+    ARCH_LIST=$("$PY" -c "import json,sys; print(','.join(json.load(open(sys.argv[1]))['run']))" \
+      "$LISTING") ;;
+esac
+status=0
+for arch in ${ARCH_LIST//,/ }; do
+  run_slice "$arch" "$@" || status=1
+done
 exit $status

@@ -159,9 +159,11 @@ BAD_TRAIN = [
     pytest.param({"seq_len": 257}, "TrainConfig.seq_len must be in [1, 256], got 257",
                  id="seq_len_gt_max_seq_len"),
     pytest.param({"batch_size": 0}, "TrainConfig.batch_size must be >= 1, got 0", id="batch_0"),
-    pytest.param({"max_steps": -1}, "TrainConfig.max_steps must be in [0, 4294967295], got -1",
+    pytest.param({"max_steps": -1}, "TrainConfig.max_steps must be in [1, 4294967295], got -1",
                  id="max_steps_negative"),
-    pytest.param({"max_steps": 2**32}, "TrainConfig.max_steps must be in [0, 4294967295], got "
+    pytest.param({"max_steps": 0}, "TrainConfig.max_steps must be in [1, 4294967295], got 0",
+                 id="max_steps_0"),  # a run of no step would write its files and exit 0
+    pytest.param({"max_steps": 2**32}, "TrainConfig.max_steps must be in [1, 4294967295], got "
                  "4294967296", id="max_steps_2_32"),
     pytest.param({"lr": 0.0}, "TrainConfig.lr must be in (0.0, inf), got 0.0", id="lr_0"),
     pytest.param({"min_lr_ratio": 1.5}, "TrainConfig.min_lr_ratio must be in [0.0, 1.0], "

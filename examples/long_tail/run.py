@@ -8,17 +8,21 @@ and the mutual exclusive modulator (three group heads mixed by memfine's router;
 top-1 group, and with the logit adjustment applied to its class log-probabilities. The script
 prints mean ± std over the seeds of overall, many, medium and
 few-shot test accuracy, and writes ``results.csv``, ``summary.json`` and ``accuracy.png`` to
-``--out`` and the results section of ``--readme``.
+``--out`` (default ``runs/long_tail``, git-ignored) and, with ``--readme``, the results section
+of that README. The committed results are rewritten only when asked for:
 
     pip install -e '.[examples]'          # scikit-learn, matplotlib
-    python examples/long_tail/run.py      # 5 seeds
-    python examples/long_tail/run.py --seeds 1 --epochs 20 --out /tmp/lt --readme ''
+    python examples/long_tail/run.py      # 5 seeds, into runs/long_tail/
+    python examples/long_tail/run.py --seeds 1 --epochs 20 --out /tmp/lt
+    python examples/long_tail/run.py --out examples/long_tail/results \
+        --readme examples/long_tail/README.md     # the committed results and README section
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -48,7 +52,6 @@ from modulator import (  # noqa: E402
     train_model,
 )
 
-HERE = Path(__file__).resolve().parent
 MODELS = ("softmax", "logit adjustment", "modulator", "modulator, top-1 group",
           "modulator + logit adjustment")
 GROUP_ROUTING = "modulator group prediction"
@@ -125,10 +128,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="classes with fewer training images are 'few'")
     p.add_argument("--tau", type=float, default=1.0, help="logit adjustment τ")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--out", type=Path, default=HERE / "results",
-                   help="folder for results.csv, summary.json, accuracy.png")
-    p.add_argument("--readme", default=str(HERE / "README.md"),
-                   help="README whose results section is rewritten; '' to skip")
+    p.add_argument("--out", type=Path, default=Path("runs/long_tail"),
+                   help="folder for results.csv, summary.json, accuracy.png (default: "
+                        "runs/long_tail, git-ignored; examples/long_tail/results is the "
+                        "committed one)")
+    p.add_argument("--readme", default="",
+                   help="README whose results section is rewritten (examples/long_tail/"
+                        "README.md for the committed results); default: none")
     args = p.parse_args(argv)
     for name in ("seeds", "threads"):
         if getattr(args, name) < 1:
@@ -170,6 +176,13 @@ def main(argv: list[str] | None = None) -> list[SeedRun]:
     return runs
 
 
+def _figure_link(args: argparse.Namespace) -> str:
+    """accuracy.png as the README links it: relative to ``--readme`` (or to ``--out``)."""
+    figure = (args.out / "accuracy.png").resolve()
+    base = Path(args.readme).resolve().parent if args.readme else args.out.resolve()
+    return Path(os.path.relpath(figure, base)).as_posix()
+
+
 def write_outputs(runs: list[SeedRun], args: argparse.Namespace, data: DataConfig,
                   train: TrainConfig, wall_s: float) -> None:
     """Print the table and write results.csv, summary.json, accuracy.png and the README section."""
@@ -196,7 +209,7 @@ def write_outputs(runs: list[SeedRun], args: argparse.Namespace, data: DataConfi
                         "Test accuracy (%), mean ± std over seeds:",
                         markdown_table(class_summary), verdict(class_summary), routing,
                         markdown_table({GROUP_ROUTING: summary[GROUP_ROUTING]}),
-                        "![test accuracy per group](results/accuracy.png)"])
+                        f"![test accuracy per group]({_figure_link(args)})"])
     print("\n" + body)
     args.out.mkdir(parents=True, exist_ok=True)
     write_csv(results, args.out / "results.csv", meta)

@@ -17,14 +17,15 @@ under 3M parameters that runs a forward pass; ``SKIPPED`` holds the others with 
 
 from __future__ import annotations
 
+import os
 import unittest
-from pathlib import Path
 
 import torch
 import transformers
 
 from ...test_modeling_common import ModelTesterMixin, ids_tensor, random_attention_mask
 from ...test_training_mixin import TrainingTesterMixin
+from .hf_models import experts_architectures, generic_causal_lm
 
 # model_type -> (config class, base model class, causal LM class, config kwargs); expert
 # intermediate size n = 30 (not a multiple of 4: transformers' grouped_mm cannot run it on CPU).
@@ -49,74 +50,16 @@ ARCHS = {
 }
 
 
-_SHRINK = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               head_dim=8, intermediate_size=40, moe_intermediate_size=30,
-               expert_intermediate_size=30, num_experts=6, num_local_experts=6, n_routed_experts=6,
-               num_experts_per_tok=2, max_position_embeddings=64, vocab_size=61,
-               shared_expert_intermediate_size=24, moe_shared_expert_intermediate_size=24,
-               n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=24, kv_lora_rank=16,
-               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1,
-               linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-               linear_value_head_dim=8, index_n_heads=2, index_head_dim=8)
-_MAX_PARAMETERS = 3_000_000
-
-
-def _experts_architectures() -> list[str]:
-    root = Path(transformers.__file__).parent / "models"
-    return sorted(f.parent.name for f in root.glob("*/modeling_*.py")
-                  if "@use_experts_implementation" in f.read_text())
-
-
-def _shrink(config: transformers.PreTrainedConfig) -> None:
-    for key, value in _SHRINK.items():
-        current = getattr(config, key, "absent")
-        if current == "absent":
-            continue
-        if isinstance(current, (list, tuple)) and current and all(
-                isinstance(v, int) for v in current):
-            value = type(current)([value] * len(current))
-        setattr(config, key, value)
-    if getattr(config, "kv_lora_rank", None):  # multi-head latent attention: kv heads = heads
-        config.num_key_value_heads = config.num_attention_heads
-    for key in [k for k in vars(config) if k.endswith("layer_types")]:
-        layer_types = getattr(config, key)
-        if isinstance(layer_types, (list, tuple)) and len(layer_types) != 2:
-            kinds = list(dict.fromkeys(layer_types))
-            setattr(config, key, (kinds + kinds)[:2])
-
-
-def _auto_arch(model_type: str) -> tuple[tuple[str, str, str, dict[str, object]] | None, str]:
-    """(ARCHS entry, "") for an architecture whose shrunk default config runs, else (None, why)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    causal = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
-    base = causal.replace("ForCausalLM", "Model") if causal else None
-    if causal is None or not hasattr(transformers, base):
-        return None, "no text causal LM class (multimodal or experts-only)"
-    try:
-        cls = getattr(transformers, causal)
-        shrunk = cls.config_class()
-        _shrink(shrunk)
-        keys = {k: v for k, v in shrunk.to_diff_dict().items() if not k.startswith("_")
-                and k not in ("model_type", "transformers_version", "architectures", "dtype")}
-        config = cls.config_class(**keys)  # the config the tests build, validated
-        config._experts_implementation = "eager"
-        with torch.device("meta"):
-            size = sum(p.numel() for p in cls(config).parameters())
-        if size > _MAX_PARAMETERS:
-            return None, f"the shrunk default config still has {size} parameters"
-        with torch.no_grad():
-            cls(config).eval()(input_ids=torch.randint(3, 61, (2, 5)))
-    except Exception as err:  # noqa: BLE001 - an architecture the generic shrink cannot build
-        return None, f"{type(err).__name__}: {str(err).splitlines()[0][:120]}"
-    return (config.__class__.__name__, base, causal, keys), ""
-
-
+# MEMFINE_HF_ARCHS=a,b (set by scripts/run_hf_model_tests.sh --arch): build and test only these
+# architectures (probing all of them at import takes a minute or more on a loaded CPU).
+_ONLY = {a for a in os.environ.get("MEMFINE_HF_ARCHS", "").split(",") if a}
+if _ONLY:
+    ARCHS = {arch: entry for arch, entry in ARCHS.items() if arch in _ONLY}
 SKIPPED: dict[str, str] = {}
-for _arch in _experts_architectures():
-    if _arch in ARCHS:
+for _arch in experts_architectures():
+    if _arch in ARCHS or (_ONLY and _arch not in _ONLY):
         continue
-    _entry, _why = _auto_arch(_arch)
+    _entry, _why = generic_causal_lm(_arch)
     if _entry is None:
         SKIPPED[_arch] = _why
     else:

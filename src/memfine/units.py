@@ -36,14 +36,22 @@ _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 
 
-def parse_bytes(text: str | int) -> int:
+def parse_bytes(text: str | int, *, require_unit: bool = False) -> int:
     """Parse a byte size: an int, or a string such as ``"512MiB"``, ``"2GiB"``, ``"64GB"``.
+
+    Args:
+        text: the size; a string may carry a unit (B, KiB, MiB, GiB, TiB binary; KB, MB, GB,
+            TB decimal; case-insensitive).
+        require_unit: refuse a string without a unit (``"80"``): on a command line a bare
+            number is usually meant as MiB or GiB, and reading it as bytes would be a silent
+            wrong answer. An ``int`` argument is always bytes.
 
     Returns:
         Bytes as int (> 0).
 
     Raises:
-        ValueError: on an unparsable string, an unknown unit, or a value ≤ 0.
+        ValueError: on an unparsable string, an unknown unit, a missing unit with
+            ``require_unit``, or a value ≤ 0.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
@@ -52,6 +60,9 @@ def parse_bytes(text: str | int) -> int:
         if not m or m.group(2).lower() not in _UNITS:
             raise ValueError(f"byte size must look like '512MiB', '2GiB' or an integer number of "
                              f"bytes (units {sorted(k for k in _UNITS if k)}), got {text!r}")
+        if require_unit and not m.group(2):
+            raise ValueError(f"byte size needs a unit, e.g. {m.group(1)}MiB, {m.group(1)}GiB "
+                             f"or {m.group(1)}GB, got {text!r}")
         value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
         raise ValueError(f"byte size must be > 0, got {text!r}")

@@ -127,3 +127,36 @@ def test_run_methods_validates(kwargs: dict[str, int], match: str) -> None:
 def test_run_methods_rejects_duplicate_names() -> None:
     with pytest.raises(ValueError, match="method names must be unique"):
         run_methods([recording_method("a", []), recording_method("a", [])], repeats=1)
+
+
+def test_a_compiled_method_is_measured_by_the_profiler_alone() -> None:
+    """exp under torch.compile (aot_eager): Dynamo does not compile under the tracker's dispatch
+    mode, so the one memory call runs under torch.profiler; exp saves its (T, d) fp32 output
+    and backward adds dx, as in eager: peak 2·T·d·4 bytes."""
+    x = torch.randn(64, 32, requires_grad=True)
+    grad = torch.randn(64, 32)
+    nbytes = x.numel() * 4
+    exp = torch.compile(lambda: x.exp(), backend="aot_eager", fullgraph=True)
+    calls: list[int] = []
+
+    def forward() -> torch.Tensor:
+        calls.append(1)
+        return exp()
+
+    def zero() -> None:
+        x.grad = None
+
+    method = Method(name="exp_compiled", forward=forward, backward=lambda y: y.backward(grad),
+                    zero_grad=zero, peak="profiler")
+    (res,) = run_methods([method], repeats=2, warmup=1)
+    assert res.error is None
+    assert len(calls) == 4  # warm-up (compiles), one memory call, two timed
+    assert (res.saved_bytes, res.peak_bytes) == (nbytes, 2 * nbytes)
+    assert res.extras == {"profiler_peak_bytes": (2 * nbytes, "bytes")}
+    torch.testing.assert_close(x.grad, grad * x.detach().exp())
+
+
+def test_method_rejects_an_unknown_peak_measurement() -> None:
+    with pytest.raises(ValueError, match=r"Method.peak must be one of \('tracker', 'profiler'\), "
+                                         r"got 'live' \(method 'a'\)"):
+        Method(name="a", forward=lambda: None, backward=lambda out: None, peak="live")

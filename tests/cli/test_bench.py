@@ -30,7 +30,7 @@ BENCH_FLAGS = {
     "--suites", "--configs", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
     "--num-experts", "--top-k", "--dtype", "--threads", "--repeats", "--warmup", "--out",
     "--quick", "--overwrite", "--methods", "--memory-budget", "--skew-levels", "--device",
-    "--seed", "-h", "--help",
+    "--seed", "--compile", "--compile-backend", "-h", "--help",
     "--suite", "--config", "--budget",  # hidden aliases of --suites, --configs, --memory-budget
 }
 MEMORY_METRICS = ("saved_bytes", "saved_bytes_predicted", "peak_bytes", "peak_bytes_predicted")
@@ -96,6 +96,44 @@ def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
     assert (options["quick"], options["repeats"], options["warmup"], options["threads"]) == (
         True, 1, 0, 1)
     assert config["environment"]["threads"] == 1
+
+
+def _compiled_column(table: Table, x_value: str, eager: str) -> dict[str, dict[str, str]]:
+    """The compiled method's rows, checked against its eager method's (no timing values)."""
+    rows, eager_rows = table[f"{x_value}/{eager}_compiled"], table[f"{x_value}/{eager}"]
+    assert rows["time/full"]["unit"] == "ms" and rows["time/full"]["p50"] != NOT_MEASURED
+    # Peak from torch.profiler (the tracker cannot see inductor's buffers); not modelled.
+    assert rows["peak_bytes/full"]["p50"] == rows["profiler_peak_bytes/full"]["p50"]
+    assert int(rows["peak_bytes/full"]["p50"]) > 0
+    assert rows["peak_bytes_predicted/full"]["p50"] == NOT_MODELLED
+    assert rows["num_chunks/full"]["p50"] == eager_rows["num_chunks/full"]["p50"]
+    return rows
+
+
+def test_experts_quick_compiled_column(tmp_path: Path) -> None:
+    """``fused_compiled`` named in --methods (aot_eager: traced, no code generation)."""
+    out = _run(tmp_path, "--suite", "experts", "--methods", "fused", "fused_compiled",
+               "--compile-backend", "aot_eager")
+    header, table = _read(out / "bench_experts.csv")
+    assert header == CSV_COLUMNS
+    assert set(table) == {"quick/fused", "quick/fused_compiled"}
+    rows = _compiled_column(table, "quick", "fused")
+    # The compiled graph saves x and H as the fused Function does; the index arrays it keeps
+    # may differ (a few hundred bytes of int64 here), so compare the floating part's floor.
+    T, d, n, k = 64, 64, 128, 2
+    assert int(rows["saved_bytes/fwd"]["p50"]) >= 4 * (T * d + 2 * T * k * n)
+    options = json.loads((out / "bench_config.json").read_text())["options"]
+    assert (options["compile"], options["compile_backend"]) == (False, "aot_eager")
+
+
+@pytest.mark.slow
+def test_model_quick_compiled_column_inductor(tmp_path: Path) -> None:
+    out = _run(tmp_path, "--suite", "model", "--methods", "fused", "fused_mact", "--compile")
+    _, table = _read(out / "bench_model.csv")
+    assert set(table) == {f"tiny/{m}" for m in ("fused", "fused_mact", "fused_compiled",
+                                                "fused_mact_compiled")}
+    for eager in ("fused", "fused_mact"):
+        _compiled_column(table, "tiny", eager)
 
 
 def test_chunking_quick_mact_within_budget(tmp_path: Path) -> None:
@@ -172,7 +210,9 @@ def test_resolve_shapes_overrides() -> None:
     ({"configs": (9,)}, r"BenchOptions.configs must be Table 1 rows"),
     ({"repeats": 0}, r"BenchOptions.repeats must be an int >= 1, got 0"),
     ({"skew_levels": (4, 2)}, r"BenchOptions.skew_levels must be strictly increasing"),
-], ids=["suite", "config", "repeats", "skew_levels"])
+    ({"compile_backend": "eager"}, r"BenchOptions.compile_backend must be one of \('inductor', "
+                                   r"'aot_eager'\), got 'eager'"),
+], ids=["suite", "config", "repeats", "skew_levels", "compile_backend"])
 def test_options_validation(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         BenchOptions(**kwargs)  # type: ignore[arg-type]
@@ -182,6 +222,17 @@ def test_select_methods() -> None:
     assert select_methods("experts", ()) == experts.METHODS
     assert select_methods("experts", ("fused", "mact")) == ("fused",)
     assert select_methods("chunking", ("fused",)) == ()
+
+
+def test_select_methods_with_compile() -> None:
+    compiled = ("fused_compiled", "fused_mact_compiled")
+    assert select_methods("experts", (), compile=True) == (*experts.METHODS, *compiled)
+    assert select_methods("experts", ("fused", "plain"), compile=True) == (
+        "plain", "fused", "fused_compiled")
+    assert select_methods("experts", ("fused_mact_compiled",)) == ("fused_mact_compiled",)
+    assert select_methods("model", ("fused_mact",), compile=True) == (
+        "fused_mact", "fused_mact_compiled")
+    assert select_methods("chunking", ("mact",), compile=True) == ("mact",)
 
 
 def test_table_rows_show_missing_and_failed() -> None:

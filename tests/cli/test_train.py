@@ -128,8 +128,8 @@ BAD_INPUTS = [
                  "MoEConfig.top_k must be in [1, num_experts=4], got 5", id="top_k_gt_experts"),
     pytest.param(lambda p: ["--activation", "swish"], "invalid choice: 'swish'",
                  id="unknown_activation"),
-    pytest.param(lambda p: ["--memory-budget", "16"], "--memory-budget: needs a unit",
-                 id="budget-without-unit"),
+    pytest.param(lambda p: ["--memory-budget", "16"],
+                 "argument --memory-budget: byte size needs a unit", id="budget-without-unit"),
     pytest.param(lambda p: ["--memory-budget", "12XB"], "byte size must look like",
                  id="bad_memory_budget"),
     pytest.param(lambda p: ["--data", _write(p, "empty.txt", b"")], "empty.txt' is empty",
@@ -148,6 +148,10 @@ BAD_INPUTS = [
     pytest.param(lambda p: ["--save-every", "0"], "--save-every 0: TrainConfig.save_every must "
                  "be >= 1, got 0", id="save_every_zero"),
     pytest.param(lambda p: ["--threads", "0"], "--threads must be >= 1, got 0", id="threads_0"),
+    pytest.param(lambda p: ["--max-steps", "0"], "--max-steps 0: TrainConfig.max_steps must be in "
+                 "[1, 4294967295], got 0", id="max_steps_0"),
+    pytest.param(lambda p: ["--memory-budget", "1KiB"], "ChunkConfig.memory_budget_bytes=1024 "
+                 "bytes (0.00 MiB) cannot be met", id="budget_too_small_found_in_step_1"),
     pytest.param(lambda p: ["--data", str(p), "--overwrite"], "lies in the data directory",
                  id="out_is_the_data_directory"),
 ]
@@ -158,12 +162,25 @@ def test_bad_input_exits_2_with_a_clear_message(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], make_args, message: str) -> None:
     args = make_args(tmp_path)
     base = ["--no-progress"] if "--resume" in args else [*FAST]
+    before = sorted(tmp_path.iterdir())
     with pytest.raises(SystemExit) as info:
         main(["train", *base, "--out", str(tmp_path), *args])
     assert info.value.code == 2
     err = capsys.readouterr().err
     assert message in err
     assert "Traceback" not in err
+    assert sorted(tmp_path.iterdir()) == before  # nothing left behind: no config.json, no lock
+
+
+def test_a_failed_run_can_run_again_into_the_same_out(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "runs" / "a"
+    with pytest.raises(SystemExit) as info:  # found by MACT in the first step, after set-up
+        main(["train", *FAST, "--max-steps", "2", "--memory-budget", "1KiB", "--out", str(out)])
+    assert info.value.code == 2 and "smallest feasible budget" in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists()
+    assert _train("--max-steps", "2", "--memory-budget", "1MiB", "--out", str(out)) == 0
+    assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
 
 
 @pytest.mark.parametrize("damage", ["truncated", "garbage"])

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import math
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -162,7 +163,19 @@ def test_example_runs_one_seed(tmp_path: Path, one_thread: None) -> None:
     assert "(not run yet)" not in text
     assert all(f"| {model} |" in text for model in run.MODELS)
     assert text.count(longtail_report.README_BEGIN) == 1
+    assert "![test accuracy per group](out/accuracy.png)" in text  # relative to the README
     assert (out / "accuracy.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_defaults_write_to_a_git_ignored_folder_and_no_readme() -> None:
+    args = run.parse_args([])
+    assert args.out == Path("runs/long_tail") and args.readme == ""
+    root = EXAMPLE.parents[1]
+    if not (root / ".git").exists():
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "-q", str(args.out / "results.csv")],
+                             cwd=root, check=False)
+    assert ignored.returncode == 0  # 0: ignored; 1: it would show up as a new file
 
 
 def test_summary_and_verdict_hand_values() -> None:

@@ -27,6 +27,22 @@ def test_parse_bytes_rejects(text: str | int) -> None:
         parse_bytes(text)
 
 
+@pytest.mark.parametrize(("text", "expected"), [
+    ("512MiB", 512 * 2**20), ("80GB", 80 * 10**9), ("1 KiB", 1024), ("4096B", 4096),
+    (4096, 4096),  # an int is bytes: only text needs to name its unit
+])
+def test_parse_bytes_require_unit_accepts_sizes_with_a_unit(text: str | int,
+                                                            expected: int) -> None:
+    assert parse_bytes(text, require_unit=True) == expected
+
+
+@pytest.mark.parametrize("text", ["80", " 16 ", "1.5"])
+def test_parse_bytes_require_unit_refuses_a_bare_number(text: str) -> None:
+    with pytest.raises(ValueError, match=f"byte size needs a unit, e.g. {text.strip()}MiB, "
+                                         f"{text.strip()}GiB or {text.strip()}GB, got"):
+        parse_bytes(text, require_unit=True)
+
+
 @pytest.mark.parametrize(("budget", "fixed", "row", "expected"), [
     (10_000, 2_000, 100, 80),     # (10000 - 2000) / 100
     (10_099, 2_000, 100, 80),     # floored

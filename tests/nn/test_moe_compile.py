@@ -14,10 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch._dynamo as dynamo
+from functorch.compile import make_boxed_func
+from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoELayer, MoETransformerLM
+from memfine.ops.fused import function as fused_function
 from tolerances import assert_close
 
 DOCS = Path(__file__).parents[2] / "docs" / "compile.md"
@@ -28,7 +31,10 @@ C3 = ChunkConfig(num_chunks=3, recompute="experts")
 # Graph-break sites of a compiled MoELayer under dynamo.explain, as docs/compile.md lists them
 # (capture_scalar_outputs on). A new break must be documented there and counted here.
 DOCUMENTED_BREAKS = {"c1": 0, "c3-recompute": 0, "c3-none": 0, "plain": 0, "budget": 1,
-                     "biased": 0, "groups-capacity": 0, "shared-seq": 0}
+                     "biased": 0, "groups-capacity": 0, "shared-seq": 0, "c1-blocks": 0}
+# Streamed fused backward in blocks of 12 rows: one row costs (3·d + 3·n + 2·n)·4 = 832 bytes,
+# so S ≤ T·k = 32 rows are 3 blocks (12, 12, 8), traced over the bound T·k.
+BLOCKS = MoEConfig(**{**MOE.to_dict(), "backward_block_bytes": 12 * 832})
 ROUTING_CASES = {  # routing options: selection bias; groups + capacity; shared experts + L_seq
     "biased": {"skew_hot_experts": 1, "skew_bias": 0.05},
     "groups-capacity": {"score_func": "sigmoid", "n_group": 2, "topk_group": 1,
@@ -42,6 +48,7 @@ LAYER_CASES = {
     "c3-none": (MOE, ChunkConfig(num_chunks=3, recompute="none")),
     "plain": (MoEConfig(**{**MOE.to_dict(), "experts_impl": "plain"}), None),
     "budget": (MOE, BUDGET),
+    "c1-blocks": (BLOCKS, None),
     **{name: (MoEConfig(**{**MOE.to_dict(), **options}), None)
        for name, options in ROUTING_CASES.items()},
 }
@@ -97,6 +104,7 @@ def test_layer_inductor_equals_eager(case: str, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize(("case", "dtype"), [
     pytest.param("plain", torch.float32, id="fp32-plain"),
     pytest.param("c3-none", torch.bfloat16, id="bf16-c3-none"),
+    pytest.param("c1-blocks", torch.float32, id="fp32-c1-blocks"),
 ])
 def test_layer_aot_eager_equals_eager(case: str, dtype: torch.dtype) -> None:
     _check_equal_to_eager(case, dtype, "aot_eager")
@@ -153,6 +161,47 @@ def test_no_recompile_when_other_experts_are_empty() -> None:
             seen.append(aux.tokens_per_expert.tolist())
     assert seen[0] == [16, 16, 0, 0] and seen[1] == [0, 0, 16, 16] and seen[2] == [0, 16, 16, 0]
     assert counters["stats"]["unique_graphs"] == 1
+
+
+def _backward_weight_grads(case: str) -> int:
+    """Grouped weight-gradient ops in the compiled backward graph of a layer (aot_autograd)."""
+    counts: list[int] = []
+
+    def bw_compiler(gm: torch.fx.GraphModule, _: object) -> object:
+        counts.append(sum("grouped" in str(n.target) and _is_weight_grad(n)
+                          for n in gm.graph.nodes))
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           bw_compiler=bw_compiler)
+    layer = _layer(case)
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        _step(torch.compile(layer, backend=backend, fullgraph=True), layer,
+              torch.randn(2, 8, MOE.hidden_size))
+    (count,) = counts
+    return count
+
+
+def _is_weight_grad(node: torch.fx.Node) -> bool:
+    """A grouped GEMM whose output is (E, ·, ·): a weight gradient, not (rows, ·)."""
+    val = node.meta.get("val")
+    return isinstance(val, torch.Tensor) and val.dim() == 3
+
+
+def test_compiled_backward_is_one_block_by_default() -> None:
+    """The block knob asks for 3 blocks; under compile the backward is one block (w_up and
+    w_down: 2 weight-gradient GEMMs), so the graph does not grow with T·k / B."""
+    assert _backward_weight_grads("c1") == _backward_weight_grads("c1-blocks") == 2
+
+
+def test_compiled_backward_streams_row_blocks_when_enabled(monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """With STREAM_UNDER_COMPILE the traced backward runs one block per B rows of the bound
+    S ≤ T·k: 3 blocks, 3× the weight-gradient GEMMs, and eager's values (MoEBlaze §4.2)."""
+    monkeypatch.setattr(fused_function, "STREAM_UNDER_COMPILE", True)
+    assert _backward_weight_grads("c1-blocks") == 3 * 2
+    dynamo.reset()
+    _check_equal_to_eager("c1-blocks", torch.float32, "aot_eager")
 
 
 def _model(chunk: ChunkConfig) -> MoETransformerLM:

@@ -1,4 +1,4 @@
-"""Run directories: refusing to replace files, never the data directory, the lock (rundir)."""
+"""Run directories: refusing to replace files, never the data directory, the lock, clean-up."""
 
 from __future__ import annotations
 
@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from memfine.runs.rundir import LOCK_NAME, RUN_FILES, check_run_dir, run_lock
+from memfine.runs.checkpoint import CHECKPOINT_NAME
+from memfine.runs.rundir import (
+    LOCK_NAME,
+    RUN_FILES,
+    check_run_dir,
+    removed_on_failure,
+    run_lock,
+)
 
 
 @pytest.mark.parametrize("name", RUN_FILES)
@@ -57,3 +64,53 @@ def test_lock_names_the_live_pid_and_is_removed(tmp_path: Path) -> None:
     with run_lock(tmp_path) as path:
         assert path.read_text().split() == [str(os.getpid())]
     assert not path.exists()
+
+
+def test_a_failed_run_removes_what_it_created(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("the user's")
+    (tmp_path / "sample.txt").write_text("an earlier run's")
+    out = tmp_path / "a" / "b"
+    with pytest.raises(RuntimeError, match="step failed"), removed_on_failure(out):
+        out.mkdir(parents=True)
+        (out / "config.json").write_text("{}")
+        (out / "metrics.jsonl").write_text("{}\n")
+        (out / "tensorboard").mkdir()
+        (out / "tensorboard" / "events").write_text("x")
+        raise RuntimeError("step failed")
+    assert not (tmp_path / "a").exists()  # both directories it created, once empty
+    with pytest.raises(RuntimeError, match="step failed"), removed_on_failure(tmp_path):
+        (tmp_path / "config.json").write_text("{}")
+        (tmp_path / "sample.txt").write_text("this run's")
+        raise RuntimeError("step failed")
+    # never a file that was there before (even when the run replaced it), nor the directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "sample.txt"]
+
+
+@pytest.mark.parametrize("old_checkpoint", [False, True])
+def test_a_run_that_saved_a_checkpoint_keeps_its_files(tmp_path: Path,
+                                                       old_checkpoint: bool) -> None:
+    checkpoint = tmp_path / CHECKPOINT_NAME
+    if old_checkpoint:
+        checkpoint.write_bytes(b"old")
+    with pytest.raises(RuntimeError), removed_on_failure(tmp_path):
+        (tmp_path / "config.json").write_text("{}")
+        new = tmp_path / "checkpoint.pt.tmp"  # saved as the checkpoints are: write, rename
+        new.write_bytes(b"new")
+        os.replace(new, checkpoint)
+        raise RuntimeError("diverged")
+    assert (tmp_path / "config.json").exists() and checkpoint.read_bytes() == b"new"
+
+
+def test_an_unchanged_old_checkpoint_does_not_keep_new_files(tmp_path: Path) -> None:
+    (tmp_path / CHECKPOINT_NAME).write_bytes(b"old")  # e.g. --overwrite over an earlier run
+    with pytest.raises(RuntimeError), removed_on_failure(tmp_path):
+        (tmp_path / "metrics.jsonl").write_text("{}\n")
+        raise RuntimeError("budget cannot be met")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [CHECKPOINT_NAME]
+
+
+def test_success_keeps_everything(tmp_path: Path) -> None:
+    with removed_on_failure(tmp_path / "new"):
+        (tmp_path / "new").mkdir()
+        (tmp_path / "new" / "config.json").write_text("{}")
+    assert (tmp_path / "new" / "config.json").exists()

@@ -123,8 +123,45 @@ def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setattr("memfine.train.setup.MoETransformerLM", NaNFromStep2)
     with pytest.raises(ValueError, match=r"training diverged at step 2: train loss nan; .*"
                                          r"no checkpoint was saved before it"):
-        _run(_config(), tmp_path)
-    assert not (tmp_path / "checkpoint.pt").exists()
+        _run(_config(), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing saved: the run's files are removed
+    NaNFromStep2.calls = 0
+    with pytest.raises(ValueError, match=r"diverged at step 2: .*run/checkpoint.pt keeps the "
+                                         r"last saved step"):
+        _run(_config(save_every=1), tmp_path / "run")
+    assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 1
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+@pytest.mark.parametrize(("fail_at", "left"), [
+    pytest.param(1, [], id="before_the_first_checkpoint"),
+    pytest.param(3, ["checkpoint.pt", "config.json", "metrics.jsonl"], id="after_one"),
+])
+def test_a_failed_run_leaves_files_only_with_a_checkpoint(tmp_path: Path, fail_at: int,
+                                                          left: list[str]) -> None:
+    def fail(step: int) -> None:
+        if step == fail_at:
+            raise RuntimeError("the device went away")
+
+    with pytest.raises(RuntimeError, match="the device went away"):
+        _run(_config(save_every=2), tmp_path / "run", on_step=fail)
+    assert sorted(p.name for p in (tmp_path / "run").glob("*")) == left
+    if not left:
+        assert not (tmp_path / "run").exists()
+        _run(_config(max_steps=1), tmp_path / "run")  # the same --out runs again
+        assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 1
+
+
+def test_a_bad_data_path_writes_nothing(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        _run(_config(data=str(tmp_path / "missing.txt")), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_diverged_last_update_is_an_error_not_a_sampling_failure(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"training diverged: validation loss nan after step 2 "
+                                         r".*lower --lr"):
+        _run(_config(max_steps=2, lr=1e30, warmup_steps=0, grad_clip=0.0), tmp_path / "run")
 
 
 def test_save_every_sets_the_checkpoint_steps(tmp_path: Path) -> None:

@@ -9,16 +9,31 @@ from __future__ import annotations
 
 from types import ModuleType
 
-from memfine.bench.options import SUITES, BenchOptions, LayerShape, Point
+from memfine.bench.options import COMPILED_SUFFIX, SUITES, BenchOptions, LayerShape, Point
 from memfine.bench.suites import chunking, experts, hf, model
 
 SUITE_MODULES: dict[str, ModuleType] = {"experts": experts, "chunking": chunking,
                                         "model": model, "hf": hf}
-ALL_METHODS = tuple(dict.fromkeys(m for mod in SUITE_MODULES.values() for m in mod.METHODS))
 
 
-def select_methods(suite: str, requested: tuple[str, ...]) -> tuple[str, ...]:
-    """The methods of ``suite`` to run: all of them, or those of ``requested`` it has.
+def compiled_methods(suite: str) -> tuple[str, ...]:
+    """``<method>_compiled`` for each method of ``suite`` that has a compiled variant."""
+    return tuple(m + COMPILED_SUFFIX for m in getattr(SUITE_MODULES[suite], "COMPILABLE", ()))
+
+
+ALL_METHODS = tuple(dict.fromkeys(m for suite, mod in SUITE_MODULES.items()
+                                  for m in (*mod.METHODS, *compiled_methods(suite))))
+
+
+def select_methods(suite: str, requested: tuple[str, ...], compile: bool = False
+                   ) -> tuple[str, ...]:
+    """The methods of ``suite`` to run, in the suite's order.
+
+    Args:
+        suite: a suite name.
+        requested: method names (``--methods``); empty selects all of the suite's methods.
+        compile: also select ``<method>_compiled`` for each selected method that has a compiled
+            variant (``--compile``). A compiled name in ``requested`` is selected without it.
 
     Raises:
         ValueError: on a requested name that no suite has.
@@ -26,9 +41,12 @@ def select_methods(suite: str, requested: tuple[str, ...]) -> tuple[str, ...]:
     unknown = sorted(set(requested) - set(ALL_METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; known {list(ALL_METHODS)}")
-    names: tuple[str, ...] = SUITE_MODULES[suite].METHODS
-    return tuple(n for n in names if n in requested) if requested else names
+    base: tuple[str, ...] = SUITE_MODULES[suite].METHODS
+    chosen = {n for n in base if n in requested or not requested}
+    compiled = [n for n in compiled_methods(suite)
+                if n in requested or (compile and n.removesuffix(COMPILED_SUFFIX) in chosen)]
+    return tuple(n for n in (*base, *compiled_methods(suite)) if n in chosen or n in compiled)
 
 
 __all__ = ["ALL_METHODS", "SUITES", "SUITE_MODULES", "BenchOptions", "LayerShape", "Point",
-           "select_methods"]
+           "compiled_methods", "select_methods"]

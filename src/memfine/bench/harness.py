@@ -7,7 +7,9 @@ gradients as a training step does). :func:`run_methods` runs a list of methods i
 1. warm-up: ``warmup`` untimed rounds;
 2. memory: one call per method under :func:`memfine.measure.report.measure_memory` (saved-for-
    backward bytes counted during forward, peak live bytes over forward + backward; CUDA allocator
-   statistics on a GPU);
+   statistics on a GPU); on the CPU the peak comes from the live-storage tracker and one more
+   call measures it with ``torch.profiler`` (extra ``profiler_peak_bytes``), or, for a method
+   whose :attr:`Method.peak` is ``profiler`` (a compiled callable), from that one call alone;
 3. timing: ``repeats`` rounds; each call is timed in two parts, forward (mode ``fwd``) and
    backward (mode ``bwd``), and as a whole (mode ``full``). On a GPU the marks are CUDA events,
    read after one synchronisation per call; on the CPU ``time.perf_counter``.
@@ -36,7 +38,7 @@ from typing import Any
 
 import torch
 
-from memfine.measure.report import MemoryReport, measure_memory
+from memfine.measure.report import PEAK_METHODS, MemoryReport, measure_memory
 
 MODES = ("fwd", "bwd", "full")
 QUANTILES = (0.2, 0.5, 0.8)
@@ -72,6 +74,13 @@ class Method:
         predict: the model's prediction after the calls: ``{"saved_bytes": int | None,
             "peak_bytes": int | None}``; ``None`` when the memory model does not cover the method.
         extras: further metrics after the calls: ``{metric: (value, unit)}``.
+        peak: how the memory call measures peak bytes off CUDA: ``tracker`` (the live-storage
+            tracker, then one more call under ``torch.profiler``) or ``profiler`` (one call under
+            ``torch.profiler`` only). Compiled callables need ``profiler``: inductor allocates
+            its buffers outside the dispatcher, where the tracker does not see them, and Dynamo
+            does not compile under the tracker's ``TorchDispatchMode``. The saved bytes are
+            counted by saved-tensor hooks either way (a compiled graph's saved tensors pass
+            through them where its autograd Function saves them).
     """
 
     name: str
@@ -82,6 +91,17 @@ class Method:
     exclude: Callable[[], Iterable[torch.Tensor]] = _no_tensors
     predict: Callable[[], Mapping[str, int | None]] | None = None
     extras: Callable[[], Mapping[str, Extra]] | None = None
+    peak: str = "tracker"
+
+    def __post_init__(self) -> None:
+        """Check ``peak``.
+
+        Raises:
+            ValueError: when ``peak`` is not one of :data:`PEAK_METHODS`.
+        """
+        if self.peak not in PEAK_METHODS:
+            raise ValueError(f"Method.peak must be one of {PEAK_METHODS}, got {self.peak!r} "
+                             f"(method {self.name!r})")
 
 
 @dataclass(kw_only=True, slots=True)
@@ -221,6 +241,61 @@ def _measure_call(method: Method, device: torch.device, peak: str = "tracker") -
     return m.report()
 
 
+class _Run:
+    """The state of one :func:`run_methods` call: results, and the methods still live."""
+
+    def __init__(self, methods: Sequence[Method], device: torch.device,
+                 clock: Callable[[], float] | None) -> None:
+        self.by_name = {m.name: m for m in methods}
+        self.results = {m.name: MethodResult(name=m.name, tokens=m.tokens) for m in methods}
+        self.live = [m.name for m in methods]
+        self.device = device
+        self.watch = _Stopwatch(device, clock)
+
+    def attempt(self, name: str, fn: Callable[[Method], Any]) -> Any:
+        """``fn(method)``; a method that raises is recorded and dropped (returns ``None``)."""
+        try:
+            return fn(self.by_name[name])
+        except METHOD_ERRORS as err:
+            self.results[name].error = f"{type(err).__name__}: {err}"
+            self.live.remove(name)
+            return None
+
+    def rounds(self, count: int, record: bool) -> None:
+        """``count`` rounds of timed calls in interleaved order; ``record`` keeps the times."""
+        for r in range(count):
+            for name in interleaved_order(self.live, r):
+                fwd_bwd = self.attempt(name, lambda m: _timed_call(m, self.watch))
+                if record and fwd_bwd is not None:
+                    times = self.results[name].times_s
+                    times["fwd"].append(fwd_bwd[0])
+                    times["bwd"].append(fwd_bwd[1])
+                    times["full"].append(fwd_bwd[0] + fwd_bwd[1])
+
+    def measure(self) -> None:
+        """Memory calls: each method's ``peak`` measurement, then (CPU) the profiler's pass."""
+        cuda = self.device.type == "cuda"
+        peaks = {name: "tracker" if cuda else self.by_name[name].peak for name in self.live}
+        for name in list(self.live):
+            self.results[name].memory = self.attempt(
+                name, lambda m: _measure_call(m, self.device, peaks[m.name]))
+        for name in [] if cuda else list(self.live):  # CPU ground truth: the profiler's peak
+            report = self.results[name].memory
+            if peaks[name] == "tracker":
+                report = self.attempt(name, lambda m: _measure_call(m, self.device, "profiler"))
+            if report is not None:
+                self.results[name].extras["profiler_peak_bytes"] = (report.peak_bytes, "bytes")
+
+    def finish(self) -> None:
+        """Read each live method's predictions and extras after its calls."""
+        for name in self.live:
+            method, res = self.by_name[name], self.results[name]
+            if method.predict is not None:
+                res.predicted.update(method.predict())
+            if method.extras is not None:
+                res.extras.update(method.extras())
+
+
 def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
                 device: str | torch.device = "cpu", measure: bool = True,
                 clock: Callable[[], float] | None = None) -> list[MethodResult]:
@@ -232,8 +307,9 @@ def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
         warmup: untimed rounds first (≥ 0).
         device: device of the work; ``cuda`` devices are timed with CUDA events and measured
             with the allocator statistics.
-        measure: run the memory measurement calls (one per method under the live tracker and,
-            off CUDA, one under ``torch.profiler``: extra ``profiler_peak_bytes``).
+        measure: run the memory measurement calls (off CUDA: one per method under its
+            :attr:`Method.peak` measurement, plus one under ``torch.profiler`` for a
+            ``tracker`` method; the profiler's peak is the extra ``profiler_peak_bytes``).
         clock: a clock in seconds replacing ``time.perf_counter`` (and CUDA events); for tests.
 
     Returns:
@@ -249,43 +325,10 @@ def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
     names = [m.name for m in methods]
     if len(set(names)) != len(names):
         raise ValueError(f"method names must be unique, got {names}")
-    dev = torch.device(device)
-    watch = _Stopwatch(dev, clock)
-    by_name = {m.name: m for m in methods}
-    results = {m.name: MethodResult(name=m.name, tokens=m.tokens) for m in methods}
-    live = list(names)
-
-    def attempt(name: str, fn: Callable[..., Any], arg: Any) -> Any:
-        """``fn(method, arg)``; a method that raises is recorded and dropped."""
-        try:
-            return fn(by_name[name], arg)
-        except METHOD_ERRORS as err:
-            results[name].error = f"{type(err).__name__}: {err}"
-            live.remove(name)
-            return None
-
-    for r in range(warmup):
-        for name in interleaved_order(live, r):
-            attempt(name, _timed_call, watch)
+    run = _Run(methods, torch.device(device), clock)
+    run.rounds(warmup, record=False)
     if measure:
-        for name in list(live):
-            results[name].memory = attempt(name, _measure_call, dev)
-        for name in list(live) if dev.type != "cuda" else []:  # CPU ground truth, one more call
-            report = attempt(name, lambda m, d: _measure_call(m, d, "profiler"), dev)
-            if report is not None:
-                results[name].extras["profiler_peak_bytes"] = (report.peak_bytes, "bytes")
-    for r in range(repeats):
-        for name in interleaved_order(live, r):
-            fwd_bwd = attempt(name, _timed_call, watch)
-            if fwd_bwd is not None:
-                times = results[name].times_s
-                times["fwd"].append(fwd_bwd[0])
-                times["bwd"].append(fwd_bwd[1])
-                times["full"].append(fwd_bwd[0] + fwd_bwd[1])
-    for name in live:
-        method, res = by_name[name], results[name]
-        if method.predict is not None:
-            res.predicted.update(method.predict())
-        if method.extras is not None:
-            res.extras.update(method.extras())
-    return [results[name] for name in names]
+        run.measure()
+    run.rounds(repeats, record=True)
+    run.finish()
+    return [run.results[name] for name in names]

@@ -22,6 +22,9 @@ from memfine._checks import check_choice, fail
 SUITES = ("experts", "chunking", "model", "hf")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+COMPILED_SUFFIX = "_compiled"
+"""A method named ``<method>_compiled`` runs ``<method>`` under ``torch.compile``."""
 # MoEBlaze Table 1: conf → (d, E, k, batch, seq); n = 4d.
 TABLE1: dict[int, tuple[int, int, int, int, int]] = {
     1: (512, 4, 1, 32, 2048),
@@ -56,6 +59,10 @@ class BenchOptions:
         skew_levels: received rows as multiples of the balanced share (chunking suite).
         device: ``cpu`` or ``cuda`` (resolved from ``auto``).
         seed: seeds weights, inputs and routing.
+        compile: add a ``<method>_compiled`` variant of each selected memfine method of the
+            ``experts`` and ``model`` suites (``torch.compile``, ``capture_scalar_outputs`` on).
+        compile_backend: the ``torch.compile`` backend of the compiled methods, from
+            :data:`COMPILE_BACKENDS` (``aot_eager`` traces without code generation).
     """
 
     suites: tuple[str, ...] = SUITES
@@ -77,6 +84,8 @@ class BenchOptions:
     skew_levels: tuple[int, ...] = (1, 2, 4, 8)
     device: str = "cpu"
     seed: int = 0
+    compile: bool = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -97,6 +106,9 @@ class BenchOptions:
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             fail(self, "warmup", "an int >= 0", self.warmup)
         check_choice(self, "dtype", DTYPES)
+        check_choice(self, "compile_backend", COMPILE_BACKENDS)
+        if not isinstance(self.compile, bool):
+            fail(self, "compile", "a bool", self.compile)
         if self.device not in ("cpu", "cuda"):
             fail(self, "device", "'cpu' or 'cuda'", self.device)
         if not self.skew_levels or any(s < 1 for s in self.skew_levels) or list(

@@ -86,9 +86,9 @@ def print_point(point: Point) -> None:
         Console(width=160).print(table)
     else:
         print(format_plain(title, HEADERS, rows))
-    print(f"fwd+bwd: p50 over repeats; ÷ ref: against '{point.reference}'; peak: live tracker; "
-          "profiler: torch.profiler's allocator events; model MiB: the memory model's "
-          "prediction; c: chunks")
+    print(f"fwd+bwd: p50 over repeats; ÷ ref: against '{point.reference}'; peak: live tracker "
+          "(*_compiled: torch.profiler); profiler: torch.profiler's allocator events; model "
+          "MiB: the memory model's prediction; c: chunks")
 
 
 def _pyplot() -> Any:

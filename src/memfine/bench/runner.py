@@ -52,7 +52,7 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
     (out / "bench_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
     for suite in opts.suites:
-        names = select_methods(suite, opts.methods)
+        names = select_methods(suite, opts.methods, opts.compile)
         if not names:
             print(f"{suite}: skipped: none of --methods belongs to this suite")
             continue

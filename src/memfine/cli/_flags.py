@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfine.units import parse_bytes
+
 
 class NotGiven:
     """Default of a flag that was not given.
@@ -76,6 +78,56 @@ def comma_ints(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
                                          f"{text!r}") from None
+
+
+def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
+    """An argparse ``type`` for a byte size that names its unit (``512MiB``, ``80GiB``, ``80GB``).
+
+    A bare number is refused (:func:`memfine.units.parse_bytes` with ``require_unit``): on a
+    command line it is meant as MiB or GiB, and reading it as bytes would be a silent wrong
+    answer.
+
+    Args:
+        keyword: a word that stands for None (``"none"``, ``"auto"``; case-insensitive), or None
+            when every value must be a size.
+
+    Returns:
+        The converter: bytes (int > 0), or None for ``keyword``; it raises
+        ``argparse.ArgumentTypeError`` (argparse names the flag, exit status 2).
+    """
+    def convert(text: str) -> int | None:
+        if keyword is not None and str(text).strip().lower() == keyword:
+            return None
+        try:
+            return parse_bytes(text, require_unit=True)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = "byte size"  # argparse's "invalid <name> value" if it ever shows
+    return convert
+
+
+def check_device(device: str, flag: str = "--device") -> str:
+    """Refuse a torch device this machine cannot run before anything is loaded or written.
+
+    Returns:
+        ``device`` unchanged.
+
+    Raises:
+        ValueError: naming the flag when ``device`` is not a torch device string, or asks for
+            CUDA where this torch has no CUDA device.
+    """
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag} {device!r} is not a torch device; use cpu or cuda[:i]"
+                         ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {device} needs CUDA, and this torch has no CUDA device "
+                         f"(torch {torch.__version__}); use {flag} cpu")
+    return device
 
 
 @dataclass(frozen=True, slots=True)

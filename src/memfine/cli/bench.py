@@ -24,10 +24,17 @@ from typing import Any
 import torch
 
 from memfine.bench import SUITES, BenchOptions, select_methods
-from memfine.bench.options import DEVICES, DTYPES, TABLE1
+from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
 from memfine.bench.runner import run_suites
-from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, name_flag, value
-from memfine.units import parse_bytes
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    byte_size,
+    comma_ints,
+    name_flag,
+    value,
+)
 
 _FROM_SHAPE = NotGiven(text="the shape's")
 _FLAGS = (
@@ -64,13 +71,19 @@ _FLAGS = (
          default=NotGiven(text="all of each suite"), nargs="+"),
     Flag("--memory-budget", ("budget_bytes",), "MACT memory budget per MoE layer, e.g. 512MiB; "
          "'auto': the suite's own (experts/model: half the received rows per chunk; chunking: "
-         "the worst skew level with c = 8)", str, default=NotGiven("auto"),
+         "the worst skew level with c = 8)", byte_size("auto"), default=NotGiven(text="auto"),
          aliases=("--budget",)),
     Flag("--skew-levels", ("skew_levels",), "chunking suite: received rows as multiples of the "
          "balanced share", comma_ints, default=NotGiven((1, 2, 4, 8), text="1,2,4,8")),
     Flag("--device", ("device",), "cuda when available with 'auto'", str, DEVICES,
          NotGiven("auto")),
     Flag("--seed", ("seed",), "seed of weights, inputs, routing", default=NotGiven(0)),
+    Flag("--compile", ("compile",), "add a compiled column: <method>_compiled (torch.compile) "
+         "for the memfine methods of the experts and model suites; peak bytes from "
+         "torch.profiler", action="store_true", default=NotGiven(False)),
+    Flag("--compile-backend", ("compile_backend",), "torch.compile backend of the compiled "
+         "methods (aot_eager: no code generation)", str, COMPILE_BACKENDS,
+         NotGiven("inductor")),
 )
 
 
@@ -96,7 +109,6 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
     chosen = value(args, "suites") or ["all"]
     suites = SUITES if "all" in chosen else tuple(dict.fromkeys(chosen))
     quick = bool(value(args, "quick"))
-    budget = str(value(args, "memory_budget"))
     return _options(args, dict(
         suites=suites, configs=tuple(value(args, "configs") or ()),
         scale_down=value(args, "scale_down"), tokens=value(args, "tokens"),
@@ -107,9 +119,10 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         repeats=_or(args, "repeats", 1 if quick else 5),
         warmup=_or(args, "warmup", 0 if quick else 1), out=str(value(args, "out")), quick=quick,
         methods=tuple(value(args, "methods") or ()),
-        budget_bytes=None if budget.lower() == "auto" else parse_bytes(budget),
+        budget_bytes=value(args, "memory_budget"),
         skew_levels=tuple(value(args, "skew_levels")), device=device.type,
-        seed=value(args, "seed")))
+        seed=value(args, "seed"), compile=bool(value(args, "compile")),
+        compile_backend=value(args, "compile_backend")))
 
 
 def _options(args: argparse.Namespace, fields: dict[str, Any]) -> BenchOptions:
@@ -140,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
                          f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
                          f"them or choose another --out")
     for suite in opts.suites:
-        select_methods(suite, opts.methods)  # fail on unknown names before any work
+        select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
     failures = run_suites(opts, device)
     for failure in failures:
         print(f"memfine bench: method failed: {failure}", file=sys.stderr)

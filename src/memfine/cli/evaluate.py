@@ -4,18 +4,17 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
+from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
-from memfine.runs.inference import evaluate_text, load_trained
+from memfine.runs.inference import evaluate_text
 
 _FLAGS = (
-    Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
-         default=NotGiven(text="required")),
+    OUT_FLAG,
     Flag("--data", (), "'pydoc', 'stdlib' or a path to a text file or directory; its last "
          "val_fraction is evaluated, as in training", str,
          default=NotGiven(text="the run's own data")),
-    Flag("--device", (), "torch device: cpu or cuda[:i]", str, default=NotGiven("cpu")),
+    DEVICE_FLAG,
     Flag("--json", (), "print one JSON object", action="store_true", default=NotGiven(False)),
 )
 
@@ -32,9 +31,7 @@ def run(args: argparse.Namespace) -> int:
         ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, or the text
             is missing, empty, binary or too short.
     """
-    if value(args, "out") is None:
-        raise ValueError("--out is required")
-    trained = load_trained(value(args, "out"), device=value(args, "device"))
+    trained = load_run(args)
     result = evaluate_text(trained, value(args, "data"))
     if value(args, "json"):
         print(json.dumps({"step": trained.step, "data": result.description,

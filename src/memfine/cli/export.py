@@ -5,12 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from memfine.cli._checkpoint import OUT_FLAG, run_directory
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
 from memfine.runs.inference import export_safetensors, load_trained
 
 _FLAGS = (
-    Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
-         default=NotGiven(text="required")),
+    OUT_FLAG,
     Flag("--to", (), "the safetensors file to write (the config goes to <stem>_config.json "
          "beside it)", Path, default=NotGiven(text="--out/model.safetensors")),
     Flag("--overwrite", (), "replace existing files", action="store_true",
@@ -27,14 +27,15 @@ def run(args: argparse.Namespace) -> int:
     """Export; returns 0.
 
     Raises:
-        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, or the
-            target exists without ``--overwrite``.
+        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, the
+            target's folder does not exist, or the target exists without ``--overwrite``.
     """
-    out = value(args, "out")
-    if out is None:
-        raise ValueError("--out is required")
+    out = run_directory(args)
     target = Path(value(args, "to") or Path(out) / "model.safetensors")
     config_path = target.with_name(f"{target.stem}_config.json")
+    if not target.parent.is_dir():
+        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
+                         f"exist; create it or choose another --to")
     existing = [str(p) for p in (target, config_path) if p.exists()]
     if existing and not value(args, "overwrite"):
         raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
+from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
-from memfine.runs.inference import generate_text, load_trained
+from memfine.runs.inference import generate_text
 
 _FLAGS = (
-    Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
-         default=NotGiven(text="required")),
+    OUT_FLAG,
     Flag("--prompt", (), "text to continue (UTF-8)", str, default=NotGiven(text="required")),
     Flag("--max-new-bytes", (), "bytes to generate after the prompt", default=NotGiven(300)),
     Flag("--temperature", (), "sampling temperature, > 0", float, default=NotGiven(0.8)),
     Flag("--seed", (), "seed of the sampling", default=NotGiven(0)),
-    Flag("--device", (), "torch device: cpu or cuda[:i]", str, default=NotGiven("cpu")),
+    DEVICE_FLAG,
 )
 
 
@@ -31,10 +30,10 @@ def run(args: argparse.Namespace) -> int:
         ValueError: when ``--out`` or ``--prompt`` is missing, the checkpoint is missing or
             corrupt, or a value is out of range.
     """
-    for required in ("out", "prompt"):
-        if value(args, required) is None:
-            raise ValueError(f"--{required} is required")
-    trained = load_trained(value(args, "out"), device=value(args, "device"))
+    run_directory(args)  # a missing --out is named before a missing --prompt
+    if value(args, "prompt") is None:
+        raise ValueError("--prompt is required: the text to continue")
+    trained = load_run(args)
     prompt = value(args, "prompt")
     text = generate_text(trained, prompt, max_new_bytes=value(args, "max_new_bytes"),
                          temperature=value(args, "temperature"), seed=value(args, "seed"))

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.metadata
+import os
 import sys
+import typing
 
 SUBCOMMANDS = {
     "train": "train a small MoE language model on real text",
@@ -21,11 +24,35 @@ SUBCOMMANDS = {
 }
 
 _MODULES = {"eval": "evaluate"}  # a module named eval would shadow the builtin in tools
+_KINETO_QUIET = "6"  # above kineto's highest message level (USDT = 5)
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose usage errors are one line: ``<prog>: error: <message>``.
+
+    argparse prints the whole usage block before the message; with dozens of flags that hides
+    the one line that matters. ``--help`` still prints the usage and every flag.
+    """
+
+    def error(self, message: str) -> typing.NoReturn:
+        """Print ``<prog>: error: <message>`` and a pointer to ``--help``; exit with status 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def version() -> str:
+    """The installed distribution's version (``importlib.metadata``), else the package's own."""
+    try:
+        return importlib.metadata.version("memfine")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree, not installed
+        from memfine import __version__
+
+        return __version__
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with one sub-parser per available subcommand."""
-    parser = argparse.ArgumentParser(prog="memfine", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="memfine", description=__doc__.splitlines()[0])
+    parser.add_argument("-V", "--version", action="version", version=f"memfine {version()}")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
         try:
@@ -37,14 +64,20 @@ def build_parser() -> argparse.ArgumentParser:
         sub = subs.add_parser(name, help=help_text, description=help_text,
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(sub)
-        sub.set_defaults(_run=module.run)
+        sub.set_defaults(_run=module.run, _parser=sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the chosen subcommand; returns the exit code."""
+    # kineto (torch.profiler's backend, used by memfine bench) prints "USDT:" trace lines at
+    # every profiler start and stop unless its log level is above them; KINETO_LOG_LEVEL=0 in
+    # the environment brings them back.
+    os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if unknown:  # named by the subcommand's parser: "memfine train: error: ..."
+        args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return int(args._run(args))
     except ValueError as err:

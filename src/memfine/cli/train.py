@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from pathlib import Path
 from typing import Any, get_args
-
-import torch
 
 from memfine import config
 from memfine.cli._flags import (
@@ -23,6 +20,8 @@ from memfine.cli._flags import (
     NotGiven,
     add_flags,
     apply_config_file,
+    byte_size,
+    check_device,
     comma_ints,
     given,
     name_flag,
@@ -33,7 +32,6 @@ from memfine.runs.checkpoint import find_checkpoint, read_checkpoint
 from memfine.runs.rundir import check_run_dir
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
 from memfine.train.setup import RESUMABLE_FIELDS
-from memfine.units import parse_bytes
 
 
 def _optional_float(text: str) -> float | None:
@@ -52,23 +50,6 @@ def _optional_int(text: str) -> int | None:
         return None if text.lower() == "none" else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
-
-
-def _budget(text: str) -> int | None:
-    if re.fullmatch(r"\s*[0-9.]+\s*", text):  # a bare number was meant as MiB or GiB, not bytes
-        raise argparse.ArgumentTypeError(f"needs a unit, e.g. {text.strip()}MiB or "
-                                         f"{text.strip()}GiB, got {text!r}")
-    try:
-        return None if text.lower() == "none" else parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
-
-
-def _block_bytes(text: str) -> int:
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 _CONFIG_FLAGS = (
@@ -124,12 +105,12 @@ _CONFIG_FLAGS = (
     Flag("--index-builder", ("model.moe.index_builder",), "dispatch index builder", str,
          get_args(config.IndexBuilder)),
     Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
-         "row block of the fused experts' streamed backward, e.g. 16MiB", _block_bytes),
+         "row block of the fused experts' streamed backward, e.g. 16MiB", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
          "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
     Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "per-layer MoE "
          "activation budget, e.g. 512MiB; c is then chosen per step (MACT); 'none' for a fixed "
-         "c", _budget, aliases=("--moe-memory-budget",)),
+         "c", byte_size("none"), aliases=("--moe-memory-budget",)),
     Flag("--recompute", ("model.chunk.recompute",), "recompute mode of the MoE layers", str,
          get_args(config.Recompute)),
     Flag("--bins", ("model.chunk.bins",), "allowed chunk counts c, comma-separated",
@@ -259,11 +240,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
             if given(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
                                  f"configuration comes from the checkpoint in {str(out)!r}")
-        tree = read_checkpoint(find_checkpoint(out))["config"]
+        tree = _checkpoint_of("--out", out)["config"]
     else:
         tree = preset(name).to_dict()
         if given(args, "init_from"):
-            source = read_checkpoint(find_checkpoint(Path(value(args, "init_from"))))
+            source = _checkpoint_of("--init-from", Path(value(args, "init_from")))
             tree["model"] = source["config"]["model"]  # and its context length:
             tree["seq_len"] = source["config"]["seq_len"]
     _apply_flags(args, tree, resume=resume, out=out)
@@ -273,6 +254,14 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         return TrainConfig.from_dict(tree), out
     except ValueError as err:
         raise ValueError(name_flag(str(err), args, _SETTING_FLAGS)) from err
+
+
+def _checkpoint_of(flag: str, run_dir: Path) -> dict[str, Any]:
+    """The newest checkpoint payload of ``run_dir``; a ValueError names ``flag``."""
+    try:
+        return read_checkpoint(find_checkpoint(run_dir))
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from err
 
 
 def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
@@ -297,13 +286,11 @@ def run(args: argparse.Namespace) -> int:
     """
     config, out = resolve_config(args)
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
-    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
-    if str(config.device).startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {config.device} needs CUDA, and this torch has no CUDA device "
-                         f"(torch {torch.__version__}); use --device cpu")
+    check_device(config.device)  # the flags first, then the directory
     threads = value(args, "threads")
     if threads < 1:
         raise ValueError(f"--threads must be >= 1, got {threads}")
+    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     parallel = _parallel(args, config)
     finished = False
     try:

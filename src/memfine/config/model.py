@@ -133,8 +133,8 @@ class TrainConfig(_ConfigBase):
             B·``grad_accum``·Q tokens.
         grad_accum: micro-batches per optimizer step N; the step's gradient is the one of a
             single batch of N·B sequences (the step's batch, cut into N micro-batches).
-        max_steps: optimizer steps of the run (a resumed run stops at the same step), below 2^32
-            (the step is the low half of each batch's 64-bit seed).
+        max_steps: optimizer steps of the run, in [1, 2^32) (a resumed run stops at the same
+            step; the step is the low half of each batch's 64-bit seed).
         lr: peak learning rate of AdamW.
         min_lr_ratio: final learning rate as a fraction of ``lr`` (end of the cosine decay).
         warmup_steps: linear warm-up steps from lr/warmup_steps to lr.
@@ -201,7 +201,7 @@ class TrainConfig(_ConfigBase):
         check_int(self, "seq_len", 1, self.model.max_seq_len)
         check_int(self, "batch_size", 1)
         check_int(self, "grad_accum", 1)
-        check_int(self, "max_steps", 0, 2**32 - 1)
+        check_int(self, "max_steps", 1, 2**32 - 1)
         check_float(self, "lr", 0.0, lo_open=True)
         check_float(self, "min_lr_ratio", 0.0, 1.0)
         check_int(self, "warmup_steps", 0)

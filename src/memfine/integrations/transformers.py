@@ -11,7 +11,10 @@ Usage::
 per-chunk recompute (MemFine); :func:`configure` sets the same options on one model (stored in its
 config as ``memfine_experts``, saved with it, taking precedence over ``register``'s);
 :func:`from_pretrained` loads any checkpoint with per-model options
-(``from_pretrained(AutoModelForCausalLM, path, memfine_experts={"chunk": {"num_chunks": 4}})``).
+(``from_pretrained(AutoModelForCausalLM, path, memfine_experts={"chunk": {"num_chunks": 4}})``);
+``register(name="memfine_4_chunks", num_chunks=4)`` binds options to a name that transformers'
+own ``from_pretrained(path, experts_implementation="memfine_4_chunks")`` accepts for any
+checkpoint (nothing is written into the config).
 
 Nothing happens on import: transformers is imported by :func:`register` only (extra
 ``memfine[hf]``), and nothing in transformers is patched; the function is added to
@@ -37,7 +40,7 @@ from torch import nn
 from memfine._checks import check_choice, fail
 from memfine._optional import require
 from memfine.config import ChunkConfig, _ConfigBase
-from memfine.integrations.hf.experts import run_module
+from memfine.integrations.hf.experts import compute_dtype, run_module
 from memfine.integrations.hf.layout import ExpertsPlan, expert_weights, plan_experts
 
 MIN_TRANSFORMERS_VERSION = (5, 7, 0)
@@ -184,8 +187,10 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
     Args:
         module: a transformers experts module (``@use_experts_implementation``).
-        hidden_states: (T, d) activations (cast to the weights' dtype, as transformers'
-            ``grouped_mm`` does).
+        hidden_states: (T, d) activations, cast to the weights' dtype (as transformers'
+            ``grouped_mm`` does) or, inside ``torch.autocast``, to the autocast dtype (the
+            weights are then cast per call as ``nn.Linear``'s are, so x and H are saved in bf16
+            under bf16 autocast; :func:`memfine.ops.autocast_operands`).
         top_k_index: (T, k) int64 expert ids; ids outside [0, num_experts) are sentinels
             (expert parallelism) and contribute exactly zero.
         top_k_weights: (T, k) routing weights.
@@ -199,7 +204,8 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
     Memory: fused path, unchunked: x (T·d) + H (S·G) + weights and int32 indices saved
     (:class:`memfine.ops.FusedExpertsFunction`); chunked with recompute: x and the routing
-    tensors only, each chunk's H is recomputed in backward (peak: one chunk).
+    tensors only, each chunk's H is recomputed in backward (peak: one chunk). Under autocast
+    these are in the autocast dtype, plus the per-call casts of the weights.
     """
     cfg = _module_config(module, config if config is not None else HFExpertsConfig())
     weights = expert_weights(module)
@@ -217,7 +223,7 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         _log.info("memfine experts for %s: %s path%s", type(module).__name__, plan.path,
                   f" ({plan.reason})" if plan.reason else f", activation {plan.activation}")
         module._memfine_plan_logged = True
-    x_TD = hidden_states.to(weights.w_up_EDG.dtype)
+    x_TD = hidden_states.to(compute_dtype(hidden_states, weights.w_up_EDG.dtype))
     out_TD = run_module(module, plan, weights, x_TD, top_k_index, top_k_weights,
                         chunk=cfg.chunk, backend=cfg.gemm_backend,
                         index_builder=cfg.index_builder)

@@ -35,7 +35,7 @@ class PlanConfig:
         dtype: ``bfloat16``, ``float16`` or ``float32`` (D_t).
         recompute: ``full``, ``experts`` or ``none``.
         t, p, e, dp, cp, v: tensor-, pipeline-, expert-, data-, context-parallel sizes and virtual
-            stages per pipeline rank.
+            stages per pipeline rank; t divides the attention heads, e divides E and t·dp·cp.
         skews: received rows as multiples of the balanced share s·k (≥ 1); capped at the worst
             case e·min(k, E/e)/k.
         bins: allowed chunk counts, strictly increasing ints in [1, 16].
@@ -87,6 +87,8 @@ class PlanConfig:
             fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
         object.__setattr__(self, "bins", check_bins(self, hi=MAX_BIN))
         m = self.model
+        if m.num_heads % self.t:  # tensor parallelism splits the attention heads
+            fail(self, "t", f"a divisor of num_heads={m.num_heads}", self.t)
         if m.num_experts % self.e:
             fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
         if (self.t * self.dp * self.cp) % self.e:

@@ -122,6 +122,8 @@ def _shapes(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
             rest = devices // (t * cp)
             for p in (p for p in _divisors(rest) if p <= m.num_layers):
                 dp = rest // p
+                if base.global_batch is not None and base.global_batch % dp:
+                    continue  # no micro-batch size b makes dp·b divide the global batch
                 for e in (e for e in _divisors(m.num_experts) if (t * dp * cp) % e == 0):
                     yield replace(base, t=t, cp=cp, p=p, dp=dp, e=e, v=1)
 
@@ -139,6 +141,19 @@ def layouts(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
                 for bins in BINS if recompute != "none" else BINS[:1]:
                     cfg = replace(shape, micro_batch=b, recompute=recompute, bins=bins)
                     yield replace(cfg, skews=(cfg.worst_skew,))
+
+
+def nearest_valid_devices(base: PlanConfig, devices: int) -> tuple[int | None, int | None]:
+    """The nearest device counts below and above ``devices`` that have a valid layout.
+
+    Returns:
+        (the largest N' < N, the smallest N' in (N, 2N]) with at least one layout of
+        :func:`layouts`; None where there is none (N = 1 has no smaller count).
+    """
+    below = next((n for n in range(devices - 1, 0, -1) if any(layouts(base, n))), None)
+    above = next((n for n in range(devices + 1, 2 * devices + 1) if any(layouts(base, n))),
+                 None)
+    return below, above
 
 
 def _rank_key(c: Candidate) -> tuple[float, int, int, int, int]:

@@ -138,6 +138,14 @@ def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int,
     return top_k_lowest_index(select_TE, top_k)
 
 
+def _replayed_selection(replay: RoutingResult, T: int, top_k: int) -> torch.Tensor:
+    """(T, k) int64 selection of a replayed result; ValueError when its shape differs."""
+    if replay.selected_index.shape != (T, top_k):
+        raise ValueError(f"replay must route (T, k)=({T}, {top_k}) pairs, got "
+                         f"{tuple(replay.selected_index.shape)}")
+    return replay.selected_index
+
+
 def _weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, index_TK: torch.Tensor,
              score_func: str, renormalize: bool, scale: float) -> torch.Tensor:
     """(T, k) fp32 routing weights of the selected experts (differentiable w.r.t. the logits)."""
@@ -215,13 +223,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     out_dtype = out_dtype or logits_TE.dtype
     logits_TE = logits_TE.to(router_dtype(logits_TE.dtype))
     scores_TE = logits_TE.softmax(-1) if score_func == "softmax" else logits_TE.sigmoid()
-    if replay is not None:
-        if replay.selected_index.shape != (T, top_k):
-            raise ValueError(f"replay must route (T, k)=({T}, {top_k}) pairs, got "
-                             f"{tuple(replay.selected_index.shape)}")
-        selected_TK = replay.selected_index
-    else:
-        selected_TK = _select(logits_TE, scores_TE, top_k, selection_bias_E, options)
+    selected_TK = (_select(logits_TE, scores_TE, top_k, selection_bias_E, options)
+                   if replay is None else _replayed_selection(replay, T, top_k))
     weights_TK = _weights(logits_TE, scores_TE, selected_TK, score_func, renormalize,
                           options.routed_scaling_factor)
     keep_TK, dropped = _kept_pairs(selected_TK, weights_TK, E, valid_mask_T, options, replay)

@@ -193,9 +193,13 @@ def find_checkpoint(out_dir: str | os.PathLike[str]) -> Path:
     save killed between its two renames.
 
     Raises:
-        ValueError: when there is none, or naming the path when one is corrupt.
+        ValueError: when ``out_dir`` is a file, when there is no checkpoint, or naming the path
+            when one is corrupt.
     """
     out_dir = Path(out_dir)
+    if out_dir.is_file():
+        raise ValueError(f"{str(out_dir)!r} is a file, not a run directory (give the directory "
+                         f"memfine train wrote, the one holding {CHECKPOINT_NAME})")
     candidates = [p for p in (out_dir / CHECKPOINT_NAME, out_dir / SHARDED_NAME,
                               _old(out_dir / SHARDED_NAME))
                   if p.is_file() or (p / META_NAME).is_file()]

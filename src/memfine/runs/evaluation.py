@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from memfine.config import TrainConfig
-from memfine.nn import MoETransformerLM
 from memfine.data import ByteCorpus, decode
+from memfine.nn import MoETransformerLM
 
 SAMPLE_PROMPT_BYTES = 48
 

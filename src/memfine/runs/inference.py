@@ -22,6 +22,7 @@ import torch
 
 from memfine._optional import require
 from memfine.config import ModelConfig, TrainConfig
+from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
 from memfine.runs.checkpoint import (
     CHECKPOINT_NAME,
@@ -31,7 +32,6 @@ from memfine.runs.checkpoint import (
     load_model_state,
     read_checkpoint,
 )
-from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.runs.evaluation import evaluate
 from memfine.runs.metrics import nats_to_bits
 

@@ -4,18 +4,21 @@ A run directory (``memfine train --out DIR``) holds :data:`RUN_FILES`. A new run
 directory that already holds any of them unless told to replace them (``overwrite``) or to
 continue (``resume``); it never writes into a data directory it reads. While it runs it holds
 ``DIR/.memfine.lock`` with its process id: a second run on the same directory stops with a message
-naming the live run's pid. A lock left by a process that no longer exists is taken over.
+naming the live run's pid. A lock left by a process that no longer exists is taken over. A run
+that fails before it saves a checkpoint removes what it created (:func:`removed_on_failure`),
+so the same command can run again into the same directory.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfine.runs.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
 from memfine.data import BUILTIN_CORPORA
+from memfine.runs.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
 
 RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
              "sample.txt", "loss.png", "chunks.png", "tensorboard")
@@ -103,3 +106,53 @@ def run_lock(out_dir: Path) -> Iterator[Path]:
     finally:
         if _read_pid(path) == os.getpid():
             path.unlink(missing_ok=True)
+
+
+def _signature(path: Path) -> tuple[int, int] | None:
+    """(inode, mtime in ns) of ``path``, or None when it does not exist."""
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+@contextlib.contextmanager
+def removed_on_failure(out_dir: Path) -> Iterator[None]:
+    """On an exception in the block, remove the run files and directories the block created.
+
+    Nothing is removed when the block saved a checkpoint (``checkpoint.pt`` or
+    ``checkpoint.dcp/`` is new or replaced: the directory then holds a run to ``--resume``), and
+    never a file that was there before the block (an ``--overwrite`` or ``--resume`` run's
+    earlier files stay). Directories created for ``out_dir`` are removed when left empty.
+
+    Args:
+        out_dir: the run directory (it may not exist yet).
+
+    Raises:
+        Whatever the block raised, after the clean-up.
+    """
+    before = {name: _signature(out_dir / name) for name in RUN_FILES}
+    created = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # deepest first
+    try:
+        yield
+    except BaseException:
+        now = {name: _signature(out_dir / name) for name in (CHECKPOINT_NAME, SHARDED_NAME)}
+        if not any(sig is not None and sig != before[name] for name, sig in now.items()):
+            _remove_new(out_dir, [name for name in RUN_FILES if before[name] is None], created)
+        raise
+
+
+def _remove_new(out_dir: Path, names: list[str], created: list[Path]) -> None:
+    """Remove ``out_dir/<name>`` for ``names``, then the empty ``created`` directories."""
+    for name in names:
+        path = out_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    for directory in created:
+        try:
+            directory.rmdir()
+        except OSError:  # not empty (or gone): leave it and everything above it
+            break

@@ -130,6 +130,9 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
               parallel: ParallelTraining, init_from: Path | None = None) -> RunState:
     """Resolve the config, load data, build model and optimizer, restore, open the outputs.
 
+    Everything that can fail on the configuration (data, model, checkpoint) runs before the
+    first file is written (``config.json``, then ``metrics.jsonl`` and the outputs).
+
     Args:
         config: the run as given.
         out_dir: the run directory (checked and locked by the caller).
@@ -144,10 +147,6 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     """
     t_start = time.perf_counter()
     config, payload = resolve_config(config, out_dir, resume=resume)
-    config_text = json.dumps(config.to_dict(), indent=2)
-    print(f"config:\n{config_text}")
-    if parallel.is_main:
-        (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
     model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
@@ -155,6 +154,10 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
+    config_text = json.dumps(config.to_dict(), indent=2)  # written once all of it checked out
+    print(f"config:\n{config_text}")
+    if parallel.is_main:
+        (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
     _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)

@@ -12,6 +12,10 @@ Methods (same weights, input, routing and incoming gradients):
 - ``full_recompute``: checkpoint around the whole ``grouped_mm`` layer (full activation
   checkpointing, as torchtitan's full AC does).
 
+With ``--compile``: ``fused_compiled`` and ``fused_mact_compiled``, the same layers under
+``torch.compile`` (inductor by default; MACT's decision is the one graph break), peak bytes
+measured with ``torch.profiler`` and not modelled.
+
 Shapes: MoEBlaze Table 1 rows 1, 2, 3, 5 (d ≤ 1024) with batch × seq / 256 by default.
 Legend: T tokens, D = d.
 Reference: MoEBlaze §5 and Table 1; MemFine §4; docs/design.md §3, §5, §7.
@@ -25,12 +29,13 @@ from collections.abc import Callable, Iterator
 import torch
 
 from memfine.bench.harness import Method
-from memfine.bench.options import BenchOptions, LayerShape, Point
+from memfine.bench.options import COMPILED_SUFFIX, BenchOptions, LayerShape, Point
 from memfine.bench.suites.layers import (
     CheckpointedLayer,
     ExpertLoopMoELayer,
     ShapeRun,
     base_layer,
+    compiled_layer_method,
     half_rows_budget,
     layer_inputs,
     layer_method,
@@ -38,10 +43,12 @@ from memfine.bench.suites.layers import (
     sharing,
 )
 from memfine.config import ChunkConfig, MoEConfig
+from memfine.nn import MoELayer
 from memfine.units import format_bytes
 
 NAME = "experts"
 METHODS = ("plain", "expert_loop", "grouped_mm", "fused", "fused_mact", "full_recompute")
+COMPILABLE = ("fused", "fused_mact")
 REFERENCE = "fused"
 DEFAULT_CONFS = (1, 2, 3, 5)
 QUICK = LayerShape(name="quick", tokens=64, hidden_size=64, intermediate_size=128,
@@ -67,20 +74,29 @@ def build_methods(shape: LayerShape, opts: BenchOptions, device: torch.device,
     plain_loop = dataclasses.replace(moe, experts_impl="plain", gemm_backend="loop")
     plain_gmm = dataclasses.replace(moe, experts_impl="plain", gemm_backend="grouped_mm")
     mact = ChunkConfig(memory_budget_bytes=budget, recompute="experts")
+    layers: dict[str, Callable[[], MoELayer]] = {
+        "fused": lambda: sharing(base, moe), "fused_mact": lambda: sharing(base, moe, chunk=mact)}
+    budgets = {"fused_mact": budget}
     builders: dict[str, Callable[[], Method]] = {
         "plain": lambda: layer_method("plain", sharing(base, plain_loop), x_TD, grad_TD),
         "expert_loop": lambda: layer_method(
             "expert_loop", sharing(base, moe, cls=ExpertLoopMoELayer), x_TD, grad_TD,
             modelled=False),
         "grouped_mm": lambda: layer_method("grouped_mm", sharing(base, plain_gmm), x_TD, grad_TD),
-        "fused": lambda: layer_method("fused", sharing(base, moe), x_TD, grad_TD),
-        "fused_mact": lambda: layer_method("fused_mact", sharing(base, moe, chunk=mact), x_TD,
+        "fused": lambda: layer_method("fused", layers["fused"](), x_TD, grad_TD),
+        "fused_mact": lambda: layer_method("fused_mact", layers["fused_mact"](), x_TD,
                                            grad_TD, budget_bytes=budget),
         "full_recompute": lambda: layer_method(
             "full_recompute", CheckpointedLayer(sharing(base, plain_gmm)), x_TD, grad_TD,
             modelled=False),
     }
-    return [builders[name]() for name in names], budget
+
+    def compiled_method(name: str) -> Method:
+        eager = name.removesuffix(COMPILED_SUFFIX)
+        return compiled_layer_method(name, layers[eager](), x_TD, grad_TD, opts.compile_backend,
+                                     budgets.get(eager))
+
+    return [builders[n]() if n in builders else compiled_method(n) for n in names], budget
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]

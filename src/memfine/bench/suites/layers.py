@@ -13,12 +13,18 @@ Baselines written here (not part of memfine's API):
 - :class:`CheckpointedLayer`: ``torch.utils.checkpoint`` (non-reentrant) around the whole layer,
   router included, as full activation checkpointing of a layer does.
 
+The compiled column (``memfine bench --compile``): :class:`CompiledLayer` calls a layer through
+``torch.compile`` (:func:`compiled`); its method measures peak bytes with ``torch.profiler``
+(inductor's buffers bypass the live-storage tracker) and is not modelled (the memory model
+describes the eager schedule; the compiled graph saves what the partitioner chooses).
+
 Legend: T tokens, R rows of one expert, K top-k slots, E experts, D = d, N = n.
 Reference: docs/design.md §5 (memory per scheme), §7 (what users compare with).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -29,6 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from memfine.bench.harness import Extra, Method, run_methods
 from memfine.bench.options import (
+    COMPILED_SUFFIX,
     BenchOptions,
     LayerShape,
     Point,
@@ -114,6 +121,75 @@ class CheckpointedLayer(nn.Module):
         return checkpoint(self.layer, x, use_reentrant=False, preserve_rng_state=False)
 
 
+def compiled(module: nn.Module, backend: str) -> Callable[..., Any]:
+    """``torch.compile(module, backend=backend)``, called with ``capture_scalar_outputs`` on.
+
+    With ``capture_scalar_outputs`` the routing index's row count S stays in the graph (an
+    unbacked size), so the layer compiles whole except MACT's decision (docs/compile.md).
+
+    Args:
+        module: the module to compile (its parameters are shared, not copied).
+        backend: a ``torch.compile`` backend (``inductor``, ``aot_eager``).
+
+    Returns:
+        ``call(*args)`` returning what ``module(*args)`` returns; the first call compiles.
+    """
+    fn = torch.compile(module, backend=backend)
+
+    def call(*args: Any) -> Any:
+        with torch._dynamo.config.patch(capture_scalar_outputs=True):
+            return fn(*args)
+
+    return call
+
+
+class CompiledLayer(nn.Module):
+    """An MoE layer called through :func:`compiled` (same parameters, config and policy).
+
+    Args:
+        layer: the :class:`MoELayer`.
+        backend: the ``torch.compile`` backend.
+    """
+
+    def __init__(self, layer: MoELayer, backend: str) -> None:
+        """Wrap ``layer`` (its parameters stay its own)."""
+        super().__init__()
+        self.layer = layer
+        self.config = layer.config
+        self.policy = layer.policy
+        self.call = compiled(layer, backend)  # a function: not registered as a submodule
+
+    def forward(self, x: torch.Tensor) -> Any:
+        """Same as the wrapped layer: ``(out, aux)``, computed by the compiled graph."""
+        return self.call(x)
+
+
+def compiled_layer_method(name: str, layer: MoELayer, x_TD: torch.Tensor, grad_TD: torch.Tensor,
+                          backend: str, budget_bytes: int | None = None) -> Method:
+    """:func:`layer_method` of ``layer`` called through ``torch.compile``; peak from the profiler.
+
+    Not modelled (``predict`` is ``None``): the memory model describes the eager schedule.
+    """
+    return layer_method(name, CompiledLayer(layer, backend), x_TD, grad_TD, modelled=False,
+                        budget_bytes=budget_bytes, peak="profiler")
+
+
+def prepare_compiled(opts: BenchOptions, names: tuple[str, ...]) -> BenchOptions:
+    """Before a point: with a compiled method, clear Dynamo's caches; at least 1 warm-up round.
+
+    The first call of a compiled method compiles, so it must not be the memory or a timed call;
+    clearing the caches (``torch._dynamo.reset``) lets each point compile its own graphs and
+    never run into Dynamo's recompile limit.
+
+    Returns:
+        ``opts``, with ``warmup`` raised to 1 when a compiled method runs.
+    """
+    if not any(n.endswith(COMPILED_SUFFIX) for n in names):
+        return opts
+    torch._dynamo.reset()
+    return dataclasses.replace(opts, warmup=max(1, opts.warmup))
+
+
 def base_layer(moe: MoEConfig, *, dtype: torch.dtype, device: torch.device, seed: int
                ) -> MoELayer:
     """The layer whose weights every method of a point shares (seeded init, then cast)."""
@@ -168,7 +244,8 @@ def half_rows_budget(moe: MoEConfig, num_tokens: int, dtype_bytes: int) -> int:
 
 
 def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch.Tensor, *,
-                 modelled: bool = True, budget_bytes: int | None = None) -> Method:
+                 modelled: bool = True, budget_bytes: int | None = None,
+                 peak: str = "tracker") -> Method:
     """A :class:`Method` running ``layer`` forward + backward under the model's protocol.
 
     Args:
@@ -179,6 +256,7 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         modelled: predict with :func:`layer_memory.moe_layer_memory` (the layer's config,
             recompute mode and the chunk count of its last call).
         budget_bytes: the MACT budget, reported as the extra ``budget_bytes``.
+        peak: the harness's peak measurement (``profiler`` for a compiled layer).
     """
     one = torch.ones((), device=x_TD.device)
     state = {"num_chunks": 1}
@@ -212,7 +290,7 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
 
     return Method(name=name, forward=forward, backward=backward, zero_grad=zero_grad,
                   tokens=x_TD.shape[0], exclude=lambda: list(layer.buffers()),
-                  predict=predict if modelled else None, extras=extras)
+                  predict=predict if modelled else None, extras=extras, peak=peak)
 
 
 def add_ratios(results: list[Any], *, floor_bytes: int | None = None,
@@ -257,6 +335,7 @@ def shape_points(suite: str, opts: BenchOptions, device: torch.device, names: tu
     dt = torch.empty((), dtype=opts.torch_dtype).element_size()
     defaults = [table1_shape(c, opts.scale_down) for c in confs]
     for shape in resolve_shapes(opts, defaults, quick):
+        opts = prepare_compiled(opts, names)
         announce(suite, shape.label(), opts, len(names))
         floor = shape.floor_bytes(dt)
         methods, config, label, budgets = build(shape)

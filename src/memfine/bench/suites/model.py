@@ -7,7 +7,9 @@ the same batch (random byte ids). Optimizer states exist before the measured ste
 
 Methods: ``plain`` (gather/scatter copies), ``fused`` (memfine default), ``fused_mact`` (chunked
 with per-chunk recompute under a per-layer budget; default: half the received rows per chunk,
-c = 2), ``full_recompute`` (each transformer block recomputed in backward, routing kept).
+c = 2), ``full_recompute`` (each transformer block recomputed in backward, routing kept); with
+``--compile`` also ``fused_compiled`` and ``fused_mact_compiled`` (the model's forward and losses
+under ``torch.compile``; peak bytes from ``torch.profiler``).
 
 Shapes: the ``small`` training preset (what ``make train`` runs: d 128, n 128, E 8, k 2,
 4 layers, 32 × 128 tokens per step); ``--quick`` uses the ``tiny`` preset with 4 sequences.
@@ -25,8 +27,8 @@ from typing import Any
 import torch
 
 from memfine.bench.harness import Extra, Method, run_methods
-from memfine.bench.options import BenchOptions, Point, announce
-from memfine.bench.suites.layers import half_rows_budget
+from memfine.bench.options import COMPILED_SUFFIX, BenchOptions, Point, announce
+from memfine.bench.suites.layers import compiled, half_rows_budget, prepare_compiled
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.presets import preset
@@ -34,6 +36,7 @@ from memfine.units import format_bytes
 
 NAME = "model"
 METHODS = ("plain", "fused", "fused_mact", "full_recompute")
+COMPILABLE = ("fused", "fused_mact")
 REFERENCE = "fused"
 LR = 1e-4  # small: the weights move little over the timed steps
 
@@ -67,14 +70,19 @@ def _variant(model: ModelConfig, name: str, budget: int) -> ModelConfig:
 
 
 def step_method(name: str, model: MoETransformerLM, ids_BQ: torch.Tensor,
-                targets_BQ: torch.Tensor) -> Method:
-    """A training step of ``model`` on one batch as a :class:`Method`."""
+                targets_BQ: torch.Tensor, backend: str | None = None) -> Method:
+    """A training step of ``model`` on one batch as a :class:`Method`.
+
+    With a ``backend``, the forward (model and losses) runs under ``torch.compile`` and the
+    method's peak bytes are measured with ``torch.profiler``.
+    """
     moe = model.config.moe
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     state = {"num_chunks": 1}
+    call = model if backend is None else compiled(model, backend)
 
     def forward() -> Any:
-        out = model(ids_BQ, targets_BQ)
+        out = call(ids_BQ, targets_BQ)
         state["num_chunks"] = max(a.num_chunks for a in out.aux)
         return out.loss + moe.aux_loss_coef * out.load_balancing_loss + (
             moe.z_loss_coef * out.z_loss)
@@ -88,13 +96,14 @@ def step_method(name: str, model: MoETransformerLM, ids_BQ: torch.Tensor,
 
     return Method(name=name, forward=forward, backward=backward,
                   zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
-                  tokens=ids_BQ.numel(), exclude=lambda: list(model.buffers()), extras=extras)
+                  tokens=ids_BQ.numel(), exclude=lambda: list(model.buffers()), extras=extras,
+                  peak="tracker" if backend is None else "profiler")
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point (the model shape); at least one warm-up step (optimizer state)."""
-    opts = dataclasses.replace(opts, warmup=max(1, opts.warmup))
+    opts = dataclasses.replace(prepare_compiled(opts, names), warmup=max(1, opts.warmup))
     config, batch, seq = model_shape(opts)
     moe = config.moe
     dtype = opts.torch_dtype
@@ -106,10 +115,12 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
     state = MoETransformerLM(config).state_dict()
     methods = []
     for name in names:
-        model = MoETransformerLM(_variant(config, name, budget))
+        eager = name.removesuffix(COMPILED_SUFFIX)
+        model = MoETransformerLM(_variant(config, eager, budget))
         model.load_state_dict(state)
         model.to(device=device, dtype=dtype)
-        methods.append(step_method(name, model, data_BQ[:, :-1], data_BQ[:, 1:]))
+        methods.append(step_method(name, model, data_BQ[:, :-1], data_BQ[:, 1:],
+                                   opts.compile_backend if eager != name else None))
     announce(NAME, f"MoE LM, {batch * seq} tokens per step", opts, len(names))
     results = run_methods(methods, repeats=opts.repeats, warmup=opts.warmup, device=device)
     label = (f"MoE LM: {config.num_layers} layers, d={moe.hidden_size} n={moe.intermediate_size} "

@@ -28,8 +28,14 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
-from memfine.ops import GroupedMatmulFunction, combine_rows, gather_rows, run_experts
-from memfine.ops.experts import autocast_operands, grouped_up_projection
+from memfine.ops import (
+    GroupedMatmulFunction,
+    autocast_operands,
+    combine_rows,
+    gather_rows,
+    run_experts,
+)
+from memfine.ops.experts import grouped_up_projection
 from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
@@ -44,6 +50,35 @@ def _rows_bias(bias_EO: torch.Tensor, index: RoutingIndex) -> torch.Tensor:
     expert_of_row_S = torch.repeat_interleave(torch.arange(E, device=bias_EO.device), counts_E,
                                               output_size=index.num_rows)
     return bias_EO.index_select(0, expert_of_row_S)
+
+
+def compute_dtype(x_TD: torch.Tensor, weights_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the experts compute in (autocast's, else the weights').
+
+    Inside ``torch.autocast`` on x's device it is the autocast dtype (for floating weights other
+    than float64, as autocast treats ``nn.Linear``); otherwise ``weights_dtype``.
+    """
+    device_type = x_TD.device.type
+    if (weights_dtype.is_floating_point and weights_dtype != torch.float64
+            and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return torch.get_autocast_dtype(device_type)
+    return weights_dtype
+
+
+def autocast_weights(x_TD: torch.Tensor, weights: ExpertWeights) -> ExpertWeights:
+    """``weights`` cast to the autocast dtype inside ``torch.autocast`` (else unchanged).
+
+    The plain path's grouped matmuls are autograd Functions, which autocast does not cast; this
+    casts their operands as :func:`memfine.ops.autocast_operands` does for the fused path. The
+    casts are new tensors that the matmuls save for backward (as autocast's copies of an
+    ``nn.Linear`` weight); gradients reach the parameters through the cast in their dtype.
+    """
+    _, w_up, w_second, w_down, b_up, b_down = autocast_operands(
+        x_TD, weights.w_up_EDG, weights.w_up_second_EDN, weights.w_down_END, weights.b_up_EG,
+        weights.b_down_ED)
+    return ExpertWeights(w_up_EDG=w_up, w_down_END=w_down, b_up_EG=b_up, b_down_ED=b_down,
+                         w_up_second_EDN=w_second)
 
 
 def experts_module_plain(module: nn.Module, x_TD: torch.Tensor, top_k_weights: torch.Tensor,
@@ -114,8 +149,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
                            activation=plan.activation, impl="fused", backend=backend,
                            b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
                            weight_grads=weight_grads)
-    return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index, weights,
-                                backend)
+    return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index,
+                                autocast_weights(x_TD, weights), backend)
 
 
 def _policy(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,

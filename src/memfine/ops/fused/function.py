@@ -27,6 +27,10 @@ from memfine.ops.grouped import grouped_mm, grouped_row_sums
 
 # Activations the Triton up-projection kernel computes in its epilogue.
 TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
+# Under torch.compile the backward runs as one block unless this is True: the traced row blocks
+# (:func:`_row_blocks`) equal eager but raised the compiled peak and time where measured
+# (docs/compile.md, "The streamed backward under compile").
+STREAM_UNDER_COMPILE = False
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
@@ -196,11 +200,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         """
         st = _BackwardState(ctx, grad_out_TD)
         S = st.h_SG.shape[0]
-        if st.bounds is None:  # under torch.compile S is symbolic: one block, no host loop
-            _backward_block(st, 0, S)
-        else:
-            for r0 in range(0, S, ctx.block_rows):
-                _backward_block(st, r0, min(S, r0 + ctx.block_rows))
+        for r0, r1 in _row_blocks(S, st.weights_TK.numel(), ctx.block_rows, st.bounds is None):
+            _backward_block(st, r0, r1)
         grad_weights = None
         if st.need_w:
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
@@ -214,6 +215,27 @@ class FusedExpertsFunction(torch.autograd.Function):
         # expert_slot_indices, activation, backend, block_rows, weight_grads
         return (st.grad_x_TD, grad_weights, grad_up, grad_down, st.grad_b_up, st.grad_b_down,
                 None, None, None, None, None, None, grad_up_second, None, None)
+
+
+def _row_blocks(S: Any, max_rows: int, block_rows: int, traced: bool
+                ) -> list[tuple[Any, Any]]:
+    """The [r0, r1) row blocks of the streamed backward.
+
+    Eager: blocks of ``block_rows`` over the S rows. Under torch.compile S is an unbacked size:
+    one block [0, S) by default; with :data:`STREAM_UNDER_COMPILE` the blocks tile the static
+    bound S ≤ T·k (``max_rows``) and each end is min(S, r0 + B), so blocks past S are empty and
+    the block count is fixed by T and k, not by the routing.
+    """
+    if not traced:
+        return [(r0, min(S, r0 + block_rows)) for r0 in range(0, S, block_rows)]
+    if not STREAM_UNDER_COMPILE:
+        return [(0, S)]
+    blocks = []
+    for r0 in range(0, max(1, max_rows), block_rows):
+        r1 = torch.sym_min(S, r0 + block_rows)
+        torch._check(r1 >= 0)
+        blocks.append((torch.sym_min(r0, r1), r1))
+    return blocks
 
 
 class _BackwardState:

@@ -24,14 +24,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import re
 from typing import Any
 
-from memfine.cli import _plan_output as output
+from memfine.cli._flags import byte_size
+from memfine.cli.plan import output
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset
-from memfine.plan.search import search
+from memfine.plan.search import nearest_valid_devices, search
 from memfine.units import DTYPE_BYTES, parse_bytes
 
 # (flag, ModelPreset field, help) for the model sizes.
@@ -54,7 +54,8 @@ _SIZE_FLAGS = (
 )
 # (flag, help, type, choices) of the run settings; the flag's dest keys _DEFAULTS.
 _SETTING_FLAGS: tuple[tuple[str, str, Any, Any], ...] = (
-    ("--device-memory", "device memory M per device, with a unit: 80GiB or 80GB", str, None),
+    ("--device-memory", "device memory M per device, with a unit: 80GiB or 80GB", byte_size(),
+     None),
     ("--alpha", "usable fraction alpha of device memory", float, None),
     ("--micro-batch", "b, sequences per micro-batch", int, None),
     ("--seq-len", "s, tokens per sequence", int, None),
@@ -73,7 +74,7 @@ _SETTING_FLAGS: tuple[tuple[str, str, Any, Any], ...] = (
     ("--grad-bytes", "gradient bytes per parameter", int, None),
     ("--optimizer-bytes", "optimizer-state bytes per parameter", int, None),
     ("--static-memory", "measured static memory per device instead of Eq. 1, with a unit",
-     str, None),
+     byte_size(), None),
     ("--expert-model", "bytes per received row: MemFine Table 2 (paper) or memfine's fused "
      "path", str, EXPERT_MODELS),
 )
@@ -149,19 +150,27 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
                          f"got {text!r}") from None
 
 
-def _byte_size(text: str, key: str) -> int:
-    """A byte size that names its unit (a bare number is refused: it was meant as GB or GiB)."""
-    flag = "--" + key.replace("_", "-")
-    if re.fullmatch(r"\s*[0-9.]+\s*", str(text)):
-        raise ValueError(f"{flag} needs a unit, e.g. {text.strip()}GiB or {text.strip()}GB, "
-                         f"got {text!r}")
-    try:
-        return parse_bytes(text)
-    except ValueError as err:
-        raise ValueError(f"{flag}: {err}") from None
-
-
 _SEARCHED = ("t", "p", "e", "dp", "cp", "v", "micro_batch", "recompute", "bins")
+
+
+# PlanConfig / ModelPreset fields whose flag has another name; the others are named alike.
+_FIELD_FLAGS = {"skews": "skew", "device_memory_bytes": "device_memory",
+                "static_bytes": "static_memory"}
+
+
+def _name_flag(message: str, args: argparse.Namespace) -> str:
+    """Prefix a ``PlanConfig``/``ModelPreset`` error with the flag that set the field, as typed.
+
+    ``"PlanConfig.skews must be ... got (0.0,)"`` becomes ``"--skew 0: PlanConfig.skews must
+    be ..."``; a field no flag set (a preset's value, a default) is left as is.
+    """
+    owner, _, rest = message.partition(".")
+    if owner not in ("PlanConfig", "ModelPreset"):
+        return message
+    dest = _FIELD_FLAGS.get(rest.split(" ", 1)[0], rest.split(" ", 1)[0])
+    if not hasattr(args, dest):
+        return message
+    return f"--{dest.replace('_', '-')} {getattr(args, dest)}: {message}"
 
 
 def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
@@ -175,8 +184,16 @@ def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
         ``assumed`` (the preset's setting), ``default``, or ``searched``.
 
     Raises:
-        ValueError: on missing sizes, unparsable values or an invalid configuration.
+        ValueError: on missing sizes, unparsable values or an invalid configuration (naming
+            the flag that set the field, as typed).
     """
+    try:
+        return _resolve(args)
+    except ValueError as err:
+        raise ValueError(_name_flag(str(err), args)) from err
+
+
+def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     model = _model(args)
     setting = model.setting
     values: dict[str, Any] = {}
@@ -190,10 +207,9 @@ def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
             values[key], sources[key] = setting.get(key), setting.source_of(key)
         else:
             values[key], sources[key] = default, "default"
-    for key in _BYTE_FLAGS:
+    for key in _BYTE_FLAGS:  # flags give bytes (byte_size); a preset's setting, text
         if values[key] is not None:
-            values[key] = _byte_size(values[key], key) if sources[key] == "flag" else (
-                parse_bytes(values[key]))
+            values[key] = parse_bytes(values[key])
     skew_text = str(values.pop("skew"))
     cfg = PlanConfig(model=model, device_memory_bytes=values.pop("device_memory"),
                      static_bytes=values.pop("static_memory"),
@@ -219,7 +235,21 @@ def run(args: argparse.Namespace) -> int:
     cfg, sources = resolve(args)
     if args.search:
         result = search(cfg, args.devices)
+        if not result.considered:
+            raise ValueError(_no_layout(cfg, args.devices))
         output.print_search(result, cfg, args.devices, top=args.top, as_json=args.json)
     else:
         output.print_plan(cfg, sources, verbose=args.verbose, as_json=args.json)
     return 0
+
+
+def _no_layout(cfg: PlanConfig, devices: int) -> str:
+    """Why no layout exists on ``devices`` and which device counts have one."""
+    m = cfg.model
+    below, above = nearest_valid_devices(cfg, devices)
+    near = " or ".join(str(n) for n in (below, above) if n is not None)
+    batch = (f", and dp·b dividing the global batch {cfg.global_batch} (--global-batch)"
+             if cfg.global_batch is not None else "")
+    return (f"no valid layout on {devices} devices: a layout needs N = t·p·dp·cp with t in "
+            f"{{1, 2, 4, 8}} dividing the {m.num_heads} heads, cp in {{1, 2}} dividing "
+            f"s/2 = {cfg.seq_len // 2}, p <= L = {m.num_layers}{batch}; try --devices {near}")

@@ -37,7 +37,7 @@ def _run(args: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str,
 
 
 
-ASSETS = Path(__file__).parents[1] / "assets" / "hf_configs"
+ASSETS = Path(__file__).parents[2] / "assets" / "hf_configs"
 
 
 def test_flag_set_is_pinned() -> None:
@@ -148,20 +148,30 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--hidden-size", "0"], "ModelPreset.hidden_size must be >= 1, got 0"),
-    (["--num-dense-layers", "2"], r"ModelPreset.num_dense_layers must be in \[0, 1\], got 2"),
-    (["--device-memory", "80"], "--device-memory needs a unit, e.g. 80GiB or 80GB, got '80'"),
-    (["--static-memory", "10"], "--static-memory needs a unit, e.g. 10GiB or 10GB, got '10'"),
-    (["--device-memory", "80 parsecs"], "--device-memory: byte size must look like"),
-    (["--micro-batch", "0"], "PlanConfig.micro_batch must be >= 1, got 0"),
-    (["--e", "3"], "PlanConfig.e must be a divisor of num_experts=8, got 3"),
+    (["--hidden-size", "0"], "error: --hidden-size 0: ModelPreset.hidden_size must be >= 1, "
+     "got 0"),  # a config error names the flag that set the field, as typed
+    (["--num-dense-layers", "2"], r"--num-dense-layers 2: ModelPreset.num_dense_layers must be "
+     r"in \[0, 1\], got 2"),
+    (["--device-memory", "80"], "argument --device-memory: byte size needs a unit, e.g. "
+     "80MiB, 80GiB or 80GB, got '80'"),
+    (["--static-memory", "10"], "argument --static-memory: byte size needs a unit, e.g. "
+     "10MiB, 10GiB or 10GB, got '10'"),
+    (["--device-memory", "80 parsecs"], "argument --device-memory: byte size must look like"),
+    (["--micro-batch", "0"], "error: --micro-batch 0: PlanConfig.micro_batch must be >= 1, "
+     "got 0"),
+    (["--e", "3"], "error: --e 3: PlanConfig.e must be a divisor of num_experts=8, got 3"),
+    (["--t", "3"], "error: --t 3: PlanConfig.t must be a divisor of num_heads=4, got 3"),
     (["--p", "3"], "PlanConfig.p must be with v such that p·v <= num_layers=2, got 3"),
-    (["--skew", "0.5"], r"PlanConfig.skews must be a non-empty tuple of numbers >= 1"),
+    (["--skew", "0.5"], r"error: --skew 0.5: PlanConfig.skews must be a non-empty tuple of "
+     r"numbers >= 1"),
+    (["--skew", "1,0"], r"error: --skew 1,0: PlanConfig.skews must be"),
     (["--skew", "hot"], "--skew must be numbers >= 1 or 'worst', got 'hot'"),
     (["--bins", "1,2,32"], r"PlanConfig.bins must be .* ints in \[1, 16\], got \(1, 2, 32\)"),
     (["--bins", "1,x"], "--bins must be comma-separated ints such as 1,2,4,8, got '1,x'"),
     (["--alpha", "0"], r"PlanConfig.alpha must be in \(0, 1\], got 0.0"),
-    (["--global-batch", "6"], "PlanConfig.global_batch must be a multiple of dp·micro_batch=4"),
+    (["--global-batch", "6"], "error: --global-batch 6: PlanConfig.global_batch must be a "
+     "multiple of dp·micro_batch=4"),
+    (["--global-batch", "0"], "error: --global-batch 0: PlanConfig.global_batch must be >= 1"),
     (["--search"], "--search and --devices N go together"),
     (["--devices", "8"], "--search and --devices N go together"),
     (["--search", "--devices", "0"], "--devices must be an int >= 1, got 0"),
@@ -265,6 +275,36 @@ def test_search_infeasible_names_smallest_memory_and_devices(capsys: pytest.Capt
     assert (f"none of {data['considered']} layouts fits at the worst skew; the least device "
             f"memory that fits on 1 devices is {format_bytes(least)}; {more} devices of "
             "1.00 MiB fit") in out
+
+
+def test_search_skips_data_parallel_sizes_that_cannot_divide_the_global_batch(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # 7 devices, 8 layers, 4 heads: t = cp = 1; p = 1 gives dp = 7, which does not divide 64,
+    # so only p = 7, dp = 1 (e = 1) is valid; it used to stop with PlanConfig.global_batch's
+    # divisibility error instead.
+    args = ["--hf-config", str(ASSETS / "mixtral.json"), "--num-layers", "8", "--seq-len",
+            "64", "--device-memory",
+            "1GiB", "--global-batch", "64", "--dtype", "float32", "--search", "--devices", "7",
+            "--json"]
+    code, out, _ = _run(args, capsys)
+    data = json.loads(out)
+    assert code == 0 and data["considered"] > 0
+    assert data["layouts"]
+    assert {(x["p"], x["dp"], x["e"]) for x in data["layouts"]} == {(7, 1, 1)}
+
+
+def test_search_without_a_valid_layout_says_why_and_what_to_try(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # SMALL: L = 2, 4 heads. On 7 devices t = 1, cp = 1, p = 1 and dp = 7, which does not divide
+    # 64; 6 and 5 have no layout either, 4 (dp = 4) and 8 (dp = 8) do.
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *SMALL, "--global-batch", "64", "--search", "--devices", "7"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("memfine plan: error: no valid layout on 7 devices: ")
+    assert "p <= L = 2" in err and "the global batch 64 (--global-batch)" in err
+    assert err.rstrip().endswith("try --devices 4 or 8")
 
 
 def _numbers(value: Any) -> list[float]:

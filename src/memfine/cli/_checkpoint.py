@@ -1,0 +1,50 @@
+"""What the checkpoint commands share: the run-directory and device flags, and loading.
+
+``memfine generate``, ``eval`` and ``export`` read the checkpoint of a ``memfine train`` run
+directory (``--out``); a wrong path or device is one line naming the flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from memfine.cli._flags import Flag, NotGiven, check_device, value
+from memfine.runs.inference import Trained, load_trained
+
+OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
+                default=NotGiven(text="required"))
+DEVICE_FLAG = Flag("--device", (), "torch device: cpu or cuda[:i]", str,
+                   default=NotGiven("cpu"))
+
+
+def run_directory(args: argparse.Namespace, dest: str = "out") -> Path:
+    """The run directory a checkpoint command reads (``--out DIR`` of ``memfine train``).
+
+    Raises:
+        ValueError: naming the flag when it is missing, names a file, or does not exist.
+    """
+    flag = "--" + dest.replace("_", "-")
+    got = value(args, dest)
+    if got is None:
+        raise ValueError(f"{flag} is required: the run directory of memfine train")
+    path = Path(got)
+    if path.is_file():
+        raise ValueError(f"{flag} {str(path)!r} is a file; {flag} takes the run directory of "
+                         f"memfine train (the directory holding checkpoint.pt)")
+    if not path.exists():
+        raise ValueError(f"{flag} {str(path)!r} does not exist; {flag} takes the run directory "
+                         f"of memfine train (the directory holding checkpoint.pt)")
+    return path
+
+
+def load_run(args: argparse.Namespace) -> Trained:
+    """The model of ``--out``'s checkpoint, on ``--device``.
+
+    Raises:
+        ValueError: naming the flag when ``--out`` is missing, a file or absent, or
+            ``--device`` cannot run here; naming the path when the checkpoint is missing or
+            corrupt.
+    """
+    out = run_directory(args)
+    return load_trained(out, device=check_device(value(args, "device")))

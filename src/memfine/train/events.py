@@ -1,0 +1,85 @@
+"""What the training loop does between steps: validate, checkpoint, log, show progress.
+
+Legend: L MoE layers, E experts.
+
+Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`write_metrics`) with the step's
+measured peak bytes and the memory model's prediction (:mod:`memfine.runs.memory_log`); every
+``eval_every`` steps (and at the end) validation on fixed windows (:func:`validate`); a
+checkpoint at each evaluation, or every ``save_every`` steps when set (:func:`save`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from memfine.runs.checkpoint import save_checkpoint, save_sharded_checkpoint
+from memfine.runs.evaluation import evaluate
+from memfine.runs.metrics import format_expert_load, load_max_over_mean, nats_to_bits
+from memfine.train.setup import RunState
+from memfine.train.step import StepRecord
+
+TENSORBOARD_SCALARS = ("train_loss", "val_loss", "lr", "tokens_per_s", "load_balancing_loss",
+                       "z_loss", "grad_norm", "peak_bytes")
+
+
+def validate(run: RunState, record: StepRecord) -> None:
+    """Validate; print the loss and the expert load since the last evaluation."""
+    run.val_loss = evaluate(run.model, run.val_data, run.device)
+    assert run.load_eval_LE is not None, "a step ran since the last evaluation"
+    run.say(f"step {record.step}: train {record.train_loss:.4f}, validation {run.val_loss:.4f} "
+            f"nats/byte ({nats_to_bits(run.val_loss):.3f} bits/byte); expert load:\n"
+            f"{format_expert_load(run.load_eval_LE)}")
+    run.load_eval_LE = None
+
+
+def save(run: RunState) -> None:
+    """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank)."""
+    parallel = run.parallel
+    args = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
+            "optimizer": run.optimizer, "scheduler": run.scheduler}
+    if parallel.sharded:
+        save_sharded_checkpoint(run.ckpt_path, is_main=parallel.is_main,
+                                barrier=parallel.barrier, **args)
+    else:
+        save_checkpoint(run.ckpt_path, **args)
+
+
+def write_metrics(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
+    """Write one ``metrics.jsonl`` line (and TensorBoard scalars) for the steps since the last."""
+    assert run.load_log_LE is not None, "a step ran since the last metrics line"
+    line: dict[str, Any] = {
+        "step": record.step, "train_loss": record.train_loss, "lr": record.lr,
+        "tokens_per_s": run.log_steps * run.tokens_per_step / run.log_time,
+        "load_balancing_loss": record.load_balancing_loss, "z_loss": record.z_loss,
+        "grad_norm": record.grad_norm, "num_chunks": record.num_chunks,
+        "tokens_per_expert": run.load_log_LE.tolist(),
+        "expert_load_max_over_mean": [load_max_over_mean(c) for c in run.load_log_LE],
+        "peak_bytes": record.peak_bytes, "peak_bytes_predicted": record.peak_bytes_predicted,
+    }
+    if is_eval:
+        line["val_loss"] = run.val_loss
+    if record.dropped_pairs is not None:  # pairs dropped by capacity this step (this rank)
+        line["dropped_pairs"] = record.dropped_pairs
+    if run.log is not None:
+        run.log.write(line)
+    if run.tensorboard is not None:
+        for key in TENSORBOARD_SCALARS:
+            if isinstance(line.get(key), (int, float)):
+                run.tensorboard.add_scalar(key, line[key], record.step)
+    run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None
+
+
+def show_progress(run: RunState) -> None:
+    """Advance the progress bar by one step (loss, tokens/s), when there is one."""
+    if run.bar is not None:
+        run.bar.update(1)
+        run.bar.set_postfix(loss=f"{run.losses[-1]:.3f}",
+                            tok_s=f"{run.tokens_per_step * len(run.losses) / run.run_time:,.0f}")
+
+
+def close(run: RunState) -> None:
+    """Close the progress bar and the TensorBoard writer."""
+    if run.bar is not None:
+        run.bar.close()
+    if run.tensorboard is not None:
+        run.tensorboard.close()

@@ -1,0 +1,147 @@
+"""The command line as a whole: --version, one-line usage errors, byte sizes with a unit in every
+subcommand, checkpoint commands on a path that is not a run directory, no profiler noise."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.cli.bench import add_arguments, options_from_args
+from memfine.cli.main import main
+
+
+def _usage_error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Run ``memfine ARGS``; assert exit status 2 and one stderr line; return that line."""
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and "Traceback" not in err and "usage:" not in err, err
+    return err.rstrip("\n")
+
+
+@pytest.mark.parametrize("flag", ["--version", "-V"])
+def test_version_prints_the_installed_version(flag: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([flag])
+    assert info.value.code == 0
+    assert capsys.readouterr().out == f"memfine {importlib.metadata.version('memfine')}\n"
+
+
+@pytest.mark.parametrize(("args", "line"), [
+    (["train", "--bogus"], "memfine train: error: unrecognized arguments: --bogus "
+                           "(see memfine train --help)"),
+    (["plan", "--top", "x"], "memfine plan: error: argument --top: invalid int value: 'x' "
+                             "(see memfine plan --help)"),
+    ([], "memfine: error: the following arguments are required: COMMAND (see memfine --help)"),
+])
+def test_usage_errors_are_one_line(args: list[str], line: str,
+                                   capsys: pytest.CaptureFixture[str]) -> None:
+    assert _usage_error(args, capsys) == line
+
+
+@pytest.mark.parametrize("args", [
+    pytest.param(["train", "--memory-budget", "16"], id="train_memory_budget"),
+    pytest.param(["train", "--backward-block-bytes", "16"], id="train_backward_block_bytes"),
+    pytest.param(["bench", "--memory-budget", "16"], id="bench_memory_budget"),
+    pytest.param(["bench", "--budget", "16"], id="bench_budget_alias"),
+    pytest.param(["plan", "--preset", "olmoe-1b-7b", "--device-memory", "16"],
+                 id="plan_device_memory"),
+    pytest.param(["plan", "--preset", "olmoe-1b-7b", "--static-memory", "16"],
+                 id="plan_static_memory"),
+])
+def test_a_bare_number_needs_a_unit_in_every_subcommand(
+        args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(args, capsys)
+    flag = args[-2]
+    assert f"argument {flag}: byte size needs a unit, e.g. 16MiB, 16GiB or 16GB, got '16'" in line
+
+
+def test_bench_memory_budget_takes_a_unit_and_auto() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cpu = torch.device("cpu")
+    given = options_from_args(parser.parse_args(["--memory-budget", "1.5MiB"]), cpu)
+    auto = options_from_args(parser.parse_args(["--memory-budget", "AUTO"]), cpu)
+    default = options_from_args(parser.parse_args([]), cpu)
+    assert given.budget_bytes == 3 * 2**19
+    assert auto.budget_bytes is None and default.budget_bytes is None
+
+
+@pytest.mark.parametrize("command", [["eval"], ["generate", "--prompt", "x"], ["export"]])
+def test_checkpoint_commands_on_a_file_say_out_takes_a_run_directory(
+        tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "checkpoint.pt"  # the file itself, where its directory was meant
+    path.write_bytes(b"x")
+    line = _usage_error([command[0], "--out", str(path), *command[1:]], capsys)
+    assert line == (f"memfine {command[0]}: error: --out '{path}' is a file; --out takes the run "
+                    f"directory of memfine train (the directory holding checkpoint.pt)")
+    missing = tmp_path / "nope"
+    line = _usage_error([command[0], "--out", str(missing), *command[1:]], capsys)
+    assert f"--out '{missing}' does not exist; --out takes the run directory" in line
+    assert _usage_error([command[0], *command[1:]], capsys).endswith(
+        "--out is required: the run directory of memfine train")
+
+
+def test_train_resume_and_init_from_on_a_file(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "f"
+    path.write_text("x")
+    line = _usage_error(["train", "--resume", "--out", str(path)], capsys)
+    assert line == (f"memfine train: error: --out: '{path}' is a file, not a run directory (give "
+                    f"the directory memfine train wrote, the one holding checkpoint.pt)")
+    line = _usage_error(["train", "--init-from", str(path), "--out", str(tmp_path / "r")],
+                        capsys)
+    assert line.startswith(f"memfine train: error: --init-from: '{path}' is a file")
+    assert not (tmp_path / "r").exists()
+
+
+def test_bench_prints_no_profiler_trace_lines(tmp_path: Path) -> None:
+    # kineto prints "USDT:" lines at each torch.profiler start and stop unless told not to;
+    # a fresh process, since kineto reads its log level once.
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    done = subprocess.run(
+        [sys.executable, "-m", "memfine", "bench", "--quick", "--suites", "experts",
+         "--methods", "fused", "--out", str(tmp_path)],
+        capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "experts" in done.stdout and (tmp_path / "bench_experts.csv").exists()
+    assert "USDT" not in done.stdout + done.stderr
+
+
+@pytest.mark.parametrize("command", [["eval"], ["generate", "--prompt", "x"]])
+@pytest.mark.parametrize(("device", "message"), [
+    ("bogus", "--device 'bogus' is not a torch device; use cpu or cuda[:i]"),
+    ("cuda", "--device cuda needs CUDA, and this torch has no CUDA device"),
+])
+def test_checkpoint_commands_refuse_a_device_before_loading(
+        tmp_path: Path, command: list[str], device: str, message: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    if device == "cuda" and torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    line = _usage_error([command[0], "--out", str(tmp_path), "--device", device, *command[1:]],
+                        capsys)
+    assert line.startswith(f"memfine {command[0]}: error: {message}")
+
+
+def test_export_to_a_missing_folder_names_it(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "missing" / "m.safetensors"
+    line = _usage_error(["export", "--out", str(tmp_path), "--to", str(target)], capsys)
+    assert line == (f"memfine export: error: --to '{target}': the folder '{target.parent}' does "
+                    f"not exist; create it or choose another --to")
+
+
+def test_train_checks_its_flags_before_the_run_directory(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{}")  # an earlier run's file
+    line = _usage_error(["train", "--threads", "0", "--out", str(tmp_path)], capsys)
+    assert line == "memfine train: error: --threads must be >= 1, got 0"
