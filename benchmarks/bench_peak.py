@@ -99,7 +99,7 @@ def main() -> None:
                   f"  saved {format_bytes(values['saved_bytes'] or 0):>12}", flush=True)
             config = {"d": 512, "n": 1024, "E": 16, "k": 4, "dtype": "float32",
                       "peak": "torch.profiler", "load_average_1min": round(load, 2)}
-            rows += [csv_row(benchmark="peak", provider=method.name, mode="full", metric=metric,
+            rows += [csv_row(benchmark="peak", method=method.name, mode="full", metric=metric,
                              unit="bytes", x_name="tokens", x_value=T, values=value,
                              config=config, env=env) for metric, value in values.items()]
     write_csv(rows, args.out)

@@ -112,3 +112,24 @@ def test_tracker_profiler_and_model_agree(T: int, d: int, n: int, E: int, k: int
     model = moe_layer_memory(moe, T, 4, num_chunks=c, recompute=recompute)
     assert tracker == profiler
     assert (model.peak_bytes, model.forward_peak_bytes) == profiler
+
+
+
+def test_bf16_profiler_sees_kernel_workspaces_the_tracker_does_not() -> None:
+    """bf16 on the CPU: the profiler peaks above the tracker (and the model, which replays
+    tensors only), because CPU bf16 kernels allocate fp32 workspaces inside the operator, below
+    the dispatcher. The fp32 grid above is where all three agree to the byte."""
+    moe = MoEConfig(hidden_size=32, intermediate_size=64, num_experts=8, top_k=2)
+    torch.manual_seed(0)
+    layer = MoELayer(moe).to(torch.bfloat16)
+    x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True)
+    grads = [torch.randn(64, 32, dtype=torch.bfloat16), torch.tensor(0.01), torch.tensor(0.001)]
+
+    def forward() -> list[torch.Tensor]:
+        out, aux = layer(x)
+        return [out, aux.load_balancing_loss, aux.z_loss]
+
+    tracker = measure_backward(forward, grads, exclude=layer.parameters(), peak="tracker")
+    profiler = measure_backward(forward, grads, exclude=layer.parameters(), peak="profiler")
+    assert tracker.peak_bytes is not None and profiler.peak_bytes is not None
+    assert profiler.peak_bytes > tracker.peak_bytes

@@ -129,44 +129,91 @@ def apply_activation(h_SG: torch.Tensor, activation: Activation) -> torch.Tensor
     return _ELEMENTWISE[activation](h_SG)
 
 
-def _gate_backward(grad_SN: torch.Tensor, gate_SN: torch.Tensor, spec: GatedActivation
-                   ) -> torch.Tensor:
-    """Return grad · f_α'(gate) (gate already clamped)."""
+def activation_and_gate(h_SG: torch.Tensor, activation: Activation
+                        ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A = act(H) and, for a gated activation, f_α(gate′) for :func:`activation_backward`.
+
+    The fused backward recomputes A and then needs f_α(gate′) again for dup = dA ⊙ f_α(gate′);
+    keeping it saves one pass of the gate function over the rows.
+
+    Args:
+        h_SG: (S, G) pre-activation (no autograd: called inside a custom backward).
+        activation: as :func:`apply_activation`.
+
+    Returns:
+        ``(A, gate_value)``: A (S, n) in H's dtype; gate_value (S, n) in the activation's compute
+        dtype (fp32 when the spec upcasts), or None for a non-gated activation.
+
+    Memory: two new (S, n) tensors for a gated activation (one otherwise), plus the clamped copies
+    and the offset ``up`` when the spec has them.
+    """
+    spec = _spec(activation)
+    if spec is None:
+        return apply_activation(h_SG, activation), None
+    h_in = h_SG.float() if spec.upcast else h_SG
+    gate_SN, up_SN = _clamped(*_split_gated(h_in, spec), spec)
+    gate_value_SN = _gate_value(gate_SN, spec)
+    if spec.up_offset != 0.0:
+        up_SN = up_SN + spec.up_offset
+    return (gate_value_SN * up_SN).to(h_SG.dtype), gate_value_SN
+
+
+def _gate_backward(grad_SN: torch.Tensor, gate_SN: torch.Tensor, spec: GatedActivation,
+                   out_SN: torch.Tensor) -> None:
+    """Write grad · f_α'(gate) (gate already clamped) into ``out_SN``."""
     if spec.gate_fn == "gelu":
-        return _ELEMENTWISE_BACKWARD["gelu"](grad_SN, gate_SN)
-    if spec.alpha == 1.0:
-        return torch.ops.aten.silu_backward(grad_SN, gate_SN)
+        torch.ops.aten.gelu_backward.grad_input(grad_SN, gate_SN, approximate="tanh",
+                                                grad_input=out_SN)
+        return
     # f_α(g) = silu(α·g) / α, so f_α'(g) = silu'(α·g).
-    return torch.ops.aten.silu_backward(grad_SN, gate_SN * spec.alpha)
+    arg_SN = gate_SN if spec.alpha == 1.0 else gate_SN * spec.alpha
+    torch.ops.aten.silu_backward.grad_input(grad_SN, arg_SN, grad_input=out_SN)
 
 
-def _gated_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, spec: GatedActivation
-                    ) -> torch.Tensor:
+def _gated_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, spec: GatedActivation,
+                    gate_value_SN: torch.Tensor | None = None) -> torch.Tensor:
     h_in = h_SG.float() if spec.upcast else h_SG
     grad_a = grad_a_SN.to(h_in.dtype)
     raw_gate_SN, raw_up_SN = _split_gated(h_in, spec)
     gate_SN, up_SN = _clamped(raw_gate_SN, raw_up_SN, spec)
     grad_h_SG = torch.empty_like(h_in)
     grad_gate_SN, grad_up_SN = _split_gated(grad_h_SG, spec)
-    # copy_ into the view, not out=: torch.compile traces no out= into a non-contiguous view.
-    grad_up_SN.copy_(_gate_value(gate_SN, spec).mul_(grad_a))
+    if gate_value_SN is None:
+        gate_value_SN = _gate_value(gate_SN, spec)
     if spec.up_offset != 0.0:
         up_SN = up_SN + spec.up_offset
-    grad_gate_SN.copy_(_gate_backward(grad_a * up_SN, gate_SN, spec))
+    if torch.compiler.is_compiling():
+        # copy_ into the views: torch.compile traces no out= into a non-contiguous view.
+        grad_up_SN.copy_(gate_value_SN * grad_a)
+        grad_gate_SN.copy_(_gate_grad(grad_a * up_SN, gate_SN, spec))
+    else:  # NOTE(memory): written into dH's halves in place: no (S, n) temporary
+        torch.mul(gate_value_SN, grad_a, out=grad_up_SN)
+        torch.mul(grad_a, up_SN, out=grad_gate_SN)  # dA ⊙ up, then ⊙ f' in place
+        _gate_backward(grad_gate_SN, gate_SN, spec, grad_gate_SN)
     if spec.limit is not None:  # clamp passes the gradient where min <= v <= max (as torch)
         grad_gate_SN.masked_fill_(raw_gate_SN > spec.limit, 0)
         grad_up_SN.masked_fill_(raw_up_SN.abs() > spec.limit, 0)
     return grad_h_SG.to(h_SG.dtype)
 
 
-def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation: Activation
-                        ) -> torch.Tensor:
+def _gate_grad(grad_SN: torch.Tensor, gate_SN: torch.Tensor, spec: GatedActivation
+               ) -> torch.Tensor:
+    """Return grad · f_α'(gate) as a new tensor (the traceable form of `_gate_backward`)."""
+    out_SN = torch.empty_like(gate_SN)
+    _gate_backward(grad_SN, gate_SN, spec, out_SN)
+    return out_SN
+
+
+def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation: Activation,
+                        gate_value_SN: torch.Tensor | None = None) -> torch.Tensor:
     """Compute dH from the saved H and dA (no autograd; A itself is not needed).
 
     Args:
         h_SG: (S, G) saved pre-activation.
         grad_a_SN: (S, n) gradient of the loss w.r.t. A, same dtype as H.
         activation: activation name or :class:`GatedActivation`.
+        gate_value_SN: optional f_α(gate′) of a gated activation, as
+            :func:`activation_and_gate` returns it (not recomputed then); ignored otherwise.
 
     Returns:
         (S, G) new tensor dH in H's dtype. Gated: dgate = dA ⊙ (up' + offset) ⊙ f_α'(gate'),
@@ -176,12 +223,14 @@ def activation_backward(h_SG: torch.Tensor, grad_a_SN: torch.Tensor, activation:
     Raises:
         ValueError: for an unknown activation, or an odd width with a gated one.
 
-    Memory: allocates dH (S·G) and, for gated activations, f_α(gate) and dA ⊙ up (S·n each;
-    clamped copies of gate and up, S·n each, with a limit), all transient.
+    Memory: allocates dH (S·G) and, for gated activations unless given, f_α(gate) (S·n;
+    clamped copies of gate and up, S·n each, with a limit; under torch.compile also dA ⊙ up),
+    all transient; in eager mode dA ⊙ f_α(gate) and dA ⊙ up ⊙ f_α'(gate) are written into dH's
+    halves in place.
     """
     check_activation(activation)
     spec = _spec(activation)
     if spec is not None:
-        return _gated_backward(h_SG, grad_a_SN, spec)
+        return _gated_backward(h_SG, grad_a_SN, spec, gate_value_SN)
     assert isinstance(activation, str), "a non-gated activation is a name"
     return _ELEMENTWISE_BACKWARD[activation](grad_a_SN, h_SG)

@@ -51,11 +51,16 @@ def combine_rows(y_SD: torch.Tensor, weights_TK: torch.Tensor,
         (T, D) new tensor in y's dtype. Differentiable (autograd through index_select).
 
     Memory: a transient (T, k, D) gathered copy (kept by autograd when y requires grad
-    outside a custom Function: the "scattered copy" of the plain path).
+    outside a custom Function: the "scattered copy" of the plain path). Without autograd and
+    with S = T·k (no sentinel slot) the rows are gathered directly (no sentinel mask or fill).
     """
-    rows_TKD = slot_rows(y_SD, token_index_map_TK)
+    needs_graph = torch.is_grad_enabled() and (y_SD.requires_grad or weights_TK.requires_grad)
+    (T, K), D = token_index_map_TK.shape, y_SD.shape[1]
+    if needs_graph or not statically_known_true(y_SD.shape[0] == T * K):
+        rows_TKD = slot_rows(y_SD, token_index_map_TK)
+    else:  # every slot has a row (no sentinel): gathered directly, nothing to clear
+        rows_TKD = y_SD.index_select(0, token_index_map_TK.reshape(-1).long()).view(T, K, D)
     w_TK = torch.where(token_index_map_TK >= 0, weights_TK.to(y_SD.dtype), 0)
-    needs_graph = torch.is_grad_enabled() and (y_SD.requires_grad or w_TK.requires_grad)
     if needs_graph:
         return (rows_TKD * w_TK[..., None]).sum(1)
     return rows_TKD.mul_(w_TK[..., None]).sum(1)  # NOTE(memory): in place, saves T·k·D

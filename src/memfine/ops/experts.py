@@ -147,6 +147,16 @@ def grouped_up_projection(x_SD: torch.Tensor, w_up_EDG: UpWeights, offsets_E1: t
                      dim=1)
 
 
+def _check_run_options(impl: str, backend: str, backward_block_bytes: int) -> None:
+    """Raise ValueError naming ``impl``, ``backend`` or ``backward_block_bytes`` when invalid."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(backward_block_bytes, int) or backward_block_bytes < 1:
+        raise ValueError(f"backward_block_bytes must be an int >= 1, got {backward_block_bytes!r}")
+
+
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
                 w_up_EDG: UpWeights, w_down_END: torch.Tensor, *,
                 activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
@@ -188,14 +198,9 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
 
     Memory: see :class:`FusedExpertsFunction` and :func:`experts_plain`.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    _check_run_options(impl, backend, backward_block_bytes)
     x_TD, w_up_EDG, w_down_END, b_up_EG, b_down_ED = autocast_operands(
         x_TD, w_up_EDG, w_down_END, b_up_EG, b_down_ED)
-    if not isinstance(backward_block_bytes, int) or backward_block_bytes < 1:
-        raise ValueError(f"backward_block_bytes must be an int >= 1, got {backward_block_bytes!r}")
     check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation,
                         b_up_EG, b_down_ED)
     weights_TK = top_k_weights.to(x_TD.dtype)

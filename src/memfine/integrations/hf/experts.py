@@ -19,6 +19,7 @@ Reference: MoEBlaze §3-§5 (index, fused path); docs/design.md §7.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Literal
 
 import torch
@@ -35,6 +36,7 @@ from memfine.ops import (
     run_experts,
 )
 from memfine.ops.experts import grouped_up_projection
+from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
 
@@ -117,7 +119,8 @@ def experts_module_plain(module: nn.Module, x_TD: torch.Tensor, top_k_weights: t
 def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights,
                        x_TD: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor, *, backend: str = "auto",
-                       index_builder: IndexBuilder = "auto") -> torch.Tensor:
+                       index_builder: IndexBuilder = "auto",
+                       weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Route-free expert part of one chunk: build the index, run the planned path.
 
     Args:
@@ -130,6 +133,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
         backend: grouped GEMM backend (``auto`` falls back to a per-expert loop where
             ``torch._grouped_mm``'s alignment rules fail, e.g. n = 30 in fp32).
         index_builder: routing-index builder.
+        weight_grads: fused path: the chunk loop's shared weight-gradient buffers of ``w_up``
+            and ``w_down`` (:func:`memfine.ops.fused.weight_grads.share_weight_grads`), or None.
 
     Returns:
         (T, d) in x's dtype.
@@ -142,7 +147,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
         assert plan.activation is not None, "the fused plan carries an activation"
         return run_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                            activation=plan.activation, impl="fused", backend=backend,
-                           b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED)
+                           b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
+                           weight_grads=weight_grads)
     return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index,
                                 autocast_weights(x_TD, weights), backend)
 
@@ -209,17 +215,30 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
         (T, d) in x's dtype.
 
     Memory: as :func:`memfine.schedule.chunked.run_chunked`: with recompute, only x_TD and the
-    routing tensors are kept; backward holds one chunk's H and transients.
+    routing tensors are kept; backward holds one chunk's H and transients. With c > 1 on the
+    fused path the chunks add their ``w_up`` / ``w_down`` gradients into one shared buffer per
+    weight (:mod:`memfine.ops.fused.weight_grads`), as the local chunk loop does; a separate up
+    half (``w_up_second_EDN``) and the biases get their gradients summed by autograd.
     """
+    buffers = None
+
     def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         return run_module_experts(module, plan, weights, x_CD, top_k_index_CK,
-                                  top_k_weights_CK, backend=backend, index_builder=index_builder)
+                                  top_k_weights_CK, backend=backend, index_builder=index_builder,
+                                  weight_grads=buffers)
 
     chunked = chunk.memory_budget_bytes is not None or chunk.num_chunks > 1
     if not chunked:
         return chunk_fn(0, x_TD, top_k_index, top_k_weights)
     c = num_chunks_for(module, plan, weights, x_TD, top_k_index, chunk)
+    if c > 1 and plan.path == "fused" and not torch.compiler.is_compiling():
+        # NOTE(memory): one weight-gradient buffer per weight for all c chunks (autograd would
+        # otherwise hold a chunk's gradient and the running sum at once).
+        # Under torch.autocast the weights are cast once per layer call, before the sharing.
+        x_TD, w_up, w_down = autocast_operands(x_TD, weights.w_up_EDG, weights.w_down_END)
+        (w_up, w_down), buffers = share_weight_grads((w_up, w_down))
+        weights = dataclasses.replace(weights, w_up_EDG=w_up, w_down_END=w_down)
     recompute = chunk.resolved_recompute if torch.is_grad_enabled() else "none"
     return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=c,
                        recompute=recompute)

@@ -207,7 +207,12 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     a = activation_forward(tl, s, S, "fwd")
     y = tl.alloc("fwd.Y", S * D * s.dt)
     tl.free(a)
-    rows = slot_rows(tl, s, C, "fwd.combine")
+    if C * s.moe.top_k == S:  # no sentinel slot: the rows are gathered directly
+        idx = tl.alloc("fwd.combine.idx64", S * 8)
+        rows = tl.alloc("fwd.combine.rows_TKD", S * D * s.dt)
+        tl.free(idx)
+    else:
+        rows = slot_rows(tl, s, C, "fwd.combine")
     ge = tl.alloc("fwd.combine.ge", C * s.moe.top_k)
     w = tl.alloc("fwd.combine.w_TK", C * s.moe.top_k * s.dt)
     tl.free(ge)
@@ -268,13 +273,14 @@ def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
     tl.free(idx)
     grad_a = tl.alloc("bwd.dA", B * N * dt)
+    gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated else []  # kept for dH
     a = activation_forward(tl, s, B, "bwd")
     dots = [tl.alloc("bwd.row_dots", B * dt)] if need_weights else []
     if "w_down" not in buffers:
         buffers["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
     tl.free(a, grad_out)
-    grad_h = activation_backward(tl, s, B)
-    tl.free(grad_a)
+    grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
+    tl.free(grad_a, *gate)
     idx = tl.alloc("bwd.eti64", B * 8)
     xg = tl.alloc("bwd.x_BD", B * D * dt)
     tl.free(idx)
@@ -285,15 +291,18 @@ def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str
     tl.free(w_b, offs, *dots, grad_h, dx_rows)
 
 
-def activation_backward(tl: Timeline, s: Shape, S: int) -> str:
-    """ops.activations.activation_backward: dH (S, G) from H and dA."""
+def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
+    """ops.activations.activation_backward: dH (S, G) from H and dA.
+
+    Gated: f(gate) (unless ``gate_kept``) is a transient; both halves of dH, dA ⊙ up included,
+    are written in place.
+    """
     N, G = s.moe.intermediate_size, s.moe.up_width
     if not s.moe.gated:
         return tl.alloc("bwd.dH", S * N * s.dt)
     grad_h = tl.alloc("bwd.dH", S * G * s.dt)
-    tl.free(tl.alloc("bwd.act_gate", S * N * s.dt))
-    prod = tl.alloc("bwd.dA_times_up", S * N * s.dt)
-    tl.free(tl.alloc("bwd.act_grad", S * N * s.dt), prod)
+    if not gate_kept:
+        tl.free(tl.alloc("bwd.act_gate", S * N * s.dt))
     return grad_h
 
 

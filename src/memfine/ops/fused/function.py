@@ -14,10 +14,15 @@ from typing import Any
 
 import torch
 
-from memfine.ops.activations import Activation, activation_backward, apply_activation
+from memfine.ops.activations import (
+    Activation,
+    activation_and_gate,
+    activation_backward,
+    apply_activation,
+)
 from memfine.ops.combine import combine_rows, gather_rows, scatter_slots
 from memfine.ops.fused.up_projection import up_input_grad, up_project
-from memfine.ops.fused.weight_grads import WeightGradBuffers, accumulate_grouped_weight_grad_
+from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
 
 # Activations the Triton up-projection kernel computes in its epilogue.
@@ -136,8 +141,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
     is returned for those inputs. Otherwise the Function owns its buffers and returns them.
 
-    Backward transients: per block of B rows, dO rows (B·d), dA (B·n), A (B·n), dH (B·G),
-    gathered x (B·d), dx rows (B·d), the activation's temporaries (B·n each) and, with a down
+    Backward transients: per block of B rows, dO rows (B·d), dA (B·n), A (B·n), f(gate) (B·n,
+    gated activations: recomputed once for A and reused for dH), dH (B·G), gathered x (B·d),
+    dx rows (B·d), the activation's temporaries (B·n each) and, with a down
     bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
     gradient buffers (E·d·G + E·n·d, the only weight-gradient-sized allocations). No (S, ·)
     array and no (T, k, d) gather exists in backward when B < S. The offsets are read to the
@@ -274,8 +280,9 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     w_B1 = st.weights_TK.reshape(-1).index_select(0, st.slot_S[r0:r1].long())[:, None]
     grad_out_BD = gather_rows(st.grad_out_TD, token_B)  # NOTE(memory): transient B·d
     grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
-    # NOTE(memory): A recomputed from H for this block only (transient B·n)
-    a_BN = apply_activation(h_BG, st.act) if st.need_w or st.need_down else None
+    # NOTE(memory): A and f(gate) recomputed from H for this block only (transients B·n each)
+    a_BN, gate_BN = (activation_and_gate(h_BG, st.act) if st.need_w or st.need_down
+                     else (None, None))
     if st.dots_S is not None:  # ⟨dO·w_downᵀ, A⟩ (+ ⟨dO, b_down⟩) (MoEBlaze §5): no Y needed
         assert a_BN is not None, "A is recomputed when the weights need a gradient"
         dots_B = _row_dots(grad_a_BN, a_BN)
@@ -286,13 +293,13 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     if st.need_down or st.need_b_down:
         grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
         if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
-            accumulate_grouped_weight_grad_(st.grads.buffer(1, st.w_down_END), a_BN,
-                                            grad_out_BD, st.bounds, r0, offs_E1, st.backend)
+            st.grads.accumulate_(1, st.w_down_END, a_BN, grad_out_BD, st.bounds, r0, offs_E1,
+                                 st.backend)
         if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
             st.grad_b_down += grouped_row_sums(grad_out_BD, offs_E1, E)
     del a_BN, grad_out_BD
-    grad_h_BG = activation_backward(h_BG, grad_a_BN.mul_(w_B1), st.act)  # transient B·G
-    del grad_a_BN
+    grad_h_BG = activation_backward(h_BG, grad_a_BN.mul_(w_B1), st.act, gate_BN)  # B·G
+    del grad_a_BN, gate_BN
     if st.grad_b_up is not None:
         st.grad_b_up += grouped_row_sums(grad_h_BG, offs_E1, E)
     if any(st.need_up):  # dW_up[e] += x_eᵀ · dH_e (per part: its columns of dH), in place
@@ -301,9 +308,8 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
         for slot, part, needed in zip((0, 2), st.parts, st.need_up, strict=False):
             width = part.shape[2]
             if needed:
-                accumulate_grouped_weight_grad_(st.grads.buffer(slot, part), x_BD,
-                                                grad_h_BG[:, col:col + width], st.bounds, r0,
-                                                offs_E1, st.backend)
+                st.grads.accumulate_(slot, part, x_BD, grad_h_BG[:, col:col + width],
+                                     st.bounds, r0, offs_E1, st.backend)
             col += width
         del x_BD
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t

@@ -28,36 +28,70 @@ from memfine.ops.grouped import grouped_weight_grad
 
 
 class WeightGradBuffers:
-    """One gradient buffer per expert weight, created zero-filled on first use and filled in place.
+    """One gradient buffer per expert weight, filled in place block by block.
 
-    Memory: one buffer per weight, in the weight's own memory layout (``zeros_like``); nothing
-    else. A buffer that is never touched (no rows) is created at hand-over, zero-filled, so
-    unused experts get zeros, not ``None``.
+    A buffer is allocated uninitialised on first use; the first product written into an expert's
+    slice overwrites it (``addmm_`` with beta = 0), later ones add to it, and the experts never
+    written are zeroed when the buffer is handed over. So no pass zero-fills E·I·O elements that
+    the first product overwrites anyway, and unused experts still get zeros, not ``None``.
+
+    Memory: one buffer per weight, in the weight's own memory layout (``empty_like``); nothing
+    else. A buffer that is never touched (no rows) is created at hand-over, zero-filled.
     """
 
     def __init__(self) -> None:
         """Create an empty set of buffers."""
         self._grads: dict[int, torch.Tensor] = {}
+        self._unwritten: dict[int, list[bool]] = {}  # per slot: experts not written yet
 
-    def buffer(self, slot: int, like: torch.Tensor) -> torch.Tensor:
-        """The buffer of weight ``slot`` (0: w_up, 1: w_down, ...), created like ``like``."""
+    def _get(self, slot: int, like: torch.Tensor) -> torch.Tensor:
         grad = self._grads.get(slot)
         if grad is None:
             # NOTE(memory): the only weight-gradient-sized allocation per weight and layer call.
-            grad = self._grads[slot] = torch.zeros_like(like)
+            grad = self._grads[slot] = torch.empty_like(like)
+            self._unwritten[slot] = [True] * like.shape[0]
         return grad
 
+    def buffer(self, slot: int, like: torch.Tensor) -> torch.Tensor:
+        """The buffer of weight ``slot`` (0: w_up, 1: w_down, ...), created like ``like``.
+
+        Every expert not written yet is zeroed, so the result can be added into.
+        """
+        grad = self._get(slot, like)
+        unwritten = self._unwritten[slot]
+        for e, fresh in enumerate(unwritten):
+            if fresh:
+                grad[e].zero_()
+                unwritten[e] = False
+        return grad
+
+    def accumulate_(self, slot: int, like: torch.Tensor, x_SI: torch.Tensor,
+                    grad_y_SO: torch.Tensor, bounds: list[int] | None, row0: int,
+                    block_offsets_E1: torch.Tensor | None = None, backend: str = "auto") -> None:
+        """Add a row block's per-expert products into the buffer of ``slot``.
+
+        As :func:`accumulate_grouped_weight_grad_`; the first product of an expert overwrites
+        its uninitialised slice.
+        """
+        if bounds is None:
+            accumulate_grouped_weight_grad_(self.buffer(slot, like), x_SI, grad_y_SO, None, row0,
+                                            block_offsets_E1, backend)
+            return
+        accumulate_grouped_weight_grad_(self._get(slot, like), x_SI, grad_y_SO, bounds, row0,
+                                        unwritten=self._unwritten[slot])
+
     def take(self, slot: int, like: torch.Tensor) -> torch.Tensor:
-        """Hand over the buffer of ``slot`` (zeros if never written) and forget it."""
+        """Hand over the buffer of ``slot`` (zeros where never written) and forget it."""
         grad = self.buffer(slot, like)
-        del self._grads[slot]
+        del self._grads[slot], self._unwritten[slot]
         return grad
 
 
 def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor,
                                     grad_y_SO: torch.Tensor, bounds: list[int] | None, row0: int,
                                     block_offsets_E1: torch.Tensor | None = None,
-                                    backend: str = "auto") -> None:
+                                    backend: str = "auto", *,
+                                    unwritten: list[bool] | None = None) -> None:
     """grad_w[e] += X[rows of e]ᵀ · dY[rows of e] for the experts present in a row block.
 
     Args:
@@ -71,6 +105,9 @@ def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor
         row0: first grouped row of the block.
         block_offsets_E1: (E + 1,) int32 offsets of the block's rows (used when ``bounds`` is None).
         backend: grouped GEMM backend for that case.
+        unwritten: optional per-expert flags, True where ``grad_w[e]`` holds no value yet: the
+            product then overwrites it (beta = 0, its old contents never read) and the flag is
+            cleared. None: every expert is added into.
 
     Memory: none (``addmm_`` writes into the buffer; BLAS reads transposed operands in place).
     """
@@ -83,7 +120,11 @@ def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor
     for e in range(len(bounds) - 1):
         lo, hi = max(bounds[e], row0), min(bounds[e + 1], row1)
         if hi > lo:
-            grad_w_EIO[e].addmm_(x_SI[lo - row0:hi - row0].t(), grad_y_SO[lo - row0:hi - row0])
+            beta = 1
+            if unwritten is not None and unwritten[e]:
+                beta, unwritten[e] = 0, False
+            grad_w_EIO[e].addmm_(x_SI[lo - row0:hi - row0].t(), grad_y_SO[lo - row0:hi - row0],
+                                 beta=beta)
 
 
 class SharedWeightGradsFunction(torch.autograd.Function):
