@@ -16,100 +16,10 @@ Reference: our derivation from the code (docs/design.md §5: peak = saved + larg
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from memfine.config import MoEConfig, backward_block_rows
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
-
-
-@dataclass(frozen=True, slots=True)
-class Shape:
-    """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``)."""
-
-    moe: MoEConfig
-    T: int
-    dt: int
-
-    @property
-    def r(self) -> int:
-        """Router bytes per element: fp32, or float64 for float64 activations."""
-        return 8 if self.dt == 8 else 4
-
-    @property
-    def cast(self) -> bool:
-        """True when the router works on a copy of x in another dtype."""
-        return self.dt != self.r
-
-
-@dataclass(slots=True)
-class Timeline:
-    """Running and peak live bytes over named allocations."""
-
-    record: bool = True
-    current: int = 0
-    peak: int = 0
-    live: dict[str, int] = field(default_factory=dict)
-    peak_live: dict[str, int] = field(default_factory=dict)
-    trace: list[int] = field(default_factory=list)
-    marks: dict[str, int] = field(default_factory=dict)
-    phase_peaks: dict[str, int] = field(default_factory=dict)
-    _phase_peak: int = 0
-
-    def alloc(self, name: str, nbytes: int) -> str:
-        """Allocate ``nbytes`` under ``name`` (made unique); returns the name used."""
-        key, i = name, 1
-        while key in self.live:
-            i += 1
-            key = f"{name}#{i}"
-        self.live[key] = nbytes
-        self.current += nbytes
-        if self.record:
-            self.trace.append(self.current)
-        self._phase_peak = max(self._phase_peak, self.current)
-        if self.current > self.peak:
-            self.peak = self.current
-            if self.record:
-                self.peak_live = dict(self.live)
-        return key
-
-    def free(self, *names: str) -> None:
-        """Free the named allocations."""
-        for name in names:
-            self.current -= self.live.pop(name)
-        if self.record:
-            self.trace.append(self.current)
-
-    def mark(self, name: str) -> None:
-        """Record the live bytes now and close the current phase (its peak kept under name)."""
-        self.marks[name] = self.current
-        self.phase_peaks[name] = self._phase_peak
-        self._phase_peak = self.current
-
-
-class WeightGrads:
-    """The autograd engine's input buffers of w_up / w_down while chunks' gradients arrive.
-
-    The first gradient is kept as is; each later one is summed out of place into a new buffer,
-    the old buffer freed, and the incoming gradients freed once the node's outputs are handled.
-    """
-
-    def __init__(self, tl: Timeline) -> None:
-        """Start with no buffer on ``tl``."""
-        self.tl = tl
-        self.buffer: dict[str, str] = {}
-
-    def add(self, grads: dict[str, str], *names: str) -> None:
-        """Accumulate the gradients ``grads[name]`` for ``names``, in order."""
-        incoming = []
-        for name in names:
-            if name in self.buffer:
-                total = self.tl.alloc(f"grad.{name}_sum", self.tl.live[grads[name]])
-                self.tl.free(self.buffer[name])
-                self.buffer[name] = total
-                incoming.append(grads[name])
-            else:
-                self.buffer[name] = grads[name]
-        self.tl.free(*incoming)
+from memfine.memory.timeline.base import Shape, Timeline, WeightGrads
 
 
 def _use_sort_free(moe: MoEConfig, tokens: int) -> bool:
