@@ -1,0 +1,46 @@
+"""Measured step peaks in the training logs: which measurement, and that compiled steps compile."""
+
+from __future__ import annotations
+
+import torch
+import torch._dynamo
+
+from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
+from memfine.runs.memory_log import measured_peak
+
+CPU = torch.device("cpu")
+
+
+def _step(module: torch.nn.Module, x: torch.Tensor) -> None:
+    module(x).square().sum().backward()
+
+
+def test_disabled_measures_nothing() -> None:
+    with measured_peak(CPU, False) as got:
+        assert got is None
+
+
+def test_eager_step_uses_the_tracker_and_sees_the_output() -> None:
+    layer, x = torch.nn.Linear(64, 64), torch.randn(32, 64)
+    with measured_peak(CPU, True) as got:
+        _step(layer, x)
+    assert isinstance(got, PeakMemoryTracker)
+    assert got.peak_bytes >= 32 * 64 * 4  # the (32, 64) fp32 output was alive
+
+
+def test_compiled_step_is_measured_by_the_profiler_and_still_compiles() -> None:
+    # Under the tracker (a TorchDispatchMode) Dynamo captures no graph; under the profiler it does.
+    layer, x = torch.nn.Linear(64, 64), torch.randn(32, 64)
+    graphs = {}
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        fn = torch.compile(layer, backend="aot_eager")
+        with measured_peak(CPU, True, compiled=compiled) as got:
+            _step(fn, x)
+        graphs[compiled] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        if compiled:
+            assert isinstance(got, ProfiledPeakMemory)
+            assert got.peak_bytes >= 32 * 64 * 4
+    torch._dynamo.reset()
+    assert graphs == {False: 0, True: 1}
