@@ -34,6 +34,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 _UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
           "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNIT_NAMES = "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (any case)"
 
 
 def parse_bytes(text: str | int, *, require_unit: bool = False) -> int:
@@ -58,8 +59,9 @@ def parse_bytes(text: str | int, *, require_unit: bool = False) -> int:
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
-            raise ValueError(f"byte size must look like '512MiB', '2GiB' or an integer number of "
-                             f"bytes (units {sorted(k for k in _UNITS if k)}), got {text!r}")
+            bare = "" if require_unit else " or an integer number of bytes"
+            raise ValueError(f"byte size must look like '512MiB' or '2GiB'{bare} (units "
+                             f"{_UNIT_NAMES}), got {text!r}")
         if require_unit and not m.group(2):
             raise ValueError(f"byte size needs a unit, e.g. {m.group(1)}MiB, {m.group(1)}GiB "
                              f"or {m.group(1)}GB, got {text!r}")

@@ -72,6 +72,7 @@ def test_generate_is_seeded_and_continues_the_prompt(
     pytest.param(["--temperature", "0"], "--temperature must be > 0, got 0.0", id="temperature"),
     pytest.param(["--max-new-bytes", "-1"], "--max-new-bytes must be >= 0, got -1", id="bytes"),
     pytest.param(["--prompt", ""], "--prompt must hold at least one character", id="empty"),
+    pytest.param(["--threads", "0"], "--threads must be >= 1, got 0", id="threads"),
 ])
 def test_generate_bad_values(run_dir: Path, capsys: pytest.CaptureFixture[str],
                              args: list[str], message: str) -> None:
@@ -144,3 +145,17 @@ def test_init_from_takes_the_model_of_the_checkpoint(run_dir: Path, tmp_path: Pa
         main(["train", "--resume", "--init-from", str(run_dir), "--out", str(run_dir)])
     assert info.value.code == 2
     assert "--init-from does not apply with --resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["eval"], ["generate", "--prompt", "x", "--max-new-bytes",
+                                                 "2"]])
+def test_checkpoint_commands_run_on_the_threads_asked_for(run_dir: Path, command: list[str]
+                                                          ) -> None:
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert main([*command, "--out", str(run_dir), "--threads", "1"]) == 0
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+

@@ -88,3 +88,13 @@ def test_choose_num_chunks_non_positive_s_max_needs_no_c(s_max: int) -> None:
 def test_choose_num_chunks_rejects_negative_rows() -> None:
     with pytest.raises(ValueError, match="recv_rows must be >= 0, got -1"):
         choose_num_chunks(-1, 10, (1, 2))
+
+
+def test_parse_bytes_unit_error_offers_bare_bytes_only_when_allowed() -> None:
+    with pytest.raises(ValueError, match="or an integer number of bytes") as loose:
+        parse_bytes("16XB")
+    with pytest.raises(ValueError, match="byte size must look like") as strict:
+        parse_bytes("16XB", require_unit=True)
+    assert "integer number of bytes" not in str(strict.value)
+    assert "MiB, GiB" in str(loose.value) and "MiB, GiB" in str(strict.value)
+

@@ -50,6 +50,19 @@ def test_out_that_is_a_file(tmp_path: Path) -> None:
         check_run_dir(tmp_path / "f", data="pydoc", resume=False, overwrite=False)
 
 
+def test_out_under_a_file(tmp_path: Path) -> None:
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match=r"--out .*f/sub/run' lies under .*f', which is a file"):
+        check_run_dir(tmp_path / "f" / "sub" / "run", data="pydoc", resume=False,
+                      overwrite=False)
+    assert (tmp_path / "f").read_text() == "x"
+
+
+def test_resume_and_overwrite_exclude_each_other(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="--resume and --overwrite exclude each other"):
+        check_run_dir(tmp_path, data="pydoc", resume=True, overwrite=True)
+
+
 def test_lock_names_the_live_pid_and_is_removed(tmp_path: Path) -> None:
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

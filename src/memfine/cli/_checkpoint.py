@@ -9,7 +9,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.cli._flags import Flag, NotGiven, check_device, value
+import torch
+
+from memfine.cli._flags import Flag, NotGiven, check_device, checked_threads, value
 from memfine.runs.inference import Trained, load_trained
 
 OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
@@ -47,4 +49,6 @@ def load_run(args: argparse.Namespace) -> Trained:
             corrupt.
     """
     out = run_directory(args)
+    if "threads" in args:
+        torch.set_num_threads(checked_threads(args))  # a CLI process: its own thread count
     return load_trained(out, device=check_device(value(args, "device")))

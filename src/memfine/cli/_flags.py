@@ -259,3 +259,21 @@ def _convert(flag: Flag, text: str, where: str) -> Any:
     if flag.choices is not None and out not in flag.choices:
         raise ValueError(f"{where} must be one of {list(flag.choices)}, got {out!r}")
     return out
+
+
+THREADS_FLAG = Flag("--threads", (), "CPU threads for torch; the small models here gain little "
+                    "from more, and on a CPU shared with other jobs more threads can be many "
+                    "times slower", default=NotGiven(1))
+"""``--threads`` of ``memfine train``, ``generate`` and ``eval`` (default 1)."""
+
+
+def checked_threads(args: argparse.Namespace) -> int:
+    """The ``--threads`` value.
+
+    Raises:
+        ValueError: naming the flag when it is below 1.
+    """
+    threads = int(value(args, "threads"))
+    if threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {threads}")
+    return threads

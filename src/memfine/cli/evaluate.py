@@ -6,7 +6,7 @@ import argparse
 import json
 
 from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
-from memfine.cli._flags import Flag, NotGiven, add_flags, value
+from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, value
 from memfine.runs.inference import evaluate_text
 
 _FLAGS = (
@@ -15,6 +15,7 @@ _FLAGS = (
          "val_fraction is evaluated, as in training", str,
          default=NotGiven(text="the run's own data")),
     DEVICE_FLAG,
+    THREADS_FLAG,
     Flag("--json", (), "print one JSON object", action="store_true", default=NotGiven(False)),
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
-from memfine.cli._flags import Flag, NotGiven, add_flags, value
+from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, value
 from memfine.runs.inference import generate_text
 
 _FLAGS = (
@@ -15,6 +15,7 @@ _FLAGS = (
     Flag("--temperature", (), "sampling temperature, > 0", float, default=NotGiven(0.8)),
     Flag("--seed", (), "seed of the sampling", default=NotGiven(0)),
     DEVICE_FLAG,
+    THREADS_FLAG,
 )
 
 

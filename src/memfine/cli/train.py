@@ -16,12 +16,14 @@ from typing import Any, get_args
 
 from memfine import config
 from memfine.cli._flags import (
+    THREADS_FLAG,
     Flag,
     NotGiven,
     add_flags,
     apply_config_file,
     byte_size,
     check_device,
+    checked_threads,
     comma_ints,
     given,
     name_flag,
@@ -177,9 +179,7 @@ _RUN_FLAGS = (
          action="store_true", default=NotGiven(False)),
     Flag("--no-progress", (), "hide the progress bar", action="store_true",
          default=NotGiven(False)),
-    Flag("--threads", (), "CPU threads for torch during the run; the presets' small matrices "
-         "gain little from more, and on a CPU shared with other jobs more threads can be many "
-         "times slower", default=NotGiven(1)),
+    THREADS_FLAG,
     Flag("--ep", (), "size of the mesh dim 'ep': experts sharded E/ep over it; launch with "
          "torchrun --nproc_per_node W, W = dp-shard x ep", default=NotGiven(1)),
     Flag("--dp-shard", (), "size of the mesh dim 'dp_shard' (FSDP2 shards the experts over it; "
@@ -287,9 +287,7 @@ def run(args: argparse.Namespace) -> int:
     config, out = resolve_config(args)
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
     check_device(config.device)  # the flags first, then the directory
-    threads = value(args, "threads")
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
+    threads = checked_threads(args)
     check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     parallel = _parallel(args, config)
     finished = False

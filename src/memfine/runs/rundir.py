@@ -35,12 +35,20 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
         overwrite: the user asked to replace an earlier run's files.
 
     Raises:
-        ValueError: when ``out_dir`` is a file, equals or lies inside the data directory (when
+        ValueError: when ``resume`` and ``overwrite`` are both set, when ``out_dir`` is a file or
+            lies under a file, equals or lies inside the data directory (when
             ``data`` is a directory), or
             holds run files and neither ``resume`` nor ``overwrite`` is set.
     """
+    if resume and overwrite:
+        raise ValueError("--resume and --overwrite exclude each other: --resume continues the "
+                         "run in --out, --overwrite replaces it")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {str(out_dir)!r} is a file; give a directory")
+    blocked = next((p for p in out_dir.expanduser().absolute().parents if p.is_file()), None)
+    if blocked is not None:
+        raise ValueError(f"--out {str(out_dir)!r} lies under {str(blocked)!r}, which is a file; "
+                         f"give a directory")
     data_dir = Path(data).expanduser().resolve() if data not in BUILTIN_CORPORA else None
     if data_dir is not None and data_dir.is_dir():
         out = out_dir.expanduser().resolve()
