@@ -278,3 +278,16 @@ def test_earlier_results_are_kept_without_overwrite(tmp_path: Path,
     assert "already holds results (bench_experts.csv); pass --overwrite" in (
         capsys.readouterr().err)
     assert (tmp_path / "bench_experts.csv").read_text() == "earlier results\n"
+
+
+@pytest.mark.parametrize("sub", ["", "sub"])
+def test_out_that_is_or_lies_under_a_file(tmp_path: Path, sub: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--quick", "--out", str(blocker / sub if sub else blocker)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and "is a file; give a directory" in err
+    assert blocker.read_text() == "x"
+

@@ -147,7 +147,11 @@ def run(args: argparse.Namespace) -> int:
     """
     device = _device(value(args, "device"))
     opts = options_from_args(args, device)
-    earlier = sorted(p.name for p in Path(opts.out).glob("bench_*"))
+    out = Path(opts.out)
+    blocked = next((p for p in (out, *out.absolute().parents) if p.is_file()), None)
+    if blocked is not None:
+        raise ValueError(f"--out {opts.out!r}: {str(blocked)!r} is a file; give a directory")
+    earlier = sorted(p.name for p in out.glob("bench_*"))
     if earlier and not value(args, "overwrite"):
         raise ValueError(f"--out {opts.out!r} already holds results ({', '.join(earlier[:4])}"
                          f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
