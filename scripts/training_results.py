@@ -18,8 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
+from memfine.artifacts.metrics import read_metrics
 from memfine.bench.results import collect_environment
-from memfine.runs.metrics import read_metrics
 
 
 def collect(run_dir: Path) -> dict[str, object]:

@@ -45,14 +45,14 @@ ALLOWED: dict[str, set[str]] = {
     "integrations": {"nn", "ops", "dispatch", "schedule", "memory", "_optional"} | BASE,
     # a run's directory, checkpoints, metrics and what is done with a checkpoint afterwards;
     # tqdm/matplotlib/tensorboard/safetensors are optional extras, loaded through _optional.
-    "runs": {"nn", "data", "memory", "measure", "_optional"} | BASE,
-    "train": {"nn", "data", "runs", "schedule", "memory", "measure", "_optional"} | BASE,
+    "artifacts": {"nn", "data", "memory", "measure", "_optional"} | BASE,
+    "train": {"nn", "data", "artifacts", "schedule", "memory", "measure", "_optional"} | BASE,
     # the benchmark system measures every layer of the package (never against the reference)
-    "bench": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "runs"},
+    "bench": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "artifacts"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.
-    "__init__": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "runs"},
+    "__init__": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "artifacts"},
 }
 OPTIONAL_PACKAGES = ("triton", "transformers", "torchtitan")
 # Modules that subclass an optional package's classes import it at module level; they are

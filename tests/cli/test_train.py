@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfine.artifacts.metrics import read_metrics
 from memfine.cli.main import build_parser, main
-from memfine.runs.metrics import read_metrics
 from memfine.train import load_checkpoint
 from tolerances import LOSS_ATOL, assert_close
 

@@ -21,9 +21,9 @@ import pytest
 import torch
 from ep_harness import free_port
 
+from memfine.artifacts.checkpoint import find_checkpoint, load_states, read_checkpoint
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
-from memfine.runs.checkpoint import find_checkpoint, load_states, read_checkpoint
 from memfine.train.optim import build_optimizer
 from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
+from memfine.artifacts.inference import Trained, load_trained
 from memfine.cli._flags import Flag, NotGiven, check_device, checked_threads, value
-from memfine.runs.inference import Trained, load_trained
 
 OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
                 default=NotGiven(text="required"))

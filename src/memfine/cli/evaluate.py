@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from memfine.artifacts.inference import evaluate_text
 from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
 from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, value
-from memfine.runs.inference import evaluate_text
 
 _FLAGS = (
     OUT_FLAG,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from memfine.artifacts.inference import export_safetensors, load_trained
 from memfine.cli._checkpoint import OUT_FLAG, run_directory
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
-from memfine.runs.inference import export_safetensors, load_trained
 
 _FLAGS = (
     OUT_FLAG,

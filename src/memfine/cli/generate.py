@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
+from memfine.artifacts.inference import generate_text
 from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
 from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, value
-from memfine.runs.inference import generate_text
 
 _FLAGS = (
     OUT_FLAG,

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from memfine import config
+from memfine.artifacts.checkpoint import find_checkpoint, read_checkpoint
+from memfine.artifacts.rundir import check_run_dir
 from memfine.cli._flags import (
     THREADS_FLAG,
     Flag,
@@ -30,8 +32,6 @@ from memfine.cli._flags import (
     value,
 )
 from memfine.config import TrainConfig
-from memfine.runs.checkpoint import find_checkpoint, read_checkpoint
-from memfine.runs.rundir import check_run_dir
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
 from memfine.train.setup import RESUMABLE_FIELDS
 

@@ -5,11 +5,11 @@ optimizer), ``loop`` (:func:`train`: the run directory, the loop, finish), ``ste
 step), ``events`` (validate, checkpoint, metrics line, progress), ``parallel`` (the
 ``ParallelTraining`` protocol), ``execution`` (autocast, one forward), ``stop`` (SIGINT and
 SIGTERM), ``optim`` (AdamW, LR schedule), ``presets`` (``tiny``, ``small``). The data lives in
-:mod:`memfine.data`; the run directory, checkpoints and metrics in :mod:`memfine.runs`.
+:mod:`memfine.data`; the run directory, checkpoints and metrics in :mod:`memfine.artifacts`.
 """
 
+from memfine.artifacts.checkpoint import load_checkpoint, save_checkpoint
 from memfine.data import ByteCorpus, decode, encode, load_corpus, unigram_entropy
-from memfine.runs.checkpoint import load_checkpoint, save_checkpoint
 from memfine.train.loop import TrainResult, train
 from memfine.train.presets import DEFAULT_PRESET, PRESETS, preset
 

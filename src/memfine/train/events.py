@@ -3,7 +3,7 @@
 Legend: L MoE layers, E experts.
 
 Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`write_metrics`) with the step's
-measured peak bytes and the memory model's prediction (:mod:`memfine.runs.memory_log`); every
+measured peak bytes and the memory model's prediction (:mod:`memfine.artifacts.memory_log`); every
 ``eval_every`` steps (and at the end) validation on fixed windows (:func:`validate`); a
 checkpoint at each evaluation, or every ``save_every`` steps when set (:func:`save`).
 """
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from memfine.runs.checkpoint import save_checkpoint, save_sharded_checkpoint
-from memfine.runs.evaluation import evaluate
-from memfine.runs.metrics import format_expert_load, load_max_over_mean, nats_to_bits
+from memfine.artifacts.checkpoint import save_checkpoint, save_sharded_checkpoint
+from memfine.artifacts.evaluation import evaluate
+from memfine.artifacts.metrics import format_expert_load, load_max_over_mean, nats_to_bits
 from memfine.train.setup import RunState
 from memfine.train.step import StepRecord
 

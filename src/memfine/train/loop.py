@@ -2,12 +2,12 @@
 
 :func:`train` checks the outputs and the run directory, takes its lock and runs the loop; a run
 that fails before its first checkpoint removes what it wrote
-(:func:`memfine.runs.rundir.removed_on_failure`). The loop (:func:`_loop`) runs one step at a
+(:func:`memfine.artifacts.rundir.removed_on_failure`). The loop (:func:`_loop`) runs one step at a
 time (:func:`memfine.train.step.run_step`) and, between steps, validates, saves, logs and shows
 progress (:mod:`memfine.train.events`). The first SIGINT (Ctrl-C) or SIGTERM finishes the
 current step, saves a checkpoint and returns; a second one aborts (:mod:`memfine.train.stop`).
 Set-up (resume rules, data, model, optimizer) is in :mod:`memfine.train.setup`; the run
-directory's rules in :mod:`memfine.runs.rundir`.
+directory's rules in :mod:`memfine.artifacts.rundir`.
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import torch
 
+from memfine.artifacts.evaluation import evaluate, sample_after_validation_prompt
+from memfine.artifacts.metrics import plot_run, report_final
+from memfine.artifacts.outputs import Outputs
+from memfine.artifacts.rundir import check_run_dir, removed_on_failure, run_lock
 from memfine.config import TrainConfig
-from memfine.runs.evaluation import evaluate, sample_after_validation_prompt
-from memfine.runs.metrics import plot_run, report_final
-from memfine.runs.outputs import Outputs
-from memfine.runs.rundir import check_run_dir, removed_on_failure, run_lock
 from memfine.train import events
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run
@@ -76,7 +76,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         config: the run; ``lr_decay_steps=None`` is resolved to ``max_steps`` first.
         out_dir: run directory for ``config.json``, ``metrics.jsonl``, ``checkpoint.pt``,
             ``summary.json`` and ``sample.txt`` (created if missing; see
-            :func:`memfine.runs.rundir.check_run_dir` for what it refuses).
+            :func:`memfine.artifacts.rundir.check_run_dir` for what it refuses).
         resume: continue from ``out_dir/checkpoint.pt``; ``config`` must equal the saved one
             except for :data:`memfine.train.setup.RESUMABLE_FIELDS`.
         overwrite: replace the files of an earlier run in ``out_dir``.

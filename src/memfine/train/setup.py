@@ -21,10 +21,7 @@ from typing import Any
 
 import torch
 
-from memfine.config import TrainConfig
-from memfine.data import ByteCorpus, unigram_entropy, val_batches
-from memfine.nn import MoETransformerLM
-from memfine.runs.checkpoint import (
+from memfine.artifacts.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
     find_checkpoint,
@@ -33,9 +30,12 @@ from memfine.runs.checkpoint import (
     read_checkpoint,
     set_rng_state,
 )
-from memfine.runs.memory_log import check_fits
-from memfine.runs.metrics import MetricsLog
-from memfine.runs.outputs import Outputs
+from memfine.artifacts.memory_log import check_fits
+from memfine.artifacts.metrics import MetricsLog
+from memfine.artifacts.outputs import Outputs
+from memfine.config import TrainConfig
+from memfine.data import ByteCorpus, unigram_entropy, val_batches
+from memfine.nn import MoETransformerLM
 from memfine.train.execution import step_forward
 from memfine.train.optim import build_optimizer
 from memfine.train.parallel import ParallelTraining
@@ -197,7 +197,7 @@ def resolve_config(config: TrainConfig, out_dir: Path, *, resume: bool
 
     Returns:
         The config to run and the payload of the newest checkpoint in ``out_dir``
-        (:func:`memfine.runs.checkpoint.read_checkpoint`; None without ``resume``).
+        (:func:`memfine.artifacts.checkpoint.read_checkpoint`; None without ``resume``).
 
     Raises:
         ValueError: when the checkpoint is missing or corrupt, or ``config`` differs from the
@@ -283,7 +283,7 @@ def restore(payload: dict[str, Any], model: torch.nn.Module,
     """Load a checkpoint payload into model, optimizer, scheduler and the RNGs.
 
     Either form (one file, or a DCP directory written at any mesh layout) loads into a whole or
-    a sharded model (:func:`memfine.runs.checkpoint.load_states`).
+    a sharded model (:func:`memfine.artifacts.checkpoint.load_states`).
 
     Returns:
         The checkpoint's completed steps.

@@ -8,7 +8,7 @@ loss = cross-entropy + ``aux_loss_coef``Â·load-balancing loss + ``z_loss_coef``Â
 AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts; it
 returns a :class:`StepRecord`. On the steps that write a ``metrics.jsonl`` line
 (:func:`logs_at`) forward + backward run under the peak tracker
-(:func:`memfine.runs.memory_log.measured_peak`).
+(:func:`memfine.artifacts.memory_log.measured_peak`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
+from memfine.artifacts.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.config import TrainConfig
 from memfine.data import train_batch
-from memfine.runs.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.train.accumulation import micro_batch, routing_prepass
 from memfine.train.setup import RunState
 

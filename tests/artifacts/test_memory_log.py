@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 import torch._dynamo
 
+from memfine.artifacts.memory_log import measured_peak
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
-from memfine.runs.memory_log import measured_peak
 
 CPU = torch.device("cpu")
 

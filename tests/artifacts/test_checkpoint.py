@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes and clear errors on bad files (memfine.runs.checkpoint)."""
+"""Checkpoints: atomic writes and clear errors on bad files (memfine.artifacts.checkpoint)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfine.artifacts import checkpoint as ckpt
 from memfine.config import TrainConfig
-from memfine.runs import checkpoint as ckpt
 from memfine.train.optim import build_optimizer
 
 

@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from memfine._optional import is_available, require
+from memfine.artifacts.metrics import METRICS_NAME, MetricsLog
 from memfine.config import TrainConfig
-from memfine.runs.metrics import METRICS_NAME, MetricsLog
 
 
 @dataclass(frozen=True, slots=True)

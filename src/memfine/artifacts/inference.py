@@ -21,10 +21,7 @@ from pathlib import Path
 import torch
 
 from memfine._optional import require
-from memfine.config import ModelConfig, TrainConfig
-from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
-from memfine.nn import MoETransformerLM
-from memfine.runs.checkpoint import (
+from memfine.artifacts.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
     file_mode,
@@ -32,8 +29,11 @@ from memfine.runs.checkpoint import (
     load_model_state,
     read_checkpoint,
 )
-from memfine.runs.evaluation import evaluate
-from memfine.runs.metrics import nats_to_bits
+from memfine.artifacts.evaluation import evaluate
+from memfine.artifacts.metrics import nats_to_bits
+from memfine.config import ModelConfig, TrainConfig
+from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
+from memfine.nn import MoETransformerLM
 
 EXPORT_FORMAT = "memfine-model-v1"
 
@@ -57,7 +57,7 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     """Rebuild the model of ``run_dir``'s checkpoint on ``device``.
 
     ``checkpoint.pt``, or the newest checkpoint when a sharded ``checkpoint.dcp/`` (a torchrun
-    run) is there too (:func:`memfine.runs.checkpoint.find_checkpoint`).
+    run) is there too (:func:`memfine.artifacts.checkpoint.find_checkpoint`).
 
     Raises:
         ValueError: naming the path when the checkpoint is missing, corrupt, or does not fit

@@ -17,8 +17,8 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from memfine.artifacts.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
 from memfine.data import BUILTIN_CORPORA
-from memfine.runs.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
 
 RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
              "sample.txt", "loss.png", "chunks.png", "tensorboard")

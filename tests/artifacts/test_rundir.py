@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from memfine.runs.checkpoint import CHECKPOINT_NAME
-from memfine.runs.rundir import (
+from memfine.artifacts.checkpoint import CHECKPOINT_NAME
+from memfine.artifacts.rundir import (
     LOCK_NAME,
     RUN_FILES,
     check_run_dir,

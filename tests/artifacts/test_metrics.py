@@ -1,4 +1,4 @@
-"""Metrics lines, expert-load statistics and plots (memfine.runs.metrics)."""
+"""Metrics lines, expert-load statistics and plots (memfine.artifacts.metrics)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.runs.metrics import (
+from memfine.artifacts.metrics import (
     MetricsLog,
     load_max_over_mean,
     nats_to_bits,
