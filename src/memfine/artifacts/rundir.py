@@ -25,6 +25,16 @@ RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "sum
 LOCK_NAME = ".memfine.lock"
 
 
+def file_on_path(path: Path) -> Path | None:
+    """The first of ``path`` and its parents that is a file (a directory cannot be made there).
+
+    Returns:
+        That file's path, or None when every existing component is a directory.
+    """
+    path = path.expanduser().absolute()
+    return next((p for p in (path, *path.parents) if p.is_file()), None)
+
+
 def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) -> None:
     """Refuse an output directory that would replace files or write into the training data.
 
@@ -45,7 +55,7 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
                          "run in --out, --overwrite replaces it")
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"--out {str(out_dir)!r} is a file; give a directory")
-    blocked = next((p for p in out_dir.expanduser().absolute().parents if p.is_file()), None)
+    blocked = file_on_path(out_dir.parent)
     if blocked is not None:
         raise ValueError(f"--out {str(out_dir)!r} lies under {str(blocked)!r}, which is a file; "
                          f"give a directory")

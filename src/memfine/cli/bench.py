@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from memfine.artifacts.rundir import file_on_path
 from memfine.bench import SUITES, BenchOptions, select_methods
 from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
 from memfine.bench.runner import run_suites
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     device = _device(value(args, "device"))
     opts = options_from_args(args, device)
     out = Path(opts.out)
-    blocked = next((p for p in (out, *out.absolute().parents) if p.is_file()), None)
+    blocked = file_on_path(out)
     if blocked is not None:
         raise ValueError(f"--out {opts.out!r}: {str(blocked)!r} is a file; give a directory")
     earlier = sorted(p.name for p in out.glob("bench_*"))
