@@ -321,3 +321,23 @@ def test_replace_revalidates() -> None:
             "MoEConfig.top_k must be in [1, num_experts=4], got 8")):
         dataclasses.replace(_moe(), num_experts=4, top_k=8)
     assert dataclasses.replace(_moe(), top_k=4).top_k == 4
+
+
+def test_train_schedule_steps() -> None:
+    config = TrainConfig(max_steps=10, eval_every=4, log_every=3, warmup_steps=2)
+    steps = range(1, 11)
+    assert [s for s in steps if config.evaluates_at(s)] == [4, 8, 10]
+    assert [s for s in steps if config.saves_at(s)] == [4, 8, 10]  # at each evaluation
+    assert [s for s in steps if config.logs_at(s)] == [3, 4, 6, 8, 9, 10]
+    saving = dataclasses.replace(config, save_every=3)
+    assert [s for s in steps if saving.saves_at(s)] == [3, 6, 9, 10]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    pytest.param({"max_steps": 10, "warmup_steps": 2}, 10, id="max_steps"),
+    pytest.param({"max_steps": 10, "warmup_steps": 20}, 20, id="shorter_than_warmup"),
+    pytest.param({"max_steps": 10, "warmup_steps": 0}, 10, id="no_warmup"),
+    pytest.param({"max_steps": 10, "warmup_steps": 2, "lr_decay_steps": 7}, 7, id="given"),
+])
+def test_resolved_lr_decay_steps(overrides: dict[str, int], expected: int) -> None:
+    assert TrainConfig(**overrides).resolved_lr_decay_steps == expected  # type: ignore[arg-type]
