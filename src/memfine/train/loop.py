@@ -105,7 +105,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     parallel = parallel if parallel is not None else SingleProcess()
     outputs = Outputs(progress=progress, tensorboard=tensorboard, plot=plot).check()
     out_dir, source = Path(out_dir), None if init_from is None else Path(init_from)
-    with _torch_threads(threads), contextlib.ExitStack() as directory:
+    with torch_threads(threads), contextlib.ExitStack() as directory:
         if parallel.is_main:  # the main rank checks, locks and writes the directory
             check_run_dir(out_dir, data=config.data, resume=resume, overwrite=overwrite)
             directory.enter_context(removed_on_failure(out_dir))
@@ -117,7 +117,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
+def torch_threads(threads: int | None) -> Iterator[None]:
     """Run the block with ``threads`` CPU threads (None: unchanged); restore torch's setting.
 
     Raises:
