@@ -17,7 +17,7 @@ import memfine
 
 SRC = Path(memfine.__file__).parent
 
-BASE = {"config", "units", "_checks"}
+BASE = {"config", "units", "_checks", "environment"}
 ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "ops", "ops.triton",
                        "parallel", "schedule", "memory"}
 ALLOWED: dict[str, set[str]] = {
@@ -25,6 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "_checks": set(),
     "config": {"_checks", "units"},
     "_optional": set(),
+    "environment": set(),
     "reference": BASE,
     "data": BASE,
     "measure": BASE,

@@ -2,7 +2,7 @@
 
 :func:`result_rows` (a point of :func:`memfine.bench.harness.run_methods`) and :func:`csv_row` (a
 metric a script measures itself) write rows of :data:`CSV_COLUMNS` with the
-:class:`memfine.artifacts.environment.Environment` (re-exported with
+:class:`memfine.environment.Environment` (re-exported with
 :func:`collect_environment`); a value not measured reads
 ``"not measured"``, a missing prediction ``"not modelled"``, never 0 or -1.
 
@@ -18,9 +18,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from memfine.artifacts.environment import Environment
-from memfine.artifacts.environment import collect_environment as collect_environment
 from memfine.bench.harness import MODES, MethodResult, Value
+from memfine.environment import Environment
+from memfine.environment import collect_environment as collect_environment
 from memfine.units import NOT_MEASURED
 
 NOT_MODELLED = "not modelled"

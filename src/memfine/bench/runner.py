@@ -16,11 +16,11 @@ from pathlib import Path
 
 import torch
 
-from memfine.artifacts.environment import collect_environment
 from memfine.bench import SUITE_MODULES, select_methods
 from memfine.bench.options import BenchOptions
 from memfine.bench.output import plot_points, print_point
 from memfine.bench.results import result_rows, write_csv
+from memfine.environment import collect_environment
 from memfine.train.loop import torch_threads
 
 

@@ -1,4 +1,4 @@
-"""The environment a result file records (memfine.artifacts.environment)."""
+"""The environment a result file records (memfine.environment)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from memfine.artifacts import environment
-from memfine.artifacts.environment import collect_environment
+from memfine import environment
 from memfine.bench.results import collect_environment as bench_collect_environment
+from memfine.environment import collect_environment
 
 
 def test_environment_fields() -> None:
