@@ -8,7 +8,11 @@ autograd, without inductor's code generation); ``-m slow`` runs every case with 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,6 +21,7 @@ import torch._dynamo as dynamo
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from torch._dynamo.variables.tensor import TensorVariable
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoELayer, MoETransformerLM
@@ -78,12 +83,15 @@ def _step(fn: object, layer: MoELayer, x: torch.Tensor) -> list[torch.Tensor]:
             aux.tokens_per_expert, x.grad, *grads]
 
 
-def _check_equal_to_eager(case: str, dtype: torch.dtype, backend: str) -> None:
+def _check_equal_to_eager(case: str, dtype: torch.dtype, backend: str, *,
+                          capture_scalar_outputs: bool = True,
+                          fullgraph: bool | None = None) -> None:
     layer = _layer(case, dtype)
     x = torch.randn(2, 8, MOE.hidden_size, dtype=dtype)
     want = _step(layer, layer, x)
-    fullgraph = DOCUMENTED_BREAKS[case] == 0
-    with dynamo.config.patch(capture_scalar_outputs=True):
+    if fullgraph is None:
+        fullgraph = DOCUMENTED_BREAKS[case] == 0
+    with dynamo.config.patch(capture_scalar_outputs=capture_scalar_outputs):
         compiled = torch.compile(layer, backend=backend, fullgraph=fullgraph)
         got = _step(compiled, layer, x)
     assert torch.equal(got[3], want[3])  # tokens_per_expert: same routing
@@ -127,6 +135,68 @@ def test_budget_picks_a_chunk_count_above_one() -> None:
     """The budget case exercises MACT: its chunk count is above the trivial c = 1."""
     _, aux = _layer("budget")(torch.randn(2, 8, MOE.hidden_size))
     assert aux.num_chunks == 4
+
+
+@contextlib.contextmanager
+def _dynamo_messages() -> Iterator[list[str]]:
+    """Collect what Dynamo logs at WARNING or above and every Python warning, as text.
+
+    Dynamo prints its ``Tensor.item()`` graph-break advice once per process (a cached
+    function): the cache is cleared first, so an earlier test cannot hide it.
+    """
+    TensorVariable._warn_capture_scalar_outputs.cache_clear()
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield messages
+        messages.extend(str(w.message) for w in caught)
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_dynamo_message_capture_sees_the_item_graph_break_advice() -> None:
+    """The capture of the next test works: an ``.item()`` in a compiled function is reported."""
+    with _dynamo_messages() as messages:
+        torch.compile(lambda x: x * x.sum().item(), backend="eager")(torch.ones(3))
+    assert any("Graph break" in m and "capture_scalar_outputs" in m for m in messages)
+
+
+@pytest.mark.parametrize("case", ["c1", "c3-recompute", "budget"])
+def test_default_compile_is_quiet_and_equals_eager(case: str) -> None:
+    """``torch.compile(layer)`` with Dynamo's defaults (no ``fullgraph``, no
+    ``capture_scalar_outputs``): no graph-break advice or warning is printed, and the values and
+    gradients are eager's (the routed-row count is the ``memfine::routed_slots`` boundary)."""
+    with _dynamo_messages() as messages:
+        _check_equal_to_eager(case, torch.float32, "aot_eager", capture_scalar_outputs=False,
+                              fullgraph=False)
+    assert messages == []
+
+
+def test_fullgraph_without_capture_scalar_outputs_equals_eager() -> None:
+    """``fullgraph=True`` alone lets Dynamo trace ``memfine::routed_slots``'s unbacked size."""
+    _check_equal_to_eager("c3-recompute", torch.float32, "aot_eager",
+                          capture_scalar_outputs=False, fullgraph=True)
+
+
+def test_default_compile_breaks_only_at_the_routed_rows() -> None:
+    """Without ``capture_scalar_outputs`` each configuration has one more break site than
+    docs/compile.md's table lists: ``routed_slots`` (the routed-row count), and nothing else."""
+    x = torch.randn(2, 8, MOE.hidden_size)
+    for case, documented in DOCUMENTED_BREAKS.items():
+        dynamo.reset()
+        with dynamo.config.patch(capture_scalar_outputs=False):
+            explained = dynamo.explain(_layer(case))(x)
+        sites = {str(r.user_stack[-1]) for r in explained.break_reasons}
+        at_routed_slots = [r for r in explained.break_reasons
+                           if r.user_stack[-1].name == "routed_slots"]
+        assert at_routed_slots, case
+        assert all("memfine.routed_slots" in r.reason for r in at_routed_slots), case
+        assert len(sites) == documented + 1, (case, sorted(sites))
 
 
 def _documented_breaks() -> dict[str, int]:
