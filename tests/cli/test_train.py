@@ -140,7 +140,8 @@ BAD_INPUTS = [
                  "junk.bin' does not look like text", id="binary_data_file"),
     pytest.param(lambda p: ["--data", _write(p, "short.txt", b"too short")],
                  "is too small for seq_len=64", id="data_too_small"),
-    pytest.param(lambda p: ["--resume"], "no checkpoint at", id="resume_without_checkpoint"),
+    pytest.param(lambda p: ["--resume"], "checkpoint.dcp' (train without --resume first)",
+                 id="resume_without_checkpoint"),
     pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
                  id="resume_with_preset"),
     pytest.param(lambda p: ["--seed", "4294967296"], "--seed 4294967296: TrainConfig.seed must "
