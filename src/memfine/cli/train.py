@@ -21,6 +21,7 @@ from memfine.artifacts.checkpoint import (
     read_checkpoint,
 )
 from memfine.artifacts.rundir import check_run_dir
+from memfine.cli._budget import check_memory_budget
 from memfine.cli._checkpoint import run_directory
 from memfine.cli._flags import (
     THREADS_FLAG,
@@ -298,6 +299,7 @@ def run(args: argparse.Namespace) -> int:
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
     check_device(config.device)  # the flags first, then the directory
     threads = checked_threads(args)
+    check_memory_budget(config)
     check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     parallel = _parallel(args, config)
     finished = False
