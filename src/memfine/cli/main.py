@@ -25,8 +25,8 @@ SUBCOMMANDS = {
 }
 
 _MODULES = {"eval": "evaluate"}  # a module named eval would shadow the builtin in tools
-_KINETO_QUIET = "6"
-_DASH_VALUE = re.compile(r"-\.?\d")  # "-5MiB", "-.5GiB", "-1e-3": values, never options  # above kineto's highest message level (USDT = 5)
+_KINETO_QUIET = "6"  # above kineto's highest message level (USDT = 5)
+_DASH_VALUE = re.compile(r"-\.?\d")  # "-5MiB", "-.5GiB", "-1e-3": values, not options
 
 
 class _Parser(argparse.ArgumentParser):

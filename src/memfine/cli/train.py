@@ -265,8 +265,11 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
 
 
 def _checkpoint_of(flag: str, run_dir: Path, hint: str) -> dict[str, Any]:
-    """The newest checkpoint payload of ``run_dir``; a ValueError names ``flag`` (and gives
-    ``hint`` when there is no checkpoint)."""
+    """The newest checkpoint payload of ``run_dir``.
+
+    Raises:
+        ValueError: naming ``flag``; with ``hint`` when there is no checkpoint.
+    """
     try:
         return read_checkpoint(find_checkpoint(run_dir))
     except CheckpointNotFoundError as err:

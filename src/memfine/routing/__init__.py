@@ -17,5 +17,5 @@ from memfine.routing.router import RouteOptions, RoutingResult, TopKRouter, rout
 
 __all__ = ["RouteOptions", "RoutingResult", "TopKRouter", "capacity_keep_mask",
            "check_token_mask", "expert_capacity", "group_limited_scores", "load_balancing_loss",
-           "max_routed_rows", "route", "sequence_balance_loss", "top_k_lowest_index", "update_selection_bias",
-           "z_loss"]
+           "max_routed_rows", "route", "sequence_balance_loss", "top_k_lowest_index",
+           "update_selection_bias", "z_loss"]
