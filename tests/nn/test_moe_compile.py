@@ -14,6 +14,7 @@ import re
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -186,17 +187,20 @@ def test_fullgraph_without_capture_scalar_outputs_equals_eager() -> None:
 def test_default_compile_breaks_only_at_the_routed_rows() -> None:
     """Without ``capture_scalar_outputs`` each configuration has one more break site than
     docs/compile.md's table lists: ``routed_slots`` (the routed-row count), and nothing else."""
-    x = torch.randn(2, 8, MOE.hidden_size)
     for case, documented in DOCUMENTED_BREAKS.items():
-        dynamo.reset()
-        with dynamo.config.patch(capture_scalar_outputs=False):
-            explained = dynamo.explain(_layer(case))(x)
-        sites = {str(r.user_stack[-1]) for r in explained.break_reasons}
-        at_routed_slots = [r for r in explained.break_reasons
-                           if r.user_stack[-1].name == "routed_slots"]
+        reasons, sites = _break_sites(case, capture_scalar_outputs=False)
+        at_routed_slots = [r for r in reasons if r.user_stack[-1].name == "routed_slots"]
         assert at_routed_slots, case
         assert all("memfine.routed_slots" in r.reason for r in at_routed_slots), case
         assert len(sites) == documented + 1, (case, sorted(sites))
+
+
+def _break_sites(case: str, *, capture_scalar_outputs: bool) -> tuple[list[Any], set[str]]:
+    """``dynamo.explain``'s break reasons of a layer case, and their distinct user frames."""
+    dynamo.reset()
+    with dynamo.config.patch(capture_scalar_outputs=capture_scalar_outputs):
+        explained = dynamo.explain(_layer(case))(torch.randn(2, 8, MOE.hidden_size))
+    return explained.break_reasons, {str(r.user_stack[-1]) for r in explained.break_reasons}
 
 
 def _documented_breaks() -> dict[str, int]:
@@ -206,13 +210,9 @@ def _documented_breaks() -> dict[str, int]:
 
 def test_graph_breaks_do_not_exceed_the_documented_number() -> None:
     assert _documented_breaks() == DOCUMENTED_BREAKS  # docs/compile.md and this test agree
-    x = torch.randn(2, 8, MOE.hidden_size)
     for case, documented in DOCUMENTED_BREAKS.items():
-        dynamo.reset()
-        with dynamo.config.patch(capture_scalar_outputs=True):
-            explained = dynamo.explain(_layer(case))(x)
-        sites = {str(r.user_stack[-1]) for r in explained.break_reasons}
-        assert len(sites) <= documented, (case, [r.reason for r in explained.break_reasons])
+        reasons, sites = _break_sites(case, capture_scalar_outputs=True)
+        assert len(sites) <= documented, (case, [r.reason for r in reasons])
 
 
 def test_no_recompile_when_other_experts_are_empty() -> None:
