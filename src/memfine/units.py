@@ -57,11 +57,13 @@ def parse_bytes(text: str | int, *, require_unit: bool = False) -> int:
     if isinstance(text, int) and not isinstance(text, bool):
         value = text
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+        m = re.fullmatch(r"\s*([+-]?[0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
         if not m or m.group(2).lower() not in _UNITS:
             bare = "" if require_unit else " or an integer number of bytes"
             raise ValueError(f"byte size must look like '512MiB' or '2GiB'{bare} (units "
                              f"{_UNIT_NAMES}), got {text!r}")
+        if float(m.group(1)) <= 0:  # "-5MiB", "0GiB", "-5": the sign is the error, not the unit
+            raise ValueError(f"byte size must be > 0, got {text!r}")
         if require_unit and not m.group(2):
             raise ValueError(f"byte size needs a unit, e.g. {m.group(1)}MiB, {m.group(1)}GiB "
                              f"or {m.group(1)}GB, got {text!r}")

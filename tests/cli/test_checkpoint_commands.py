@@ -81,10 +81,19 @@ def test_generate_bad_values(run_dir: Path, capsys: pytest.CaptureFixture[str],
     assert info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_generate_without_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("command", [["generate", "--prompt", "x"], ["eval"], ["export"]],
+                         ids=["generate", "eval", "export"])
+def test_checkpoint_command_without_checkpoint_says_how_to_get_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]) -> None:
+    """An empty run directory: the hint is the train command that fills it, not --resume."""
     with pytest.raises(SystemExit) as info:
-        main(["generate", "--out", str(tmp_path), "--prompt", "x"])
-    assert info.value.code == 2 and "no checkpoint at" in capsys.readouterr().err
+        main([*command, "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert (f"memfine {command[0]}: error: --out: no checkpoint at "
+            f"'{tmp_path / 'checkpoint.pt'}' (train into it first: memfine train --out "
+            f"{tmp_path})\n") == err
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_export_round_trips_the_logits(run_dir: Path, tmp_path: Path) -> None:
@@ -145,6 +154,27 @@ def test_init_from_takes_the_model_of_the_checkpoint(run_dir: Path, tmp_path: Pa
         main(["train", "--resume", "--init-from", str(run_dir), "--out", str(run_dir)])
     assert info.value.code == 2
     assert "--init-from does not apply with --resume" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("name", "message"), [
+    pytest.param("missing", "--init-from '{path}' does not exist; --init-from takes the run "
+                 "directory of memfine train", id="missing_directory"),
+    pytest.param("empty", "--init-from: no checkpoint at '{path}/checkpoint.pt' or "
+                 "'{path}/checkpoint.dcp' (--init-from takes the --out of a memfine train run "
+                 "that has saved a checkpoint)", id="empty_directory"),
+])
+def test_init_from_without_checkpoint_names_init_from(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, message: str) -> None:
+    """No checkpoint at --init-from: the message is about --init-from (no --resume was given)."""
+    source = tmp_path / name
+    if name == "empty":
+        source.mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(["train", *FAST, "--init-from", str(source), "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert message.format(path=source) in err and "--resume" not in err
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize("command", [["eval"], ["generate", "--prompt", "x", "--max-new-bytes",

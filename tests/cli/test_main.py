@@ -48,21 +48,49 @@ def test_usage_errors_are_one_line(args: list[str], line: str,
     assert _usage_error(args, capsys) == line
 
 
-@pytest.mark.parametrize("args", [
-    pytest.param(["train", "--memory-budget", "16"], id="train_memory_budget"),
-    pytest.param(["train", "--backward-block-bytes", "16"], id="train_backward_block_bytes"),
-    pytest.param(["bench", "--memory-budget", "16"], id="bench_memory_budget"),
-    pytest.param(["bench", "--budget", "16"], id="bench_budget_alias"),
-    pytest.param(["plan", "--preset", "olmoe-1b-7b", "--device-memory", "16"],
+# Every byte-size flag (aliases too): the arguments before it, and the flag.
+BYTE_SIZE_FLAGS = [
+    pytest.param(["train"], "--memory-budget", id="train_memory_budget"),
+    pytest.param(["train"], "--moe-memory-budget", id="train_memory_budget_alias"),
+    pytest.param(["train"], "--backward-block-bytes", id="train_backward_block_bytes"),
+    pytest.param(["bench"], "--memory-budget", id="bench_memory_budget"),
+    pytest.param(["bench"], "--budget", id="bench_budget_alias"),
+    pytest.param(["plan", "--preset", "olmoe-1b-7b"], "--device-memory",
                  id="plan_device_memory"),
-    pytest.param(["plan", "--preset", "olmoe-1b-7b", "--static-memory", "16"],
+    pytest.param(["plan", "--preset", "olmoe-1b-7b"], "--static-memory",
                  id="plan_static_memory"),
-])
+]
+
+
+@pytest.mark.parametrize(("before", "flag"), BYTE_SIZE_FLAGS)
 def test_a_bare_number_needs_a_unit_in_every_subcommand(
-        args: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    line = _usage_error(args, capsys)
-    flag = args[-2]
+        before: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error([*before, flag, "16"], capsys)
     assert f"argument {flag}: byte size needs a unit, e.g. 16MiB, 16GiB or 16GB, got '16'" in line
+
+
+@pytest.mark.parametrize("text", ["-5MiB", "-.5GiB", "-5", "0GiB"])
+@pytest.mark.parametrize("joined", [False, True], ids=["flag_space_value", "flag_equals_value"])
+@pytest.mark.parametrize(("before", "flag"), BYTE_SIZE_FLAGS)
+def test_a_size_below_one_byte_gets_the_flags_own_error_in_every_subcommand(
+        before: list[str], flag: str, joined: bool, text: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--memory-budget -5MiB`` is a value (argparse alone says "expected one argument")."""
+    args = [*before, f"{flag}={text}"] if joined else [*before, flag, text]
+    line = _usage_error(args, capsys)
+    assert line == (f"memfine {before[0]}: error: argument {flag}: byte size must be > 0, got "
+                    f"{text!r} (see memfine {before[0]} --help)")
+
+
+def test_values_starting_with_a_minus_and_a_digit_are_values(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Any flag: ``--lr -1e-3`` reaches the config check; an option after a flag stays an
+    option (``--memory-budget --seed`` lacks its value)."""
+    assert _usage_error(["train", "--lr", "-1e-3"], capsys) == (
+        "memfine train: error: --lr -0.001: TrainConfig.lr must be in (0.0, inf), got -0.001")
+    assert _usage_error(["train", "--memory-budget", "--seed", "1"], capsys) == (
+        "memfine train: error: argument --memory-budget: expected one argument "
+        "(see memfine train --help)")
 
 
 def test_bench_memory_budget_takes_a_unit_and_auto() -> None:
@@ -100,7 +128,8 @@ def test_train_resume_and_init_from_on_a_file(tmp_path: Path,
                     f"the directory memfine train wrote, the one holding checkpoint.pt)")
     line = _usage_error(["train", "--init-from", str(path), "--out", str(tmp_path / "r")],
                         capsys)
-    assert line.startswith(f"memfine train: error: --init-from: '{path}' is a file")
+    assert line == (f"memfine train: error: --init-from '{path}' is a file; --init-from takes "
+                    f"the run directory of memfine train (the directory holding checkpoint.pt)")
     assert not (tmp_path / "r").exists()
 
 

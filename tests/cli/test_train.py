@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from memfine.artifacts.metrics import read_metrics
+from memfine.cli import train as train_cli
 from memfine.cli.main import build_parser, main
 from memfine.train import load_checkpoint
 from tolerances import LOSS_ATOL, assert_close
@@ -140,7 +141,8 @@ BAD_INPUTS = [
                  "junk.bin' does not look like text", id="binary_data_file"),
     pytest.param(lambda p: ["--data", _write(p, "short.txt", b"too short")],
                  "is too small for seq_len=64", id="data_too_small"),
-    pytest.param(lambda p: ["--resume"], "no checkpoint at", id="resume_without_checkpoint"),
+    pytest.param(lambda p: ["--resume"], "checkpoint.dcp' (train without --resume first)",
+                 id="resume_without_checkpoint"),
     pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
                  id="resume_with_preset"),
     pytest.param(lambda p: ["--seed", "4294967296"], "--seed 4294967296: TrainConfig.seed must "
@@ -150,8 +152,12 @@ BAD_INPUTS = [
     pytest.param(lambda p: ["--threads", "0"], "--threads must be >= 1, got 0", id="threads_0"),
     pytest.param(lambda p: ["--max-steps", "0"], "--max-steps 0: TrainConfig.max_steps must be in "
                  "[1, 4294967295], got 0", id="max_steps_0"),
-    pytest.param(lambda p: ["--memory-budget", "1KiB"], "ChunkConfig.memory_budget_bytes=1024 "
-                 "bytes (0.00 MiB) cannot be met", id="budget_too_small_found_in_step_1"),
+    pytest.param(lambda p: ["--memory-budget", "1KiB"], "--memory-budget 1024 bytes (0.00 MiB) "
+                 "cannot be met by any chunk count in --bins 1,2,4,8; the smallest feasible "
+                 "budget for this model and batch is ", id="budget_below_the_fixed_bytes"),
+    pytest.param(lambda p: ["--memory-budget", "700KiB"], "--memory-budget 716800 bytes "
+                 "(0.68 MiB) cannot be met by any chunk count in --bins 1,2,4,8;",
+                 id="budget_needs_a_larger_bin"),
     pytest.param(lambda p: ["--data", str(p), "--overwrite"], "lies in the data directory",
                  id="out_is_the_data_directory"),
 ]
@@ -173,11 +179,16 @@ def test_bad_input_exits_2_with_a_clear_message(
 
 
 def test_a_failed_run_can_run_again_into_the_same_out(tmp_path: Path,
-                                                      capsys: pytest.CaptureFixture[str]) -> None:
+                                                      capsys: pytest.CaptureFixture[str],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "runs" / "a"
-    with pytest.raises(SystemExit) as info:  # found by MACT in the first step, after set-up
+    # without the up-front check the budget is found by MACT in the first step, after set-up
+    monkeypatch.setattr(train_cli, "check_memory_budget", lambda config: None)
+    with pytest.raises(SystemExit) as info:
         main(["train", *FAST, "--max-steps", "2", "--memory-budget", "1KiB", "--out", str(out)])
-    assert info.value.code == 2 and "smallest feasible budget" in capsys.readouterr().err
+    assert info.value.code == 2
+    assert "error: ChunkConfig.memory_budget_bytes = 1024 bytes (0.00 MiB) cannot be met" in (
+        capsys.readouterr().err)
     assert not (tmp_path / "runs").exists()
     assert _train("--max-steps", "2", "--memory-budget", "1MiB", "--out", str(out)) == 0
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 2

@@ -237,3 +237,23 @@ def test_config_forces_builder(monkeypatch: pytest.MonkeyPatch, builder: str) ->
     forced.load_state_dict(experts.state_dict())
     assert torch.equal(forced(x_TD, top_k_index, weights_TK), out)  # identical index → bitwise
     assert calls == [builder, other]
+
+
+@pytest.mark.parametrize("num_routed", [0, 3, 8], ids=["none_routed", "some_routed", "all_routed"])
+def test_routed_slots_op_is_the_head_of_the_slot_order(num_routed: int) -> None:
+    """``memfine::routed_slots`` (the compile path's row slice) returns slot_order[:S] as a new
+    tensor, and its fake implementation passes torch.library's checks (unbacked S in [0, T·k])."""
+    slot_order_M = torch.randperm(8)
+    offsets_E1 = torch.tensor([0, num_routed // 2, num_routed], dtype=torch.int64)
+    got = torch.ops.memfine.routed_slots(slot_order_M, offsets_E1)
+    assert got.tolist() == slot_order_M.tolist()[:num_routed]
+    assert got.data_ptr() != slot_order_M.data_ptr() or num_routed == 0
+    assert index_module.routed_slots(slot_order_M, offsets_E1).tolist() == got.tolist()
+    torch.library.opcheck(torch.ops.memfine.routed_slots.default, (slot_order_M, offsets_E1))
+
+
+def test_routed_slots_op_refuses_offsets_past_the_slots() -> None:
+    """S above T·k would break the fake implementation's bound: a RuntimeError, not a short
+    slice."""
+    with pytest.raises(RuntimeError, match=r"S=9 outside \[0, T·k=8\]"):
+        torch.ops.memfine.routed_slots(torch.arange(8), torch.tensor([0, 9]))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from memfine.memory.planner import ChunkChoice, choose_num_chunks, s_prime_max
@@ -88,6 +90,15 @@ def test_choose_num_chunks_non_positive_s_max_needs_no_c(s_max: int) -> None:
 def test_choose_num_chunks_rejects_negative_rows() -> None:
     with pytest.raises(ValueError, match="recv_rows must be >= 0, got -1"):
         choose_num_chunks(-1, 10, (1, 2))
+
+
+@pytest.mark.parametrize("require_unit", [False, True])
+@pytest.mark.parametrize("text", ["-5MiB", "-1GiB", "-.5GiB", "+0KiB", "0MiB", "-5", "0"])
+def test_parse_bytes_says_a_size_below_one_byte_must_be_positive(text: str,
+                                                                 require_unit: bool) -> None:
+    """A sign is read, so the error is the value's, never "must look like" or "needs a unit"."""
+    with pytest.raises(ValueError, match=f"^byte size must be > 0, got '{re.escape(text)}'$"):
+        parse_bytes(text, require_unit=require_unit)
 
 
 def test_parse_bytes_unit_error_offers_bare_bytes_only_when_allowed() -> None:

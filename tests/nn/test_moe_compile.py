@@ -8,8 +8,13 @@ autograd, without inductor's code generation); ``-m slow`` runs every case with 
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -17,6 +22,7 @@ import torch._dynamo as dynamo
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters
+from torch._dynamo.variables.tensor import TensorVariable
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoELayer, MoETransformerLM
@@ -78,12 +84,15 @@ def _step(fn: object, layer: MoELayer, x: torch.Tensor) -> list[torch.Tensor]:
             aux.tokens_per_expert, x.grad, *grads]
 
 
-def _check_equal_to_eager(case: str, dtype: torch.dtype, backend: str) -> None:
+def _check_equal_to_eager(case: str, dtype: torch.dtype, backend: str, *,
+                          capture_scalar_outputs: bool = True,
+                          fullgraph: bool | None = None) -> None:
     layer = _layer(case, dtype)
     x = torch.randn(2, 8, MOE.hidden_size, dtype=dtype)
     want = _step(layer, layer, x)
-    fullgraph = DOCUMENTED_BREAKS[case] == 0
-    with dynamo.config.patch(capture_scalar_outputs=True):
+    if fullgraph is None:
+        fullgraph = DOCUMENTED_BREAKS[case] == 0
+    with dynamo.config.patch(capture_scalar_outputs=capture_scalar_outputs):
         compiled = torch.compile(layer, backend=backend, fullgraph=fullgraph)
         got = _step(compiled, layer, x)
     assert torch.equal(got[3], want[3])  # tokens_per_expert: same routing
@@ -129,6 +138,73 @@ def test_budget_picks_a_chunk_count_above_one() -> None:
     assert aux.num_chunks == 4
 
 
+@contextlib.contextmanager
+def _dynamo_messages() -> Iterator[list[str]]:
+    """Collect what Dynamo logs at WARNING or above and every Python warning, as text.
+
+    Dynamo prints its ``Tensor.item()`` graph-break advice once per process (a cached
+    function): the cache is cleared first, so an earlier test cannot hide it.
+    """
+    TensorVariable._warn_capture_scalar_outputs.cache_clear()
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("torch._dynamo")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield messages
+        messages.extend(str(w.message) for w in caught)
+    finally:
+        logger.removeHandler(handler)
+
+
+def test_dynamo_message_capture_sees_the_item_graph_break_advice() -> None:
+    """The capture of the next test works: an ``.item()`` in a compiled function is reported."""
+    with _dynamo_messages() as messages:
+        torch.compile(lambda x: x * x.sum().item(), backend="eager")(torch.ones(3))
+    assert any("Graph break" in m and "capture_scalar_outputs" in m for m in messages)
+
+
+@pytest.mark.parametrize("case", ["c1", "c3-recompute", "budget"])
+def test_default_compile_is_quiet_and_equals_eager(case: str) -> None:
+    """``torch.compile(layer)`` with Dynamo's defaults (no ``fullgraph``, no
+    ``capture_scalar_outputs``): no graph-break advice or warning is printed, and the values and
+    gradients are eager's (the routed-row count is the ``memfine::routed_slots`` boundary)."""
+    with _dynamo_messages() as messages:
+        _check_equal_to_eager(case, torch.float32, "aot_eager", capture_scalar_outputs=False,
+                              fullgraph=False)
+    assert messages == []
+
+
+def test_fullgraph_without_capture_scalar_outputs_equals_eager() -> None:
+    """``fullgraph=True`` alone lets Dynamo trace ``memfine::routed_slots``'s unbacked size."""
+    _check_equal_to_eager("c3-recompute", torch.float32, "aot_eager",
+                          capture_scalar_outputs=False, fullgraph=True)
+
+
+@pytest.mark.parametrize("case", [
+    pytest.param(case, marks=() if case in ("c1", "c3-none", "budget", "shared-seq")
+                 else pytest.mark.slow) for case in DOCUMENTED_BREAKS])
+def test_default_compile_breaks_only_at_the_routed_rows(case: str) -> None:
+    """Without ``capture_scalar_outputs`` each configuration has one more break site than
+    docs/compile.md's table lists: ``routed_slots`` (the routed-row count), and nothing else."""
+    reasons, sites = _break_sites(case, capture_scalar_outputs=False)
+    at_routed_slots = [r for r in reasons if r.user_stack[-1].name == "routed_slots"]
+    assert at_routed_slots
+    assert all("memfine.routed_slots" in r.reason for r in at_routed_slots)
+    assert len(sites) == DOCUMENTED_BREAKS[case] + 1, sorted(sites)
+
+
+def _break_sites(case: str, *, capture_scalar_outputs: bool) -> tuple[list[Any], set[str]]:
+    """``dynamo.explain``'s break reasons of a layer case, and their distinct user frames."""
+    dynamo.reset()
+    with dynamo.config.patch(capture_scalar_outputs=capture_scalar_outputs):
+        explained = dynamo.explain(_layer(case))(torch.randn(2, 8, MOE.hidden_size))
+    return explained.break_reasons, {str(r.user_stack[-1]) for r in explained.break_reasons}
+
+
 def _documented_breaks() -> dict[str, int]:
     rows = re.findall(r"^\| `(\S+)` \| (\d+) \|", DOCS.read_text(encoding="utf-8"), re.M)
     return {name: int(count) for name, count in rows}
@@ -136,13 +212,9 @@ def _documented_breaks() -> dict[str, int]:
 
 def test_graph_breaks_do_not_exceed_the_documented_number() -> None:
     assert _documented_breaks() == DOCUMENTED_BREAKS  # docs/compile.md and this test agree
-    x = torch.randn(2, 8, MOE.hidden_size)
     for case, documented in DOCUMENTED_BREAKS.items():
-        dynamo.reset()
-        with dynamo.config.patch(capture_scalar_outputs=True):
-            explained = dynamo.explain(_layer(case))(x)
-        sites = {str(r.user_stack[-1]) for r in explained.break_reasons}
-        assert len(sites) <= documented, (case, [r.reason for r in explained.break_reasons])
+        reasons, sites = _break_sites(case, capture_scalar_outputs=True)
+        assert len(sites) <= documented, (case, [r.reason for r in reasons])
 
 
 def test_no_recompile_when_other_experts_are_empty() -> None:

@@ -73,8 +73,12 @@ def test_infeasible_budget_names_smallest_feasible_budget() -> None:
     need = fixed + 1001 * row  # ⌈8001 / 8⌉ = 1001 rows per chunk with the largest bin
     assert policy.smallest_feasible_budget(8001, T, DTYPE_BYTES) == need
     with pytest.raises(ValueError, match=(
-            rf"memory_budget_bytes=.* cannot be met: s''=8001 .* need c=9 > largest bin 8; the "
-            rf"smallest feasible budget is {need} bytes \({need / 2**20:.2f} MiB\)")):
+            rf"^ChunkConfig.memory_budget_bytes = {fixed + 1000 * row} bytes "
+            rf"\({(fixed + 1000 * row) / 2**20:.2f} MiB\) cannot be met with "
+            rf"ChunkConfig.bins \(1, 2, 4, 8\): s''=8001 .* need c=9 > largest bin 8; the "
+            rf"smallest feasible budget is {need} bytes \({need / 2**20:.2f} MiB\); raise "
+            rf"ChunkConfig.memory_budget_bytes, add a larger bin to ChunkConfig.bins, or set "
+            rf"ChunkConfig.allow_over_budget to run with the largest bin$")):
         policy.num_chunks(8001, T, DTYPE_BYTES)
     # the named budget is feasible, one byte less is not
     ok = ChunkPolicy(ChunkConfig(memory_budget_bytes=need), MOE)

@@ -48,6 +48,15 @@ _KEYS = ("format", "step", "config", "model", "optimizer", "scheduler", "rng")
 _META_KEYS = ("format", "step", "config", "scheduler", "rng")
 
 
+class CheckpointNotFoundError(ValueError):
+    """No checkpoint where one was looked for (a ``ValueError``; its message names the path).
+
+    The message says what is missing and nothing about how to get one: that depends on the
+    caller (``memfine train --resume``, ``--init-from``, ``memfine generate``, ...), which catches
+    this class to add its own hint.
+    """
+
+
 def rng_state() -> dict[str, Any]:
     """The CPU RNG states a training run depends on (torch and Python ``random``)."""
     return {"torch": torch.get_rng_state(), "python": random.getstate()}
@@ -113,15 +122,16 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         The payload dict (keys ``format, step, config, model, optimizer, scheduler, rng``).
 
     Raises:
-        ValueError: naming the path, when the file is missing, truncated, corrupt, or not a
-            memfine checkpoint.
+        CheckpointNotFoundError: naming the path, when the file is missing.
+        ValueError: naming the path, when the file is truncated, corrupt, or not a memfine
+            checkpoint.
     """
     return _read(Path(path), _KEYS)
 
 
 def _read(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     if not path.is_file():
-        raise ValueError(f"no checkpoint at {str(path)!r} (train without --resume first)")
+        raise CheckpointNotFoundError(f"no checkpoint at {str(path)!r}")
     try:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
@@ -193,8 +203,8 @@ def find_checkpoint(out_dir: str | os.PathLike[str]) -> Path:
     save killed between its two renames.
 
     Raises:
-        ValueError: when ``out_dir`` is a file, when there is no checkpoint, or naming the path
-            when one is corrupt.
+        CheckpointNotFoundError: naming both paths when there is no checkpoint.
+        ValueError: when ``out_dir`` is a file, or naming the path when one is corrupt.
     """
     out_dir = Path(out_dir)
     if out_dir.is_file():
@@ -204,8 +214,8 @@ def find_checkpoint(out_dir: str | os.PathLike[str]) -> Path:
                               _old(out_dir / SHARDED_NAME))
                   if p.is_file() or (p / META_NAME).is_file()]
     if not candidates:
-        raise ValueError(f"no checkpoint at {str(out_dir / CHECKPOINT_NAME)!r} or "
-                         f"{str(out_dir / SHARDED_NAME)!r} (train without --resume first)")
+        raise CheckpointNotFoundError(f"no checkpoint at {str(out_dir / CHECKPOINT_NAME)!r} "
+                                      f"or {str(out_dir / SHARDED_NAME)!r}")
     return max(candidates, key=lambda p: int(read_checkpoint(p)["step"]))
 
 

@@ -7,10 +7,12 @@ directory (``--out``); a wrong path or device is one line naming the flag.
 from __future__ import annotations
 
 import argparse
+import shlex
 from pathlib import Path
 
 import torch
 
+from memfine.artifacts.checkpoint import CheckpointNotFoundError
 from memfine.artifacts.inference import Trained, load_trained
 from memfine.cli._flags import Flag, NotGiven, check_device, checked_threads, value
 
@@ -45,10 +47,23 @@ def load_run(args: argparse.Namespace) -> Trained:
 
     Raises:
         ValueError: naming the flag when ``--out`` is missing, a file or absent, or
-            ``--device`` cannot run here; naming the path when the checkpoint is missing or
-            corrupt.
+            ``--device`` cannot run here; as :func:`load_run_directory` on the checkpoint.
     """
     out = run_directory(args)
     if "threads" in args:
         torch.set_num_threads(checked_threads(args))  # a CLI process: its own thread count
-    return load_trained(out, device=check_device(value(args, "device")))
+    return load_run_directory(out, device=check_device(value(args, "device")))
+
+
+def load_run_directory(out: Path, device: str = "cpu") -> Trained:
+    """The model of the checkpoint in the run directory ``out`` (``--out``), on ``device``.
+
+    Raises:
+        ValueError: naming the path when the checkpoint is missing (with the ``memfine train``
+            command that writes one) or corrupt.
+    """
+    try:
+        return load_trained(out, device=device)
+    except CheckpointNotFoundError as err:
+        raise ValueError(f"--out: {err} (train into it first: memfine train --out "
+                         f"{shlex.quote(str(out))})") from err

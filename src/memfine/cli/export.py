@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.artifacts.inference import export_safetensors, load_trained
-from memfine.cli._checkpoint import OUT_FLAG, run_directory
+from memfine.artifacts.inference import export_safetensors
+from memfine.cli._checkpoint import OUT_FLAG, load_run_directory, run_directory
 from memfine.cli._flags import Flag, NotGiven, add_flags, value
 
 _FLAGS = (
@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     if existing and not value(args, "overwrite"):
         raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "
                          f"replace them")
-    trained = load_trained(out)
+    trained = load_run_directory(out)
     written = export_safetensors(trained, target)
     print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -11,6 +11,7 @@ import argparse
 import importlib
 import importlib.metadata
 import os
+import re
 import sys
 import typing
 
@@ -25,6 +26,7 @@ SUBCOMMANDS = {
 
 _MODULES = {"eval": "evaluate"}  # a module named eval would shadow the builtin in tools
 _KINETO_QUIET = "6"  # above kineto's highest message level (USDT = 5)
+_DASH_VALUE = re.compile(r"-\.?\d")  # "-5MiB", "-.5GiB", "-1e-3": values, not options
 
 
 class _Parser(argparse.ArgumentParser):
@@ -32,7 +34,20 @@ class _Parser(argparse.ArgumentParser):
 
     argparse prints the whole usage block before the message; with dozens of flags that hides
     the one line that matters. ``--help`` still prints the usage and every flag.
+
+    A value that starts with ``-`` and a digit (``--memory-budget -5MiB``, ``--lr -1e-3``) is
+    a value, not an option: argparse takes only plain negative numbers (``-5``, ``-0.5``) as
+    values and reports "expected one argument" for the rest, which hides the flag's own check
+    ("byte size must be > 0"). No memfine option starts with ``-`` and a digit.
     """
+
+    def __init__(self, *args: typing.Any, **kwargs: typing.Any) -> None:
+        """As ``argparse.ArgumentParser``; sub-parsers are of this class too."""
+        super().__init__(*args, **kwargs)
+        # argparse's own test for "looks like a negative number" (an attribute of every
+        # parser since Python 3.2; `_parse_optional` calls its `.match`), widened from
+        # `^-\d+$|^-\d*\.\d+$` to any token starting with '-' and a digit.
+        self._negative_number_matcher = _DASH_VALUE
 
     def error(self, message: str) -> typing.NoReturn:
         """Print ``<prog>: error: <message>`` and a pointer to ``--help``; exit with status 2."""

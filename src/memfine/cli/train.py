@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any, get_args
 
 from memfine import config
-from memfine.artifacts.checkpoint import find_checkpoint, read_checkpoint
+from memfine.artifacts.checkpoint import (
+    CheckpointNotFoundError,
+    find_checkpoint,
+    read_checkpoint,
+)
 from memfine.artifacts.rundir import check_run_dir
+from memfine.cli._budget import check_memory_budget
+from memfine.cli._checkpoint import run_directory
 from memfine.cli._flags import (
     THREADS_FLAG,
     Flag,
@@ -240,11 +246,13 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
             if given(args, flag):
                 raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
                                  f"configuration comes from the checkpoint in {str(out)!r}")
-        tree = _checkpoint_of("--out", out)["config"]
+        tree = _checkpoint_of("--out", out, "train without --resume first")["config"]
     else:
         tree = preset(name).to_dict()
         if given(args, "init_from"):
-            source = _checkpoint_of("--init-from", Path(value(args, "init_from")))
+            source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
+                                    "--init-from takes the --out of a memfine train run that "
+                                    "has saved a checkpoint")
             tree["model"] = source["config"]["model"]  # and its context length:
             tree["seq_len"] = source["config"]["seq_len"]
     _apply_flags(args, tree, resume=resume, out=out)
@@ -256,10 +264,16 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         raise ValueError(name_flag(str(err), args, _SETTING_FLAGS)) from err
 
 
-def _checkpoint_of(flag: str, run_dir: Path) -> dict[str, Any]:
-    """The newest checkpoint payload of ``run_dir``; a ValueError names ``flag``."""
+def _checkpoint_of(flag: str, run_dir: Path, hint: str) -> dict[str, Any]:
+    """The newest checkpoint payload of ``run_dir``.
+
+    Raises:
+        ValueError: naming ``flag``; with ``hint`` when there is no checkpoint.
+    """
     try:
         return read_checkpoint(find_checkpoint(run_dir))
+    except CheckpointNotFoundError as err:
+        raise ValueError(f"{flag}: {err} ({hint})") from err
     except ValueError as err:
         raise ValueError(f"{flag}: {err}") from err
 
@@ -288,6 +302,7 @@ def run(args: argparse.Namespace) -> int:
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
     check_device(config.device)  # the flags first, then the directory
     threads = checked_threads(args)
+    check_memory_budget(config)
     check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     parallel = _parallel(args, config)
     finished = False

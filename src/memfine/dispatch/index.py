@@ -1,13 +1,17 @@
 """The MoEBlaze routing index: four int32 arrays that replace the permuted T·k × d activation copy.
 
-Legend: T tokens, E experts, K top-k slots, S routed rows (valid (token, slot) pairs, ≤ T·k).
+Legend: T tokens, E experts, K top-k slots, M = T·k (token, slot) pairs, S routed rows (valid
+(token, slot) pairs, ≤ T·k).
 Sentinel ids (outside [0, E): padding, expert-parallel remote experts, dropped pairs) are never
 dispatched: they get no row and ``token_index_map`` holds -1 for them.
 Both builders are ``torch.compile``-friendly: every tensor has a shape fixed by T, k and E except
-the (S,) arrays, whose length S is read once from the offsets (``.item()``; under
-``torch._dynamo.config.capture_scalar_outputs`` an unbacked size with hints 0 ≤ S ≤ T·k, so a new
-S never recompiles). The sort-free builder's duplicate check raises in eager and becomes an
-asynchronous assert under compile (:func:`memfine._checks.check_tensor`).
+the (S,) arrays, whose length S is read once from the offsets. In eager that is one ``.item()``;
+under ``torch.compile`` S is an unbacked size with the bounds 0 ≤ S ≤ T·k, so a new S never
+recompiles and the graph does not break: with ``torch._dynamo.config.capture_scalar_outputs`` the
+``.item()`` itself is traced, without it the (S,) slice is the custom op ``memfine::routed_slots``,
+whose fake implementation makes the same unbacked size (:func:`routed_slots`). The sort-free
+builder's duplicate check raises in eager and becomes an asynchronous assert under compile
+(:func:`memfine._checks.check_tensor`).
 Reference: MoEBlaze (arXiv 2601.05296) §3-§4; docs/design.md §3 (worked example).
 """
 
@@ -82,12 +86,58 @@ def _check_top_k_index(top_k_index: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
 
 
-def _num_rows(offsets_E1: torch.Tensor, num_slots: int) -> int:
-    """S = offsets[E] as a Python int (or an unbacked size under compile), with its bounds."""
-    S = int(offsets_E1[-1].item())
+def routed_slots(slot_order_M: torch.Tensor, expert_token_offsets: torch.Tensor) -> torch.Tensor:
+    """The routed head of an expert-grouped slot order: ``slot_order_M[:S]``, S = offsets[E].
+
+    S is data-dependent (the valid (token, slot) pairs), so it is where a compiled expert path
+    would break its graph. In eager it is one ``.item()`` and the result is a view. While
+    ``torch.compile`` traces it stays in the graph either way: with Dynamo's
+    ``capture_scalar_outputs`` the ``.item()`` becomes an unbacked size; without it (the default)
+    the slice runs as the custom op ``memfine::routed_slots`` (a copy of S int64, 8·S bytes),
+    whose fake implementation returns an unbacked size. Both carry the bounds 0 ≤ S ≤ T·k, so a
+    new S reuses the graph.
+
+    Args:
+        slot_order_M: (T·k,) int64 flat slot ids t·k + j in expert-grouped order, the S routed
+            slots first, sentinel slots after them.
+        expert_token_offsets: (E + 1,) int64 exclusive prefix sum of the per-expert counts;
+            its last entry is S.
+
+    Returns:
+        (S,) int64: ``slot_order_M[:S]`` (a view in eager and with ``capture_scalar_outputs``,
+        a new tensor from the custom op otherwise).
+
+    Reference: MoEBlaze §3 (the routed rows of the index arrays); docs/compile.md (graph breaks).
+    """
+    if torch.compiler.is_compiling() and not _captures_scalar_outputs():
+        return torch.ops.memfine.routed_slots(slot_order_M, expert_token_offsets)
+    S = int(expert_token_offsets[-1].item())
     torch._check(S >= 0)
-    torch._check(num_slots >= S)
-    return S
+    torch._check(slot_order_M.shape[0] >= S)
+    return slot_order_M[:S]
+
+
+def _captures_scalar_outputs() -> bool:
+    """Dynamo's ``capture_scalar_outputs`` (read while tracing only: Dynamo is loaded then)."""
+    import torch._dynamo
+
+    return bool(torch._dynamo.config.capture_scalar_outputs)
+
+
+@torch.library.custom_op("memfine::routed_slots", mutates_args=())
+def _routed_slots_op(slot_order_M: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    S = int(offsets_E1[-1].item())
+    if not 0 <= S <= slot_order_M.shape[0]:  # the fake impl's bounds; a violation is a bug
+        raise RuntimeError(f"routed_slots: S={S} outside [0, T·k={slot_order_M.shape[0]}]")
+    return slot_order_M[:S].clone()  # a custom op may not return a view of its input
+
+
+@_routed_slots_op.register_fake
+def _(slot_order_M: torch.Tensor, offsets_E1: torch.Tensor) -> torch.Tensor:
+    M = slot_order_M.shape[0]  # T·k: an int, or a symbolic size under dynamic shapes
+    S = torch.library.get_ctx().new_dynamic_size(min=0, max=M if isinstance(M, int) else None)
+    torch._check(S <= M)
+    return slot_order_M.new_empty(S)
 
 
 def build_index_argsort(top_k_index: torch.Tensor, num_experts: int) -> RoutingIndex:
@@ -115,11 +165,10 @@ def build_index_argsort(top_k_index: torch.Tensor, num_experts: int) -> RoutingI
     counts_E = count_per_expert(key_M, E)
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=flat_M.device)
     offsets[1:] = counts_E.cumsum(0)
-    S = _num_rows(offsets, T * k)
     row_of_slot_M = torch.empty_like(order_M)
     row_of_slot_M[order_M] = torch.arange(T * k, device=flat_M.device)
     row_of_slot_M = torch.where(valid_M, row_of_slot_M, -1)
-    slots_S = order_M[:S]
+    slots_S = routed_slots(order_M, offsets)
     return RoutingIndex(
         expert_token_indices=(slots_S // k).int(),
         expert_token_offsets=offsets.int(),
@@ -175,7 +224,7 @@ def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> Routin
     perm_M = torch.where(sentinel_M, sentinel_M.cumsum(0).add_(offsets[E] - 1), row_TK.view(-1))
     slot_M = torch.arange(T * k, device=dev)
     expert_slot = torch.empty_like(slot_M).scatter_(0, perm_M, slot_M)
-    expert_slot = expert_slot[:_num_rows(offsets, T * k)]
+    expert_slot = routed_slots(expert_slot, offsets)
     return RoutingIndex(
         expert_token_indices=(expert_slot // k).int(),
         expert_token_offsets=offsets.int(),

@@ -47,6 +47,35 @@ def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_fact
     return min(num_tokens, max(min_capacity, raw))
 
 
+def max_routed_rows(num_tokens: int, num_experts: int, top_k: int,
+                    capacity_factor: float | None, min_capacity: int = 0) -> int:
+    """The most (token, slot) pairs one routing of T tokens can keep: s″'s upper bound.
+
+    Dropless (``capacity_factor`` None): every pair, T·k. With a capacity: at most
+    ``min(T·k, E·capacity)``, each expert keeping at most :func:`expert_capacity` pairs.
+
+    Args:
+        num_tokens: T >= 0.
+        num_experts: E >= 1.
+        top_k: k >= 1.
+        capacity_factor: cf > 0, or None for dropless routing.
+        min_capacity: lower bound of the capacity in tokens, >= 0.
+
+    Returns:
+        Rows (int >= 0).
+
+    Raises:
+        ValueError: as :func:`expert_capacity`.
+
+    Reference: GShard §2.2; Switch Transformer §2.2; docs/design.md §2.
+    """
+    pairs = num_tokens * top_k
+    if capacity_factor is None:
+        return pairs
+    capacity = expert_capacity(num_tokens, num_experts, top_k, capacity_factor, min_capacity)
+    return min(pairs, num_experts * capacity)
+
+
 def capacity_keep_mask(top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                        num_experts: int, capacity: int, drop_policy: DropPolicy = "probs"
                        ) -> torch.Tensor:

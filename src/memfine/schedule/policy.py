@@ -199,8 +199,9 @@ class ChunkPolicy:
         msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed,
                                 transport_row_elements=extra)
         if not self.config.allow_over_budget:
-            raise ValueError(msg + "; raise the budget, add a larger bin, or set "
-                             "allow_over_budget to run with the largest bin")
+            raise ValueError(msg + "; raise ChunkConfig.memory_budget_bytes, add a larger bin to "
+                             "ChunkConfig.bins, or set ChunkConfig.allow_over_budget to run with "
+                             "the largest bin")
         if not self._warned:
             self._warned = True
             warnings.warn(msg + f"; using the largest bin c={bins[-1]} (allow_over_budget)",
@@ -227,5 +228,5 @@ class ChunkPolicy:
                 reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk "
                           f"need c={choice.chunks_needed} > largest bin {bins[-1]}")
             reason += f"; the smallest feasible budget is {format_bytes(need, exact=True)}"
-        return (f"ChunkConfig.memory_budget_bytes={format_bytes(budget, exact=True)} cannot be "
-                f"met: {reason}")
+        return (f"ChunkConfig.memory_budget_bytes = {format_bytes(budget, exact=True)} cannot be "
+                f"met with ChunkConfig.bins {bins}: {reason}")
