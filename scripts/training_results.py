@@ -18,8 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
+from memfine.artifacts.environment import collect_environment
 from memfine.artifacts.metrics import read_metrics
-from memfine.bench.results import collect_environment
 
 
 def collect(run_dir: Path) -> dict[str, object]:

@@ -8,9 +8,9 @@ import re
 
 import pytest
 
-from memfine.config import ChunkConfig, ModelConfig, MoEConfig, TrainConfig
+from memfine.config import ChunkConfig, ModelConfig, MoEConfig, RouteOptions, TrainConfig
 
-Config = MoEConfig | ChunkConfig | ModelConfig | TrainConfig
+Config = RouteOptions | MoEConfig | ChunkConfig | ModelConfig | TrainConfig
 MOE = {"hidden_size": 16, "intermediate_size": 32, "num_experts": 8, "top_k": 2}
 
 
@@ -85,6 +85,51 @@ def test_moe_config_rejects(overrides: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=_pattern(message)):
         _moe(**overrides)
 
+
+# The six routing fields are declared once, on RouteOptions, and checked there for a MoEConfig too.
+BAD_ROUTE = [
+    pytest.param({"capacity_factor": 0.0}, "capacity_factor must be in (0.0, inf), got 0.0",
+                 id="capacity_factor_0"),
+    pytest.param({"min_capacity": -1}, "min_capacity must be >= 0, got -1", id="min_capacity"),
+    pytest.param({"drop_policy": "random"}, "drop_policy must be one of ('probs', 'position'), "
+                 "got 'random'", id="drop_policy"),
+    pytest.param({"n_group": 2, "topk_group": 3}, "topk_group must be in [1, 2], got 3",
+                 id="topk_group_gt_n_group"),
+    pytest.param({"routed_scaling_factor": 0}, "routed_scaling_factor must be in (0.0, inf), "
+                 "got 0", id="routed_scaling_0"),
+]
+
+
+@pytest.mark.parametrize("cls", [RouteOptions, MoEConfig])
+@pytest.mark.parametrize(("overrides", "message"), BAD_ROUTE)
+def test_route_options_reject(cls: type[RouteOptions], overrides: dict[str, object],
+                              message: str) -> None:
+    extra = MOE if cls is MoEConfig else {}
+    with pytest.raises(ValueError, match=_pattern(f"{cls.__name__}.{message}")):
+        cls(**{**extra, **overrides})
+
+
+def test_n_group_bound_names_num_experts_only_in_moe_config() -> None:
+    with pytest.raises(ValueError, match=_pattern("RouteOptions.n_group must be >= 1, got 0")):
+        RouteOptions(n_group=0)
+    for n_group in (0, 9):
+        with pytest.raises(ValueError, match=_pattern(
+                f"MoEConfig.n_group must be in [1, 8], got {n_group}")):
+            _moe(n_group=n_group)
+    assert RouteOptions(n_group=64, topk_group=3).n_group == 64  # no E to check against
+
+
+def test_moe_config_declares_the_routing_fields_once() -> None:
+    moe = _moe(capacity_factor=1.5, min_capacity=2, drop_policy="position", n_group=4,
+               topk_group=2, routed_scaling_factor=2.5)
+    route_fields = [f.name for f in dataclasses.fields(RouteOptions)]
+    moe_fields = [f.name for f in dataclasses.fields(MoEConfig)]
+    assert isinstance(moe, RouteOptions) and len(route_fields) == 6
+    assert moe_fields[:6] == route_fields and len(set(moe_fields)) == len(moe_fields)
+    assert RouteOptions(**{n: getattr(moe, n) for n in route_fields}).to_dict() == {
+        "capacity_factor": 1.5, "min_capacity": 2, "drop_policy": "position", "n_group": 4,
+        "topk_group": 2, "routed_scaling_factor": 2.5}
+    assert (moe.dropless, _moe().dropless, RouteOptions().dropless) == (False, True, True)
 
 BAD_CHUNK = [
     pytest.param({"num_chunks": 0}, "ChunkConfig.num_chunks must be >= 1, got 0", id="chunks_0"),
@@ -213,6 +258,8 @@ def test_top_k_equals_num_experts_and_top1_without_renormalize_are_valid() -> No
 
 
 CONFIGS = [
+    pytest.param(RouteOptions(capacity_factor=1.25, min_capacity=4, drop_policy="position",
+                              n_group=4, topk_group=2, routed_scaling_factor=2.5), id="route"),
     pytest.param(_moe(score_func="sigmoid", activation="relu", aux_loss_coef=0.0), id="moe"),
     pytest.param(ChunkConfig(num_chunks=3, memory_budget_bytes=1 << 20, bins=(1, 3, 9),
                              recompute="full", allow_over_budget=True), id="chunk"),
@@ -274,3 +321,23 @@ def test_replace_revalidates() -> None:
             "MoEConfig.top_k must be in [1, num_experts=4], got 8")):
         dataclasses.replace(_moe(), num_experts=4, top_k=8)
     assert dataclasses.replace(_moe(), top_k=4).top_k == 4
+
+
+def test_train_schedule_steps() -> None:
+    config = TrainConfig(max_steps=10, eval_every=4, log_every=3, warmup_steps=2)
+    steps = range(1, 11)
+    assert [s for s in steps if config.evaluates_at(s)] == [4, 8, 10]
+    assert [s for s in steps if config.saves_at(s)] == [4, 8, 10]  # at each evaluation
+    assert [s for s in steps if config.logs_at(s)] == [3, 4, 6, 8, 9, 10]
+    saving = dataclasses.replace(config, save_every=3)
+    assert [s for s in steps if saving.saves_at(s)] == [3, 6, 9, 10]
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    pytest.param({"max_steps": 10, "warmup_steps": 2}, 10, id="max_steps"),
+    pytest.param({"max_steps": 10, "warmup_steps": 20}, 20, id="shorter_than_warmup"),
+    pytest.param({"max_steps": 10, "warmup_steps": 0}, 10, id="no_warmup"),
+    pytest.param({"max_steps": 10, "warmup_steps": 2, "lr_decay_steps": 7}, 7, id="given"),
+])
+def test_resolved_lr_decay_steps(overrides: dict[str, int], expected: int) -> None:
+    assert TrainConfig(**overrides).resolved_lr_decay_steps == expected  # type: ignore[arg-type]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -140,3 +141,29 @@ def test_killed_sharded_save_leaves_the_previous_checkpoint(
     _save_sharded(tmp_path, 4)  # the next save cleans up
     assert sorted(p.name for p in tmp_path.iterdir()) == [ckpt.SHARDED_NAME]
     assert _loaded(tmp_path)[0] == 4
+
+
+def test_restore_loads_every_state_and_the_rng(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    model = _save(path, 7)
+    saved_rng = torch.get_rng_state()
+    payload = {**ckpt.read_checkpoint(path), "path": str(path)}
+    fresh = torch.nn.Linear(4, 3)
+    optimizer, scheduler = build_optimizer(fresh, TrainConfig())
+    torch.randn(5)  # move the RNG on: restore must put it back
+    assert ckpt.restore(payload, fresh, optimizer, scheduler, sharded=False) == 7
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value)
+    assert scheduler.last_epoch == 1 and len(optimizer.state) == 2  # one AdamW step taken
+    assert torch.equal(torch.get_rng_state(), saved_rng)
+
+
+def test_restore_into_another_model_names_the_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    _save(path, 2)
+    payload = {**ckpt.read_checkpoint(path), "path": str(path)}
+    other = torch.nn.Linear(4, 5)
+    optimizer, scheduler = build_optimizer(other, TrainConfig())
+    with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(repr(str(path)))} does not "
+                                         r"match its config \(RuntimeError: "):
+        ckpt.restore(payload, other, optimizer, scheduler, sharded=False)

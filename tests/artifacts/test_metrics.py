@@ -69,3 +69,33 @@ def test_nonfinite_values_are_null_and_flagged(tmp_path: Path) -> None:
     assert strict == [{"step": 1, "train_loss": None, "grad_norm": 2.0,
                        "per_layer": [1.0, None, None], "nonfinite": True},
                       {"step": 2, "train_loss": 1.5}]
+
+
+class _Writer:
+    """Records what a SummaryWriter would be given."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, object, int]] = []
+        self.closed = False
+
+    def add_scalar(self, key: str, value: object, step: int) -> None:
+        self.scalars.append((key, value, step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_tensorboard_gets_the_numeric_scalars_of_each_line(tmp_path: Path) -> None:
+    writer = _Writer()
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=writer)
+    log.write({"step": 3, "train_loss": 1.25, "lr": 2e-3, "num_chunks": [1, 2],
+               "peak_bytes": None, "grad_norm": float("inf"), "other": 7.0})
+    log.write({"step": 4, "train_loss": 1.0, "val_loss": 1.5, "tokens_per_s": 100})
+    assert writer.scalars[:2] == [("train_loss", 1.25, 3), ("lr", 2e-3, 3)]
+    assert writer.scalars[2][:2] == ("grad_norm", float("inf"))  # as measured; jsonl says null
+    assert writer.scalars[3:] == [("train_loss", 1.0, 4), ("val_loss", 1.5, 4),
+                                  ("tokens_per_s", 100, 4)]
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["grad_norm"] is None
+    assert not writer.closed
+    log.close()
+    assert writer.closed

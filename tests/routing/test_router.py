@@ -6,8 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from memfine.config import MoEConfig
+from memfine.nn import MoELayer
 from memfine.reference import reference_route
-from memfine.routing import TopKRouter, route
+from memfine.routing import RouteOptions, TopKRouter, route
 from memfine.routing.losses import load_balancing_loss, z_loss
 from tolerances import assert_close
 
@@ -141,3 +143,23 @@ def test_route_rejects_bad_arguments() -> None:
         route(torch.zeros(2, E), 1, valid_mask_T=torch.ones(2))
     with pytest.raises(ValueError, match=r"^top_k must be in \[1, num_experts=5\], got 0$"):
         TopKRouter(D, E, 0)
+
+
+def test_a_moe_config_is_the_route_options_of_its_layer() -> None:
+    # MoEConfig inherits RouteOptions' fields: route() takes the layer's config as it is, and
+    # decides exactly as with the same six options given on their own.
+    moe = MoEConfig(hidden_size=D, intermediate_size=D, num_experts=8, top_k=3,
+                    capacity_factor=0.5, drop_policy="position", n_group=4, topk_group=2,
+                    routed_scaling_factor=2.5)
+    options = RouteOptions(capacity_factor=0.5, drop_policy="position", n_group=4,
+                           topk_group=2, routed_scaling_factor=2.5)
+    logits = torch.randn(T, 8, dtype=torch.float64)
+    got = route(logits, 3, score_func="sigmoid", options=moe)
+    want = route(logits, 3, score_func="sigmoid", options=options)
+    plain = route(logits, 3, score_func="sigmoid")
+    assert torch.equal(got.top_k_index, want.top_k_index)
+    assert torch.equal(got.top_k_weights, want.top_k_weights)
+    # capacity ⌈0.5·12·3/8⌉ = 3 per expert: some of the 36 pairs are dropped
+    assert int(got.dropped_pairs) == int(want.dropped_pairs) > 0
+    assert not torch.equal(got.selected_index, plain.selected_index)  # groups took effect
+    assert MoELayer(moe).router.options is moe

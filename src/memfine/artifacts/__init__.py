@@ -4,5 +4,6 @@ Modules: ``rundir`` (safe run directories, the lock), ``checkpoint`` (atomic sin
 sharded DCP checkpoints, checked load), ``metrics`` (``metrics.jsonl``, expert load, plots),
 ``memory_log`` (measured and predicted bytes per step), ``outputs`` (progress bar, TensorBoard,
 plots), ``evaluation`` (validation loss, a sample), ``inference`` (``memfine generate``,
-``memfine eval``, ``memfine export`` on a checkpoint).
+``memfine eval``, ``memfine export`` on a checkpoint), ``environment`` (the machine and versions a
+result file records).
 """

@@ -259,6 +259,37 @@ def load_states(payload: dict[str, Any], model: torch.nn.Module,
                        options=StateDictOptions(full_state_dict=True))
 
 
+def restore(payload: dict[str, Any], model: torch.nn.Module,
+            optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+            *, sharded: bool) -> int:
+    """Load a checkpoint payload into model, optimizer, scheduler and the RNGs (resume).
+
+    Either form (one file, or a DCP directory written at any mesh layout) loads into a whole or
+    a sharded model (:func:`load_states`).
+
+    Args:
+        payload: from :func:`read_checkpoint`, with ``path`` (the checkpoint, for messages).
+        model: the model built from the checkpoint's config (sharded or whole).
+        optimizer: its optimizer.
+        scheduler: its LR scheduler.
+        sharded: whether ``model`` is sharded (its state dict holds DTensors).
+
+    Returns:
+        The checkpoint's completed steps.
+
+    Raises:
+        ValueError: naming the checkpoint when the states do not fit the model.
+    """
+    try:
+        load_states(payload, model, optimizer, sharded=sharded)
+        scheduler.load_state_dict(payload["scheduler"])
+        set_rng_state(payload["rng"])
+    except (RuntimeError, KeyError, TypeError, ValueError) as err:
+        raise ValueError(f"checkpoint {payload['path']!r} does not match its config "
+                         f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
+    return int(payload["step"])
+
+
 def load_model_state(payload: dict[str, Any], model: torch.nn.Module) -> None:
     """Load only a checkpoint's model state into a whole (unsharded) model, either form.
 

@@ -4,7 +4,8 @@ Legend: B batch, Q sequence length.
 
 Behind ``memfine generate``, ``memfine eval`` and ``memfine export``. A run directory's
 ``checkpoint.pt`` holds the model weights and the :class:`memfine.config.TrainConfig` they were
-trained with; :func:`load_trained` rebuilds the model from it. Export writes the weights to
+trained with; :func:`load_trained` rebuilds the model from it, :func:`load_weights` starts a
+new run from its weights. Export writes the weights to
 ``model.safetensors`` (``safetensors`` package) with the model config in the file's metadata and
 in ``model_config.json`` beside it.
 """
@@ -77,6 +78,31 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     model = model.to(device=torch.device(device), dtype=getattr(torch, config.dtype)).eval()
     return Trained(model=model, config=config, step=int(payload["step"]))
 
+
+def load_weights(model: MoETransformerLM, model_config: ModelConfig,
+                 run_dir: str | os.PathLike[str]) -> None:
+    """Load the weights of ``run_dir``'s newest checkpoint into ``model`` (fine-tuning).
+
+    Either form: ``checkpoint.pt`` or a sharded ``checkpoint.dcp/``; the optimizer state and
+    schedule are not read (``memfine train --init-from``).
+
+    Args:
+        model: a whole (unsharded) model built from ``model_config``.
+        model_config: the model of the new run; it must equal the checkpoint's.
+        run_dir: the run directory of the checkpoint.
+
+    Raises:
+        ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
+            another model (the message lists the fields that differ).
+    """
+    payload = read_checkpoint(find_checkpoint(run_dir))
+    saved = TrainConfig.from_dict(payload["config"]).model
+    if saved != model_config:
+        raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in "
+                         f"{saved.differing_fields(model_config)}; the model flags must match "
+                         f"the checkpoint's")
+    with torch.no_grad():
+        load_model_state(payload, model)
 
 def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperature: float,
                   seed: int = 0) -> str:

@@ -30,6 +30,7 @@ import torch
 from memfine.config import TrainConfig
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
 from memfine.memory.layer import moe_layer_memory
+from memfine.nn import MoETransformerLM
 from memfine.units import format_bytes
 
 ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq per parameter, in the parameter dtype
@@ -84,6 +85,12 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
     return moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
                             num_chunks=num_chunks,
                             recompute=config.model.chunk.resolved_recompute).peak_bytes
+
+
+def num_parameters(config: TrainConfig) -> int:
+    """Parameters of the whole model of ``config`` (all experts, whatever the EP size)."""
+    with torch.device("meta"):
+        return sum(p.numel() for p in MoETransformerLM(config.model).parameters())
 
 
 def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: int) -> int:

@@ -48,16 +48,21 @@ class Outputs:
         return self
 
     def open(self, out_dir: Path, config: TrainConfig, *, start: int, resume: bool,
-             is_main: bool) -> tuple[MetricsLog | None, Any, Any]:
-        """Open ``metrics.jsonl``, the progress bar and the TensorBoard writer (main rank only)."""
+             is_main: bool) -> tuple[MetricsLog | None, Any]:
+        """Open ``metrics.jsonl`` (with the TensorBoard writer) and the progress bar.
+
+        Returns:
+            The metrics log and the tqdm bar (None when off); both None off the main rank.
+        """
         if not is_main:
-            return None, None, None
-        log = MetricsLog(out_dir / METRICS_NAME, keep_until_step=start if resume else None)
-        bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
-                                   dynamic_ncols=True, mininterval=0.5) if self.progress else None
+            return None, None
         writer = None
         if self.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
             writer = SummaryWriter(str(out_dir / "tensorboard"), purge_step=start + 1)
-        return log, bar, writer
+        log = MetricsLog(out_dir / METRICS_NAME, keep_until_step=start if resume else None,
+                         tensorboard=writer)
+        bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
+                                   dynamic_ncols=True, mininterval=0.5) if self.progress else None
+        return log, bar

@@ -1,31 +1,19 @@
 """Benchmark harness shared by ``memfine bench`` and ``benchmarks/``: time and memory of methods.
 
-A *method* is a named pair of callables, ``forward() -> out`` and ``backward(out)``, plus a
-``zero_grad()`` run before every call (gradients are set to ``None``, so each call creates its
-gradients as a training step does). :func:`run_methods` runs a list of methods in one process:
+A *method* (:class:`Method`) is a named pair of callables, ``forward() -> out`` and
+``backward(out)``, plus a ``zero_grad()`` run before every call (gradients set to ``None``, so
+each call creates its gradients as a training step does). :func:`run_methods` runs them in one
+process: warm-up rounds; one memory call per method
+(:func:`memfine.measure.report.measure_memory`, plus a ``torch.profiler`` call on the CPU);
+then timed rounds, each call timed as forward (mode ``fwd``), backward (``bwd``) and the whole
+(``full``), with CUDA events on a GPU and ``time.perf_counter`` on the CPU. Every round calls
+the methods in *interleaved order* (round r starts at method r mod M), so a load change on a
+shared machine hits every method alike. A method that raises is recorded with its error and
+dropped. Predictions (``predict()``, typically :mod:`memfine.memory.layer`) are read after the
+calls, so they may depend on run-time decisions such as MACT's chunk count.
 
-1. warm-up: ``warmup`` untimed rounds;
-2. memory: one call per method under :func:`memfine.measure.report.measure_memory` (saved-for-
-   backward bytes counted during forward, peak live bytes over forward + backward; CUDA allocator
-   statistics on a GPU); on the CPU the peak comes from the live-storage tracker and one more
-   call measures it with ``torch.profiler`` (extra ``profiler_peak_bytes``), or, for a method
-   whose :attr:`Method.peak` is ``profiler`` (a compiled callable), from that one call alone;
-3. timing: ``repeats`` rounds; each call is timed in two parts, forward (mode ``fwd``) and
-   backward (mode ``bwd``), and as a whole (mode ``full``). On a GPU the marks are CUDA events,
-   read after one synchronisation per call; on the CPU ``time.perf_counter``.
-
-Every round (warm-up and timed) calls the methods in *interleaved order*: round r starts at method
-r mod M and wraps around, so a load change on a shared machine hits every method alike and no
-method always runs first. A method that raises is recorded with its error and dropped.
-
-The predictions of a method (its ``predict()`` callable, typically the memory model of
-:mod:`memfine.memory.layer`) are read after its calls, so they may depend on decisions
-taken at run time (e.g. MACT's chunk count). :func:`memfine.bench.results.result_rows` turns
-the results into CSV rows with the docs/style.md §6 schema.
-
-Units: times in seconds inside the harness (milliseconds from :meth:`MethodResult.time_ms`); bytes
-are ints; throughput in tokens/s. The harness imports no other memfine layer (it takes
-callables).
+Units: seconds inside the harness (milliseconds from :meth:`MethodResult.time_ms`); bytes are
+ints; throughput in tokens/s. The harness takes callables and imports no other memfine layer.
 Reference: docs/style.md §6 (benchmarks) and §7 (predicted next to measured).
 """
 
@@ -77,10 +65,9 @@ class Method:
         peak: how the memory call measures peak bytes off CUDA: ``tracker`` (the live-storage
             tracker, then one more call under ``torch.profiler``) or ``profiler`` (one call under
             ``torch.profiler`` only). Compiled callables need ``profiler``: inductor allocates
-            its buffers outside the dispatcher, where the tracker does not see them, and Dynamo
-            does not compile under the tracker's ``TorchDispatchMode``. The saved bytes are
-            counted by saved-tensor hooks either way (a compiled graph's saved tensors pass
-            through them where its autograd Function saves them).
+            outside the dispatcher, where the tracker does not see it, and Dynamo does not
+            compile under the tracker's ``TorchDispatchMode``. Saved bytes come from
+            saved-tensor hooks either way.
     """
 
     name: str

@@ -2,9 +2,7 @@
 
 Shapes: the MoEBlaze Table 1 configurations (docs/design.md §3: ffn n = 4d, SwiGLU) keep d, E, k and
 n, and divide the paper's batch × seq by ``scale_down`` (default 256) so that they run on a few CPU
-cores. Explicit sizes override fields of the selected configurations; without ``--configs`` they
-describe one custom shape (the fields not given come from the suite's first default shape).
-
+cores; explicit sizes override them (:func:`resolve_shapes`).
 Reference: MoEBlaze (arXiv 2601.05296) Table 1; docs/design.md §3.
 """
 
@@ -18,6 +16,7 @@ from typing import Any
 import torch
 
 from memfine._checks import check_choice, fail
+from memfine.config import _ConfigBase
 
 SUITES = ("experts", "chunking", "model", "hf")
 DTYPES = ("float32", "bfloat16")
@@ -39,8 +38,10 @@ SIZE_FIELDS = ("tokens", "hidden_size", "intermediate_size", "num_experts", "top
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BenchOptions:
+class BenchOptions(_ConfigBase):
     """Resolved options of one ``memfine bench`` run (plain values; see ``--help`` per flag).
+
+    ``to_dict``/``from_dict`` as on the configs (:class:`memfine.config._ConfigBase`).
 
     Attributes:
         suites: suites to run, from :data:`SUITES`.
@@ -120,11 +121,6 @@ class BenchOptions:
         """The torch dtype of ``dtype``."""
         return getattr(torch, self.dtype)  # type: ignore[no-any-return]
 
-    def to_dict(self) -> dict[str, Any]:
-        """Fields as a JSON-ready dict."""
-        return {f.name: (list(v) if isinstance(v := getattr(self, f.name), tuple) else v)
-                for f in dataclasses.fields(self)}
-
     def explicit_sizes(self) -> dict[str, int]:
         """The size overrides that were given (field → value)."""
         return {name: getattr(self, name) for name in SIZE_FIELDS
@@ -177,14 +173,11 @@ def table1_shape(conf: int, scale_down: int) -> LayerShape:
 
 
 def _override(shape: LayerShape, sizes: dict[str, int], name: str | None = None) -> LayerShape:
-    fields = {"tokens": shape.tokens, "hidden_size": shape.hidden_size,
-              "intermediate_size": shape.intermediate_size, "num_experts": shape.num_experts,
-              "top_k": shape.top_k}
     if "hidden_size" in sizes and "intermediate_size" not in sizes:
-        fields["intermediate_size"] = 4 * sizes["hidden_size"]
-    fields.update(sizes)
-    paper = shape.paper_tokens if fields["tokens"] == shape.tokens and not name else None
-    return LayerShape(name=name or shape.name, paper_tokens=paper, **fields)
+        sizes = {**sizes, "intermediate_size": 4 * sizes["hidden_size"]}
+    same_tokens = sizes.get("tokens", shape.tokens) == shape.tokens
+    paper = shape.paper_tokens if same_tokens and not name else None
+    return dataclasses.replace(shape, name=name or shape.name, paper_tokens=paper, **sizes)
 
 
 def resolve_shapes(opts: BenchOptions, defaults: Sequence[LayerShape], quick: LayerShape

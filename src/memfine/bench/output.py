@@ -91,11 +91,6 @@ def print_point(point: Point) -> None:
           "MiB: the memory model's prediction; c: chunks")
 
 
-def _pyplot() -> Any:
-    """The Agg pyplot, or ``None`` when matplotlib is not installed (plots are skipped)."""
-    return pyplot() if is_available("matplotlib") else None
-
-
 def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
     """Title, lay out, write and close a figure; return its path."""
     fig.suptitle(title)
@@ -240,10 +235,10 @@ def plot_points(points: Sequence[Point], out_dir: Path, suite: str) -> list[Path
     """Write the suite's PNGs (``bench_<suite>_<kind>.png``); [] without matplotlib."""
     if not points:
         return []
-    plt = _pyplot()
-    if plt is None:
+    if not is_available("matplotlib"):
         print("plots skipped: matplotlib is not installed (pip install 'memfine[train]')")
         return []
+    plt = pyplot()
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [plot_time(plt, points, out_dir / f"bench_{suite}_time.png"),
              plot_memory(plt, points, out_dir / f"bench_{suite}_memory.png")]

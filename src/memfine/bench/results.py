@@ -1,10 +1,10 @@
 """Benchmark results as CSV rows: the docs/style.md §6 schema and the environment a run had.
 
-:func:`result_rows` turns the results of :func:`memfine.bench.harness.run_methods` into rows of
-:data:`CSV_COLUMNS`; :func:`csv_row` builds one row of a metric a script measures itself; both
-carry the :class:`Environment` (device, CPU, threads, torch/triton/memfine versions, git SHA, UTC
-time) of :func:`collect_environment`. A value that was not measured is written as
-``"not measured"`` and a missing prediction as ``"not modelled"``, never 0 or -1.
+:func:`result_rows` (a point of :func:`memfine.bench.harness.run_methods`) and :func:`csv_row` (a
+metric a script measures itself) write rows of :data:`CSV_COLUMNS` with the
+:class:`memfine.artifacts.environment.Environment` (re-exported with
+:func:`collect_environment`); a value not measured reads
+``"not measured"``, a missing prediction ``"not modelled"``, never 0 or -1.
 
 Units: times in milliseconds; bytes are ints; throughput in tokens/s.
 Reference: docs/style.md §6 (benchmarks) and §7 (predicted next to measured).
@@ -13,19 +13,13 @@ Reference: docs/style.md §6 (benchmarks) and §7 (predicted next to measured).
 from __future__ import annotations
 
 import csv
-import datetime
-import importlib.metadata
-import importlib.util
 import json
-import platform
-import subprocess
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from memfine.artifacts.environment import Environment
+from memfine.artifacts.environment import collect_environment as collect_environment
 from memfine.bench.harness import MODES, MethodResult, Value
 from memfine.units import NOT_MEASURED
 
@@ -33,84 +27,6 @@ NOT_MODELLED = "not modelled"
 CSV_COLUMNS = ("benchmark", "method", "mode", "metric", "unit", "x_name", "x_value", "p20",
                "p50", "p80", "device", "cpu_model", "threads", "torch_version", "triton_version",
                "memfine_version", "git_sha", "utc_timestamp", "config_json")
-
-
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Environment:
-    """Where and with what a benchmark ran (the CSV's environment columns).
-
-    Attributes:
-        device: ``cpu`` or ``cuda:<i> (<GPU name>)``.
-        cpu_model: the CPU's model name.
-        threads: torch intra-op threads.
-        torch_version: ``torch.__version__``.
-        triton_version: installed triton version, or ``not installed``.
-        memfine_version: installed memfine version.
-        git_sha: short commit of the memfine checkout (``-dirty`` with local changes), or
-            ``unknown`` outside a git checkout.
-        utc_timestamp: ISO 8601 UTC time, seconds.
-    """
-
-    device: str
-    cpu_model: str
-    threads: int
-    torch_version: str
-    triton_version: str
-    memfine_version: str
-    git_sha: str
-    utc_timestamp: str
-
-    def line(self) -> str:
-        """One human line: device, CPU, threads, versions, commit, date."""
-        threads = f"{self.threads} thread" + ("s" if self.threads != 1 else "")
-        return (f"{self.device}; CPU {self.cpu_model}; {threads}; torch "
-                f"{self.torch_version}; triton {self.triton_version}; memfine "
-                f"{self.memfine_version} ({self.git_sha}); {self.utc_timestamp}")
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "unknown"
-
-
-def _version(package: str) -> str:
-    if importlib.util.find_spec(package) is None:
-        return "not installed"
-    try:
-        return importlib.metadata.version(package)
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _git_sha() -> str:
-    here = Path(__file__).resolve().parent
-    try:
-        sha = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, text=True,
-                             capture_output=True, check=True, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                               cwd=here, text=True, capture_output=True, check=True,
-                               timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return f"{sha}-dirty" if dirty else sha
-
-
-def collect_environment(device: str | torch.device = "cpu") -> Environment:
-    """Describe this process's environment (no tensors are allocated)."""
-    dev = torch.device(device)
-    name = str(dev)
-    if dev.type == "cuda":
-        name = f"{dev} ({torch.cuda.get_device_name(dev)})"
-    return Environment(
-        device=name, cpu_model=_cpu_model(), threads=torch.get_num_threads(),
-        torch_version=torch.__version__, triton_version=_version("triton"),
-        memfine_version=_version("memfine"), git_sha=_git_sha(),
-        utc_timestamp=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
 def format_value(value: Value, *, missing: str = NOT_MEASURED) -> str:

@@ -16,10 +16,12 @@ from pathlib import Path
 
 import torch
 
+from memfine.artifacts.environment import collect_environment
 from memfine.bench import SUITE_MODULES, select_methods
 from memfine.bench.options import BenchOptions
 from memfine.bench.output import plot_points, print_point
-from memfine.bench.results import collect_environment, result_rows, write_csv
+from memfine.bench.results import result_rows, write_csv
+from memfine.train.loop import torch_threads
 
 
 def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
@@ -34,13 +36,8 @@ def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
 
     Side effects: sets torch's intra-op threads to ``opts.threads`` for the run (restored).
     """
-    threads = torch.get_num_threads()
-    if opts.threads is not None:
-        torch.set_num_threads(opts.threads)
-    try:
+    with torch_threads(opts.threads):
         return _run(opts, device)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _run(opts: BenchOptions, device: torch.device) -> list[str]:

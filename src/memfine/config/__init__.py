@@ -1,8 +1,9 @@
 """Frozen, keyword-only configuration dataclasses, validated on construction.
 
 - :mod:`memfine.config.base`: the ``to_dict``/``from_dict`` base, the ``Literal`` option types.
-- :mod:`memfine.config.moe`: :class:`MoEConfig` (router, routed and shared experts) and
-  :class:`GatedActivation`.
+- :mod:`memfine.config.routing`: :class:`RouteOptions` (group limit, weight scaling, capacity).
+- :mod:`memfine.config.moe`: :class:`MoEConfig` (router, routed and shared experts; inherits
+  :class:`RouteOptions`) and :class:`GatedActivation`.
 - :mod:`memfine.config.model`: :class:`ChunkConfig` (MemFine chunking, MACT budget),
   :class:`ModelConfig`, :class:`TrainConfig`.
 
@@ -31,6 +32,7 @@ from memfine.config.moe import (
     MoEConfig,
     backward_block_rows,
 )
+from memfine.config.routing import RouteOptions
 
 __all__ = [
     "DEFAULT_BACKWARD_BLOCK_BYTES",
@@ -48,6 +50,7 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "Recompute",
+    "RouteOptions",
     "ScoreFunc",
     "TrainConfig",
     "_ConfigBase",

@@ -44,6 +44,11 @@ class _ConfigBase:
             out[f.name] = value
         return out
 
+    def differing_fields(self, other: _ConfigBase) -> list[str]:
+        """Names of the fields whose values differ from ``other``'s (a config of this class)."""
+        return [f.name for f in dataclasses.fields(self)  # type: ignore[arg-type]
+                if getattr(self, f.name) != getattr(other, f.name)]
+
     @classmethod
     def from_dict(cls: type[_C], data: dict[str, Any]) -> _C:
         """Build from ``to_dict`` output.

@@ -226,6 +226,32 @@ class TrainConfig(_ConfigBase):
             fail(self, "compile", "True or False", self.compile)
         check_choice(self, "autocast", AutocastDType)
 
+    @property
+    def resolved_lr_decay_steps(self) -> int:
+        """``lr_decay_steps``, or ``max(max_steps, warmup_steps, 1)`` when it is None."""
+        if self.lr_decay_steps is not None:
+            return self.lr_decay_steps
+        return max(self.max_steps, self.warmup_steps, 1)  # shorter than its warm-up: no decay
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether completed step ``step`` validates: every ``eval_every`` and the last step."""
+        return step % self.eval_every == 0 or step == self.max_steps
+
+    def saves_at(self, step: int) -> bool:
+        """Whether completed step ``step`` checkpoints: every ``save_every`` and the last step.
+
+        Without ``save_every``, every ``eval_every`` steps.
+        """
+        every = self.save_every if self.save_every is not None else self.eval_every
+        return step % every == 0 or step == self.max_steps
+
+    def logs_at(self, step: int) -> bool:
+        """Whether completed step ``step`` writes a ``metrics.jsonl`` line.
+
+        Every ``log_every`` steps and at each evaluation (:meth:`evaluates_at`).
+        """
+        return step % self.log_every == 0 or self.evaluates_at(step)
+
 
 _SUBCONFIGS.update({("ModelConfig", "moe"): MoEConfig, ("ModelConfig", "chunk"): ChunkConfig,
                     ("TrainConfig", "model"): ModelConfig})

@@ -9,13 +9,13 @@ from memfine._checks import check_choice, check_float, check_int, fail
 from memfine.config.base import (
     GATED_ACTIVATIONS,
     Activation,
-    DropPolicy,
     ExpertsImpl,
     GemmBackend,
     IndexBuilder,
     ScoreFunc,
     _ConfigBase,
 )
+from memfine.config.routing import RouteOptions
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -94,8 +94,12 @@ def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: i
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class MoEConfig(_ConfigBase):
+class MoEConfig(RouteOptions):
     """One MoE feed-forward layer: router and routed experts.
+
+    The routing options (``capacity_factor``, ``min_capacity``, ``drop_policy``, ``n_group``,
+    ``topk_group``, ``routed_scaling_factor``) are inherited from :class:`RouteOptions` and
+    described there; this class adds the rules that tie them to E and k.
 
     Attributes:
         hidden_size: d, the model width.
@@ -120,19 +124,6 @@ class MoEConfig(_ConfigBase):
             ``skew_hot_experts = top_k`` sends every token to experts 0..k-1 (the worst case of
             MemFine's skew); small values skew partially. Used to show chunking under skew on one
             device; leave at 0 for training.
-        capacity_factor: ``None`` (default) routes without dropping; else each expert keeps at
-            most ``capacity = min(T, max(min_capacity, ceil(capacity_factor·T·k/E)))`` of the
-            (token, slot) pairs that chose it (GShard §2.2, Switch Transformer §2.2), > 0.
-        min_capacity: lower bound of the capacity in tokens, >= 0 (DeepSpeed-MoE's
-            ``min_capacity``); only used with ``capacity_factor``.
-        drop_policy: which pairs an over-full expert keeps: ``probs`` (the highest routing
-            weights) or ``position`` (the earliest tokens). Ties go to the lower token index.
-        n_group: expert groups for group-limited routing (DeepSeek-V3 §2.1.2 node-limited
-            routing; HF ``n_group``); 1 disables it. Must divide E with >= 2 experts per group.
-        topk_group: groups each token may use, in [1, n_group]; a group's score is the sum of
-            its two highest (biased) scores; ``topk_group·E/n_group >= k``.
-        routed_scaling_factor: multiplies the k routing weights after renormalisation
-            (DeepSeek-V3: 2.5), > 0.
         bias_update_rate: γ of aux-loss-free balancing (DeepSeek-V3 §2.1.2): after each
             optimizer step the selection bias moves by ``γ·sign(mean_load − load_i)``; 0 = off.
         seq_aux_loss_coef: weight α of DeepSeek-V3's sequence-wise balance loss (Eq. 17-20) in
@@ -161,12 +152,6 @@ class MoEConfig(_ConfigBase):
     z_loss_coef: float = 0.001
     skew_hot_experts: int = 0
     skew_bias: float = 0.0
-    capacity_factor: float | None = None
-    min_capacity: int = 0
-    drop_policy: DropPolicy = "probs"
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
     bias_update_rate: float = 0.0
     seq_aux_loss_coef: float = 0.0
     router_jitter_eps: float = 0.0
@@ -182,6 +167,9 @@ class MoEConfig(_ConfigBase):
             ValueError: naming the class and field, what is allowed and the value received.
         """
         self._check_sizes()
+        # n_group ≤ E before RouteOptions' own checks, so the message names the bound
+        check_int(self, "n_group", 1, self.num_experts)
+        RouteOptions.__post_init__(self)  # slots dataclass: no zero-argument super()
         _check_routing(self)
 
     def _check_sizes(self) -> None:
@@ -209,11 +197,6 @@ class MoEConfig(_ConfigBase):
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
         check_int(self, "backward_block_bytes", 1)
-
-    @property
-    def dropless(self) -> bool:
-        """True when no capacity is set (every selected pair is dispatched)."""
-        return self.capacity_factor is None
 
     @property
     def shared_width(self) -> int:
@@ -250,23 +233,16 @@ class MoEConfig(_ConfigBase):
 
 
 def _check_routing(moe: MoEConfig) -> None:
-    """Routing options of :class:`MoEConfig` (capacity, groups, balancing, shared experts)."""
-    if moe.capacity_factor is not None:
-        check_float(moe, "capacity_factor", 0.0, lo_open=True)
-    check_int(moe, "min_capacity", 0)
-    check_choice(moe, "drop_policy", DropPolicy)
+    """Rules tying the routing options to E and k; balancing and shared experts."""
     E = moe.num_experts
-    check_int(moe, "n_group", 1, E)
     if E % moe.n_group:
         fail(moe, "n_group", f"a divisor of num_experts={E}", moe.n_group)
     if moe.n_group > 1 and E // moe.n_group < 2:
         fail(moe, "n_group", f"at most num_experts/2={E // 2} (a group's score is the sum of "
               "its top-2 scores, so each group needs >= 2 experts)", moe.n_group)
-    check_int(moe, "topk_group", 1, moe.n_group)
     if moe.topk_group * (E // moe.n_group) < moe.top_k:
         fail(moe, "topk_group", f"large enough that topk_group·num_experts/n_group >= "
               f"top_k={moe.top_k} (n_group={moe.n_group})", moe.topk_group)
-    check_float(moe, "routed_scaling_factor", 0.0, lo_open=True)
     check_float(moe, "bias_update_rate", 0.0)
     check_float(moe, "seq_aux_loss_coef", 0.0)
     check_float(moe, "router_jitter_eps", 0.0)

@@ -259,6 +259,31 @@ class MoETransformerLM(nn.Module):
                                    targets.reshape(-1))
         return LMOutput(logits=logits_BQV, loss=loss, aux=tuple(auxes))
 
+    def compile_regions(self, *, backend: str = "inductor") -> MoETransformerLM:
+        """Compile, in place, every block's regions that issue no collective; return ``self``.
+
+        For each block: ``attn_norm``, ``attn``, ``moe_norm`` and ``moe.router``
+        (``nn.Module.compile``), and the final ``norm``. Left eager: the experts (the
+        expert-parallel count exchange, all-to-alls and chunk loop), shared experts, the aux
+        losses, the embedding and cross-entropy, and the FSDP2 modules' own hooks (the blocks,
+        the experts and the root are FSDP2 modules; none of the compiled regions is). This is
+        how ``memfine train --compile`` compiles a sharded model, per block as torchtitan does
+        (docs/compile.md).
+
+        Args:
+            backend: the ``torch.compile`` backend (``inductor``; tests use ``aot_eager``).
+
+        Returns:
+            The model itself; its regions now run compiled wherever it is called (evaluation
+            and sampling included).
+        """
+        regions: list[nn.Module] = [self.norm]
+        for block in self.blocks:
+            regions += [block.attn_norm, block.attn, block.moe_norm, block.moe.router]
+        for region in regions:
+            region.compile(backend=backend)
+        return self
+
     @torch.no_grad()
     def update_expert_bias(self, tokens_per_expert_LE: torch.Tensor) -> None:
         """Aux-loss-free balancing: move every layer's selection bias once, after a step.

@@ -15,13 +15,7 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.nn.experts import GroupedExperts
 from memfine.nn.shared import SharedExperts
-from memfine.routing import (
-    RouteOptions,
-    TopKRouter,
-    load_balancing_loss,
-    sequence_balance_loss,
-    z_loss,
-)
+from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
 from memfine.routing.precision import count_per_expert
 from memfine.routing.router import RoutingResult
 from memfine.schedule.policy import ChunkPolicy
@@ -104,7 +98,7 @@ class MoELayer(nn.Module):
         self.policy = policy or ChunkPolicy(chunk or NO_CHUNKING, config)
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize,
-                                 options=RouteOptions.from_config(config),
+                                 options=config,
                                  jitter_eps=config.router_jitter_eps)
         self.experts = GroupedExperts(config, depth=depth)
         self.shared_experts = (SharedExperts(config, depth=depth)

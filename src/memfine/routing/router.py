@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfine.config import DropPolicy, MoEConfig, ScoreFunc
+from memfine.config import RouteOptions, ScoreFunc
 from memfine.routing.capacity import capacity_keep_mask, expert_capacity
 from memfine.routing.groups import group_limited_scores, top_k_lowest_index
 from memfine.routing.precision import FP32BuffersMixin, count_per_expert, fp32_routing
@@ -68,35 +68,6 @@ class RoutingResult:
     def top_k(self) -> int:
         """k, experts per token."""
         return int(self.top_k_index.shape[-1])
-
-
-@dataclass(frozen=True, slots=True)
-class RouteOptions:
-    """Routing options beyond plain top-k (all off by default; see :class:`MoEConfig`).
-
-    Attributes:
-        n_group: expert groups (1: no group limit); DeepSeek-V3 §2.1.2.
-        topk_group: groups a token may use.
-        routed_scaling_factor: factor on the final weights (DeepSeek-V3: 2.5).
-        capacity_factor: ``None`` (dropless) or cf for :func:`expert_capacity`.
-        min_capacity: lower bound of the capacity, tokens.
-        drop_policy: ``probs`` or ``position``.
-    """
-
-    n_group: int = 1
-    topk_group: int = 1
-    routed_scaling_factor: float = 1.0
-    capacity_factor: float | None = None
-    min_capacity: int = 0
-    drop_policy: DropPolicy = "probs"
-
-    @classmethod
-    def from_config(cls, moe: MoEConfig) -> RouteOptions:
-        """The options of a :class:`MoEConfig`."""
-        return cls(n_group=moe.n_group, topk_group=moe.topk_group,
-                   routed_scaling_factor=moe.routed_scaling_factor,
-                   capacity_factor=moe.capacity_factor, min_capacity=moe.min_capacity,
-                   drop_policy=moe.drop_policy)
 
 
 DEFAULT_OPTIONS = RouteOptions()
@@ -204,7 +175,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         valid_mask_T: optional (T,) bool, False marks padding tokens: they get the sentinel
             expert id E, weight 0, and are left out of ``tokens_per_expert``.
         out_dtype: dtype of ``top_k_weights`` (default: the dtype of ``logits_TE``).
-        options: group limit, scaling factor and capacity (:class:`RouteOptions`).
+        options: group limit, scaling factor and capacity: a :class:`RouteOptions`, or the
+            layer's :class:`memfine.config.MoEConfig` (which inherits those fields).
         replay: a previous result for the same tokens: its selection and drops are reused and
             only the weights are recomputed from these logits (routing replay in a recompute).
 
@@ -252,7 +224,8 @@ class TopKRouter(FP32BuffersMixin):
         top_k: k.
         score_func: ``softmax`` or ``sigmoid``.
         renormalize: renormalise the k selected weights.
-        options: group limit, scaling and capacity (:class:`RouteOptions`).
+        options: group limit, scaling and capacity: a :class:`RouteOptions` or the layer's
+            :class:`memfine.config.MoEConfig`.
         jitter_eps: ε of Switch Transformer's input jitter (training mode only): the router's
             input is multiplied by U(1−ε, 1+ε); the caller's tensor is not changed.
 

@@ -1,11 +1,8 @@
 """Training of the small byte-level MoE language model on real text (``memfine train``).
 
-Modules: ``setup`` (resume rules, data, model,
-optimizer), ``loop`` (:func:`train`: the run directory, the loop, finish), ``step`` (one optimizer
-step), ``events`` (validate, checkpoint, metrics line, progress), ``parallel`` (the
-``ParallelTraining`` protocol), ``execution`` (autocast, one forward), ``stop`` (SIGINT and
-SIGTERM), ``optim`` (AdamW, LR schedule), ``presets`` (``tiny``, ``small``). The data lives in
-:mod:`memfine.data`; the run directory, checkpoints and metrics in :mod:`memfine.artifacts`.
+:func:`train` (``loop``) over ``setup``, ``step``, ``events``, ``accumulation``, ``execution``,
+``parallel``, ``stop``, ``optim`` and ``presets``; the data is :mod:`memfine.data`, the run
+directory, checkpoints and metrics :mod:`memfine.artifacts`.
 """
 
 from memfine.artifacts.checkpoint import load_checkpoint, save_checkpoint

@@ -3,24 +3,18 @@
 ``--grad-accum N`` runs a step's N·B sequences as N micro-batches, each loss divided by N, so
 the summed gradients are those of one N·B batch. The load-balancing loss E·Σ_i f_i·P_i needs the
 step's expert fractions f (counts over all N·B sequences and every rank) before the first
-micro-batch's backward, while the later micro-batches are not routed yet. f carries no gradient
-(it is a count), so exactness needs only its value: before the real micro-batches,
-:func:`step_selection_counts` runs a forward of each micro-batch under ``torch.no_grad()`` that
-keeps only every MoE layer's selection counts (summed over the ranks by the layers themselves,
-then over the micro-batches here). The real micro-batches then take those counts
-(``step_selection_counts``), so each layer's f is the step's and its P and z-loss are divided by
-the step's mean valid tokens per (rank, micro-batch) share: the mean over micro-batches and ranks
-is the N·B batch's loss, and its gradient the N·B batch's gradient.
+micro-batch's backward. f is a count and carries no gradient, so its value suffices: a no-grad
+forward of each micro-batch first counts every MoE layer's selection
+(:func:`step_selection_counts`), and each real micro-batch's layers then use the step's f and
+divide P and the z-loss by the step's mean valid tokens per (rank, micro-batch) share, which
+makes the mean over micro-batches and ranks the N·B batch's loss and gradient.
 
-Cost: one extra forward per micro-batch without autograd (no saved activations; under expert
-parallelism its all-to-alls too), about a third of a micro-batch's forward + backward arithmetic
-(forward : backward FLOPs = 1 : 2, docs/design.md §5);
-it runs only when N > 1 and ``aux_loss_coef`` > 0 (the only case where f moves a gradient).
-Routing decides the same in both passes: the same weights, inputs and autocast region; the RNG
-state (router jitter) is restored after the pre-pass, so the real pass draws the same noise in
-the same order. Exception: under ``--compile`` the pre-pass runs a separately compiled no-grad
-graph; its inductor-generated jitter noise (and last-bit rounding) may differ from the training
-graph's, so with jitter under compile f is that of a routing close to, not equal to, the real one.
+Cost: one forward per micro-batch without autograd, about a third of its forward + backward
+arithmetic (docs/design.md §5), only when N > 1 and ``aux_loss_coef`` > 0. Both passes route
+alike: same weights, inputs and autocast region, and the RNG (router jitter) is restored after
+the pre-pass. Under ``--compile`` the pre-pass is a separately compiled no-grad graph whose
+jitter noise and last-bit rounding may differ, so with jitter f is that of a routing close to,
+not equal to, the real one.
 
 Legend: L MoE layers, E experts, N micro-batches, B batch, Q sequence.
 Reference: Switch Transformer load-balancing loss (docs/design.md §2); the global-batch aux
@@ -38,6 +32,9 @@ import torch
 from memfine.config import TrainConfig
 from memfine.train.execution import autocast_region
 from memfine.train.setup import RunState
+
+# What one micro-batch returns: (3,) [CE, LBL, z-loss], (L, E) counts, c per layer, drops.
+MicroOut = tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
 
 
 def needs_step_counts(config: TrainConfig) -> bool:
@@ -104,13 +101,12 @@ def routing_prepass(run: RunState, x_NBQ: torch.Tensor) -> torch.Tensor | None:
     B = config.batch_size
     shards = (run.parallel.shard_batch(x_NBQ[m * B:(m + 1) * B])[0].to(run.device)
               for m in range(config.grad_accum))
-    return step_selection_counts(run.forward or run.model, shards,
+    return step_selection_counts(run.forward, shards,
                                  lambda: autocast_region(run.device, config), run.device)
 
 
 def micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro: int,
-                step_counts: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+                step_counts: torch.Tensor | None = None) -> MicroOut:
     """Forward and backward of one micro-batch (this rank's rows of it).
 
     Args:
@@ -128,10 +124,9 @@ def micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro
     """
     moe = run.config.model.moe
     x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
-    forward = run.forward or run.model  # the compiled step when --compile
     with autocast_region(run.device, run.config):
-        out = forward(x_BQ.to(run.device), y_BQ.to(run.device),
-                      step_selection_counts=step_counts)
+        out = run.forward(x_BQ.to(run.device), y_BQ.to(run.device),
+                          step_selection_counts=step_counts)
         loss = (out.loss + moe.aux_loss_coef * out.load_balancing_loss
                 + moe.z_loss_coef * out.z_loss)
         if moe.seq_aux_loss_coef > 0:

@@ -2,10 +2,9 @@
 
 Legend: L MoE layers, E experts.
 
-Every ``log_every`` steps a ``metrics.jsonl`` line (:func:`write_metrics`) with the step's
-measured peak bytes and the memory model's prediction (:mod:`memfine.artifacts.memory_log`); every
-``eval_every`` steps (and at the end) validation on fixed windows (:func:`validate`); a
-checkpoint at each evaluation, or every ``save_every`` steps when set (:func:`save`).
+A metrics line carries the step's measured peak bytes next to the memory model's prediction
+(:mod:`memfine.artifacts.memory_log`); which steps validate, save and log: the ``*_at`` methods
+of :class:`memfine.config.TrainConfig`.
 """
 
 from __future__ import annotations
@@ -17,9 +16,6 @@ from memfine.artifacts.evaluation import evaluate
 from memfine.artifacts.metrics import format_expert_load, load_max_over_mean, nats_to_bits
 from memfine.train.setup import RunState
 from memfine.train.step import StepRecord
-
-TENSORBOARD_SCALARS = ("train_loss", "val_loss", "lr", "tokens_per_s", "load_balancing_loss",
-                       "z_loss", "grad_norm", "peak_bytes")
 
 
 def validate(run: RunState, record: StepRecord) -> None:
@@ -62,10 +58,6 @@ def write_metrics(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
         line["dropped_pairs"] = record.dropped_pairs
     if run.log is not None:
         run.log.write(line)
-    if run.tensorboard is not None:
-        for key in TENSORBOARD_SCALARS:
-            if isinstance(line.get(key), (int, float)):
-                run.tensorboard.add_scalar(key, line[key], record.step)
     run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None
 
 
@@ -81,5 +73,5 @@ def close(run: RunState) -> None:
     """Close the progress bar and the TensorBoard writer."""
     if run.bar is not None:
         run.bar.close()
-    if run.tensorboard is not None:
-        run.tensorboard.close()
+    if run.log is not None:
+        run.log.close()

@@ -1,13 +1,8 @@
 """The training loop: steps, then validation, checkpoints and metrics between them.
 
-:func:`train` checks the outputs and the run directory, takes its lock and runs the loop; a run
-that fails before its first checkpoint removes what it wrote
-(:func:`memfine.artifacts.rundir.removed_on_failure`). The loop (:func:`_loop`) runs one step at a
-time (:func:`memfine.train.step.run_step`) and, between steps, validates, saves, logs and shows
-progress (:mod:`memfine.train.events`). The first SIGINT (Ctrl-C) or SIGTERM finishes the
-current step, saves a checkpoint and returns; a second one aborts (:mod:`memfine.train.stop`).
-Set-up (resume rules, data, model, optimizer) is in :mod:`memfine.train.setup`; the run
-directory's rules in :mod:`memfine.artifacts.rundir`.
+:func:`train` checks the outputs and the run directory (:mod:`memfine.artifacts.rundir`), takes
+its lock, sets up (:mod:`memfine.train.setup`) and runs the loop; the first SIGINT or SIGTERM
+finishes the current step, saves a checkpoint and returns (:mod:`memfine.train.stop`).
 """
 
 from __future__ import annotations
@@ -30,7 +25,7 @@ from memfine.config import TrainConfig
 from memfine.train import events
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run
-from memfine.train.step import logs_at, run_step, saves_at
+from memfine.train.step import run_step
 from memfine.train.stop import graceful_stop
 
 SAMPLE_TEMPERATURE = 0.8
@@ -110,22 +105,19 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     parallel = parallel if parallel is not None else SingleProcess()
     outputs = Outputs(progress=progress, tensorboard=tensorboard, plot=plot).check()
     out_dir, source = Path(out_dir), None if init_from is None else Path(init_from)
-    with _torch_threads(threads):
-        if not parallel.is_main:  # the main rank checks, locks and writes the directory
-            run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
-                            init_from=source)
-            return _loop(run, plot=plot, on_step=on_step)
-        check_run_dir(out_dir, data=config.data, resume=resume, overwrite=overwrite)
-        with removed_on_failure(out_dir):
+    with torch_threads(threads), contextlib.ExitStack() as directory:
+        if parallel.is_main:  # the main rank checks, locks and writes the directory
+            check_run_dir(out_dir, data=config.data, resume=resume, overwrite=overwrite)
+            directory.enter_context(removed_on_failure(out_dir))
             out_dir.mkdir(parents=True, exist_ok=True)
-            with run_lock(out_dir):
-                run = setup_run(config, out_dir, resume=resume, outputs=outputs,
-                                parallel=parallel, init_from=source)
-                return _loop(run, plot=plot, on_step=on_step)
+            directory.enter_context(run_lock(out_dir))
+        run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
+                        init_from=source)
+        return _loop(run, plot=plot, on_step=on_step)
 
 
 @contextlib.contextmanager
-def _torch_threads(threads: int | None) -> Iterator[None]:
+def torch_threads(threads: int | None) -> Iterator[None]:
     """Run the block with ``threads`` CPU threads (None: unchanged); restore torch's setting.
 
     Raises:
@@ -150,12 +142,12 @@ def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -
         try:
             for step_index in range(run.start, config.max_steps):
                 record = run_step(run, step_index)
-                is_eval = record.step % config.eval_every == 0 or record.step == config.max_steps
+                is_eval = config.evaluates_at(record.step)
                 if is_eval:
                     events.validate(run, record)
-                if saves_at(config, record.step):
+                if config.saves_at(record.step):
                     events.save(run)
-                if logs_at(config, record.step):
+                if config.logs_at(record.step):
                     events.write_metrics(run, record, is_eval=is_eval)
                 events.show_progress(run)
                 if on_step is not None:

@@ -29,8 +29,7 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> tuple[
                "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS)
-    decay_steps = config.lr_decay_steps or max(config.max_steps, config.warmup_steps, 1)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
-        s, warmup_steps=config.warmup_steps, decay_steps=decay_steps,
+        s, warmup_steps=config.warmup_steps, decay_steps=config.resolved_lr_decay_steps,
         min_ratio=config.min_lr_ratio))
     return optimizer, scheduler

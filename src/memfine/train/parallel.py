@@ -2,14 +2,11 @@
 
 Legend: B batch.
 
-:func:`memfine.train.train` calls a :class:`ParallelTraining` at a few points: after building the
-model (shard it), per micro-batch (take this rank's rows of the global batch; switch gradient
-synchronisation off on all but the last micro-batch of a step), per step (clip by the global
-gradient norm; combine logged values over the ranks) and for checkpoints (``sharded``: the
-model's state dict holds DTensors, written with torch.distributed.checkpoint by every rank).
-:class:`SingleProcess` is the one-process implementation the loop uses by default;
-``memfine.parallel.DistributedTraining`` is the DeviceMesh + FSDP2 one (``memfine train`` under
-torchrun). The loop never branches on which one it has.
+The loop calls a :class:`ParallelTraining` to shard the model, take this rank's rows of each
+global batch, switch gradient synchronisation off while accumulating, clip by the global norm,
+combine logged values and write checkpoints (``sharded``: through torch.distributed.checkpoint).
+:class:`SingleProcess` is the default; ``memfine.parallel.DistributedTraining`` the DeviceMesh +
+FSDP2 one (``memfine train`` under torchrun). The loop never branches on which one it has.
 """
 
 from __future__ import annotations

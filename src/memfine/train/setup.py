@@ -25,12 +25,11 @@ from memfine.artifacts.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
     find_checkpoint,
-    load_model_state,
-    load_states,
     read_checkpoint,
-    set_rng_state,
+    restore,
 )
-from memfine.artifacts.memory_log import check_fits
+from memfine.artifacts.inference import load_weights
+from memfine.artifacts.memory_log import check_fits, num_parameters
 from memfine.artifacts.metrics import MetricsLog
 from memfine.artifacts.outputs import Outputs
 from memfine.config import TrainConfig
@@ -61,12 +60,10 @@ class RunState:
         optimizer: AdamW.
         scheduler: its LR schedule.
         start: completed steps when this call began (the checkpoint's step on resume).
-        resume: whether this call continues a checkpoint.
         val_data: fixed validation batches, each ``(x_BQ, y_BQ)`` int64 on CPU.
-        log: the ``metrics.jsonl`` writer (None on ranks other than the main one).
+        log: the ``metrics.jsonl`` (and TensorBoard) writer; None on ranks other than the main
+            one.
         bar: the tqdm progress bar, or None.
-        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` on ``out_dir/tensorboard``, or
-            None.
         t_start: ``time.perf_counter()`` when the call began, seconds.
         step: completed optimizer steps so far.
         losses: cross-entropy of each step run by this call, nats/byte.
@@ -78,7 +75,7 @@ class RunState:
         load_log_LE: (L, E) int64 tokens per expert since the last metrics line, or None.
         load_eval_LE: (L, E) int64 tokens per expert since the last evaluation, or None.
         forward: the training step's forward: the model, or its ``torch.compile`` form with
-            ``config.compile`` (:func:`memfine.train.execution.step_forward`); None: the model.
+            ``config.compile`` (:func:`memfine.train.execution.step_forward`).
     """
 
     config: TrainConfig
@@ -91,12 +88,11 @@ class RunState:
     optimizer: torch.optim.AdamW
     scheduler: torch.optim.lr_scheduler.LambdaLR
     start: int
-    resume: bool
     val_data: list[tuple[torch.Tensor, torch.Tensor]]
     log: MetricsLog | None
     bar: Any
-    tensorboard: Any
     t_start: float
+    forward: Callable[..., Any]
     step: int = 0
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
@@ -106,7 +102,6 @@ class RunState:
     log_steps: int = 0
     load_log_LE: torch.Tensor | None = None
     load_eval_LE: torch.Tensor | None = None
-    forward: Callable[..., Any] | None = None
 
     @property
     def ckpt_path(self) -> Path:
@@ -150,7 +145,8 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
     model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
-    start = restore(payload, model, optimizer, scheduler, parallel) if payload else 0
+    start = (restore(payload, model, optimizer, scheduler, sharded=parallel.sharded)
+             if payload else 0)
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
@@ -161,19 +157,13 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)
-    log, bar, tensorboard = outputs.open(out_dir, config, start=start, resume=resume,
-                                         is_main=parallel.is_main)
+    log, bar = outputs.open(out_dir, config, start=start, resume=resume,
+                            is_main=parallel.is_main)
     return RunState(config=config, out_dir=out_dir, parallel=parallel, corpus=corpus,
                     unigram=unigram, device=device, model=model, optimizer=optimizer,
-                    scheduler=scheduler, start=start, resume=resume, val_data=val_data, log=log,
-                    bar=bar, tensorboard=tensorboard, t_start=t_start, step=start,
+                    scheduler=scheduler, start=start, val_data=val_data, log=log,
+                    bar=bar, t_start=t_start, step=start,
                     forward=step_forward(model, config, sharded=parallel.sharded))
-
-
-def num_parameters(config: TrainConfig) -> int:
-    """Parameters of the whole model of ``config`` (all experts, whatever the EP size)."""
-    with torch.device("meta"):
-        return sum(p.numel() for p in MoETransformerLM(config.model).parameters())
 
 
 def _announce(config: TrainConfig, *, start: int, resume: bool, out_dir: Path,
@@ -210,15 +200,11 @@ def resolve_config(config: TrainConfig, out_dir: Path, *, resume: bool
         saved = TrainConfig.from_dict(payload["config"])
         if config.lr_decay_steps is None:
             config = dataclasses.replace(config, lr_decay_steps=saved.lr_decay_steps)
-        changed = [f.name for f in dataclasses.fields(config) if f.name not in RESUMABLE_FIELDS
-                   and getattr(config, f.name) != getattr(saved, f.name)]
+        changed = [n for n in config.differing_fields(saved) if n not in RESUMABLE_FIELDS]
         if changed:
             raise ValueError(f"cannot resume from {str(ckpt_path)!r} with a different {changed}; "
                              f"only {list(RESUMABLE_FIELDS)} may change on resume")
-    if config.lr_decay_steps is None:  # a run shorter than its warm-up never decays
-        config = dataclasses.replace(
-            config, lr_decay_steps=max(config.max_steps, config.warmup_steps, 1))
-    return config, payload
+    return dataclasses.replace(config, lr_decay_steps=config.resolved_lr_decay_steps), payload
 
 
 def load_data(config: TrainConfig) -> tuple[ByteCorpus, float]:
@@ -250,53 +236,8 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     random.seed(config.seed)
     model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
     if init_from is not None:
-        load_weights(model, config, init_from)
+        load_weights(model, config.model, init_from)
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
     return model, optimizer, scheduler
-
-
-def load_weights(model: MoETransformerLM, config: TrainConfig, run_dir: Path) -> None:
-    """Load the model weights of ``run_dir``'s newest checkpoint (fine-tuning; no optimizer).
-
-    Either form: ``checkpoint.pt`` or a sharded ``checkpoint.dcp/``.
-
-    Raises:
-        ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
-            another model.
-    """
-    payload = read_checkpoint(find_checkpoint(run_dir))
-    saved = TrainConfig.from_dict(payload["config"]).model
-    if saved != config.model:
-        changed = [f.name for f in dataclasses.fields(saved)
-                   if getattr(saved, f.name) != getattr(config.model, f.name)]
-        raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in {changed}; "
-                         f"the model flags must match the checkpoint's")
-    with torch.no_grad():
-        load_model_state(payload, model)
-
-
-def restore(payload: dict[str, Any], model: torch.nn.Module,
-            optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-            parallel: ParallelTraining) -> int:
-    """Load a checkpoint payload into model, optimizer, scheduler and the RNGs.
-
-    Either form (one file, or a DCP directory written at any mesh layout) loads into a whole or
-    a sharded model (:func:`memfine.artifacts.checkpoint.load_states`).
-
-    Returns:
-        The checkpoint's completed steps.
-
-    Raises:
-        ValueError: naming the checkpoint when the states do not fit the model built from the
-            config.
-    """
-    try:
-        load_states(payload, model, optimizer, sharded=parallel.sharded)
-        scheduler.load_state_dict(payload["scheduler"])
-        set_rng_state(payload["rng"])
-    except (RuntimeError, KeyError, TypeError, ValueError) as err:
-        raise ValueError(f"checkpoint {payload['path']!r} does not match its config "
-                         f"({type(err).__name__}: {str(err).splitlines()[0]})") from err
-    return int(payload["step"])

@@ -1,14 +1,11 @@
-"""One optimizer step of the training loop, and which steps log and save.
+"""One optimizer step of the training loop (:func:`run_step`).
 
 Legend: N micro-batches, B batch, Q sequence length, L MoE layers, E experts.
 
-One step (:func:`run_step`): draw the step's batch (a pure function of seed and step), forward,
 loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
-``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers), backward, clip,
-AdamW, LR schedule, then the aux-loss-free bias update from the step's global expert counts; it
-returns a :class:`StepRecord`. On the steps that write a ``metrics.jsonl`` line
-(:func:`logs_at`) forward + backward run under the peak tracker
-(:func:`memfine.artifacts.memory_log.measured_peak`).
+``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers). The steps that
+write a ``metrics.jsonl`` line (:meth:`memfine.config.TrainConfig.logs_at`) run forward +
+backward under the peak tracker (:func:`memfine.artifacts.memory_log.measured_peak`).
 """
 
 from __future__ import annotations
@@ -20,13 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from memfine.artifacts.memory_log import measured_peak, predicted_moe_layer_peak
-from memfine.config import TrainConfig
 from memfine.data import train_batch
-from memfine.train.accumulation import micro_batch, routing_prepass
+from memfine.train.accumulation import MicroOut, micro_batch, routing_prepass
 from memfine.train.setup import RunState
-
-# What one micro-batch returns: (3,) [CE, LBL, z-loss], (L, E) counts, c per layer, drops.
-MicroOut = tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +31,8 @@ class StepRecord:
         train_loss: cross-entropy of the step, nats/byte (mean over micro-batches and ranks).
         lr: learning rate the step used.
         grad_norm: global gradient norm before clipping.
-        load_balancing_loss: load-balancing loss (mean over layers, then over micro-batches
-            and ranks: with the balancing loss on, the whole step's value, f over every
-            micro-batch and rank; with ``aux_loss_coef`` 0 each micro-batch's own f).
+        load_balancing_loss: mean over layers, micro-batches and ranks (f of the whole step
+            with the balancing loss on, else each micro-batch's own f).
         z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
@@ -67,18 +59,6 @@ class StepRecord:
     dropped_pairs: list[int] | None = None
 
 
-def logs_at(config: TrainConfig, step: int) -> bool:
-    """Whether completed step ``step`` writes a ``metrics.jsonl`` line."""
-    return step % config.log_every == 0 or step % config.eval_every == 0 \
-        or step == config.max_steps
-
-
-def saves_at(config: TrainConfig, step: int) -> bool:
-    """Whether completed step ``step`` writes a checkpoint."""
-    every = config.save_every if config.save_every is not None else config.eval_every
-    return step % every == 0 or step == config.max_steps
-
-
 def run_step(run: RunState, step_index: int) -> StepRecord:
     """One optimizer step on the batch of ``step_index`` (0-based); updates ``run``'s progress.
 
@@ -86,7 +66,8 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     loss divided by N, so the summed gradients are those of the whole batch; gradients are
     reduced over the ranks on the last micro-batch only. With N > 1 and the balancing loss on,
     a routing pre-pass first counts the step's expert selection, so every micro-batch's aux
-    losses use the whole step's f (:mod:`memfine.train.accumulation`).
+    losses use the whole step's f (:mod:`memfine.train.accumulation`). Then clip, AdamW, LR
+    schedule and the aux-loss-free bias update from the step's global expert counts.
 
     Raises:
         ValueError: when the training loss is not finite (divergence).
@@ -99,7 +80,7 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     run.optimizer.zero_grad(set_to_none=True)
     step_counts = routing_prepass(run, x_NBQ)  # the step's f (None unless it matters)
     outs: list[MicroOut] = []
-    with measured_peak(run.device, logs_at(config, step_index + 1),
+    with measured_peak(run.device, config.logs_at(step_index + 1),
                        compiled=config.compile) as tracker:
         for m in range(N):
             parallel.set_gradient_sync(run.model, m == N - 1)

@@ -1,9 +1,7 @@
 """Stopping a run cleanly on SIGINT (Ctrl-C) or SIGTERM (what schedulers send).
 
 The first signal asks the loop to stop after the current step and save a checkpoint; a second one
-aborts the step.
-
-The command line exits with 128 + the signal number (130 for SIGINT, 143 for SIGTERM), as a shell
+aborts the step. The command line then exits with 128 + the signal number (130, 143), as a shell
 reports a process killed by that signal.
 """
 

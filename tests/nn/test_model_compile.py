@@ -1,4 +1,4 @@
-"""How the training step runs: per-region compilation for sharded models (docs/compile.md).
+"""MoETransformerLM.compile_regions: per-region compilation for sharded models (docs/compile.md).
 
 Under torchrun the expert all-to-alls and FSDP2's hooks stay eager and each block's
 collective-free regions are compiled; on one process the same regions must give the eager
@@ -12,7 +12,6 @@ from torch._dynamo.utils import counters
 
 from memfine.config import ModelConfig, MoEConfig
 from memfine.nn import MoETransformerLM
-from memfine.train.execution import compile_regions
 from tolerances import assert_close
 
 
@@ -35,7 +34,7 @@ def test_compiled_regions_equal_eager() -> None:
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(1))
     want = _step(model, ids)
     counters.clear()
-    assert compile_regions(model, backend="aot_eager") is model
+    assert model.compile_regions(backend="aot_eager") is model
     got = _step(model, ids)
     compiled = [name for name, m in model.named_modules()
                 if getattr(m, "_compiled_call_impl", None) is not None]
