@@ -16,11 +16,12 @@ token counts T, forward + backward, timed with :func:`memfine.bench.harness.run_
 FLOPs per forward + backward: 18·T·k·d·n (6·S·d·n forward for the gated up-projection and the
 down-projection, twice that backward; S = T·k). GFLOP/s = that count ÷ the call's seconds ÷ 1e9.
 
-    python benchmarks/bench_flops.py --tokens 2048 4096 8192 16384 --repeats 5 \
+    python benchmarks/bench_flops.py --tokens 2048 4096 8192 16384 --repeats 5 --clock thread \
         --out benchmarks/results/flops_cpu.csv
     python benchmarks/bench_flops.py --profile 4096 --out benchmarks/results/flops_profile_cpu.csv
 
-Writes one CSV row per method × T × metric (``time`` in ms, ``gflops`` in GFLOP/s, both
+Writes one CSV row per method × T × metric (``time`` in ms, or ``thread_cpu_time`` with
+``--clock thread``, ``gflops`` in GFLOP/s, both
 p20/p50/p80; ``flops`` per call) with versions, git SHA and the 1-minute load average at the
 start and the end of the run (the machine may be shared: compare methods of one run).
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import time
 from typing import Any
 
 import torch
@@ -87,7 +89,13 @@ Measured = tuple[int, str, int, Any, tuple[float, ...]]
 """(T, method, FLOPs per call, time (p20, p50, p80) in ms, GFLOP/s (p20, p50, p80))."""
 
 
-def measure_all(tokens: list[int], seed: int, repeats: int, warmup: int) -> list[Measured]:
+CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
+"""``wall``: elapsed seconds; ``thread``: the calling thread's CPU seconds (user + system),
+which a busy machine's other processes do not inflate (meaningful with ``--threads 1``)."""
+
+
+def measure_all(tokens: list[int], seed: int, repeats: int, warmup: int,
+                clock: str = "wall") -> list[Measured]:
     """Time every method at every T (methods interleaved within a T); print each result.
 
     Raises:
@@ -96,7 +104,8 @@ def measure_all(tokens: list[int], seed: int, repeats: int, warmup: int) -> list
     measured: list[Measured] = []
     for T in tokens:
         flops = 18 * T * K * D * N
-        for res in run_methods(methods(T, seed), repeats=repeats, warmup=warmup, measure=False):
+        for res in run_methods(methods(T, seed), repeats=repeats, warmup=warmup, measure=False,
+                               clock=CLOCKS[clock]):
             if res.error:
                 raise RuntimeError(f"{res.name} at T={T}: {res.error}")
             rates = percentiles([flops / t / 1e9 for t in res.times_s["full"]])
@@ -142,6 +151,9 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "--out": {"default": "benchmarks/results/flops_cpu.csv"},
     "--threads": {"type": int, "default": 1},
     "--seed": {"type": int, "default": 0},
+    "--clock": {"choices": tuple(CLOCKS), "default": "wall",
+                "help": "wall: elapsed time; thread: the thread's CPU time (with --threads 1, "
+                        "robust to other processes on a shared machine)"},
     "--profile": {"type": int, "default": None, "metavar": "T",
                   "help": "instead: self CPU ms per operator of one call per method at T "
                           "(torch.profiler), written to the CSV as metric self_cpu_time"},
@@ -173,16 +185,20 @@ def main() -> None:
     if args.profile is not None:
         write_profile(args.profile, args.seed, args.out, env, load_start)
         return
-    measured = measure_all(args.tokens, args.seed, args.repeats, args.warmup)
+    if args.clock == "thread" and args.threads != 1:
+        parser.error(f"--clock thread needs --threads 1 (got --threads {args.threads}): "
+                     "it measures the calling thread only")
+    measured = measure_all(args.tokens, args.seed, args.repeats, args.warmup, args.clock)
     config = {"d": D, "n": N, "E": E, "k": K, "dtype": "float32", "activation": "swiglu",
               "repeats": args.repeats, "load_average_1min_start": round(load_start, 2),
               "load_average_1min_end": round(os.getloadavg()[0], 2),
-              "flops_per_call": "18*T*k*d*n"}
+              "flops_per_call": "18*T*k*d*n", "clock": args.clock}
     rows = []
     for T, name, flops, time_ms, rates in measured:
         common = {"benchmark": "flops", "method": name, "mode": "full", "x_name": "tokens",
                   "x_value": T, "config": config, "env": env}
-        rows += [csv_row(metric="time", unit="ms", values=time_ms, **common),
+        rows += [csv_row(metric="time" if args.clock == "wall" else "thread_cpu_time",
+                         unit="ms", values=time_ms, **common),
                  csv_row(metric="gflops", unit="GFLOP/s", values=rates, **common),
                  csv_row(metric="flops", unit="FLOP", values=flops, **common)]
     write_csv(rows, args.out)

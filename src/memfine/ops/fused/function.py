@@ -283,13 +283,9 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     # NOTE(memory): A and f(gate) recomputed from H for this block only (transients B·n each)
     a_BN, gate_BN = (activation_and_gate(h_BG, st.act) if st.need_w or st.need_down
                      else (None, None))
-    if st.dots_S is not None:  # ⟨dO·w_downᵀ, A⟩ (+ ⟨dO, b_down⟩) (MoEBlaze §5): no Y needed
-        assert a_BN is not None, "A is recomputed when the weights need a gradient"
-        dots_B = _row_dots(grad_a_BN, a_BN)
-        if st.b_down_ED is not None:
-            bias_BD = st.b_down_ED.index_select(0, expert_of_rows(offs_E1, r1 - r0))
-            dots_B += _row_dots(grad_out_BD, bias_BD)
-        st.dots_S[r0:r1] = dots_B
+    if st.dots_S is not None and st.b_down_ED is not None:  # ⟨dO, b_down⟩, before dO ⊙ w
+        bias_BD = st.b_down_ED.index_select(0, expert_of_rows(offs_E1, r1 - r0))
+        st.dots_S[r0:r1] = _row_dots(grad_out_BD, bias_BD)
     if st.need_down or st.need_b_down:
         grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
         if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
@@ -297,6 +293,11 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
                                  st.backend)
         if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
             st.grad_b_down += grouped_row_sums(grad_out_BD, offs_E1, E)
+    if st.dots_S is not None:  # ⟨dO·w_downᵀ, A⟩ (MoEBlaze §5): no Y needed
+        assert a_BN is not None, "A is recomputed when the weights need a gradient"
+        # NOTE(memory): the products overwrite A (used above), so the dots need no temporary
+        dots_B = a_BN.mul_(grad_a_BN).sum(1)
+        st.dots_S[r0:r1] = dots_B if st.b_down_ED is None else st.dots_S[r0:r1] + dots_B
     del a_BN, grad_out_BD
     grad_h_BG = activation_backward(h_BG, grad_a_BN.mul_(w_B1), st.act, gate_BN)  # B·G
     del grad_a_BN, gate_BN

@@ -20,6 +20,7 @@ docs/design.md §5.
 
 from __future__ import annotations
 
+import bisect
 from typing import Any
 
 import torch
@@ -117,7 +118,9 @@ def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor
                                             grad_w_EIO.shape[0], backend, like=grad_w_EIO))
         return
     row1 = row0 + x_SI.shape[0]
-    for e in range(len(bounds) - 1):
+    # only the experts whose rows overlap [row0, row1) (bounds are non-decreasing)
+    for e in range(max(0, bisect.bisect_right(bounds, row0) - 1),
+                   bisect.bisect_left(bounds, row1, hi=len(bounds) - 1)):
         lo, hi = max(bounds[e], row0), min(bounds[e + 1], row1)
         if hi > lo:
             beta = 1
