@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 import pytest
@@ -13,7 +14,10 @@ from memfine.plan.search import (
     BINS,
     forward_flops_per_token,
     layout_cost,
+    layouts,
+    nearest_valid_devices,
     search,
+    valid_device_counts,
 )
 from memfine.plan.stage import plan_layout
 
@@ -103,3 +107,43 @@ def test_nothing_fits_names_the_smallest_memory_and_devices() -> None:
 def test_devices_must_be_positive() -> None:
     with pytest.raises(ValueError, match="--devices must be an int >= 1, got 0"):
         search(BASE, 0)
+
+
+@functools.cache
+def _with_a_layout() -> tuple[int, ...]:
+    """The device counts below 4096 that have a layout of BASE, one :func:`layouts` each."""
+    return tuple(n for n in range(1, 2 * 2048) if any(layouts(BASE, n)))
+
+
+def test_valid_device_counts_equal_the_layouts() -> None:
+    # TINY: t in {1, 2, 4} (4 heads), cp in {1, 2} (s = 64), p <= 4, dp | 64: at most 4·2·4·64
+    counts = valid_device_counts(BASE)
+    assert counts is not None and counts[-1] == 4 * 2 * 4 * 64 == 2048
+    assert set(counts) == set(_with_a_layout())
+    assert valid_device_counts(dataclasses.replace(BASE, global_batch=None)) is None
+
+
+@pytest.mark.parametrize(("devices", "expected"), [
+    # by hand: 2^i·3^j with j <= 1 (p = 3), 3·2^i <= 4·2·3·64 = 1536, 2^i <= 2048
+    (1, (None, 2)), (8, (6, 12)), (67, (64, 96)), (129, (128, 192)), (1000, (768, 1024)),
+    (2047, (1536, 2048)), (2048, (1536, None)), (2049, (2048, None)),
+    (10**12, (2048, None)),  # far above the largest count: answered from the set, not a scan
+])
+def test_nearest_valid_devices(devices: int, expected: tuple[int | None, int | None]) -> None:
+    if devices < 2048:  # the nearest counts with a layout, by brute force
+        have = _with_a_layout()
+        assert expected == (max((n for n in have if n < devices), default=None),
+                            min(n for n in have if n > devices))
+    assert nearest_valid_devices(BASE, devices) == expected
+
+
+def test_nearest_valid_devices_without_a_global_batch_are_the_neighbours() -> None:
+    free = dataclasses.replace(BASE, global_batch=None)  # dp = N: every count has a layout
+    assert nearest_valid_devices(free, 1) == (None, 2)
+    assert nearest_valid_devices(free, 10**9 + 7) == (10**9 + 6, 10**9 + 8)
+
+
+def test_search_on_a_huge_device_count_considers_no_layout() -> None:
+    # dp must divide the global batch 64 and p <= 4, so 10^9 devices have no layout; the
+    # divisors of N are taken up to L only, not counted one by one up to N
+    assert search(BASE, 10**9).considered == 0

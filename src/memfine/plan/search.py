@@ -20,6 +20,8 @@ on GPU Clusters Using Megatron-LM" (2021), §2.2 (1F1B bubble) and §3.5 (FLOPs,
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -109,23 +111,36 @@ def layout_cost(cfg: PlanConfig) -> Cost:
                 relative_time=(1 + r) * (m + cfg.p - 1) / m)
 
 
-def _divisors(n: int) -> list[int]:
-    return [i for i in range(1, n + 1) if n % i == 0]
+def _divisors(n: int, most: int | None = None) -> list[int]:
+    """The divisors of ``n`` up to ``most`` (all when None), ascending; O(min(most, √n)) steps."""
+    most = n if most is None else min(n, most)
+    root = math.isqrt(n)
+    small = [i for i in range(1, min(root, most) + 1) if n % i == 0]
+    large = [n // i for i in reversed(small) if root < n // i <= most]
+    return small + large
+
+
+def _sizes(base: PlanConfig, devices: int | None = None) -> Iterator[tuple[int, int]]:
+    """Every (t, cp) the model and s allow (dividing ``devices`` when given)."""
+    m = base.model
+    for t in TENSOR_PARALLEL:
+        if m.num_heads % t == 0 and (devices is None or devices % t == 0):
+            for cp in CONTEXT_PARALLEL:
+                if base.seq_len % (2 * cp) == 0 and (devices is None or devices % (t * cp) == 0):
+                    yield t, cp
 
 
 def _shapes(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
     """Every valid (t, cp, p, dp, e) on ``devices``, other fields from ``base``."""
     m = base.model
-    for t in (t for t in TENSOR_PARALLEL if devices % t == 0 and m.num_heads % t == 0):
-        for cp in (c for c in CONTEXT_PARALLEL if devices % (t * c) == 0
-                   and base.seq_len % (2 * c) == 0):
-            rest = devices // (t * cp)
-            for p in (p for p in _divisors(rest) if p <= m.num_layers):
-                dp = rest // p
-                if base.global_batch is not None and base.global_batch % dp:
-                    continue  # no micro-batch size b makes dp·b divide the global batch
-                for e in (e for e in _divisors(m.num_experts) if (t * dp * cp) % e == 0):
-                    yield replace(base, t=t, cp=cp, p=p, dp=dp, e=e, v=1)
+    for t, cp in _sizes(base, devices):
+        rest = devices // (t * cp)
+        for p in _divisors(rest, m.num_layers):
+            dp = rest // p
+            if base.global_batch is not None and base.global_batch % dp:
+                continue  # no micro-batch size b makes dp·b divide the global batch
+            for e in (e for e in _divisors(m.num_experts) if (t * dp * cp) % e == 0):
+                yield replace(base, t=t, cp=cp, p=p, dp=dp, e=e, v=1)
 
 
 def layouts(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
@@ -143,17 +158,36 @@ def layouts(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
                     yield replace(cfg, skews=(cfg.worst_skew,))
 
 
+def valid_device_counts(base: PlanConfig) -> tuple[int, ...] | None:
+    """Every N with at least one layout of :func:`layouts`, ascending; None when every N has one.
+
+    N = t·cp·p·dp with t, cp from the model and s, p <= L and dp dividing the global batch
+    (b = 1 and e = 1 always complete such a shape). Without a global batch dp is free, so
+    every N >= 1 has a layout (t = cp = p = 1, dp = N).
+    """
+    if base.global_batch is None:
+        return None
+    counts = {t * cp * p * dp for t, cp in _sizes(base)
+              for p in range(1, base.model.num_layers + 1) for dp in _divisors(base.global_batch)}
+    return tuple(sorted(counts))
+
+
 def nearest_valid_devices(base: PlanConfig, devices: int) -> tuple[int | None, int | None]:
     """The nearest device counts below and above ``devices`` that have a valid layout.
 
+    Computed from :func:`valid_device_counts` once (a bisect), so any N answers at once.
+
     Returns:
-        (the largest N' < N, the smallest N' in (N, 2N]) with at least one layout of
-        :func:`layouts`; None where there is none (N = 1 has no smaller count).
+        (the largest N' < N, the smallest N' > N) with at least one layout of :func:`layouts`;
+        None where there is none: N = 1 has no smaller count, and no count above the largest
+        valid one (t_max·cp_max·L·global batch at most) has a layout.
     """
-    below = next((n for n in range(devices - 1, 0, -1) if any(layouts(base, n))), None)
-    above = next((n for n in range(devices + 1, 2 * devices + 1) if any(layouts(base, n))),
-                 None)
-    return below, above
+    counts = valid_device_counts(base)
+    if counts is None:
+        return (devices - 1 if devices > 1 else None), devices + 1
+    i = bisect.bisect_left(counts, devices)
+    j = bisect.bisect_right(counts, devices)
+    return (counts[i - 1] if i else None), (counts[j] if j < len(counts) else None)
 
 
 def _rank_key(c: Candidate) -> tuple[float, int, int, int, int]:
@@ -177,6 +211,16 @@ def smallest_devices(base: PlanConfig, devices: int) -> int | None:
     return None
 
 
+def check_devices(devices: object) -> None:
+    """Refuse a device count N that is not an int >= 1.
+
+    Raises:
+        ValueError: naming ``--devices`` and the value.
+    """
+    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
+        raise ValueError(f"--devices must be an int >= 1, got {devices!r}")
+
+
 def search(base: PlanConfig, devices: int) -> SearchResult:
     """Plan every valid layout on ``devices`` and rank the ones that fit at the worst skew.
 
@@ -191,8 +235,7 @@ def search(base: PlanConfig, devices: int) -> SearchResult:
     Raises:
         ValueError: if devices < 1.
     """
-    if isinstance(devices, bool) or not isinstance(devices, int) or devices < 1:
-        raise ValueError(f"--devices must be an int >= 1, got {devices!r}")
+    check_devices(devices)
     fitting, least, considered = [], None, 0
     for cfg in layouts(base, devices):
         plan = plan_layout(cfg)

@@ -175,6 +175,8 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
     (["--search"], "--search and --devices N go together"),
     (["--devices", "8"], "--search and --devices N go together"),
     (["--search", "--devices", "0"], "--devices must be an int >= 1, got 0"),
+    (["--devices", "0"], "--devices must be an int >= 1, got 0"),  # the value, then --search
+    (["--devices", "-3"], "--devices must be an int >= 1, got -3"),
     (["--top", "0"], "--top must be >= 1, got 0"),
 ])
 def test_input_faults_are_one_line_and_exit_2(args: list[str], message: str,
@@ -305,6 +307,19 @@ def test_search_without_a_valid_layout_says_why_and_what_to_try(
     assert err.startswith("memfine plan: error: no valid layout on 7 devices: ")
     assert "p <= L = 2" in err and "the global batch 64 (--global-batch)" in err
     assert err.rstrip().endswith("try --devices 4 or 8")
+
+
+@pytest.mark.parametrize("devices", ["1025", "1000000", "1000000000"])
+def test_search_above_the_most_devices_names_the_most(
+        devices: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # SMALL: t <= 4 (4 heads), cp <= 2, p <= L = 2, dp | 64: at most 4·2·2·64 = 1024 devices
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", *SMALL, "--global-batch", "64", "--search", "--devices", devices])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"memfine plan: error: no valid layout on {devices} devices: ")
+    assert err.count("\n") == 1
+    assert err.rstrip().endswith("try --devices 1024, the most devices that have a layout")
 
 
 def _numbers(value: Any) -> list[float]:

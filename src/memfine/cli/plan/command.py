@@ -31,7 +31,7 @@ from memfine.cli.plan import output
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset
-from memfine.plan.search import nearest_valid_devices, search
+from memfine.plan.search import check_devices, nearest_valid_devices, search
 from memfine.units import DTYPE_BYTES, parse_bytes
 
 # (flag, ModelPreset field, help) for the model sizes.
@@ -230,6 +230,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``memfine plan``; 0 when a plan was produced (fits or not)."""
     if args.top < 1:
         raise ValueError(f"--top must be >= 1, got {args.top}")
+    if hasattr(args, "devices"):
+        check_devices(args.devices)  # a bad value first, with or without --search
     if args.search != hasattr(args, "devices"):
         raise ValueError("--search and --devices N go together")
     cfg, sources = resolve(args)
@@ -248,6 +250,8 @@ def _no_layout(cfg: PlanConfig, devices: int) -> str:
     m = cfg.model
     below, above = nearest_valid_devices(cfg, devices)
     near = " or ".join(str(n) for n in (below, above) if n is not None)
+    if above is None and below is not None:
+        near += ", the most devices that have a layout"
     batch = (f", and dp·b dividing the global batch {cfg.global_batch} (--global-batch)"
              if cfg.global_batch is not None else "")
     return (f"no valid layout on {devices} devices: a layout needs N = t·p·dp·cp with t in "
