@@ -20,9 +20,35 @@ import torch
 _V = TypeVar("_V")
 
 
-def fail(obj: object, name: str, allowed: str, value: object) -> None:
-    """Raise ``ValueError("<Class>.<name> must be <allowed>, got <value>")``."""
-    raise ValueError(f"{type(obj).__name__}.{name} must be {allowed}, got {value!r}")
+class FieldError(ValueError):
+    """An invalid config field: ``<Class>.<field> must be <allowed>, got <value>``.
+
+    A ``ValueError`` that keeps its parts, so a command line can name the flag that set the
+    field instead of the class (``--lr must be > 0, got -0.001``).
+
+    Attributes:
+        owner: the config class's name, e.g. ``"TrainConfig"``.
+        field: the field's name, e.g. ``"lr"``.
+        allowed: what the field allows, in the library's words (``"in (0.0, inf)"``).
+        value: the value received.
+        plain: what is allowed as a person types it (no ``None``, no ``inf``), e.g. ``"> 0"``;
+            ``allowed`` when the two read alike.
+    """
+
+    def __init__(self, owner: str, field: str, allowed: str, value: object,
+                 plain: str | None = None) -> None:
+        """Keep the parts; the message is ``<owner>.<field> must be <allowed>, got <value!r>``."""
+        super().__init__(f"{owner}.{field} must be {allowed}, got {value!r}")
+        self.owner, self.field, self.allowed, self.value = owner, field, allowed, value
+        self.plain = allowed if plain is None else plain
+
+
+def fail(obj: object, name: str, allowed: str, value: object, plain: str | None = None) -> None:
+    """Raise :class:`FieldError` ``"<Class>.<name> must be <allowed>, got <value>"``.
+
+    ``plain``: what is allowed as typed on a command line (see :class:`FieldError`).
+    """
+    raise FieldError(type(obj).__name__, name, allowed, value, plain)
 
 
 def check_int(obj: object, name: str, lo: int, hi: int | None = None) -> None:
@@ -44,7 +70,9 @@ def check_float(obj: object, name: str, lo: float, hi: float | None = None, *,
     if bad_lo or (hi is not None and value > hi) or value == float("inf"):
         left = "(" if lo_open else "["
         right = "inf)" if hi is None else f"{hi}]"  # a finite upper bound is inclusive
-        fail(obj, name, f"in {left}{lo}, {right}", value)
+        plain = None if hi is not None else (
+            "a finite number" if value == float("inf") else f"{'>' if lo_open else '>='} {lo:g}")
+        fail(obj, name, f"in {left}{lo}, {right}", value, plain)
 
 
 def check_choice(obj: object, name: str, literal: Any) -> None:
@@ -70,7 +98,8 @@ def check_bins(obj: object, name: str = "bins", hi: int | None = None) -> tuple[
             or bins[0] < 1 or any(a >= b for a, b in zip(bins, bins[1:], strict=False))
             or (hi is not None and bins[-1] > hi)):
         bound = ">= 1" if hi is None else f"in [1, {hi}]"
-        fail(obj, name, f"a non-empty, strictly increasing tuple of ints {bound}", value)
+        fail(obj, name, f"a non-empty, strictly increasing tuple of ints {bound}", value,
+             f"strictly increasing ints {bound}")
     return bins
 
 

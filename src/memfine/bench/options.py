@@ -103,7 +103,7 @@ class BenchOptions(_ConfigBase):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                       or value < 1):
                 fail(self, name, "an int >= 1" + ("" if name in ("scale_down", "repeats")
-                                                   else " or None"), value)
+                                                   else " or None"), value, "an int >= 1")
         if isinstance(self.warmup, bool) or not isinstance(self.warmup, int) or self.warmup < 0:
             fail(self, "warmup", "an int >= 0", self.warmup)
         check_choice(self, "dtype", DTYPES)

@@ -11,11 +11,12 @@ that were not given (:func:`apply_config_file`).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from memfine._checks import FieldError
 from memfine.units import parse_bytes
 
 
@@ -52,19 +53,37 @@ def value(args: argparse.Namespace, dest: str) -> Any:
     return got.value if isinstance(got, NotGiven) else got
 
 
-def name_flag(message: str, args: argparse.Namespace, flags: Iterable[Flag]) -> str:
-    """Prefix a config error with the flag that set the field, and its value.
+def typed_fields(args: argparse.Namespace, flags: Iterable[Flag]
+                 ) -> dict[str, tuple[str, Any]]:
+    """Config field → (flag, value as parsed) of each flag in ``flags`` that was given.
 
-    ``"TrainConfig.seed must be in [0, 4294967295], got 4294967296"`` becomes
-    ``"--seed 4294967296: TrainConfig.seed must be ..."``; a field no flag sets is left as is.
+    The field is the last part of each of the flag's :attr:`Flag.paths`; the input of
+    :func:`name_flag`.
     """
-    field = message.split(" ", 1)[0].rpartition(".")[2]
-    for flag in flags:
-        if any(path.rpartition(".")[2] == field for path in flag.paths):
-            shown = getattr(args, flag.dest)
-            shown = "(default)" if isinstance(shown, NotGiven) else shown
-            return f"{flag.name} {shown}: {message}"
-    return message
+    return {path.rpartition(".")[2]: (flag.name, getattr(args, flag.dest))
+            for flag in flags if given(args, flag.dest) for path in flag.paths}
+
+
+def name_flag(err: ValueError, typed: Mapping[str, tuple[str, Any]]) -> str:
+    """A config error in the words of the command line that caused it.
+
+    A :class:`memfine._checks.FieldError` on a field set by a flag the user gave names that
+    flag, what it allows as typed and the value given: ``TrainConfig.lr must be in (0.0, inf),
+    got -0.001`` becomes ``--lr must be > 0, got -0.001``. Any other error (a field set by a
+    preset or a default, a check across fields) keeps its message.
+
+    Args:
+        err: the error raised while building the config.
+        typed: config field → (flag, value as given), e.g. from :func:`typed_fields`.
+
+    Returns:
+        The one-line message.
+    """
+    if isinstance(err, FieldError) and err.field in typed:
+        flag, got = typed[err.field]
+        shown = " ".join(map(str, got)) if isinstance(got, (list, tuple)) else got
+        return f"{flag} must be {err.plain}, got {shown}"
+    return str(err)
 
 
 def comma_ints(text: str) -> tuple[int, ...]:

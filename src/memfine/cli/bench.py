@@ -34,6 +34,7 @@ from memfine.cli._flags import (
     byte_size,
     comma_ints,
     name_flag,
+    typed_fields,
     value,
 )
 
@@ -131,7 +132,7 @@ def _options(args: argparse.Namespace, fields: dict[str, Any]) -> BenchOptions:
     try:
         return BenchOptions(**fields)
     except ValueError as err:
-        raise ValueError(name_flag(str(err), args, _FLAGS)) from err
+        raise ValueError(name_flag(err, typed_fields(args, _FLAGS))) from err
 
 
 def _or(args: argparse.Namespace, dest: str, default: int | None) -> int | None:

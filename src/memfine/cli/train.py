@@ -35,6 +35,7 @@ from memfine.cli._flags import (
     comma_ints,
     given,
     name_flag,
+    typed_fields,
     value,
 )
 from memfine.config import TrainConfig
@@ -261,7 +262,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     try:
         return TrainConfig.from_dict(tree), out
     except ValueError as err:
-        raise ValueError(name_flag(str(err), args, _SETTING_FLAGS)) from err
+        raise ValueError(name_flag(err, typed_fields(args, _SETTING_FLAGS))) from err
 
 
 def _checkpoint_of(flag: str, run_dir: Path, hint: str) -> dict[str, Any]:

@@ -54,7 +54,9 @@ class _ConfigBase:
         """Build from ``to_dict`` output.
 
         Raises:
-            ValueError: if ``data`` is not a dict, or on a key that is not a field of the class.
+            ValueError: if ``data`` is not a dict, on a key that is not a field of the class, or
+                when a field without a default is missing (naming the class, the missing keys
+                and the allowed ones).
         """
         if not isinstance(data, dict):
             raise ValueError(f"{cls.__name__}.from_dict expects a dict, got {type(data).__name__}")
@@ -62,6 +64,12 @@ class _ConfigBase:
         unknown = sorted(set(data) - set(fields))
         if unknown:
             raise ValueError(f"{cls.__name__}: unknown keys {unknown}; allowed {sorted(fields)}")
+        missing = sorted(name for name, f in fields.items() if f.init and name not in data
+                         and f.default is dataclasses.MISSING
+                         and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"{cls.__name__}: missing keys {missing} (they have no default); "
+                             f"allowed {sorted(fields)}")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
             sub = _SUBCONFIGS.get((cls.__name__, key))

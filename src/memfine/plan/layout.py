@@ -84,7 +84,8 @@ class PlanConfig:
         check_choice(self, "recompute", RECOMPUTE_MODES)
         check_choice(self, "expert_model", EXPERT_MODELS)
         if not self.skews or any(not (isinstance(x, (int, float)) and x >= 1) for x in self.skews):
-            fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews)
+            fail(self, "skews", "a non-empty tuple of numbers >= 1", self.skews,
+                 "numbers >= 1")
         object.__setattr__(self, "bins", check_bins(self, hi=MAX_BIN))
         m = self.model
         if m.num_heads % self.t:  # tensor parallelism splits the attention heads

@@ -186,10 +186,14 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     Raises:
         ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, the
             mask/bias shapes do not match, or the replay's shapes differ.
+        TypeError: if ``options`` is neither a RouteOptions nor a MoEConfig.
 
     Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2
     (capacity).
     """
+    if not isinstance(options, RouteOptions):  # MoEConfig is a RouteOptions
+        raise TypeError(f"options must be a RouteOptions or a MoEConfig, got "
+                        f"{type(options).__name__} {options!r}")
     _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
     T, E = logits_TE.shape
     out_dtype = out_dtype or logits_TE.dtype

@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from memfine.cli._flags import byte_size
+from memfine.cli._flags import byte_size, name_flag
 from memfine.cli.plan import output
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
@@ -153,24 +153,18 @@ def _ints(text: str, flag: str) -> tuple[int, ...]:
 _SEARCHED = ("t", "p", "e", "dp", "cp", "v", "micro_batch", "recompute", "bins")
 
 
-# PlanConfig / ModelPreset fields whose flag has another name; the others are named alike.
-_FIELD_FLAGS = {"skews": "skew", "device_memory_bytes": "device_memory",
-                "static_bytes": "static_memory"}
+# The run-setting flags whose PlanConfig field has another name; the others are named alike.
+_FLAG_FIELDS = {"skew": "skews", "device_memory": "device_memory_bytes",
+                "static_memory": "static_bytes"}
 
 
-def _name_flag(message: str, args: argparse.Namespace) -> str:
-    """Prefix a ``PlanConfig``/``ModelPreset`` error with the flag that set the field, as typed.
-
-    ``"PlanConfig.skews must be ... got (0.0,)"`` becomes ``"--skew 0: PlanConfig.skews must
-    be ..."``; a field no flag set (a preset's value, a default) is left as is.
-    """
-    owner, _, rest = message.partition(".")
-    if owner not in ("PlanConfig", "ModelPreset"):
-        return message
-    dest = _FIELD_FLAGS.get(rest.split(" ", 1)[0], rest.split(" ", 1)[0])
-    if not hasattr(args, dest):
-        return message
-    return f"--{dest.replace('_', '-')} {getattr(args, dest)}: {message}"
+def _typed_fields(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
+    """``PlanConfig``/``ModelPreset`` field → (flag, value as given) of the flags given."""
+    flags = [(flag, field) for flag, field, _ in _SIZE_FLAGS]
+    flags += [(flag, _FLAG_FIELDS.get(flag[2:].replace("-", "_"), flag[2:].replace("-", "_")))
+              for flag, *_ in _SETTING_FLAGS]
+    return {field: (flag, getattr(args, flag[2:].replace("-", "_"))) for flag, field in flags
+            if hasattr(args, flag[2:].replace("-", "_"))}
 
 
 def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
@@ -190,7 +184,7 @@ def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     try:
         return _resolve(args)
     except ValueError as err:
-        raise ValueError(_name_flag(str(err), args)) from err
+        raise ValueError(name_flag(err, _typed_fields(args))) from err
 
 
 def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
