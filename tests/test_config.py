@@ -300,6 +300,19 @@ def test_from_dict_rejects_unknown_nested_key_and_non_dict() -> None:
         MoEConfig.from_dict([("hidden_size", 4)])  # type: ignore[arg-type]
 
 
+def test_from_dict_names_missing_keys() -> None:
+    """A field without a default left out: ValueError naming the class, the keys, the allowed."""
+    with pytest.raises(ValueError, match=r"^MoEConfig: missing keys \['hidden_size', "
+                       r"'intermediate_size', 'top_k'\] \(they have no default\); allowed "
+                       r"\['activation', .*'top_k', 'topk_group', 'z_loss_coef'\]$"):
+        MoEConfig.from_dict({"num_experts": 4})
+    data = _model().to_dict()
+    del data["moe"]["top_k"]  # nested: the sub-config names itself
+    with pytest.raises(ValueError, match=r"^MoEConfig: missing keys \['top_k'\]"):
+        ModelConfig.from_dict(data)
+    assert RouteOptions.from_dict({}) == RouteOptions()  # every field has a default
+
+
 def test_from_dict_validates_values() -> None:
     with pytest.raises(ValueError, match=_pattern(
             "MoEConfig.top_k must be in [1, num_experts=8], got 9")):

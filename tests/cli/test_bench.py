@@ -260,12 +260,18 @@ def test_a_failing_method_makes_the_exit_code_non_zero(
     assert "smallest feasible budget" in err
 
 
-def test_threads_zero_is_rejected(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flag", "text", "message"), [
+    ("--threads", "0", "--threads must be an int >= 1, got 0"),  # no "or None": not typeable
+    ("--repeats", "0", "--repeats must be an int >= 1, got 0"),
+    ("--tokens", "0", "--tokens must be an int >= 1, got 0"),
+    ("--warmup", "-1", "--warmup must be an int >= 0, got -1"),
+])
+def test_bad_option_names_the_flag_as_typed(flag: str, text: str, message: str, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--quick", "--threads", "0", "--out", str(tmp_path)])
+        main(["bench", "--quick", flag, text, "--out", str(tmp_path)])
     assert exit_info.value.code == 2
-    assert "--threads 0: BenchOptions.threads must be an int >= 1 or None, got 0" in (
-        capsys.readouterr().err)
+    assert capsys.readouterr().err == f"memfine bench: error: {message}\n"
     assert not list(tmp_path.iterdir())
 
 

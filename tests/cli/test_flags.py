@@ -8,7 +8,17 @@ import pytest
 
 from memfine.cli import bench
 from memfine.cli import train as train_cli
-from memfine.cli._flags import Flag, NotGiven, add_flags, comma_ints, given, value
+from memfine._checks import FieldError, check_float
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    comma_ints,
+    given,
+    name_flag,
+    typed_fields,
+    value,
+)
 
 
 def _parser(*flags: Flag) -> argparse.ArgumentParser:
@@ -65,3 +75,41 @@ def test_shared_flags_have_one_name_across_subcommands() -> None:
                  "--top-k", "--dtype", "--threads", "--device", "--seed", "--out"):
         for name, parser in parsers.items():
             assert flag in parser.format_help(), (name, flag)
+
+
+class _Rate:
+    """A config stand-in with one float field."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+        check_float(self, "lr", 0.0, lo_open=True)
+
+
+def _field_error(lr: float) -> FieldError:
+    with pytest.raises(FieldError) as info:
+        _Rate(lr)
+    return info.value
+
+
+def test_field_error_keeps_the_library_message_and_its_parts() -> None:
+    err = _field_error(-0.001)
+    assert isinstance(err, ValueError)
+    assert str(err) == "_Rate.lr must be in (0.0, inf), got -0.001"
+    assert (err.owner, err.field, err.value, err.plain) == ("_Rate", "lr", -0.001, "> 0")
+    assert _field_error(float("inf")).plain == "a finite number"
+
+
+def test_name_flag_words_a_field_error_as_the_flag_typed() -> None:
+    flags = (Flag("--lr", ("train.lr",), "rate", float, default=NotGiven(1e-3)),
+             Flag("--bins", ("model.chunk.bins",), "bins", int, default=NotGiven(), nargs="+"))
+    parser = argparse.ArgumentParser()
+    add_flags(parser, flags)
+    args = parser.parse_args(["--lr=-1e-3", "--bins", "1", "3"])
+    typed = typed_fields(args, flags)
+    assert typed == {"lr": ("--lr", -0.001), "bins": ("--bins", [1, 3])}
+    assert name_flag(_field_error(-0.001), typed) == "--lr must be > 0, got -0.001"
+    bins = FieldError("ChunkConfig", "bins", "a tuple", (1, 3), "ints")
+    assert name_flag(bins, typed) == "--bins must be ints, got 1 3"
+    untyped = typed_fields(parser.parse_args([]), flags)  # nothing given: the library's words
+    assert untyped == {} and name_flag(_field_error(0.0), untyped) == str(_field_error(0.0))
+    assert name_flag(ValueError("lr and min_lr disagree"), typed) == "lr and min_lr disagree"

@@ -87,7 +87,7 @@ def test_values_starting_with_a_minus_and_a_digit_are_values(
     """Any flag: ``--lr -1e-3`` reaches the config check; an option after a flag stays an
     option (``--memory-budget --seed`` lacks its value)."""
     assert _usage_error(["train", "--lr", "-1e-3"], capsys) == (
-        "memfine train: error: --lr -0.001: TrainConfig.lr must be in (0.0, inf), got -0.001")
+        "memfine train: error: --lr must be > 0, got -0.001")
     assert _usage_error(["train", "--memory-budget", "--seed", "1"], capsys) == (
         "memfine train: error: argument --memory-budget: expected one argument "
         "(see memfine train --help)")

@@ -122,11 +122,11 @@ def _write(tmp_path: Path, name: str, content: bytes) -> str:
 
 BAD_INPUTS = [
     pytest.param(lambda p: ["--hidden-size", "-4"],
-                 "MoEConfig.hidden_size must be >= 1, got -4", id="negative_hidden_size"),
+                 "error: --hidden-size must be >= 1, got -4\n", id="negative_hidden_size"),
     pytest.param(lambda p: ["--batch-size", "-1"],
-                 "TrainConfig.batch_size must be >= 1, got -1", id="negative_batch_size"),
+                 "error: --batch-size must be >= 1, got -1\n", id="negative_batch_size"),
     pytest.param(lambda p: ["--num-experts", "4", "--top-k", "5"],
-                 "MoEConfig.top_k must be in [1, num_experts=4], got 5", id="top_k_gt_experts"),
+                 "error: --top-k must be in [1, num_experts=4], got 5\n", id="top_k_gt_experts"),
     pytest.param(lambda p: ["--activation", "swish"], "invalid choice: 'swish'",
                  id="unknown_activation"),
     pytest.param(lambda p: ["--memory-budget", "16"],
@@ -145,13 +145,20 @@ BAD_INPUTS = [
                  id="resume_without_checkpoint"),
     pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
                  id="resume_with_preset"),
-    pytest.param(lambda p: ["--seed", "4294967296"], "--seed 4294967296: TrainConfig.seed must "
-                 "be in [0, 4294967295], got 4294967296", id="seed_too_large"),
-    pytest.param(lambda p: ["--save-every", "0"], "--save-every 0: TrainConfig.save_every must "
-                 "be >= 1, got 0", id="save_every_zero"),
+    # a config field set by a flag: the flag, what it allows as typed, the value typed
+    pytest.param(lambda p: ["--seed", "4294967296"], "error: --seed must be in [0, 4294967295], "
+                 "got 4294967296\n", id="seed_too_large"),
+    pytest.param(lambda p: ["--save-every", "0"], "error: --save-every must be >= 1, got 0\n",
+                 id="save_every_zero"),
     pytest.param(lambda p: ["--threads", "0"], "--threads must be >= 1, got 0", id="threads_0"),
-    pytest.param(lambda p: ["--max-steps", "0"], "--max-steps 0: TrainConfig.max_steps must be in "
-                 "[1, 4294967295], got 0", id="max_steps_0"),
+    pytest.param(lambda p: ["--max-steps", "0"], "error: --max-steps must be in [1, 4294967295], "
+                 "got 0\n", id="max_steps_0"),
+    pytest.param(lambda p: ["--lr", "-1e-3"], "error: --lr must be > 0, got -0.001\n",
+                 id="lr_negative"),
+    pytest.param(lambda p: ["--lr", "inf"], "error: --lr must be a finite number, got inf\n",
+                 id="lr_inf"),
+    pytest.param(lambda p: ["--weight-decay", "-0.5"], "error: --weight-decay must be >= 0, "
+                 "got -0.5\n", id="weight_decay_negative"),
     pytest.param(lambda p: ["--memory-budget", "1KiB"], "--memory-budget 1024 bytes (0.00 MiB) "
                  "cannot be met by any chunk count in --bins 1,2,4,8; the smallest feasible "
                  "budget for this model and batch is ", id="budget_below_the_fixed_bytes"),

@@ -103,3 +103,10 @@ def test_routed_scaling_factor_applies_after_renormalisation() -> None:
         assert torch.equal(scaled.top_k_index, plain.top_k_index)
         assert_close(scaled.top_k_weights, 2.5 * plain.top_k_weights)
         assert_close(scaled.top_k_weights.sum(-1), torch.full((5,), 2.5))
+
+
+@pytest.mark.parametrize("options", ["x", None, {"n_group": 1}])
+def test_route_refuses_options_of_another_type(options: object) -> None:
+    with pytest.raises(TypeError, match=rf"^options must be a RouteOptions or a MoEConfig, got "
+                       rf"{type(options).__name__} "):
+        route(torch.zeros(2, 4), 2, options=options)  # type: ignore[arg-type]
