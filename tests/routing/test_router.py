@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -150,7 +152,7 @@ def test_a_moe_config_is_the_route_options_of_its_layer() -> None:
     # decides exactly as with the same six options given on their own.
     moe = MoEConfig(hidden_size=D, intermediate_size=D, num_experts=8, top_k=3,
                     capacity_factor=0.5, drop_policy="position", n_group=4, topk_group=2,
-                    routed_scaling_factor=2.5)
+                    routed_scaling_factor=2.5, score_func="sigmoid")
     options = RouteOptions(capacity_factor=0.5, drop_policy="position", n_group=4,
                            topk_group=2, routed_scaling_factor=2.5)
     logits = torch.randn(T, 8, dtype=torch.float64)
@@ -163,3 +165,20 @@ def test_a_moe_config_is_the_route_options_of_its_layer() -> None:
     assert int(got.dropped_pairs) == int(want.dropped_pairs) > 0
     assert not torch.equal(got.selected_index, plain.selected_index)  # groups took effect
     assert MoELayer(moe).router.options is moe
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    ({"score_func": "sigmoid"}, "score_func='softmax' but route got score_func='sigmoid'"),
+    ({"renormalize": False}, "renormalize=True but route got renormalize=False"),
+    ({"top_k": 2}, "top_k=3 but route got top_k=2"),
+])
+def test_a_moe_config_that_disagrees_with_routes_arguments_is_refused(
+        kwargs: dict[str, object], field: str) -> None:
+    # route() takes k, the score function and renormalisation as its own arguments; a config
+    # whose values differ would otherwise be silently half-applied.
+    moe = MoEConfig(hidden_size=D, intermediate_size=D, num_experts=8, top_k=3)
+    args = {"top_k": 3, "score_func": "softmax", "renormalize": True, **kwargs}
+    top_k = args.pop("top_k")
+    with pytest.raises(ValueError, match=re.escape(field)):
+        route(torch.randn(T, 8), top_k, options=moe, **args)  # type: ignore[arg-type]
+    route(torch.randn(T, 8), 3, options=moe)  # agreeing values route

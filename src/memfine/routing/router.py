@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from memfine.config import RouteOptions, ScoreFunc
+from memfine.config import MoEConfig, RouteOptions, ScoreFunc
 from memfine.routing.capacity import capacity_keep_mask, expert_capacity
 from memfine.routing.groups import group_limited_scores, top_k_lowest_index
 from memfine.routing.precision import FP32BuffersMixin, count_per_expert, fp32_routing
@@ -71,6 +71,20 @@ class RoutingResult:
 
 
 DEFAULT_OPTIONS = RouteOptions()
+
+
+def _check_config_options(options: RouteOptions, top_k: int, score_func: str,
+                          renormalize: bool) -> None:
+    """A MoEConfig passed as ``options`` must agree with route's own k, score and renormalize."""
+    if not isinstance(options, MoEConfig):
+        return
+    given = {"top_k": top_k, "score_func": score_func, "renormalize": renormalize}
+    differ = [f"{name}={getattr(options, name)!r} but route got {name}={value!r}"
+              for name, value in given.items() if getattr(options, name) != value]
+    if differ:
+        raise ValueError(f"options is a MoEConfig with {'; '.join(differ)}: route uses only "
+                         "its routing options (groups, scaling, capacity); pass the config's "
+                         "top_k, score_func and renormalize too, or a RouteOptions")
 
 
 def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
@@ -176,7 +190,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
             expert id E, weight 0, and are left out of ``tokens_per_expert``.
         out_dtype: dtype of ``top_k_weights`` (default: the dtype of ``logits_TE``).
         options: group limit, scaling factor and capacity: a :class:`RouteOptions`, or the
-            layer's :class:`memfine.config.MoEConfig` (which inherits those fields).
+            layer's :class:`memfine.config.MoEConfig` (which inherits those fields; its
+            ``top_k``, ``score_func`` and ``renormalize`` must then equal the arguments).
         replay: a previous result for the same tokens: its selection and drops are reused and
             only the weights are recomputed from these logits (routing replay in a recompute).
 
@@ -185,7 +200,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
 
     Raises:
         ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, the
-            mask/bias shapes do not match, or the replay's shapes differ.
+            mask/bias shapes do not match, the replay's shapes differ, or a MoEConfig given as
+            ``options`` disagrees with ``top_k``, ``score_func`` or ``renormalize``.
         TypeError: if ``options`` is neither a RouteOptions nor a MoEConfig.
 
     Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2
@@ -195,6 +211,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         raise TypeError(f"options must be a RouteOptions or a MoEConfig, got "
                         f"{type(options).__name__} {options!r}")
     _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
+    _check_config_options(options, top_k, score_func, renormalize)
     T, E = logits_TE.shape
     out_dtype = out_dtype or logits_TE.dtype
     logits_TE = logits_TE.to(router_dtype(logits_TE.dtype))
