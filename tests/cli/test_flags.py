@@ -6,9 +6,9 @@ import argparse
 
 import pytest
 
+from memfine._checks import FieldError, check_float
 from memfine.cli import bench
 from memfine.cli import train as train_cli
-from memfine._checks import FieldError, check_float
 from memfine.cli._flags import (
     Flag,
     NotGiven,
