@@ -75,7 +75,10 @@ DEFAULT_OPTIONS = RouteOptions()
 
 def _check_config_options(options: RouteOptions, top_k: int, score_func: str,
                           renormalize: bool) -> None:
-    """A MoEConfig passed as ``options`` must agree with route's own k, score and renormalize."""
+    """``options`` is a RouteOptions; a MoEConfig (one) must agree with route's own arguments."""
+    if not isinstance(options, RouteOptions):
+        raise TypeError(f"options must be a RouteOptions or a MoEConfig, got "
+                        f"{type(options).__name__} {options!r}")
     if not isinstance(options, MoEConfig):
         return
     given = {"top_k": top_k, "score_func": score_func, "renormalize": renormalize}
@@ -195,21 +198,12 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
         replay: a previous result for the same tokens: its selection and drops are reused and
             only the weights are recomputed from these logits (routing replay in a recompute).
 
-    Returns:
-        A :class:`RoutingResult`.
-
-    Raises:
-        ValueError: if logits are not 2-D, top_k is out of range, score_func is unknown, the
-            mask/bias shapes do not match, the replay's shapes differ, or a MoEConfig given as
-            ``options`` disagrees with ``top_k``, ``score_func`` or ``renormalize``.
-        TypeError: if ``options`` is neither a RouteOptions nor a MoEConfig.
-
-    Reference: docs/design.md §2; DeepSeek-V3 §2.1.2 (bias, groups, scaling); GShard §2.2
-    (capacity).
+    Returns a :class:`RoutingResult`. Raises ValueError if logits are not 2-D, top_k is out of
+    range, score_func is unknown, the mask/bias or replay shapes do not match, or a MoEConfig
+    given as ``options`` disagrees with ``top_k``, ``score_func`` or ``renormalize``;
+    TypeError if ``options`` is neither. Reference: docs/design.md §2; DeepSeek-V3 §2.1.2
+    (bias, groups, scaling); GShard §2.2 (capacity).
     """
-    if not isinstance(options, RouteOptions):  # MoEConfig is a RouteOptions
-        raise TypeError(f"options must be a RouteOptions or a MoEConfig, got "
-                        f"{type(options).__name__} {options!r}")
     _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
     _check_config_options(options, top_k, score_func, renormalize)
     T, E = logits_TE.shape
