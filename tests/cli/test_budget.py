@@ -55,7 +55,7 @@ def test_the_named_budget_is_the_run_time_boundary(
     assert list(tmp_path.iterdir()) == []
     assert main(["train", *FAST, "--memory-budget", f"{need}B", "--out", str(tmp_path / "b")]) == 0
     assert read_metrics(tmp_path / "b" / "metrics.jsonl")[0]["num_chunks"] == [8, 8]
-    monkeypatch.setattr(train_cli, "check_memory_budget", lambda config: None)
+    monkeypatch.setattr(train_cli, "check_memory_budget", lambda config, world: None)
     err = _refused(["--memory-budget", f"{need - 1}B", "--out", str(tmp_path / "c")], capsys)
     assert f"smallest feasible budget is {need} bytes" in err  # the policy's own message
 

@@ -190,7 +190,7 @@ def test_a_failed_run_can_run_again_into_the_same_out(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "runs" / "a"
     # without the up-front check the budget is found by MACT in the first step, after set-up
-    monkeypatch.setattr(train_cli, "check_memory_budget", lambda config: None)
+    monkeypatch.setattr(train_cli, "check_memory_budget", lambda config, world: None)
     with pytest.raises(SystemExit) as info:
         main(["train", *FAST, "--max-steps", "2", "--memory-budget", "1KiB", "--out", str(out)])
     assert info.value.code == 2

@@ -15,22 +15,21 @@ so the policy checks each call at run time, as it does for library users.
 
 from __future__ import annotations
 
-import os
-
 from memfine.config import TrainConfig
 from memfine.routing import max_routed_rows
 from memfine.schedule.policy import ChunkPolicy
 from memfine.units import DTYPE_BYTES, format_bytes
 
 
-def check_memory_budget(config: TrainConfig) -> None:
+def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
     """Refuse a ``--memory-budget`` that no chunk count in ``--bins`` can meet.
 
     Nothing is checked without a budget, with ``--allow-over-budget`` (the run then uses the
-    largest bin with a warning), or under torchrun (``WORLD_SIZE`` > 1).
+    largest bin with a warning), or under torchrun (``world_size`` > 1).
 
     Args:
         config: the resolved run configuration.
+        world_size: torchrun's ``WORLD_SIZE`` (1 on one process).
 
     Raises:
         ValueError: one line naming ``--memory-budget``, the value given, the smallest feasible
@@ -40,7 +39,7 @@ def check_memory_budget(config: TrainConfig) -> None:
     """
     chunk, moe = config.model.chunk, config.model.moe
     budget = chunk.memory_budget_bytes
-    if budget is None or chunk.allow_over_budget or int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    if budget is None or chunk.allow_over_budget or world_size > 1:
         return
     T = config.batch_size * config.seq_len
     rows = max_routed_rows(T, moe.num_experts, moe.top_k, moe.capacity_factor, moe.min_capacity)
@@ -51,7 +50,7 @@ def check_memory_budget(config: TrainConfig) -> None:
         return
     line = policy.chunk_bytes(T, dtype_bytes)
     c_max = chunk.bins[-1]
-    per_chunk = -(-max(rows, 1) // c_max)
+    per_chunk = (need - line.fixed_bytes) // line.row_bytes  # the rows of one chunk at c_max
     if budget < line.fixed_bytes:
         remedy = "raise --memory-budget or lower --batch-size or --seq-len"
     else:

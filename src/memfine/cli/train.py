@@ -303,9 +303,10 @@ def run(args: argparse.Namespace) -> int:
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
     check_device(config.device)  # the flags first, then the directory
     threads = checked_threads(args)
-    check_memory_budget(config)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    check_memory_budget(config, world)
     check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
-    parallel = _parallel(args, config)
+    parallel = _parallel(args, config, world)
     finished = False
     try:
         result = train(config, out, resume=resume, overwrite=overwrite,
@@ -319,14 +320,15 @@ def run(args: argparse.Namespace) -> int:
     return 0 if result.stop_signal is None else 128 + result.stop_signal
 
 
-def _parallel(args: argparse.Namespace, config: TrainConfig) -> Any:
+def _parallel(args: argparse.Namespace, config: TrainConfig, world: int) -> Any:
     """The distributed engine under torchrun (``WORLD_SIZE`` > 1 or a mesh flag > 1), else None.
+
+    ``world``: torchrun's ``WORLD_SIZE`` (1 on one process).
 
     Raises:
         ValueError: on a size < 1, a world size that is not dp_shard × ep, or mesh flags
             without torchrun — before any process group exists.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     ep = int(value(args, "ep"))
     if ep < 1:
         raise ValueError(f"--ep must be >= 1, got {ep}")
