@@ -47,6 +47,11 @@ def given(args: argparse.Namespace, dest: str) -> bool:
     return not isinstance(getattr(args, dest), NotGiven)
 
 
+def flag_dest(flag: str) -> str:
+    """The namespace attribute argparse gives a ``--long-flag``: ``long_flag``."""
+    return flag[2:].replace("-", "_")
+
+
 def value(args: argparse.Namespace, dest: str) -> Any:
     """The flag's value: as given, or its :class:`NotGiven` default's ``value``."""
     got = getattr(args, dest)
@@ -181,7 +186,7 @@ class Flag:
     @property
     def dest(self) -> str:
         """The attribute on the parsed namespace (``--num-chunks`` → ``num_chunks``)."""
-        return self.name[2:].replace("-", "_")
+        return flag_dest(self.name)
 
 
 def add_flags(parser: argparse.ArgumentParser, flags: Iterable[Flag],
@@ -228,7 +233,7 @@ def apply_config_file(args: argparse.Namespace, path: str | Path, flags: Iterabl
     by_key = {}
     for flag in flags:
         for name in (flag.name, *flag.aliases):
-            by_key[name[2:].replace("-", "_")] = flag
+            by_key[flag_dest(name)] = flag
     for key, raw in table.items():
         flag = by_key.get(key)
         if flag is None:

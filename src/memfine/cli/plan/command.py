@@ -26,7 +26,7 @@ import argparse
 import dataclasses
 from typing import Any
 
-from memfine.cli._flags import byte_size, name_flag
+from memfine.cli._flags import byte_size, flag_dest, name_flag
 from memfine.cli.plan import output
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
@@ -102,7 +102,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for flag, _, text in _SIZE_FLAGS:
         parser.add_argument(flag, type=int, default=_UNSET, help=f"{text} (overrides the model)")
     for flag, text, kind, choices in _SETTING_FLAGS:
-        key = flag[2:].replace("-", "_")
+        key = flag_dest(flag)
         parser.add_argument(flag, type=kind, choices=choices, default=_UNSET,
                             help=f"{text} (default: the preset's setting, else "
                                  f"{_DEFAULTS[key]})")
@@ -119,8 +119,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _model(args: argparse.Namespace) -> ModelPreset:
     """The model from --preset / --hf-config / size flags (size flags override)."""
-    given = {field: getattr(args, flag[2:].replace("-", "_"))
-             for flag, field, _ in _SIZE_FLAGS if hasattr(args, flag[2:].replace("-", "_"))}
+    given = {field: getattr(args, flag_dest(flag))
+             for flag, field, _ in _SIZE_FLAGS if hasattr(args, flag_dest(flag))}
     if hasattr(args, "preset"):
         base: ModelPreset | None = PRESETS[args.preset]
     elif hasattr(args, "hf_config"):
@@ -161,10 +161,10 @@ _FLAG_FIELDS = {"skew": "skews", "device_memory": "device_memory_bytes",
 def _typed_fields(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
     """``PlanConfig``/``ModelPreset`` field → (flag, value as given) of the flags given."""
     flags = [(flag, field) for flag, field, _ in _SIZE_FLAGS]
-    flags += [(flag, _FLAG_FIELDS.get(flag[2:].replace("-", "_"), flag[2:].replace("-", "_")))
+    flags += [(flag, _FLAG_FIELDS.get(flag_dest(flag), flag_dest(flag)))
               for flag, *_ in _SETTING_FLAGS]
-    return {field: (flag, getattr(args, flag[2:].replace("-", "_"))) for flag, field in flags
-            if hasattr(args, flag[2:].replace("-", "_"))}
+    return {field: (flag, getattr(args, flag_dest(flag))) for flag, field in flags
+            if hasattr(args, flag_dest(flag))}
 
 
 def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
