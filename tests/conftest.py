@@ -1,4 +1,12 @@
-"""Shared fixtures: every test starts from a fixed seed; ``one_thread`` on request."""
+"""Shared fixtures: every test starts from a fixed seed; ``one_thread`` on request.
+
+Devices: the default suite (``-m "not gpu and not slow"``) runs on the CPU, also on a CUDA
+machine; tests that use CUDA are marked ``gpu``. Triton kernels of the default suite run on CPU
+tensors through the Triton interpreter, which Triton chooses once per process when a kernel is
+defined, so it is switched on here, before anything is collected, unless the run selects ``gpu``
+tests (those launch native kernels on CUDA) or ``TRITON_INTERPRET`` is already set. Tests that
+need the interpreter skip, with a reason, where it is off (:func:`triton_interpreter`).
+"""
 
 from __future__ import annotations
 
@@ -8,12 +16,24 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from _pytest.mark.expression import Expression
 
-# Triton picks its interpreter from this variable when it is first imported or a kernel is first
-# defined; torch.compile tests import torch._dynamo (and with it triton) while pytest collects,
-# before tests/ops/conftest.py runs, so the CPU interpreter is chosen here, at the root.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+def selects_gpu_tests(markexpr: str) -> bool:
+    """Whether a ``-m`` expression selects tests marked ``gpu`` (an empty one selects all)."""
+    if not markexpr.strip():
+        return True
+    return bool(Expression.compile(markexpr).evaluate(lambda name: name == "gpu"))
+
+
+def triton_interpreter() -> bool:
+    """Whether Triton kernels of this run execute on CPU tensors (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if "TRITON_INTERPRET" not in os.environ and not selects_gpu_tests(config.option.markexpr):
+        os.environ["TRITON_INTERPRET"] = "1"
 
 
 @pytest.fixture(autouse=True)

@@ -6,12 +6,12 @@ per-token loop, in float64 (loop backend), fp32 and bf16, over the docs/style.md
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import pytest
 import torch
 
+from devices import triton_cpu
 from memfine.dispatch import build_routing_index
 from memfine.ops import FusedExpertsFunction, run_experts
 from memfine.reference import reference_experts
@@ -27,14 +27,7 @@ def _backend_param(name: str, dtype: torch.dtype | None = None) -> object:
     if name == "grouped_mm" and not hasattr(torch, "_grouped_mm"):
         marks.append(pytest.mark.skip(reason="torch._grouped_mm is not in this torch build"))
     if name == "triton":
-        try:
-            import memfine.ops.triton  # noqa: F401
-            usable = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
-        except ImportError:
-            usable = False
-        if not usable:
-            marks.append(pytest.mark.skip(reason="triton backend needs memfine[triton] and CUDA "
-                                          "(or TRITON_INTERPRET=1)"))
+        marks.append(triton_cpu)  # CPU tensors: the Triton interpreter (devices.py)
     if dtype is None:
         return pytest.param(name, marks=marks, id=name)
     return pytest.param(dtype, name, marks=marks, id=f"{str(dtype)[6:]}-{name}")

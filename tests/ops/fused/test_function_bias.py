@@ -10,11 +10,11 @@ Reference: MoEBlaze §4-§5; transformers' GptOssExperts._apply_gate (the clampe
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
+from devices import triton_cpu
 from memfine.config import GatedActivation
 from memfine.dispatch import build_routing_index
 from memfine.measure.saved import track_saved_tensors
@@ -184,10 +184,8 @@ def test_upcast_computes_in_fp32() -> None:
     assert torch.equal(apply_activation(h_SG, GatedActivation(upcast=True)), want)
 
 
+@triton_cpu  # CPU tensors: the Triton interpreter (devices.py)
 def test_triton_backend_with_biases() -> None:
-    pytest.importorskip("triton", reason="triton is not installed (memfine[triton])")
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("the triton backend needs CUDA or TRITON_INTERPRET=1")
     activation = GatedActivation.gpt_oss(limit=0.5)
     p = _problem(T=6, d=8, n=8, E=3, k=2, dtype=torch.float32, activation=activation)
     out = _run(p, activation, backend="triton")

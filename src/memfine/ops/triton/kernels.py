@@ -4,11 +4,15 @@ Legend: S routed rows, T tokens, K top-k slots, E experts, I input / O output fe
 D = d, N = n. Tensors are addressed through explicit strides; all accumulation is fp32.
 - ``_grouped_gemm_kernel``: out[r] = x[src(r)] · w[e(r)] (optionally × a per-row scale), where
   src(r) = expert_token_indices[r] when GATHER (gather fused into the load, no gathered copy)
-  and r otherwise; programs walk a host-built tile schedule (one row tile never spans experts).
+  and r otherwise; programs walk a device-built tile schedule (one row tile never spans
+  experts) over a fixed grid sized from shapes; the grid's spare tiles are empty and skip the
+  K loop.
 - ``_gather_up_kernel``: H = x[expert_token_indices] · w_up[e] with the activation in the
   epilogue: writes H (S, G) and A (S, n); gated activations keep two accumulators (gate, up).
 - ``_combine_kernel``: out[t] = Σ_j rows[token_index_map[t, j]] over valid slots, in slot order
   (a per-token reduction: deterministic, no atomics; sentinel slots masked, never multiplied).
+Addresses: every row, token and expert index is int64 before it meets a stride, so offsets
+past 2³¹ elements (T·d ≥ 2³¹ in the combine, S·G in H) address correctly.
 UPCAST converts tile operands to fp32 before ``tl.dot`` (the CPU interpreter computes bf16 dots
 wrongly); IEEE asks for exact fp32 dots (no TF32) when the inputs are fp32.
 Reference: MoEBlaze §4 (gather-fused GEMM, epilogue activation, per-token combine).
@@ -45,19 +49,21 @@ def _activate(v, ACT: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, BM: tl.constexpr,
-               GATHER: tl.constexpr):
+def _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features,
+               BM: tl.constexpr, GATHER: tl.constexpr):
+    # This program's rows; an idle tile (start == end of its expert) gets an empty K loop.
     pid_m = tl.program_id(0)
-    e = tl.load(tile_expert_ptr + pid_m)
-    start = tl.load(tile_start_ptr + pid_m)
-    end = tl.load(offsets_ptr + e + 1)
-    offs_m = start + tl.arange(0, BM)
+    e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
+    start = tl.load(tile_start_ptr + pid_m).to(tl.int64)
+    end = tl.load(offsets_ptr + e + 1).to(tl.int64)
+    offs_m = start + tl.arange(0, BM).to(tl.int64)
     mask_m = offs_m < end
-    if GATHER:
+    if GATHER:  # noqa: SIM108 (a constexpr branch: Triton compiles only the one taken)
         src = tl.load(rows_ptr + offs_m, mask=mask_m, other=0).to(tl.int64)
     else:
-        src = offs_m.to(tl.int64)
-    return e.to(tl.int64), offs_m.to(tl.int64), mask_m, src
+        src = offs_m
+    k_stop = in_features * (start < end).to(tl.int32)  # idle tiles of the fixed grid: no work
+    return e, offs_m, mask_m, src, k_stop
 
 
 @triton.jit
@@ -67,12 +73,12 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, scale_ptr, tile_expert
                          GATHER: tl.constexpr, SCALE: tl.constexpr, UPCAST: tl.constexpr,
                          IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr):
-    e, offs_m, mask_m, src = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr,
-                                        BM, GATHER)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e, offs_m, mask_m, src, k_stop = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr,
+                                                rows_ptr, in_features, BM, GATHER)
+    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     mask_n = offs_n < out_features
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, in_features, BK):
+    for k0 in range(0, k_stop, BK):
         offs_k = k0 + tl.arange(0, BK)
         mask_k = offs_k < in_features
         a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
@@ -93,13 +99,13 @@ def _gather_up_kernel(x_ptr, w_ptr, h_ptr, a_ptr, rows_ptr, tile_expert_ptr, til
                       stride_wo, stride_hs, stride_hg, stride_as, stride_an, GATED: tl.constexpr,
                       ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, offs_m, mask_m, src = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr,
-                                        BM, True)
-    offs_n = tl.program_id(1) * BN + tl.arange(0, BN)
+    e, offs_m, mask_m, src, k_stop = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr,
+                                                rows_ptr, in_features, BM, True)
+    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
     mask_n = offs_n < N
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, in_features, BK):
+    for k0 in range(0, k_stop, BK):
         offs_k = k0 + tl.arange(0, BK)
         mask_k = offs_k < in_features
         a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
@@ -126,8 +132,8 @@ def _gather_up_kernel(x_ptr, w_ptr, h_ptr, a_ptr, rows_ptr, tile_expert_ptr, til
 @triton.jit
 def _combine_kernel(rows_ptr, map_ptr, out_ptr, T, D, K, stride_rs, stride_rd, stride_mt,
                     stride_mk, stride_ot, stride_od, BT: tl.constexpr, BD: tl.constexpr):
-    offs_t = tl.program_id(0) * BT + tl.arange(0, BT)
-    offs_d = tl.program_id(1) * BD + tl.arange(0, BD)
+    offs_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    offs_d = tl.program_id(1).to(tl.int64) * BD + tl.arange(0, BD)
     mask_t = offs_t < T
     mask_d = offs_d < D
     acc = tl.zeros((BT, BD), dtype=tl.float32)

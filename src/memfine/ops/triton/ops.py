@@ -41,34 +41,45 @@ def _precision(x: torch.Tensor) -> dict[str, bool]:
     return {"UPCAST": x.device.type == "cpu", "IEEE": x.dtype == torch.float32}
 
 
-def tile_schedule(offsets_E1: torch.Tensor, block_rows: int
+def tile_schedule(offsets_E1: torch.Tensor, block_rows: int, num_rows: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row tiles that never span two experts.
+    """Row tiles that never span two experts, on a grid sized from shapes alone (no host sync).
+
+    Expert e needs ceil(c_e / BM) tiles; over all experts that is at most
+    ``ceil(S / BM) + min(E, S)``, the fixed tile count returned. Tiles past the experts' own are
+    idle: they name the last expert and start at its end, so a kernel masks all their rows and
+    skips their K loop. Everything is computed on the offsets' device; no value is read back.
 
     Args:
         offsets_E1: (E + 1,) int32 expert_token_offsets.
         block_rows: rows per tile (BM).
+        num_rows: S, the grouped rows (a shape, known on the host); ``offsets_E1[E] <= S``.
 
     Returns:
-        ``(tile_expert, tile_start)``: (num_tiles,) int32 expert and first row of every tile.
-        One host sync (the tile count).
+        ``(tile_expert, tile_start)``: (ceil(S / BM) + min(E, S),) int32 expert and first row of
+        every tile; the experts' tiles first, in expert order, then the idle ones.
     """
     offsets = offsets_E1.long()
+    E = offsets.numel() - 1
+    num_tiles = -(-num_rows // block_rows) + min(E, num_rows) if E > 0 else 0
+    tile = torch.arange(num_tiles, device=offsets.device)
+    if num_tiles == 0:
+        return tile.int(), tile.int()
     tiles_E = (offsets.diff() + block_rows - 1) // block_rows
-    num_tiles = int(tiles_E.sum())
-    experts = torch.arange(tiles_E.numel(), device=offsets.device)
-    tile_expert = experts.repeat_interleave(tiles_E, output_size=num_tiles)
-    first_tile_E = tiles_E.cumsum(0) - tiles_E
-    rank = torch.arange(num_tiles, device=offsets.device) - first_tile_E[tile_expert]
-    tile_start = offsets[tile_expert] + rank * block_rows
-    return tile_expert.int(), tile_start.int()
+    end_tile_E = tiles_E.cumsum(0)
+    owner = torch.searchsorted(end_tile_E, tile, right=True)  # E for an idle tile
+    expert = owner.clamp(max=E - 1)
+    rank = tile - (end_tile_E[expert] - tiles_E[expert])
+    tile_start = torch.where(owner < E, offsets[expert] + rank * block_rows,
+                             offsets[expert + 1])
+    return expert.int(), tile_start.int()
 
 
 def _gemm(x: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor, out_SO: torch.Tensor,
           rows_S: torch.Tensor | None, scale_S: torch.Tensor | None) -> torch.Tensor:
     kernels, tile = _kernels(x.device), _tile(x.device)
     in_features, out_features = w_EIO.shape[1], w_EIO.shape[2]
-    tile_expert, tile_start = tile_schedule(offsets_E1, tile["BM"])
+    tile_expert, tile_start = tile_schedule(offsets_E1, tile["BM"], out_SO.shape[0])
     if tile_expert.numel() and out_features:
         grid = (tile_expert.numel(), -(-out_features // tile["BN"]))
         kernels._grouped_gemm_kernel[grid](
@@ -122,7 +133,7 @@ def gather_up(x_TD: torch.Tensor, w_up_EDG: torch.Tensor, expert_token_indices_S
     gated = activation in _GATED
     N = G // 2 if gated else G
     h_SG, a_SN = x_TD.new_empty(S, G), x_TD.new_empty(S, N)
-    tile_expert, tile_start = tile_schedule(offsets_E1, tile["BM"])
+    tile_expert, tile_start = tile_schedule(offsets_E1, tile["BM"], S)
     if tile_expert.numel() and N:
         grid = (tile_expert.numel(), -(-N // tile["BN"]))
         kernels._gather_up_kernel[grid](

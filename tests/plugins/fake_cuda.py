@@ -1,0 +1,19 @@
+"""pytest plugin: run the CPU suite as it would start on a CUDA machine.
+
+``pytest -p plugins.fake_cuda ...`` (with ``tests`` on the path) makes
+``torch.cuda.is_available()`` return True and removes ``TRITON_INTERPRET`` from the environment
+before any conftest or test module is imported, so every import-time device choice
+(``DEVICE = "cuda" if torch.cuda.is_available() else "cpu"``, skip marks, the conftests' Triton
+interpreter switch) takes the branch a CUDA machine takes. Tensors still live on the CPU: a test
+that puts a tensor on ``cuda`` fails here, which is what the device-selection check looks for.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+os.environ.pop("TRITON_INTERPRET", None)
+torch.cuda.is_available = lambda: True  # type: ignore[assignment]
+torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
