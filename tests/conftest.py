@@ -5,7 +5,7 @@ machine; tests that use CUDA are marked ``gpu``. Triton kernels of the default s
 tensors through the Triton interpreter, which Triton chooses once per process when a kernel is
 defined, so it is switched on here, before anything is collected, unless the run selects ``gpu``
 tests (those launch native kernels on CUDA) or ``TRITON_INTERPRET`` is already set. Tests that
-need the interpreter skip, with a reason, where it is off (:func:`triton_interpreter`).
+need the interpreter are marked ``triton_cpu`` and skip, with a reason, where it is off.
 """
 
 from __future__ import annotations
@@ -16,24 +16,24 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from _pytest.mark.expression import Expression
 
+from devices import selects_gpu_tests, triton_skip_reason
 
-def selects_gpu_tests(markexpr: str) -> bool:
-    """Whether a ``-m`` expression selects tests marked ``gpu`` (an empty one selects all)."""
-    if not markexpr.strip():
-        return True
-    return bool(Expression.compile(markexpr).evaluate(lambda name: name == "gpu"))
-
-
-def triton_interpreter() -> bool:
-    """Whether Triton kernels of this run execute on CPU tensors (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+TRITON_MARKERS = {"triton_cpu": "runs Triton kernels on CPU tensors (TRITON_INTERPRET=1)",
+                  "triton_gpu": "runs native Triton kernels on CUDA tensors"}
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    for name, text in TRITON_MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
     if "TRITON_INTERPRET" not in os.environ and not selects_gpu_tests(config.option.markexpr):
         os.environ["TRITON_INTERPRET"] = "1"
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    for name in TRITON_MARKERS:
+        if item.get_closest_marker(name) and (reason := triton_skip_reason(name)):
+            pytest.skip(reason)
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 os.environ.pop("TRITON_INTERPRET", None)
 torch.cuda.is_available = lambda: True  # type: ignore[assignment]
 torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    terminalreporter.write_line("fake CUDA: torch.cuda.is_available() -> True, "
+                                "TRITON_INTERPRET unset at start")
