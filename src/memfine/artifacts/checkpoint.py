@@ -58,14 +58,33 @@ class CheckpointNotFoundError(ValueError):
 
 
 def rng_state() -> dict[str, Any]:
-    """The CPU RNG states a training run depends on (torch and Python ``random``)."""
-    return {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """The RNG states a training run depends on.
+
+    Returns:
+        ``{"torch": CPU generator state, "python": random's state, "cuda": [one uint8 state per
+        CUDA device]}``; ``cuda`` only once this process has initialised CUDA (router jitter,
+        dropout and sampling on a GPU draw from the CUDA generators, not the CPU one).
+    """
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore states from :func:`rng_state`."""
+    """Restore states from :func:`rng_state`, the CUDA ones when saved and CUDA is here.
+
+    CUDA device i gets the saved state of device i, for the devices both machines have. A
+    checkpoint written on a GPU and resumed without CUDA restores the CPU and Python states only
+    (the CUDA ones have no generator to go to); one without CUDA states leaves the CUDA
+    generators as seeded.
+    """
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
+    cuda_states = state.get("cuda")
+    if cuda_states and torch.cuda.is_available():
+        for device in range(min(len(cuda_states), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(cuda_states[device], device)
 
 
 def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str, Any],
