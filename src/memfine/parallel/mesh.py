@@ -12,6 +12,7 @@ Reference: torchtitan's ParallelDims (named mesh dims); docs/design.md §4, §6.
 from __future__ import annotations
 
 import datetime
+import os
 from dataclasses import dataclass
 
 import torch
@@ -141,18 +142,48 @@ def init_parallel(dp_shard: int, ep: int, *, backend: str | None = None,
         timeout_s: collective timeout, seconds (> 0): a rank that never joins a collective
             ends the run with an error instead of a hang.
 
+    Under nccl the process's CUDA device is set from ``LOCAL_RANK`` first
+    (:func:`set_cuda_device_from_env`).
+
     Returns:
         The :class:`ParallelContext` of this rank.
 
     Raises:
-        ValueError: on a bad size, backend or timeout (before any process group is created
-            when the world size is known from the environment).
+        ValueError: on a bad size, backend, timeout or (nccl) ``LOCAL_RANK`` (before any
+            process group is created when the world size is known from the environment).
     """
     if timeout_s <= 0:
         raise ValueError(f"timeout_s must be > 0 seconds, got {timeout_s}")
     backend = backend or default_backend()
     if backend not in BACKENDS:
         raise ValueError(f"--backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "nccl":
+        set_cuda_device_from_env()
     if not dist.is_initialized():
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return build_context(dp_shard, ep)
+
+
+def set_cuda_device_from_env() -> int:
+    """Make this process's CUDA device the one torchrun assigned it (``LOCAL_RANK``, default 0).
+
+    Under nccl every rank must own one GPU before its first collective; without this all ranks
+    of a node would use ``cuda:0``.
+
+    Returns:
+        The device index set.
+
+    Raises:
+        ValueError: if ``LOCAL_RANK`` is not an int in [0, the visible CUDA devices).
+    """
+    text = os.environ.get("LOCAL_RANK", "0")
+    count = torch.cuda.device_count()
+    try:
+        local_rank = int(text)
+    except ValueError:
+        local_rank = -1
+    if not 0 <= local_rank < count:
+        raise ValueError(f"LOCAL_RANK must be an int in [0, {count}) (the visible CUDA devices) "
+                         f"for the nccl backend, got {text!r}")
+    torch.cuda.set_device(local_rank)
+    return local_rank
