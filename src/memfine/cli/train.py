@@ -40,6 +40,7 @@ from memfine.cli._flags import (
 )
 from memfine.config import TrainConfig
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
+from memfine.train.determinism import deterministic_mode
 from memfine.train.setup import RESUMABLE_FIELDS
 
 
@@ -92,7 +93,8 @@ _CONFIG_FLAGS = (
          str, tuple(d for d in get_args(config.DType) if d != "float16")),
     Flag("--autocast", ("autocast",), "mixed precision: bf16 (= bfloat16) runs the forward "
          "under torch.autocast with fp32 master weights and bf16 compute; the router stays "
-         "fp32", _autocast_dtype, get_args(config.AutocastDType)),
+         "fp32; default with --device cuda and fp32 weights", _autocast_dtype,
+         get_args(config.AutocastDType)),
     Flag("--device", ("device",), "torch device: cpu or cuda[:i]", str),
     Flag("--hidden-size", ("model.moe.hidden_size",), "model width d"),
     Flag("--num-layers", ("model.num_layers",), "transformer blocks"),
@@ -160,6 +162,9 @@ _SWITCH_FLAGS = (
          "output by a per-token sigmoid gate (Qwen2-MoE)", action=argparse.BooleanOptionalAction),
     Flag("--compile", ("compile",), "run the training step under torch.compile (inductor); "
          "evaluation and sampling stay eager", action="store_true"),
+    Flag("--deterministic", ("deterministic",), "torch's deterministic algorithms and "
+         "CUBLAS_WORKSPACE_CONFIG=:4096:8: bitwise repeatable GPU runs, somewhat slower",
+         action="store_true"),
     Flag("--allow-over-budget", ("model.chunk.allow_over_budget",), "use the largest chunk bin "
          "(with a warning) when none meets the memory budget, instead of failing",
          action="store_true"),
@@ -257,12 +262,21 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
             tree["model"] = source["config"]["model"]  # and its context length:
             tree["seq_len"] = source["config"]["seq_len"]
     _apply_flags(args, tree, resume=resume, out=out)
+    if not resume:
+        _cuda_autocast_default(args, tree)
     if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
         tree["model"]["moe"]["renormalize"] = False
     try:
         return TrainConfig.from_dict(tree), out
     except ValueError as err:
         raise ValueError(name_flag(err, typed_fields(args, _SETTING_FLAGS))) from err
+
+
+def _cuda_autocast_default(args: argparse.Namespace, tree: dict[str, Any]) -> None:
+    """On CUDA, bf16 autocast over fp32 master weights unless --autocast or --dtype said else."""
+    if (tree["device"].startswith("cuda") and tree["dtype"] == "float32"
+            and not given(args, "autocast") and not given(args, "dtype")):
+        tree["autocast"] = "bfloat16"
 
 
 def _checkpoint_of(flag: str, run_dir: Path, hint: str) -> dict[str, Any]:
@@ -309,10 +323,13 @@ def run(args: argparse.Namespace) -> int:
     parallel = _parallel(args, config, world)
     finished = False
     try:
-        result = train(config, out, resume=resume, overwrite=overwrite,
-                       progress=not value(args, "no_progress"), plot=bool(value(args, "plot")),
-                       tensorboard=bool(value(args, "tensorboard")),
-                       init_from=value(args, "init_from"), parallel=parallel, threads=threads)
+        with deterministic_mode(config.deterministic):
+            result = train(config, out, resume=resume, overwrite=overwrite,
+                           progress=not value(args, "no_progress"),
+                           plot=bool(value(args, "plot")),
+                           tensorboard=bool(value(args, "tensorboard")),
+                           init_from=value(args, "init_from"), parallel=parallel,
+                           threads=threads)
         finished = True
     finally:
         if parallel is not None:

@@ -161,6 +161,9 @@ class TrainConfig(_ConfigBase):
             (inductor; evaluation and sampling stay eager).
         autocast: ``bfloat16`` runs the forward under ``torch.autocast`` with bf16: fp32 master
             weights, bf16 compute (the router stays fp32); ``none`` for plain ``dtype``.
+            ``memfine train --device cuda`` defaults to ``bfloat16`` (with fp32 weights).
+        deterministic: run with ``torch.use_deterministic_algorithms(True)`` and
+            ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (bitwise repeatable on one GPU, at some speed).
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -186,6 +189,7 @@ class TrainConfig(_ConfigBase):
     device: str = "cpu"
     compile: bool = False
     autocast: AutocastDType = "none"
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -225,6 +229,8 @@ class TrainConfig(_ConfigBase):
         if not isinstance(self.compile, bool):
             fail(self, "compile", "True or False", self.compile)
         check_choice(self, "autocast", AutocastDType)
+        if not isinstance(self.deterministic, bool):
+            fail(self, "deterministic", "True or False", self.deterministic)
 
     @property
     def resolved_lr_decay_steps(self) -> int:

@@ -23,12 +23,16 @@ def lr_factor(step: int, *, warmup_steps: int, decay_steps: int, min_ratio: floa
 
 def build_optimizer(model: torch.nn.Module, config: TrainConfig) -> tuple[
         torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (weight decay on tensors with ≥ 2 dims only) and its warm-up + cosine schedule."""
+    """AdamW (weight decay on tensors with ≥ 2 dims only) and its warm-up + cosine schedule.
+
+    On CUDA the fused AdamW kernel updates all parameters at once (``fused=True``).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2],
                "weight_decay": config.weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS)
+    fused = torch.device(config.device).type == "cuda" or None  # one kernel per step on CUDA
+    optimizer = torch.optim.AdamW(groups, lr=config.lr, betas=ADAM_BETAS, fused=fused)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_factor(
         s, warmup_steps=config.warmup_steps, decay_steps=config.resolved_lr_decay_steps,
         min_ratio=config.min_lr_ratio))
