@@ -71,13 +71,37 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     return failures
 
 
-def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int:
-    """A ``benchmarks/`` script: run one suite on the CPU and write its files to ``out``.
+def bench_device(choice: str) -> torch.device:
+    """The device of a run: ``cpu``, ``cuda`` (or ``cuda:i``), or ``auto`` (CUDA when present).
 
-    Flags: ``--repeats``, ``--warmup``, ``--threads`` (default 1), ``--quick``, ``--out``.
+    Raises:
+        ValueError: naming ``--device`` for an unknown choice, or CUDA where there is none.
+    """
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(choice)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda[:i] or auto, got {choice!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {choice}: CUDA is not available in this torch build or "
+                         f"machine (torch {torch.__version__})")
+    return device
+
+
+def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int:
+    """A ``benchmarks/`` script: run one suite and write its files to ``out``.
+
+    Flags: ``--repeats``, ``--warmup``, ``--threads`` (default 1), ``--quick``, ``--out``,
+    ``--device`` (default ``cpu``; ``cuda`` times with CUDA events and reads allocator peaks).
 
     Returns:
         0, or 1 when a method failed (its error is printed).
+
+    Raises:
+        SystemExit: 2 (argparse usage error) on a bad ``--device``.
     """
     parser = argparse.ArgumentParser(description=f"memfine bench --suite {suite}")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
@@ -85,11 +109,17 @@ def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
     parser.add_argument("--out", type=Path, default=out, help="output folder")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda[:i] or auto (CUDA when present); default cpu")
     args = parser.parse_args(argv)
+    try:
+        device = bench_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
     opts = BenchOptions(suites=(suite,), repeats=1 if args.quick else args.repeats,
                         warmup=0 if args.quick else args.warmup, threads=args.threads,
-                        quick=args.quick, out=str(args.out))
-    failures = run_suites(opts, torch.device("cpu"))
+                        quick=args.quick, out=str(args.out), device=device.type)
+    failures = run_suites(opts, device)
     for failure in failures:
         print(f"method failed: {failure}", file=sys.stderr)
     return 1 if failures else 0
