@@ -57,3 +57,9 @@ def assert_chunked_close(actual: torch.Tensor, expected: torch.Tensor, name: str
         atol *= max(1.0, float(expected.abs().max()))
     torch.testing.assert_close(actual, expected, atol=atol, rtol=CHUNKED_ATOL,
                                msg=lambda m: f"{name}: {m}")
+# CUDA peak (max_memory_allocated after a reset) vs the memory model: the caching allocator
+# rounds every block up to 512 bytes (small tensors: the index arrays, the aux losses) and
+# cuBLAS/cuBLASLt may allocate workspaces through it; 10% or 4 MiB, whichever is larger, holds
+# both at the sizes the gpu tests use (not yet measured on a GPU: tighten from the first run).
+CUDA_PEAK_RTOL = 0.10
+CUDA_PEAK_ATOL_BYTES = 4 << 20
