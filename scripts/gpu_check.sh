@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# memfine on one CUDA GPU in at most ~8 minutes, every part under a hard timeout, one CSV out.
+# memfine on one CUDA GPU in at most 8 minutes (480 s of timeouts), every part under a hard timeout, one CSV out.
 #
 #   scripts/gpu_check.sh [--skip-install] [--dry-run] [--out DIR]
 #
-# Parts (timeout): install (180 s: a venv with torch from constraints.txt, from the package
-# index: PyPI's Linux torch wheel is the CUDA build), gpu tests (150 s: pytest -m gpu), layer
-# benchmark (120 s: bf16 at the Qwen3-30B-A3B layer d 2048, n 768, E 128, k 8, T 16384; memfine
+# Parts (timeout): install (120 s: a venv with torch from constraints.txt, from the package
+# index: PyPI's Linux torch wheel is the CUDA build), gpu tests (110 s: pytest -m gpu), layer
+# benchmark (80 s: bf16 at the Qwen3-30B-A3B layer d 2048, n 768, E 128, k 8, T 16384; memfine
 # fused, fused_mact (MACT), memfine_c4 (4 chunks) against torch._grouped_mm experts in
 # torchtitan's style and HF transformers' grouped_mm experts; CUDA-event times, peak and saved
-# bytes), equality (90 s: each method's output and dx against fused and an fp32 layer), train
-# (60 s: 50 steps of `memfine train --device cuda`), compile (120 s: 20 steps with --compile).
+# bytes), equality (40 s: each method's output and dx against fused and an fp32 layer), train
+# (40 s: 50 steps of `memfine train --device cuda`), compile (90 s: 20 steps with --compile).
 # Everything lands in DIR/gpu_check.csv (part, name, status, metric, value, unit, detail) next to
 # each part's log. --skip-install uses the python already on PATH (or $PYTHON), e.g. a CUDA
 # torch you installed. --dry-run runs every part on the CPU at tiny shapes (CI runs it so the
@@ -51,7 +51,7 @@ run() {
 }
 
 if [ $INSTALL -eq 1 ]; then
-  run install 180 bash -c "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -q -U pip \
+  run install 120 bash -c "python3 -m venv .venv-gpu && .venv-gpu/bin/pip install -q -U pip \
     && .venv-gpu/bin/pip install -q -c constraints.txt -e '.[dev,hf]'"
   PY=.venv-gpu/bin/python
 fi
@@ -74,21 +74,21 @@ else
 fi
 
 # gpu tests: their own process, TRITON_INTERPRET unset (native kernels; the conftest leaves it)
-run gpu_tests 150 env -u TRITON_INTERPRET "$PY" -m pytest -p no:cacheprovider -q -m gpu \
+run gpu_tests 110 env -u TRITON_INTERPRET "$PY" -m pytest -p no:cacheprovider -q -m gpu \
   --junitxml "$OUT/gpu_tests.xml" "${TESTS[@]}"
 "$PY" scripts/gpu_check_csv.py "$CSV" junit "$OUT/gpu_tests.xml"
 
-run layer_bench 120 "$PY" -m memfine bench --suites experts hf --device "$DEVICE" \
+run layer_bench 80 "$PY" -m memfine bench --suites experts hf --device "$DEVICE" \
   --dtype bfloat16 "${SHAPE[@]}" --methods fused fused_mact grouped_mm hf_grouped_mm memfine_c4 \
   --out "$OUT/bench" --overwrite
 "$PY" scripts/gpu_check_csv.py "$CSV" bench "$OUT"/bench/bench_*.csv
-run equality 90 "$PY" scripts/gpu_check_equal.py "$CSV" --device "$DEVICE" "${EQUAL[@]}"
+run equality 40 "$PY" scripts/gpu_check_equal.py "$CSV" --device "$DEVICE" "${EQUAL[@]}"
 
 COMMON=(--device "$DEVICE" --no-progress --sample-tokens 0 --overwrite --log-every 1)
-run train 60 "$PY" -m memfine train "${TRAIN[@]}" "${COMMON[@]}" --max-steps "$STEPS" \
+run train 40 "$PY" -m memfine train "${TRAIN[@]}" "${COMMON[@]}" --max-steps "$STEPS" \
   --eval-every "$STEPS" --out "$OUT/train"
 "$PY" scripts/gpu_check_csv.py "$CSV" train train "$OUT/train"
-run compile 120 "${COMPILE_ENV[@]}" "$PY" -m memfine train "${TRAIN[@]}" "${COMMON[@]}" --compile \
+run compile 90 "${COMPILE_ENV[@]}" "$PY" -m memfine train "${TRAIN[@]}" "${COMMON[@]}" --compile \
   --max-steps "$CSTEPS" --eval-every "$CSTEPS" --out "$OUT/train_compile"
 "$PY" scripts/gpu_check_csv.py "$CSV" train compile "$OUT/train_compile"
 
