@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# memfine on one CUDA GPU in at most 8 minutes (480 s of timeouts), every part under a hard timeout, one CSV out.
+# memfine on one CUDA GPU in at most 8 minutes (the part timeouts sum to 480 s); one CSV out.
 #
 #   scripts/gpu_check.sh [--skip-install] [--dry-run] [--out DIR]
 #
