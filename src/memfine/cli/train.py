@@ -83,7 +83,8 @@ _CONFIG_FLAGS = (
          "every N steps"),
     Flag("--save-every", ("save_every",), "write checkpoint.pt every N steps and at the last "
          "step; None: at each evaluation", _optional_int),
-    Flag("--eval-batches", ("eval_batches",), "validation batches (fixed windows)"),
+    Flag("--eval-batches", ("eval_batches",), "validation batches of 8 fixed windows each (the "
+         "same windows for every --batch-size and layout)"),
     Flag("--log-every", ("log_every",), "write a metrics.jsonl line every N steps"),
     Flag("--sample-tokens", ("sample_tokens",), "bytes of text generated at the end"),
     Flag("--dtype", ("dtype",), "dtype of the weights, activations and AdamW state: bfloat16 "

@@ -10,7 +10,19 @@ Reference: MoEBlaze §4 (combine through token_index_map); docs/design.md §3.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def statically_known_true(condition: bool | torch.SymBool) -> bool:
+    """Whether ``condition`` holds for every size (a plain bool as is).
+
+    A symbolic condition (under torch.compile) goes through torch's shape environment, imported
+    here so that ``import memfine`` loads neither sympy nor dynamo's config.
+    """
+    if isinstance(condition, bool):
+        return condition
+    from torch.fx.experimental.symbolic_shapes import statically_known_true as known
+
+    return bool(known(condition))
 
 
 def gather_rows(x_TD: torch.Tensor, expert_token_indices_S: torch.Tensor) -> torch.Tensor:
