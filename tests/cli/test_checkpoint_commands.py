@@ -69,7 +69,8 @@ def test_generate_is_seeded_and_continues_the_prompt(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    pytest.param(["--temperature", "0"], "--temperature must be > 0, got 0.0", id="temperature"),
+    pytest.param(["--temperature", "-1"], "--temperature must be >= 0 (0: greedy decoding), "
+                 "got -1.0", id="temperature"),
     pytest.param(["--max-new-bytes", "-1"], "--max-new-bytes must be >= 0, got -1", id="bytes"),
     pytest.param(["--prompt", ""], "--prompt must hold at least one character", id="empty"),
     pytest.param(["--threads", "0"], "--threads must be >= 1, got 0", id="threads"),
