@@ -188,8 +188,8 @@ def test_disk_full_names_the_file_and_the_surviving_checkpoint(
         raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 13")
 
     monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
-    monkeypatch.setattr(ckpt.shutil, "disk_usage",
-                        lambda p: shutil._ntuple_diskusage(10**9, 10**9, 0))  # type: ignore[attr-defined]
+    full = shutil._ntuple_diskusage(10**9, 10**9, 0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: full)
     with pytest.raises(OSError) as info:
         _save(path, 2)
     assert info.value.errno == errno.ENOSPC

@@ -154,7 +154,8 @@ def test_init_from_takes_the_model_of_the_checkpoint(run_dir: Path, tmp_path: Pa
     with pytest.raises(SystemExit) as info:
         main(["train", "--resume", "--init-from", str(run_dir), "--out", str(run_dir)])
     assert info.value.code == 2
-    assert "--init-from does not apply with --resume" in capsys.readouterr().err
+    assert "--init-from with these flags starts another run than the checkpoint in" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(("name", "message"), [

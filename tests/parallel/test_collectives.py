@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import torch
-
 from ep_harness import check_outcome, run_scenarios, spawn
+
 from memfine.parallel import all_to_all
 
 pytestmark = pytest.mark.distributed

@@ -12,8 +12,8 @@ from memfine.config import MoEConfig
 from memfine.nn import MoELayer
 from memfine.reference import REFERENCE_SCORES, reference_route
 from memfine.routing import RouteOptions, TopKRouter, route
-from memfine.routing.scores import SCORE_FUNCTIONS
 from memfine.routing.losses import load_balancing_loss, z_loss
+from memfine.routing.scores import SCORE_FUNCTIONS
 from tolerances import assert_close
 
 T, D, E = 12, 6, 5

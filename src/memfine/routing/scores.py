@@ -26,7 +26,7 @@ _SOFTPLUS_LOG_LINEAR_BELOW = -20.0
 
 
 def _log_softplus(z: torch.Tensor) -> torch.Tensor:
-    """log softplus(z), finite for every finite z (softplus underflows to 0 below about -104)."""
+    """Log softplus(z), finite for every finite z (softplus underflows to 0 below about -104)."""
     safe = torch.where(z < _SOFTPLUS_LOG_LINEAR_BELOW, 0.0, z)
     return torch.where(z < _SOFTPLUS_LOG_LINEAR_BELOW, z, F.softplus(safe).log())
 
