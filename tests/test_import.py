@@ -167,3 +167,14 @@ def test_probe_counts_only_the_package_itself(tmp_path: Path) -> None:
                                          "os.environ.get('PACKAGE_VAR')\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(package.parent), str(venv)])}
     assert _probe(env)["env_reads"] == ["PACKAGE_VAR"]
+
+
+def test_bare_install_without_numpy_imports_quietly() -> None:
+    """torch warns "Failed to initialize NumPy" where numpy is absent; memfine never uses it."""
+    code = ("import sys, warnings\nsys.modules['numpy'] = None  # as in a bare install\n"
+            "filters = len(warnings.filters)\nimport memfine\n"
+            "assert len(warnings.filters) == filters, 'import memfine changed warning filters'\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
