@@ -11,13 +11,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from memfine.config import MoEConfig
+from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import build_routing_index
 from memfine.nn import MoELayer
 from memfine.ops import combine_rows, run_experts
 from memfine.reference import reference_experts, reference_moe
 from memfine.routing import TopKRouter, load_balancing_loss, route, z_loss
-from tolerances import assert_close
+from tolerances import CHUNKED_ATOL, assert_close
 
 BACKENDS = ["loop", "grouped_mm", "auto"] if hasattr(torch, "_grouped_mm") else ["loop"]
 IMPLS = ["fused", "plain"]
@@ -292,6 +292,37 @@ def case_determinism() -> None:
     assert torch.equal(combine_rows(y_SD, result.top_k_weights, index.token_index_map), expected)
 
 
+def case_aux_grad_path() -> None:
+    """Router gradient when only one of the main and the aux loss reaches it, chunked or not."""
+    T, E, k, d, coef = 8, 4, 2, 8, 0.01
+    x = torch.randn(T, d, dtype=torch.float64)
+    probe = torch.randn(T, d, dtype=torch.float64)
+    for chunk in (ChunkConfig(num_chunks=1, recompute="none"),
+                  ChunkConfig(num_chunks=4, recompute="experts")):
+        config = MoEConfig(hidden_size=d, intermediate_size=d, num_experts=E, top_k=k,
+                           aux_loss_coef=coef)
+        layer = MoELayer(config, chunk=chunk).double()
+        with torch.no_grad():
+            layer.router.weight.normal_()
+        w_r = layer.router.weight.detach().clone().requires_grad_(True)
+        ref_out, ref_idx, ref_logits = reference_moe(
+            x, w_r, layer.experts.w_up.detach(), layer.experts.w_down.detach(), k)
+        ref_main, ref_aux = (ref_out * probe).sum(), _lbl_formula(ref_logits, ref_idx)
+        for name, main_scale, aux_coef in (("main-detached", 0.0, coef), ("aux-zero", 1.0, 0.0)):
+            layer.zero_grad(set_to_none=True)
+            out, aux = layer(x)
+            main = (out * probe).sum()
+            main = main if main_scale else main.detach()
+            (main + aux_coef * aux.load_balancing_loss).backward()
+            ref_loss = (ref_main if main_scale else ref_main.detach()) + aux_coef * ref_aux
+            (want,) = torch.autograd.grad(ref_loss, w_r, retain_graph=True)
+            got = layer.router.weight.grad
+            assert got is not None and bool(got.abs().sum() > 0), (name, chunk)
+            assert bool(want.abs().sum() > 0), (name, chunk)
+            torch.testing.assert_close(got, want, atol=CHUNKED_ATOL, rtol=0,
+                                       msg=lambda m, n=name, c=chunk: f"{n} {c}: {m}")
+
+
 CASES: list[tuple[str, Callable[[], None]]] = [
     ("lbl-balance", case_lbl_balance),
     ("lbl-double-softmax", case_lbl_double_softmax),
@@ -306,6 +337,7 @@ CASES: list[tuple[str, Callable[[], None]]] = [
     ("nan-padding", case_nan_padding),
     ("empty-batch", case_empty_batch),
     ("determinism", case_determinism),
+    ("aux-grad-path", case_aux_grad_path),
 ]
 
 

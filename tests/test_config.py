@@ -41,7 +41,8 @@ BAD_MOE = [
     pytest.param({"top_k": 0}, "MoEConfig.top_k must be >= 1, got 0", id="top_k_0"),
     pytest.param({"top_k": "2"}, "MoEConfig.top_k must be an int, got '2'", id="top_k_str"),
     pytest.param({"score_func": "tanh"},
-                 "MoEConfig.score_func must be one of ('softmax', 'sigmoid'), got 'tanh'",
+                 "MoEConfig.score_func must be one of ('softmax', 'sigmoid', 'sqrtsoftplus'), "
+                 "got 'tanh'",
                  id="score_func"),
     pytest.param({"activation": "swish"},
                  "MoEConfig.activation must be one of ('swiglu', 'geglu', 'gelu', 'relu', "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 import string
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from memfine import data
 from memfine.data import (
     ByteCorpus,
     decode,
@@ -79,12 +81,24 @@ def test_train_batch_is_a_pure_function_of_seed_and_step() -> None:
 def test_val_batches_are_fixed_windows_covering_the_split() -> None:
     ids = torch.arange(100) % 256
     batches = val_batches(ids, num_batches=2, batch_size=3, seq_len=10)
-    starts = [int(x[i, 0]) for x, _ in batches for i in range(3)]
+    starts = [int(x[i, 0]) for x, _ in batches for i in range(x.shape[0])]
+    assert len(starts) == 2 * data.VAL_WINDOWS_PER_BATCH
     assert starts[0] == 0 and starts[-1] == 100 - 10 - 1
     assert starts == sorted(starts)
+    assert [x.shape[0] for x, _ in batches] == [3, 3, 3, 3, 3, 1]
     for x, y in batches:
-        assert x.shape == y.shape == (3, 10)
+        assert x.shape == y.shape and x.shape[1] == 10
         assert torch.equal(y, x + 1)
+
+
+@pytest.mark.parametrize("batch_size", [1, 2, 5, 8, 32])
+def test_val_windows_do_not_depend_on_the_batch_size(batch_size: int) -> None:
+    """The validation set is fixed by the data: other batch sizes only cut it differently."""
+    ids = torch.arange(5000) % 251
+    want = torch.cat([x for x, _ in val_batches(ids, num_batches=3, batch_size=8, seq_len=16)])
+    got = val_batches(ids, num_batches=3, batch_size=batch_size, seq_len=16)
+    assert all(x.shape[0] <= batch_size for x, _ in got)
+    assert torch.equal(torch.cat([x for x, _ in got]), want)
 
 
 def test_pydoc_corpus_is_text() -> None:
@@ -112,16 +126,19 @@ def test_missing_data_path_names_the_path(tmp_path: Path) -> None:
     assert str(missing) in str(info.value)
 
 
-def test_directory_corpus_sorted_text_files_binary_skipped(tmp_path: Path) -> None:
+def test_directory_corpus_sorted_text_files_binary_and_empty_named(tmp_path: Path) -> None:
     (tmp_path / "b.txt").write_bytes(b"second")
     (tmp_path / "a.txt").write_bytes(b"first")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "c.md").write_bytes(b"third")
     (tmp_path / "img.bin").write_bytes(b"\x00\x01\x02" * 10)
     (tmp_path / ".hidden").write_bytes(b"hidden")
+    (tmp_path / "empty.txt").write_bytes(b"")
     raw, description = load_corpus(str(tmp_path))
     assert raw == b"first\nsecond\nthird"
-    assert "3 text file(s)" in description and "1 binary file(s) skipped" in description
+    assert description.endswith("3 text file(s) under "
+                                 f"{tmp_path}; skipped 2 file(s): empty.txt (empty), img.bin "
+                                 "(binary)")
 
 
 def test_directory_without_text_is_an_error(tmp_path: Path) -> None:
@@ -129,3 +146,39 @@ def test_directory_without_text_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="holds no non-empty text file") as info:
         load_corpus(str(tmp_path))
     assert str(tmp_path) in str(info.value)
+
+
+def _fifo(path: Path) -> Path:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    os.mkfifo(path)
+    return path
+
+
+@pytest.mark.parametrize("where", ["alone", "in_directory"])
+def test_data_reads_regular_files_only(tmp_path: Path, where: str) -> None:
+    """A FIFO would block forever and a device such as /dev/zero never ends: both refused."""
+    (tmp_path / "a.txt").write_bytes(b"text " * 100)
+    fifo = _fifo(tmp_path / "pipe.txt")
+    source = fifo if where == "alone" else tmp_path
+    with pytest.raises(ValueError, match="is not a regular file") as info:
+        load_corpus(str(source))  # returns at once: the FIFO is never opened
+    assert str(fifo) in str(info.value)
+    if Path("/dev/zero").exists():
+        with pytest.raises(ValueError, match="'/dev/zero' is not a regular file"):
+            load_corpus("/dev/zero")
+
+
+@pytest.mark.parametrize("where", ["alone", "in_directory"])
+def test_data_size_limit_names_the_path(tmp_path: Path, where: str,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(data, "MAX_DATA_BYTES", 1000)
+    (tmp_path / "a.txt").write_bytes(b"x" * 600)
+    (tmp_path / "b.txt").write_bytes(b"y" * 600)
+    source = tmp_path / "a.txt" if where == "alone" else tmp_path
+    if where == "alone":
+        assert load_corpus(str(source))[0] == b"x" * 600  # under the limit: read
+        (tmp_path / "a.txt").write_bytes(b"x" * 1001)
+    with pytest.raises(ValueError, match=r"holds more than 1000 bytes, the --data limit") as info:
+        load_corpus(str(source))
+    assert str(source) in str(info.value)

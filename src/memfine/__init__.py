@@ -3,6 +3,14 @@
 Public API re-exports only; importing memfine has no side effects.
 """
 
+import warnings
+
+with warnings.catch_warnings():  # restores the warning filters on exit
+    # torch warns "Failed to initialize NumPy" at import where numpy is absent (a bare
+    # install); memfine never uses numpy.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch  # noqa: F401
+
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.nn import MoELayer, MoETransformerLM

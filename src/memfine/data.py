@@ -8,8 +8,11 @@ Corpora (``TrainConfig.data``):
   and code; ≈0.5-0.8 MB depending on the Python version);
 * ``stdlib``: the standard library's own ``.py`` sources (≈10 MB; tests, ``idlelib``,
   ``lib2to3`` and ``site-packages`` left out);
-* a path: one text file, or a directory whose text files are read recursively in sorted order
-  (hidden entries are skipped; binary files in a directory are skipped and counted).
+* a path: one text file, or a directory whose files are read recursively in sorted order
+  (hidden entries are skipped). Only regular files are read (a FIFO, a device such as
+  ``/dev/zero`` or a socket stops the load, naming the path), at most :data:`MAX_DATA_BYTES` in
+  all. An empty or binary file given alone stops the load naming it; inside a directory it is
+  skipped and named in the corpus description.
 
 The tokenizer is the identity on bytes (vocabulary 256): no downloads, no unknown tokens, and a
 loss in nats per token is a loss in nats per byte.
@@ -20,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +36,9 @@ _STDLIB_SKIP = frozenset({"site-packages", "dist-packages", "test", "tests", "id
                           "idlelib", "lib2to3", "__pycache__"})
 _BINARY_CONTROL = bytes(b for b in range(32) if b not in b"\t\n\r\f\v\x1b") + b"\x7f"
 _MAX_CONTROL_SHARE = 0.05  # text has (almost) no control bytes; random binary ≈ 12%
+MAX_DATA_BYTES = 2 * 1024 ** 3
+"""The most bytes a ``--data`` path may hold (2 GiB, files of a directory together): the corpus
+is held in memory as int64 ids, 8 bytes per byte of text."""
 
 
 def encode(text: str | bytes) -> torch.Tensor:
@@ -68,11 +75,44 @@ def pydoc_topics_path() -> Path:
 
 
 def _read_file(path: Path) -> bytes:
+    """The bytes of the regular file ``path``, at most the limit; ValueError naming the path."""
+    limit = MAX_DATA_BYTES
     try:
-        return path.read_bytes()
+        with path.open("rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise ValueError(_not_regular(path))
+            raw = f.read(limit + 1)  # bounded even where st_size is 0 (/proc) or still growing
     except OSError as err:
         raise ValueError(f"data file {str(path)!r} cannot be read: {err.strerror or err}"
                          ) from err
+    if len(raw) > limit:
+        raise ValueError(_too_large(path))
+    return raw
+
+
+def _not_regular(path: Path) -> str:
+    return (f"data path {str(path)!r} is not a regular file (a FIFO, device or socket); "
+            "--data reads text files and directories of them only")
+
+
+def _too_large(path: Path) -> str:
+    return (f"data path {str(path)!r} holds more than {MAX_DATA_BYTES} bytes, the --data limit "
+            "(files of a directory together)")
+
+
+def _check_regular(path: Path) -> int:
+    """The size of ``path`` in bytes; ValueError naming it when it is not a regular file.
+
+    Checked before opening: opening a FIFO for reading blocks until a writer appears.
+    """
+    try:
+        info = path.stat()
+    except OSError as err:
+        raise ValueError(f"data file {str(path)!r} cannot be read: {err.strerror or err}"
+                         ) from err
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(_not_regular(path))
+    return info.st_size
 
 
 def _stdlib_sources() -> list[Path]:
@@ -100,8 +140,9 @@ def load_corpus(source: str) -> tuple[bytes, str]:
         a one-line description naming where they came from.
 
     Raises:
-        ValueError: naming the path, when it is missing, unreadable, empty, binary (a single
-            file), or a directory without any text file.
+        ValueError: naming the path, when it is missing, unreadable, not a regular file (a
+            FIFO, a device), larger than :data:`MAX_DATA_BYTES`, empty or binary (a single
+            file), or a directory without any non-empty text file.
     """
     if source == "pydoc":
         path = pydoc_topics_path()
@@ -116,18 +157,22 @@ def load_corpus(source: str) -> tuple[bytes, str]:
         raise ValueError(f"data path {source!r} does not exist (expected 'pydoc', 'stdlib', "
                          f"a text file or a directory of text files)")
     if path.is_dir():
-        texts, skipped = [], 0
-        for p in _directory_files(path):
+        files = _directory_files(path)
+        total = sum(_check_regular(p) for p in files)  # nothing is opened before all pass
+        if total > MAX_DATA_BYTES:
+            raise ValueError(_too_large(path))
+        texts, skipped = [], []
+        for p in files:
             raw = _read_file(p)
-            if looks_binary(raw):
-                skipped += 1
-            elif raw:
+            if not raw or looks_binary(raw):
+                skipped.append(f"{p.relative_to(path)} ({'empty' if not raw else 'binary'})")
+            else:
                 texts.append(raw)
+        note = _skipped_note(skipped)
         if not texts:
-            raise ValueError(f"data directory {source!r} holds no non-empty text file "
-                             f"({skipped} binary file(s) skipped)")
-        note = f", {skipped} binary file(s) skipped" if skipped else ""
+            raise ValueError(f"data directory {source!r} holds no non-empty text file{note}")
         return b"\n".join(texts), f"{len(texts)} text file(s) under {path}{note}"
+    _check_regular(path)
     raw = _read_file(path)
     if not raw:
         raise ValueError(f"data file {source!r} is empty")
@@ -135,6 +180,18 @@ def load_corpus(source: str) -> tuple[bytes, str]:
         raise ValueError(f"data file {source!r} does not look like text (it holds NUL or "
                          f"control bytes); pass a text file")
     return raw, f"text file {path}"
+
+
+_NAMED_SKIPS = 5
+
+
+def _skipped_note(skipped: list[str]) -> str:
+    """``"; skipped 2 file(s): a.bin (binary), b.txt (empty)"`` (the first few named), or ""."""
+    if not skipped:
+        return ""
+    more = len(skipped) - _NAMED_SKIPS
+    named = ", ".join(skipped[:_NAMED_SKIPS]) + (f" and {more} more" if more > 0 else "")
+    return f"; skipped {len(skipped)} file(s): {named}"
 
 
 def unigram_entropy(ids: torch.Tensor) -> float:
@@ -213,14 +270,23 @@ def train_batch(train_ids: torch.Tensor, *, batch_size: int, seq_len: int, seed:
     return _windows(train_ids, starts_B, seq_len)
 
 
+VAL_WINDOWS_PER_BATCH = 8
+"""Windows in one validation batch (``TrainConfig.eval_batches`` counts these, whatever the
+training batch size, so every batch size and layout validates on the same windows)."""
+
+
 def val_batches(val_ids: torch.Tensor, *, num_batches: int, batch_size: int,
                 seq_len: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Fixed validation windows, evenly spaced over the validation split (no randomness).
 
+    The set is ``num_batches × VAL_WINDOWS_PER_BATCH`` windows, fixed by the data, ``seq_len``
+    and ``num_batches`` alone; ``batch_size`` only cuts it into micro-batches of at most that
+    many rows (the last may be smaller), so the memory of one forward stays that of training.
+
     Returns:
-        ``num_batches`` pairs ``(input_ids_BQ, targets_BQ)``, int64.
+        Pairs ``(input_ids_BQ, targets_BQ)``, int64, holding every window once.
     """
-    count = num_batches * batch_size
+    count = num_batches * VAL_WINDOWS_PER_BATCH
     starts = torch.linspace(0, val_ids.numel() - seq_len - 1, count).round().to(torch.int64)
     return [_windows(val_ids, starts_B, seq_len) for starts_B in starts.split(batch_size)]
 

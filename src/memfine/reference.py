@@ -105,6 +105,26 @@ def _log_sigmoid(z: torch.Tensor) -> torch.Tensor:
     return torch.clamp(z, max=0) - torch.log1p(torch.exp(-z.abs()))
 
 
+def _softmax_scores(z: torch.Tensor) -> tuple[torch.Tensor, None]:
+    ex = torch.exp(z - z.max())
+    return ex / ex.sum(), None
+
+
+def _sigmoid_scores(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return 1 / (1 + torch.exp(-z)), torch.stack([_log_sigmoid(v) for v in z]) if len(z) else z
+
+
+def _sqrtsoftplus_scores(z: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    softplus = torch.stack([torch.log1p(torch.exp(v)) if v < 30 else v for v in z]) if len(z) else z
+    return torch.sqrt(softplus), 0.5 * torch.log(softplus)
+
+
+REFERENCE_SCORES = {"softmax": _softmax_scores, "sigmoid": _sigmoid_scores,
+                    "sqrtsoftplus": _sqrtsoftplus_scores}
+"""One token's (E,) scores and their logs (None: renormalise by plain ratio), per score
+function, written out independently of :mod:`memfine.routing.scores`."""
+
+
 def _token_choice(z: torch.Tensor, s: torch.Tensor, top_k: int,
                   bias: list[float] | None, n_group: int, topk_group: int) -> list[int]:
     """One token's k experts: biased scores, group limit (-inf), lowest index on ties."""
@@ -150,7 +170,8 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
 
     Semantics (as :func:`memfine.routing.route`): selection on scores + bias (without bias and
     groups: on the logits); excluded groups -inf, a group scored by its top-2 sum; ties to the
-    lower index; weights from the unbiased scores, renormalised (sigmoid: exp(log σ) ratios),
+    lower index; weights from the unbiased scores, renormalised (elementwise scores: ratios of
+    exp(log score)),
     times ``routed_scaling_factor``; then each expert keeps ``min(T, max(min_capacity,
     ⌈cf·T·k/E⌉))`` pairs by weight (``probs``) or position, dropped pairs get id E, weight 0.
 
@@ -164,14 +185,12 @@ def reference_route(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, top_k: i
     idx_rows, w_rows = [], []
     for t in range(x_TD.shape[0]):
         z = logits[t]
-        if score_func == "softmax":
-            ex = torch.exp(z - z.max())
-            s = ex / ex.sum()
-        else:
-            s = 1 / (1 + torch.exp(-z))
+        if score_func not in REFERENCE_SCORES:
+            raise ValueError(f"the reference has no formula for score_func={score_func!r}")
+        s, log_scores = REFERENCE_SCORES[score_func](z)
         order = _token_choice(z, s, top_k, bias, n_group, topk_group)
-        if renormalize and score_func == "sigmoid":
-            log_s = torch.stack([_log_sigmoid(z[e]) for e in order])
+        if renormalize and log_scores is not None:
+            log_s = torch.stack([log_scores[e] for e in order])
             w = torch.exp(log_s - log_s.max())
             w = w / w.sum()
         else:
@@ -201,7 +220,7 @@ def reference_moe(x_TD: torch.Tensor, router_weight_ED: torch.Tensor, w_up_EDG: 
         w_up_EDG: (E, d, G) routed up-projection.
         w_down_END: (E, n, d) routed down-projection.
         top_k: k.
-        score_func: ``softmax`` or ``sigmoid``.
+        score_func: a name in :data:`REFERENCE_SCORES`.
         renormalize: renormalise the k weights.
         activation: as :func:`reference_experts`.
         shared: optional ``(w_up (S,d,G_s), w_down (S,n_s,d), gate (1,d) or None)``: every token

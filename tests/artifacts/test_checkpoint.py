@@ -167,3 +167,73 @@ def test_restore_into_another_model_names_the_checkpoint(tmp_path: Path) -> None
     with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(repr(str(path)))} does not "
                                          r"match its config \(RuntimeError: "):
         ckpt.restore(payload, other, optimizer, scheduler, sharded=False)
+
+
+@pytest.mark.parametrize("failure", ["enospc", "short_write"])
+def test_disk_full_names_the_file_and_the_surviving_checkpoint(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, failure: str) -> None:
+    """A full disk (simulated): ENOSPC, or torch.save's "unexpected pos" on a disk left with
+    no space, is one OSError naming the file and the checkpoint that is left."""
+    import errno
+    import shutil
+
+    path = tmp_path / "checkpoint.pt"
+    _save(path, 1)
+    before = path.read_bytes()
+
+    def full_disk_save(obj: object, f: object) -> None:
+        f.write(b"partial bytes")  # type: ignore[attr-defined]
+        if failure == "enospc":
+            raise OSError(errno.ENOSPC, "No space left on device")
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos 64 vs 13")
+
+    monkeypatch.setattr(ckpt.torch, "save", full_disk_save)
+    full = shutil._ntuple_diskusage(10**9, 10**9, 0)  # type: ignore[attr-defined]
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: full)
+    with pytest.raises(OSError) as info:
+        _save(path, 2)
+    assert info.value.errno == errno.ENOSPC
+    assert info.value.strerror == (f"no space left on the device writing '{path}'; the previous "
+                                   f"checkpoint '{path}' is intact; free space and --resume")
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
+    with pytest.raises(OSError, match="no checkpoint was saved"):
+        _save(tmp_path / "other.pt", 1)
+
+
+def test_short_write_with_space_left_is_not_called_disk_full(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def short_save(obj: object, f: object) -> None:
+        raise RuntimeError("unexpected pos 64 vs 13")
+
+    monkeypatch.setattr(ckpt.torch, "save", short_save)
+    with pytest.raises(RuntimeError, match="^unexpected pos 64 vs 13$"):  # plenty free here
+        _save(tmp_path / "checkpoint.pt", 1)
+
+
+def test_stale_temporaries_of_killed_saves_are_removed(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    _save(path, 1)
+    stale = [tmp_path / ".checkpoint.pt.abc123.tmp", tmp_path / ".meta.pt.x.tmp"]
+    for p in stale:
+        p.write_bytes(b"half a checkpoint")
+    keep = tmp_path / ".other.tmp"
+    keep.write_bytes(b"not ours")
+    assert sorted(ckpt.remove_stale_temporaries(tmp_path)) == sorted(stale)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".other.tmp", "checkpoint.pt"]
+    assert ckpt.load_checkpoint(path)["step"] == 1
+
+
+class _NotTensorData:
+    """A pickled object that weights-only loading refuses."""
+
+
+def test_corrupt_message_drops_the_weights_only_advice(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"format": ckpt.FORMAT, "payload": _NotTensorData()}, path)
+    with pytest.raises(ValueError) as info:
+        ckpt.load_checkpoint(path)
+    message = str(info.value)
+    assert message == (f"checkpoint '{path}' is corrupt or truncated (UnpicklingError: it holds "
+                       "Python objects that a memfine checkpoint never holds)")
+    assert "weights_only" not in message

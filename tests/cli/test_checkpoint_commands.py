@@ -69,7 +69,8 @@ def test_generate_is_seeded_and_continues_the_prompt(
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    pytest.param(["--temperature", "0"], "--temperature must be > 0, got 0.0", id="temperature"),
+    pytest.param(["--temperature", "-1"], "--temperature must be >= 0 (0: greedy decoding), "
+                 "got -1.0", id="temperature"),
     pytest.param(["--max-new-bytes", "-1"], "--max-new-bytes must be >= 0, got -1", id="bytes"),
     pytest.param(["--prompt", ""], "--prompt must hold at least one character", id="empty"),
     pytest.param(["--threads", "0"], "--threads must be >= 1, got 0", id="threads"),
@@ -153,7 +154,8 @@ def test_init_from_takes_the_model_of_the_checkpoint(run_dir: Path, tmp_path: Pa
     with pytest.raises(SystemExit) as info:
         main(["train", "--resume", "--init-from", str(run_dir), "--out", str(run_dir)])
     assert info.value.code == 2
-    assert "--init-from does not apply with --resume" in capsys.readouterr().err
+    assert "--init-from with these flags starts another run than the checkpoint in" in (
+        capsys.readouterr().err)
 
 
 @pytest.mark.parametrize(("name", "message"), [

@@ -121,13 +121,37 @@ def _write(tmp_path: Path, name: str, content: bytes) -> str:
     return str(path)
 
 
+def _fifo(path: Path) -> Path:
+    if not hasattr(os, "mkfifo"):
+        pytest.skip("no FIFOs on this platform")
+    os.mkfifo(path)
+    return path
+
+
 BAD_INPUTS = [
     pytest.param(lambda p: ["--hidden-size", "-4"],
                  "error: --hidden-size must be >= 1, got -4\n", id="negative_hidden_size"),
     pytest.param(lambda p: ["--batch-size", "-1"],
                  "error: --batch-size must be >= 1, got -1\n", id="negative_batch_size"),
     pytest.param(lambda p: ["--num-experts", "4", "--top-k", "5"],
-                 "error: --top-k must be in [1, num_experts=4], got 5\n", id="top_k_gt_experts"),
+                 "error: --top-k must be in [1, --num-experts=4], got 5\n", id="top_k_gt_experts"),
+    # a check across fields, tripped by a flag on the other field: both named as flags
+    pytest.param(lambda p: ["--num-experts", "1"], "error: --top-k must be in [1, "
+                 "--num-experts=1], got 2 (given: --num-experts 1)\n", id="num_experts_below_k"),
+    pytest.param(lambda p: ["--hidden-size", "65"], "error: --num-heads must be a divisor of "
+                 "--hidden-size=65, got 2 (given: --hidden-size 65)\n", id="heads_not_dividing"),
+    pytest.param(lambda p: ["--num-chunks", "100000"], "error: --num-chunks must be at most the "
+                 "tokens of one MoE layer's call, 512 (--batch-size 8 × --seq-len 64), got "
+                 "100000", id="more_chunks_than_tokens"),
+    pytest.param(lambda p: ["--hidden-size", "1000000"], "free on cpu; lower --hidden-size",
+                 id="model_larger_than_memory"),
+    pytest.param(lambda p: ["--out", ""], "argument --out: expected a path, got ''",
+                 id="empty_out"),
+    pytest.param(lambda p: ["--data", str(_fifo(p / "pipe"))], "pipe' is not a regular file",
+                 id="fifo_data"),
+    pytest.param(lambda p: ["--config", _write(p, "run.toml", b"lr = 'fast'\n"), "--lr", "0.1"],
+                 "run.toml': lr: could not convert string to float",
+                 id="bad_toml_value_also_given"),
     pytest.param(lambda p: ["--activation", "swish"], "invalid choice: 'swish'",
                  id="unknown_activation"),
     pytest.param(lambda p: ["--memory-budget", "16"],
@@ -144,8 +168,6 @@ BAD_INPUTS = [
                  "is too small for seq_len=64", id="data_too_small"),
     pytest.param(lambda p: ["--resume"], "checkpoint.dcp' (train without --resume first)",
                  id="resume_without_checkpoint"),
-    pytest.param(lambda p: ["--resume", "--preset", "tiny"], "--preset does not apply",
-                 id="resume_with_preset"),
     # a config field set by a flag: the flag, what it allows as typed, the value typed
     pytest.param(lambda p: ["--seed", "4294967296"], "error: --seed must be in [0, 4294967295], "
                  "got 4294967296\n", id="seed_too_large"),
@@ -333,3 +355,96 @@ def test_autocast_bf16_trains_with_fp32_master_weights(tmp_path: Path) -> None:
     assert_close(torch.tensor(losses[0]), torch.tensor(golden[1]), dtype=torch.bfloat16)
     assert losses[0] != golden[1]  # it did run in bf16
     assert all(math.isfinite(x) for x in losses)
+
+
+def test_validation_does_not_depend_on_the_batch_layout(tmp_path: Path) -> None:
+    """Four micro-batches of 2 train as one batch of 8, so both validate alike."""
+    runs = {"accum": ["--batch-size", "2", "--grad-accum", "4"], "batch": ["--batch-size", "8"]}
+    val = {}
+    for name, layout in runs.items():
+        assert _train("--max-steps", "2", "--eval-every", "2", "--out", str(tmp_path / name),
+                      *layout) == 0
+        val[name] = [r["val_loss"] for r in read_metrics(tmp_path / name / "metrics.jsonl")
+                     if "val_loss" in r]
+    assert len(val["accum"]) == len(val["batch"]) == 1
+    assert abs(val["accum"][0] - val["batch"][0]) <= LOSS_ATOL
+
+
+def test_resume_accepts_the_original_command(tmp_path: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    first = ["--preset", "tiny", "--num-experts", "8", "--out", str(tmp_path)]
+    assert _train("--max-steps", "1", "--lr-decay-steps", "20", *first) == 0
+    assert _train("--max-steps", "2", "--lr-decay-steps", "20", *first, "--resume") == 0
+    assert load_checkpoint(tmp_path / "checkpoint.pt")["step"] == 2
+    with pytest.raises(SystemExit) as info:  # another preset starts another run: refused
+        _train("--max-steps", "3", "--out", str(tmp_path), "--resume", "--preset", "small")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--preset with these flags starts another run than the checkpoint in" in err
+    assert "model.moe.hidden_size" in err and "Traceback" not in err
+
+
+def test_resume_after_a_lost_checkpoint_mentions_overwrite(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _train("--max-steps", "1", "--out", str(tmp_path)) == 0
+    (tmp_path / "checkpoint.pt").unlink()
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", "--out", str(tmp_path), "--no-progress"])
+    assert info.value.code == 2
+    assert ("(train without --resume first; --out still holds config.json, metrics.jsonl, "
+            "summary.json, sample.txt, so add --overwrite to replace them)") in (
+        capsys.readouterr().err)
+
+
+def test_read_only_out_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only mount (EROFS): simulated, since root may write anywhere on this disk."""
+    import errno
+    import tempfile
+
+    from memfine.artifacts import rundir
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(rundir.tempfile, "TemporaryFile", read_only)
+    with pytest.raises(SystemExit) as info:
+        _train("--max-steps", "1", "--out", str(tmp_path / "run"))
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err == (f"memfine train: error: --out '{tmp_path / 'run'}' is not writable (its "
+                   f"parent '{tmp_path}' exists): Read-only file system; choose a directory "
+                   "you can write\n")
+    monkeypatch.undo()
+    if os.geteuid() != 0:  # without root, a directory without write permission is one too
+        tmp_path.chmod(0o555)
+        try:
+            with pytest.raises(SystemExit):
+                _train("--max-steps", "1", "--out", str(tmp_path / "run"))
+        finally:
+            tmp_path.chmod(0o755)
+    assert tempfile.TemporaryFile is not read_only and not (tmp_path / "run").exists()
+
+
+def test_plot_without_matplotlib_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
+    with pytest.raises(SystemExit) as info:
+        _train("--max-steps", "1", "--out", str(tmp_path), "--plot")
+    assert info.value.code == 2
+    assert capsys.readouterr().err == ("memfine train: error: matplotlib is required for this "
+                                       "feature: pip install 'memfine[train]'\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_start_and_resume_remove_temporaries_of_killed_saves(tmp_path: Path) -> None:
+    assert _train("--max-steps", "1", "--out", str(tmp_path)) == 0
+    stale = tmp_path / ".checkpoint.pt.k1ll3d.tmp"
+    stale.write_bytes(b"\0" * 1000)  # what a save killed mid-write leaves
+    assert _train("--max-steps", "2", "--out", str(tmp_path), "--resume") == 0
+    assert not stale.exists()
+    stale.write_bytes(b"\0" * 1000)
+    assert _train("--max-steps", "1", "--out", str(tmp_path), "--overwrite") == 0
+    assert not stale.exists()

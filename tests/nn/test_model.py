@@ -84,8 +84,21 @@ def test_generate() -> None:
     again = model.generate(prompt, new, generator=torch.Generator().manual_seed(1))
     assert torch.equal(ids, again)
     assert torch.equal(model.generate(prompt, 0), prompt)
-    with pytest.raises(ValueError, match=r"^temperature must be > 0, got 0.0$"):
-        model.generate(prompt, 1, temperature=0.0)
+    with pytest.raises(ValueError, match=r"^temperature must be >= 0, got -0.5$"):
+        model.generate(prompt, 1, temperature=-0.5)
+
+
+def test_generate_at_temperature_zero_is_greedy() -> None:
+    model = _model(max_seq_len=4).eval()
+    prompt = torch.randint(0, V, (2, 3))
+    ids = model.generate(prompt, 5, temperature=0.0)
+    expected = prompt
+    for _ in range(5):  # the most likely next token, one at a time (the window slides)
+        nxt = model(expected[:, -4:]).logits[:, -1].argmax(-1, keepdim=True)
+        expected = torch.cat([expected, nxt], dim=1)
+    assert torch.equal(ids, expected)
+    assert torch.equal(model.generate(prompt, 5, temperature=0.0,
+                                       generator=torch.Generator().manual_seed(7)), ids)
 
 
 @pytest.mark.parametrize(("shape", "message"), [

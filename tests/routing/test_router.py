@@ -10,9 +10,10 @@ import torch.nn.functional as F
 
 from memfine.config import MoEConfig
 from memfine.nn import MoELayer
-from memfine.reference import reference_route
+from memfine.reference import REFERENCE_SCORES, reference_route
 from memfine.routing import RouteOptions, TopKRouter, route
 from memfine.routing.losses import load_balancing_loss, z_loss
+from memfine.routing.scores import SCORE_FUNCTIONS
 from tolerances import assert_close
 
 T, D, E = 12, 6, 5
@@ -27,7 +28,7 @@ def _router(top_k: int, dtype: torch.dtype, **kwargs: object) -> TopKRouter:
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 @pytest.mark.parametrize("renormalize", [True, False], ids=["renorm", "no_renorm"])
-@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("score_func", sorted(SCORE_FUNCTIONS))
 @pytest.mark.parametrize("top_k", [1, 2, E])
 def test_router_matches_reference(top_k: int, score_func: str, renormalize: bool,
                                   dtype: torch.dtype) -> None:
@@ -42,7 +43,7 @@ def test_router_matches_reference(top_k: int, score_func: str, renormalize: bool
     assert result.logits.dtype == dtype and result.top_k_weights.dtype == dtype
     assert_close(result.logits, logits_ref, dtype=dtype)
     assert_close(result.top_k_weights, weights_ref, dtype=dtype)
-    scores_ref = logits_ref.softmax(-1) if score_func == "softmax" else logits_ref.sigmoid()
+    scores_ref = torch.stack([REFERENCE_SCORES[score_func](z)[0] for z in logits_ref.detach()])
     assert_close(result.scores, scores_ref, dtype=dtype)
     assert torch.equal(result.tokens_per_expert, torch.bincount(idx_ref.flatten(), minlength=E))
     if renormalize:
@@ -139,7 +140,8 @@ def test_route_rejects_bad_arguments() -> None:
         route(torch.zeros(2, 3, 4), 1)
     with pytest.raises(ValueError, match=r"^top_k must be in \[1, num_experts=5\], got 6$"):
         route(torch.zeros(2, E), 6)
-    with pytest.raises(ValueError, match=r"^score_func must be 'softmax' or 'sigmoid', got 'x'$"):
+    with pytest.raises(ValueError, match=r"^score_func must be one of \['sigmoid', 'softmax', "
+                                         r"'sqrtsoftplus'\], got 'x'$"):
         route(torch.zeros(2, E), 1, score_func="x")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^valid_mask must be \(T,\) bool with T=2"):
         route(torch.zeros(2, E), 1, valid_mask_T=torch.ones(2))

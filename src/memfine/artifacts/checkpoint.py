@@ -23,6 +23,7 @@ the process creates (``0o666`` less the umask, e.g. 0644), not the temporary fil
 
 from __future__ import annotations
 
+import errno
 import os
 import random
 import shutil
@@ -113,7 +114,12 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
 
 
 def _atomic_save(payload: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to a temporary file in ``path``'s directory, fsync, ``os.replace``."""
+    """``torch.save`` to a temporary file in ``path``'s directory, fsync, ``os.replace``.
+
+    Raises:
+        OSError: ``ENOSPC`` naming ``path`` and the checkpoint that survived when the disk is
+            full (torch.save's "unexpected pos" included); other write errors as raised.
+    """
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         os.fchmod(fd, file_mode())
@@ -122,9 +128,57 @@ def _atomic_save(payload: dict[str, Any], path: Path) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as err:
         Path(tmp).unlink(missing_ok=True)
+        if _out_of_space(err, path.parent):
+            raise OSError(errno.ENOSPC, _no_space_message(path)) from err
         raise
+
+
+_WRITE_FAILURES = ("unexpected pos", "file write failed")  # torch.save's words for a short write
+_LOW_SPACE_BYTES = 64 * 1024 ** 2
+
+
+def _out_of_space(err: BaseException, directory: Path) -> bool:
+    """Whether a failed save ran out of disk.
+
+    ENOSPC/EDQUOT, or torch.save's short write on a file system with (almost) no space left.
+    """
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EDQUOT)
+    if not isinstance(err, RuntimeError) or not any(w in str(err) for w in _WRITE_FAILURES):
+        return False
+    try:
+        return shutil.disk_usage(directory).free < _LOW_SPACE_BYTES
+    except OSError:
+        return True  # the write stopped short and the disk cannot even be asked
+
+
+def _no_space_message(path: Path) -> str:
+    """Which file could not be written and which checkpoint is left."""
+    survivor = (f"the previous checkpoint {str(path)!r} is intact" if path.is_file()
+                else "no checkpoint was saved")
+    return (f"no space left on the device writing {str(path)!r}; {survivor}; free space "
+            f"and --resume")
+
+
+def remove_stale_temporaries(out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Delete the temporary files of saves that were killed (``.checkpoint.pt.*.tmp``).
+
+    Call it while holding the run directory's lock (no save of another process is under way).
+    A killed :func:`_atomic_save` leaves a file the size of a checkpoint; no checkpoint ever
+    reads it.
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    for name in (CHECKPOINT_NAME, META_NAME):
+        for stale in Path(out_dir).glob(f".{name}.*.tmp"):
+            if stale.is_file():
+                stale.unlink(missing_ok=True)
+                removed.append(stale)
+    return removed
 
 
 def file_mode() -> int:
@@ -155,14 +209,25 @@ def _read(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
         payload = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # torch raises RuntimeError, EOFError, UnpicklingError, ...
         raise ValueError(f"checkpoint {str(path)!r} is corrupt or truncated "
-                         f"({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
-                         ) from err
+                         f"({_load_failure(err)})") from err
     if not isinstance(payload, dict) or payload.get("format") != FORMAT:
         raise ValueError(f"checkpoint {str(path)!r} is not a {FORMAT} file")
     missing = [k for k in keys if k not in payload]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
     return payload
+
+
+def _load_failure(err: Exception) -> str:
+    """torch.load's reason in one line, without its advice to retry with ``weights_only=False``.
+
+    That advice would run arbitrary code from a file that is not a memfine checkpoint.
+    """
+    text = str(err).strip()
+    if "weights_only" in text or "Weights only load failed" in text:
+        return (f"{type(err).__name__}: it holds Python objects that a memfine checkpoint never "
+                "holds")
+    return f"{type(err).__name__}: {text.splitlines()[0]}" if text else type(err).__name__
 
 
 def _old(path: Path) -> Path:

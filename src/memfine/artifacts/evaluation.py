@@ -17,7 +17,7 @@ SAMPLE_PROMPT_BYTES = 48
 @torch.no_grad()
 def evaluate(model: MoETransformerLM, batches: list[tuple[torch.Tensor, torch.Tensor]],
              device: torch.device) -> float:
-    """Mean cross-entropy over fixed batches, nats/byte.
+    """Mean cross-entropy over every token of fixed batches, nats/byte.
 
     Args:
         model: the language model (left in train mode afterwards).
@@ -25,12 +25,13 @@ def evaluate(model: MoETransformerLM, batches: list[tuple[torch.Tensor, torch.Te
         device: where the model lives.
 
     Returns:
-        The mean of the batches' mean cross-entropies, nats/byte.
+        The mean over all tokens (each batch's mean weighted by its tokens, so the same windows
+        cut into other batch sizes give the same value), nats/byte.
     """
     model.eval()
-    losses = [float(model(x.to(device), y.to(device)).loss) for x, y in batches]
+    total = sum(float(model(x.to(device), y.to(device)).loss) * y.numel() for x, y in batches)
     model.train()
-    return sum(losses) / len(losses)
+    return total / sum(y.numel() for _, y in batches)
 
 
 def sample_after_validation_prompt(model: MoETransformerLM, corpus: ByteCorpus,

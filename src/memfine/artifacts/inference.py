@@ -109,14 +109,15 @@ def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperat
     """Sample ``max_new_bytes`` bytes after ``prompt`` (UTF-8); returns the continuation only.
 
     Raises:
-        ValueError: when ``prompt`` is empty, ``max_new_bytes < 0`` or ``temperature <= 0``.
+        ValueError: when ``prompt`` is empty, ``max_new_bytes < 0`` or ``temperature < 0``
+            (0 is greedy decoding).
     """
     if not prompt:
         raise ValueError("--prompt must hold at least one character, got ''")
     if max_new_bytes < 0:
         raise ValueError(f"--max-new-bytes must be >= 0, got {max_new_bytes}")
-    if not temperature > 0:
-        raise ValueError(f"--temperature must be > 0, got {temperature}")
+    if not temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0 (0: greedy decoding), got {temperature}")
     device = next(trained.model.parameters()).device
     prompt_1Q = encode(prompt)[None].to(device)
     gen = torch.Generator(device=device).manual_seed(seed)

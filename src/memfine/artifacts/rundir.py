@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -45,7 +46,9 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
         overwrite: the user asked to replace an earlier run's files.
 
     Raises:
-        ValueError: when ``resume`` and ``overwrite`` are both set, when ``out_dir`` is a file or
+        ValueError: when ``resume`` and ``overwrite`` are both set, when nothing can be written
+            in ``out_dir`` (a read-only or full file system, no permission), when ``out_dir`` is
+            a file or
             lies under a file, equals or lies inside the data directory (when
             ``data`` is a directory), or
             holds run files and neither ``resume`` nor ``overwrite`` is set.
@@ -66,6 +69,7 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
             raise ValueError(f"--out {str(out_dir)!r} lies in the data directory "
                              f"{str(data_dir)!r}: run files there would become training text of "
                              f"the next run; choose an --out outside it")
+    _check_writable(out_dir)
     if resume or overwrite:
         return
     present = [name for name in RUN_FILES if (out_dir / name).exists()]
@@ -73,6 +77,28 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
         raise ValueError(f"--out {str(out_dir)!r} already holds {', '.join(present)}; pass "
                          f"--resume to continue that run, --overwrite to replace it, or choose "
                          f"another --out")
+
+
+def _check_writable(out_dir: Path) -> None:
+    """Create and delete a file in ``out_dir`` (or its nearest existing parent).
+
+    ``os.access`` is no test: it says yes to root on a directory without write permission,
+    and says nothing about a read-only mount.
+
+    Raises:
+        ValueError: naming ``--out`` when nothing can be written there.
+    """
+    target = out_dir.expanduser().absolute()
+    existing = next((p for p in (target, *target.parents) if p.is_dir()), None)
+    if existing is None:
+        return
+    try:
+        with tempfile.TemporaryFile(dir=existing, prefix=".memfine-write-test."):
+            pass
+    except OSError as err:
+        where = "" if existing == target else f" (its parent {str(existing)!r} exists)"
+        raise ValueError(f"--out {str(out_dir)!r} is not writable{where}: "
+                         f"{err.strerror or err}; choose a directory you can write") from err
 
 
 def _pid_alive(pid: int) -> bool:

@@ -14,9 +14,9 @@ import torch
 
 from memfine.artifacts.checkpoint import CheckpointNotFoundError
 from memfine.artifacts.inference import Trained, load_trained
-from memfine.cli._flags import Flag, NotGiven, check_device, checked_threads, value
+from memfine.cli._flags import Flag, NotGiven, check_device, checked_threads, path_flag, value
 
-OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", Path,
+OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", path_flag,
                 default=NotGiven(text="required"))
 DEVICE_FLAG = Flag("--device", (), "torch device: cpu or cuda[:i]", str,
                    default=NotGiven("cpu"))

@@ -11,6 +11,7 @@ that were not given (:func:`apply_config_file`).
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,26 +70,54 @@ def typed_fields(args: argparse.Namespace, flags: Iterable[Flag]
             for flag in flags if given(args, flag.dest) for path in flag.paths}
 
 
-def name_flag(err: ValueError, typed: Mapping[str, tuple[str, Any]]) -> str:
+def flag_names(flags: Iterable[Flag]) -> dict[str, str]:
+    """Config field → the flag that sets it, for every flag (:func:`name_flag`'s ``names``)."""
+    return {path.rpartition(".")[2]: flag.name for flag in flags for path in flag.paths}
+
+
+_FIELD_REF = re.compile(r"\b(?:[A-Z]\w*\.|[a-z_]+\.)*([a-z_][a-z0-9_]*)\b(?==|\s+must\b)")
+
+
+def name_flag(err: ValueError, typed: Mapping[str, tuple[str, Any]],
+              names: Mapping[str, str] | None = None) -> str:
     """A config error in the words of the command line that caused it.
 
     A :class:`memfine._checks.FieldError` on a field set by a flag the user gave names that
     flag, what it allows as typed and the value given: ``TrainConfig.lr must be in (0.0, inf),
-    got -0.001`` becomes ``--lr must be > 0, got -0.001``. Any other error (a field set by a
-    preset or a default, a check across fields) keeps its message.
+    got -0.001`` becomes ``--lr must be > 0, got -0.001``. With ``names``, an error on a field
+    the user did not set (a check across fields: ``--num-experts 1`` against the preset's
+    ``top_k``) names the flags of every field it mentions and the flags given:
+    ``MoEConfig.top_k must be in [1, num_experts=1], got 2`` becomes ``--top-k must be in [1,
+    --num-experts=1], got 2 (given: --num-experts 1)``. Any other error keeps its message.
 
     Args:
         err: the error raised while building the config.
         typed: config field → (flag, value as given), e.g. from :func:`typed_fields`.
+        names: config field → flag for every flag of the command (:func:`flag_names`).
 
     Returns:
         The one-line message.
     """
+    mentioned: list[str] = []
+
+    def flag_of(match: re.Match[str]) -> str:
+        field = match.group(1)
+        if not names or field not in names:
+            return match.group(0)
+        mentioned.append(field)
+        return names[field]
+
     if isinstance(err, FieldError) and err.field in typed:
         flag, got = typed[err.field]
-        shown = " ".join(map(str, got)) if isinstance(got, (list, tuple)) else got
-        return f"{flag} must be {err.plain}, got {shown}"
-    return str(err)
+        return f"{flag} must be {_FIELD_REF.sub(flag_of, err.plain)}, got {_shown(got)}"
+    text = _FIELD_REF.sub(flag_of, str(err))
+    given_flags = dict.fromkeys(f"{typed[f][0]} {_shown(typed[f][1])}" for f in mentioned
+                                if f in typed)
+    return text + (f" (given: {', '.join(given_flags)})" if given_flags else "")
+
+
+def _shown(got: Any) -> str:
+    return " ".join(map(str, got)) if isinstance(got, (list, tuple)) else str(got)
 
 
 def comma_ints(text: str) -> tuple[int, ...]:
@@ -102,6 +131,21 @@ def comma_ints(text: str) -> tuple[int, ...]:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
                                          f"{text!r}") from None
+
+
+def path_flag(text: str) -> Path:
+    """An argparse ``type`` for a path flag (``--out``, ``--init-from``, ``--to``).
+
+    An empty value is refused: ``Path("")`` is the current directory, so ``--out ""`` (an
+    unset shell variable) would scatter a run's files there.
+
+    Raises:
+        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
+    """
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
+                                         "directory give '.')")
+    return Path(text)
 
 
 def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
@@ -227,7 +271,7 @@ def apply_config_file(args: argparse.Namespace, path: str | Path, flags: Iterabl
 
     Raises:
         ValueError: naming the file and the key on an unreadable file, an unknown key, or a
-            value the flag does not accept.
+            value the flag does not accept (also when the command line gives that flag too).
     """
     table = _read_toml(Path(path))
     by_key = {}
@@ -239,8 +283,9 @@ def apply_config_file(args: argparse.Namespace, path: str | Path, flags: Iterabl
         if flag is None:
             raise ValueError(f"--config {str(path)!r}: unknown key {key!r}; allowed: "
                              f"{', '.join(sorted({f.dest for f in by_key.values()}))}")
+        checked = _config_value(flag, raw, f"--config {str(path)!r}: {key}")  # even if given
         if not given(args, flag.dest):
-            setattr(args, flag.dest, _config_value(flag, raw, f"--config {str(path)!r}: {key}"))
+            setattr(args, flag.dest, checked)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

@@ -7,12 +7,12 @@ from pathlib import Path
 
 from memfine.artifacts.inference import export_safetensors
 from memfine.cli._checkpoint import OUT_FLAG, load_run_directory, run_directory
-from memfine.cli._flags import Flag, NotGiven, add_flags, value
+from memfine.cli._flags import Flag, NotGiven, add_flags, path_flag, value
 
 _FLAGS = (
     OUT_FLAG,
     Flag("--to", (), "the safetensors file to write (the config goes to <stem>_config.json "
-         "beside it)", Path, default=NotGiven(text="--out/model.safetensors")),
+         "beside it)", path_flag, default=NotGiven(text="--out/model.safetensors")),
     Flag("--overwrite", (), "replace existing files", action="store_true",
          default=NotGiven(False)),
 )

@@ -12,7 +12,8 @@ _FLAGS = (
     OUT_FLAG,
     Flag("--prompt", (), "text to continue (UTF-8)", str, default=NotGiven(text="required")),
     Flag("--max-new-bytes", (), "bytes to generate after the prompt", default=NotGiven(300)),
-    Flag("--temperature", (), "sampling temperature, > 0", float, default=NotGiven(0.8)),
+    Flag("--temperature", (), "sampling temperature, >= 0; 0 is greedy decoding (the most "
+         "likely byte each time)", float, default=NotGiven(0.8)),
     Flag("--seed", (), "seed of the sampling", default=NotGiven(0)),
     DEVICE_FLAG,
     THREADS_FLAG,

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the chosen subcommand; returns the exit code."""
     # kineto (torch.profiler's backend, used by memfine bench) prints "USDT:" trace lines at
@@ -97,11 +102,15 @@ def main(argv: list[str] | None = None) -> int:
         return int(args._run(args))
     except ValueError as err:
         parser.exit(2, f"memfine {args.command}: error: {err}\n")
+    except ImportError as err:  # an optional package missing (the message names the extra)
+        if "pip install" not in str(err):
+            raise
+        parser.exit(2, f"memfine {args.command}: error: {_first_line(err)}\n")
     except BrokenPipeError:  # e.g. `memfine plan | head -1`: the reader left; not an error
         sys.stderr.close()
         return 0
     except (OSError, RuntimeError) as err:  # files, devices, backends: one line, no traceback
-        first_line = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        parser.exit(1, f"memfine {args.command}: error: {type(err).__name__}: {first_line}\n")
+        parser.exit(1, f"memfine {args.command}: error: {type(err).__name__}: "
+                       f"{_first_line(err)}\n")
     except KeyboardInterrupt:
         return 130

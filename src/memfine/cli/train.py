@@ -20,7 +20,7 @@ from memfine.artifacts.checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
-from memfine.artifacts.rundir import check_run_dir
+from memfine.artifacts.rundir import RUN_FILES, check_run_dir
 from memfine.cli._budget import check_memory_budget
 from memfine.cli._checkpoint import run_directory
 from memfine.cli._flags import (
@@ -33,8 +33,10 @@ from memfine.cli._flags import (
     check_device,
     checked_threads,
     comma_ints,
+    flag_names,
     given,
     name_flag,
+    path_flag,
     typed_fields,
     value,
 )
@@ -84,7 +86,8 @@ _CONFIG_FLAGS = (
          "every N steps"),
     Flag("--save-every", ("save_every",), "write checkpoint.pt every N steps and at the last "
          "step; None: at each evaluation", _optional_int),
-    Flag("--eval-batches", ("eval_batches",), "validation batches (fixed windows)"),
+    Flag("--eval-batches", ("eval_batches",), "validation batches of 8 fixed windows each (the "
+         "same windows for every --batch-size and layout)"),
     Flag("--log-every", ("log_every",), "write a metrics.jsonl line every N steps"),
     Flag("--sample-tokens", ("sample_tokens",), "bytes of text generated at the end"),
     Flag("--dtype", ("dtype",), "dtype of the weights, activations and AdamW state: bfloat16 "
@@ -173,14 +176,14 @@ _RUN_FLAGS = (
     Flag("--preset", (), "starting configuration; other flags override it", str,
          sorted(PRESETS), default=NotGiven(DEFAULT_PRESET)),
     Flag("--out", (), "run directory: config.json, metrics.jsonl, checkpoint.pt, summary.json, "
-         "sample.txt", Path, default=NotGiven(text="runs/<preset>")),
+         "sample.txt", path_flag, default=NotGiven(text="runs/<preset>")),
     Flag("--resume", (), "continue from the checkpoint in --out (its config is used; only "
          f"{', '.join(RESUMABLE_FIELDS)} may be changed by flags)", action="store_true",
          default=NotGiven(False)),
     Flag("--overwrite", (), "replace the run already in --out (without it, any run file there "
          "stops the run)", action="store_true", default=NotGiven(False)),
     Flag("--init-from", (), "fine-tune: start from the weights of the checkpoint in this run "
-         "directory (its model; fresh optimizer and LR schedule; give the new --data)", Path,
+         "directory (its model; fresh optimizer and LR schedule; give the new --data)", path_flag,
          default=NotGiven(text="none")),
     Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
          "max_steps = 400); flags given on the command line override it", Path,
@@ -239,8 +242,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
 
     Raises:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
-            value; ``--preset`` or ``--init-from`` with ``--resume``; a flag that may not change
-            on resume.
+            value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
+            run than the checkpoint's; a flag that changes a value resume may not change.
     """
     if given(args, "config"):
         apply_config_file(args, value(args, "config"), _RUN_FLAGS + _SETTING_FLAGS)
@@ -248,28 +251,76 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     name = value(args, "preset")
     out = Path(value(args, "out") or f"runs/{name}")
     if resume:
-        for flag in ("preset", "init_from"):
-            if given(args, flag):
-                raise ValueError(f"--{flag.replace('_', '-')} does not apply with --resume: the "
-                                 f"configuration comes from the checkpoint in {str(out)!r}")
-        tree = _checkpoint_of("--out", out, "train without --resume first")["config"]
+        tree = _checkpoint_of("--out", out, _no_checkpoint_hint(out))["config"]
+        _check_unchanged_origin(args, tree, out)
     else:
-        tree = preset(name).to_dict()
-        if given(args, "init_from"):
-            source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
-                                    "--init-from takes the --out of a memfine train run that "
-                                    "has saved a checkpoint")
-            tree["model"] = source["config"]["model"]  # and its context length:
-            tree["seq_len"] = source["config"]["seq_len"]
+        tree = _fresh_tree(args, name)
     _apply_flags(args, tree, resume=resume, out=out)
     if not resume:
         _cuda_autocast_default(args, tree)
+    return _build(args, tree), out
+
+
+def _build(args: argparse.Namespace, tree: dict[str, Any]) -> TrainConfig:
+    """TrainConfig of ``tree``; its errors name the flags (:func:`name_flag`)."""
     if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
         tree["model"]["moe"]["renormalize"] = False
     try:
-        return TrainConfig.from_dict(tree), out
+        return TrainConfig.from_dict(tree)
     except ValueError as err:
-        raise ValueError(name_flag(err, typed_fields(args, _SETTING_FLAGS))) from err
+        raise ValueError(name_flag(err, typed_fields(args, _SETTING_FLAGS),
+                                   flag_names(_SETTING_FLAGS))) from err
+
+
+def _fresh_tree(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """The preset's config, with ``--init-from``'s model and context length (not the flags)."""
+    tree = preset(name).to_dict()
+    if given(args, "init_from"):
+        source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
+                                "--init-from takes the --out of a memfine train run that "
+                                "has saved a checkpoint")
+        tree["model"] = source["config"]["model"]  # and its context length:
+        tree["seq_len"] = source["config"]["seq_len"]
+    return tree
+
+
+def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
+    """Accept ``--preset``/``--init-from`` on ``--resume`` when they start the checkpoint's run.
+
+    The original command repeated with ``--resume`` passes; a preset or source that would start
+    another run is refused, naming the fields that would change.
+    """
+    if not (given(args, "preset") or given(args, "init_from")):
+        return
+    fresh = _fresh_tree(args, value(args, "preset"))
+    _apply_flags(args, fresh, resume=False, out=out)
+    _cuda_autocast_default(args, fresh)
+    started = _build(args, fresh).to_dict()
+    differ = [path for path in _leaf_paths(saved) if path not in RESUMABLE_FIELDS
+              and path != "lr_decay_steps" and _get(started, path) != _get(saved, path)]
+    if differ:
+        origin = " and ".join(f"--{f.replace('_', '-')}" for f in ("preset", "init_from")
+                              if given(args, f))
+        raise ValueError(f"{origin} with these flags starts another run than the checkpoint in "
+                         f"{str(out)!r} (it differs in {', '.join(differ)}); --resume continues "
+                         f"the run as saved: drop {origin} or give the original one")
+
+
+def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, item in tree.items():
+        path = f"{prefix}{key}"
+        out += _leaf_paths(item, path + ".") if isinstance(item, dict) else [path]
+    return out
+
+
+def _no_checkpoint_hint(out: Path) -> str:
+    """What to do when ``--resume`` finds no checkpoint (``--overwrite`` when files are left)."""
+    left = [name for name in RUN_FILES if (out / name).exists()]
+    if left:
+        return (f"train without --resume first; --out still holds {', '.join(left)}, so "
+                f"add --overwrite to replace them")
+    return "train without --resume first"
 
 
 def _cuda_autocast_default(args: argparse.Namespace, tree: dict[str, Any]) -> None:
@@ -318,7 +369,9 @@ def run(args: argparse.Namespace) -> int:
     check_device(config.device)  # the flags first, then the directory
     threads = checked_threads(args)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_num_chunks(config, world)
     check_memory_budget(config, world)
+    _check_memory_fits(config, world)
     check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
     parallel = _parallel(args, config, world)
     finished = False
@@ -335,6 +388,50 @@ def run(args: argparse.Namespace) -> int:
         if parallel is not None:
             parallel.close(barrier=finished)
     return 0 if result.stop_signal is None else 128 + result.stop_signal
+
+
+def _tokens_per_rank(config: TrainConfig, world: int) -> int:
+    """T, tokens one MoE layer sees per micro-batch on one process (the batch split over ranks)."""
+    return max(config.batch_size // world, 1) * config.seq_len
+
+
+def _check_num_chunks(config: TrainConfig, world: int) -> None:
+    """Refuse a fixed chunk count above the tokens a layer sees: the extra chunks are empty.
+
+    Raises:
+        ValueError: naming ``--num-chunks`` and the most it may be.
+    """
+    chunk, tokens = config.model.chunk, _tokens_per_rank(config, world)
+    if chunk.memory_budget_bytes is None and chunk.num_chunks > tokens:
+        raise ValueError(f"--num-chunks must be at most the tokens of one MoE layer's call, "
+                         f"{tokens} (--batch-size {config.batch_size} × --seq-len "
+                         f"{config.seq_len}{f' over {world} ranks' if world > 1 else ''}), got "
+                         f"{chunk.num_chunks}: each chunk holds at least one token")
+
+
+def _check_memory_fits(config: TrainConfig, world: int) -> None:
+    """Refuse a run whose predicted memory exceeds the device's free memory, before allocating.
+
+    Raises:
+        ValueError: naming the prediction, the free bytes and the flags that lower it.
+    """
+    import torch
+
+    from memfine.artifacts.memory_log import available_bytes, num_parameters, predicted_run_bytes
+    from memfine.units import format_bytes
+
+    free = available_bytes(torch.device(config.device))
+    if free is None or world > 1:  # under torchrun each rank holds a shard: checked per rank
+        return
+    params = num_parameters(config)
+    predicted = predicted_run_bytes(config, params, _tokens_per_rank(config, world))
+    if predicted > free:
+        raise ValueError(f"the run needs about {format_bytes(predicted)} per step ({params:,} "
+                         f"parameters with their gradients and AdamW state, and the MoE layers' "
+                         f"activations), more than the {format_bytes(free)} free on "
+                         f"{config.device}; lower --hidden-size, --num-layers, --num-experts, "
+                         f"--intermediate-size, --batch-size or --seq-len, or set "
+                         f"--memory-budget / --num-chunks")
 
 
 def _parallel(args: argparse.Namespace, config: TrainConfig, world: int) -> Any:

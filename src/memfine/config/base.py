@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Literal, TypeVar
 
-ScoreFunc = Literal["softmax", "sigmoid"]
+ScoreFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
 ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]

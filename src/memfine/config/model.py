@@ -150,7 +150,8 @@ class TrainConfig(_ConfigBase):
             steps.
         save_every: write ``checkpoint.pt`` every this many steps (and at the last step);
             ``None``: at each evaluation.
-        eval_batches: validation batches of ``batch_size`` fixed windows each.
+        eval_batches: validation batches of 8 fixed windows each
+            (:data:`memfine.data.VAL_WINDOWS_PER_BATCH`; the same for every batch size).
         log_every: write a ``metrics.jsonl`` line every this many steps.
         sample_tokens: bytes of text generated at the end (0 skips the sample).
         dtype: parameter and activation dtype (fp32 on CPU; bf16 matmuls are slow there).

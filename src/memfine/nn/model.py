@@ -320,18 +320,20 @@ class MoETransformerLM(nn.Module):
         Args:
             prompt_ids: (B, Q0) int64.
             max_new_tokens: tokens to append.
-            temperature: > 0; sampling temperature.
+            temperature: >= 0; sampling temperature; 0 is greedy decoding (the most likely
+                token each time; ``generator`` is not used).
             generator: optional RNG for reproducible samples.
 
         Returns:
             (B, Q0 + max_new_tokens) int64.
         """
-        if temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temperature}")
         ids = prompt_ids
         for _ in range(max_new_tokens):
             window = ids[:, -self.config.max_seq_len:]
-            logits = self(window).logits[:, -1] / temperature
-            nxt = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            logits = self(window).logits[:, -1]
+            nxt = (logits.argmax(-1, keepdim=True) if temperature == 0 else
+                   torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator))
             ids = torch.cat([ids, nxt], dim=1)
         return ids

@@ -10,7 +10,16 @@ Reference: MoEBlaze §4 (combine through token_index_map); docs/design.md §3.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+
+def _known_true(condition: torch.SymBool) -> bool:
+    """Whether a symbolic ``condition`` holds for every size (only while torch.compile traces).
+
+    Imported here so that ``import memfine`` and eager calls load neither sympy nor dynamo.
+    """
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+    return statically_known_true(condition)
 
 
 def gather_rows(x_TD: torch.Tensor, expert_token_indices_S: torch.Tensor) -> torch.Tensor:
@@ -27,7 +36,7 @@ def slot_rows(rows_SD: torch.Tensor, token_index_map_TK: torch.Tensor) -> torch.
     T, K = token_index_map_TK.shape
     # S == 0 (every slot a sentinel): read a zero row, keeping the autograd graph. Under
     # torch.compile S is a symbolic size that may be 0, so the compiled graph keeps the row.
-    if not statically_known_true(S >= 1):
+    if S < 1 if not torch.compiler.is_compiling() else not _known_true(S >= 1):
         rows_SD = torch.cat([rows_SD, rows_SD.new_zeros(1, D)])
     valid_TK = token_index_map_TK >= 0
     idx_M = token_index_map_TK.clamp(min=0).reshape(-1).long()
@@ -56,7 +65,8 @@ def combine_rows(y_SD: torch.Tensor, weights_TK: torch.Tensor,
     """
     needs_graph = torch.is_grad_enabled() and (y_SD.requires_grad or weights_TK.requires_grad)
     (T, K), D = token_index_map_TK.shape, y_SD.shape[1]
-    if needs_graph or not statically_known_true(y_SD.shape[0] == T * K):
+    if needs_graph or (y_SD.shape[0] != T * K if not torch.compiler.is_compiling()
+                       else not _known_true(y_SD.shape[0] == T * K)):
         rows_TKD = slot_rows(y_SD, token_index_map_TK)
     else:  # every slot has a row (no sentinel): gathered directly, nothing to clear
         rows_TKD = y_SD.index_select(0, token_index_map_TK.reshape(-1).long()).view(T, K, D)

@@ -69,9 +69,13 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
         (sum(out_splits), ...) new tensor, rows ordered by source rank.
 
     Raises:
-        ValueError: if M != sum(in_splits) or a split list has the wrong length.
+        ValueError: if M != sum(in_splits) or a split list has the wrong length (this rank
+            only); on every rank of the group, when the ranks' splits disagree (rank i expects
+            out_splits[j] rows from rank j, which sends in_splits[i] to it): the exchange would
+            fail on one rank and abort another.
 
-    Side effects: one ``all_to_all_single`` on ``group`` (and one more in backward).
+    Side effects: one ``all_gather`` of 2·W int64 (the split check) and one
+    ``all_to_all_single`` on ``group`` (one more in backward, with the checked splits).
     """
     out_list, in_list = [int(v) for v in out_splits], [int(v) for v in in_splits]
     size = dist.get_world_size(group)
@@ -80,8 +84,35 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
                          f"out_splits={out_list}, in_splits={in_list}")
     if x_MD.shape[0] != sum(in_list):
         raise ValueError(f"x must have sum(in_splits)={sum(in_list)} rows, got {x_MD.shape[0]}")
+    check_splits(out_list, in_list, group)
     out: torch.Tensor = AllToAllFunction.apply(x_MD, out_list, in_list, group)
     return out
+
+
+def check_splits(out_splits: list[int], in_splits: list[int],
+                 group: dist.ProcessGroup | None = None) -> None:
+    """Check that every rank's splits match the others'; a collective (call on every rank).
+
+    Every rank gathers all ranks' (in_splits, out_splits), so all reach the same verdict and
+    raise the same error, before any row is exchanged.
+
+    Raises:
+        ValueError: on every rank, naming the first pair of ranks that disagree.
+    """
+    size = len(out_splits)
+    mine = torch.tensor([*in_splits, *out_splits], dtype=torch.int64,
+                        device=collective_device(group))
+    gathered = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu()  # (W, 2W): row r = rank r's in_splits, out_splits
+    sent_WW, expected_WW = table[:, :size], table[:, size:]
+    bad = (sent_WW != expected_WW.t()).nonzero()
+    if bad.numel():
+        src, dst = (int(v) for v in bad[0])
+        raise ValueError(f"all_to_all splits disagree across ranks: rank {src} sends "
+                         f"{int(sent_WW[src, dst])} rows to rank {dst}, which expects "
+                         f"{int(expected_WW[dst, src])} from it (in_splits of a rank must "
+                         f"match the others' out_splits)")
 
 
 def agree_num_chunks(num_chunks: int, group: dist.ProcessGroup | None = None, *,

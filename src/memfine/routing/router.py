@@ -17,6 +17,7 @@ from memfine.config import MoEConfig, RouteOptions, ScoreFunc
 from memfine.routing.capacity import capacity_keep_mask, expert_capacity
 from memfine.routing.groups import group_limited_scores, top_k_lowest_index
 from memfine.routing.precision import FP32BuffersMixin, count_per_expert, fp32_routing
+from memfine.routing.scores import SCORE_FUNCTIONS, score_function
 
 
 def router_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,7 +35,7 @@ class RoutingResult:
         top_k_weights: (T, k) routing weights in the activation dtype (the final cast of the fp32
             computation); 0 for padding tokens.
         logits: (T, E) fp32 raw router logits x·W_rᵀ.
-        scores: (T, E) fp32 router scores (softmax or sigmoid of the logits, before any
+        scores: (T, E) fp32 router scores (the score function of the logits, before any
             selection bias).
         tokens_per_expert: (E,) int64 count of (token, slot) assignments per expert, padding
             excluded; sums to k·(valid tokens).
@@ -98,8 +99,7 @@ def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
     T, E = logits_TE.shape
     if not 1 <= top_k <= E:
         raise ValueError(f"top_k must be in [1, num_experts={E}], got {top_k}")
-    if score_func not in ("softmax", "sigmoid"):
-        raise ValueError(f"score_func must be 'softmax' or 'sigmoid', got {score_func!r}")
+    score_function(score_func)  # ValueError naming the known score functions
     if selection_bias_E is not None and selection_bias_E.shape != (E,):
         raise ValueError(f"selection_bias must be (E,) with E={E}, "
                          f"got {tuple(selection_bias_E.shape)}")
@@ -112,7 +112,7 @@ def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
 def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int,
             selection_bias_E: torch.Tensor | None, options: RouteOptions) -> torch.Tensor:
     """(T, k) int64 selected experts: biased scores, group limit, top-k (lowest index on ties)."""
-    # Softmax and sigmoid are monotone in each logit: without a bias or groups, rank by logit,
+    # Every score function is monotone in each logit: without a bias or groups, rank by logit,
     # which stays ordered where the scores underflow to 0. Group scores are sums of scores and a
     # bias is added to scores, so those rank on the scores.
     select_TE = scores_TE.detach()
@@ -137,14 +137,10 @@ def _replayed_selection(replay: RoutingResult, T: int, top_k: int) -> torch.Tens
 def _weights(logits_TE: torch.Tensor, scores_TE: torch.Tensor, index_TK: torch.Tensor,
              score_func: str, renormalize: bool, scale: float) -> torch.Tensor:
     """(T, k) fp32 routing weights of the selected experts (differentiable w.r.t. the logits)."""
-    if renormalize and score_func == "sigmoid":
-        # s_j / Σ s over the k selected, computed as a softmax of log σ(z): finite and summing
-        # to 1 even where every σ(z) underflows to 0 (no 0/0, no eps).
-        weights_TK = F.logsigmoid(logits_TE.gather(1, index_TK)).softmax(-1)
-    else:
-        weights_TK = scores_TE.gather(1, index_TK)
-        if renormalize:  # softmax scores: the top score is >= 1/E, so the sum is never 0
-            weights_TK = weights_TK / weights_TK.sum(-1, keepdim=True)
+    weights_TK = scores_TE.gather(1, index_TK)
+    if renormalize:  # s_j / Σ s over the k selected, as the score function's table entry says
+        weights_TK = SCORE_FUNCTIONS[score_func].renormalized(logits_TE.gather(1, index_TK),
+                                                              weights_TK)
     return weights_TK * scale if scale != 1.0 else weights_TK
 
 
@@ -184,9 +180,11 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     Args:
         logits_TE: (T, E) router logits, any float dtype (upcast to fp32 here; float64 stays).
         top_k: k in [1, E].
-        score_func: ``softmax`` over E or elementwise ``sigmoid``.
-        renormalize: divide the k selected scores by their sum (sigmoid: as a softmax of
-            log σ over the k, so weights stay finite and sum to 1 when σ underflows).
+        score_func: a name in :data:`memfine.routing.scores.SCORE_FUNCTIONS` (``softmax``
+            over E; elementwise ``sigmoid`` or ``sqrtsoftplus``).
+        renormalize: divide the k selected scores by their sum (elementwise scores: as a
+            softmax of their logs over the k, so weights stay finite and sum to 1 when the
+            scores underflow).
         selection_bias_E: optional (E,) fp32 bias added to the scores for top-k selection only
             (aux-loss-free balancing, or a skew knob for experiments); weights use unbiased scores.
         valid_mask_T: optional (T,) bool, False marks padding tokens: they get the sentinel
@@ -209,7 +207,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     T, E = logits_TE.shape
     out_dtype = out_dtype or logits_TE.dtype
     logits_TE = logits_TE.to(router_dtype(logits_TE.dtype))
-    scores_TE = logits_TE.softmax(-1) if score_func == "softmax" else logits_TE.sigmoid()
+    scores_TE = SCORE_FUNCTIONS[score_func].scores(logits_TE)
     selected_TK = (_select(logits_TE, scores_TE, top_k, selection_bias_E, options)
                    if replay is None else _replayed_selection(replay, T, top_k))
     weights_TK = _weights(logits_TE, scores_TE, selected_TK, score_func, renormalize,
@@ -237,7 +235,7 @@ class TopKRouter(FP32BuffersMixin):
         hidden_size: d.
         num_experts: E.
         top_k: k.
-        score_func: ``softmax`` or ``sigmoid``.
+        score_func: a name in :data:`memfine.routing.scores.SCORE_FUNCTIONS`.
         renormalize: renormalise the k selected weights.
         options: group limit, scaling and capacity: a :class:`RouteOptions` or the layer's
             :class:`memfine.config.MoEConfig`.

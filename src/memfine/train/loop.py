@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from memfine.artifacts.checkpoint import remove_stale_temporaries
 from memfine.artifacts.evaluation import evaluate, sample_after_validation_prompt
 from memfine.artifacts.metrics import plot_run, report_final
 from memfine.artifacts.outputs import Outputs
@@ -111,6 +112,7 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
             directory.enter_context(removed_on_failure(out_dir))
             out_dir.mkdir(parents=True, exist_ok=True)
             directory.enter_context(run_lock(out_dir))
+            remove_stale_temporaries(out_dir)  # of saves killed earlier (under the lock)
         run = setup_run(config, out_dir, resume=resume, outputs=outputs, parallel=parallel,
                         init_from=source)
         return _loop(run, plot=plot, on_step=on_step)

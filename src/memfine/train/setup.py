@@ -41,7 +41,7 @@ from memfine.train.parallel import ParallelTraining
 
 # Fields a resumed run may change; everything else must match the checkpoint.
 RESUMABLE_FIELDS = ("max_steps", "eval_every", "save_every", "eval_batches", "log_every",
-                    "sample_tokens", "device", "compile")
+                    "sample_tokens", "device", "compile", "deterministic")
 
 
 @dataclass(slots=True)
