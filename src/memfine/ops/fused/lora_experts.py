@@ -88,7 +88,10 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
     n_parts = len(up_parts(w_up_EDG))
     x_TD, w_down_END, b_up_EG, b_down_ED, *rest = autocast_operands(
         x_TD, w_down_END, b_up_EG, b_down_ED, *up_parts(w_up_EDG), *lora.tensors())
-    parts, lora_tensors_cast = tuple(rest[:n_parts]), rest[n_parts:]
+    parts = tuple(rest[:n_parts])
+    # NOTE(memory): adapters in a strided layout (PEFT's B is a permuted view) are copied once
+    # per call (E·r·(d_in + d_out) elements): torch._grouped_mm needs dense per-expert matrices.
+    lora_tensors_cast = [t.contiguous() for t in rest[n_parts:]]
     check_expert_inputs(x_TD, top_k_weights, index, parts[0] if n_parts == 1 else parts,
                         w_down_END, activation, b_up_EG, b_down_ED)
     G = sum(p.shape[2] for p in parts)
