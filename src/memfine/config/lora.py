@@ -66,7 +66,7 @@ class LoRAConfig:
 
     @property
     def scale(self) -> float:
-        """s = α / r."""
+        """The update's scale s = α / r."""
         return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, object]:

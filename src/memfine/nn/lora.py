@@ -74,7 +74,7 @@ class LoRAGroupedExperts(GroupedExperts):
         self.reset_adapters()
 
     def reset_adapters(self) -> None:
-        """A ~ U(±1/√d_in) (Kaiming-uniform with a = √5, as PEFT), B = 0: the base model's output."""
+        """A ~ U(±1/√d_in) (Kaiming-uniform with a = √5, as PEFT), B = 0 (the base output)."""
         for name, param in self.named_parameters(recurse=False):
             if name.startswith("lora_a_"):
                 bound = 1.0 / math.sqrt(param.shape[2])

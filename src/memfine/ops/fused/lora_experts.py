@@ -67,12 +67,20 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
     + s·(A·A_down[e]ᵀ)·B_down[e]ᵀ + b_down[e]), e = e_tj (dropout on the adapter inputs).
 
     Args:
-        x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation, backend, b_up_EG,
-            b_down_ED, backward_block_bytes, weight_grads: as :func:`memfine.ops.run_experts`
-            (fused path).
+        x_TD: (T, d) activations (as :func:`memfine.ops.run_experts`, fused path).
+        top_k_weights: (T, k) routing weights.
+        index: the :class:`RoutingIndex` of this routing decision.
+        w_up_EDG: (E, d, G) up-projection or its (gate, up) halves (frozen or trainable).
+        w_down_END: (E, n, d) down-projection.
         lora: the adapters (:class:`memfine.ops.fused.lora.ExpertLoRA`), in the base dtype.
+        activation: a name or a :class:`memfine.config.GatedActivation`.
+        backend: grouped GEMM backend.
+        b_up_EG: optional (E, G) up-projection bias.
+        b_down_ED: optional (E, d) down-projection bias.
         seed: dropout masks' seed; choose it once per layer call outside recomputed regions
             (unused without dropout).
+        backward_block_bytes: byte target of one row block of the streamed backward.
+        weight_grads: shared base weight-gradient buffers of a chunk loop, or None.
 
     Returns:
         (T, d) tensor in x's dtype (the autocast dtype inside ``torch.autocast``).
