@@ -42,6 +42,7 @@ from memfine._optional import require
 from memfine.config import ChunkConfig, _ConfigBase
 from memfine.integrations.hf.experts import compute_dtype, run_module
 from memfine.integrations.hf.layout import ExpertsPlan, expert_weights, plan_experts
+from memfine.integrations.hf.peft import pending_lora
 
 MIN_TRANSFORMERS_VERSION = (5, 7, 0)
 IMPLEMENTATION_NAME = "memfine"
@@ -226,7 +227,7 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     x_TD = hidden_states.to(compute_dtype(hidden_states, weights.w_up_EDG.dtype))
     out_TD = run_module(module, plan, weights, x_TD, top_k_index, top_k_weights,
                         chunk=cfg.chunk, backend=cfg.gemm_backend,
-                        index_builder=cfg.index_builder)
+                        index_builder=cfg.index_builder, lora=pending_lora(module))
     return out_TD.to(hidden_states.dtype)
 
 
@@ -237,6 +238,7 @@ def _bind(config: HFExpertsConfig) -> ExpertsFn:
                                        config=config)
 
     memfine_experts.__doc__ = memfine_experts_forward.__doc__
+    memfine_experts.memfine_config = config  # type: ignore[attr-defined]  # read by hf/peft.py
     return memfine_experts
 
 

@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from memfine.config import ChunkConfig, MoEConfig
+from memfine.config.lora import LoRAConfig
 from memfine.nn.experts import GroupedExperts
+from memfine.nn.lora import LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
 from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
 from memfine.routing.precision import count_per_expert
@@ -74,6 +76,9 @@ class MoELayer(nn.Module):
         chunk: chunking and recompute (:class:`ChunkConfig`); default :data:`NO_CHUNKING`.
         policy: a policy shared with other layers (instead of ``chunk``); its ``moe`` must equal
             ``config``.
+        lora: optional :class:`LoRAConfig`: frozen expert weights with per-expert adapters
+            (:class:`memfine.nn.lora.LoRAGroupedExperts`, split LoRA); the router is frozen
+            unless ``lora.train_router``.
 
     Routing options of ``config`` (capacity, group limit, scaling, jitter) go to the router;
     shared experts (``num_shared_experts``) run on the same chunked path and are added to the
@@ -87,7 +92,7 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, config: MoEConfig, *, depth: int = 1, chunk: ChunkConfig | None = None,
-                 policy: ChunkPolicy | None = None) -> None:
+                 policy: ChunkPolicy | None = None, lora: LoRAConfig | None = None) -> None:
         """Build the router and experts; arguments and exceptions as on the class."""
         super().__init__()
         if chunk is not None and policy is not None:
@@ -100,7 +105,10 @@ class MoELayer(nn.Module):
                                  score_func=config.score_func, renormalize=config.renormalize,
                                  options=config,
                                  jitter_eps=config.router_jitter_eps)
-        self.experts = GroupedExperts(config, depth=depth)
+        self.experts = (GroupedExperts(config, depth=depth) if lora is None
+                        else LoRAGroupedExperts(config, lora, depth=depth))
+        if lora is not None:
+            self.router.requires_grad_(lora.train_router)
         self.shared_experts = (SharedExperts(config, depth=depth)
                                if config.num_shared_experts else None)
         if config.skew_hot_experts:

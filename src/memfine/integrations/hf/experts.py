@@ -36,6 +36,8 @@ from memfine.ops import (
     run_experts,
 )
 from memfine.ops.experts import grouped_up_projection
+from memfine.ops.fused.lora import ExpertLoRA
+from memfine.ops.fused.lora_experts import run_lora_experts
 from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
@@ -120,7 +122,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
                        x_TD: torch.Tensor, top_k_index: torch.Tensor,
                        top_k_weights: torch.Tensor, *, backend: str = "auto",
                        index_builder: IndexBuilder = "auto",
-                       weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
+                       weight_grads: WeightGradBuffers | None = None,
+                       lora: ExpertLoRA | None = None) -> torch.Tensor:
     """Route-free expert part of one chunk: build the index, run the planned path.
 
     Args:
@@ -135,6 +138,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
         index_builder: routing-index builder.
         weight_grads: fused path: the chunk loop's shared weight-gradient buffers of ``w_up``
             and ``w_down`` (:func:`memfine.ops.fused.weight_grads.share_weight_grads`), or None.
+        lora: fused path: PEFT's adapters of this module as :class:`ExpertLoRA` (split LoRA,
+            :func:`memfine.ops.fused.lora_experts.run_lora_experts`), or None.
 
     Returns:
         (T, d) in x's dtype.
@@ -143,8 +148,16 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
     :func:`experts_module_plain` (plain).
     """
     index = build_routing_index(top_k_index, weights.shape_EDGN[0], index_builder)
+    if lora is not None and plan.path != "fused":
+        raise ValueError(f"split LoRA needs the fused path, {type(module).__name__} takes the "
+                         f"plain one ({plan.reason})")
     if plan.path == "fused":
         assert plan.activation is not None, "the fused plan carries an activation"
+        if lora is not None:
+            return run_lora_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
+                                    lora, activation=plan.activation, backend=backend,
+                                    b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
+                                    weight_grads=weight_grads)
         return run_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                            activation=plan.activation, impl="fused", backend=backend,
                            b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
@@ -203,7 +216,8 @@ def num_chunks_for(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights,
 
 def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_TD: torch.Tensor,
                top_k_index: torch.Tensor, top_k_weights: torch.Tensor, *, chunk: ChunkConfig,
-               backend: str = "auto", index_builder: IndexBuilder = "auto") -> torch.Tensor:
+               backend: str = "auto", index_builder: IndexBuilder = "auto",
+               lora: ExpertLoRA | None = None) -> torch.Tensor:
     """The experts block over c token chunks (:func:`memfine.schedule.chunked.run_chunked`).
 
     Without chunk options (``num_chunks == 1``, no budget) this is one direct call; otherwise
@@ -218,7 +232,8 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
     routing tensors are kept; backward holds one chunk's H and transients. With c > 1 on the
     fused path the chunks add their ``w_up`` / ``w_down`` gradients into one shared buffer per
     weight (:mod:`memfine.ops.fused.weight_grads`), as the local chunk loop does; a separate up
-    half (``w_up_second_EDN``) and the biases get their gradients summed by autograd.
+    half (``w_up_second_EDN``) and the biases get their gradients summed by autograd. ``lora``
+    (PEFT's adapters, fused path only) adds U (S_c·r) per adapter to what a chunk saves.
     """
     buffers = None
 
@@ -226,7 +241,7 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         return run_module_experts(module, plan, weights, x_CD, top_k_index_CK,
                                   top_k_weights_CK, backend=backend, index_builder=index_builder,
-                                  weight_grads=buffers)
+                                  weight_grads=buffers, lora=lora)
 
     chunked = chunk.memory_budget_bytes is not None or chunk.num_chunks > 1
     if not chunked:

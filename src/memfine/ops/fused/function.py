@@ -21,6 +21,7 @@ from memfine.ops.activations import (
     apply_activation,
 )
 from memfine.ops.combine import combine_rows, gather_rows, scatter_slots
+from memfine.ops.fused.lora import LoRABackward, LoRAForward, LoRASpec
 from memfine.ops.fused.up_projection import up_input_grad, up_project
 from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
@@ -78,16 +79,21 @@ def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
                   b_up_EG: torch.Tensor | None, b_down_ED: torch.Tensor | None,
                   token_idx_S: torch.Tensor,
                   offsets_E1: torch.Tensor, map_TK: torch.Tensor, activation: Activation,
-                  backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+                  backend: str, lora: LoRAForward | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, out) with the grouped GEMM backend; the per-row biases are added in place.
 
     ``up_parts``: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
     """
     x_SD = gather_rows(x_TD, token_idx_S)
     h_SG = _add_row_bias_(up_project(x_SD, up_parts, offsets_E1, backend), b_up_EG, offsets_E1)
+    if lora is not None:  # split LoRA (memfine.ops.fused.lora): H += s·(x·Aᵀ)·Bᵀ
+        lora.up_(h_SG, x_SD, offsets_E1)
     del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
     a_SN = apply_activation(h_SG, activation)
     y_SD = grouped_mm(a_SN, w_down_END, offsets_E1, backend)
+    if lora is not None:
+        lora.down_(y_SD, a_SN, offsets_E1)
     del a_SN  # NOTE(memory): A is recomputed from H in backward (saves S·n·D_t bytes)
     out_TD = combine_rows(_add_row_bias_(y_SD, b_down_ED, offsets_E1), weights_TK, map_TK)
     del y_SD  # NOTE(memory): Y is never saved (saves S·d·D_t bytes)
@@ -163,15 +169,17 @@ class FusedExpertsFunction(torch.autograd.Function):
                 expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
                 expert_slot_indices_S: torch.Tensor, activation: Activation, backend: str,
                 w_up_second_EDN: torch.Tensor | None = None, block_rows: int = 2**62,
-                weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
+                weight_grads: WeightGradBuffers | None = None, lora: LoRASpec | None = None,
+                *lora_weights: torch.Tensor) -> torch.Tensor:
         """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, weights, indices.
 
         Arguments, saved tensors and their bytes are described on the class.
         """
+        lora_fwd = None if lora is None else LoRAForward(lora, lora_weights, backend)
         parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
         no_bias = b_up_EG is None and b_down_ED is None
         if (backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS
-                and len(parts) == 1):
+                and len(parts) == 1 and lora_fwd is None):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
@@ -179,12 +187,15 @@ class FusedExpertsFunction(torch.autograd.Function):
             h_SG, out_TD = _forward_rows(x_TD, weights_TK, parts, w_down_END, b_up_EG,
                                          b_down_ED, expert_token_indices_S,
                                          expert_token_offsets_E1, token_index_map_TK,
-                                         activation, backend)
+                                         activation, backend, lora_fwd)
+        lora_saved = lora_fwd.to_save(lora_weights) if lora_fwd else ()
         # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
         # the biases are parameters (saved by reference, no activation bytes).
         ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED,
                               expert_token_indices_S, expert_token_offsets_E1,
-                              token_index_map_TK, expert_slot_indices_S, *parts[1:])
+                              token_index_map_TK, expert_slot_indices_S, *parts[1:],
+                              *lora_saved)
+        ctx.lora, ctx.num_lora_saved = lora, len(lora_saved)
         ctx.activation, ctx.backend = activation, backend
         ctx.block_rows, ctx.weight_grads = max(1, block_rows), weight_grads
         return out_TD
@@ -212,9 +223,11 @@ class FusedExpertsFunction(torch.autograd.Function):
         if len(st.parts) == 2 and st.need_up[1]:  # the up half: slot 2, never shared
             grad_up_second = st.grads.take(2, st.parts[1])
         # None: expert_token_indices, expert_token_offsets, token_index_map,
-        # expert_slot_indices, activation, backend, block_rows, weight_grads
-        return (st.grad_x_TD, grad_weights, grad_up, grad_down, st.grad_b_up, st.grad_b_down,
-                None, None, None, None, None, None, grad_up_second, None, None)
+        # expert_slot_indices, activation, backend, block_rows, weight_grads, lora (spec)
+        grads = (st.grad_x_TD, grad_weights, grad_up, grad_down, st.grad_b_up, st.grad_b_down,
+                 None, None, None, None, None, None, grad_up_second, None, None, None,
+                 *(st.lora.take_grads() if st.lora else ()))
+        return grads[:len(ctx.needs_input_grad)]
 
 
 def _row_blocks(S: Any, max_rows: int, block_rows: int, traced: bool
@@ -242,9 +255,11 @@ class _BackwardState:
     """Saved tensors, gradient flags and the gradient accumulators of one fused backward."""
 
     def __init__(self, ctx: Any, grad_out_TD: torch.Tensor) -> None:
+        saved = ctx.saved_tensors
+        n_base = len(saved) - ctx.num_lora_saved
         (self.x_TD, self.h_SG, self.weights_TK, self.w_up_EDG, self.w_down_END, self.b_up_EG,
          self.b_down_ED, self.token_idx_S, self.offsets_E1, _, self.slot_S,
-         *second) = ctx.saved_tensors
+         *second) = saved[:n_base]
         self.parts = (self.w_up_EDG, *second)  # one (E, d, G) tensor or (gate, up) halves
         self.act, self.backend = ctx.activation, ctx.backend
         (self.need_x, self.need_w, need_up, self.need_down, self.need_b_up,
@@ -255,6 +270,9 @@ class _BackwardState:
         # E + 1 host ints: the per-expert addmm_ ranges. Under torch.compile host values are
         # unknown while tracing, so the backward runs as one block with grouped weight GEMMs.
         self.bounds = None if torch.compiler.is_compiling() else self.offsets_E1.tolist()
+        self.lora = None if ctx.lora is None else LoRABackward(
+            ctx.lora, saved[n_base:], ctx.needs_input_grad[16:], self.x_TD, self.token_idx_S,
+            self.bounds, self.backend)
         E = self.w_up_EDG.shape[0]
         S = self.h_SG.shape[0]
         # NOTE(memory): the outputs are filled block by block: dx (T·d), the row dots (S), the
@@ -281,8 +299,10 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     grad_out_BD = gather_rows(st.grad_out_TD, token_B)  # NOTE(memory): transient B·d
     grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
     # NOTE(memory): A and f(gate) recomputed from H for this block only (transients B·n each)
-    a_BN, gate_BN = (activation_and_gate(h_BG, st.act) if st.need_w or st.need_down
-                     else (None, None))
+    need_a = st.need_w or st.need_down or (st.lora is not None and st.lora.needs_activation)
+    a_BN, gate_BN = activation_and_gate(h_BG, st.act) if need_a else (None, None)
+    if st.lora is not None:  # the down adapter's term of dA (before the dots use dA)
+        st.lora.down_block(r0, r1, offs_E1, grad_out_BD, grad_a_BN, a_BN, w_B1)
     if st.dots_S is not None and st.b_down_ED is not None:  # ⟨dO, b_down⟩, before dO ⊙ w
         bias_BD = st.b_down_ED.index_select(0, expert_of_rows(offs_E1, r1 - r0))
         st.dots_S[r0:r1] = _row_dots(grad_out_BD, bias_BD)
@@ -313,6 +333,10 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
                                      st.bounds, r0, offs_E1, st.backend)
             col += width
         del x_BD
+    lora_dx_BD = (None if st.lora is None
+                  else st.lora.up_block(r0, r1, offs_E1, grad_h_BG, st.grad_x_TD is not None))
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t
         grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
+        if lora_dx_BD is not None:
+            grad_x_BD.add_(lora_dx_BD)
         st.grad_x_TD.index_add_(0, token_B, grad_x_BD)

@@ -1,0 +1,112 @@
+"""LoRA adapters on the routed experts: the frozen config and the rank/shape/dtype checks.
+
+A LoRA adapter adds a low-rank update to a frozen weight, computed as two thin products (split
+LoRA) and never as the dense W + s·B·A (Hu et al. 2021, "LoRA"; the per-expert form of PEFT's
+``target_parameters``). Per expert e and adapted projection:
+
+    y = x·W_e + s·((drop(x)·A_eᵀ)·B_eᵀ),   A_e (r, d_in), B_e (d_out, r), s = α / r.
+
+Targets: ``w_up`` (the gate/up projection, d_in = d, d_out = G) and ``w_down`` (d_in = n,
+d_out = d).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, get_args
+
+from memfine._checks import check_float, check_int, fail
+
+LoRATarget = Literal["w_up", "w_down"]
+LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LoRAConfig:
+    """Per-expert LoRA adapters of one MoE layer.
+
+    Attributes:
+        rank: r ≥ 1, the adapters' rank; at most min(d_in, d_out) of every adapted weight
+            (checked by :func:`check_lora_rank` where the shapes are known).
+        alpha: α > 0; the update is scaled by s = α / r.
+        dropout: probability in [0, 1) of dropping an element of the adapter's input (the base
+            path never sees dropout); 0 disables it.
+        targets: adapted expert weights, a non-empty subset of ``("w_up", "w_down")``.
+        train_router: also train the router (the base weights stay frozen otherwise).
+        train_attention: also train attention and norms (language-model training only).
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    train_router: bool = False
+    train_attention: bool = False
+
+    def __post_init__(self) -> None:
+        """Validate every field.
+
+        Raises:
+            ValueError: naming the class and the field, e.g.
+                ``LoRAConfig.rank must be >= 1, got 0``.
+        """
+        check_int(self, "rank", 1)
+        check_float(self, "alpha", 0.0, lo_open=True)
+        check_float(self, "dropout", 0.0, 1.0)
+        if self.dropout >= 1.0:
+            fail(self, "dropout", "in [0.0, 1.0)", self.dropout)
+        targets = tuple(self.targets) if isinstance(self.targets, (tuple, list)) else ()
+        if not targets or any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(
+                targets):
+            fail(self, "targets", f"a non-empty subset of {LORA_TARGETS}", self.targets)
+        object.__setattr__(self, "targets", targets)
+        for name in ("train_router", "train_attention"):
+            if not isinstance(getattr(self, name), bool):
+                fail(self, name, "a bool", getattr(self, name))
+
+    @property
+    def scale(self) -> float:
+        """The update's scale s = α / r."""
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, object]:
+        """The fields as a JSON-ready dict (targets as a list)."""
+        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+                "targets": list(self.targets), "train_router": self.train_router,
+                "train_attention": self.train_attention}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> LoRAConfig:
+        """Build from :meth:`to_dict` output.
+
+        Raises:
+            ValueError: on a key that is not a field, or an invalid value.
+        """
+        if not isinstance(data, dict):
+            raise ValueError(f"LoRAConfig must be built from a dict, got {type(data).__name__}")
+        unknown = sorted(set(data) - set(cls.__dataclass_fields__))
+        if unknown:
+            raise ValueError(f"LoRAConfig has no field(s) {unknown}; allowed: "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        kwargs = dict(data)
+        if "targets" in kwargs and isinstance(kwargs["targets"], list):
+            kwargs["targets"] = tuple(kwargs["targets"])
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+def check_lora_rank(rank: int, d_in: int, d_out: int, name: str = "LoRAConfig.rank") -> None:
+    """Raise ValueError unless 1 ≤ rank ≤ min(d_in, d_out).
+
+    Args:
+        rank: r.
+        d_in: the adapted weight's input features.
+        d_out: its output features.
+        name: the field or flag named in the message.
+
+    Raises:
+        ValueError: ``<name> must be in [1, min(d_in, d_out)=m], got r``.
+    """
+    hi = min(d_in, d_out)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= hi:
+        raise ValueError(f"{name} must be in [1, min(d_in, d_out)={hi}] (d_in={d_in}, "
+                         f"d_out={d_out}), got {rank!r}")

@@ -1,0 +1,190 @@
+"""LoRA adapters on memfine's own routed experts: the module, and adapting a trained model.
+
+:class:`LoRAGroupedExperts` is :class:`memfine.nn.experts.GroupedExperts` with frozen base weights
+and per-expert adapters (``lora_a_up`` (E, r, d), ``lora_b_up`` (E, G, r), ``lora_a_down``
+(E, r, n), ``lora_b_down`` (E, d, r)), run by the split LoRA of the fused path
+(:func:`memfine.ops.fused.lora_experts.run_lora_experts`) in the same c token chunks, under the
+same recompute modes. :func:`apply_lora` turns every :class:`memfine.nn.MoELayer` of a model into
+one with adapters and freezes what the :class:`LoRAConfig` does not train;
+:func:`adapter_state_dict` / :func:`merge_lora_` save the adapters and fold them into the base.
+
+Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n (gated) or n, R = r.
+Reference: Hu et al. 2021 (LoRA: A ~ Kaiming-uniform, B = 0, so training starts at the base
+model); MemFine §4 (chunks).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from memfine.config import MoEConfig
+from memfine.config.lora import LoRAConfig, check_lora_rank
+from memfine.dispatch import build_routing_index
+from memfine.nn.experts import GroupedExperts
+from memfine.ops.fused.lora import ExpertLoRA
+from memfine.ops.fused.lora_experts import run_lora_experts
+from memfine.schedule.chunked import run_chunked
+from memfine.schedule.policy import ChunkPolicy
+
+ADAPTER_PREFIX = "lora_"
+
+
+class LoRAGroupedExperts(GroupedExperts):
+    """Routed experts with frozen ``w_up``/``w_down`` and trainable per-expert adapters.
+
+    Args:
+        config: the layer's :class:`MoEConfig` (``experts_impl`` must be ``fused``).
+        lora: the :class:`LoRAConfig` (rank, α, dropout, targets).
+        init_std, depth: as :class:`GroupedExperts`.
+
+    Raises:
+        ValueError: when the rank exceeds min(d_in, d_out) of an adapted weight, or the
+            experts path is not ``fused``.
+
+    Attributes:
+        transport_row_elements: r per adapted weight: the rank-r intermediate U that each routed
+            row keeps for backward beside x and H, which the chunk policy's per-row bytes add.
+    """
+
+    def __init__(self, config: MoEConfig, lora: LoRAConfig, *, init_std: float = 0.02,
+                 depth: int = 1) -> None:
+        """Build base weights (frozen) and adapters; arguments as on the class."""
+        if config.experts_impl != "fused":
+            raise ValueError(f"LoRA on the experts needs MoEConfig.experts_impl='fused', got "
+                             f"{config.experts_impl!r}")
+        super().__init__(config, init_std=init_std, depth=depth)
+        self.lora = lora
+        E, D, N, G, r = (config.num_experts, config.hidden_size, config.intermediate_size,
+                         config.up_width, lora.rank)
+        shapes = {}
+        if "w_up" in lora.targets:
+            check_lora_rank(r, D, G)
+            shapes.update(lora_a_up=(E, r, D), lora_b_up=(E, G, r))
+        if "w_down" in lora.targets:
+            check_lora_rank(r, N, D)
+            shapes.update(lora_a_down=(E, r, N), lora_b_down=(E, D, r))
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.empty(shape)))
+        self.transport_row_elements = r * len(lora.targets)
+        self.w_up.requires_grad_(False)
+        self.w_down.requires_grad_(False)
+        self.reset_adapters()
+
+    def reset_adapters(self) -> None:
+        """A ~ U(±1/√d_in) (Kaiming-uniform with a = √5, as PEFT), B = 0 (the base output)."""
+        for name, param in self.named_parameters(recurse=False):
+            if name.startswith("lora_a_"):
+                bound = 1.0 / math.sqrt(param.shape[2])
+                nn.init.uniform_(param, -bound, bound)
+            elif name.startswith("lora_b_"):
+                nn.init.zeros_(param)
+
+    def adapters(self) -> ExpertLoRA:
+        """The adapter parameters as :class:`ExpertLoRA` (s = α / r)."""
+        return ExpertLoRA(a_up_ERD=getattr(self, "lora_a_up", None),
+                          b_up_EGR=getattr(self, "lora_b_up", None),
+                          a_down_ERN=getattr(self, "lora_a_down", None),
+                          b_down_EDR=getattr(self, "lora_b_down", None),
+                          scale=self.lora.scale,
+                          dropout=self.lora.dropout if self.training else 0.0)
+
+    def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+        """As :meth:`GroupedExperts.run`, with the adapters; returns ``(out_TD, num_chunks)``.
+
+        The dropout seed is drawn here, once per call and outside every recomputed region, so
+        a chunk's recompute draws the same masks.
+
+        Memory: per chunk, what the fused path saves plus U (S_c·r) per adapter; with recompute
+        ``experts``/``full`` only x and the routing survive forward.
+        """
+        if policy.budgeted:
+            num_chunks = self.budgeted_num_chunks(x_TD, top_k_index, policy)
+        else:
+            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
+        return self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                            recompute=policy.config.resolved_recompute), num_chunks
+
+    def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *, num_chunks: int = 1,
+                recompute: str = "none") -> torch.Tensor:
+        """Run the experts with adapters on routed tokens in c chunks (as the base class)."""
+        lora = self.adapters()
+        seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
+        moe = self.config
+
+        def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
+                     top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+            index = build_routing_index(top_k_index_CK, moe.num_experts, moe.index_builder)
+            return run_lora_experts(x_CD, top_k_weights_CK, index, self.w_up, self.w_down, lora,
+                                    activation=moe.activation, backend=moe.gemm_backend,
+                                    seed=seed + chunk,
+                                    backward_block_bytes=moe.backward_block_bytes)
+
+        return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                           recompute=recompute if torch.is_grad_enabled() else "none")
+
+
+def lora_experts_from(experts: GroupedExperts, lora: LoRAConfig) -> LoRAGroupedExperts:
+    """A :class:`LoRAGroupedExperts` sharing ``experts``' weights (frozen), fresh adapters."""
+    new = LoRAGroupedExperts(experts.config, lora, init_std=experts.init_std,
+                             depth=experts.depth)
+    with torch.no_grad():
+        new.w_up.copy_(experts.w_up)
+        new.w_down.copy_(experts.w_down)
+    return new.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
+
+
+def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
+    """Give every MoE layer of ``model`` expert adapters and freeze the rest as ``lora`` says.
+
+    Every parameter is frozen except the adapters, the routers when ``lora.train_router``, and
+    everything outside the experts and routers (attention, norms, embeddings, shared experts)
+    when ``lora.train_attention``.
+
+    Returns:
+        The number of MoE layers adapted.
+
+    Raises:
+        ValueError: when the model has no MoE layer with local experts, or a rank is too large.
+    """
+    from memfine.nn.moe import MoELayer
+
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    if not layers or not all(type(m.experts) is GroupedExperts for m in layers):
+        raise ValueError("apply_lora needs a model whose MoE layers hold local GroupedExperts")
+    for layer in layers:
+        layer.experts = lora_experts_from(layer.experts, lora)
+    router_ids = {id(p) for m in layers for p in m.router.parameters()}
+    for name, param in model.named_parameters():
+        if name.rsplit(".", 1)[-1].startswith(ADAPTER_PREFIX):
+            param.requires_grad_(True)
+        elif id(param) in router_ids:
+            param.requires_grad_(lora.train_router)
+        else:
+            param.requires_grad_(lora.train_attention and ".experts." not in f".{name}")
+    return len(layers)
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable parameters of an adapted model (adapters, and router/attention if trained)."""
+    return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+@torch.no_grad()
+def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
+    """Fold the adapters into the base weights: W + s·(B·A)ᵀ per expert; a plain module back."""
+    out = GroupedExperts(experts.config, init_std=experts.init_std, depth=experts.depth)
+    out = out.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
+    s = experts.lora.scale
+    up, down = experts.w_up.clone(), experts.w_down.clone()
+    if hasattr(experts, "lora_a_up"):
+        up += s * torch.einsum("erd,egr->edg", experts.lora_a_up, experts.lora_b_up)
+    if hasattr(experts, "lora_a_down"):
+        down += s * torch.einsum("ern,edr->end", experts.lora_a_down, experts.lora_b_down)
+    out.w_up.copy_(up)
+    out.w_down.copy_(down)
+    return out

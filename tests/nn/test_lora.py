@@ -1,0 +1,91 @@
+"""MoELayer with LoRA adapters: reference values, chunked == unchunked, freezing, merge, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memfine.config import ChunkConfig, MoEConfig
+from memfine.config.lora import LoRAConfig
+from memfine.nn import MoELayer
+from memfine.nn.lora import LoRAGroupedExperts, apply_lora, merge_lora_
+from memfine.reference import reference_experts
+from tolerances import assert_chunked_close, assert_close
+
+D, N, E, K = 16, 12, 4, 2
+
+
+def _layer(chunk: ChunkConfig | None = None, **lora: object) -> MoELayer:
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
+    layer = MoELayer(config, chunk=chunk, lora=LoRAConfig(rank=3, alpha=6.0, **lora))
+    with torch.no_grad():
+        layer.experts.lora_b_up.normal_(std=0.1)
+        layer.experts.lora_b_down.normal_(std=0.1)
+    return layer
+
+
+def _grads(layer: MoELayer, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    out, _ = layer(x)
+    out.square().sum().backward()
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    grads["x"], grads["out"] = x.grad.clone(), out.detach()
+    x.grad = None
+    layer.zero_grad()
+    return grads
+
+
+def test_experts_match_reference_with_merged_weights() -> None:
+    experts = _layer().experts
+    x = torch.randn(10, D)
+    idx = torch.stack([torch.randperm(E)[:K] for _ in range(10)])
+    w = torch.rand(10, K)
+    merged = merge_lora_(experts)
+    assert_close(experts(x, idx, w), reference_experts(x, idx, w, merged.w_up, merged.w_down))
+
+
+@pytest.mark.parametrize("c", [2, 3, 8])
+def test_chunked_equals_unchunked(c: int) -> None:
+    x = torch.randn(2, 9, D, requires_grad=True)
+    want = _grads(_layer(), x)
+    got = _grads(_layer(ChunkConfig(num_chunks=c, recompute="experts")), x)
+    assert want.keys() == got.keys() and "experts.lora_a_up" in want
+    for name, value in want.items():
+        if "lora_" in name:  # weight gradients summed chunk by chunk: the fp32 row (style §6)
+            assert_close(got[name], value, grad=True, msg=name)
+        else:
+            assert_chunked_close(got[name], value, name)
+
+
+def test_only_adapters_train_by_default() -> None:
+    layer = _layer()
+    trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+    assert trainable == {"experts.lora_a_up", "experts.lora_b_up", "experts.lora_a_down",
+                         "experts.lora_b_down"}
+    grads = _grads(layer, torch.randn(12, D, requires_grad=True))
+    assert "experts.w_up" not in grads and "router.weight" not in grads
+
+
+def test_apply_lora_starts_at_the_base_model() -> None:
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
+    model = torch.nn.Sequential(MoELayer(config))
+    x = torch.randn(8, D)
+    base = model[0](x)[0]
+    assert apply_lora(model, LoRAConfig(rank=2, train_router=True)) == 1
+    assert isinstance(model[0].experts, LoRAGroupedExperts)
+    assert torch.equal(model[0](x)[0], base)  # B = 0 at start
+    assert model[0].router.weight.requires_grad
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"rank": 0}, r"LoRAConfig.rank must be >= 1, got 0"),
+    ({"rank": 13}, r"must be in \[1, min\(d_in, d_out\)=12\]"),
+    ({"dropout": 1.0}, r"LoRAConfig.dropout must be in \[0.0, 1.0\)"),
+    ({"targets": ("w_gate",)}, r"LoRAConfig.targets must be a non-empty subset"),
+])
+def test_bad_config_is_one_line_error(kwargs: dict, message: str) -> None:
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
+    with pytest.raises(ValueError, match=message) as err:
+        MoELayer(config, lora=LoRAConfig(**kwargs))
+    assert "\n" not in str(err.value)
