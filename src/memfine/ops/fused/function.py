@@ -277,9 +277,12 @@ class _BackwardState:
     """Saved tensors, gradient flags and the gradient accumulators of one fused backward."""
 
     def __init__(self, ctx: Any, grad_out_TD: torch.Tensor) -> None:
-        (self.x_TD, self.h_SG, self.weights_TK, self.token_idx_S, self.offsets_E1, self.map_TK,
+        (self.x_TD, self.h_SG, self.weights_TK, self.token_idx_S, self.offsets_E1, map_TK,
          self.slot_S, self.w_up_EDG, self.w_down_END, self.b_up_EG, self.b_down_ED,
          second) = ctx.saved_tensors
+        # NOTE(memory): token_index_map is held only by the gather form of dx (off the CPU);
+        # a checkpoint's recomputed copy is then freed as soon as it is unpacked (T·k·4 bytes)
+        self.map_TK = (map_TK if map_TK.device.type != "cpu" or DX_BY_GATHER_ON_CPU else None)
         options: FusedOptions = ctx.options
         self.parts = (self.w_up_EDG,) if second is None else (self.w_up_EDG, second)
         self.act, self.backend = options.activation, options.backend
@@ -358,10 +361,11 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t
         grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
         _add_dx_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0)
+        del grad_x_BD
 
 
 def _add_dx_rows_(grad_x_TD: torch.Tensor, grad_x_BD: torch.Tensor, token_B: torch.Tensor,
-                  map_TK: torch.Tensor, r0: int) -> None:
+                  map_TK: torch.Tensor | None, r0: int) -> None:
     """dx[t] += Σ over the block's rows r of token t of dx_rows[r], deterministically.
 
     On the CPU: ``index_add_`` over the rows' tokens, a sequential sum in row order (the
@@ -379,6 +383,7 @@ def _add_dx_rows_(grad_x_TD: torch.Tensor, grad_x_BD: torch.Tensor, token_B: tor
     if grad_x_BD.device.type == "cpu" and not DX_BY_GATHER_ON_CPU:
         grad_x_TD.index_add_(0, token_B, grad_x_BD)
         return
+    assert map_TK is not None, "the gather form keeps token_index_map"
     B = grad_x_BD.shape[0]
     local_TK = map_TK.long() - r0
     local_TK = torch.where((local_TK >= 0) & (local_TK < B), local_TK, B)
