@@ -101,9 +101,30 @@ def _runs_eagerly(a: torch.Tensor) -> bool:
             and not isinstance(a, FakeTensor))
 
 
+_WARNED_FP32_CUDA: list[bool] = []
+
+
+def _warn_fp32_cuda(a: torch.Tensor) -> None:
+    """Warn once per process when fp32 operands reach ``torch._grouped_mm`` on CUDA.
+
+    Its CUDA kernel computes bf16 only; fp32 takes a per-group fallback that copies the offsets
+    to the host on every call (one stream sync per GEMM). Train under ``torch.autocast`` with
+    bf16 (``memfine train --device cuda`` does), or hold the weights in bf16.
+    """
+    if a.device.type == "cuda" and a.dtype == torch.float32 and not _WARNED_FP32_CUDA:
+        _WARNED_FP32_CUDA.append(True)
+        import warnings
+
+        warnings.warn("memfine: fp32 grouped GEMMs on CUDA take torch._grouped_mm's per-group "
+                      "fallback, which syncs with the host on every call; run the experts in "
+                      "bf16 (torch.autocast(device_type='cuda', dtype=torch.bfloat16))",
+                      stacklevel=3)
+
+
 def _aten_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E1: torch.Tensor
                      ) -> torch.Tensor:
     """``torch._grouped_mm`` with cumulative ends ``offsets[1:]``; see the module docstring."""
+    _warn_fp32_cuda(a)
     offs_E = offsets_E1[1:].int()
     if a.dtype in _GMM_META_DTYPES or _runs_eagerly(a):
         return torch._grouped_mm(a, b, offs=offs_E)
