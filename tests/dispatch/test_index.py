@@ -152,7 +152,7 @@ def test_sort_free_rejects_repeated_expert(top_k_index: torch.Tensor) -> None:
 def test_auto_switches_to_argsort_above_the_dense_map_limit(
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[str] = []
-    for name in ("build_index_sort_free", "build_index_argsort"):
+    for name in ("_build_sort_free", "build_index_argsort"):
         real = getattr(index_module, name)
         monkeypatch.setattr(index_module, name,
                             lambda idx, E, real=real, name=name: calls.append(name) or real(idx, E))
@@ -160,7 +160,7 @@ def test_auto_switches_to_argsort_above_the_dense_map_limit(
     distinct = torch.tensor([[1, 3], [0, 2], [2, 0]])
     build_routing_index(distinct, 4)  # T·E = 12 > 8: argsort
     build_routing_index(distinct[:2], 4)  # T·E = 8: sort-free
-    assert calls == ["build_index_argsort", "build_index_sort_free"]
+    assert calls == ["build_index_argsort", "_build_sort_free"]
 
 
 def test_auto_takes_argsort_when_a_token_repeats_an_expert() -> None:
@@ -200,11 +200,11 @@ def test_index_is_frozen() -> None:
 
 def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     calls: list[str] = []
-    for name in ("build_index_sort_free", "build_index_argsort"):
+    for name in ("_build_sort_free", "build_index_argsort"):
         real = getattr(index_module, name)
 
         def spy(*args: object, _real=real, _name=name) -> RoutingIndex:  # type: ignore[no-untyped-def]
-            calls.append(_name.removeprefix("build_index_"))
+            calls.append(_name.removeprefix("build_index_").removeprefix("_build_"))
             return _real(*args)
 
         monkeypatch.setattr(index_module, name, spy)

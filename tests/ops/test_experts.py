@@ -14,6 +14,7 @@ import torch
 from devices import triton_cpu
 from memfine.dispatch import build_routing_index
 from memfine.ops import FusedExpertsFunction, run_experts
+from memfine.ops.fused import FusedOptions
 from memfine.reference import reference_experts
 from tolerances import assert_close
 
@@ -194,9 +195,9 @@ def test_fused_function_gradcheck(activation: str) -> None:
     def fn(x_: torch.Tensor, w_: torch.Tensor, up_: torch.Tensor, down_: torch.Tensor
            ) -> torch.Tensor:
         return FusedExpertsFunction.apply(
-            x_, w_, up_, down_, None, None, index.expert_token_indices,
-            index.expert_token_offsets,
-            index.token_index_map, index.expert_slot_indices, activation, "loop")
+            FusedOptions(activation=activation, backend="loop"), x_, w_,
+            index.expert_token_indices, index.expert_token_offsets, index.token_index_map,
+            index.expert_slot_indices, up_, down_, None, None, None)
 
     assert torch.autograd.gradcheck(fn, (x, w, up, down))
 

@@ -5,8 +5,10 @@ Legend: T tokens, E experts, K top-k slots, M = T·k (token, slot) pairs, S rout
 Sentinel ids (outside [0, E): padding, expert-parallel remote experts, dropped pairs) are never
 dispatched: they get no row and ``token_index_map`` holds -1 for them.
 Both builders are ``torch.compile``-friendly: every tensor has a shape fixed by T, k and E except
-the (S,) arrays, whose length S is read once from the offsets. In eager that is one ``.item()``;
-under ``torch.compile`` S is an unbacked size with the bounds 0 ≤ S ≤ T·k, so a new S never
+the (S,) arrays, whose length S is read once from the offsets. In eager that is the forward's one
+host read (the E + 1 offsets, with the sort-free builder's repeat flag, in one ``.tolist()``; the
+offsets are kept on the index as ``host_offsets`` for the backward's block bookkeeping); under
+``torch.compile`` S is an unbacked size with the bounds 0 ≤ S ≤ T·k, so a new S never
 recompiles and the graph does not break: with ``torch._dynamo.config.capture_scalar_outputs`` the
 ``.item()`` itself is traced, without it the (S,) slice is the custom op ``memfine::routed_slots``,
 whose fake implementation makes the same unbacked size (:func:`routed_slots`). The sort-free
@@ -46,6 +48,8 @@ class RoutingIndex:
         expert_slot_indices: (S,) int32 flat slot id t·k + j of each row (used to read the row's
             routing weight); ``expert_token_indices == expert_slot_indices // k``.
         num_experts: E.
+        host_offsets: the E + 1 offsets as Python ints, read in the builder's one host read
+            (eager), or None (under ``torch.compile``, or for an index built elsewhere).
     """
 
     expert_token_indices: torch.Tensor
@@ -54,6 +58,7 @@ class RoutingIndex:
     token_index_map: torch.Tensor
     expert_slot_indices: torch.Tensor
     num_experts: int
+    host_offsets: tuple[int, ...] | None = None
 
     # The sizes are returned as the shapes hold them (not through int()): under torch.compile
     # S is a symbolic size, and int() would force a concrete value.
@@ -86,22 +91,24 @@ def _check_top_k_index(top_k_index: torch.Tensor, num_experts: int) -> None:
         raise ValueError(f"num_experts must be >= 1, got {num_experts}")
 
 
-def routed_slots(slot_order_M: torch.Tensor, expert_token_offsets: torch.Tensor) -> torch.Tensor:
+def routed_slots(slot_order_M: torch.Tensor, expert_token_offsets: torch.Tensor,
+                 host_offsets: list[int] | None = None) -> torch.Tensor:
     """The routed head of an expert-grouped slot order: ``slot_order_M[:S]``, S = offsets[E].
 
     S is data-dependent (the valid (token, slot) pairs), so it is where a compiled expert path
-    would break its graph. In eager it is one ``.item()`` and the result is a view. While
-    ``torch.compile`` traces it stays in the graph either way: with Dynamo's
-    ``capture_scalar_outputs`` the ``.item()`` becomes an unbacked size; without it (the default)
-    the slice runs as the custom op ``memfine::routed_slots`` (a copy of S int64, 8·S bytes),
-    whose fake implementation returns an unbacked size. Both carry the bounds 0 ≤ S ≤ T·k, so a
-    new S reuses the graph.
+    would break its graph. In eager it is read from ``host_offsets`` (the builder's one host
+    read) or with one ``.item()``, and the result is a view. While ``torch.compile`` traces it
+    stays in the graph either way: with Dynamo's ``capture_scalar_outputs`` the ``.item()``
+    becomes an unbacked size; without it (the default) the slice runs as the custom op
+    ``memfine::routed_slots`` (a copy of S int64, 8·S bytes), whose fake implementation returns
+    an unbacked size. Both carry the bounds 0 ≤ S ≤ T·k, so a new S reuses the graph.
 
     Args:
         slot_order_M: (T·k,) int64 flat slot ids t·k + j in expert-grouped order, the S routed
             slots first, sentinel slots after them.
         expert_token_offsets: (E + 1,) int64 exclusive prefix sum of the per-expert counts;
             its last entry is S.
+        host_offsets: the same offsets already read to the host (eager only), or None.
 
     Returns:
         (S,) int64: ``slot_order_M[:S]`` (a view in eager and with ``capture_scalar_outputs``,
@@ -111,10 +118,26 @@ def routed_slots(slot_order_M: torch.Tensor, expert_token_offsets: torch.Tensor)
     """
     if torch.compiler.is_compiling() and not _captures_scalar_outputs():
         return torch.ops.memfine.routed_slots(slot_order_M, expert_token_offsets)
-    S = int(expert_token_offsets[-1].item())
+    S = (host_offsets[-1] if host_offsets is not None
+         else int(expert_token_offsets[-1].item()))
     torch._check(S >= 0)
     torch._check(slot_order_M.shape[0] >= S)
     return slot_order_M[:S]
+
+
+def read_offsets(offsets_E1: torch.Tensor, *flags: torch.Tensor) -> list[int] | None:
+    """The forward's one host read: the E + 1 offsets and any 0-dim integer ``flags`` after them.
+
+    Returns:
+        ``offsets + flags`` as Python ints (one ``.tolist()``: one device sync on CUDA), or None
+        while ``torch.compile`` traces (host values are unknown then).
+    """
+    if torch.compiler.is_compiling():
+        return None
+    if not flags:
+        return list(offsets_E1.tolist())
+    # NOTE(memory): a transient (E + 1 + len(flags)) int64 copy, so the read is one sync
+    return list(torch.cat([offsets_E1.long(), *(f.long().view(1) for f in flags)]).tolist())
 
 
 def _captures_scalar_outputs() -> bool:
@@ -144,11 +167,12 @@ def build_index_argsort(top_k_index: torch.Tensor, num_experts: int) -> RoutingI
     """Build the routing index with one stable argsort over the T·k slots.
 
     Args:
-        top_k_index: (T, k) int64/int32 expert ids; ids outside [0, E) are sentinels.
+        top_k_index: (T, k) int64/int32 expert ids, any strides; ids outside [0, E) are
+            sentinels.
         num_experts: E.
 
     Returns:
-        The :class:`RoutingIndex`. Workspace O(T·k) int64.
+        The :class:`RoutingIndex`. Workspace O(T·k) int64. One host read (the offsets).
 
     Raises:
         ValueError: on a wrong shape or dtype.
@@ -168,15 +192,27 @@ def build_index_argsort(top_k_index: torch.Tensor, num_experts: int) -> RoutingI
     row_of_slot_M = torch.empty_like(order_M)
     row_of_slot_M[order_M] = torch.arange(T * k, device=flat_M.device)
     row_of_slot_M = torch.where(valid_M, row_of_slot_M, -1)
-    slots_S = routed_slots(order_M, offsets)
+    host = read_offsets(offsets)
+    slots_S = routed_slots(order_M, offsets, host)
+    return _index(top_k_index, slots_S, offsets, row_of_slot_M.view(T, k), E, host)
+
+
+def _index(top_k_index: torch.Tensor, slots_S: torch.Tensor, offsets_E1: torch.Tensor,
+           row_TK: torch.Tensor, num_experts: int, host: list[int] | None) -> RoutingIndex:
+    """The :class:`RoutingIndex` from the routed slots, the offsets and the row of every slot."""
+    k = top_k_index.shape[1]
     return RoutingIndex(
         expert_token_indices=(slots_S // k).int(),
-        expert_token_offsets=offsets.int(),
-        token_expert_indices=top_k_index.int(),
-        token_index_map=row_of_slot_M.view(T, k).int(),
+        expert_token_offsets=offsets_E1.int(),
+        token_expert_indices=top_k_index.int().contiguous(),
+        token_index_map=row_TK.int(),
         expert_slot_indices=slots_S.int(),
-        num_experts=E,
+        num_experts=num_experts,
+        host_offsets=None if host is None else tuple(host),
     )
+
+
+_REPEAT_MESSAGE = "top_k_index must hold distinct experts within each token"
 
 
 def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> RoutingIndex:
@@ -187,35 +223,50 @@ def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> Routin
     offsets; (3) a per-expert inclusive scan over tokens gives each set cell its row.
 
     Args:
-        top_k_index: (T, k) int64/int32 expert ids, distinct within a token; ids outside [0, E)
-            are sentinels.
+        top_k_index: (T, k) int64/int32 expert ids, any strides, distinct within a token; ids
+            outside [0, E) are sentinels.
         num_experts: E.
 
     Returns:
         The :class:`RoutingIndex`, identical to :func:`build_index_argsort`. Workspace
-        O(T·E) int64 (the dense map and its scan) plus O(T·k) int64.
+        O(T·E) int64 (the dense map and its scan) plus O(T·k) int64. One host read (the
+        offsets and the repeat flag together).
 
     Raises:
         ValueError: on a wrong shape or dtype, or an expert id repeated within a token.
 
     Reference: MoEBlaze §3 (sort-free index construction).
     """
+    index = _build_sort_free(top_k_index, num_experts)
+    if index is None:
+        raise ValueError(_REPEAT_MESSAGE)
+    return index
+
+
+def _build_sort_free(top_k_index: torch.Tensor, num_experts: int) -> RoutingIndex | None:
+    """:func:`build_index_sort_free`, or None (eager) when a token repeats an expert."""
     _check_top_k_index(top_k_index, num_experts)
     T, k = top_k_index.shape
     E = num_experts
     dev = top_k_index.device
-    idx_TK = top_k_index.long()
+    idx_TK = top_k_index.long().contiguous()  # any strides in; every view below is dense
     valid_TK = (idx_TK >= 0) & (idx_TK < E)
     safe_TK = torch.where(valid_TK, idx_TK, E)  # sentinels land in a spare column E
     dense_TE = torch.zeros(T, E + 1, dtype=torch.int64, device=dev)
     dense_TE.scatter_add_(1, safe_TK, torch.ones_like(safe_TK))
     dense_TE = dense_TE[:, :E]
-    if T:
-        check_tensor(dense_TE.max() <= 1,
-                     "top_k_index must hold distinct experts within each token")
     counts_E = dense_TE.sum(0)
     offsets = torch.zeros(E + 1, dtype=torch.int64, device=dev)
     offsets[1:] = counts_E.cumsum(0)
+    if torch.compiler.is_compiling():
+        host = None
+        if T:
+            check_tensor(dense_TE.max() <= 1, _REPEAT_MESSAGE)
+    else:  # the one host read: the offsets and the largest cell (a repeat when > 1)
+        host = read_offsets(offsets, *((dense_TE.max(),) if T else ()))
+        assert host is not None, "eager reads the offsets"
+        if T and host.pop() > 1:  # host: the E + 1 offsets after the pop
+            return None
     row_TE = dense_TE.cumsum(0) - 1 + offsets[:E]  # row of cell (t, e) when it is set
     row_TK = torch.where(valid_TK, row_TE.gather(1, safe_TK.clamp(max=E - 1)), -1)
     # Sentinel slots take the rows S, S+1, ... in slot order, so perm_M is a permutation of
@@ -224,25 +275,8 @@ def build_index_sort_free(top_k_index: torch.Tensor, num_experts: int) -> Routin
     perm_M = torch.where(sentinel_M, sentinel_M.cumsum(0).add_(offsets[E] - 1), row_TK.view(-1))
     slot_M = torch.arange(T * k, device=dev)
     expert_slot = torch.empty_like(slot_M).scatter_(0, perm_M, slot_M)
-    expert_slot = routed_slots(expert_slot, offsets)
-    return RoutingIndex(
-        expert_token_indices=(expert_slot // k).int(),
-        expert_token_offsets=offsets.int(),
-        token_expert_indices=top_k_index.int(),
-        token_index_map=row_TK.int(),
-        expert_slot_indices=expert_slot.int(),
-        num_experts=E,
-    )
-
-
-def _repeats_an_expert(top_k_index: torch.Tensor, num_experts: int) -> bool:
-    """True when some token lists one expert id in [0, E) more than once (a (T, k) row sort)."""
-    if top_k_index.dim() != 2 or top_k_index.shape[1] < 2 or top_k_index.numel() == 0:
-        return False
-    sorted_TK = top_k_index.sort(dim=1).values
-    same_TK = sorted_TK[:, 1:] == sorted_TK[:, :-1]
-    valid_TK = (sorted_TK[:, 1:] >= 0) & (sorted_TK[:, 1:] < num_experts)
-    return bool((same_TK & valid_TK).any())
+    expert_slot = routed_slots(expert_slot, offsets, host)
+    return _index(top_k_index, expert_slot, offsets, row_TK, E, host)
 
 
 def build_routing_index(top_k_index: torch.Tensor, num_experts: int,
@@ -250,27 +284,32 @@ def build_routing_index(top_k_index: torch.Tensor, num_experts: int,
     """Build the routing index with the chosen builder.
 
     Args:
-        top_k_index: (T, k) int64/int32 expert ids (sentinels outside [0, E) allowed). A token
-            may repeat an expert (e.g. DeepSeek-V4's hash routing): each slot then gets its own
+        top_k_index: (T, k) int64/int32 expert ids, any strides (transposed, sliced or expanded
+            views are read as their values; sentinels outside [0, E) allowed). A token may
+            repeat an expert (e.g. DeepSeek-V4's hash routing): each slot then gets its own
             row, as a per-token loop computes it; only the sort-free builder refuses that.
         num_experts: E.
         builder: ``sort_free``, ``argsort``, or ``auto`` (sort-free while T·E ≤
-            ``SORT_FREE_MAX_CELLS`` and no token repeats an expert, else argsort). Under
-            ``torch.compile`` the repeat test (a host read) is not made: ``auto`` picks by size
-            alone, and a repeated expert then fails the sort-free builder's asynchronous assert
-            (pass ``argsort`` for routers that repeat experts).
+            ``SORT_FREE_MAX_CELLS``, else argsort; in eager a repeated expert, seen in the
+            sort-free builder's one host read, switches to argsort). Under ``torch.compile``
+            ``auto`` picks by size alone, and a repeated expert then fails the sort-free
+            builder's asynchronous assert (pass ``argsort`` for routers that repeat experts).
 
     Returns:
         The :class:`RoutingIndex`.
 
     Raises:
         ValueError: on an unknown builder, or from the builders.
+
+    Host syncs: one in eager (the offsets, read once; two when ``auto`` meets a repeat).
     """
     if builder == "auto":
-        small = top_k_index.shape[0] * num_experts <= SORT_FREE_MAX_CELLS
-        if small and not torch.compiler.is_compiling():
-            small = not _repeats_an_expert(top_k_index, num_experts)
-        builder = "sort_free" if small else "argsort"
+        _check_top_k_index(top_k_index, num_experts)
+        if top_k_index.shape[0] * num_experts <= SORT_FREE_MAX_CELLS:
+            index = _build_sort_free(top_k_index, num_experts)
+            if index is not None:
+                return index
+        builder = "argsort"
     if builder == "sort_free":
         return build_index_sort_free(top_k_index, num_experts)
     if builder == "argsort":

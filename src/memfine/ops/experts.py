@@ -14,7 +14,7 @@ from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, backward_block_rows
 from memfine.dispatch import RoutingIndex
 from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
-from memfine.ops.fused.function import FusedExpertsFunction, expert_of_rows
+from memfine.ops.fused.function import FusedExpertsFunction, FusedOptions, expert_of_rows
 from memfine.ops.fused.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.ops.grouped import BACKENDS
@@ -211,8 +211,10 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
     G = sum(p.shape[2] for p in parts)
     block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
                                      x_TD.element_size())
+    options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
+                           weight_grads=weight_grads, host_offsets=index.host_offsets)
     out: torch.Tensor = FusedExpertsFunction.apply(
-        x_TD, weights_TK, parts[0], w_down_END, b_up_EG, b_down_ED, index.expert_token_indices,
-        index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
-        activation, backend, parts[1] if len(parts) == 2 else None, block_rows, weight_grads)
+        options, x_TD, weights_TK, index.expert_token_indices, index.expert_token_offsets,
+        index.token_index_map, index.expert_slot_indices,
+        parts[0], w_down_END, b_up_EG, b_down_ED, parts[1] if len(parts) == 2 else None)
     return out

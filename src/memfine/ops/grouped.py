@@ -101,9 +101,30 @@ def _runs_eagerly(a: torch.Tensor) -> bool:
             and not isinstance(a, FakeTensor))
 
 
+_WARNED_FP32_CUDA: list[bool] = []
+
+
+def _warn_fp32_cuda(a: torch.Tensor) -> None:
+    """Warn once per process when fp32 operands reach ``torch._grouped_mm`` on CUDA.
+
+    Its CUDA kernel computes bf16 only; fp32 takes a per-group fallback that copies the offsets
+    to the host on every call (one stream sync per GEMM). Train under ``torch.autocast`` with
+    bf16 (``memfine train --device cuda`` does), or hold the weights in bf16.
+    """
+    if a.device.type == "cuda" and a.dtype == torch.float32 and not _WARNED_FP32_CUDA:
+        _WARNED_FP32_CUDA.append(True)
+        import warnings
+
+        warnings.warn("memfine: fp32 grouped GEMMs on CUDA take torch._grouped_mm's per-group "
+                      "fallback, which syncs with the host on every call; run the experts in "
+                      "bf16 (torch.autocast(device_type='cuda', dtype=torch.bfloat16))",
+                      stacklevel=3)
+
+
 def _aten_grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets_E1: torch.Tensor
                      ) -> torch.Tensor:
     """``torch._grouped_mm`` with cumulative ends ``offsets[1:]``; see the module docstring."""
+    _warn_fp32_cuda(a)
     offs_E = offsets_E1[1:].int()
     if a.dtype in _GMM_META_DTYPES or _runs_eagerly(a):
         return torch._grouped_mm(a, b, offs=offs_E)
@@ -222,9 +243,10 @@ def grouped_row_sums(rows_SO: torch.Tensor, offsets_E1: torch.Tensor, num_expert
                      ) -> torch.Tensor:
     """dB[e] = Σ_{rows r of e} rows[r] (the gradient of a per-expert bias); empty experts get 0.
 
-    A grouped GEMM with a column of ones (Xᵀ·dY with X = 1), so the sum accumulates as a matmul
-    does (fp32 for bf16 rows, blocked; deterministic, no atomics). Ones of width 1 never meet
-    ``torch._grouped_mm``'s 16-byte rule, so the per-expert loop runs.
+    A grouped GEMM with columns of ones (Xᵀ·dY with X = 1), so the sum accumulates as a matmul
+    does (fp32 for bf16 rows, blocked; deterministic, no atomics) and stays on the device (no
+    host read of the offsets): the ones are 16 bytes wide (4 fp32 or 8 bf16 columns, all equal),
+    which meets ``torch._grouped_mm``'s alignment rule; other dtypes run the per-expert loop.
 
     Args:
         rows_SO: (S, O) rows grouped by expert.
@@ -234,5 +256,6 @@ def grouped_row_sums(rows_SO: torch.Tensor, offsets_E1: torch.Tensor, num_expert
     Returns:
         (E, O) new tensor in the rows' dtype, exactly zero for experts with no rows.
     """
-    ones_S1 = rows_SO.new_ones(rows_SO.shape[0], 1)  # NOTE(memory): transient S elements
-    return grouped_weight_grad(ones_S1, rows_SO, offsets_E1, num_experts, "auto")[:, 0]
+    width = max(1, _GMM_ALIGN_BYTES // rows_SO.element_size())
+    ones_SW = rows_SO.new_ones(rows_SO.shape[0], width)  # NOTE(memory): transient S·16 bytes
+    return grouped_weight_grad(ones_SW, rows_SO, offsets_E1, num_experts, "auto")[:, 0]

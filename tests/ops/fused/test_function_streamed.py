@@ -141,3 +141,52 @@ def test_split_up_projection_blocks_match_one_tensor() -> None:
     got = torch.autograd.grad(out_split, (x, gate, up), grad_out)
     assert_close(got[0], want[0], grad=True, msg="x")
     assert_close(torch.cat(got[1:], dim=2), want[1], grad=True, msg="w_up halves")
+
+
+@pytest.mark.parametrize("rows", [1, 3, 7, 1000])
+def test_dx_by_gather_matches_index_add_and_reference(monkeypatch: pytest.MonkeyPatch,
+                                                      rows: int) -> None:
+    """The deterministic dx (per-token gather through token_index_map, no atomics) that every
+    non-CPU device takes: equal to the CPU's index_add_ sum and to the float64 reference, with
+    sentinel slots, an empty expert and blocks that cut experts, under deterministic mode."""
+    import memfine.ops.fused.function as function_module
+
+    T, d, n, E, k = 13, 8, 12, 5, 3
+    x, idx, w, w_up, w_down = make_problem(T, d, n, E, k, sentinels=4, empty_expert=True)
+    index = build_routing_index(idx, E)
+    grad_out = torch.randn(T, d)
+    block_bytes = rows * _row_bytes(d, n, 2 * n, 4)
+
+    def grad_x() -> torch.Tensor:
+        out = run_experts(x, w, index, w_up, w_down, backward_block_bytes=block_bytes)
+        return torch.autograd.grad(out, x, grad_out)[0]
+
+    by_index_add = grad_x()
+    monkeypatch.setattr(function_module, "DX_BY_GATHER_ON_CPU", True)
+    with torch.autograd.set_grad_enabled(True):
+        torch.use_deterministic_algorithms(True)
+        try:
+            by_gather, again = grad_x(), grad_x()
+        finally:
+            torch.use_deterministic_algorithms(False)
+    assert torch.equal(by_gather, again)
+    assert_close(by_gather, by_index_add, grad=True, msg="x")
+    ref = reference_experts(x.double(), idx, w.double(), w_up.double(), w_down.double())
+    assert_close(by_gather, torch.autograd.grad(ref, x, grad_out.double())[0], grad=True,
+                 msg="x vs reference")
+
+
+def test_gradcheck_float64_dx_by_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    import memfine.ops.fused.function as function_module
+
+    monkeypatch.setattr(function_module, "DX_BY_GATHER_ON_CPU", True)
+    T, d, n, E, k = 5, 3, 2, 4, 2
+    x, idx, w, w_up, w_down = make_problem(T, d, n, E, k, dtype=torch.float64,
+                                           activation="swiglu", sentinels=1, empty_expert=True)
+    index = build_routing_index(idx, E)
+
+    def fn(x_: torch.Tensor) -> torch.Tensor:
+        return run_experts(x_, w, index, w_up, w_down, backend="loop",
+                           backward_block_bytes=3 * _row_bytes(d, n, 2 * n, 8))
+
+    assert torch.autograd.gradcheck(fn, (x,))

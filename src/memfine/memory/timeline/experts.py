@@ -41,6 +41,8 @@ def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
         counts = tl.alloc("idx.counts", E * 8)
         offs64 = tl.alloc("idx.offsets64", (E + 1) * 8)
         tl.free(tl.alloc("idx.counts_cumsum", E * 8))
+        if C:  # dispatch.index.read_offsets: offsets and the largest cell, one host read
+            tl.free(tl.alloc("idx.host_read", (E + 2) * 8))
         cum = tl.alloc("idx.cumsum", C * E * 8)
         sub = tl.alloc("idx.cumsum_minus_1", C * E * 8)
         tl.free(cum)

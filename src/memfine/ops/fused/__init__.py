@@ -3,6 +3,6 @@
 Gather + up-projection + activation, then down-projection + weighted combine, saving only x and H.
 """
 
-from memfine.ops.fused.function import FusedExpertsFunction
+from memfine.ops.fused.function import FusedExpertsFunction, FusedOptions
 
-__all__ = ["FusedExpertsFunction"]
+__all__ = ["FusedExpertsFunction", "FusedOptions"]

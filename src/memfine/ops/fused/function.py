@@ -10,6 +10,7 @@ docs/design.md §3, §5; docs/style.md §9.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,9 @@ TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
 # (:func:`_row_blocks`) equal eager but raised the compiled peak and time where measured
 # (docs/compile.md, "The streamed backward under compile").
 STREAM_UNDER_COMPILE = False
+# The CPU sums the dx rows with ``index_add_`` (sequential, deterministic, fastest there); True
+# makes it take the per-token gather that every other device takes (:func:`_add_dx_rows_`).
+DX_BY_GATHER_ON_CPU = False
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
@@ -100,18 +104,50 @@ def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
     return h_SG, out_TD
 
 
+@dataclass(frozen=True, eq=False, slots=True)
+class FusedOptions:
+    """The non-tensor inputs of :class:`FusedExpertsFunction`, in one frozen structure.
+
+    Attributes:
+        activation: a name or a :class:`memfine.ops.activations.GatedActivation`.
+        backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
+        block_rows: rows per block of the streamed backward (≥ 1; clamped to 1).
+        weight_grads: the chunk loop's shared weight-gradient buffers, or None (the Function
+            returns its own).
+        lora: split-LoRA adapters (:class:`memfine.ops.fused.lora.LoRASpec`); their tensors
+            follow the :data:`PARAMS` in ``params``. None: no adapters.
+        host_offsets: the E + 1 expert_token_offsets as Python ints, read once in the forward
+            (:attr:`memfine.dispatch.RoutingIndex.host_offsets`), so the backward makes no host
+            read; None: the backward reads them once itself (eager) or runs the traced path.
+    """
+
+    activation: Activation
+    backend: str = "auto"
+    block_rows: int = 2**62
+    weight_grads: WeightGradBuffers | None = None
+    host_offsets: tuple[int, ...] | None = None
+    lora: LoRASpec | None = None
+
+
+# The expert parameters, in the order FusedExpertsFunction takes them after the index arrays
+# (each may be None except w_up and w_down); split-LoRA adapter tensors (FusedOptions.lora)
+# follow them.
+PARAMS = ("w_up", "w_down", "b_up", "b_down", "w_up_second")
+
+
 class FusedExpertsFunction(torch.autograd.Function):
     """Routed experts with minimal saved activations.
 
-    forward(x_TD, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED, expert_token_indices_S,
-    expert_token_offsets_E1, token_index_map_TK, expert_slot_indices_S, activation, backend,
-    w_up_second_EDN=None, block_rows=2**62, weight_grads=None) → out_TD (T, d) with
+    forward(options, x_TD, weights_TK, expert_token_indices_S, expert_token_offsets_E1,
+    token_index_map_TK, expert_slot_indices_S, *params) → out_TD (T, d) with
     out[t] = Σ_j w[t,j] · (act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]), e = e_tj.
-    ``b_up_EG`` (E, G) and ``b_down_ED`` (E, d) are optional (None: no bias); ``activation`` is a
-    name or a :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped,
-    interleaved SwiGLU).
+    ``options`` is a :class:`FusedOptions` (activation, backend, block rows, shared weight-gradient
+    buffers, host offsets); ``params`` follow :data:`PARAMS`: ``w_up_EDG``, ``w_down_END``,
+    ``b_up_EG`` (E, G), ``b_down_ED`` (E, d), ``w_up_second_EDN``; the biases are optional
+    (None: no bias); the activation is a name or a
+    :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped, interleaved SwiGLU).
 
-    ``w_up_second_EDN`` (E, d, n), the last input, is None or the up half of a gated
+    ``w_up_second_EDN`` (E, d, n) is None or the up half of a gated
     up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and
     H = [x·w_up | x·w_up_second], exactly as if the two were one concatenated tensor
     (torchtitan's separate ``w1``/``w3``; :mod:`memfine.ops.fused.up_projection`). With two halves
@@ -141,9 +177,10 @@ class FusedExpertsFunction(torch.autograd.Function):
     S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
     the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
     forms dA, dH and the gathered rows, adds the block's per-expert products into the weight
-    gradients in place (``addmm_``) and its dx rows into dx (T, d) with ``index_add_`` over
-    expert_token_indices (on the CPU a sequential, deterministic sum; rows are added in
-    expert-grouped order). ``weight_grads``: the chunk loop's shared buffers
+    gradients in place (``addmm_``) and its dx rows into dx (T, d) deterministically: on the CPU
+    with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
+    order), elsewhere with a per-token gather through token_index_map, no atomics
+    (:func:`_add_dx_rows_`). ``weight_grads``: the chunk loop's shared buffers
     (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
     is returned for those inputs. Otherwise the Function owns its buffers and returns them.
 
@@ -152,8 +189,10 @@ class FusedExpertsFunction(torch.autograd.Function):
     dx rows (B·d), the activation's temporaries (B·n each) and, with a down
     bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
     gradient buffers (E·d·G + E·n·d, the only weight-gradient-sized allocations). No (S, ·)
-    array and no (T, k, d) gather exists in backward when B < S. The offsets are read to the
-    host once per backward (one device sync on CUDA) for the per-expert ``addmm_`` ranges.
+    array and no (T, k, d) gather exists in backward when B < S. The per-expert ``addmm_``
+    ranges come from the offsets the index builder read in the forward
+    (``FusedOptions.host_offsets``): the backward makes no host read (an index without them
+    costs one read per backward).
 
     With ``backend="triton"``, a named activation and no biases, the forward gathers x inside the
     up-projection kernel (SwiGLU or the plain activation in its epilogue) and applies the routing
@@ -163,20 +202,21 @@ class FusedExpertsFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx: Any, x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
-                w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
-                b_down_ED: torch.Tensor | None, expert_token_indices_S: torch.Tensor,
-                expert_token_offsets_E1: torch.Tensor, token_index_map_TK: torch.Tensor,
-                expert_slot_indices_S: torch.Tensor, activation: Activation, backend: str,
-                w_up_second_EDN: torch.Tensor | None = None, block_rows: int = 2**62,
-                weight_grads: WeightGradBuffers | None = None, lora: LoRASpec | None = None,
-                *lora_weights: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, options: FusedOptions, x_TD: torch.Tensor, weights_TK: torch.Tensor,
+                expert_token_indices_S: torch.Tensor, expert_token_offsets_E1: torch.Tensor,
+                token_index_map_TK: torch.Tensor, expert_slot_indices_S: torch.Tensor,
+                *params: torch.Tensor | None) -> torch.Tensor:
         """Compute out_TD (T, d) in x's dtype; save x, H, routing weights, weights, indices.
 
         Arguments, saved tensors and their bytes are described on the class.
         """
-        lora_fwd = None if lora is None else LoRAForward(lora, lora_weights, backend)
+        w_up_EDG, w_down_END, b_up_EG, b_down_ED, w_up_second_EDN = params[:len(PARAMS)]
+        lora_weights = params[len(PARAMS):]
+        lora_fwd = (None if options.lora is None
+                    else LoRAForward(options.lora, lora_weights, options.backend))
+        assert w_up_EDG is not None and w_down_END is not None, "w_up and w_down are required"
         parts = (w_up_EDG,) if w_up_second_EDN is None else (w_up_EDG, w_up_second_EDN)
+        activation, backend = options.activation, options.backend
         no_bias = b_up_EG is None and b_down_ED is None
         if (backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS
                 and len(parts) == 1 and lora_fwd is None):
@@ -191,41 +231,39 @@ class FusedExpertsFunction(torch.autograd.Function):
         lora_saved = lora_fwd.to_save(lora_weights) if lora_fwd else ()
         # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
         # the biases are parameters (saved by reference, no activation bytes).
-        ctx.save_for_backward(x_TD, h_SG, weights_TK, w_up_EDG, w_down_END, b_up_EG, b_down_ED,
-                              expert_token_indices_S, expert_token_offsets_E1,
-                              token_index_map_TK, expert_slot_indices_S, *parts[1:],
-                              *lora_saved)
-        ctx.lora, ctx.num_lora_saved = lora, len(lora_saved)
-        ctx.activation, ctx.backend = activation, backend
-        ctx.block_rows, ctx.weight_grads = max(1, block_rows), weight_grads
+        ctx.save_for_backward(x_TD, h_SG, weights_TK, expert_token_indices_S,
+                              expert_token_offsets_E1, token_index_map_TK,
+                              expert_slot_indices_S, *params[:len(PARAMS)], *lora_saved)
+        ctx.options, ctx.num_lora_saved = options, len(lora_saved)
         return out_TD
 
     @staticmethod
     def backward(ctx: Any, grad_out_TD: torch.Tensor) -> tuple[Any, ...]:
-        """Gradients of x, the routing weights, w_up, w_down and the biases from dO (T, d).
+        """Gradients of x, the routing weights and the :data:`PARAMS` from dO (T, d).
 
-        Streams over row blocks of ``ctx.block_rows`` expert-grouped rows (see the class);
-        a gradient whose input does not need one is None, as are the entries of the index
-        arrays, activation, backend, block_rows and weight_grads. With shared ``weight_grads``
-        the w_up / w_down gradients go into those buffers and None is returned for them.
+        Streams over row blocks of ``options.block_rows`` expert-grouped rows (see the class);
+        a gradient whose input does not need one is None, as are the entries of the options and
+        the index arrays. With shared ``weight_grads`` the w_up / w_down gradients go into those
+        buffers and None is returned for them.
         """
         st = _BackwardState(ctx, grad_out_TD)
         S = st.h_SG.shape[0]
-        for r0, r1 in _row_blocks(S, st.weights_TK.numel(), ctx.block_rows, st.bounds is None):
+        block_rows = max(1, ctx.options.block_rows)
+        for r0, r1 in _row_blocks(S, st.weights_TK.numel(), block_rows, st.bounds is None):
             _backward_block(st, r0, r1)
         grad_weights = None
         if st.need_w:
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
-        own = ctx.weight_grads is None  # else the chunk loop's wrapper hands the buffers over
+        own = ctx.options.weight_grads is None  # else the chunk loop's wrapper hands them over
         grad_up = st.grads.take(0, st.w_up_EDG) if st.need_up[0] and own else None
         grad_down = st.grads.take(1, st.w_down_END) if st.need_down and own else None
         grad_up_second = None
         if len(st.parts) == 2 and st.need_up[1]:  # the up half: slot 2, never shared
             grad_up_second = st.grads.take(2, st.parts[1])
-        # None: expert_token_indices, expert_token_offsets, token_index_map,
-        # expert_slot_indices, activation, backend, block_rows, weight_grads, lora (spec)
-        grads = (st.grad_x_TD, grad_weights, grad_up, grad_down, st.grad_b_up, st.grad_b_down,
-                 None, None, None, None, None, None, grad_up_second, None, None, None,
+        # None: options, expert_token_indices, expert_token_offsets, token_index_map,
+        # expert_slot_indices; then the PARAMS and the adapters' gradients
+        grads = (None, st.grad_x_TD, grad_weights, None, None, None, None,
+                 grad_up, grad_down, st.grad_b_up, st.grad_b_down, grad_up_second,
                  *(st.lora.take_grads() if st.lora else ()))
         return grads[:len(ctx.needs_input_grad)]
 
@@ -257,21 +295,32 @@ class _BackwardState:
     def __init__(self, ctx: Any, grad_out_TD: torch.Tensor) -> None:
         saved = ctx.saved_tensors
         n_base = len(saved) - ctx.num_lora_saved
-        (self.x_TD, self.h_SG, self.weights_TK, self.w_up_EDG, self.w_down_END, self.b_up_EG,
-         self.b_down_ED, self.token_idx_S, self.offsets_E1, _, self.slot_S,
-         *second) = saved[:n_base]
-        self.parts = (self.w_up_EDG, *second)  # one (E, d, G) tensor or (gate, up) halves
-        self.act, self.backend = ctx.activation, ctx.backend
-        (self.need_x, self.need_w, need_up, self.need_down, self.need_b_up,
-         self.need_b_down) = ctx.needs_input_grad[:6]
-        self.need_up = (need_up, len(self.parts) == 2 and ctx.needs_input_grad[12])
+        (self.x_TD, self.h_SG, self.weights_TK, self.token_idx_S, self.offsets_E1, map_TK,
+         self.slot_S, self.w_up_EDG, self.w_down_END, self.b_up_EG, self.b_down_ED,
+         second) = saved[:n_base]
+        # NOTE(memory): token_index_map is held only by the gather form of dx (off the CPU);
+        # a checkpoint's recomputed copy is then freed as soon as it is unpacked (T·k·4 bytes)
+        self.map_TK = (map_TK if map_TK.device.type != "cpu" or DX_BY_GATHER_ON_CPU else None)
+        options: FusedOptions = ctx.options
+        self.parts = (self.w_up_EDG,) if second is None else (self.w_up_EDG, second)
+        self.act, self.backend = options.activation, options.backend
+        need = ctx.needs_input_grad
+        self.need_x, self.need_w = need[1], need[2]
+        self.need_down, self.need_b_up, self.need_b_down = need[8], need[9], need[10]
+        self.need_up = (need[7], second is not None and need[11])
         self.grad_out_TD = grad_out_TD.contiguous()
-        self.grads = ctx.weight_grads or WeightGradBuffers()
-        # E + 1 host ints: the per-expert addmm_ ranges. Under torch.compile host values are
-        # unknown while tracing, so the backward runs as one block with grouped weight GEMMs.
-        self.bounds = None if torch.compiler.is_compiling() else self.offsets_E1.tolist()
-        self.lora = None if ctx.lora is None else LoRABackward(
-            ctx.lora, saved[n_base:], ctx.needs_input_grad[16:], self.x_TD, self.token_idx_S,
+        self.grads = options.weight_grads or WeightGradBuffers()
+        # E + 1 host ints: the per-expert addmm_ ranges, read once in the forward (the index's
+        # host_offsets; no host sync here) or, for an index built without them, once here.
+        # Under torch.compile host values are unknown while tracing, so the backward runs as
+        # one block with grouped weight GEMMs.
+        self.bounds: list[int] | None = None
+        if not torch.compiler.is_compiling():
+            self.bounds = (list(options.host_offsets) if options.host_offsets is not None
+                           else self.offsets_E1.tolist())
+        first_lora = 7 + len(PARAMS)  # options, x, weights, 4 index arrays, PARAMS
+        self.lora = None if options.lora is None else LoRABackward(
+            options.lora, saved[n_base:], need[first_lora:], self.x_TD, self.token_idx_S,
             self.bounds, self.backend)
         E = self.w_up_EDG.shape[0]
         S = self.h_SG.shape[0]
@@ -339,4 +388,33 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
         grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
         if lora_dx_BD is not None:
             grad_x_BD.add_(lora_dx_BD)
-        st.grad_x_TD.index_add_(0, token_B, grad_x_BD)
+        _add_dx_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0)
+        del grad_x_BD
+
+
+def _add_dx_rows_(grad_x_TD: torch.Tensor, grad_x_BD: torch.Tensor, token_B: torch.Tensor,
+                  map_TK: torch.Tensor | None, r0: int) -> None:
+    """dx[t] += Σ over the block's rows r of token t of dx_rows[r], deterministically.
+
+    On the CPU: ``index_add_`` over the rows' tokens, a sequential sum in row order (the
+    fastest form there). Elsewhere (CUDA's ``index_add_`` adds duplicates with atomics, so its
+    result order varies) and when :data:`DX_BY_GATHER_ON_CPU` is set: a per-token gather through
+    token_index_map (T, k), each token summing its slots' rows of this block in slot order
+    (``embedding_bag``, no atomics), so ``torch.use_deterministic_algorithms(True)`` holds and
+    two runs give the same bits. Slots outside the block read a padding row that the sum skips
+    (selection, never a multiplication by zero).
+
+    Memory: the CPU form none; the gather form a (B + 1, d) copy of the rows with the padding
+    row, the (T, k) int64 local rows and the (T, d) block sum (transients).
+    Reference: MoEBlaze §4 (per-token reduction through token_index_map, no atomics).
+    """
+    if grad_x_BD.device.type == "cpu" and not DX_BY_GATHER_ON_CPU:
+        grad_x_TD.index_add_(0, token_B, grad_x_BD)
+        return
+    assert map_TK is not None, "the gather form keeps token_index_map"
+    B = grad_x_BD.shape[0]
+    local_TK = map_TK.long() - r0
+    local_TK = torch.where((local_TK >= 0) & (local_TK < B), local_TK, B)
+    rows_B1D = torch.cat([grad_x_BD, grad_x_BD.new_zeros(1, grad_x_BD.shape[1])])
+    grad_x_TD.add_(torch.nn.functional.embedding_bag(local_TK, rows_B1D, mode="sum",
+                                                     padding_idx=B))

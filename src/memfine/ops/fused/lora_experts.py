@@ -14,7 +14,7 @@ from memfine.config.lora import check_lora_rank
 from memfine.dispatch import RoutingIndex
 from memfine.ops.activations import Activation
 from memfine.ops.experts import autocast_operands, check_expert_inputs
-from memfine.ops.fused.function import FusedExpertsFunction
+from memfine.ops.fused.function import FusedExpertsFunction, FusedOptions
 from memfine.ops.fused.lora import ExpertLoRA
 from memfine.ops.fused.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.fused.weight_grads import WeightGradBuffers
@@ -105,9 +105,12 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
     G = sum(p.shape[2] for p in parts)
     block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
                                      x_TD.element_size())
+    options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
+                           weight_grads=weight_grads, host_offsets=index.host_offsets,
+                           lora=lora.spec(seed))
     out: torch.Tensor = FusedExpertsFunction.apply(
-        x_TD, top_k_weights.to(x_TD.dtype), parts[0], w_down_END, b_up_EG, b_down_ED,
-        index.expert_token_indices, index.expert_token_offsets, index.token_index_map,
-        index.expert_slot_indices, activation, backend, parts[1] if len(parts) == 2 else None,
-        block_rows, weight_grads, lora.spec(seed), *lora_tensors_cast)
+        options, x_TD, top_k_weights.to(x_TD.dtype), index.expert_token_indices,
+        index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
+        parts[0], w_down_END, b_up_EG, b_down_ED, parts[1] if len(parts) == 2 else None,
+        *lora_tensors_cast)
     return out
