@@ -14,8 +14,11 @@ Methods (same weights, input, routing and incoming gradients within a point):
   whole block);
 - ``chunked_c4``: c = 4 token chunks with per-chunk recompute of the experts;
 - ``mact``: c chosen by MACT from a budget of half the received rows per chunk (c = 2);
-- ``grouped_mm``: the torchtitan-style layer: the same router and aux losses, gathered copies and
-  ``torch._grouped_mm`` under autograd (:mod:`memfine.bench.suites.experts`);
+- ``torchtitan_style``: the same router and aux losses, then torchtitan's expert recipe (histc +
+  argsort, gathered copy, ``torch._grouped_mm`` under autograd, scatter back;
+  :mod:`memfine.bench.suites.titan_style`), the reference of the ``÷ ref`` column;
+- ``grouped_mm``: memfine's plain path (gathered copies, index arrays) with ``torch._grouped_mm``
+  under autograd (the ``experts`` suite's method of that name);
 - ``hf_grouped_mm``: transformers' ``Qwen3MoeExperts`` with its ``grouped_mm`` experts
   implementation (experts only: routing is an input, no router or aux losses);
 - ``hf_memfine``: the same module through memfine's experts backend (experts only).
@@ -52,6 +55,7 @@ from memfine.bench.suites.layers import (
     layer_method,
     sharing,
 )
+from memfine.bench.suites.titan_style import TitanStyleMoELayer
 from memfine.config import (
     DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
@@ -62,9 +66,9 @@ from memfine.environment import Environment
 from memfine.measure.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
 
 NAME = "counts"
-METHODS = ("fused", "fused_one_block", "chunked_c4", "mact", "grouped_mm", "hf_grouped_mm",
-           "hf_memfine")
-REFERENCE = "grouped_mm"
+METHODS = ("fused", "fused_one_block", "chunked_c4", "mact", "torchtitan_style", "grouped_mm",
+           "hf_grouped_mm", "hf_memfine")
+REFERENCE = "torchtitan_style"
 DIM_SCALE = 8
 """d and n are divided by this; the backward block count is kept at the real dims' value."""
 PRESETS = {
@@ -156,8 +160,12 @@ def layer_methods(shape: LayerShape, names: tuple[str, ...], *, block_bytes: int
         "chunked_c4": (moe, ChunkConfig(num_chunks=4, recompute="experts")),
         "mact": (moe, ChunkConfig(memory_budget_bytes=budget, recompute="experts")),
         "grouped_mm": (gmm, None)}
-    methods = [layer_method(n, sharing(base, configs[n][0], chunk=configs[n][1]), x_TD, grad_TD,
-                            modelled=False) for n in names if n in configs]
+    layers = {n: sharing(base, cfg, chunk=chunk) for n, (cfg, chunk) in configs.items()
+              if n in names}
+    if "torchtitan_style" in names:
+        layers["torchtitan_style"] = sharing(base, moe, cls=TitanStyleMoELayer)
+    methods = [layer_method(n, layers[n], x_TD, grad_TD, modelled=False)
+               for n in names if n in layers]
     hf_names = tuple(n for n in names if n.startswith("hf_"))
     if hf_names and hf.available():
         methods += hf_methods(shape, hf_names, seed=seed, device=device)
