@@ -27,7 +27,9 @@ Presets (:data:`PRESETS`): Qwen3-30B-A3B (d 2048, n 768, E 128, k 8) and DeepSee
 n 2048, E 256, k 8) layers at T = 4096 (``--tokens``, ``--num-experts`` override T and E). d and
 n are divided by :data:`DIM_SCALE` so the suite runs in seconds on a CPU: op and sync counts depend
 on d and n only through the number of backward row blocks, and the suite keeps that number at the
-real dims' value (``backward_block_bytes`` is scaled with the row bytes). The CSV's config
+real dims' value (``backward_block_bytes`` is scaled with the row bytes). Loops over experts
+also depend on the routing (which experts receive rows in each block or chunk); at these T every
+expert receives rows. The CSV's config
 records both the real and the counted dims. Counts are in bfloat16 whatever ``--dtype`` says (the
 dtype whose ``_grouped_mm`` calls can take the CUDA fast path).
 
@@ -129,16 +131,19 @@ class Counted:
         return parts[0] if len(parts) == 1 else parts[0].merged(parts[1])
 
 
-def count_method(method: Method) -> Counted:
-    """Run ``method`` once untimed, then once forward + backward under an :class:`OpCounter`."""
-    for counted in (False, True):
+def count_method(method: Method, *, warmup: bool = True) -> Counted:
+    """Count one forward + backward of ``method`` under an :class:`OpCounter`.
+
+    Args:
+        method: the method (its ``zero_grad`` runs before each call).
+        warmup: run one uncounted call first (lazy set-up stays out of the counts).
+    """
+    if warmup:
         method.zero_grad()
-        counter = OpCounter()
-        if counted:
-            with counter:
-                method.backward(method.forward())
-        else:
-            method.backward(method.forward())
+        method.backward(method.forward())
+    method.zero_grad()
+    with OpCounter() as counter:
+        method.backward(method.forward())
     extras = dict(method.extras()) if method.extras is not None else {}
     chunks = extras.get("num_chunks", (None, ""))[0]
     return Counted(name=method.name, counts=counter.counts,
@@ -185,8 +190,10 @@ def hf_methods(shape: LayerShape, names: tuple[str, ...], *, seed: int,
 
 
 def count_shape(real: LayerShape, names: tuple[str, ...], *, dim_scale: int = DIM_SCALE,
-                seed: int = 0) -> tuple[LayerShape, int, list[Counted]]:
+                seed: int = 0, warmup: bool = True) -> tuple[LayerShape, int, list[Counted]]:
     """Count every selected method at ``real`` with d and n divided by ``dim_scale``.
+
+    ``warmup``: as in :func:`count_method`.
 
     Returns:
         (the counted shape, its ``backward_block_bytes``, one :class:`Counted` per method).
@@ -196,7 +203,7 @@ def count_shape(real: LayerShape, names: tuple[str, ...], *, dim_scale: int = DI
     results = []
     for method in layer_methods(shape, names, block_bytes=block, seed=seed):
         try:
-            results.append(count_method(method))
+            results.append(count_method(method, warmup=warmup))
         except (RuntimeError, ValueError) as err:
             results.append(Counted(name=method.name, counts={}, error=f"{type(err).__name__}: "
                                    f"{err}"))
