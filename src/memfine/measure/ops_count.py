@@ -110,7 +110,8 @@ def sync_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str |
 
     Args:
         func: the ``OpOverload`` (e.g. ``aten.nonzero.default``).
-        args: its positional arguments. kwargs: its keyword arguments.
+        args: its positional arguments.
+        kwargs: its keyword arguments.
     """
     name = func._overloadpacket.__name__
     if func is _aten._local_scalar_dense.default:

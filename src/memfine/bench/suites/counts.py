@@ -71,7 +71,7 @@ NAME = "counts"
 METHODS = ("fused", "fused_one_block", "chunked_c4", "mact", "torchtitan_style", "grouped_mm",
            "hf_grouped_mm", "hf_memfine")
 REFERENCE = "torchtitan_style"
-DIM_SCALE = 8
+DIM_SCALE = 16
 """d and n are divided by this; the backward block count is kept at the real dims' value."""
 PRESETS = {
     "qwen3-30b-a3b": LayerShape(name="qwen3-30b-a3b", tokens=4096, hidden_size=2048,
