@@ -57,7 +57,7 @@ from memfine.bench.suites.layers import (
     layer_method,
     sharing,
 )
-from memfine.bench.suites.titan_style import TitanStyleMoELayer
+from memfine.bench.suites.titan_style import titan_style_layer
 from memfine.config import (
     DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
@@ -168,7 +168,7 @@ def layer_methods(shape: LayerShape, names: tuple[str, ...], *, block_bytes: int
     layers = {n: sharing(base, cfg, chunk=chunk) for n, (cfg, chunk) in configs.items()
               if n in names}
     if "torchtitan_style" in names:
-        layers["torchtitan_style"] = sharing(base, moe, cls=TitanStyleMoELayer)
+        layers["torchtitan_style"] = titan_style_layer(base, moe)
     methods = [layer_method(n, layers[n], x_TD, grad_TD, modelled=False)
                for n in names if n in layers]
     hf_names = tuple(n for n in names if n.startswith("hf_"))

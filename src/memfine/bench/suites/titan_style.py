@@ -6,7 +6,7 @@ expert ids (no host sync), a gathered copy of x in expert order, ``torch._groupe
 and down-projections under autograd, the routing weights applied to the expert outputs, and an
 ``index_add_`` (torchtitan: ``scatter_add_``) back to token order. Router, load-balancing loss
 and z-loss are :class:`memfine.nn.MoELayer`'s, so the layer computes the same aux losses as
-memfine's; the ``counts`` suite compares op counts against it.
+memfine's (:func:`titan_style_layer`); the ``counts`` suite compares op counts against it.
 
 Memory: autograd saves the gathered x (S·d), H (S·G), the activation's inputs and the expert
 output (S·d), as torchtitan does without activation checkpointing.
@@ -15,10 +15,9 @@ Legend: T tokens, K top-k slots, M = T·K (token, slot) pairs, E experts, D = d,
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
+from memfine.bench.suites.layers import sharing
 from memfine.config import MoEConfig
 from memfine.nn import GroupedExperts, MoELayer
 from memfine.ops.activations import apply_activation
@@ -31,15 +30,15 @@ def titan_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
     """Sort by expert (histc + argsort), gather, two ``torch._grouped_mm``, weight, scatter back.
 
     Args:
-        x_TD: (T, d) input rows (bf16 or fp32).
-        top_k_index: (T, k) int64 expert of each slot.
-        top_k_weights: (T, k) routing weights (cast to x's dtype).
-        w_up_EDG: (E, d, G) up-projection weights.
-        w_down_END: (E, n, d) down-projection weights.
-        activation: the expert activation.
+        x_TD: the layer's (T, d) bf16 or fp32 tokens.
+        top_k_index: chosen experts, (T, k) int64.
+        top_k_weights: their (T, k) weights, applied in x's dtype after the down-projection.
+        w_up_EDG: gate and up halves, (E, d, G), rows 16-byte aligned.
+        w_down_END: the down-projection, (E, n, d).
+        activation: name of the gated activation (``swiglu``).
 
     Returns:
-        (T, d) new tensor.
+        The (T, d) routed output, a new tensor.
     """
     E, K = w_up_EDG.shape[0], top_k_index.shape[1]
     ids_M = top_k_index.reshape(-1)
@@ -54,19 +53,21 @@ def titan_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: 
 
 
 class TitanStyleExperts(GroupedExperts):
-    """Experts run as :func:`titan_experts` (one chunk; the policy is not asked)."""
+    """Routed experts computed by :func:`titan_experts` (one chunk; the policy is not asked)."""
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
-        """:func:`titan_experts` over the expert weights."""
-        return titan_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
-                             self.config.activation), 1
+        """Torchtitan's recipe on this module's weights and activation."""
+        out_TD = titan_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
+                               activation=self.config.activation)
+        return out_TD, 1
 
 
-class TitanStyleMoELayer(MoELayer):
-    """MoE layer whose experts are :class:`TitanStyleExperts` (same router and aux losses)."""
+def titan_style_layer(base: MoELayer, moe: MoEConfig) -> MoELayer:
+    """A layer sharing ``base``'s parameters whose experts run :func:`titan_experts`.
 
-    def __init__(self, config: MoEConfig, **kwargs: Any) -> None:
-        """As :class:`MoELayer`, with the torchtitan-style experts."""
-        super().__init__(config, **kwargs)
-        self.experts = TitanStyleExperts(config)
+    The experts module keeps its parameters and only changes class (it adds no state).
+    """
+    layer = sharing(base, moe)
+    layer.experts.__class__ = TitanStyleExperts
+    return layer
