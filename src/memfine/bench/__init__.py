@@ -10,10 +10,10 @@ from __future__ import annotations
 from types import ModuleType
 
 from memfine.bench.options import COMPILED_SUFFIX, SUITES, BenchOptions, LayerShape, Point
-from memfine.bench.suites import chunking, experts, hf, model
+from memfine.bench.suites import chunking, counts, experts, hf, model
 
 SUITE_MODULES: dict[str, ModuleType] = {"experts": experts, "chunking": chunking,
-                                        "model": model, "hf": hf}
+                                        "model": model, "hf": hf, "counts": counts}
 
 
 def compiled_methods(suite: str) -> tuple[str, ...]:

@@ -18,7 +18,7 @@ import torch
 from memfine._checks import check_choice, fail
 from memfine.config import _ConfigBase
 
-SUITES = ("experts", "chunking", "model", "hf")
+SUITES = ("experts", "chunking", "model", "hf", "counts")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_BACKENDS = ("inductor", "aot_eager")

@@ -55,16 +55,19 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
             continue
         start = time.perf_counter()
         points, rows = [], []
-        for point in SUITE_MODULES[suite].run(opts, device, names):
-            print_point(point)
+        module = SUITE_MODULES[suite]  # a suite may print and write its own rows (counts)
+        for point in module.run(opts, device, names):
+            getattr(module, "print_point", print_point)(point)
             points.append(point)
             failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
                          for res in point.results if res.error]
-            rows += result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
-                                x_value=point.x_value, config=point.config, env=env)
+            rows += (module.csv_rows(point, env) if hasattr(module, "csv_rows") else
+                     result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
+                                 x_value=point.x_value, config=point.config, env=env))
         if not points:
             continue
-        written = [write_csv(rows, out / f"bench_{suite}.csv"), *plot_points(points, out, suite)]
+        plots = [] if hasattr(module, "csv_rows") else plot_points(points, out, suite)
+        written = [write_csv(rows, out / f"bench_{suite}.csv"), *plots]
         print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
               + ", ".join(str(p) for p in written))
     print(f"environment: {env.line()}")

@@ -38,12 +38,51 @@ def _strides_aligned(t: torch.Tensor) -> bool:
                for stride, dim in zip(t.stride(), t.shape, strict=True) if stride != 1 and dim > 1)
 
 
-def grouped_mm_supported(x_SI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
+# CUDA-only rules of ``torch._grouped_mm`` (PyTorch's aten/src/ATen/native/GroupedMMUtils.h and
+# cuda/GroupMM.cu): 16-byte-aligned data pointers and fewer than 1024 groups.
+_GMM_CUDA_MAX_GROUPS = 1023
+
+
+def _on_cuda(t: torch.Tensor) -> bool:
+    return t.device.type == "cuda"
+
+
+def _unit_stride_layout(w_EIO: torch.Tensor) -> bool:
+    """One of the last two dims has stride 1, the other a stride ≥ its partner's size."""
+    (rows, cols), (row_stride, col_stride) = w_EIO.shape[-2:], w_EIO.stride()[-2:]
+    return ((col_stride == 1 and row_stride >= max(1, cols))
+            or (row_stride == 1 and col_stride >= max(1, rows)))
+
+
+def _cuda_rules_hold(x_SI: torch.Tensor, w_EIO: torch.Tensor, num_groups: int) -> bool:
+    """Pointer alignment and group count, read from storage offsets (known while tracing).
+
+    The caching allocator hands out 512-byte-aligned blocks, so a data pointer is 16-byte
+    aligned iff its storage offset is a multiple of 16 bytes. A non-contiguous x is copied
+    (offset 0) before the call.
+    """
+    size = x_SI.element_size()
+    x_offset_ok = not x_SI.is_contiguous() or x_SI.storage_offset() * size % _GMM_ALIGN_BYTES == 0
+    w_offset_ok = w_EIO.storage_offset() * size % _GMM_ALIGN_BYTES == 0
+    return x_offset_ok and w_offset_ok and num_groups <= _GMM_CUDA_MAX_GROUPS
+
+
+def grouped_mm_supported(x_SI: torch.Tensor, w_EIO: torch.Tensor, *,
+                         num_groups: int | None = None) -> bool:
     """True when ``torch._grouped_mm`` accepts these operands (dtype, alignment, device).
+
+    Every device: fp32/bf16, row lengths × itemsize and the weight's non-unit strides multiples
+    of 16 bytes, one of the weight's last two strides 1. On CUDA also (PyTorch's
+    ``check_valid_strides_and_return_transposed`` in aten/src/ATen/native/GroupedMMUtils.h and
+    ``bf16bf16_grouped_gemm_impl_sm90_sm100`` in aten/src/ATen/native/cuda/GroupMM.cu): both
+    data pointers 16-byte aligned (read as storage offsets) and fewer than 1024 groups (the
+    fp32 per-group fallback has no such limit, but it syncs per call: the loop is no worse).
 
     Args:
         x_SI: (S, I) grouped rows (made contiguous before the call).
         w_EIO: (E, I, O) weights, any strides.
+        num_groups: the groups of the call (``None``: E = ``w_EIO.shape[0]``); a weight
+            gradient (2-D × 2-D) passes its expert count with a one-group stand-in weight.
     """
     if not hasattr(torch, "_grouped_mm"):
         return False
@@ -54,7 +93,10 @@ def grouped_mm_supported(x_SI: torch.Tensor, w_EIO: torch.Tensor) -> bool:
     size = x_SI.element_size()
     rows_aligned = (x_SI.shape[-1] * size % _GMM_ALIGN_BYTES == 0
                     and w_EIO.shape[-1] * size % _GMM_ALIGN_BYTES == 0)
-    return rows_aligned and _strides_aligned(w_EIO)
+    if not (rows_aligned and _strides_aligned(w_EIO) and _unit_stride_layout(w_EIO)):
+        return False
+    groups = w_EIO.shape[0] if num_groups is None else num_groups
+    return not _on_cuda(x_SI) or _cuda_rules_hold(x_SI, w_EIO, groups)
 
 
 def resolve_backend(backend: str, x_SI: torch.Tensor, w_EIO: torch.Tensor) -> str:
