@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfine._checks import check_bins, check_choice, check_float, check_int, fail
-from memfine.config import MAX_BIN
+from memfine.config import MAX_BIN, RECOMPUTE_MODES, RecomputeMode
 from memfine.plan.presets import ModelPreset
 from memfine.units import DTYPE_BYTES
 
-RECOMPUTE_MODES = ("none", "full", "experts")
 EXPERT_MODELS = ("paper", "memfine")
 
 
@@ -54,7 +53,7 @@ class PlanConfig:
     micro_batch: int = 1
     seq_len: int = 4096
     dtype: str = "bfloat16"
-    recompute: str = "full"
+    recompute: RecomputeMode = "full"
     t: int = 1
     p: int = 1
     e: int = 1
