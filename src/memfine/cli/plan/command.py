@@ -112,7 +112,7 @@ _REQUIRED_SIZES = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k
 
 def _default(flag: Flag) -> NotGiven:
     """The flag's default: its PlanConfig field's default, shown in --help."""
-    default = _FIELDS[flag.paths[0]].default
+    default: Any = _FIELDS[flag.paths[0]].default
     if flag.paths[0] in _BYTE_FIELDS and default is not None:
         return NotGiven(default, format_bytes(default))
     if isinstance(default, tuple):
