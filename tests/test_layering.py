@@ -9,6 +9,7 @@ elsewhere only lazily, inside a function (docs/style.md §8); ``ops`` loads ``op
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -49,7 +50,7 @@ ALLOWED: dict[str, set[str]] = {
     "artifacts": {"nn", "data", "memory", "measure", "_optional"} | BASE,
     "train": {"nn", "data", "artifacts", "schedule", "memory", "measure", "_optional"} | BASE,
     # the benchmark system measures every layer of the package (never against the reference)
-    "bench": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "artifacts"},
+    "bench": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "artifacts", "plan"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.
@@ -157,6 +158,24 @@ def test_src_follows_the_import_table(layer: str) -> None:
 def test_every_file_belongs_to_a_layer() -> None:
     layers = {layer_of(module_name(p, SRC)[0]) for p in SRC.rglob("*.py")}
     assert layers <= set(ALLOWED), layers - set(ALLOWED)
+
+
+STYLE = Path(__file__).parents[1] / "docs" / "style.md"
+
+
+def test_bench_may_import_everything_below_cli_but_the_reference() -> None:
+    """docs/style.md's row for bench: "everything below `cli` except `reference`"."""
+    below_cli = set(ALLOWED) - {"cli", "__main__", "__init__", "bench", "reference"}
+    assert ALLOWED["bench"] == below_cli
+
+
+def test_base_layers_match_the_style_table() -> None:
+    """The layers that import nothing are those docs/style.md lists first."""
+    row = next(line for line in STYLE.read_text(encoding="utf-8").splitlines()
+               if line.endswith("| nothing |"))
+    documented = set(re.findall(r"`(\w+)`", row))
+    assert documented == {layer for layer, allowed in ALLOWED.items() if not allowed}
+    assert {"config"} | (documented - {"_optional"}) == BASE
 
 
 def test_nothing_below_cli_imports_the_reference() -> None:

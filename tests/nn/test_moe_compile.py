@@ -319,3 +319,77 @@ def test_compiled_model_rejects_out_of_range_ids() -> None:
         compiled(torch.randint(0, 32, (1, 4)))
         with pytest.raises(RuntimeError, match=r"input_ids must lie in \[0, vocab_size=32\)"):
             compiled(torch.full((1, 4), 32))
+
+
+# --- varying token counts: the last, shorter batch and evaluation change T -----------------------
+VARYING_T = (16, 24, 32, 40)
+WIDE_BUDGET = ChunkConfig(memory_budget_bytes=60_000)  # c = 1, 2, 2, 4 for T = 16 … 40
+
+
+def _assert_steps_equal(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]],
+                        case: str) -> None:
+    for T, got_T, want_T in zip(VARYING_T, got, want, strict=True):
+        assert torch.equal(got_T[3], want_T[3])  # tokens_per_expert: same routing
+        for i, (g, w) in enumerate(zip(got_T, want_T, strict=True)):
+            if i != 3:
+                assert_close(g, w, grad=i >= 4, dtype=torch.float32, msg=f"{case} T={T} #{i}")
+
+
+def _steps_over_token_counts(layer: MoELayer, fn: object) -> list[list[torch.Tensor]]:
+    """Forward + backward of ``fn`` at every T of VARYING_T (same inputs for every ``fn``)."""
+    g = torch.Generator().manual_seed(0)
+    return [_step(fn, layer, torch.randn(T, MOE.hidden_size, generator=g)) for T in VARYING_T]
+
+
+@pytest.mark.parametrize("case", ["c1", "c3-recompute", "c3-none"])
+def test_fullgraph_over_varying_token_counts_equals_eager_with_one_recompile(case: str) -> None:
+    """T = 16, 24, 32, 40 through one ``fullgraph`` compile: eager's values and gradients, and
+    one recompile at most (the second T makes T dynamic; the chunk sizes ⌊(T + c − 1 − i)/c⌋ are
+    symbolic, with no guard per value of T)."""
+    layer = _layer(case)
+    want = _steps_over_token_counts(layer, layer)
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        got = _steps_over_token_counts(layer, compiled)
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
+    _assert_steps_equal(got, want, case)
+
+
+def test_marked_dynamic_token_count_compiles_once() -> None:
+    """With T marked dynamic up front (``torch._dynamo.mark_dynamic``), one graph serves every
+    T of VARYING_T: no recompile."""
+    layer = _layer("c3-recompute")
+    g = torch.Generator().manual_seed(0)
+    with dynamo.config.patch(capture_scalar_outputs=True, error_on_recompile=True):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        for T in VARYING_T:
+            x = torch.randn(T, MOE.hidden_size, generator=g)
+            dynamo.mark_dynamic(x, 0)
+            want, _ = layer(x)
+            got, _ = compiled(x)
+            assert_close(got, want, msg=f"T={T}")
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_budget_over_varying_token_counts_equals_eager() -> None:
+    """With a memory budget, MACT decides c per call outside the graph (its documented break):
+    over T = 16 … 40 the compiled layer uses eager's c and gives eager's values. Each frame
+    compiles for the first T and once more when T turns dynamic; the chunk loop's frame also once
+    per further chunk count in use (c = 4 at T = 40): 7 graphs, not one set per T."""
+    layer = MoELayer(MOE, chunk=WIDE_BUDGET)
+    chunks: dict[str, list[int]] = {"eager": [], "compiled": []}
+
+    def recording(fn: Any, name: str) -> Any:
+        def call(x: torch.Tensor) -> Any:
+            out, aux = fn(x)
+            chunks[name].append(aux.num_chunks)
+            return out, aux
+        return call
+
+    want = _steps_over_token_counts(layer, recording(layer, "eager"))
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(layer, backend="aot_eager")
+        got = _steps_over_token_counts(layer, recording(compiled, "compiled"))
+    assert chunks["compiled"] == chunks["eager"] == [1, 2, 2, 4]
+    _assert_steps_equal(got, want, "budget")
+    assert counters["stats"]["unique_graphs"] <= 7, dict(counters["stats"])

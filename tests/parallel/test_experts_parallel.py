@@ -153,7 +153,7 @@ def _chunked_peak_not_above_unchunked(ctx: ParallelContext) -> list[int]:
     unchunked = _ep_peak_bytes(ctx, 1, "none")
     chunked = _ep_peak_bytes(ctx, 4, "experts")
     share = experts_mod.share_chunk_weight_grads
-    experts_mod.share_chunk_weight_grads = lambda weights, c, moe: (weights, None)
+    experts_mod.share_chunk_weight_grads = lambda weights, c, **_: (weights, None)
     try:
         summed = _ep_peak_bytes(ctx, 4, "experts")
     finally:

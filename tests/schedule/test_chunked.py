@@ -19,9 +19,9 @@ from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import build_routing_index
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.memory import layer as layer_memory
-from memfine.nn import MoELayer
+from memfine.nn import GroupedExperts, MoELayer
 from memfine.ops import run_experts
-from memfine.schedule.chunked import chunk_sizes, chunked_experts, run_chunked
+from memfine.schedule.chunked import chunk_sizes, run_chunked
 from tolerances import assert_chunked_close
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -39,6 +39,15 @@ def _inputs(T: int, sentinel_every: int = 0) -> list[torch.Tensor]:
     w_up = torch.randn(E, D, 2 * N, generator=g) * D ** -0.5
     w_down = torch.randn(E, N, D, generator=g) * N ** -0.5
     return [x, idx, w, w_up, w_down]
+
+
+def chunked_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor, *, moe: MoEConfig,
+                    **kwargs: object) -> torch.Tensor:
+    """:class:`GroupedExperts` over c chunks with the given weights (their autograd leaves)."""
+    experts = GroupedExperts(moe)
+    return torch.func.functional_call(experts, {"w_up": w_up, "w_down": w_down},
+                                      (x, top_k_index, top_k_weights), kwargs)
 
 
 def _run(inputs: list[torch.Tensor], num_chunks: int | None, recompute: str, impl: str

@@ -119,7 +119,8 @@ class BenchOptions(_ConfigBase):
     @property
     def torch_dtype(self) -> torch.dtype:
         """The torch dtype of ``dtype``."""
-        return getattr(torch, self.dtype)  # type: ignore[no-any-return]
+        dtype: torch.dtype = getattr(torch, self.dtype)
+        return dtype
 
     def explicit_sizes(self) -> dict[str, int]:
         """The size overrides that were given (field → value)."""

@@ -14,6 +14,7 @@ received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``.
 from memfine.config.base import (
     GATED_ACTIVATIONS,
     MAX_BIN,
+    RECOMPUTE_MODES,
     Activation,
     AutocastDType,
     DropPolicy,
@@ -22,6 +23,7 @@ from memfine.config.base import (
     GemmBackend,
     IndexBuilder,
     Recompute,
+    RecomputeMode,
     ScoreFunc,
     _ConfigBase,
 )
@@ -38,6 +40,7 @@ __all__ = [
     "DEFAULT_BACKWARD_BLOCK_BYTES",
     "GATED_ACTIVATIONS",
     "MAX_BIN",
+    "RECOMPUTE_MODES",
     "Activation",
     "AutocastDType",
     "ChunkConfig",
@@ -50,6 +53,7 @@ __all__ = [
     "ModelConfig",
     "MoEConfig",
     "Recompute",
+    "RecomputeMode",
     "RouteOptions",
     "ScoreFunc",
     "TrainConfig",

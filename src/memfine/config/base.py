@@ -9,14 +9,19 @@ reject unknown keys. Byte units and their formatting are in :mod:`memfine.units`
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, get_args
 
 ScoreFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
 ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
-Recompute = Literal["auto", "none", "experts", "full"]
+RecomputeMode = Literal["none", "experts", "full"]
+"""What a layer keeps for backward: the one table of recompute modes (documented once, in
+:mod:`memfine.schedule.chunked`); configs, the memory plan, its search and the CLI read it."""
+Recompute = Literal["auto", RecomputeMode]
+"""A :class:`ChunkConfig`'s setting: a mode, or ``auto`` (``ChunkConfig.resolved_recompute``)."""
+RECOMPUTE_MODES: tuple[RecomputeMode, ...] = get_args(RecomputeMode)
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 DropPolicy = Literal["probs", "position"]
 AutocastDType = Literal["none", "bfloat16"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Literal
 
 from memfine._checks import check_bins, check_choice, check_float, check_int, fail
 from memfine.config.base import (
@@ -13,6 +12,7 @@ from memfine.config.base import (
     AutocastDType,
     DType,
     Recompute,
+    RecomputeMode,
     _ConfigBase,
 )
 from memfine.config.moe import MoEConfig
@@ -45,7 +45,7 @@ class ChunkConfig(_ConfigBase):
     allow_over_budget: bool = False
 
     @property
-    def resolved_recompute(self) -> Literal["none", "experts", "full"]:
+    def resolved_recompute(self) -> RecomputeMode:
         """The concrete recompute mode (``auto`` resolved as documented on the class)."""
         if self.recompute != "auto":
             return self.recompute

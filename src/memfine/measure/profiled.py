@@ -105,7 +105,10 @@ class ProfiledPeakMemory:
         self._inside = False
         allocs: list[tuple[int, int, int, int]] = []
         marks: list[tuple[int, str]] = []
-        for root in self._prof.profiler.kineto_results.experimental_event_tree():
+        profiler = self._prof.profiler
+        results = profiler.kineto_results if profiler is not None else None
+        assert results is not None, "the profiler recorded no results"
+        for root in results.experimental_event_tree():
             _walk(root, allocs, marks)
         self._replay(sorted(allocs), sorted(marks))
         self._prof = None

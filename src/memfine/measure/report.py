@@ -57,7 +57,7 @@ class MemoryReport:
 
     def to_dict(self) -> dict[str, int | None]:
         """Field name → bytes (or ``None``), JSON-ready."""
-        return {name: getattr(self, name) for name in self.__slots__}  # type: ignore[attr-defined]
+        return {name: getattr(self, name) for name in self.__slots__}
 
 
 class MemoryMeasurement:

@@ -5,8 +5,10 @@ The experts contract, shared with the expert-parallel experts
 ``experts`` submodule of each :class:`memfine.nn.MoELayer`:
 
 - ``run(x_TD, top_k_index, top_k_weights, policy) -> (out_TD, num_chunks)``: ask the chunk policy
-  for c from the rows these experts receive (s″), then run the one chunk loop
-  (:func:`memfine.schedule.chunked.run_chunked`);
+  for c from the rows these experts receive (s″), then hand the module's own chunk step to the one
+  chunk loop (:func:`memfine.schedule.chunked.run_chunked`). The step is where dispatch happens:
+  here :meth:`GroupedExperts.run_chunk` builds the chunk's routing index and runs the fused
+  experts; the expert-parallel step also moves the chunk's rows between ranks;
 - ``global_counts(counts)``: per-rank counts summed over every rank of the global batch (the
   identity on one process), for the aux losses (docs/design.md §2);
 - ``transport_row_elements``: elements per received row that the experts' transport keeps beside
@@ -19,13 +21,17 @@ Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n (gated) or n.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 from torch import nn
 
 from memfine.config import MoEConfig, Recompute
-from memfine.schedule.chunked import chunked_experts
+from memfine.dispatch import build_routing_index
+from memfine.ops import autocast_operands, run_experts
+from memfine.ops.fused.weight_grads import WeightGradBuffers
+from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
 from memfine.schedule.policy import ChunkPolicy
 
 
@@ -75,8 +81,7 @@ class GroupedExperts(nn.Module):
         Raises:
             ValueError: from the policy when a budget cannot be met, or on shape mismatches.
 
-        Memory: see :func:`memfine.schedule.chunked.chunked_experts` for each recompute mode
-        (with c > 1 on the fused path the chunks share one weight-gradient buffer per weight).
+        Memory: see :meth:`forward` for each recompute mode.
         Reference: MemFine Eq. 8-9, §4.
         """
         if policy.budgeted:
@@ -86,9 +91,8 @@ class GroupedExperts(nn.Module):
             num_chunks = decide(x_TD, top_k_index, policy)
         else:
             num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
-        out_TD = chunked_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
-                                 moe=self.config, num_chunks=num_chunks,
-                                 recompute=policy.config.resolved_recompute)
+        out_TD = self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                              recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks
 
     def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
@@ -129,21 +133,70 @@ class GroupedExperts(nn.Module):
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,
                 recompute: Recompute = "none") -> torch.Tensor:
-        """Run the experts on T tokens already routed, in c token chunks.
+        """Routed experts over c token chunks: dispatch → experts → combine per chunk.
 
         Args:
             x_TD: (T, d) activations.
             top_k_index: (T, k) int64 expert ids (sentinels ≥ E contribute zero).
             top_k_weights: (T, k) routing weights.
             num_chunks: c ≥ 1 contiguous token chunks (c > T allowed).
-            recompute: ``none``, or ``experts``/``full`` to checkpoint every chunk.
+            recompute: ``none``, or ``experts``/``full`` to checkpoint every chunk
+                (:mod:`memfine.schedule.chunked` says what each mode keeps).
 
         Returns:
-            (T, d) combined expert output.
+            (T, d) combined expert output in x's dtype (the autocast dtype inside
+            ``torch.autocast``: see :func:`memfine.ops.experts.autocast_operands`), equal to the
+            unchunked :func:`memfine.ops.run_experts` up to the summation order of the weight
+            gradients.
 
-        Memory: c = 1 with ``none`` is the plain call of :class:`memfine.ops.FusedExpertsFunction`
-        (``fused``) or :func:`memfine.ops.experts_plain` (``plain``); otherwise see
-        :func:`memfine.schedule.chunked.chunked_experts`.
+        Raises:
+            ValueError: as :func:`memfine.schedule.chunked.run_chunked` and
+                :func:`memfine.ops.run_experts`.
+
+        Memory: ``experts``/``full`` keep x_TD and the routing only; backward holds one chunk's
+        H (S_c·G·D_t) and the fused backward's transients of one row block (see
+        :class:`memfine.ops.FusedExpertsFunction`), with S_c the rows of the chunk. ``none``
+        keeps every chunk's H (S·G·D_t in all); c = 1 with ``none`` is the plain call of
+        :class:`memfine.ops.FusedExpertsFunction` (``fused``) or
+        :func:`memfine.ops.experts_plain` (``plain``). With c > 1 on the fused path the chunks
+        add their weight gradients into one shared buffer per weight
+        (:mod:`memfine.ops.fused.weight_grads`), so the weight gradients cost E·d·G + E·n·d
+        once, as without chunking.
+        Reference: MemFine §4; docs/design.md §4.
         """
-        return chunked_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
-                               moe=self.config, num_chunks=num_chunks, recompute=recompute)
+        # Under torch.autocast: x and the weights are cast once per layer call, not per chunk.
+        x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, self.w_up, self.w_down)
+        weights, buffers = share_chunk_weight_grads(
+            (w_up_EDG, w_down_END), num_chunks, in_place=self.config.experts_impl == "fused")
+        step = functools.partial(self.run_chunk, weights, buffers)
+        return run_chunked(step, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
+                           recompute=recompute)
+
+    def run_chunk(self, weights: tuple[torch.Tensor, ...], weight_grads: WeightGradBuffers | None,
+                  chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
+                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+        """One chunk's dispatch → experts → combine (the chunk step of :meth:`forward`).
+
+        Args:
+            weights: ``(w_up_EDG, w_down_END)`` of this call (autocast, or the chunk loop's
+                aliases from :func:`memfine.schedule.chunked.share_chunk_weight_grads`).
+            weight_grads: the chunk loop's shared weight-gradient buffers, or ``None``.
+            chunk: the chunk's index in [0, c) (not needed on one process).
+            x_CD: (C, d) the chunk's activations.
+            top_k_index_CK: (C, k) int64 expert ids of the chunk.
+            top_k_weights_CK: (C, k) routing weights of the chunk.
+
+        Returns:
+            (C, d) combined output of the chunk.
+
+        Memory: what :func:`memfine.ops.run_experts` saves for the chunk; recomputed whole in
+        backward under ``experts``/``full`` (its routing index included).
+        """
+        index = build_routing_index(top_k_index_CK, self.config.num_experts,
+                                    self.config.index_builder)
+        w_up_EDG, w_down_END = weights
+        return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,
+                           activation=self.config.activation, impl=self.config.experts_impl,
+                           backend=self.config.gemm_backend,
+                           backward_block_bytes=self.config.backward_block_bytes,
+                           weight_grads=weight_grads)

@@ -12,10 +12,11 @@ names, same ``run``/``global_counts`` contract, so sharding a model only swaps e
 2. the layer's policy picks c from the received rows s″ and agrees on it through this module's
    ``agree``: ONE all-reduce MAX over ``ep`` per budgeted call, so every rank runs the same c;
 3. the one chunk loop (:func:`memfine.schedule.chunked.run_chunked`, per-chunk checkpointing
-   unless recompute is ``none``) calls :func:`ep_chunk_forward` with the chunk's index, which
-   picks the chunk's frozen plan: gather the chunk's rows and routing weights, all-to-all them to
-   the ranks holding their experts (uneven, possibly zero splits), run the local experts on the
-   fused path, all-to-all the weighted rows back and sum them per token (deterministic).
+   unless recompute is ``none``) calls this module's chunk step (``_run_chunk`` →
+   :func:`ep_chunk_forward`) with the chunk's index, which picks the chunk's frozen plan: gather
+   the chunk's rows and routing weights, all-to-all them to the ranks holding their experts
+   (uneven, possibly zero splits), run the local experts on the fused path, all-to-all the
+   weighted rows back and sum them per token (deterministic).
 Recompute reuses the frozen per-chunk plans: it re-issues the chunk's all-to-alls with the same
 shapes, never re-routes, never re-exchanges counts. As in the local loop, the c chunks add their
 weight gradients into one shared buffer per weight
@@ -220,8 +221,8 @@ class ExpertParallelExperts(nn.Module):
         # NOTE(memory): the local weights once per call; their aliases stay valid in recompute
         # (FSDP2 re-gathers into the same storage before backward), and the chunks share one
         # weight-gradient buffer per weight (L·d·G + L·n·d elements, not twice that).
-        weights, buffers = share_chunk_weight_grads(self.local_weights(), num_chunks,
-                                                    self.config)
+        weights, buffers = share_chunk_weight_grads(
+            self.local_weights(), num_chunks, in_place=self.config.experts_impl == "fused")
         chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers)
         out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                              recompute=policy.config.resolved_recompute)

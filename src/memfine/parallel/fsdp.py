@@ -23,9 +23,11 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from memfine.config import MoEConfig
 from memfine.parallel.experts import ExpertParallelExperts
 from memfine.parallel.mesh import ParallelContext
 
@@ -41,8 +43,8 @@ def _is_moe_layer(module: nn.Module) -> bool:
         hasattr(experts, a) for a in ("w_up", "w_down", "config"))
 
 
-def _fully_shard(module: nn.Module, mesh: object) -> FSDPModule:
-    fully_shard(module, mesh=mesh)  # type: ignore[arg-type]
+def _fully_shard(module: nn.Module, mesh: DeviceMesh) -> FSDPModule:
+    fully_shard(module, mesh=mesh)
     assert isinstance(module, FSDPModule), "fully_shard did not make an FSDPModule"
     module.set_force_sum_reduction_for_comms(True)
     return module
@@ -70,7 +72,11 @@ def shard_model(model: nn.Module, context: ParallelContext) -> int:
               and not isinstance(m.experts, ExpertParallelExperts)]
     for layer in layers:
         full = layer.experts
-        experts = ExpertParallelExperts.from_full(full.w_up, full.w_down, full.config, context,
+        assert isinstance(full, nn.Module)  # _is_moe_layer checked it and its weights
+        w_up, w_down, config = full.w_up, full.w_down, full.config
+        assert isinstance(w_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
+        assert isinstance(config, MoEConfig)
+        experts = ExpertParallelExperts.from_full(w_up, w_down, config, context,
                                                   grad_scale=1.0 / context.ep_size)
         layer.experts = experts
         _fully_shard(experts, context.expert_dp_mesh)
@@ -112,11 +118,13 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
             groups.setdefault(key, []).append(p)
     norms = []
     for params in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type)
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],
+                                             norm_type)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float().cpu())
     if not norms:
         return torch.zeros(())
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
     for params in groups.values():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(params[0].grad.device))
+        device = params[0].grad.device if params[0].grad is not None else total.device
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total.to(device))
     return total

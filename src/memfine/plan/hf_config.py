@@ -82,7 +82,7 @@ def _gqa_attention(r: _Reader, d: int, heads: int, kv: int, hd: int, *, qk_norm:
     return 2 * d * heads * hd + 2 * d * kv * hd + biases + qk_norm
 
 
-def _common(r: _Reader, n_key: str) -> dict[str, int]:
+def _common(r: _Reader, n_key: str) -> dict[str, Any]:
     d, heads = r.int("hidden_size"), r.int("num_attention_heads")
     return {"hidden_size": d, "moe_intermediate_size": r.int(n_key),
             "num_experts": r.int(*_ALIASES["num_experts"]), "top_k": r.int(*_ALIASES["top_k"]),

@@ -14,11 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfine._checks import check_bins, check_choice, check_float, check_int, fail
-from memfine.config import MAX_BIN
+from memfine.config import MAX_BIN, RECOMPUTE_MODES, RecomputeMode
 from memfine.plan.presets import ModelPreset
-from memfine.units import DTYPE_BYTES
+from memfine.units import DTYPE_BYTES, GiB
 
-RECOMPUTE_MODES = ("none", "full", "experts")
 EXPERT_MODELS = ("paper", "memfine")
 
 
@@ -28,7 +27,7 @@ class PlanConfig:
 
     Attributes:
         model: the model sizes.
-        device_memory_bytes: M_device, bytes per device.
+        device_memory_bytes: M_device, bytes per device (default 80 GiB).
         alpha: usable fraction α of device memory, in (0, 1].
         micro_batch: b, sequences per micro-batch.
         seq_len: s, tokens per sequence.
@@ -49,12 +48,12 @@ class PlanConfig:
     """
 
     model: ModelPreset
-    device_memory_bytes: int
+    device_memory_bytes: int = 80 * GiB
     alpha: float = 0.9
     micro_batch: int = 1
     seq_len: int = 4096
     dtype: str = "bfloat16"
-    recompute: str = "full"
+    recompute: RecomputeMode = "full"
     t: int = 1
     p: int = 1
     e: int = 1

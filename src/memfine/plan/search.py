@@ -25,6 +25,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
+from memfine.config import RECOMPUTE_MODES
 from memfine.plan.layout import PlanConfig
 from memfine.plan.presets import ModelPreset
 from memfine.plan.stage import Plan, plan_layout
@@ -32,7 +33,6 @@ from memfine.plan.stage import Plan, plan_layout
 TENSOR_PARALLEL = (1, 2, 4, 8)
 CONTEXT_PARALLEL = (1, 2)
 MICRO_BATCHES = (1, 2, 4)
-RECOMPUTE = ("none", "experts", "full")
 BINS = ((1, 2, 4, 8), (1, 2, 4, 8, 16))
 MAX_DEVICES_FACTOR = 1 << 12  # the smallest-N search stops at N · 4096
 
@@ -152,7 +152,7 @@ def layouts(base: PlanConfig, devices: int) -> Iterator[PlanConfig]:
         for b in MICRO_BATCHES:
             if base.global_batch is not None and base.global_batch % (shape.dp * b):
                 continue
-            for recompute in RECOMPUTE:
+            for recompute in RECOMPUTE_MODES:
                 for bins in BINS if recompute != "none" else BINS[:1]:
                     cfg = replace(shape, micro_batch=b, recompute=recompute, bins=bins)
                     yield replace(cfg, skews=(cfg.worst_skew,))

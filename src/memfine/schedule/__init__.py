@@ -4,14 +4,13 @@ Prediction (memory model, Eq. 8-9 planner, presets) lives in :mod:`memfine.memor
 Reference: MemFine (arXiv 2511.21431) §4, Eq. 8-9; docs/design.md §4.
 """
 
-from memfine.schedule.chunked import chunk_sizes, chunked_experts, run_chunked
+from memfine.schedule.chunked import chunk_sizes, run_chunked
 from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy, identity_agreement
 
 __all__ = [
     "AgreeNumChunks",
     "ChunkPolicy",
     "chunk_sizes",
-    "chunked_experts",
     "identity_agreement",
     "run_chunked",
 ]

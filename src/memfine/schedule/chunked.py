@@ -35,9 +35,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from memfine.config import MoEConfig, Recompute
-from memfine.dispatch import build_routing_index
-from memfine.ops import autocast_operands, run_experts
+from memfine.config import RECOMPUTE_MODES, Recompute
 from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -45,8 +43,6 @@ ChunkFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 
 ``chunk`` is the chunk's position i in [0, c): an expert-parallel chunk function looks up the
 chunk's frozen dispatch plan by it (the same plan in forward and in recompute)."""
-
-RECOMPUTE_MODES: tuple[str, ...] = ("none", "experts", "full")
 
 
 def chunk_sizes(num_tokens: int, num_chunks: int) -> list[int]:
@@ -67,8 +63,10 @@ def chunk_sizes(num_tokens: int, num_chunks: int) -> list[int]:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     if num_chunks < 1:
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
-    base, extra = divmod(num_tokens, num_chunks)
-    return [base + 1 if i < extra else base for i in range(num_chunks)]
+    # ⌊(T + c - 1 - i) / c⌋ is ⌈T/c⌉ for i < T mod c and ⌊T/c⌋ after: one floor division per
+    # chunk, no divmod and no comparison with T mod c, so a symbolic T (torch.compile with
+    # dynamic shapes) gives symbolic sizes without a guard per value of T.
+    return [(num_tokens + num_chunks - 1 - i) // num_chunks for i in range(num_chunks)]
 
 
 def _check_chunk_inputs(x_TD: torch.Tensor, top_k_index: torch.Tensor,
@@ -86,27 +84,29 @@ def _check_chunk_inputs(x_TD: torch.Tensor, top_k_index: torch.Tensor,
                          f"got {tuple(top_k_weights.shape)}")
 
 
-def share_chunk_weight_grads(weights: tuple[torch.Tensor, ...], num_chunks: int,
-                             moe: MoEConfig
+def share_chunk_weight_grads(weights: tuple[torch.Tensor, ...], num_chunks: int, *,
+                             in_place: bool
                              ) -> tuple[tuple[torch.Tensor, ...], WeightGradBuffers | None]:
     """The expert weights the c chunks compute with, and their shared weight-gradient buffers.
 
-    With c > 1 on the fused path (eager) the chunks get aliases of ``weights`` from
+    With c > 1, eagerly, and a chunk step that adds its weight gradients into given buffers
+    (``in_place``) the chunks get aliases of ``weights`` from
     :func:`memfine.ops.fused.weight_grads.share_weight_grads` and add their weight gradients
     into one buffer per weight; the weights' own gradient (and every hook on them, e.g. FSDP2's
     reduce-scatter) then arrives once per layer call. Otherwise the weights themselves and
-    ``None``. Used by the local chunk loop (:func:`chunked_experts`) and the expert-parallel one
-    (:class:`memfine.parallel.ExpertParallelExperts`).
+    ``None``. Each experts module says whether its chunk step writes in place
+    (:class:`memfine.nn.GroupedExperts`, :class:`memfine.parallel.ExpertParallelExperts`).
 
     Args:
         weights: the expert weights in slot order (w_up, w_down): (E, d, G) and (E, n, d), or a
             rank's (L, d, G) and (L, n, d).
         num_chunks: c ≥ 1.
-        moe: the layer's config (``experts_impl``).
+        in_place: True when the chunk step hands the buffers on to a backward that adds into
+            them (:func:`memfine.ops.run_experts`' fused path).
 
     Returns:
-        ``(weights_for_chunks, buffers)``; pass ``buffers`` as ``weight_grads`` to
-        :func:`memfine.ops.run_experts`.
+        ``(weights_for_chunks, buffers)``; the chunk step passes ``buffers`` on as
+        ``weight_grads`` of :func:`memfine.ops.run_experts`.
 
     Memory: NOTE(memory): one weight-gradient buffer per weight for all c chunks; the engine
     would otherwise hold a chunk's gradient and the running sum at once (2·(E·d·G + E·n·d)
@@ -114,7 +114,7 @@ def share_chunk_weight_grads(weights: tuple[torch.Tensor, ...], num_chunks: int,
     """
     # Under torch.compile the shared buffers (Python-side state mutated inside checkpointed
     # regions) are not traceable: the engine sums the chunks' weight gradients instead.
-    if num_chunks > 1 and moe.experts_impl == "fused" and not torch.compiler.is_compiling():
+    if num_chunks > 1 and in_place and not torch.compiler.is_compiling():
         return share_weight_grads(weights)
     return weights, None
 
@@ -124,10 +124,12 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
                 recompute: Recompute = "experts") -> torch.Tensor:
     """Run ``chunk_fn`` on c contiguous token chunks and concatenate the results.
 
-    The one chunk loop of memfine: :func:`chunked_experts` uses it with the local expert path;
-    the expert-parallel experts (:class:`memfine.parallel.ExpertParallelExperts`) pass a
-    ``chunk_fn`` that also does the chunk's all-to-alls (every rank must then use the same
-    ``num_chunks``, see :class:`memfine.schedule.policy.ChunkPolicy`). Every one of the c chunks
+    The one chunk loop of memfine. Each experts module owns its chunk step and hands it in:
+    :class:`memfine.nn.GroupedExperts` (dispatch → experts → combine on this process), the
+    expert-parallel experts (:class:`memfine.parallel.ExpertParallelExperts`, whose step also
+    does the chunk's all-to-alls: every rank must then use the same ``num_chunks``, see
+    :class:`memfine.schedule.policy.ChunkPolicy`) and the transformers experts backend
+    (:mod:`memfine.integrations.hf.experts`). Every one of the c chunks
     runs, empty ones included (c > T, or T = 0 on this rank), so collectives inside ``chunk_fn``
     are issued the same number of times on every rank.
 
@@ -174,74 +176,3 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
             outs.append(checkpoint(chunk_fn, i, x_CD, index_CK, weights_CK, use_reentrant=False,
                                    preserve_rng_state=False))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
-
-
-def local_expert_fn(w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, moe: MoEConfig,
-                    weight_grads: WeightGradBuffers | None = None) -> ChunkFn:
-    """The chunk function of the local (single-rank) expert path.
-
-    Args:
-        w_up_EDG: (E, d, G) up-projection weights (or their aliases from
-            :func:`memfine.ops.fused.weight_grads.share_weight_grads`).
-        w_down_END: (E, n, d) down-projection weights (idem).
-        moe: the layer's config (activation, ``experts_impl``, ``gemm_backend``, index builder,
-            ``backward_block_bytes``).
-        weight_grads: the shared weight-gradient buffers of the chunk loop (fused path), or
-            ``None``.
-
-    Returns:
-        ``chunk_fn(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``: builds the
-        chunk's :class:`~memfine.dispatch.RoutingIndex` and calls :func:`memfine.ops.run_experts`
-        (the chunk index is not needed locally).
-    """
-    def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
-                 top_k_weights_CK: torch.Tensor) -> torch.Tensor:
-        index = build_routing_index(top_k_index_CK, moe.num_experts, moe.index_builder)
-        return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,
-                           activation=moe.activation, impl=moe.experts_impl,
-                           backend=moe.gemm_backend,
-                           backward_block_bytes=moe.backward_block_bytes,
-                           weight_grads=weight_grads)
-
-    return chunk_fn
-
-
-def chunked_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-                    w_up_EDG: torch.Tensor, w_down_END: torch.Tensor, *, moe: MoEConfig,
-                    num_chunks: int = 1, recompute: Recompute = "experts") -> torch.Tensor:
-    """Routed experts over c token chunks: dispatch → experts → combine per chunk, concatenated.
-
-    Args:
-        x_TD: (T, d) float activations.
-        top_k_index: (T, k) int64 expert ids decided by the router (sentinels ≥ E contribute 0).
-        top_k_weights: (T, k) routing weights.
-        w_up_EDG: (E, d, G) up-projection.
-        w_down_END: (E, n, d) down-projection.
-        moe: the layer's :class:`MoEConfig`.
-        num_chunks: c ≥ 1 (c > T allowed).
-        recompute: ``none``, ``experts`` or ``full`` (see the module docstring).
-
-    Returns:
-        (T, d) in x's dtype (the autocast dtype inside ``torch.autocast``: see
-        :func:`memfine.ops.experts.autocast_operands`), equal to the unchunked
-        :func:`memfine.ops.run_experts` up to the summation order of the weight gradients.
-
-    Raises:
-        ValueError: as :func:`run_chunked` and :func:`memfine.ops.run_experts`.
-
-    Memory: ``experts``/``full`` keep x_TD and the routing only; backward holds one chunk's H
-    (S_c·G·D_t) and the fused backward's transients of one row block (see
-    :class:`memfine.ops.FusedExpertsFunction`), with S_c the rows of the chunk. ``none`` keeps
-    every chunk's H (S·G·D_t in all). With c > 1 on the fused path the chunks add their weight
-    gradients into one shared buffer per weight (:mod:`memfine.ops.fused.weight_grads`), so the
-    weight gradients cost E·d·G + E·n·d once, as without chunking.
-
-    Reference: MemFine §4; docs/design.md §4.
-    """
-    # Under torch.autocast: x and the weights are cast once per layer call, not once per chunk.
-    x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, w_up_EDG, w_down_END)
-    (w_up_EDG, w_down_END), buffers = share_chunk_weight_grads((w_up_EDG, w_down_END),
-                                                               num_chunks, moe)
-    fn = local_expert_fn(w_up_EDG, w_down_END, moe, buffers)
-    return run_chunked(fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                       recompute=recompute)

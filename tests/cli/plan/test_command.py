@@ -20,7 +20,8 @@ from memfine.units import format_bytes
 SMALL = ["--hidden-size", "64", "--moe-intermediate-size", "32", "--num-experts", "8",
          "--top-k", "2", "--num-layers", "2", "--num-heads", "4", "--num-kv-heads", "4",
          "--head-dim", "16", "--vocab-size", "1000", "--seq-len", "128", "--micro-batch", "1",
-         "--dtype", "bfloat16", "--e", "4", "--dp", "4", "--recompute", "full",
+         "--dtype", "bfloat16", "--expert-parallel", "4", "--data-parallel", "4",
+         "--recompute", "full",
          "--device-memory", "1MiB", "--alpha", "1", "--static-memory", "767488B",
          "--skew", "1,2,4"]
 ATTENTION = 2 * 128 * (5 * 64 + 4 * 16 + 2 * 4 * 16 + 8)  # Table 2 width 520 → 133120 bytes
@@ -49,10 +50,59 @@ def test_flag_set_is_pinned() -> None:
         "--top-k", "--num-layers", "--num-dense-layers", "--dense-intermediate-size",
         "--num-shared-experts", "--shared-intermediate-size", "--num-heads", "--num-kv-heads",
         "--head-dim", "--attention-params", "--vocab-size", "--device-memory", "--alpha",
-        "--micro-batch", "--seq-len", "--global-batch", "--dtype", "--recompute", "--t", "--p",
-        "--e", "--dp", "--cp", "--v", "--skew", "--bins", "--grad-bytes", "--optimizer-bytes",
+        "--micro-batch", "--seq-len", "--global-batch", "--dtype", "--recompute",
+        "--tensor-parallel", "--pipeline-parallel", "--expert-parallel", "--data-parallel",
+        "--context-parallel", "--virtual-stages", "--skew", "--bins", "--grad-bytes",
+        "--optimizer-bytes",
         "--no-distributed-optimizer", "--static-memory", "--expert-model", "--search",
-        "--devices", "--top", "--verbose", "--json"}
+        "--devices", "--top", "--verbose", "--json",
+        # the short spellings, accepted and hidden from --help
+        "--t", "--p", "--e", "--dp", "--cp", "--v"}
+
+
+def test_short_parallel_flags_are_hidden_aliases(capsys: pytest.CaptureFixture[str]) -> None:
+    short = [a.replace("--expert-parallel", "--e").replace("--data-parallel", "--dp")
+             for a in SMALL]
+    assert _run([*short, "--json"], capsys)[1] == _run([*SMALL, "--json"], capsys)[1]
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    help_text = capsys.readouterr().out
+    assert "--expert-parallel" in help_text and "--e " not in help_text
+
+
+def test_defaults_are_plan_config_defaults() -> None:
+    """Every setting flag's default is its PlanConfig field's (no second table of defaults)."""
+    import dataclasses
+
+    from memfine.cli._flags import NotGiven
+    from memfine.plan.layout import PlanConfig
+
+    parser = argparse.ArgumentParser()
+    plan_cli.add_arguments(parser)
+    defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
+    for flag in plan_cli.command.SETTING_FLAGS:
+        got = parser.get_default(flag.dest)
+        assert isinstance(got, NotGiven), flag.name
+        if flag.name != "--skew":  # a list of skews for the table, 'worst' included
+            assert got.value == defaults[flag.paths[0]], flag.name
+
+
+def test_error_names_the_flag_of_a_field_from_the_setting(capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    """qwen3-30b-a3b's setting has e = 8 and t = 2; --data-parallel 3 makes t·dp·cp = 6."""
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "--preset", "qwen3-30b-a3b", "--data-parallel", "3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "--expert-parallel must be a divisor of t·dp·cp=6" in err
+    assert "PlanConfig" not in err
+
+
+def test_skew_above_the_worst_case_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run([*SMALL, "--skew", "2,1000", "--json"], capsys)
+    assert code == 0
+    assert "--skew 1000: above the worst case" in err and "planned at 4" in err
+    assert [sk["skew"] for sk in json.loads(out)["stages"][0]["skews"]] == [2, 4]
 
 
 def test_help_explains_the_terms_once(capsys: pytest.CaptureFixture[str]) -> None:
@@ -157,15 +207,20 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
      "10MiB, 10GiB or 10GB, got '10'"),
     (["--device-memory", "80 parsecs"], "argument --device-memory: byte size must look like"),
     (["--micro-batch", "0"], "error: --micro-batch must be >= 1, got 0$"),
-    (["--e", "3"], "error: --e must be a divisor of num_experts=8, got 3$"),
-    (["--t", "3"], "error: --t must be a divisor of num_heads=4, got 3$"),
-    (["--p", "3"], "error: --p must be with v such that p·v <= num_layers=2, got 3$"),
+    (["--expert-parallel", "3"],
+     "error: --expert-parallel must be a divisor of num_experts=8, got 3$"),
+    (["--e", "3"], "error: --expert-parallel must be a divisor of num_experts=8, got 3$"),
+    (["--tensor-parallel", "3"],
+     "error: --tensor-parallel must be a divisor of num_heads=4, got 3$"),
+    (["--p", "3"],
+     "error: --pipeline-parallel must be with v such that p·v <= num_layers=2, got 3$"),
     (["--skew", "0.5"], r"error: --skew must be numbers >= 1, got 0.5$"),
     (["--skew", "1,0"], r"error: --skew must be numbers >= 1, got 1,0$"),
     (["--skew", "hot"], "--skew must be numbers >= 1 or 'worst', got 'hot'"),
     (["--bins", "1,2,32"], r"error: --bins must be strictly increasing ints in \[1, 16\], "
-     r"got 1,2,32$"),
-    (["--bins", "1,x"], "--bins must be comma-separated ints such as 1,2,4,8, got '1,x'"),
+     r"got 1 2 32$"),  # the shared flag table's rendering of a list
+    (["--bins", "1,x"], "argument --bins: expected comma-separated ints such as 1,2,4,8, "
+     "got '1,x'"),
     (["--alpha", "0"], r"error: --alpha must be in \(0, 1\], got 0.0$"),
     (["--alpha", "nan"], "error: --alpha must be a finite number, got nan$"),
     (["--global-batch", "6"], "error: --global-batch must be a multiple of dp·micro_batch=4, "

@@ -96,6 +96,14 @@ def build_methods(shape: LayerShape, opts: BenchOptions, device: torch.device,
         return compiled_layer_method(name, layers[eager](), x_TD, grad_TD, opts.compile_backend,
                                      budgets.get(eager))
 
+    # A method listed in METHODS/COMPILABLE without a builder here is refused with its name.
+    missing = sorted((set(METHODS) - set(builders)) | (set(COMPILABLE) - set(layers)))
+    unknown = [n for n in names
+               if n not in builders and n.removesuffix(COMPILED_SUFFIX) not in layers]
+    if missing or unknown:
+        raise ValueError(f"bench suite {NAME!r}: method(s) {missing or unknown} have no builder "
+                         "in memfine.bench.suites.experts.build_methods (a method is listed in "
+                         "METHODS and built there)")
     return [builders[n]() if n in builders else compiled_method(n) for n in names], budget
 
 

@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 
 from memfine._optional import is_available
 from memfine.bench.harness import Method
@@ -56,6 +57,7 @@ def make_experts(shape: LayerShape, opts: BenchOptions, device: torch.device,
     import transformers
 
     torch.manual_seed(opts.seed)
+    experts: nn.Module
     if model_type == "gpt_oss":
         from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
@@ -101,7 +103,8 @@ def build_methods(experts: Any, inp: dict[str, torch.Tensor], names: tuple[str, 
     def hf(impl: str) -> Any:
         def call() -> torch.Tensor:
             experts.config._experts_implementation = impl
-            return experts(inp["x"], inp["index"], inp["weights"])  # type: ignore[no-any-return]
+            out: torch.Tensor = experts(inp["x"], inp["index"], inp["weights"])
+            return out
         return call
 
     def memfine(num_chunks: int | None) -> Any:

@@ -277,7 +277,9 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
             p.grad = None
 
     def predict() -> dict[str, int | None]:
-        recompute = layer.policy.config.resolved_recompute  # type: ignore[union-attr]
+        policy = layer.policy
+        assert isinstance(policy, ChunkPolicy), "a modelled layer has a chunk policy"
+        recompute = policy.config.resolved_recompute
         m = layer_memory.moe_layer_memory(config, x_TD.shape[0], x_TD.element_size(),
                                           num_chunks=state["num_chunks"], recompute=recompute)
         return {"saved_bytes": m.saved_bytes, "peak_bytes": m.peak_bytes}

@@ -46,7 +46,7 @@ def model_shape(opts: BenchOptions) -> tuple[ModelConfig, int, int]:
     train = preset("tiny" if opts.quick else "small")
     batch = 4 if opts.quick else train.batch_size
     moe = train.model.moe
-    sizes = {k: v for k, v in opts.explicit_sizes().items() if k != "tokens"}
+    sizes: dict[str, Any] = {k: v for k, v in opts.explicit_sizes().items() if k != "tokens"}
     if "hidden_size" in sizes and "intermediate_size" not in sizes:
         sizes["intermediate_size"] = moe.intermediate_size
     if sizes:

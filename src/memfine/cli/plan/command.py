@@ -24,15 +24,30 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+import sys
 from typing import Any
 
-from memfine.cli._flags import byte_size, flag_dest, name_flag
+from memfine._checks import FieldError
+from memfine.cli._flags import (
+    Flag,
+    NotGiven,
+    add_flags,
+    byte_size,
+    comma_ints,
+    flag_dest,
+    given,
+    name_flag,
+    typed_fields,
+    value,
+)
 from memfine.cli.plan import output
+from memfine.config import RECOMPUTE_MODES
 from memfine.plan.hf_config import load_hf_config
-from memfine.plan.layout import EXPERT_MODELS, RECOMPUTE_MODES, PlanConfig
+from memfine.plan.layout import EXPERT_MODELS, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset
 from memfine.plan.search import check_devices, nearest_valid_devices, search
-from memfine.units import DTYPE_BYTES, parse_bytes
+from memfine.units import DTYPE_BYTES, format_bytes, parse_bytes
 
 # (flag, ModelPreset field, help) for the model sizes.
 _SIZE_FLAGS = (
@@ -52,42 +67,57 @@ _SIZE_FLAGS = (
      "(default: GQA projections)"),
     ("--vocab-size", "vocab_size", "V, vocabulary size"),
 )
-# (flag, help, type, choices) of the run settings; the flag's dest keys _DEFAULTS.
-_SETTING_FLAGS: tuple[tuple[str, str, Any, Any], ...] = (
-    ("--device-memory", "device memory M per device, with a unit: 80GiB or 80GB", byte_size(),
-     None),
-    ("--alpha", "usable fraction alpha of device memory", float, None),
-    ("--micro-batch", "b, sequences per micro-batch", int, None),
-    ("--seq-len", "s, tokens per sequence", int, None),
-    ("--global-batch", "sequences per optimizer step (for the pipeline bubble)", int, None),
-    ("--dtype", "activation/parameter dtype", str, sorted(DTYPE_BYTES)),
-    ("--recompute", "recompute mode", str, RECOMPUTE_MODES),
-    ("--t", "tensor-parallel size t", int, None),
-    ("--p", "pipeline-parallel size p", int, None),
-    ("--e", "expert-parallel size e", int, None),
-    ("--dp", "data-parallel size dp", int, None),
-    ("--cp", "context-parallel size cp", int, None),
-    ("--v", "virtual pipeline stages per rank v", int, None),
-    ("--skew", "s'' as multiples of the balanced share b·s·k, comma-separated; "
-     "'worst' = e·min(k, E/e)/k", str, None),
-    ("--bins", "allowed chunk counts c, comma-separated, at most 16", str, None),
-    ("--grad-bytes", "gradient bytes per parameter", int, None),
-    ("--optimizer-bytes", "optimizer-state bytes per parameter", int, None),
-    ("--static-memory", "measured static memory per device instead of Eq. 1, with a unit",
-     byte_size(), None),
-    ("--expert-model", "bytes per received row: MemFine Table 2 (paper) or memfine's fused "
-     "path", str, EXPERT_MODELS),
+SKEW_DEFAULT = "1,2,4,8,16,worst"
+"""``--skew`` without the flag: a table over skews (``PlanConfig.skews`` holds numbers only)."""
+# The run settings, one flag per PlanConfig field (paths[0]); the short spellings of the
+# parallel sizes stay accepted as hidden aliases. Defaults come from PlanConfig (see _default).
+SETTING_FLAGS = (
+    Flag("--device-memory", ("device_memory_bytes",),
+         "device memory M per device, with a unit: 80GiB or 80GB", type=byte_size()),
+    Flag("--alpha", ("alpha",), "usable fraction alpha of device memory", type=float),
+    Flag("--micro-batch", ("micro_batch",), "b, sequences per micro-batch"),
+    Flag("--seq-len", ("seq_len",), "s, tokens per sequence"),
+    Flag("--global-batch", ("global_batch",),
+         "sequences per optimizer step (for the pipeline bubble)"),
+    Flag("--dtype", ("dtype",), "activation/parameter dtype", type=str,
+         choices=sorted(DTYPE_BYTES)),
+    Flag("--recompute", ("recompute",), "recompute mode", type=str, choices=RECOMPUTE_MODES),
+    Flag("--tensor-parallel", ("t",), "tensor-parallel size t", aliases=("--t",)),
+    Flag("--pipeline-parallel", ("p",), "pipeline-parallel size p", aliases=("--p",)),
+    Flag("--expert-parallel", ("e",), "expert-parallel size e", aliases=("--e",)),
+    Flag("--data-parallel", ("dp",), "data-parallel size dp", aliases=("--dp",)),
+    Flag("--context-parallel", ("cp",), "context-parallel size cp", aliases=("--cp",)),
+    Flag("--virtual-stages", ("v",), "virtual pipeline stages per rank v", aliases=("--v",)),
+    Flag("--skew", ("skews",), "s'' as multiples of the balanced share b·s·k, comma-separated; "
+         "'worst' = e·min(k, E/e)/k; values above worst are capped at it (and said so)",
+         type=str, default=NotGiven(SKEW_DEFAULT)),
+    Flag("--bins", ("bins",), "allowed chunk counts c, comma-separated, at most 16",
+         type=comma_ints),
+    Flag("--grad-bytes", ("grad_bytes",), "gradient bytes per parameter"),
+    Flag("--optimizer-bytes", ("optimizer_bytes",), "optimizer-state bytes per parameter"),
+    Flag("--static-memory", ("static_bytes",),
+         "measured static memory per device instead of Eq. 1, with a unit", type=byte_size()),
+    Flag("--expert-model", ("expert_model",), "bytes per received row: MemFine Table 2 "
+         "(paper) or memfine's fused path", type=str, choices=EXPERT_MODELS),
 )
-_UNSET = argparse.SUPPRESS  # a flag not given leaves no attribute: preset, then default
+_FIELDS = {f.name: f for f in dataclasses.fields(PlanConfig)}
+# A preset's run setting names a few fields as the flags once did (text byte sizes).
+_SETTING_KEYS = {"device_memory_bytes": "device_memory", "static_bytes": "static_memory",
+                 "skews": "skew"}
+_BYTE_FIELDS = ("device_memory_bytes", "static_bytes")
+_UNSET = argparse.SUPPRESS  # a model flag not given leaves no attribute: the model's own value
 _REQUIRED_SIZES = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "num_layers",
                    "num_heads")
-_DEFAULTS: dict[str, Any] = {
-    "device_memory": "80GiB", "alpha": 0.9, "micro_batch": 1, "seq_len": 4096,
-    "global_batch": None, "dtype": "bfloat16", "recompute": "full", "t": 1, "p": 1, "e": 1,
-    "dp": 1, "cp": 1, "v": 1, "skew": "1,2,4,8,16,worst", "bins": "1,2,4,8", "grad_bytes": 4,
-    "optimizer_bytes": 12, "static_memory": None, "expert_model": "paper",
-}
-_BYTE_FLAGS = ("device_memory", "static_memory")
+
+
+def _default(flag: Flag) -> NotGiven:
+    """The flag's default: its PlanConfig field's default, shown in --help."""
+    default: Any = _FIELDS[flag.paths[0]].default
+    if flag.paths[0] in _BYTE_FIELDS and default is not None:
+        return NotGiven(default, format_bytes(default))
+    if isinstance(default, tuple):
+        return NotGiven(default, ",".join(map(str, default)))
+    return NotGiven(default)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -101,11 +131,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="a transformers config.json, or a model directory holding one")
     for flag, _, text in _SIZE_FLAGS:
         parser.add_argument(flag, type=int, default=_UNSET, help=f"{text} (overrides the model)")
-    for flag, text, kind, choices in _SETTING_FLAGS:
-        key = flag_dest(flag)
-        parser.add_argument(flag, type=kind, choices=choices, default=_UNSET,
-                            help=f"{text} (default: the preset's setting, else "
-                                 f"{_DEFAULTS[key]})")
+    add_flags(parser, [dataclasses.replace(f, help=f"{f.help} (default: the preset's setting, "
+                                           "else %(default)s)") for f in SETTING_FLAGS],
+              default_for=_default)
     parser.add_argument("--no-distributed-optimizer", action="store_true",
                         help="keep the full optimizer state on every data-parallel rank")
     parser.add_argument("--search", action="store_true",
@@ -142,29 +170,14 @@ def _model(args: argparse.Namespace) -> ModelPreset:
     return ModelPreset(name="custom", tied_embeddings=False, source="explicit sizes", **sizes)
 
 
-def _ints(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(","))
-    except ValueError:
-        raise ValueError(f"--{flag} must be comma-separated ints such as 1,2,4,8, "
-                         f"got {text!r}") from None
-
-
 _SEARCHED = ("t", "p", "e", "dp", "cp", "v", "micro_batch", "recompute", "bins")
-
-
-# The run-setting flags whose PlanConfig field has another name; the others are named alike.
-_FLAG_FIELDS = {"skew": "skews", "device_memory": "device_memory_bytes",
-                "static_memory": "static_bytes"}
 
 
 def _typed_fields(args: argparse.Namespace) -> dict[str, tuple[str, Any]]:
     """``PlanConfig``/``ModelPreset`` field → (flag, value as given) of the flags given."""
-    flags = [(flag, field) for flag, field, _ in _SIZE_FLAGS]
-    flags += [(flag, _FLAG_FIELDS.get(flag_dest(flag), flag_dest(flag)))
-              for flag, *_ in _SETTING_FLAGS]
-    return {field: (flag, getattr(args, flag_dest(flag))) for flag, field in flags
-            if hasattr(args, flag_dest(flag))}
+    typed = {field: (flag, getattr(args, flag_dest(flag))) for flag, field, _ in _SIZE_FLAGS
+             if hasattr(args, flag_dest(flag))}
+    return {**typed, **typed_fields(args, SETTING_FLAGS)}
 
 
 def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
@@ -184,7 +197,25 @@ def resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     try:
         return _resolve(args)
     except ValueError as err:
-        raise ValueError(name_flag(err, _typed_fields(args))) from err
+        raise ValueError(_in_flags(err, _typed_fields(args))) from err
+
+
+_FLAG_OF = {f.paths[0]: f.name for f in SETTING_FLAGS}
+
+
+def _in_flags(err: ValueError, typed: dict[str, tuple[str, Any]]) -> str:
+    """A PlanConfig error in flags (``PlanConfig.e ...`` → ``--expert-parallel ...``).
+
+    A field set by a flag names that flag as typed; a field from the model's setting or a
+    default names the flag that would set it.
+    """
+    if isinstance(err, FieldError) and err.field not in typed and err.field in _FLAG_OF:
+        message = (f"{_FLAG_OF[err.field]} must be {err.plain}, got {err.value!r} (not given: "
+                   "the model's setting or the default)")
+    else:
+        message = name_flag(err, typed)
+    return re.sub(r"t·dp·cp=(\d+)", r"t·dp·cp=\1 (--tensor-parallel · --data-parallel · "
+                  r"--context-parallel)", message)
 
 
 def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
@@ -192,23 +223,27 @@ def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     setting = model.setting
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
-    for key, default in _DEFAULTS.items():
-        if args.search and key in _SEARCHED:
-            values[key], sources[key] = default, "searched"
-        elif hasattr(args, key):
-            values[key], sources[key] = getattr(args, key), "flag"
+    for flag in SETTING_FLAGS:
+        field = flag.paths[0]
+        key = _SETTING_KEYS.get(field, field)
+        if args.search and field in _SEARCHED:
+            values[field], sources[key] = value(args, flag.dest), "searched"
+        elif given(args, flag.dest):
+            values[field], sources[key] = getattr(args, flag.dest), "flag"
         elif setting is not None and setting.get(key) is not None:
-            values[key], sources[key] = setting.get(key), setting.source_of(key)
+            values[field], sources[key] = setting.get(key), setting.source_of(key)
+            if field in _BYTE_FIELDS:  # a preset's setting gives text: "80GiB"
+                values[field] = parse_bytes(values[field])
         else:
-            values[key], sources[key] = default, "default"
-    for key in _BYTE_FLAGS:  # flags give bytes (byte_size); a preset's setting, text
-        if values[key] is not None:
-            values[key] = parse_bytes(values[key])
-    skew_text = str(values.pop("skew"))
-    cfg = PlanConfig(model=model, device_memory_bytes=values.pop("device_memory"),
-                     static_bytes=values.pop("static_memory"),
-                     bins=_ints(values.pop("bins"), "bins"),
-                     distributed_optimizer=not args.no_distributed_optimizer, **values)
+            values[field], sources[key] = value(args, flag.dest), "default"
+    try:
+        values["bins"] = comma_ints(",".join(map(str, values["bins"]))
+                                    if isinstance(values["bins"], tuple) else values["bins"])
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(f"--bins: {err}") from None
+    skew_text = str(values.pop("skews"))
+    cfg = PlanConfig(model=model, distributed_optimizer=not args.no_distributed_optimizer,
+                     **values)
     skews = []
     for item in skew_text.split(","):
         try:
@@ -216,6 +251,12 @@ def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
         except ValueError:
             raise ValueError(f"--skew must be numbers >= 1 or 'worst', got {item!r}") from None
     cfg = dataclasses.replace(cfg, skews=tuple(skews))  # validated (>= 1) before capping
+    capped = [x for x in skews if x > cfg.worst_skew]
+    if capped and given(args, "skew"):  # the default list goes up to 16 on purpose
+        shown = ", ".join(f"{x:g}" for x in capped)
+        print(f"memfine plan: --skew {shown}: above the worst case e·min(k, E/e)/k = "
+              f"{cfg.worst_skew:g} of this model and layout; planned at {cfg.worst_skew:g}",
+              file=sys.stderr)
     return dataclasses.replace(cfg, skews=tuple(dict.fromkeys(
         min(x, cfg.worst_skew) for x in skews))), sources
 
