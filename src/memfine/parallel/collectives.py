@@ -56,7 +56,7 @@ class AllToAllFunction(torch.autograd.Function):
 
 
 def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequence[int],
-               group: dist.ProcessGroup | None = None) -> torch.Tensor:
+               group: dist.ProcessGroup | None = None, *, check: bool = True) -> torch.Tensor:
     """Exchange rows with every rank of ``group``; differentiable.
 
     Args:
@@ -64,6 +64,9 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
         out_splits: rows to receive from each rank (len = group size), ints ≥ 0.
         in_splits: rows to send to each rank (len = group size), ints ≥ 0.
         group: process group (default: the world).
+        check: agree the splits across the ranks first (:func:`check_splits`: one small
+            all_gather and a host read). False only where the splits come from an exchange of
+            the counts, so every rank's agree by construction (the EP engine's chunk plans).
 
     Returns:
         (sum(out_splits), ...) new tensor, rows ordered by source rank.
@@ -74,7 +77,7 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
             out_splits[j] rows from rank j, which sends in_splits[i] to it): the exchange would
             fail on one rank and abort another.
 
-    Side effects: one ``all_gather`` of 2·W int64 (the split check) and one
+    Side effects: with ``check``, one ``all_gather`` of 2·W int64 (the split check); one
     ``all_to_all_single`` on ``group`` (one more in backward, with the checked splits).
     """
     out_list, in_list = [int(v) for v in out_splits], [int(v) for v in in_splits]
@@ -84,7 +87,8 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
                          f"out_splits={out_list}, in_splits={in_list}")
     if x_MD.shape[0] != sum(in_list):
         raise ValueError(f"x must have sum(in_splits)={sum(in_list)} rows, got {x_MD.shape[0]}")
-    check_splits(out_list, in_list, group)
+    if check:
+        check_splits(out_list, in_list, group)
     out: torch.Tensor = AllToAllFunction.apply(x_MD, out_list, in_list, group)
     return out
 

@@ -80,15 +80,16 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
     send, recv = plan.send_index, plan.recv_index
     x_MD = dispatch_rows(x_TD, send.expert_token_indices, send.token_index_map)
     w_M = top_k_weights.reshape(-1).index_select(0, send.expert_slot_indices.long())
-    x_SD = all_to_all(x_MD, plan.recv_splits, plan.send_splits, group)
-    w_S1 = all_to_all(w_M, plan.recv_splits, plan.send_splits, group)[:, None]
+    # the plan's splits come from the count exchange, so the ranks agree: no split check
+    x_SD = all_to_all(x_MD, plan.recv_splits, plan.send_splits, group, check=False)
+    w_S1 = all_to_all(w_M, plan.recv_splits, plan.send_splits, group, check=False)[:, None]
     del x_MD, w_M  # NOTE(memory): the sent copies are transient (M·d·D_t bytes not kept)
     # Weights are applied on the expert side: the fused path saves only x_SD and H, and its
     # weight gradient ⟨dO·w_downᵀ, A⟩ needs no saved expert output (MoEBlaze §5).
     y_SD = run_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, activation=config.activation,
                        impl=config.experts_impl, backend=config.gemm_backend,
                        weight_grads=weight_grads)
-    y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group)
+    y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group, check=False)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
 
 
