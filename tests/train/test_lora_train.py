@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from memfine.artifacts.evaluation import evaluate
-from memfine.config import ModelConfig, MoEConfig, TrainConfig
+from memfine.config import TrainConfig
 from memfine.config.lora import LoRAConfig
 from memfine.data import ByteCorpus, train_batch, val_batches
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
-from memfine.train import load_checkpoint, train
+from memfine.train import load_checkpoint, preset, train
 from memfine.train.parallel import SingleProcess
 from memfine.train.setup import build_model
 from tolerances import LOSS_ATOL
@@ -28,13 +28,11 @@ ADAPTER_SUFFIXES = ("lora_a_up", "lora_b_up", "lora_a_down", "lora_b_down")
 
 
 def _config(**overrides: object) -> TrainConfig:
-    model = ModelConfig(num_layers=2, num_heads=2, max_seq_len=32,
-                        moe=MoEConfig(hidden_size=32, intermediate_size=32, num_experts=4,
-                                      top_k=2))
-    base = TrainConfig(model=model, data=str(ASSET), seq_len=32, batch_size=4, max_steps=3,
-                       lr=3e-3, warmup_steps=1, eval_every=3, eval_batches=1, log_every=1,
-                       sample_tokens=0)
-    return dataclasses.replace(base, **overrides)
+    """The ``tiny`` preset's model on the test corpus: 3 short steps, one validation batch."""
+    return dataclasses.replace(preset("tiny"), **{
+        "data": str(ASSET), "seq_len": 32, "batch_size": 4, "max_steps": 3, "lr": 3e-3,
+        "warmup_steps": 1, "eval_every": 3, "eval_batches": 1, "sample_tokens": 0,
+        **overrides})
 
 
 def _lora(**overrides: object) -> TrainConfig:
@@ -157,7 +155,7 @@ def test_lora_without_init_from_is_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("lora", "message"), [
-    pytest.param(dict(rank=33), r"LoRAConfig.rank must be in \[1, min\(d_in, d_out\)=32\]",
+    pytest.param(dict(rank=65), r"LoRAConfig.rank must be in \[1, min\(d_in, d_out\)=64\]",
                  id="rank_above_min_d_in_d_out"),
     pytest.param(dict(rank=0), r"LoRAConfig.rank must be >= 1, got 0", id="rank0"),
 ])

@@ -64,6 +64,7 @@ def load_adapters(model: MoETransformerLM, path: str | os.PathLike[str]) -> LoRA
     Args:
         model: a model without adapters, of the file's model config (its base weights are the
             ones the adapters were trained on; they are not checked).
+        path: the adapters file.
 
     Returns:
         The file's :class:`LoRAConfig`; ``model`` now holds adapters with the file's values

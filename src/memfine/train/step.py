@@ -128,7 +128,8 @@ def _count_load(run: RunState, outs: list[MicroOut]) -> torch.Tensor:
     """The step's (L, E) tokens per expert over micro-batches and ranks; moves the expert bias.
 
     The aux-loss-free bias moves once per step, from the global counts of every micro-batch
-    (not while LoRA keeps the routers frozen); the counts are added to the ones since the last metrics line and since the last evaluation.
+    (not while LoRA keeps the routers frozen); the counts are added to the ones since the last
+    metrics line and since the last evaluation.
     """
     load_LE = run.parallel.sum(torch.stack([out[1] for out in outs]).sum(0)).cpu()
     lora = run.config.lora
