@@ -42,6 +42,8 @@ def run(args: argparse.Namespace) -> int:
             exist, or the target exists without ``--overwrite``.
     """
     out = run_directory(args)
+    if value(args, "to") is not None:
+        _check_folder(Path(value(args, "to")))  # before the checkpoint is read
     trained = load_run_directory(out)
     lora, merge = trained.config.lora is not None, bool(value(args, "merged"))
     if merge and not lora:
@@ -50,9 +52,7 @@ def run(args: argparse.Namespace) -> int:
     adapters = lora and not merge
     target = Path(value(args, "to") or Path(out) / (ADAPTERS_NAME if adapters
                                                      else "model.safetensors"))
-    if not target.parent.is_dir():
-        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
-                         f"exist; create it or choose another --to")
+    _check_folder(target)
     paths = [target] if adapters else [target, target.with_name(f"{target.stem}_config.json")]
     existing = [str(p) for p in paths if p.exists()]
     if existing and not value(args, "overwrite"):
@@ -64,3 +64,10 @@ def run(args: argparse.Namespace) -> int:
         written = export_safetensors(merged(trained) if merge else trained, target)
     print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_folder(target: Path) -> None:
+    """Raise ValueError naming ``--to`` when ``target``'s folder does not exist."""
+    if not target.parent.is_dir():
+        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
+                         f"exist; create it or choose another --to")
