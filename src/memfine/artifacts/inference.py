@@ -35,6 +35,7 @@ from memfine.artifacts.metrics import nats_to_bits
 from memfine.config import ModelConfig, TrainConfig
 from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
+from memfine.nn.lora import apply_lora, merge_model_lora_
 
 EXPORT_FORMAT = "memfine-model-v1"
 
@@ -69,7 +70,7 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
         path = find_checkpoint(run_dir)
     payload = read_checkpoint(path)
     config = TrainConfig.from_dict(payload["config"])
-    model = MoETransformerLM(config.model)
+    model = language_model(config)
     try:
         load_model_state(payload, model)
     except (RuntimeError, KeyError, ValueError) as err:
@@ -84,7 +85,8 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
     """Load the weights of ``run_dir``'s newest checkpoint into ``model`` (fine-tuning).
 
     Either form: ``checkpoint.pt`` or a sharded ``checkpoint.dcp/``; the optimizer state and
-    schedule are not read (``memfine train --init-from``).
+    schedule are not read (``memfine train --init-from``). The checkpoint of a LoRA fine-tune
+    gives its base weights with the adapters folded in (W + s·(B·A)ᵀ per expert).
 
     Args:
         model: a whole (unsharded) model built from ``model_config``.
@@ -96,13 +98,32 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
             another model (the message lists the fields that differ).
     """
     payload = read_checkpoint(find_checkpoint(run_dir))
-    saved = TrainConfig.from_dict(payload["config"]).model
-    if saved != model_config:
+    source = TrainConfig.from_dict(payload["config"])
+    if source.model != model_config:
         raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in "
-                         f"{saved.differing_fields(model_config)}; the model flags must match "
-                         f"the checkpoint's")
+                         f"{source.model.differing_fields(model_config)}; the model flags must "
+                         f"match the checkpoint's")
     with torch.no_grad():
-        load_model_state(payload, model)
+        if source.lora is None:
+            load_model_state(payload, model)
+            return
+        adapted = language_model(source)  # a LoRA run: its adapters merged into the base
+        load_model_state(payload, adapted)
+        merge_model_lora_(adapted)
+        model.load_state_dict(adapted.state_dict())
+
+
+def language_model(config: TrainConfig) -> MoETransformerLM:
+    """The (CPU, fp32) model of a run's config, with expert adapters when ``config.lora`` is set.
+
+    The adapters' initial values are drawn without touching the global RNG (they are meant to
+    be overwritten by a checkpoint's).
+    """
+    model = MoETransformerLM(config.model)
+    if config.lora is not None:
+        with torch.random.fork_rng(devices=[]):
+            apply_lora(model, config.lora)
+    return model
 
 def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperature: float,
                   seed: int = 0) -> str:
@@ -185,8 +206,9 @@ def export_safetensors(trained: Trained, path: str | os.PathLike[str]) -> list[P
                 "dtype": trained.config.dtype, "step": str(trained.step)}
     tensors = {k: v.detach().cpu().contiguous() for k, v in trained.model.state_dict().items()}
     config_path = path.with_name(f"{path.stem}_config.json")
-    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
-    _atomic(config_path, lambda tmp: Path(tmp).write_text(config_json + "\n", encoding="utf-8"))
+    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(config_path,
+                 lambda tmp: Path(tmp).write_text(config_json + "\n", encoding="utf-8"))
     return [path, config_path]
 
 
@@ -208,7 +230,7 @@ def load_safetensors(path: str | os.PathLike[str]) -> MoETransformerLM:
     return model.eval()
 
 
-def _atomic(path: Path, write: Callable[[str], object]) -> None:
+def atomic_write(path: Path, write: Callable[[str], object]) -> None:
     """Call ``write(tmp_name)`` and rename the result to ``path`` (0644 like other files)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)

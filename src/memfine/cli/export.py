@@ -1,18 +1,28 @@
-"""``memfine export``: write a training run's model to safetensors, with its config."""
+"""``memfine export``: write a training run's model to safetensors, with its config.
+
+A LoRA fine-tune (``memfine train --lora-rank``) exports its adapters to
+``adapters.safetensors``; ``--merged`` writes the model with the adapters folded in instead.
+"""
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
 
+from memfine.artifacts.adapters import ADAPTERS_NAME, export_adapters, merged
 from memfine.artifacts.inference import export_safetensors
 from memfine.cli._checkpoint import OUT_FLAG, load_run_directory, run_directory
 from memfine.cli._flags import Flag, NotGiven, add_flags, path_flag, value
 
 _FLAGS = (
     OUT_FLAG,
-    Flag("--to", (), "the safetensors file to write (the config goes to <stem>_config.json "
-         "beside it)", path_flag, default=NotGiven(text="--out/model.safetensors")),
+    Flag("--to", (), "the safetensors file to write (a model's config goes to "
+         "<stem>_config.json beside it)", path_flag,
+         default=NotGiven(text=f"--out/model.safetensors; --out/{ADAPTERS_NAME} for a LoRA "
+                          "run without --merged")),
+    Flag("--merged", (), "for a LoRA run (memfine train --lora-rank): write the model with "
+         "the adapters folded into the expert weights instead of the adapters alone",
+         action="store_true", default=NotGiven(False)),
     Flag("--overwrite", (), "replace existing files", action="store_true",
          default=NotGiven(False)),
 )
@@ -27,20 +37,37 @@ def run(args: argparse.Namespace) -> int:
     """Export; returns 0.
 
     Raises:
-        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt, the
-            target's folder does not exist, or the target exists without ``--overwrite``.
+        ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt,
+            ``--merged`` is given for a run without adapters, the target's folder does not
+            exist, or the target exists without ``--overwrite``.
     """
     out = run_directory(args)
-    target = Path(value(args, "to") or Path(out) / "model.safetensors")
-    config_path = target.with_name(f"{target.stem}_config.json")
-    if not target.parent.is_dir():
-        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
-                         f"exist; create it or choose another --to")
-    existing = [str(p) for p in (target, config_path) if p.exists()]
+    if value(args, "to") is not None:
+        _check_folder(Path(value(args, "to")))  # before the checkpoint is read
+    trained = load_run_directory(out)
+    lora, merge = trained.config.lora is not None, bool(value(args, "merged"))
+    if merge and not lora:
+        raise ValueError("--merged needs a LoRA run (trained with --lora-rank); this run "
+                         "trained every weight: export it without --merged")
+    adapters = lora and not merge
+    target = Path(value(args, "to") or Path(out) / (ADAPTERS_NAME if adapters
+                                                     else "model.safetensors"))
+    _check_folder(target)
+    paths = [target] if adapters else [target, target.with_name(f"{target.stem}_config.json")]
+    existing = [str(p) for p in paths if p.exists()]
     if existing and not value(args, "overwrite"):
         raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "
                          f"replace them")
-    trained = load_run_directory(out)
-    written = export_safetensors(trained, target)
+    if adapters:
+        written = export_adapters(trained, target)
+    else:
+        written = export_safetensors(merged(trained) if merge else trained, target)
     print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_folder(target: Path) -> None:
+    """Raise ValueError naming ``--to`` when ``target``'s folder does not exist."""
+    if not target.parent.is_dir():
+        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
+                         f"exist; create it or choose another --to")

@@ -15,6 +15,7 @@ from memfine.config.base import (
     RecomputeMode,
     _ConfigBase,
 )
+from memfine.config.lora import LoRAConfig
 from memfine.config.moe import MoEConfig
 
 
@@ -165,6 +166,10 @@ class TrainConfig(_ConfigBase):
             ``memfine train --device cuda`` defaults to ``bfloat16`` (with fp32 weights).
         deterministic: run with ``torch.use_deterministic_algorithms(True)`` and
             ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` (bitwise repeatable on one GPU, at some speed).
+        lora: fine-tune LoRA adapters on the routed experts only (:class:`LoRAConfig`; the base
+            weights frozen, the router and attention as its ``train_*`` fields say); its rank
+            must be at most min(d_in, d_out) of every adapted expert weight and the experts
+            ``fused``. None: train every weight.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -191,6 +196,7 @@ class TrainConfig(_ConfigBase):
     compile: bool = False
     autocast: AutocastDType = "none"
     deterministic: bool = False
+    lora: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -232,6 +238,24 @@ class TrainConfig(_ConfigBase):
         check_choice(self, "autocast", AutocastDType)
         if not isinstance(self.deterministic, bool):
             fail(self, "deterministic", "True or False", self.deterministic)
+        if self.lora is not None:
+            self._check_lora()
+
+    def _check_lora(self) -> None:
+        """``lora`` is a LoRAConfig whose rank fits every adapted expert weight (fused experts)."""
+        if not isinstance(self.lora, LoRAConfig):
+            fail(self, "lora", "None or a LoRAConfig", self.lora)
+        moe = self.model.moe
+        if moe.experts_impl != "fused":
+            fail(moe, "experts_impl", "'fused' with LoRA adapters (split LoRA runs in the fused "
+                 "experts)", moe.experts_impl)
+        shapes = {"w_up": (moe.hidden_size, moe.up_width),
+                  "w_down": (moe.intermediate_size, moe.hidden_size)}
+        hi = min(min(shapes[t]) for t in self.lora.targets)
+        if self.lora.rank > hi:
+            dims = ", ".join(f"{t}: d_in={shapes[t][0]}, d_out={shapes[t][1]}"
+                             for t in self.lora.targets)
+            fail(self.lora, "rank", f"in [1, min(d_in, d_out)={hi}] ({dims})", self.lora.rank)
 
     @property
     def resolved_lr_decay_steps(self) -> int:
@@ -261,4 +285,4 @@ class TrainConfig(_ConfigBase):
 
 
 _SUBCONFIGS.update({("ModelConfig", "moe"): MoEConfig, ("ModelConfig", "chunk"): ChunkConfig,
-                    ("TrainConfig", "model"): ModelConfig})
+                    ("TrainConfig", "model"): ModelConfig, ("TrainConfig", "lora"): LoRAConfig})

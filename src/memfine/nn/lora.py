@@ -6,7 +6,8 @@ and per-expert adapters (``lora_a_up`` (E, r, d), ``lora_b_up`` (E, G, r), ``lor
 (:func:`memfine.ops.fused.lora_experts.run_lora_experts`) in the same c token chunks, under the
 same recompute modes. :func:`apply_lora` turns every :class:`memfine.nn.MoELayer` of a model into
 one with adapters and freezes what the :class:`LoRAConfig` does not train;
-:func:`adapter_state_dict` / :func:`merge_lora_` save the adapters and fold them into the base.
+:func:`adapter_state_dict` / :func:`merge_lora_` (:func:`merge_model_lora_` for a whole model) save
+the adapters and fold them into the base.
 
 Legend: T tokens, K top-k slots, E experts, D = d, N = n, G = 2n (gated) or n, R = r.
 Reference: Hu et al. 2021 (LoRA: A ~ Kaiming-uniform, B = 0, so training starts at the base
@@ -188,3 +189,19 @@ def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
     out.w_up.copy_(up)
     out.w_down.copy_(down)
     return out
+
+
+def merge_model_lora_(model: nn.Module) -> int:
+    """Fold every MoE layer's adapters into its base weights, in place (:func:`merge_lora_`).
+
+    The layers get plain :class:`GroupedExperts` back, so the model's ``state_dict`` is that of
+    a model without adapters. Returns the number of layers merged.
+    """
+    from memfine.nn.moe import MoELayer
+
+    merged = 0
+    for layer in model.modules():
+        if isinstance(layer, MoELayer) and isinstance(layer.experts, LoRAGroupedExperts):
+            layer.experts = merge_lora_(layer.experts)
+            merged += 1
+    return merged

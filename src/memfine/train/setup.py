@@ -35,6 +35,7 @@ from memfine.artifacts.outputs import Outputs
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
+from memfine.nn.lora import apply_lora
 from memfine.train.execution import step_forward
 from memfine.train.optim import build_optimizer
 from memfine.train.parallel import ParallelTraining
@@ -138,10 +139,14 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
 
     Raises:
         ValueError: on bad data, a missing/corrupt checkpoint, a config that does not match
-            it, or a checkpoint already at ``max_steps``.
+            it, a checkpoint already at ``max_steps``, or ``config.lora`` on a fresh run
+            without ``init_from``.
     """
     t_start = time.perf_counter()
     config, payload = resolve_config(config, out_dir, resume=resume)
+    if config.lora is not None and not resume and init_from is None:
+        raise ValueError("TrainConfig.lora needs init_from: LoRA fine-tunes adapters on the "
+                         "frozen weights of a trained model (--init-from RUN)")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
     model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
@@ -155,6 +160,8 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     if parallel.is_main:
         (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
     _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
+    if config.lora is not None:
+        print(lora_summary(model, config))
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)
     log, bar = outputs.open(out_dir, config, start=start, resume=resume,
@@ -164,6 +171,20 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     scheduler=scheduler, start=start, val_data=val_data, log=log,
                     bar=bar, t_start=t_start, step=start,
                     forward=step_forward(model, config, sharded=parallel.sharded))
+
+
+def lora_summary(model: torch.nn.Module, config: TrainConfig) -> str:
+    """One line: the adapters' rank, α and targets, and the trainable share of the parameters."""
+    assert config.lora is not None, "called on a LoRA run"
+    lora = config.lora
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    also = [n for n, on in (("routers", lora.train_router),
+                            ("attention", lora.train_attention)) if on]
+    return (f"LoRA: rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g} on "
+            f"{', '.join(lora.targets)} of every MoE layer{' + ' if also else ''}"
+            f"{' + '.join(also)}; training {trained:,} of {total:,} parameters "
+            f"({100 * trained / total:.2f}%), the rest frozen")
 
 
 def _announce(config: TrainConfig, *, start: int, resume: bool, out_dir: Path,
@@ -228,6 +249,9 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
 
     With ``init_from`` the weights come from that run directory's checkpoint (its model config
     must equal ``config.model``), loaded into the whole model before the parallel hooks shard it.
+    With ``config.lora`` every MoE layer then gets expert adapters (:func:`memfine.nn.lora.
+    apply_lora`, drawn from the seeded generator) and the optimizer holds the trainable
+    parameters only; the frozen ones get no gradient buffer.
 
     Raises:
         ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model.
@@ -237,6 +261,8 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     model = MoETransformerLM(config.model).to(device=device, dtype=getattr(torch, config.dtype))
     if init_from is not None:
         load_weights(model, config.model, init_from)
+    if config.lora is not None:
+        apply_lora(model, config.lora)
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)

@@ -127,11 +127,14 @@ def _update(run: RunState, step_index: int) -> tuple[float, float]:
 def _count_load(run: RunState, outs: list[MicroOut]) -> torch.Tensor:
     """The step's (L, E) tokens per expert over micro-batches and ranks; moves the expert bias.
 
-    The aux-loss-free bias moves once per step, from the global counts of every micro-batch;
-    the counts are added to the ones since the last metrics line and since the last evaluation.
+    The aux-loss-free bias moves once per step, from the global counts of every micro-batch
+    (not while LoRA keeps the routers frozen); the counts are added to the ones since the last
+    metrics line and since the last evaluation.
     """
     load_LE = run.parallel.sum(torch.stack([out[1] for out in outs]).sum(0)).cpu()
-    run.model.update_expert_bias(load_LE)
+    lora = run.config.lora
+    if lora is None or lora.train_router:  # a frozen router keeps its selection bias too
+        run.model.update_expert_bias(load_LE)
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
     return load_LE
