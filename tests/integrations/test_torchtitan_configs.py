@@ -53,7 +53,8 @@ def test_config_function_is_torchtitans_with_memfine_experts(name: str, module: 
     for m, b in zip(mine, base, strict=True):
         assert type(m) is MemfineRoutedExperts.Config
         assert m.memfine.chunk == ChunkConfig()
-        assert all(getattr(m, f.name) == getattr(b, f.name) for f in fields(b))
+        # param_init holds functools.partial objects, equal by identity only: compare reprs
+        assert all(repr(getattr(m, f.name)) == repr(getattr(b, f.name)) for f in fields(b))
     assert ours.training == theirs.training and ours.parallelism == theirs.parallelism
 
 

@@ -40,7 +40,7 @@ import torch
 
 HERE = Path(__file__).resolve()
 SDPA_OVERRIDE = "torchtitan_trainer.causal_sdpa"
-MEMFINE_OVERRIDE = "memfine.integrations.torchtitan_configs.memfine_experts"
+MEMFINE_OVERRIDE = "memfine.integrations.torchtitan_modules.memfine_experts"
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 
