@@ -32,6 +32,7 @@ Reference: docs/torchtitan.md.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 from memfine.integrations.torchtitan import make_options, torchtitan_modules
@@ -75,41 +76,23 @@ def _torchtitan_config(model: str, name: str) -> Any:
     return with_memfine(getattr(registry, name)())
 
 
-def qwen3_moe_debug() -> Any:
-    """Torchtitan's ``qwen3_moe_debug`` (Qwen3-MoE ``debugmodel_moe``) with memfine's experts."""
-    return _torchtitan_config("qwen3", "qwen3_moe_debug")
+def _config_function(model: str, name: str, what: str) -> Callable[[], Any]:
+    """A config function ``name`` (no arguments, as ``--config`` calls it) of this module."""
+
+    def config_function() -> Any:
+        return _torchtitan_config(model, name)
+
+    config_function.__name__ = config_function.__qualname__ = name
+    config_function.__doc__ = f"Torchtitan's ``{name}`` ({what}) with memfine's experts."
+    return config_function
 
 
-def qwen3_30b_a3b() -> Any:
-    """Torchtitan's ``qwen3_30b_a3b`` (Qwen3-30B-A3B) with memfine's experts."""
-    return _torchtitan_config("qwen3", "qwen3_30b_a3b")
-
-
-def deepseek_v3_debugmodel() -> Any:
-    """Torchtitan's ``deepseek_v3_debugmodel`` with memfine's experts."""
-    return _torchtitan_config("deepseek_v3", "deepseek_v3_debugmodel")
-
-
-def deepseek_v3_16b() -> Any:
-    """Torchtitan's ``deepseek_v3_16b`` (DeepSeek-V2-Lite size) with memfine's experts."""
-    return _torchtitan_config("deepseek_v3", "deepseek_v3_16b")
-
-
-def deepseek_v3_671b() -> Any:
-    """Torchtitan's ``deepseek_v3_671b`` (DeepSeek-V3) with memfine's experts."""
-    return _torchtitan_config("deepseek_v3", "deepseek_v3_671b")
-
-
-def gpt_oss_debugmodel() -> Any:
-    """Torchtitan's ``gpt_oss_debugmodel`` with memfine's experts."""
-    return _torchtitan_config("gpt_oss", "gpt_oss_debugmodel")
-
-
-def gpt_oss_20b() -> Any:
-    """Torchtitan's ``gpt_oss_20b`` (gpt-oss-20b) with memfine's experts."""
-    return _torchtitan_config("gpt_oss", "gpt_oss_20b")
-
-
-def gpt_oss_120b() -> Any:
-    """Torchtitan's ``gpt_oss_120b`` (gpt-oss-120b) with memfine's experts."""
-    return _torchtitan_config("gpt_oss", "gpt_oss_120b")
+qwen3_moe_debug = _config_function("qwen3", "qwen3_moe_debug", "Qwen3-MoE debugmodel_moe")
+qwen3_30b_a3b = _config_function("qwen3", "qwen3_30b_a3b", "Qwen3-30B-A3B")
+deepseek_v3_debugmodel = _config_function("deepseek_v3", "deepseek_v3_debugmodel",
+                                          "DeepSeek-V3 debugmodel")
+deepseek_v3_16b = _config_function("deepseek_v3", "deepseek_v3_16b", "DeepSeek-V3 16B")
+deepseek_v3_671b = _config_function("deepseek_v3", "deepseek_v3_671b", "DeepSeek-V3 671B")
+gpt_oss_debugmodel = _config_function("gpt_oss", "gpt_oss_debugmodel", "GPT-OSS debugmodel")
+gpt_oss_20b = _config_function("gpt_oss", "gpt_oss_20b", "gpt-oss-20b")
+gpt_oss_120b = _config_function("gpt_oss", "gpt_oss_120b", "gpt-oss-120b")
