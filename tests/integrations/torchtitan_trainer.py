@@ -180,8 +180,8 @@ SMALL_CONFIGS = {"torchtitan": "torchtitan_trainer:qwen3_moe_small",
                  "memfine": "torchtitan_trainer:qwen3_moe_small_memfine"}
 
 
-def small_chunk_bytes() -> Any:
-    """memfine's memory model (``ChunkBytes``) of one test-size block at the run's T, fp32."""
+def small_chunk_bytes(num_tokens: int = SMALL_TOKENS) -> Any:
+    """memfine's memory model (``ChunkBytes``) of one test-size block at T tokens, fp32."""
     from memfine.config import ChunkConfig, MoEConfig
     from memfine.schedule.policy import ChunkPolicy
 
@@ -189,24 +189,25 @@ def small_chunk_bytes() -> Any:
                     num_experts=SMALL_EXPERTS, top_k=SMALL_TOP_K, renormalize=False,
                     activation="swiglu")
     return ChunkPolicy(ChunkConfig(memory_budget_bytes=1), moe).chunk_bytes(
-        SMALL_TOKENS, SMALL_DTYPE_BYTES)
+        num_tokens, SMALL_DTYPE_BYTES)
 
 
-def budget_for_chunks(num_chunks: int) -> int:
+def budget_for_chunks(num_chunks: int, num_tokens: int = SMALL_TOKENS) -> int:
     """fixed + row · T·k/c bytes: s'_max = T·k/c rows, so MemFine Eq. 9 needs exactly c."""
-    line = small_chunk_bytes()
-    return line.fixed_bytes + line.row_bytes * (SMALL_TOKENS * SMALL_TOP_K // num_chunks)
+    line = small_chunk_bytes(num_tokens)
+    return line.fixed_bytes + line.row_bytes * (num_tokens * SMALL_TOP_K // num_chunks)
 
 
 def small_runs(workdir: Path, methods: dict[str, str | None], *, steps: int = 3,
-               profile: bool = False) -> list[dict[str, Any]]:
+               profile: bool = False, batch: int = SMALL_BATCH, seq_len: int = SMALL_SEQ
+               ) -> list[dict[str, Any]]:
     """Run specs at test size: ``methods`` maps a name to memfine's override options (JSON)
     or ``None``; the name ``torchtitan`` runs torchtitan's experts. Assets go to ``workdir``."""
     assets = write_assets(workdir)
     common = ["--hf_assets_path", assets["tokenizer"],
               "--dataloader.dataset_path", assets["dataset"],
-              "--training.steps", str(steps), "--training.local_batch_size", str(SMALL_BATCH),
-              "--training.seq_len", str(SMALL_SEQ),
+              "--training.steps", str(steps), "--training.local_batch_size", str(batch),
+              "--training.seq_len", str(seq_len),
               "--training.mixed_precision_param", "float32",
               "--debug.seed", "0", "--checkpoint.no-enable", "--metrics.log_freq", "1",
               "--dump_folder", str(workdir / "outputs")]

@@ -49,6 +49,7 @@ from memfine.integrations.torchtitan_budget import (
     budget_chunk_config,
     experts_budget,
 )
+from memfine.integrations.torchtitan_checkpoint import outside_selective_checkpoint
 
 _log = logging.getLogger(__name__)
 
@@ -270,7 +271,8 @@ class MemfineRoutedExperts(RoutedExperts):
             torch.arange(E_local, device=routed_RD.device), counts_e.long(),
             output_size=num_rows)  # rows past the counts (padding) get the sentinel E_local
         ones_R1 = routed_RD.new_ones(R, 1)
-        out_RD = self._experts(routed_RD, ids_R1, ones_R1, num_rows)
+        with outside_selective_checkpoint():  # SAC would keep the fused experts' GEMMs
+            out_RD = self._experts(routed_RD, ids_R1, ones_R1, num_rows)
         return self.token_dispatcher.combine(out_RD, metadata, x_TD)
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor,
@@ -293,7 +295,8 @@ class MemfineRoutedExperts(RoutedExperts):
         scores_TK = topk_scores_BLK.reshape(B * L, K)
         ids_TK = topk_expert_ids_BLK.reshape(B * L, K)
         if self._uses_memfine_dispatch():
-            out_TD = self._experts(x_TD, ids_TK, scores_TK, ids_TK.numel())
+            with outside_selective_checkpoint():  # SAC would keep the fused experts' GEMMs
+                out_TD = self._experts(x_TD, ids_TK, scores_TK, ids_TK.numel())
         else:
             out_TD = self._experts_behind_dispatcher(x_TD, scores_TK, ids_TK,
                                                      num_local_tokens_per_expert_E)
