@@ -6,7 +6,7 @@ torchtitan's ``ConfigManager`` from ``--module``/``--config`` and torchtitan's
 ``--override.imports``, in one gloo process: torchtitan's experts, and memfine's config function
 with c = 1, c = 2 (override) and a memory budget under which MACT picks c = 4. Losses must match
 torchtitan's per step within LOSS_ATOL; the chunk decisions and the first-step memory report
-must be those of memfine's memory model at the run's T. About 4 minutes on 2 cores: ``slow``.
+must be those of memfine's memory model at the run's T. 2 to 5 minutes on 2 cores (load): ``slow``.
 """
 
 from __future__ import annotations
