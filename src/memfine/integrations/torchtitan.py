@@ -106,7 +106,12 @@ def _installed_version() -> str:
         return "0"
 
 
-def _modules() -> Any:
+def torchtitan_modules() -> Any:
+    """:mod:`memfine.integrations.torchtitan_modules`, imported after the version check.
+
+    Raises:
+        ImportError: if torchtitan is missing or not 0.3.x.
+    """
     require_torchtitan()
     from memfine.integrations import torchtitan_modules
 
@@ -159,7 +164,7 @@ def convert_model(model: nn.Module, config: TorchtitanExpertsConfig | None = Non
         ValueError: on invalid options, an unsupported experts class, or a model without
             ``RoutedExperts``.
     """
-    modules = _modules()
+    modules = torchtitan_modules()
     cfg = make_options(config, num_chunks=num_chunks, memory_budget=memory_budget, **overrides)
     moe = require_torchtitan()
     names = [name for name, m in model.named_modules() if type(m) is moe.RoutedExperts]
@@ -187,6 +192,6 @@ def converter(config: TorchtitanExpertsConfig | None = None, *, num_chunks: int 
         ImportError: if torchtitan is missing or not 0.3.x.
         ValueError: on invalid options.
     """
-    modules = _modules()
+    modules = torchtitan_modules()
     cfg = make_options(config, num_chunks=num_chunks, memory_budget=memory_budget, **overrides)
     return modules.MemfineExpertsConverter.Config(experts=cfg)

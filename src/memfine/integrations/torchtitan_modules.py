@@ -8,6 +8,8 @@
 - :class:`MemfineExpertsConverter`: a torchtitan ``ModelConfigConverter`` that swaps every
   ``RoutedExperts.Config`` of a model config for :class:`MemfineRoutedExperts.Config` (the way
   torchtitan's low-precision converters swap ``GroupedExperts.Config``).
+- :func:`memfine_experts`: the same swap as a torchtitan override, so that
+  ``--override.imports`` turns memfine on, with options, from torchtitan's command line.
 
 Legend: B batch, L sequence, T tokens, K top-k slots, R rows a dispatcher delivers to this
 rank's experts, E experts (E_local under expert parallelism), D = d, N = n, G = 2n.
@@ -19,12 +21,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field, fields
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn import functional as F
+from torchtitan.config import derive, override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
 from torchtitan.models.common.token_dispatcher import (
     AllToAllTokenDispatcher,
@@ -34,9 +38,18 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
-from memfine.integrations.hf.experts import run_module
+from memfine.integrations.hf.experts import _policy as experts_policy
+from memfine.integrations.hf.experts import num_chunks_for, run_module
 from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
+from memfine.integrations.torchtitan_budget import (
+    BUDGET_ATTRIBUTE,
+    DECISION_ATTRIBUTE,
+    ExpertsDecision,
+    budget_chunk_config,
+    experts_budget,
+)
+from memfine.integrations.torchtitan_checkpoint import outside_selective_checkpoint
 
 _log = logging.getLogger(__name__)
 
@@ -114,8 +127,28 @@ def experts_layout(inner: nn.Module, impl: str) -> tuple[ExpertWeights, ExpertsP
         if impl == "plain":
             plan = ExpertsPlan(path="plain", activation=None, reason="impl='plain'")
         return weights, plan, _Gate(lambda h_SG: swiglu(h_SG, limit=limit))
-    raise ValueError(f"memfine supports torchtitan's GroupedExperts and GptOssGroupedExperts, "
-                     f"got {type(inner).__name__}")
+    raise ValueError(unsupported_experts_message(type(inner).__name__))
+
+
+# Prefix of the experts subclasses torchtitan's quantisation converters build → the converter.
+_QUANTISED = {"Float8": "Float8GroupedExpertsConverter", "MXFP8": "MXFP8GroupedExpertsConverter"}
+
+
+def unsupported_experts_message(name: str) -> str:
+    """One line on an experts class memfine does not run; quantised ones name their converter.
+
+    torchtitan's ``Float8GroupedExpertsConverter`` / ``MXFP8GroupedExpertsConverter`` build
+    ``Float8GroupedExperts`` / ``MXFP8GroupedExperts`` (subclasses keeping the parameter layout
+    whose grouped GEMMs quantise on the fly). memfine computes its experts in the parameters'
+    dtype and has no quantised grouped GEMM, so running them would silently drop the
+    quantisation: they are refused and the message names the converter to drop.
+    """
+    for prefix, converter in _QUANTISED.items():
+        if name.startswith(prefix):
+            return (f"memfine's experts do not run torchtitan's quantised {name} (memfine computes "
+                    f"in the parameters' dtype): drop {converter} from the model's converters, "
+                    f"or drop memfine's converter")
+    return f"memfine supports torchtitan's GroupedExperts and GptOssGroupedExperts, got {name}"
 
 
 def _is_local(dispatcher: object) -> bool:
@@ -185,8 +218,8 @@ class MemfineRoutedExperts(RoutedExperts):
         return mode == "memfine" or (mode == "auto" and local)
 
     def _experts(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
-        """(T, d) routed output in x's dtype, computed in the parameters' dtype."""
+                 top_k_weights: torch.Tensor, rows: int) -> torch.Tensor:
+        """(T, d) routed output in x's dtype, computed in the parameters' dtype (rows: s″)."""
         cfg = self.memfine_config
         weights, plan, gate = experts_layout(self.inner_experts, cfg.impl)
         if not getattr(self, "_memfine_logged", False):
@@ -194,10 +227,37 @@ class MemfineRoutedExperts(RoutedExperts):
                       plan.path, f" ({plan.reason})" if plan.reason else "")
             self._memfine_logged = True
         gate = self.__dict__.setdefault("_memfine_gate", gate)  # keeps the chunk policy cache
-        out_TD = run_module(gate, plan, weights, x_TD.to(weights.w_up_EDG.dtype), top_k_index,
-                            top_k_weights, chunk=cfg.chunk, backend=cfg.gemm_backend,
+        x_cast_TD = x_TD.to(weights.w_up_EDG.dtype)
+        self._note_chunking(gate, plan, weights, x_cast_TD, top_k_index, rows)
+        out_TD = run_module(gate, plan, weights, x_cast_TD, top_k_index, top_k_weights,
+                            chunk=cfg.chunk, backend=cfg.gemm_backend,
                             index_builder=cfg.index_builder)
         return out_TD.to(x_TD.dtype)
+
+    def _note_chunking(self, gate: _Gate, plan: ExpertsPlan, weights: ExpertWeights,
+                       x_TD: torch.Tensor, top_k_index: torch.Tensor, rows: int) -> None:
+        """Keep this call's memory model (logged at the first call) and chunk decision.
+
+        The model is that of a budget with this block's bins and recompute mode (its own
+        budget, when set): ``memfine_budget`` (:class:`ExpertsBudget`) and
+        ``memfine_last_decision`` (:class:`ExpertsDecision`).
+        """
+        chunk = self.memfine_config.chunk
+        holder = self.__dict__.setdefault("_memfine_budget_policy", SimpleNamespace())
+        policy = experts_policy(holder, plan, weights, top_k_index.shape[1],
+                                budget_chunk_config(chunk))
+        budget = experts_budget(policy, top_k_index.shape[0], rows, x_TD.element_size())
+        if getattr(self, BUDGET_ATTRIBUTE, None) is None:
+            _log.info("memfine experts memory model at the first step: %s", budget.describe())
+        setattr(self, BUDGET_ATTRIBUTE, budget)
+        budgeted = chunk.memory_budget_bytes is not None
+        c = (num_chunks_for(gate, plan, weights, x_TD, top_k_index, chunk) if budgeted
+             else chunk.num_chunks)
+        recompute = chunk.resolved_recompute if budgeted or c > 1 else "none"
+        setattr(self, DECISION_ATTRIBUTE, ExpertsDecision(
+            num_chunks=c, recompute=recompute, tokens=rows,
+            predicted_peak_bytes=budget.predicted_peak_bytes(c),
+            budget_bytes=chunk.memory_budget_bytes))
 
     def _experts_behind_dispatcher(self, x_TD: torch.Tensor, scores_TK: torch.Tensor,
                                    ids_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
@@ -211,7 +271,8 @@ class MemfineRoutedExperts(RoutedExperts):
             torch.arange(E_local, device=routed_RD.device), counts_e.long(),
             output_size=num_rows)  # rows past the counts (padding) get the sentinel E_local
         ones_R1 = routed_RD.new_ones(R, 1)
-        out_RD = self._experts(routed_RD, ids_R1, ones_R1)
+        with outside_selective_checkpoint():  # SAC would keep the fused experts' GEMMs
+            out_RD = self._experts(routed_RD, ids_R1, ones_R1, num_rows)
         return self.token_dispatcher.combine(out_RD, metadata, x_TD)
 
     def forward(self, x_BLD: torch.Tensor, topk_scores_BLK: torch.Tensor,
@@ -234,7 +295,8 @@ class MemfineRoutedExperts(RoutedExperts):
         scores_TK = topk_scores_BLK.reshape(B * L, K)
         ids_TK = topk_expert_ids_BLK.reshape(B * L, K)
         if self._uses_memfine_dispatch():
-            out_TD = self._experts(x_TD, ids_TK, scores_TK)
+            with outside_selective_checkpoint():  # SAC would keep the fused experts' GEMMs
+                out_TD = self._experts(x_TD, ids_TK, scores_TK, ids_TK.numel())
         else:
             out_TD = self._experts_behind_dispatcher(x_TD, scores_TK, ids_TK,
                                                      num_local_tokens_per_expert_E)
@@ -267,16 +329,29 @@ class MemfineExpertsConverter(ModelConfigConverter):
         """Keep the options."""
         self.config = config
 
+    @staticmethod
+    def check_experts(experts_config: Any) -> None:
+        """Raise unless memfine runs the experts this config builds.
+
+        Raises:
+            ValueError: for quantised experts (naming the converter to drop) or another class.
+        """
+        if type(experts_config) not in (GroupedExperts.Config, GptOssGroupedExperts.Config):
+            owner = getattr(type(experts_config), "_owner", type(experts_config))
+            raise ValueError(unsupported_experts_message(owner.__name__))
+
     def convert(self, model_config: Any) -> Any:
         """Swap every ``RoutedExperts.Config`` (and only that exact class) in the tree.
 
         Raises:
-            ValueError: when the config has no ``RoutedExperts.Config``.
+            ValueError: when the config has no ``RoutedExperts.Config``, or one of its experts
+                is not supported (quantised experts: the message names the converter to drop).
         """
         swapped = []
         for fqn, cfg, parent, attr in list(model_config.traverse(RoutedExperts.Config)):
             if type(cfg) is not RoutedExperts.Config:
                 continue
+            self.check_experts(cfg.inner_experts)
             new = memfine_routed_experts_config(cfg, self.config.experts)
             if isinstance(parent, list):
                 parent[attr] = new
@@ -288,3 +363,24 @@ class MemfineExpertsConverter(ModelConfigConverter):
                              f"convert (not a torchtitan MoE model?)")
         _log.info("memfine experts in %d MoE blocks: %s", len(swapped), ", ".join(swapped))
         return model_config
+
+
+@override(target=RoutedExperts.Config,
+          description="memfine experts: buffer-free fused experts and MemFine chunking")
+def memfine_experts(cfg: RoutedExperts.Config, **options: Any) -> MemfineRoutedExperts.Config:
+    """Torchtitan override: every routed-experts block runs memfine's experts with ``options``.
+
+    Activated on torchtitan's command line with ``--override.imports
+    'memfine.integrations.torchtitan_modules.memfine_experts={"num_chunks": 2}'`` (keyword
+    arguments of :func:`memfine.integrations.torchtitan.make_options`, as a JSON object). It
+    replaces ``RoutedExperts.Config`` and ``MemfineRoutedExperts.Config`` alike, so it also sets
+    the options of a config function of :mod:`memfine.integrations.torchtitan_configs`.
+
+    Raises:
+        ValueError: on invalid options, or experts memfine does not run (quantised experts: the
+            message names the converter to drop).
+    """
+    from memfine.integrations.torchtitan import make_options
+
+    MemfineExpertsConverter.check_experts(cfg.inner_experts)
+    return derive(cfg, MemfineRoutedExperts.Config, memfine=make_options(**options))

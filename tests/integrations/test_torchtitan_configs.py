@@ -1,0 +1,170 @@
+"""memfine's torchtitan config functions, the ``--override.imports`` override, quantised experts,
+and the first-step memory report and chunk decisions of converted blocks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytest.importorskip("torchtitan", reason="torchtitan is not installed "
+                    "(pip install -c constraints.txt -e '.[torchtitan]')")
+
+import torch  # noqa: E402
+from torchtitan_models import build_model, forward_tokens, model_config  # noqa: E402
+
+from memfine.config import ChunkConfig, MoEConfig  # noqa: E402
+from memfine.integrations import torchtitan_configs  # noqa: E402
+from memfine.integrations.torchtitan import convert_model  # noqa: E402
+from memfine.integrations.torchtitan_budget import (  # noqa: E402
+    budget_report,
+    format_budget_report,
+    last_decisions,
+)
+from memfine.schedule.policy import ChunkPolicy  # noqa: E402
+
+OVERRIDE = "memfine.integrations.torchtitan_modules.memfine_experts"
+CONFIG_FUNCTIONS = [  # (memfine function, torchtitan module)
+    ("qwen3_moe_debug", "qwen3"), ("qwen3_30b_a3b", "qwen3"),
+    ("deepseek_v3_debugmodel", "deepseek_v3"), ("deepseek_v3_16b", "deepseek_v3"),
+    ("deepseek_v3_671b", "deepseek_v3"), ("gpt_oss_debugmodel", "gpt_oss"),
+    ("gpt_oss_20b", "gpt_oss"), ("gpt_oss_120b", "gpt_oss"),
+]
+
+
+def _routed(config) -> list:
+    from torchtitan.models.common.moe import RoutedExperts
+
+    return [cfg for _, cfg, _, _ in config.model_spec.traverse(RoutedExperts.Config)]
+
+
+@pytest.mark.parametrize(("name", "module"), CONFIG_FUNCTIONS)
+def test_config_function_is_torchtitans_with_memfine_experts(name: str, module: str) -> None:
+    import importlib
+    from dataclasses import fields
+
+    from memfine.integrations.torchtitan_modules import MemfineRoutedExperts
+
+    ours = getattr(torchtitan_configs, name)()
+    theirs = getattr(importlib.import_module(f"torchtitan.models.{module}.config_registry"),
+                     name)()
+    mine, base = _routed(ours), _routed(theirs)
+    assert len(mine) == len(base) > 0
+    for m, b in zip(mine, base, strict=True):
+        assert type(m) is MemfineRoutedExperts.Config
+        assert m.memfine.chunk == ChunkConfig()
+        # param_init holds functools.partial objects, equal by identity only: compare reprs
+        assert all(repr(getattr(m, f.name)) == repr(getattr(b, f.name)) for f in fields(b))
+    assert ours.training == theirs.training and ours.parallelism == theirs.parallelism
+
+
+def _parsed(module: str, config: str, *overrides: str):
+    from torchtitan.config import ConfigManager
+    from torchtitan.config.override import apply_overrides
+
+    args = ["--module", module, "--config", config]
+    if overrides:
+        args += ["--override.imports", *overrides]
+    cfg = ConfigManager().parse_args(args)
+    apply_overrides(cfg.override, cfg)  # as Trainer.__init__ does
+    return cfg
+
+
+@pytest.mark.parametrize("module", ["memfine.integrations.torchtitan_configs", "qwen3"])
+def test_override_sets_options_from_the_command_line(module: str) -> None:
+    cfg = _parsed(module, "qwen3_moe_debug",
+                  f'{OVERRIDE}={{"num_chunks": 3, "memory_budget": "64MiB"}}')
+    routed = _routed(cfg)
+    assert len(routed) == 8
+    for r in routed:
+        assert r.memfine.chunk.num_chunks == 3
+        assert r.memfine.chunk.memory_budget_bytes == 64 * 2**20
+
+
+def test_config_function_without_override_keeps_defaults() -> None:
+    cfg = _parsed("memfine.integrations.torchtitan_configs", "qwen3_moe_debug")
+    assert all(r.memfine.chunk == ChunkConfig() for r in _routed(cfg))
+
+
+def test_override_rejects_bad_options() -> None:
+    with pytest.raises(ValueError, match="num_chunks"):
+        _parsed("qwen3", "qwen3_moe_debug", f'{OVERRIDE}={{"num_chunks": 0}}')
+
+
+@pytest.mark.parametrize(("factory", "converter"), [
+    ("torchtitan.components.quantization.float8._get_float8_grouped_experts_cls",
+     "Float8GroupedExpertsConverter"),
+    ("torchtitan.components.quantization.mx._get_mxfp8_grouped_experts_cls",
+     "MXFP8GroupedExpertsConverter"),
+])
+def test_quantised_experts_are_refused_naming_the_converter(factory: str,
+                                                            converter: str) -> None:
+    """torchtitan's quantisation converters need torchao and a recent GPU; their experts classes
+    (the subclasses they build) are made here directly, config and module alike."""
+    import importlib
+    from dataclasses import fields
+
+    from torchtitan.models.common.moe import GroupedExperts
+    from torchtitan.models.qwen3.config_registry import qwen3_moe_debug
+
+    from memfine.integrations.torchtitan_configs import with_memfine
+
+    module_name, fn = factory.rsplit(".", 1)
+    quantised = getattr(importlib.import_module(module_name), fn)(GroupedExperts)
+    message = f"drop {converter} from the model's converters"
+
+    cfg = qwen3_moe_debug()
+    for r in _routed(cfg):
+        inner = r.inner_experts
+        r.inner_experts = quantised.Config(**{f.name: getattr(inner, f.name)
+                                              for f in fields(inner)})
+    with pytest.raises(ValueError, match=message):
+        with_memfine(cfg)
+
+    model = build_model(model_config("qwen3"))
+    for m in model.modules():
+        if type(m) is GroupedExperts:
+            m.__class__ = quantised
+    with pytest.raises(ValueError, match=message):
+        convert_model(model)
+
+
+def _tiny_policy(num_tokens: int, k: int) -> tuple:
+    moe = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=6, top_k=k,
+                    renormalize=False, activation="swiglu")
+    return ChunkPolicy(ChunkConfig(memory_budget_bytes=1), moe).chunk_bytes(num_tokens, 4)
+
+
+@pytest.mark.parametrize("chunk", [{}, {"num_chunks": 3}, {"budget_c": 2}], ids=str)
+def test_budget_report_and_decisions_follow_the_memory_model(chunk: dict) -> None:
+    B, L, k = 2, 12, 2
+    T = B * L
+    line = _tiny_policy(T, k)
+    options = dict(chunk)
+    c = options.pop("budget_c", None)
+    budget = None
+    if c is not None:  # s'_max = T·k/c rows: Eq. 9 picks exactly c
+        budget = line.fixed_bytes + line.row_bytes * (T * k // c)
+        options["memory_budget"] = budget
+    model = build_model(model_config("qwen3", n_layers=2))
+    names = convert_model(model, **options)
+    assert set(last_decisions(model)) == set(names) == set(budget_report(model))
+    assert all(v is None for v in last_decisions(model).values())
+    assert "no forward yet" in format_budget_report(model)
+
+    forward_tokens(model, torch.randint(0, 64, (B, L))).sum().backward()
+    want_c = c or options.get("num_chunks", 1)
+    for name in names:
+        report, decision = budget_report(model)[name], last_decisions(model)[name]
+        assert (report.tokens, report.rows, report.dtype_bytes) == (T, T * k, 4)
+        assert (report.fixed_bytes, report.row_bytes) == (line.fixed_bytes, line.row_bytes)
+        assert report.token_bytes == line.row_bytes * T * k
+        assert report.smallest_feasible_budget_bytes == (
+            line.fixed_bytes + line.row_bytes * math.ceil(T * k / 8))
+        assert decision.num_chunks == want_c
+        assert decision.recompute == ("none" if want_c == 1 and budget is None else "experts")
+        assert (decision.tokens, decision.budget_bytes) == (T * k, budget)
+        assert decision.predicted_peak_bytes == (
+            line.fixed_bytes + line.row_bytes * math.ceil(T * k / want_c))
+    text = format_budget_report(model)
+    assert all(name in text for name in names) and "smallest feasible memory_budget" in text
