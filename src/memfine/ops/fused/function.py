@@ -176,9 +176,11 @@ class FusedExpertsFunction(torch.autograd.Function):
     Streamed backward (MoEBlaze §4.2, row tiles of the expert-grouped rows): backward walks the
     S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
     the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
-    forms dA, dH and the gathered rows, adds the block's per-expert products into the weight
-    gradients in place (``addmm_``) and its dx rows into dx (T, d) deterministically: on the CPU
-    with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
+    forms dA, dH and the gathered rows, adds the block's products into the weight gradients
+    (bf16: one 2-D × 2-D ``torch._grouped_mm`` per weight, column-major A = Xᵀ and row-major B,
+    added into the buffer after the first block; fp32/float64: per-expert ``addmm_`` in place;
+    :mod:`memfine.ops.fused.weight_grads`) and its dx rows into dx (T, d) deterministically: on
+    the CPU with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
     order), elsewhere with a per-token gather through token_index_map, no atomics
     (:func:`_add_dx_rows_`). ``weight_grads``: the chunk loop's shared buffers
     (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
@@ -188,7 +190,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     gated activations: recomputed once for A and reused for dH), dH (B·G), gathered x (B·d),
     dx rows (B·d), the activation's temporaries (B·n each) and, with a down
     bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
-    gradient buffers (E·d·G + E·n·d, the only weight-gradient-sized allocations). No (S, ·)
+    gradient buffers (E·d·G + E·n·d; in bf16 each block after the first adds one transient
+    product of a buffer's size), the rows' routing weights (S) and, with several blocks, their
+    (n_blocks, E + 1) int32 offsets. No (S, ·)
     array and no (T, k, d) gather exists in backward when B < S. The per-expert ``addmm_``
     ranges come from the offsets the index builder read in the forward
     (``FusedOptions.host_offsets``): the backward makes no host read (an index without them
