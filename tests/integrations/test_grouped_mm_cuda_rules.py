@@ -45,7 +45,9 @@ def _layer_run(moe: MoEConfig, chunk: ChunkConfig | None = None) -> Callable[[],
 MOE = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
 LAYERS = {
     "fused": (MOE, None),
-    "fused_row_blocks": (dataclasses.replace(MOE, backward_block_bytes=1), None),
+    # one row per block: (3·d + 3·n + 2n)·2 bytes
+    "fused_row_blocks": (dataclasses.replace(MOE, backward_block_bytes=(3 * D + 5 * N) * 2),
+                         None),
     "fused_chunked": (MOE, ChunkConfig(num_chunks=2, recompute="experts")),
     "plain": (dataclasses.replace(MOE, experts_impl="plain", gemm_backend="grouped_mm"), None),
 }

@@ -246,3 +246,24 @@ def test_shared_experts_match_measurement(dtype: torch.dtype, mode: str, c: int,
     assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= PEAK_RTOL
     assert predicted.forward_peak_bytes == pytest.approx(measured.forward_peak_bytes,
                                                          rel=PEAK_RTOL)
+
+
+@pytest.mark.parametrize(("T", "c", "recompute", "block"), [
+    pytest.param(64, 1, "none", 10_000, id="bf16-fused-blocks"),
+    pytest.param(72, 4, "experts", 4_500, id="bf16-chunked-c4-blocks"),
+    pytest.param(64, 2, "none", 3_000, id="bf16-chunked-c2-no-recompute-blocks"),
+])
+def test_bf16_grouped_weight_grad_transients_match_the_tracker_exactly(
+        T: int, c: int, recompute: str, block: int) -> None:
+    """bf16 weight gradients are one grouped GEMM per block, whose later products are
+    buffer-sized transients: the model's peak equals the live-storage tracker's to the byte
+    (the profiler also sees bf16 kernels' fp32 workspaces, tests/measure/test_profiled.py)."""
+    moe = MoEConfig(hidden_size=32, intermediate_size=64, num_experts=8, top_k=2,
+                    backward_block_bytes=block)
+    measured = measure_layer(moe, T, BF16, c, recompute)
+    predicted = moe_layer_memory(moe, T, 2, num_chunks=c, recompute=recompute)
+    assert (predicted.peak_bytes, predicted.forward_peak_bytes) == (
+        measured.peak_bytes, measured.forward_peak_bytes)
+    loop = moe_layer_memory(dataclasses.replace(moe, gemm_backend="loop"), T, 2,
+                            num_chunks=c, recompute=recompute)
+    assert predicted.peak_bytes > loop.peak_bytes  # the transient is in the model

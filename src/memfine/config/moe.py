@@ -135,7 +135,11 @@ class MoEConfig(RouteOptions):
         shared_intermediate_size: n of one shared expert per GLU branch; ``None`` means n.
         shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
         backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
-            and gathered rows; :func:`backward_block_rows`), ≥ 1. Default 16 MiB.
+            and gathered rows; :func:`backward_block_rows`), at least one row at 2 bytes per
+            element ((3·d + 3·n + G)·2; ValueError below). Default 16 MiB. Rows per block set
+            the backward's transients (the memory model's ``bwd.*`` items scale with them) and
+            its block count; in bf16 each block after the first adds one grouped
+            weight-gradient product of the buffer's size (E·d·G, E·n·d) as a transient.
     """
 
     hidden_size: int
@@ -197,6 +201,11 @@ class MoEConfig(RouteOptions):
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
         check_int(self, "backward_block_bytes", 1)
+        one_row = (3 * self.hidden_size + 3 * self.intermediate_size + self.up_width) * 2
+        if self.backward_block_bytes < one_row:
+            fail(self, "backward_block_bytes",
+                 f">= {one_row} (one backward row, (3·d + 3·n + G) elements, at 2 bytes each; "
+                 "a block holds at least one row)", self.backward_block_bytes)
 
     @property
     def shared_width(self) -> int:

@@ -281,6 +281,39 @@ def grouped_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, offsets_E1:
     return out
 
 
+def grouped_weight_grad_supported(x_SI: torch.Tensor, grad_y_SO: torch.Tensor,
+                                  num_groups: int) -> bool:
+    """True when dW = Xᵀ·dY can be one ``torch._grouped_mm`` call with empty groups allowed.
+
+    The 2-D × 2-D form with offsets along K (the rows): A = Xᵀ, an (I, S) column-major view of
+    the row-major X, and B = dY, (S, O) row-major (any row stride, e.g. a column slice of dH).
+    That is the one layout whose CUDA kernel accepts groups with no rows (PyTorch's
+    ``prepare_grouped_gemm_data`` in GroupMMCommon.cuh; :mod:`memfine.measure.grouped_mm_rules`);
+    the result is a new (E, I, O) tensor, exactly zero for empty groups. Checked without
+    allocating: fp32/bf16, the same dtype, CPU or CUDA, both operands with unit column stride
+    and row lengths and strides multiples of 16 bytes; on CUDA also 16-byte-aligned storage
+    offsets and ``num_groups`` < 1024.
+
+    Args:
+        x_SI: (S, I) input rows.
+        grad_y_SO: (S, O) output-gradient rows.
+        num_groups: E, the groups of the call.
+    """
+    if not hasattr(torch, "_grouped_mm") or x_SI.dtype not in _GMM_DTYPES:
+        return False
+    if grad_y_SO.dtype != x_SI.dtype or x_SI.device.type not in ("cpu", "cuda"):
+        return False
+    size = x_SI.element_size()
+    for t in (x_SI, grad_y_SO):
+        if t.dim() != 2 or t.stride(1) != 1:
+            return False
+        if (t.shape[1] * size) % _GMM_ALIGN_BYTES or (t.stride(0) * size) % _GMM_ALIGN_BYTES:
+            return False
+        if _on_cuda(t) and (t.storage_offset() * size) % _GMM_ALIGN_BYTES:
+            return False
+    return not _on_cuda(x_SI) or num_groups <= _GMM_CUDA_MAX_GROUPS
+
+
 def grouped_row_sums(rows_SO: torch.Tensor, offsets_E1: torch.Tensor, num_experts: int
                      ) -> torch.Tensor:
     """dB[e] = Σ_{rows r of e} rows[r] (the gradient of a per-expert bias); empty experts get 0.

@@ -124,6 +124,13 @@ def test_rejects_bad_block_bytes() -> None:
     with pytest.raises(ValueError, match="MoEConfig.backward_block_bytes"):
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
                   backward_block_bytes=0)
+    one_row = (3 * 8 + 3 * 4 + 2 * 4) * 2  # (3·d + 3·n + G) elements at 2 bytes
+    with pytest.raises(ValueError, match=rf"MoEConfig.backward_block_bytes must be >= {one_row} "
+                                         r"\(one backward row.*got 87"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                  backward_block_bytes=one_row - 1)
+    assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                     backward_block_bytes=one_row).backward_block_bytes == one_row
 
 
 def test_split_up_projection_blocks_match_one_tensor() -> None:

@@ -39,7 +39,7 @@ def _index(T: int = 9, E: int = 4, k: int = 2) -> RoutingIndex:
     index = build_routing_index(_routing(T, E, k), E)
     return dataclasses.replace(index, **{
         f.name: getattr(index, f.name).to(DEVICE) for f in dataclasses.fields(index)
-        if isinstance(getattr(index, f.name), torch.Tensor)})
+        if isinstance(getattr(index, f.name), torch.Tensor)})  # not num_experts, host_offsets
 
 
 def test_tile_schedule() -> None:

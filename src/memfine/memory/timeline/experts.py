@@ -111,9 +111,7 @@ def slot_rows(tl: Timeline, s: Shape, C: int, prefix: str) -> str:
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     """FusedExpertsFunction.forward; returns (H, out)."""
     D, G = s.moe.hidden_size, s.moe.up_width
-    idx = tl.alloc("fwd.eti64", S * 8)
     xg = tl.alloc("fwd.x_SD", S * D * s.dt)
-    tl.free(idx)
     h = tl.alloc("fwd.H", S * G * s.dt)
     tl.free(xg)
     a = activation_forward(tl, s, S, "fwd")
@@ -157,11 +155,19 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
         tl.free(tim)
     rows = backward_block_rows(moe.backward_block_bytes, D, moe.intermediate_size, moe.up_width,
                                dt)
+    plan = [tl.alloc("bwd.w_S", S * dt)]  # _BackwardState.plan_blocks: once per backward
+    num_blocks = -(-S // rows)
+    if num_blocks > 1:
+        starts = tl.alloc("bwd.block_starts", num_blocks * 4)
+        plan.append(tl.alloc("bwd.block_offsets", num_blocks * (E + 1) * 4))
+        tl.free(starts)
+    grouped = grouped_weight_grads(s)
     for r0 in range(0, S, rows):
-        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, need_weights)
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped)
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
+    tl.free(*plan)
     if shared is None:
         for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
                                                              * D)):
@@ -170,37 +176,56 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     return grads
 
 
+def grouped_weight_grads(s: Shape) -> dict[str, bool]:
+    """Per weight, whether the fused backward's weight gradient is one grouped GEMM per block.
+
+    :func:`memfine.ops.fused.weight_grads.uses_grouped_weight_grads`: bf16 (D_t = 2 is read as
+    bf16; fp16 is not modelled), not the ``loop`` backend, and the operands' rows multiples of
+    16 bytes (w_up: x (d) and dH (G); w_down: A (n) and dO (d)); fewer than 1024 experts
+    assumed (CUDA's limit). Otherwise the per-expert ``addmm_`` (no transient).
+    """
+    moe = s.moe
+    if s.dt != 2 or moe.gemm_backend == "loop":
+        return {"w_up": False, "w_down": False}
+
+    def aligned(*widths: int) -> bool:
+        return all(w * s.dt % 16 == 0 for w in widths)
+
+    return {"w_up": aligned(moe.hidden_size, moe.up_width),
+            "w_down": aligned(moe.intermediate_size, moe.hidden_size)}
+
+
+def _weight_grad(tl: Timeline, buffers: dict[str, str], grouped: bool, name: str,
+                 nbytes: int) -> None:
+    """One block's product into the weight-gradient buffer.
+
+    The first product is the buffer; a later grouped one is a transient of its size (the
+    per-expert ``addmm_`` writes in place).
+    """
+    if name not in buffers:
+        buffers[name] = tl.alloc(f"grad.{name}", nbytes)
+    elif grouped:
+        tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
+
+
 def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
-                          need_weights: bool = True) -> None:
-    """One row block of B rows: offsets, dO rows, dA, A, dH, x rows, dx rows (in code order)."""
+                          grouped: dict[str, bool]) -> None:
+    """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order)."""
     moe, dt = s.moe, s.dt
     D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
-    clamp = tl.alloc("bwd.offsets_clamp", (E + 1) * 4)
-    offs = tl.alloc("bwd.block_offsets", (E + 1) * 4)
-    tl.free(clamp)
-    slot = tl.alloc("bwd.slot64", B * 8)
-    w_b = tl.alloc("bwd.w_B", B * dt)
-    tl.free(slot)
-    idx = tl.alloc("bwd.eti64", B * 8)
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
-    tl.free(idx)
     grad_a = tl.alloc("bwd.dA", B * N * dt)
     gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated else []  # kept for dH
     a = activation_forward(tl, s, B, "bwd")
-    dots = [tl.alloc("bwd.row_dots", B * dt)] if need_weights else []
-    if "w_down" not in buffers:
-        buffers["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
+    _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
     tl.free(a, grad_out)
     grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
     tl.free(grad_a, *gate)
-    idx = tl.alloc("bwd.eti64", B * 8)
     xg = tl.alloc("bwd.x_BD", B * D * dt)
-    tl.free(idx)
-    if "w_up" not in buffers:
-        buffers["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
+    _weight_grad(tl, buffers, grouped["w_up"], "w_up", E * D * G * dt)
     tl.free(xg)
     dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
-    tl.free(w_b, offs, *dots, grad_h, dx_rows)
+    tl.free(grad_h, dx_rows)
 
 
 def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:

@@ -21,7 +21,7 @@ from memfine.ops.activations import (
     activation_backward,
     apply_activation,
 )
-from memfine.ops.combine import combine_rows, gather_rows, scatter_slots
+from memfine.ops.combine import combine_rows, scatter_slots
 from memfine.ops.fused.lora import LoRABackward, LoRAForward, LoRASpec
 from memfine.ops.fused.up_projection import up_input_grad, up_project
 from memfine.ops.fused.weight_grads import WeightGradBuffers
@@ -89,7 +89,7 @@ def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
 
     ``up_parts``: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
     """
-    x_SD = gather_rows(x_TD, token_idx_S)
+    x_SD = x_TD.index_select(0, token_idx_S)  # int32 indices as they are (no int64 copy)
     h_SG = _add_row_bias_(up_project(x_SD, up_parts, offsets_E1, backend), b_up_EG, offsets_E1)
     if lora is not None:  # split LoRA (memfine.ops.fused.lora): H += s·(x·Aᵀ)·Bᵀ
         lora.up_(h_SG, x_SD, offsets_E1)
@@ -176,9 +176,11 @@ class FusedExpertsFunction(torch.autograd.Function):
     Streamed backward (MoEBlaze §4.2, row tiles of the expert-grouped rows): backward walks the
     S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
     the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
-    forms dA, dH and the gathered rows, adds the block's per-expert products into the weight
-    gradients in place (``addmm_``) and its dx rows into dx (T, d) deterministically: on the CPU
-    with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
+    forms dA, dH and the gathered rows, adds the block's products into the weight gradients
+    (bf16: one 2-D × 2-D ``torch._grouped_mm`` per weight, column-major A = Xᵀ and row-major B,
+    added into the buffer after the first block; fp32/float64: per-expert ``addmm_`` in place;
+    :mod:`memfine.ops.fused.weight_grads`) and its dx rows into dx (T, d) deterministically: on
+    the CPU with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
     order), elsewhere with a per-token gather through token_index_map, no atomics
     (:func:`_add_dx_rows_`). ``weight_grads``: the chunk loop's shared buffers
     (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
@@ -188,7 +190,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     gated activations: recomputed once for A and reused for dH), dH (B·G), gathered x (B·d),
     dx rows (B·d), the activation's temporaries (B·n each) and, with a down
     bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
-    gradient buffers (E·d·G + E·n·d, the only weight-gradient-sized allocations). No (S, ·)
+    gradient buffers (E·d·G + E·n·d; in bf16 each block after the first adds one transient
+    product of a buffer's size), the rows' routing weights (S) and, with several blocks, their
+    (n_blocks, E + 1) int32 offsets. No (S, ·)
     array and no (T, k, d) gather exists in backward when B < S. The per-expert ``addmm_``
     ranges come from the offsets the index builder read in the forward
     (``FusedOptions.host_offsets``): the backward makes no host read (an index without them
@@ -249,8 +253,10 @@ class FusedExpertsFunction(torch.autograd.Function):
         st = _BackwardState(ctx, grad_out_TD)
         S = st.h_SG.shape[0]
         block_rows = max(1, ctx.options.block_rows)
-        for r0, r1 in _row_blocks(S, st.weights_TK.numel(), block_rows, st.bounds is None):
-            _backward_block(st, r0, r1)
+        blocks = _row_blocks(S, st.weights_TK.numel(), block_rows, st.bounds is None)
+        st.plan_blocks(blocks, block_rows)
+        for b, (r0, r1) in enumerate(blocks):
+            _backward_block(st, b, r0, r1)
         grad_weights = None
         if st.need_w:
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
@@ -332,20 +338,52 @@ class _BackwardState:
                           else None)
         self.grad_b_down = (self.x_TD.new_zeros(E, self.x_TD.shape[1]) if self.need_b_down
                             else None)
+        self.w_S: torch.Tensor | None = None
+        self.block_offsets: torch.Tensor | None = None
+
+    def plan_blocks(self, blocks: list[tuple[Any, Any]], block_rows: int) -> None:
+        """The per-block bookkeeping, once per layer backward (not once per block).
+
+        The routing weight of every row, w_S = weights[expert_slot_indices] (S·D_t bytes, one
+        ``index_select`` with the int32 slots), and, eagerly with several blocks, every block's
+        grouped offsets at once: (n_blocks, E + 1) int32 clamp(offsets − r0, 0, block_rows)
+        (an arange, a subtraction and a clamp; one block uses the offsets as they are).
+        Under torch.compile each block computes its own offsets (sizes are symbolic).
+        """
+        # NOTE(memory): S·D_t bytes for the whole backward (was B·(D_t + 8) per block)
+        self.w_S = self.weights_TK.reshape(-1).index_select(0, self.slot_S)
+        if self.bounds is None or len(blocks) < 2:
+            return
+        starts_n1 = torch.arange(0, blocks[-1][0] + 1, block_rows, dtype=self.offsets_E1.dtype,
+                                 device=self.offsets_E1.device)[:, None]
+        # NOTE(memory): (n_blocks, E + 1) int32 offsets, freed with the backward state
+        self.block_offsets = (self.offsets_E1[None, :] - starts_n1).clamp_(0, block_rows)
+
+    def offsets_of(self, b: int, r0: Any, r1: Any) -> torch.Tensor:
+        """(E + 1,) int32 grouped offsets of block ``b`` = rows [r0, r1), starting at 0."""
+        if self.block_offsets is not None:
+            return self.block_offsets[b]
+        if self.bounds is not None and r0 == 0 and r1 == self.h_SG.shape[0]:
+            return self.offsets_E1  # one block: the offsets as they are
+        return self.offsets_E1.clamp(r0, r1) - r0
 
 
-def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
+def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     """Back-propagate expert-grouped rows [r0, r1): A, dA, dH and the rows exist for them only.
 
-    The block's grouped offsets are clamp(offsets, r0, r1) − r0 (no host copy needed for the
-    GEMMs); weight gradients are added into the buffers per expert, dx per token (index_add_).
+    The block's grouped offsets are clamp(offsets, r0, r1) − r0 (computed for every block at
+    once, :meth:`_BackwardState.plan_blocks`; no host copy needed for the GEMMs); weight
+    gradients go into the buffers (one grouped GEMM per weight in bf16, else per expert), dx
+    per token. Rows are gathered with the int32 indices as they are (no int64 copy).
     """
     E = st.w_up_EDG.shape[0]
-    offs_E1 = st.offsets_E1.clamp(r0, r1) - r0
+    offs_E1 = st.offsets_of(b, r0, r1)
     token_B = st.token_idx_S[r0:r1]
     h_BG = st.h_SG[r0:r1]
-    w_B1 = st.weights_TK.reshape(-1).index_select(0, st.slot_S[r0:r1].long())[:, None]
-    grad_out_BD = gather_rows(st.grad_out_TD, token_B)  # NOTE(memory): transient B·d
+    assert st.w_S is not None, "plan_blocks runs before the blocks"
+    w_B1 = st.w_S[r0:r1, None]
+    # NOTE(memory): transient B·d
+    grad_out_BD = st.grad_out_TD.index_select(0, token_B)
     grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
     # NOTE(memory): A and f(gate) recomputed from H for this block only (transients B·n each)
     need_a = st.need_w or st.need_down or (st.lora is not None and st.lora.needs_activation)
@@ -365,15 +403,17 @@ def _backward_block(st: _BackwardState, r0: int, r1: int) -> None:
     if st.dots_S is not None:  # ⟨dO·w_downᵀ, A⟩ (MoEBlaze §5): no Y needed
         assert a_BN is not None, "A is recomputed when the weights need a gradient"
         # NOTE(memory): the products overwrite A (used above), so the dots need no temporary
-        dots_B = a_BN.mul_(grad_a_BN).sum(1)
-        st.dots_S[r0:r1] = dots_B if st.b_down_ED is None else st.dots_S[r0:r1] + dots_B
+        if st.b_down_ED is None:
+            torch.sum(a_BN.mul_(grad_a_BN), 1, out=st.dots_S[r0:r1])
+        else:
+            st.dots_S[r0:r1] += a_BN.mul_(grad_a_BN).sum(1)
     del a_BN, grad_out_BD
     grad_h_BG = activation_backward(h_BG, grad_a_BN.mul_(w_B1), st.act, gate_BN)  # B·G
     del grad_a_BN, gate_BN
     if st.grad_b_up is not None:
         st.grad_b_up += grouped_row_sums(grad_h_BG, offs_E1, E)
     if any(st.need_up):  # dW_up[e] += x_eᵀ · dH_e (per part: its columns of dH), in place
-        x_BD = gather_rows(st.x_TD, token_B)  # NOTE(memory): recomputed gather, B·d
+        x_BD = st.x_TD.index_select(0, token_B)  # NOTE(memory): recomputed gather, B·d
         col = 0
         for slot, part, needed in zip((0, 2), st.parts, st.need_up, strict=False):
             width = part.shape[2]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from memfine.ops.grouped import grouped_weight_grad
+from memfine.ops.grouped import grouped_weight_grad, grouped_weight_grad_supported
 
 
 class WeightGradBuffers:
@@ -78,6 +78,16 @@ class WeightGradBuffers:
             accumulate_grouped_weight_grad_(self.buffer(slot, like), x_SI, grad_y_SO, None, row0,
                                             block_offsets_E1, backend)
             return
+        if (block_offsets_E1 is not None
+                and uses_grouped_weight_grads(x_SI, grad_y_SO, like.shape[0], backend)):
+            grad_w_EIO = grouped_block_weight_grad(x_SI, grad_y_SO, block_offsets_E1, like)
+            if slot not in self._grads:  # NOTE(memory): the first product is the buffer
+                self._grads[slot] = grad_w_EIO
+                self._unwritten[slot] = [False] * like.shape[0]
+                return
+            # NOTE(memory): a later block's product is a transient of the buffer's size
+            self.buffer(slot, like).add_(grad_w_EIO)
+            return
         accumulate_grouped_weight_grad_(self._get(slot, like), x_SI, grad_y_SO, bounds, row0,
                                         unwritten=self._unwritten[slot])
 
@@ -86,6 +96,55 @@ class WeightGradBuffers:
         grad = self.buffer(slot, like)
         del self._grads[slot], self._unwritten[slot]
         return grad
+
+
+GROUPED_WEIGHT_GRAD_DTYPES = (torch.bfloat16,)
+"""dtypes whose eager weight gradients are grouped GEMMs (:func:`uses_grouped_weight_grads`).
+
+fp32 keeps the per-expert ``addmm_`` into the buffer: on the CPU (one thread) the grouped form
+plus its per-block ``add_`` measured 1.5-3.5× slower with several row blocks (equal with one),
+and on CUDA fp32 ``torch._grouped_mm`` takes its per-group fallback, which reads the offsets to
+the host on every call."""
+
+
+def uses_grouped_weight_grads(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, num_experts: int,
+                              backend: str = "auto") -> bool:
+    """True when a row block's weight gradient is one grouped GEMM (else per-expert ``addmm_``).
+
+    bf16 operands (:data:`GROUPED_WEIGHT_GRAD_DTYPES`) that
+    :func:`memfine.ops.grouped.grouped_weight_grad_supported` accepts with E groups, unless the
+    ``loop`` backend was chosen. The memory model follows the same rule
+    (:func:`memfine.memory.timeline.experts.grouped_weight_grads`).
+    """
+    return (backend != "loop" and x_SI.dtype in GROUPED_WEIGHT_GRAD_DTYPES
+            and grouped_weight_grad_supported(x_SI, grad_y_SO, num_experts))
+
+
+def grouped_block_weight_grad(x_SI: torch.Tensor, grad_y_SO: torch.Tensor,
+                              block_offsets_E1: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """dW[e] = X[rows of e]ᵀ · dY[rows of e] for one row block, as one ``torch._grouped_mm``.
+
+    Layout: A = Xᵀ (I, B), a column-major view of the row-major block rows, B = dY (B, O)
+    row-major, offsets along K (the block's rows): the 2-D × 2-D form whose CUDA kernel accepts
+    empty groups (experts with no rows in the block get exact zeros). When ``like`` is a
+    transposed view of an (E, O, I) tensor, dWᵀ = dYᵀ·X is computed as (E, O, I) with A = dYᵀ
+    and B = X, and returned transposed (the buffer keeps the weight's own layout).
+
+    Args:
+        x_SI: (B, I) block input rows, row-major.
+        grad_y_SO: (B, O) block output-gradient rows, row-major.
+        block_offsets_E1: (E + 1,) int32 offsets of the block's rows (starting at 0).
+        like: the (E, I, O) weight.
+
+    Returns:
+        (E, I, O) new tensor in ``like``'s memory layout.
+
+    Memory: the result, E·I·O elements; nothing else.
+    """
+    ends_E = block_offsets_E1[1:]
+    if like.dim() == 3 and like.stride(1) == 1 and like.stride(2) != 1:
+        return torch._grouped_mm(grad_y_SO.t(), x_SI, offs=ends_E).transpose(1, 2)
+    return torch._grouped_mm(x_SI.t(), grad_y_SO, offs=ends_E)
 
 
 def accumulate_grouped_weight_grad_(grad_w_EIO: torch.Tensor, x_SI: torch.Tensor,
