@@ -20,7 +20,7 @@ from memfine._checks import check_tensor
 from memfine.config import ModelConfig
 from memfine.nn.moe import MoEAux, MoELayer
 from memfine.routing import update_selection_bias
-from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy
+from memfine.schedule.policy import ChunkPolicy
 
 
 def _rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device
@@ -181,22 +181,19 @@ class MoETransformerLM(nn.Module):
 
     Args:
         config: :class:`ModelConfig`; ``config.chunk`` sets chunking and recomputation.
-        agree_num_chunks: runtime agreement of budget-driven chunk counts across an
-            expert-parallel group (``c_local -> max over the group``); default identity. It can
-            also be set later through ``model.chunk_policy.agree_num_chunks``.
+            Expert parallelism agrees budget-driven chunk counts inside its experts
+            (:class:`memfine.parallel.ExpertParallelExperts`), nothing to pass here.
 
     Attributes:
         chunk_policy: the :class:`ChunkPolicy` shared by every MoE layer.
     """
 
-    def __init__(self, config: ModelConfig, *,
-                 agree_num_chunks: AgreeNumChunks | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         """Build and initialise the embedding, blocks and final norm; arguments as on the class."""
         super().__init__()
         self.config = config
         D = config.moe.hidden_size
-        self.chunk_policy = ChunkPolicy(config.chunk, config.moe,
-                                        agree_num_chunks=agree_num_chunks)
+        self.chunk_policy = ChunkPolicy(config.chunk, config.moe)
         self.embed = nn.Embedding(config.vocab_size, D)
         self.blocks = nn.ModuleList([Block(config, policy=self.chunk_policy)
                                      for _ in range(config.num_layers)])
