@@ -8,8 +8,9 @@ and sampling fewer) and receives at most s″ = T·k rows (fewer with a capacity
 :func:`memfine.routing.max_routed_rows`), so the budget either holds for every call or fails at
 the first: the check refuses it before any file is written.
 
-Step scope (``--budget-scope step``): the whole step's plan (:class:`memfine.memory.step.StepPlanner`)
-must fit; its smallest feasible budget is every layer at its least-memory option.
+Step scope (``--budget-scope step``): the whole step's plan
+(:class:`memfine.memory.step.StepPlanner`) must fit; its smallest feasible budget is the
+least-memory plan's predicted step peak (checked under torchrun too: it depends on T only).
 
 Under torchrun the rows a rank receives depend on the other ranks' routing (expert parallelism),
 so the policy checks each call at run time; :func:`flag_message` rewrites its error
@@ -27,7 +28,8 @@ from memfine.units import DTYPE_BYTES
 
 def flag_message(err: InfeasibleBudgetError) -> str:
     """The one-line message of ``err`` naming ``--memory-budget``, ``--bins`` and
-    ``--allow-over-budget`` instead of the ChunkConfig fields."""
+    ``--allow-over-budget`` instead of the ChunkConfig fields.
+    """
     return err.message(FLAG_NAMES)
 
 

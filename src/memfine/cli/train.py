@@ -21,7 +21,7 @@ from memfine.artifacts.checkpoint import (
     read_checkpoint,
 )
 from memfine.artifacts.rundir import check_run_dir
-from memfine.cli._budget import check_memory_budget
+from memfine.cli._budget import check_memory_budget, flag_message
 from memfine.cli._checkpoint import run_directory
 from memfine.cli._flags import (
     THREADS_FLAG,
@@ -39,6 +39,7 @@ from memfine.cli._flags import (
     value,
 )
 from memfine.config import TrainConfig
+from memfine.schedule.policy import InfeasibleBudgetError
 from memfine.train import DEFAULT_PRESET, PRESETS, preset, train
 from memfine.train.setup import RESUMABLE_FIELDS
 
@@ -117,9 +118,14 @@ _CONFIG_FLAGS = (
          "row block of the fused experts' streamed backward, e.g. 16MiB", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
          "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
-    Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "per-layer MoE "
-         "activation budget, e.g. 512MiB; c is then chosen per step (MACT); 'none' for a fixed "
-         "c", byte_size("none"), aliases=("--moe-memory-budget",)),
+    Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "activation memory budget, "
+         "e.g. 512MiB, of each MoE layer call (c chosen per step, MACT) or of the whole step "
+         "(--budget-scope step); 'none' for a fixed c", byte_size("none"),
+         aliases=("--moe-memory-budget",)),
+    Flag("--budget-scope", ("model.chunk.budget_scope",), "what --memory-budget bounds: "
+         "'layer' (each MoE layer's peak) or 'step' (the whole step's activation peak: per "
+         "layer no recompute, chunked experts or full block recompute)", str,
+         ("layer", "step")),
     Flag("--recompute", ("model.chunk.recompute",), "recompute mode of the MoE layers", str,
          get_args(config.Recompute)),
     Flag("--bins", ("model.chunk.bins",), "allowed chunk counts c, comma-separated",
@@ -314,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
                        tensorboard=bool(value(args, "tensorboard")),
                        init_from=value(args, "init_from"), parallel=parallel, threads=threads)
         finished = True
+    except InfeasibleBudgetError as err:  # at run time (torchrun): name the flags
+        raise ValueError(flag_message(err)) from None
     finally:
         if parallel is not None:
             parallel.close(barrier=finished)

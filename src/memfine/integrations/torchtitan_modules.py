@@ -34,9 +34,10 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
-from memfine.integrations.hf.experts import run_module
+from memfine.integrations.hf.experts import last_decision, run_module
 from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
+from memfine.schedule import ChunkDecision
 
 _log = logging.getLogger(__name__)
 
@@ -198,6 +199,12 @@ class MemfineRoutedExperts(RoutedExperts):
                             top_k_weights, chunk=cfg.chunk, backend=cfg.gemm_backend,
                             index_builder=cfg.index_builder)
         return out_TD.to(x_TD.dtype)
+
+    @property
+    def last_decision(self) -> ChunkDecision | None:
+        """The chunk count, recompute mode and prediction of the last chunked call, or None."""
+        gate = self.__dict__.get("_memfine_gate")
+        return None if gate is None else last_decision(gate)
 
     def _experts_behind_dispatcher(self, x_TD: torch.Tensor, scores_TK: torch.Tensor,
                                    ids_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

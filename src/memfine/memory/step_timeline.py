@@ -18,6 +18,7 @@ MemFine Eq. 2 for the layer terms it itemises).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from memfine.config import ModelConfig
@@ -51,6 +52,7 @@ class _Moe:
     end: int  # live after its backward: dx of its input, its parameter gradients, counts
 
 
+@functools.lru_cache(maxsize=256)
 def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice) -> _Moe:
     rec = "none" if choice.recompute == "none" else "experts"
     tl = layer_memory.moe_layer_timeline(config.moe, T, dt, num_chunks=choice.num_chunks,
@@ -131,8 +133,10 @@ class _Step:
 
     def attention_backward(self, saved: list[str], h: str, moe_in: str, grad_h: str,
                            grad_moe_in: str) -> str:
-        """Backward of the attention part, saved tensors freed node by node; returns the
-        block input's grad (summed in place into ``grad_h``)."""
+        """Backward of the attention part, its saved tensors freed node by node.
+
+        Returns the block input's gradient (summed in place into ``grad_h``).
+        """
         tl = self.tl
         rstd1, nz1, n1, qkv, rq, rk, out, lse, out_bqd, rstd2, nz2 = saved
         tl.free(moe_in)

@@ -33,6 +33,7 @@ class MoEAux:
         z_loss: 0-dim fp32 router z-loss.
         tokens_per_expert: (E,) int64 assignments per expert this call (kept pairs only).
         num_chunks: chunk count c used for the expert part (1 when unchunked).
+        recompute: the recompute mode the call ran with (``none``, ``experts`` or ``full``).
         sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
             ``seq_aux_loss_coef`` is 0 (not computed).
         dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
@@ -49,6 +50,7 @@ class MoEAux:
     z_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
     num_chunks: int = 1
+    recompute: str = "none"
     sequence_balance_loss: torch.Tensor | None = None
     dropped_pairs: torch.Tensor | None = None
     selection_counts: torch.Tensor | None = None
@@ -164,7 +166,8 @@ class MoELayer(nn.Module):
         # its storage is safe; _unsafe_view reshapes without a copy (NOTE(memory): no T·d
         # clone) and without autograd view tracking (its backward is a reshape).
         out = torch.ops.aten._unsafe_view(out_TD, x.shape)
-        return out, dataclasses.replace(aux, num_chunks=num_chunks)
+        return out, dataclasses.replace(aux, num_chunks=num_chunks,
+                                        recompute=self.policy.config.resolved_recompute)
 
     @property
     def last_decision(self) -> ChunkDecision | None:

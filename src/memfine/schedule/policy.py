@@ -254,7 +254,7 @@ class ChunkPolicy:
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                    agree: AgreeNumChunks | None = None, transport_row_elements: int = 0) -> int:
-        """c of one MoE layer call: :meth:`decide`'s ``num_chunks`` (arguments and errors as there).
+        """C of one MoE layer call: :meth:`decide`'s ``num_chunks`` (arguments and errors as there).
 
         Under ``torch.compile`` tracing with a fixed c nothing is predicted or recorded (the
         count is the config's; the memory model runs on host integers only).
