@@ -3,7 +3,7 @@
 Model: 4 blocks, d 256, n 512, E 16, k 4, 4 heads, B 4 × Q 128 tokens (T = 512), fp32, CPU.
 Fixed policies: no recompute (c = 1), chunked expert recompute and full block recompute with
 c ∈ {1, 2, 4, 8}, the same in every layer. Step plans (:class:`memfine.memory.step.StepPlanner`)
-at 5 budgets evenly between full recompute's predicted step peak (c = 1) and no recompute's.
+at 5 budgets evenly from full recompute's measured step peak (c = 1) to no recompute's.
 
 Per method: the step's peak measured by ``torch.profiler`` (:class:`memfine.measure.profiled.
 ProfiledPeakMemory`; the step's protocol: parameters without ``.grad``, loss = CE + aux losses)
@@ -77,21 +77,27 @@ def main() -> None:
         for c in ((1,) if mode == "none" else CONFIG.chunk.bins):
             choices = (LayerChoice(mode, c),) * CONFIG.num_layers
             fixed[f"{mode} c={c}"] = StepPlan(choices, planner.peak(choices), 0)
-    low = fixed["full c=1"].predicted_peak_bytes
-    high = fixed["none c=1"].predicted_peak_bytes
-    budgets = [low + (high - low) * i // (BUDGETS - 1) for i in range(BUDGETS)]
-    plans: dict[str, tuple[int, StepPlan]] = {}
-    for budget in budgets:
-        plan = planner.plan(budget)
-        assert plan is not None
-        plans[f"plan @ {budget / MIB:.2f} MiB"] = (budget, plan)
-    methods = {**fixed, **{name: plan for name, (_, plan) in plans.items()}}
     _step(model, ids)  # warm-up
-    peaks = {}
-    for name, plan in methods.items():
+    peaks: dict[str, int] = {}
+
+    def measure(name: str, plan: StepPlan) -> None:
         model.apply_plan(plan)
         peaks[name] = _peak(model, ids)
         print(f"measured {name}: {peaks[name] / MIB:.2f} MiB", flush=True)
+
+    for name, plan in fixed.items():
+        measure(name, plan)
+    # 5 budgets from full recompute's measured step peak (c = 1) to no recompute's
+    low, high = peaks["full c=1"], peaks["none c=1"]
+    plans: dict[str, tuple[int, StepPlan]] = {}
+    for i in range(BUDGETS):
+        budget = low + (high - low) * i // (BUDGETS - 1)
+        plan = planner.plan(budget)
+        assert plan is not None
+        name = f"plan @ {budget / MIB:.2f} MiB"
+        plans[name] = (budget, plan)
+        measure(name, plan)
+    methods = {**fixed, **{name: plan for name, (_, plan) in plans.items()}}
     ratios: dict[str, list[float]] = {name: [] for name in methods}
     for _ in range(args.rounds):
         times = {}

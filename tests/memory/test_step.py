@@ -55,6 +55,7 @@ def _measured_step_peak(config: ModelConfig, batch: int, seq: int,
 CASES = [
     pytest.param(SMALL, 32, 128, "f1 e2 n1 n4", id="small-mix"),
     pytest.param(MID, 8, 128, "f2 e4 n1 e1", id="mid-mix"),
+    pytest.param(MID, 4, 128, "n1 n1 n1 n1", id="mid-none-b4"),
     pytest.param(SMALL, 32, 128, "f1 f1 f1 f1", id="small-full", marks=pytest.mark.slow),
     pytest.param(SMALL, 32, 128, "n2 n2 n2 n2", id="small-none", marks=pytest.mark.slow),
     pytest.param(MID, 8, 128, "e8 e8 e8 e8", id="mid-experts", marks=pytest.mark.slow),

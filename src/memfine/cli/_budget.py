@@ -27,8 +27,10 @@ from memfine.units import DTYPE_BYTES
 
 
 def flag_message(err: InfeasibleBudgetError) -> str:
-    """The one-line message of ``err`` naming ``--memory-budget``, ``--bins`` and
-    ``--allow-over-budget`` instead of the ChunkConfig fields.
+    """The one-line message of ``err`` in the flags' words.
+
+    It names ``--memory-budget``, ``--bins`` and ``--allow-over-budget`` instead of the
+    ChunkConfig fields.
     """
     return err.message(FLAG_NAMES)
 

@@ -124,6 +124,7 @@ class _Step:
         """RMSNorm backward: frees its grad_out and saved [rstd, x·rstd] as each node ends."""
         tl = self.tl
         tl.free(tl.alloc(f"{prefix}.bwd.dweight", self.T * self.D * self.dt))  # then summed
+        tl.alloc(f"grad.{prefix}.weight", self.D * self.dt)
         d_norm = self.td(f"{prefix}.bwd.dnormalized")
         tl.free(grad_out)
         tl.free(saved[1])
@@ -142,6 +143,7 @@ class _Step:
         tl.free(moe_in)
         tl.free(self.norm_backward("bwd.moe_norm", [rstd2, nz2], grad_moe_in), h)
         grad_y = self.td("bwd.proj.dx")
+        tl.alloc("grad.proj.weight", self.D * self.D * self.dt)
         tl.free(out_bqd)
         grads = [self.td(f"bwd.sdpa.d{p}") for p in "qkv"]
         tl.free(grad_y, rq, rk, out, lse)
@@ -155,6 +157,7 @@ class _Step:
         grad_qkv = self.td("bwd.qkv", 3)
         tl.free(*rope, grads[2], qkv)
         grad_n = self.td("bwd.qkv.dx")
+        tl.alloc("grad.qkv.weight", 3 * self.D * self.D * self.dt)
         tl.free(grad_qkv, n1)
         tl.free(self.norm_backward("bwd.attn_norm", [rstd1, nz1], grad_n))
         return grad_h
