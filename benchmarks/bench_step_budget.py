@@ -9,7 +9,8 @@ Per method: the step's peak measured by ``torch.profiler`` (:class:`memfine.meas
 ProfiledPeakMemory`; the step's protocol: parameters without ``.grad``, loss = CE + aux losses)
 next to the step timeline's prediction, and the step's time: thread CPU time
 (``time.thread_time``), every method once per round in one process, interleaved, the median over
-rounds of the ratio to full recompute (c = 1) in the same round.
+rounds of the ratio to full recompute (c = 1) in the same round; one intra-op thread, so the
+thread's CPU time is the whole step's.
 
 Output: ``benchmarks/results/step_budget_cpu.csv`` (one row per method; units in the column
 names; the environment in the last columns).
@@ -68,6 +69,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--out", default="benchmarks/results/step_budget_cpu.csv")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # thread CPU time then covers all the step's work
     torch.manual_seed(0)
     model = MoETransformerLM(CONFIG)
     ids = torch.randint(0, CONFIG.vocab_size, (B, Q))
