@@ -77,10 +77,10 @@ def skewed_routing(T: int, E: int, k: int, skew: float, g: torch.Generator) -> t
 
 
 def _budget(moe: MoEConfig, tokens: int) -> int:
-    """A budget whose s′_max is 1.25× the balanced received rows T·k (MemFine Eq. 8 inverted)."""
+    """The predicted peak at c = 1 of 1.25× the balanced received rows T·k (exact model)."""
     probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
     rows = math.ceil(BALANCED_HEADROOM * tokens * moe.top_k)
-    return probe.fixed_bytes(tokens, 4) + rows * probe.row_bytes(4)
+    return probe.predicted_peak(rows, tokens, 4, 1)
 
 
 def _measure(module: ExpertParallelExperts, x_TD: torch.Tensor, idx_TK: torch.Tensor,

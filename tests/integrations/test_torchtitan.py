@@ -33,7 +33,7 @@ from tolerances import LOSS_ATOL, assert_close  # noqa: E402
 FUSED_MODELS = ("qwen3", "deepseek_v3", "deepseek_v3_sigmoid_scaled")
 CHUNKS = [pytest.param({}, id="c1"), pytest.param({"num_chunks": 3}, id="c3"),
           pytest.param({"memory_budget": "budget"}, id="budget")]
-# Budgets under which MACT picks c = 4 for the default tiny block (T = 24, k = 2, d 32, n 16).
+# Budgets under which MACT chunks the default tiny block (T = 24, k = 2, d 32, n 16).
 BUDGETS = {torch.float32: "56KiB", torch.bfloat16: "33KiB"}
 
 
@@ -47,9 +47,15 @@ def _convert(moe: torch.nn.Module, chunk: dict, dtype: torch.dtype) -> torch.nn.
 
 
 def _assert_mact_chose(converted: torch.nn.Module, chunk: dict, dtype: torch.dtype) -> None:
+    """MACT ran chunked: the smallest bin whose exact predicted peak fits, as last_decision."""
     if "memory_budget" in chunk:
         policy = converted.routed_experts._memfine_gate._memfine_chunk_policy
-        assert policy.num_chunks(48, 24, torch.finfo(dtype).bits // 8) == 4
+        dt = torch.finfo(dtype).bits // 8
+        budget = policy.config.memory_budget_bytes
+        want = next(c for c in policy.config.bins if policy.layer_peak(24, dt, c) <= budget)
+        assert want > 1 and policy.num_chunks(48, 24, dt) == want
+        decision = converted.routed_experts.last_decision
+        assert decision is not None and decision.num_chunks == want
 
 
 def assert_scaled_close(actual: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtype,

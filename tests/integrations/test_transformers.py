@@ -8,7 +8,6 @@ interface, with sentinel expert ids (ids >= num_experts contribute exactly zero)
 
 from __future__ import annotations
 
-import math
 import subprocess
 import sys
 
@@ -92,12 +91,11 @@ def test_model_matches_eager(model_type: str, chunking: str) -> None:
         assert_close(grad, grads_eager[name], grad=True, msg=f"{model_type} grad {name}")
 
 
-def _budget_for(experts: torch.nn.Module, num_tokens: int, rows_per_chunk_div: int = 3) -> int:
-    """A budget (bytes) under which T·k received rows need c = 3 → bin 4 (fp32)."""
+def _budget_for(experts: torch.nn.Module, num_tokens: int, num_chunks: int = 4) -> int:
+    """The exact predicted layer peak at c = ``num_chunks`` (fp32): MACT's budget for that bin."""
     k = experts.config.num_experts_per_tok
     policy = _policy(experts, num_tokens, k, mf_hf.make_config(memory_budget=1).chunk)
-    rows = math.ceil(num_tokens * k / rows_per_chunk_div)
-    return policy.fixed_bytes(num_tokens, 4) + rows * policy.row_bytes(4)
+    return policy.layer_peak(num_tokens, 4, num_chunks)
 
 
 def _policy(experts, num_tokens, k, chunk):
@@ -114,7 +112,10 @@ def test_budget_chooses_chunks(model_type: str) -> None:
     plan, weights = mf_hf.plan_experts(experts), mf_hf.expert_weights(experts)
     cfg = mf_hf.make_config(memory_budget=_budget_for(experts, T))
     assert hf_experts.num_chunks_for(experts, plan, weights, x_TD, top_k_index, cfg.chunk) == 4
-    tight = mf_hf.make_config(memory_budget=_budget_for(experts, T, rows_per_chunk_div=20))
+    decision = mf_hf.last_decision(experts)
+    assert decision is not None and decision.num_chunks == 4
+    assert decision.predicted_peak_bytes <= cfg.chunk.memory_budget_bytes
+    tight = mf_hf.make_config(memory_budget=_budget_for(experts, T, 8) - 1)
     with pytest.raises(ValueError, match="smallest feasible budget"):
         hf_experts.num_chunks_for(experts, plan, weights, x_TD, top_k_index, tight.chunk)
 

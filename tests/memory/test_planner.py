@@ -109,3 +109,37 @@ def test_parse_bytes_unit_error_offers_bare_bytes_only_when_allowed() -> None:
     assert "integer number of bytes" not in str(strict.value)
     assert "MiB, GiB" in str(loose.value) and "MiB, GiB" in str(strict.value)
 
+
+
+def test_the_memory_package_has_no_import_cycle() -> None:
+    """Every import inside memfine.memory (module level or in a function) points one way."""
+    import ast
+    from pathlib import Path
+
+    import memfine.memory
+
+    root = Path(memfine.memory.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        name = ".".join(("memfine", *path.relative_to(root.parent).with_suffix("").parts))
+        name = name.removesuffix(".__init__")
+        deps = graph.setdefault(name, set())
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
+                    "memfine.memory"):
+                deps.add(node.module)
+                deps.update(f"{node.module}.{a.name}" for a in node.names)
+    seen: dict[str, int] = {}
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, " -> ".join((*stack, module))
+        if seen.get(module):
+            return
+        for dep in graph.get(module, ()):
+            if dep in graph and dep != module:
+                visit(dep, (*stack, module))
+        seen[module] = 1
+
+    for module in graph:
+        visit(module, ())
+    assert "memfine.memory.timeline.shared" in graph

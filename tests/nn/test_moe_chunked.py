@@ -145,24 +145,28 @@ def test_training_losses_chunked_equal_unchunked() -> None:
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOSS_ATOL
 
 
-def test_model_budget_chooses_c_per_layer_and_agrees() -> None:
+def test_model_budget_chooses_c_per_layer_and_reports_it() -> None:
     """A budget in ModelConfig.chunk: every layer asks the shared policy (once per step, not in
-    recompute), reports the agreed c in MoEAux, and the run equals the unchunked one."""
+    recompute), reports c in MoEAux and last_decision, and the run equals the unchunked one."""
     base = _tiny_config(ChunkConfig(num_chunks=1, recompute="none"))
     probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1), base.moe)
     T = 2 * 12
-    rows = T * base.moe.top_k  # every valid (token, slot) pair reaches this device's experts
-    budget = probe.fixed_bytes(T, 4) + (rows // 2) * probe.row_bytes(4)  # s'_max = rows/2 → c=2
+    budget = probe.layer_peak(T, 4, 2)  # c = 2's exact peak; c = 1 peaks higher
+    assert probe.layer_peak(T, 4, 1) > budget
     config = dataclasses.replace(base, chunk=ChunkConfig(memory_budget_bytes=budget))
-    seen: list[int] = []
-    model = MoETransformerLM(config, agree_num_chunks=lambda c: seen.append(c) or 4)
+    model = MoETransformerLM(config)
     assert all(b.moe.policy is model.chunk_policy for b in model.blocks)
     ids = torch.randint(0, 32, (2, 12))
     out = model(ids, ids)
     assert out.loss is not None
     out.loss.backward()
-    assert seen == [2, 2]  # local choice of each layer, forward only
-    assert [a.num_chunks for a in out.aux] == [4, 4]  # the agreed value is used
+    assert [a.num_chunks for a in out.aux] == [2, 2]
+    assert [a.recompute for a in out.aux] == ["experts", "experts"]
+    for block in model.blocks:
+        decision = block.moe.last_decision
+        assert decision is not None and decision.num_chunks == 2
+        assert decision.budget_bytes == budget and decision.predicted_peak_bytes <= budget
+        assert decision.tokens == T * base.moe.top_k
     torch.manual_seed(0)
     ref = MoETransformerLM(base)
     ref.load_state_dict(model.state_dict())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -208,14 +207,16 @@ def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     transport = ExpertParallelExperts(moe, ctx).transport_row_elements  # received x rows: d
     assert transport == moe.hidden_size
     T, rows_hot = tokens[ctx.rank], sum(tokens) * K
-    fixed, row = probe.fixed_bytes(T, 4), probe.row_bytes(4, transport_row_elements=transport)
-    budget = fixed + math.ceil(rows_hot / 4) * row  # s'_max = rows_hot/4 → hot rank needs c=4
+    budget = probe.predicted_peak(rows_hot, T, 4, 4,  # the hot rank's prediction at c=4
+                                  transport_row_elements=transport)
     chunk = ChunkConfig(memory_budget_bytes=budget, recompute="experts")
     local_policy = ChunkPolicy(chunk, moe)  # identity agreement: this rank's own choice
     idx = _to_rank0(T, E, torch.Generator())
     recv = exchange_counts(idx, E, (1,), ctx.ep_group).recv_tokens
     own = local_policy.num_chunks(recv, T, 4, transport_row_elements=transport)
-    assert own == (4 if ctx.ep_rank == 0 else 1), (own, recv)
+    fits = [c for c in chunk.bins if probe.predicted_peak(
+        recv, T, 4, c, transport_row_elements=transport) <= budget]
+    assert own == fits[0] and (own == 4 if ctx.ep_rank == 0 else own < 4), (own, recv)
     policy = ChunkPolicy(chunk, moe)  # the EP experts pass their own agreement
     calls = {"all_reduce": 0}
     all_reduce = collectives_mod.dist.all_reduce

@@ -192,11 +192,10 @@ def _skew_layer(chunk: ChunkConfig) -> MoELayer:
 
 
 def _skew_budget() -> tuple[int, ChunkConfig]:
-    """A budget whose s′_max is exactly 512 received rows (Eq. 8) → c = 8192/512 = 16."""
+    """The exact predicted peak at c = 16 (512 received rows per chunk): MACT picks c = 16."""
     moe = MoEConfig(hidden_size=SKEW_D, intermediate_size=SKEW_N, num_experts=SKEW_E,
                     top_k=SKEW_K)
-    budget = (layer_memory.expert_fixed_bytes(SKEW_T, moe, 4, recompute="experts")
-              + SKEW_ROWS * layer_memory.expert_row_bytes(moe, 4, recompute="experts"))
+    budget = layer_memory.layer_peak_bytes(moe, SKEW_T, 4, num_chunks=16, recompute="experts")
     return budget, ChunkConfig(memory_budget_bytes=budget, bins=(1, 2, 4, 8, 16),
                                recompute="experts")
 

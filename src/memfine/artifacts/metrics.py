@@ -4,7 +4,8 @@ Legend: L MoE layers, E experts.
 
 Each logged step is one JSON object in ``DIR/metrics.jsonl`` with at least ``step``,
 ``train_loss`` (nats/byte), ``lr``, ``tokens_per_s``, ``load_balancing_loss``, ``z_loss``,
-``num_chunks`` (one per layer), ``tokens_per_expert`` (per layer, summed over the steps since the
+``num_chunks`` and ``recompute`` (one per layer: c and the recompute mode the step ran),
+``tokens_per_expert`` (per layer, summed over the steps since the
 previous line), ``expert_load_max_over_mean`` (per layer) and, on evaluation steps, ``val_loss``.
 Every line is strict JSON: a non-finite number (NaN, ±inf) is written as ``null`` and the line
 gets ``"nonfinite": true``.

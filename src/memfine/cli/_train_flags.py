@@ -104,9 +104,14 @@ CONFIG_FLAGS = (
          "row block of the fused experts' streamed backward, e.g. 16MiB", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
          "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
-    Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "per-layer MoE "
-         "activation budget, e.g. 512MiB; c is then chosen per step (MACT); 'none' for a fixed "
-         "c", byte_size("none"), aliases=("--moe-memory-budget",)),
+    Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "activation memory budget, "
+         "e.g. 512MiB, of each MoE layer call (c chosen per step, MACT) or of the whole step "
+         "(--budget-scope step); 'none' for a fixed c", byte_size("none"),
+         aliases=("--moe-memory-budget",)),
+    Flag("--budget-scope", ("model.chunk.budget_scope",), "what --memory-budget bounds: "
+         "'layer' (each MoE layer's peak) or 'step' (the whole step's activation peak: per "
+         "layer no recompute, chunked experts or full block recompute)", str,
+         ("layer", "step")),
     Flag("--recompute", ("model.chunk.recompute",), "recompute mode of the MoE layers", str,
          get_args(config.Recompute)),
     Flag("--bins", ("model.chunk.bins",), "allowed chunk counts c, comma-separated",

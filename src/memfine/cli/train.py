@@ -13,11 +13,12 @@ import os
 from typing import Any
 
 from memfine.artifacts.rundir import check_run_dir
-from memfine.cli._budget import check_memory_budget
+from memfine.cli._budget import check_memory_budget, flag_message
 from memfine.cli._flags import add_flags, check_device, checked_threads, given, value
 from memfine.cli._train_config import preset_default, resolve_config
 from memfine.cli._train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.config import TrainConfig
+from memfine.schedule.policy import InfeasibleBudgetError
 from memfine.train import train
 from memfine.train.determinism import deterministic_mode
 
@@ -57,6 +58,8 @@ def run(args: argparse.Namespace) -> int:
                            init_from=value(args, "init_from"), parallel=parallel,
                            threads=threads)
         finished = True
+    except InfeasibleBudgetError as err:  # at run time (torchrun): name the flags
+        raise ValueError(flag_message(err)) from None
     finally:
         if parallel is not None:
             parallel.close(barrier=finished)

@@ -17,6 +17,8 @@ ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
 RecomputeMode = Literal["none", "experts", "full"]
+# What a memory budget bounds: each MoE layer call (MACT) or the whole training step.
+BudgetScope = Literal["layer", "step"]
 """What a layer keeps for backward: the one table of recompute modes (documented once, in
 :mod:`memfine.schedule.chunked`); configs, the memory plan, its search and the CLI read it."""
 Recompute = Literal["auto", RecomputeMode]

@@ -10,6 +10,7 @@ from memfine.config.base import (
     _SUBCONFIGS,
     MAX_BIN,
     AutocastDType,
+    BudgetScope,
     DType,
     Recompute,
     RecomputeMode,
@@ -28,8 +29,8 @@ class ChunkConfig(_ConfigBase):
         memory_budget_bytes: per-layer MoE activation budget in bytes; when set, c is chosen per
             step and layer from the received tokens (MACT, MemFine Eq. 8-9).
         bins: allowed chunk counts under a budget, strictly increasing ints in
-            [1, :data:`MAX_BIN`], e.g. (1, 2, 4, 8); the memory model's bound on the layer peak
-            (:func:`memfine.memory.layer.expert_fixed_bytes`) is proven for c ≤ MAX_BIN.
+            [1, :data:`MAX_BIN`], e.g. (1, 2, 4, 8); MACT picks the smallest whose exact
+            predicted peak (:func:`memfine.memory.layer.layer_peak_bytes`) fits.
         recompute: ``none`` (no checkpointing), ``experts`` (checkpoint each chunk of the expert
             part), ``full`` (checkpoint the whole transformer layer), or ``auto`` (the default:
             ``experts`` when chunking is asked for — ``num_chunks > 1`` or a memory budget —
@@ -37,6 +38,10 @@ class ChunkConfig(_ConfigBase):
             :attr:`resolved_recompute`.
         allow_over_budget: when no bin meets the budget, use the largest bin and warn once
             instead of raising.
+        budget_scope: what ``memory_budget_bytes`` bounds: ``layer`` (each MoE layer call's
+            peak; MACT picks c per call) or ``step`` (the whole training step's activation
+            peak: :class:`memfine.nn.MoETransformerLM` plans, per layer, no recompute, chunked
+            experts or full block recompute; :class:`memfine.memory.step.StepPlanner`).
     """
 
     num_chunks: int = 1
@@ -44,6 +49,7 @@ class ChunkConfig(_ConfigBase):
     bins: tuple[int, ...] = (1, 2, 4, 8)
     recompute: Recompute = "auto"
     allow_over_budget: bool = False
+    budget_scope: BudgetScope = "layer"
 
     @property
     def resolved_recompute(self) -> RecomputeMode:
@@ -66,6 +72,7 @@ class ChunkConfig(_ConfigBase):
         check_choice(self, "recompute", Recompute)
         if not isinstance(self.allow_over_budget, bool):
             fail(self, "allow_over_budget", "a bool", self.allow_over_budget)
+        check_choice(self, "budget_scope", BudgetScope)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

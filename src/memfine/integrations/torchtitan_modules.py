@@ -39,7 +39,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
 from memfine.integrations.hf.experts import _policy as experts_policy
-from memfine.integrations.hf.experts import num_chunks_for, run_module
+from memfine.integrations.hf.experts import last_decision, num_chunks_for, run_module
 from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
 from memfine.integrations.torchtitan_budget import (
@@ -50,6 +50,7 @@ from memfine.integrations.torchtitan_budget import (
     experts_budget,
 )
 from memfine.integrations.torchtitan_checkpoint import outside_selective_checkpoint
+from memfine.schedule import ChunkDecision
 
 _log = logging.getLogger(__name__)
 
@@ -258,6 +259,12 @@ class MemfineRoutedExperts(RoutedExperts):
             num_chunks=c, recompute=recompute, tokens=rows,
             predicted_peak_bytes=budget.predicted_peak_bytes(c),
             budget_bytes=chunk.memory_budget_bytes))
+
+    @property
+    def last_decision(self) -> ChunkDecision | None:
+        """The chunk count, recompute mode and prediction of the last chunked call, or None."""
+        gate = self.__dict__.get("_memfine_gate")
+        return None if gate is None else last_decision(gate)
 
     def _experts_behind_dispatcher(self, x_TD: torch.Tensor, scores_TK: torch.Tensor,
                                    ids_TK: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:

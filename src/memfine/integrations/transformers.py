@@ -14,7 +14,9 @@ config as ``memfine_experts``, saved with it, taking precedence over ``register`
 (``from_pretrained(AutoModelForCausalLM, path, memfine_experts={"chunk": {"num_chunks": 4}})``);
 ``register(name="memfine_4_chunks", num_chunks=4)`` binds options to a name that transformers'
 own ``from_pretrained(path, experts_implementation="memfine_4_chunks")`` accepts for any
-checkpoint (nothing is written into the config).
+checkpoint (nothing is written into the config). ``last_decision(experts_module)`` returns the
+:class:`memfine.schedule.ChunkDecision` (c, recompute mode, s″, predicted bytes) of a chunked
+experts module's last call.
 
 Nothing happens on import: transformers is imported by :func:`register` only (extra
 ``memfine[hf]``), and nothing in transformers is patched; the function is added to
@@ -41,6 +43,7 @@ from memfine._checks import check_choice, fail
 from memfine._optional import require
 from memfine.config import ChunkConfig, _ConfigBase
 from memfine.integrations.hf.experts import compute_dtype, run_module
+from memfine.integrations.hf.experts import last_decision as last_decision  # public: c of a call
 from memfine.integrations.hf.layout import ExpertsPlan, expert_weights, plan_experts
 from memfine.integrations.hf.peft import pending_lora
 

@@ -17,9 +17,10 @@ Execution modes (as :class:`memfine.nn.MoELayer` runs them):
 - ``chunked``: recompute ``experts`` with c > 1 — as ``full``, and backward recomputes one token
   chunk at a time (``recompute="none"`` with c > 1 chunks without recomputation).
 
-The chunk policy (:mod:`memfine.schedule.policy`) calls :func:`chunk_bytes` once per (config, T,
-D_t) to turn a byte budget into s′_max rows (MemFine Eq. 8): ``fixed + row · rows_per_chunk``
-bounds the layer's peak from above for every chunk count up to ``MAX_BOUNDED_CHUNKS``.
+The chunk policy (:mod:`memfine.schedule.policy`) asks :func:`layer_peak_bytes` (the timeline's
+peak) once per (config, T, D_t, recompute, c) and picks the smallest bin that fits the budget;
+:func:`expert_row_bytes` is the timeline's per-row slope (rows beyond T·k under expert
+parallelism, and the row term of ``memfine plan``'s Eq. 8).
 
 Legend: T tokens, S received rows (s′; S = T·k on one device), C tokens of one chunk,
 E experts (on this rank), D = d, N = n, G = 2n (gated) or n, K = k, D_t activation bytes,
@@ -31,11 +32,11 @@ docs/design.md §5; docs/style.md §7.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 
-from memfine.config import MAX_BIN, MoEConfig
+from memfine.config import MoEConfig
 from memfine.memory.breakdown import SAVED_FIELDS, MemoryBreakdown
 from memfine.memory.timeline import layer as tlm
+from memfine.memory.timeline.base import expert_saved
 from memfine.memory.timeline.shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
@@ -72,23 +73,6 @@ def _check(moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
         raise ValueError(f"num_chunks must be >= 1, got {num_chunks}")
     if recompute not in ("none", "experts", "full"):
         raise ValueError(f"recompute must be 'none', 'experts' or 'full', got {recompute!r}")
-
-
-def _expert_saved(moe: MoEConfig, C: int, S: int, dt: int) -> dict[str, int]:
-    """Saved bytes of one chunk's expert path (no recompute), by field."""
-    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
-                     moe.top_k)
-    if moe.experts_impl == "fused":
-        return {"pre_activation_bytes": S * G * dt,
-                "routing_index_bytes": 4 * (2 * S + C * K + E + 1)}
-    keeps_h = moe.activation != "relu"  # relu saves its output A, not H
-    return {
-        "pre_activation_bytes": S * G * dt if keeps_h else 0,
-        "routing_index_bytes": 4 * (E + 1),  # offsets, saved by both grouped matmuls
-        "gathered_input_bytes": S * D * dt + S * 8,
-        "activation_output_bytes": S * N * dt * (2 if moe.gated else 1),
-        "combine_copy_bytes": C * K * (D * dt + dt + 8 + 2),
-    }
 
 
 def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
@@ -131,7 +115,7 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
     chunks = tlm.chunk_tokens(T, num_chunks)
     if not ckpt:
         for C in chunks:
-            for name, nbytes in _expert_saved(moe, C, C * K, dt).items():
+            for name, nbytes in expert_saved(moe, C, C * K, dt).items():
                 items[name] += nbytes
     if moe.num_shared_experts:
         items.update(shared_saved_items(moe, chunks, dt, ckpt=ckpt,
@@ -258,77 +242,25 @@ def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "expe
     return -(-best // moe.top_k)
 
 
-MAX_BOUNDED_CHUNKS = MAX_BIN
-"""The bound of :func:`expert_fixed_bytes` holds for every c in 1..MAX_BOUNDED_CHUNKS."""
+def layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
+                     num_chunks: int = 1, recompute: str = "none") -> int:
+    """The exact predicted peak of one MoELayer forward + backward, in bytes (MACT's model).
 
+    The maximum of the allocation timeline (:func:`moe_layer_timeline`) replayed without
+    recording the live set: the number the tests hold equal to ``torch.profiler``. The chunk
+    policy (:class:`memfine.schedule.ChunkPolicy`) picks the smallest bin whose value fits the
+    budget.
 
-def _fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, recompute: str,
-                 row_bytes: int) -> int:
-    fixed = 0
-    for c in range(1, MAX_BOUNDED_CHUNKS + 1):
-        peak = tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=c,
-                                  recompute=recompute, record=False).peak
-        rows = tlm.chunk_tokens(num_tokens, c)[0] * moe.top_k
-        fixed = max(fixed, peak - row_bytes * rows)
-    return fixed
-
-
-def expert_fixed_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
-                       recompute: str = "experts") -> int:
-    """Bytes of the layer's peak that do not scale with the rows of one chunk.
-
-    Defined so that ``expert_fixed_bytes(T) + expert_row_bytes() · ⌈T/c⌉·k`` is at least the
-    timeline peak of the whole MoELayer forward + backward for every c in 1..16
-    (:data:`MAX_BOUNDED_CHUNKS`; the caller may keep MoEAux): router and loss tensors, the
-    output, weight gradients (twice while the chunks' gradients are summed), the other chunks'
-    input gradients and, under ``none``, the other chunks' saved H. Replays the allocation
-    timeline 16 times: callers that ask repeatedly keep a :class:`ChunkBytes`
-    (:func:`chunk_bytes`).
-
-    Args:
-        num_tokens: T, tokens entering the layer on this rank.
-        moe: the layer config (E = experts on this rank).
-        dtype_bytes: D_t.
-        recompute: ``none``, ``experts`` or ``full``.
+    Args: as :func:`moe_layer_memory` (without the optimizer state).
 
     Returns:
-        Bytes (≥ 0).
-
-    Reference: MemFine Eq. 8 numerator (the memory that does not scale with s′); our timeline.
-    """
-    return chunk_bytes(num_tokens, moe, dtype_bytes, recompute=recompute).fixed_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkBytes:
-    """The layer's peak as a line in the rows of one chunk: ``fixed_bytes + row_bytes · rows``.
-
-    An upper bound on the timeline peak for every chunk count c in 1..MAX_BOUNDED_CHUNKS (exact
-    for one of them), so MemFine Eq. 8-9 become integer arithmetic on these two numbers.
-
-    Attributes:
-        fixed_bytes: bytes that do not scale with the rows of one chunk (Eq. 8 numerator part).
-        row_bytes: bytes per received row of one chunk (Eq. 8 denominator), > 0.
-    """
-
-    fixed_bytes: int
-    row_bytes: int
-
-
-def chunk_bytes(num_tokens: int, moe: MoEConfig, dtype_bytes: int, *,
-                recompute: str = "experts") -> ChunkBytes:
-    """:func:`expert_fixed_bytes` and :func:`expert_row_bytes` of one (config, T, D_t), together.
-
-    Args: as :func:`expert_fixed_bytes`.
-
-    Returns:
-        The :class:`ChunkBytes` (16 layer timeline replays, one per c, plus four one-chunk traces
-        for the row slope).
+        Peak live bytes created inside forward + backward (the input x and parameters excluded).
 
     Raises:
         ValueError: on out-of-range arguments.
+
+    Reference: MemFine Eq. 8-9 (the budget test) with our timeline for memfine's own path.
     """
-    _check(moe, num_tokens, dtype_bytes, 1, recompute)
-    row = expert_row_bytes(moe, dtype_bytes, recompute=recompute)
-    return ChunkBytes(fixed_bytes=_fixed_bytes(num_tokens, moe, dtype_bytes, recompute, row),
-                      row_bytes=row)
+    _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
+    return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
+                              recompute=recompute, record=False).peak

@@ -9,6 +9,7 @@ mode of every block; see :class:`Block`.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -17,10 +18,11 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfine._checks import check_tensor
-from memfine.config import ModelConfig
+from memfine.config import ChunkConfig, ModelConfig
+from memfine.memory.step import StepPlan, step_planner
 from memfine.nn.moe import MoEAux, MoELayer
 from memfine.routing import update_selection_bias
-from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy
+from memfine.schedule.policy import ChunkPolicy, InfeasibleBudgetError
 
 
 def _rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device
@@ -181,22 +183,34 @@ class MoETransformerLM(nn.Module):
 
     Args:
         config: :class:`ModelConfig`; ``config.chunk`` sets chunking and recomputation.
-        agree_num_chunks: runtime agreement of budget-driven chunk counts across an
-            expert-parallel group (``c_local -> max over the group``); default identity. It can
-            also be set later through ``model.chunk_policy.agree_num_chunks``.
+            Expert parallelism agrees budget-driven chunk counts inside its experts
+            (:class:`memfine.parallel.ExpertParallelExperts`), nothing to pass here.
 
     Attributes:
-        chunk_policy: the :class:`ChunkPolicy` shared by every MoE layer.
+        chunk_policy: the :class:`ChunkPolicy` shared by every MoE layer (layer-scope budget or
+            a fixed c).
+        last_plan: with ``config.chunk.budget_scope == "step"`` and a budget, the
+            :class:`memfine.memory.step.StepPlan` of the last training forward (per layer: no
+            recompute, chunked experts or full block recompute, and c); else None.
+
+    Step-scope budget (``ChunkConfig(memory_budget_bytes=..., budget_scope="step")``): every
+    forward with autograd plans the step for its token count T = B·Q
+    (:class:`memfine.memory.step.StepPlanner`, cached per T) so that the whole step's
+    predicted activation peak fits the budget with the least recomputation, and sets each
+    block's recompute mode and chunk count. A budget no plan meets raises
+    :class:`memfine.schedule.InfeasibleBudgetError` (or, with ``allow_over_budget``, runs the
+    least-memory plan with a warning).
     """
 
-    def __init__(self, config: ModelConfig, *,
-                 agree_num_chunks: AgreeNumChunks | None = None) -> None:
+    def __init__(self, config: ModelConfig) -> None:
         """Build and initialise the embedding, blocks and final norm; arguments as on the class."""
         super().__init__()
         self.config = config
         D = config.moe.hidden_size
-        self.chunk_policy = ChunkPolicy(config.chunk, config.moe,
-                                        agree_num_chunks=agree_num_chunks)
+        self.chunk_policy = ChunkPolicy(config.chunk, config.moe)
+        self.last_plan: StepPlan | None = None
+        self._plans: dict[tuple[int, int, int], StepPlan] = {}
+        self._fixed: dict[tuple[str, int], ChunkPolicy] = {}
         self.embed = nn.Embedding(config.vocab_size, D)
         self.blocks = nn.ModuleList([Block(config, policy=self.chunk_policy)
                                      for _ in range(config.num_layers)])
@@ -246,6 +260,10 @@ class MoETransformerLM(nn.Module):
         check_tensor(((input_ids >= 0) & (input_ids < V)).all(),
                      f"input_ids must lie in [0, vocab_size={V})",
                      lambda: f", got values in [{int(input_ids.min())}, {int(input_ids.max())}]")
+        chunk = self.config.chunk
+        if (chunk.budget_scope == "step" and chunk.memory_budget_bytes is not None
+                and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
+            self.apply_plan(self.plan_step(*input_ids.shape))
         x_BQD = self.embed(input_ids)
         auxes = []
         for i, block in enumerate(self.blocks):
@@ -258,6 +276,48 @@ class MoETransformerLM(nn.Module):
             loss = F.cross_entropy(logits_BQV.reshape(-1, logits_BQV.shape[-1]),
                                    targets.reshape(-1))
         return LMOutput(logits=logits_BQV, loss=loss, aux=tuple(auxes))
+
+    def plan_step(self, batch: int, seq: int) -> StepPlan:
+        """The step-scope plan for a (B, Q) batch (cached per shape; MemFine §4 with the step).
+
+        Raises:
+            InfeasibleBudgetError: when no plan's predicted step peak fits the budget and
+                ``allow_over_budget`` is False (names the ChunkConfig fields and the smallest
+                feasible budget).
+        """
+        key = (batch, seq, self.embed.weight.element_size())
+        if key in self._plans:
+            return self._plans[key]
+        chunk = self.config.chunk
+        budget = chunk.memory_budget_bytes
+        if budget is None:
+            raise ValueError("plan_step needs ChunkConfig.memory_budget_bytes")
+        planner = step_planner(self.config, *key)
+        plan = planner.plan(budget)
+        if plan is None:
+            least = planner.least_memory_plan()
+            err = InfeasibleBudgetError(
+                budget, least.predicted_peak_bytes, chunk.bins,
+                f"the whole step (B={batch} x Q={seq} tokens, budget_scope 'step') peaks at "
+                f"{least.predicted_peak_bytes} bytes with its least-memory plan")
+            if not chunk.allow_over_budget:
+                raise err
+            warnings.warn(f"{err}; running the least-memory plan (allow_over_budget)",
+                          UserWarning, stacklevel=2)
+            plan = least
+        self._plans[key] = plan
+        return plan
+
+    def apply_plan(self, plan: StepPlan) -> None:
+        """Set every block's recompute mode and its MoE layer's fixed chunk count."""
+        self.last_plan = plan
+        for block, choice in zip(self.blocks, plan.choices, strict=True):
+            key = (choice.recompute, choice.num_chunks)
+            if key not in self._fixed:
+                self._fixed[key] = ChunkPolicy(ChunkConfig(
+                    num_chunks=choice.num_chunks, recompute=choice.recompute), self.config.moe)
+            block.recompute = choice.recompute
+            block.moe.policy = self._fixed[key]
 
     def compile_regions(self, *, backend: str = "inductor") -> MoETransformerLM:
         """Compile, in place, every block's regions that issue no collective; return ``self``.

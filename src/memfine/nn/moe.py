@@ -20,7 +20,7 @@ from memfine.nn.shared import SharedExperts
 from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
 from memfine.routing.precision import count_per_expert
 from memfine.routing.router import RoutingResult
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkDecision, ChunkPolicy
 
 # A layer built without a chunk config runs its experts in one piece without recomputation.
 NO_CHUNKING = ChunkConfig(num_chunks=1, recompute="none")
@@ -35,6 +35,7 @@ class MoEAux:
         z_loss: 0-dim fp32 router z-loss.
         tokens_per_expert: (E,) int64 assignments per expert this call (kept pairs only).
         num_chunks: chunk count c used for the expert part (1 when unchunked).
+        recompute: the recompute mode the call ran with (``none``, ``experts`` or ``full``).
         sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
             ``seq_aux_loss_coef`` is 0 (not computed).
         dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
@@ -51,6 +52,7 @@ class MoEAux:
     z_loss: torch.Tensor
     tokens_per_expert: torch.Tensor
     num_chunks: int = 1
+    recompute: str = "none"
     sequence_balance_loss: torch.Tensor | None = None
     dropped_pairs: torch.Tensor | None = None
     selection_counts: torch.Tensor | None = None
@@ -88,7 +90,10 @@ class MoELayer(nn.Module):
         ValueError: if both ``chunk`` and ``policy`` are given, or the policy's MoE config differs.
 
     Attributes:
-        policy: the :class:`ChunkPolicy`, passed to ``experts.run`` on every call.
+        policy: the :class:`ChunkPolicy`, passed to ``experts.run`` on every call (a
+            whole-step plan, :class:`memfine.memory.step.StepPlanner`, may swap it per step).
+        last_decision: the :class:`memfine.schedule.ChunkDecision` of the last eager forward
+            (c, recompute mode, s″, predicted and budget bytes); None before the first.
     """
 
     def __init__(self, config: MoEConfig, *, depth: int = 1, chunk: ChunkConfig | None = None,
@@ -101,6 +106,7 @@ class MoELayer(nn.Module):
             raise ValueError(f"MoELayer policy.moe must equal config, got {policy.moe} vs {config}")
         self.config = config
         self.policy = policy or ChunkPolicy(chunk or NO_CHUNKING, config)
+        self._last_decision: ChunkDecision | None = None
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize,
                                  options=config,
@@ -155,6 +161,8 @@ class MoELayer(nn.Module):
         routing = self.router(x_TD, mask_T)
         out_TD, num_chunks = self.experts.run(x_TD, routing.top_k_index, routing.top_k_weights,
                                               self.policy)
+        if not torch.compiler.is_compiling():  # the policy's record of this call (host ints)
+            self._last_decision = self.policy.last_decision
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(
                 x_TD, mask_T, num_chunks=num_chunks,
@@ -166,7 +174,18 @@ class MoELayer(nn.Module):
         # its storage is safe; _unsafe_view reshapes without a copy (NOTE(memory): no T·d
         # clone) and without autograd view tracking (its backward is a reshape).
         out = torch.ops.aten._unsafe_view(out_TD, x.shape)
-        return out, dataclasses.replace(aux, num_chunks=num_chunks)
+        return out, dataclasses.replace(aux, num_chunks=num_chunks,
+                                        recompute=self.policy.config.resolved_recompute)
+
+    @property
+    def last_decision(self) -> ChunkDecision | None:
+        """The chunk count, recompute mode and memory prediction of the last eager forward.
+
+        Returns:
+            A frozen :class:`memfine.schedule.ChunkDecision`, or None before the first call
+            (and for calls traced by ``torch.compile`` with a fixed c, which record nothing).
+        """
+        return self._last_decision
 
     def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
              step_counts: torch.Tensor | None = None) -> MoEAux:

@@ -148,5 +148,5 @@ def agree_num_chunks(num_chunks: int, group: dist.ProcessGroup | None = None, *,
     if require_equal and c_max != c_min:
         raise ValueError(f"ranks of the expert-parallel group run different chunk counts "
                          f"(from {c_min} to {c_max}); use the same num_chunks on every rank, or "
-                         f"a policy whose agree_num_chunks is the group maximum")
+                         f"a memory budget (the ranks then agree on the group maximum)")
     return c_max

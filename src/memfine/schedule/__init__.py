@@ -5,12 +5,18 @@ Reference: MemFine (arXiv 2511.21431) §4, Eq. 8-9; docs/design.md §4.
 """
 
 from memfine.schedule.chunked import chunk_sizes, run_chunked
-from memfine.schedule.policy import AgreeNumChunks, ChunkPolicy, identity_agreement
+from memfine.schedule.policy import (
+    AgreeNumChunks,
+    ChunkDecision,
+    ChunkPolicy,
+    InfeasibleBudgetError,
+)
 
 __all__ = [
     "AgreeNumChunks",
+    "ChunkDecision",
     "ChunkPolicy",
+    "InfeasibleBudgetError",
     "chunk_sizes",
-    "identity_agreement",
     "run_chunked",
 ]

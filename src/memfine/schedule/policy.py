@@ -1,232 +1,287 @@
 """Runtime chunk policy: a fixed chunk count, or MACT's budget-driven choice per step and layer.
 
 With ``ChunkConfig.memory_budget_bytes`` set, every call of an MoE layer reads the rows its
-experts receive this step (s″), turns the budget into the largest tolerable rows per chunk with the
-memory model (s′_max, MemFine Eq. 8) and picks c = ⌈s″/s′_max⌉ rounded up to the configured bins
-(Eq. 9). Without a budget, c = ``ChunkConfig.num_chunks``.
+experts receive this step (s″) and picks the smallest chunk count c of the configured bins whose
+*exact* predicted peak fits the budget (MemFine §4.2, MACT; Eq. 8-9 read with our own memory
+model). The prediction is the allocation timeline of the layer's forward + backward
+(:func:`memfine.memory.layer.layer_peak_bytes`, which the tests hold equal to
+``torch.profiler``), one replay per (T, D_t, recompute, c), cached: a training step with a
+constant T replays the timeline once per bin and then looks the peaks up. Without a budget,
+c = ``ChunkConfig.num_chunks``.
+
+Rows beyond T·k (expert parallelism: a rank may receive more rows than it routes) and the rows a
+transport layer keeps (EP's received copy of x, ``transport_row_elements``) are added to the
+exact peak at the timeline's per-row slope (:func:`memfine.memory.layer.expert_row_bytes`), per
+chunk: ⌈s″/c⌉ rows. On one process s″ ≤ T·k and the prediction is the timeline's peak itself.
 
 Expert parallelism: every rank of an EP group must run the same number of chunks (each chunk
-issues its own all-to-all). The policy therefore passes its local choice through an injected
-*agreement* callable, ``agree_num_chunks(c_local) -> c_group``, before using it. The default is the
-identity (one process); the expert-parallel code plugs in an all-reduce with ``MAX`` over the EP
-group. Configs hold plain values only, so the callable is a constructor argument (and a public,
-assignable attribute), never a config field.
+issues its own all-to-all). The expert-parallel experts pass their agreement (an all-reduce MAX
+over the ``ep`` group) as the ``agree`` argument of each decision; one process needs none.
 
-What a transport layer keeps per received row beside the experts' own bytes (expert parallelism's
-received copy of x: d elements) is an argument of each decision, ``transport_row_elements``: the
-experts that call the policy state it (their ``transport_row_elements`` in the experts contract,
-:mod:`memfine.nn.experts`), so one policy serves local and expert-parallel experts unchanged.
+Every decision is recorded as a :class:`ChunkDecision` (``last_decision``), which
+:class:`memfine.nn.MoELayer`, the transformers backend and the torchtitan converter expose.
 
 Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4; docs/style.md §7.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
-from memfine.memory.layer import ChunkBytes
-from memfine.memory.planner import ChunkChoice, choose_num_chunks, s_prime_max
 from memfine.units import format_bytes
 
 AgreeNumChunks = Callable[[int], int]
-"""``agree_num_chunks(c_local) -> c_group``: the group's maximum of every rank's local choice.
+"""``agree(c_local) -> c_group``: the group's maximum of every rank's local choice.
 
 Called once per budget-driven decision (per step and MoE layer, in forward only, never during
 recompute), on every rank of the group in the same order. Its argument is the local chunk count:
 a configured bin, or a value above the largest bin when this rank cannot meet its budget (so that
-all ranks reach the same verdict). It must return the maximum over the group (an all-reduce MAX);
-the return value is used as is.
+all ranks reach the same verdict). It must return the maximum over the group (an all-reduce MAX).
 """
 
-def identity_agreement(num_chunks: int) -> int:
-    """The single-process agreement: return ``num_chunks`` unchanged."""
-    return num_chunks
+CONFIG_NAMES = {"budget": "ChunkConfig.memory_budget_bytes", "bins": "ChunkConfig.bins",
+                "allow": "ChunkConfig.allow_over_budget"}
+"""How the over-budget message names the three settings (the library's field names)."""
+
+FLAG_NAMES = {"budget": "--memory-budget", "bins": "--bins", "allow": "--allow-over-budget"}
+"""The same settings as ``memfine train`` flags (used by the command line's messages)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkDecision:
+    """What one MoE layer call ran with: chunk count, recompute mode and the prediction.
+
+    Attributes:
+        num_chunks: c, token chunks of the expert part.
+        recompute: ``none``, ``experts`` or ``full``.
+        tokens: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
+            is read (no host sync), and this is the routed slots T·k, an upper bound.
+        predicted_peak_bytes: the memory model's peak of the layer's forward + backward at this
+            c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
+        budget_bytes: the budget the choice was made against; None for a fixed c.
+    """
+
+    num_chunks: int
+    recompute: str
+    tokens: int
+    predicted_peak_bytes: int
+    budget_bytes: int | None
+
+
+class InfeasibleBudgetError(ValueError):
+    """A memory budget that no chunk count in the bins meets (a ``ValueError``).
+
+    Attributes:
+        budget_bytes: the budget given.
+        smallest_feasible_bytes: the least budget some bin meets (for this T and s″).
+        bins: the bins tried.
+        reason: why, in words (without the setting names).
+    """
+
+    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, bins: tuple[int, ...],
+                 reason: str, names: dict[str, str] | None = None) -> None:
+        """Keep the numbers; the message names the settings by ``names`` (default fields)."""
+        self.budget_bytes, self.smallest_feasible_bytes = budget_bytes, smallest_feasible_bytes
+        self.bins, self.reason = bins, reason
+        super().__init__(self.message(names or CONFIG_NAMES))
+
+    def message(self, names: dict[str, str]) -> str:
+        """One line naming the settings as ``names`` spells them (fields or flags)."""
+        return (f"{names['budget']} {format_bytes(self.budget_bytes, exact=True)} cannot be met "
+                f"by any chunk count in {names['bins']} {','.join(map(str, self.bins))}: "
+                f"{self.reason}; the smallest feasible budget is "
+                f"{format_bytes(self.smallest_feasible_bytes, exact=True)}; raise "
+                f"{names['budget']}, add a larger bin to {names['bins']}, or set "
+                f"{names['allow']} to run with the largest bin")
 
 
 class ChunkPolicy:
     """Decides the chunk count c of an MoE layer call.
 
     One policy object may be shared by every MoE layer of a model (the over-budget warning is
-    then given once per model).
+    then given once per model; ``last_decision`` is the latest call's, read by each layer
+    right after its own call).
 
     Args:
         chunk: the :class:`ChunkConfig` (fixed ``num_chunks`` or ``memory_budget_bytes``, bins,
             recompute mode, ``allow_over_budget``).
         moe: the layers' :class:`MoEConfig` (sizes for the memory model).
-        agree_num_chunks: see :data:`AgreeNumChunks`; default :func:`identity_agreement`.
 
     Attributes:
         config: the chunk config.
         moe: the MoE config.
-        agree_num_chunks: the agreement callable; assign to it to plug in an EP group's
-            all-reduce MAX after the model is built.
+        last_decision: the :class:`ChunkDecision` of the latest eager call (None before any).
 
     Reference: MemFine Eq. 8-9, §4.2.
     """
 
-    def __init__(self, chunk: ChunkConfig, moe: MoEConfig, *,
-                 agree_num_chunks: AgreeNumChunks | None = None) -> None:
+    def __init__(self, chunk: ChunkConfig, moe: MoEConfig) -> None:
         """Keep the configs, start with an empty memory-model cache; arguments as on the class."""
         self.config = chunk
         self.moe = moe
-        self.agree_num_chunks: AgreeNumChunks = agree_num_chunks or identity_agreement
+        self.last_decision: ChunkDecision | None = None
         self._warned = False
-        # The memory model is pure in (config, T, D_t) and the policy is asked on every step of
-        # every layer: its line fixed + row·rows, once per (T, D_t); the only cache.
-        self._lines: dict[tuple[int, int], ChunkBytes] = {}
+        # (T, D_t, recompute, c) → exact timeline peak; a training step repeats one T.
+        self._peaks: dict[tuple[int, int, str, int], int] = {}
+        self._row_bytes: dict[tuple[int, str], int] = {}
 
     @property
     def budgeted(self) -> bool:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
-    def chunk_bytes(self, num_tokens: int, dtype_bytes: int, *,
-                    transport_row_elements: int = 0) -> ChunkBytes:
-        """The memory model's ``fixed + row · rows`` line for T tokens (transport rows included).
+    def layer_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, *,
+                   recompute: str | None = None) -> int:
+        """The exact timeline peak of one layer call with T tokens at c chunks (cached), bytes."""
+        rec = recompute or self.config.resolved_recompute
+        key = (num_tokens, dtype_bytes, rec, num_chunks)
+        peak = self._peaks.get(key)
+        if peak is None:
+            if len(self._peaks) >= 256:  # varying T (e.g. a last, shorter batch): stay small
+                self._peaks.clear()
+            peak = self._peaks[key] = layer_memory.layer_peak_bytes(
+                self.moe, num_tokens, dtype_bytes, num_chunks=num_chunks, recompute=rec)
+        return peak
+
+    def row_bytes(self, dtype_bytes: int) -> int:
+        """The timeline's peak bytes per received row of one chunk (its largest slope)."""
+        key = (dtype_bytes, self.config.resolved_recompute)
+        if key not in self._row_bytes:
+            self._row_bytes[key] = layer_memory.expert_row_bytes(self.moe, dtype_bytes,
+                                                                 recompute=key[1])
+        return self._row_bytes[key]
+
+    def predicted_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int,
+                       num_chunks: int, *, transport_row_elements: int = 0) -> int:
+        """Predicted peak of one layer call at c chunks with s″ received rows, in bytes.
+
+        The exact timeline peak for T tokens (S = T·k rows), plus, per chunk, the rows received
+        beyond ⌈T/c⌉·k at the per-row slope and ``transport_row_elements`` · D_t per received
+        row (both 0 on one process).
 
         Args:
-            num_tokens: T, tokens entering the layer on this rank.
-            dtype_bytes: D_t, bytes per activation element.
-            transport_row_elements: elements per received row that a transport layer holds
-                outside the expert computation (expert parallelism: the received copy of x, d);
-                0 for local experts.
-
-        Returns:
-            :class:`memfine.memory.layer.ChunkBytes`; ``row_bytes`` includes
-            ``transport_row_elements · D_t``.
+            recv_rows: s″ (≥ 0).
+            num_tokens: T (≥ 0).
+            dtype_bytes: D_t.
+            num_chunks: c ≥ 1.
+            transport_row_elements: elements per received row kept by a transport layer.
         """
-        key = (num_tokens, dtype_bytes)
-        line = self._lines.get(key)
-        if line is None:
-            if len(self._lines) >= 64:  # varying T (e.g. a last, shorter batch): stay small
-                self._lines.clear()
-            line = self._lines[key] = layer_memory.chunk_bytes(
-                num_tokens, self.moe, dtype_bytes, recompute=self.config.resolved_recompute)
-        extra = transport_row_elements * dtype_bytes
-        return dataclasses.replace(line, row_bytes=line.row_bytes + extra) if extra else line
-
-    def row_bytes(self, dtype_bytes: int, num_tokens: int = 0, *,
-                  transport_row_elements: int = 0) -> int:
-        """Peak bytes per received row of one chunk (memory model, this recompute mode)."""
-        return self.chunk_bytes(num_tokens, dtype_bytes,
-                                transport_row_elements=transport_row_elements).row_bytes
-
-    def fixed_bytes(self, num_tokens: int, dtype_bytes: int) -> int:
-        """Bytes of the layer that do not scale with the received rows (memory model)."""
-        return self.chunk_bytes(num_tokens, dtype_bytes).fixed_bytes
-
-    def s_prime_max(self, num_tokens: int, dtype_bytes: int, *,
-                    transport_row_elements: int = 0) -> int:
-        """s′_max: the most received rows one chunk may hold within the budget (Eq. 8).
-
-        Args:
-            num_tokens: T, tokens entering the layer on this rank.
-            dtype_bytes: D_t, bytes per activation element.
-            transport_row_elements: as :meth:`chunk_bytes`.
-
-        Returns:
-            Rows; ≤ 0 when the budget does not even cover the fixed part.
-
-        Raises:
-            ValueError: when no budget is configured.
-        """
-        budget = self.config.memory_budget_bytes
-        if budget is None:
-            raise ValueError("ChunkPolicy.s_prime_max needs ChunkConfig.memory_budget_bytes")
-        line = self.chunk_bytes(num_tokens, dtype_bytes,
-                                transport_row_elements=transport_row_elements)
-        return s_prime_max(budget, line.fixed_bytes, line.row_bytes)
+        peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks)
+        rows = math.ceil(recv_rows / num_chunks)
+        extra = max(0, rows - math.ceil(num_tokens / num_chunks) * self.moe.top_k)
+        if extra:
+            peak += extra * self.row_bytes(dtype_bytes)
+        return peak + rows * transport_row_elements * dtype_bytes
 
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                                  transport_row_elements: int = 0) -> int:
-        """The least budget for which the largest bin keeps a chunk within it, in bytes.
+        """The least budget that some bin meets: min over the bins of the predicted peak, bytes."""
+        return min(self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
+                                       transport_row_elements=transport_row_elements)
+                   for c in self.config.bins)
 
-        fixed + ⌈max(s″, 1) / c_max⌉ · row bytes, with c_max the largest bin
-        (``transport_row_elements`` as :meth:`chunk_bytes`).
-        """
-        line = self.chunk_bytes(num_tokens, dtype_bytes,
-                                transport_row_elements=transport_row_elements)
-        rows = math.ceil(max(recv_rows, 1) / self.config.bins[-1])
-        return line.fixed_bytes + rows * line.row_bytes
-
-    def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
-                   agree: AgreeNumChunks | None = None, transport_row_elements: int = 0) -> int:
-        """Chunk count c for one MoE layer call on this rank.
+    def decide(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+               agree: AgreeNumChunks | None = None,
+               transport_row_elements: int = 0) -> ChunkDecision:
+        """The :class:`ChunkDecision` of one MoE layer call on this rank (also ``last_decision``).
 
         Args:
             recv_rows: s″, rows this rank's experts receive this step (locally: the valid
-                (token, slot) pairs; under EP: the rows arriving from the count exchange).
+                (token, slot) pairs; under EP: the rows arriving from the count exchange);
+                ignored (pass 0) without a budget.
             num_tokens: T, tokens entering the layer on this rank.
             dtype_bytes: D_t, bytes per activation element (4 for fp32, 2 for bf16).
             agree: the agreement of this call (the expert-parallel experts pass their
-                all-reduce MAX over ``ep``); default ``agree_num_chunks``.
+                all-reduce MAX over ``ep``); None on one process.
             transport_row_elements: elements per received row held by the experts' transport
                 (the experts contract's ``transport_row_elements``: d under expert parallelism,
-                0 locally), added to the memory model's per-row bytes.
+                0 locally).
 
         Returns:
-            c: ``ChunkConfig.num_chunks`` without a budget; with one, the group-agreed bin (the
-            largest bin when over budget and ``allow_over_budget``).
+            Without a budget: ``ChunkConfig.num_chunks``. With one: the smallest bin whose
+            predicted peak is within the budget, agreed over the group (the largest bin when
+            over budget and ``allow_over_budget``).
 
         Raises:
-            ValueError: if recv_rows or num_tokens is negative, or if even the largest bin cannot
-                meet the budget (the message names the smallest feasible budget in bytes and
-                MiB/GiB) and ``allow_over_budget`` is False.
+            ValueError: if recv_rows or num_tokens is negative.
+            InfeasibleBudgetError: if no bin meets the budget (on this or another rank of the
+                group) and ``allow_over_budget`` is False; one line naming the ChunkConfig
+                fields and the smallest feasible budget.
 
-        Side effects: calls ``agree`` (or ``agree_num_chunks``) once (budget mode only); warns
-        once per policy object (``UserWarning``) when over budget with ``allow_over_budget``.
+        Side effects: calls ``agree`` once (budget mode only); warns once per policy object
+        (``UserWarning``) when over budget with ``allow_over_budget``.
 
-        Reference: MemFine Eq. 8 (s′_max), Eq. 9 and §4.2 (bins, MACT).
+        Reference: MemFine Eq. 8-9 and §4.2 (bins, MACT), with the exact memory model.
         """
         if recv_rows < 0 or num_tokens < 0:
             raise ValueError(f"recv_rows and num_tokens must be >= 0, got {recv_rows}, "
                              f"{num_tokens}")
-        if not self.budgeted:
-            return self.config.num_chunks
-        bins, extra = self.config.bins, transport_row_elements
-        s_max = self.s_prime_max(num_tokens, dtype_bytes, transport_row_elements=extra)
-        choice = choose_num_chunks(recv_rows, s_max, bins)
+        rec, budget, extra = (self.config.resolved_recompute, self.config.memory_budget_bytes,
+                              transport_row_elements)
+        if budget is None:
+            c = self.config.num_chunks
+            rows = num_tokens * self.moe.top_k
+            decision = ChunkDecision(c, rec, rows, self.predicted_peak(
+                rows, num_tokens, dtype_bytes, c, transport_row_elements=extra), None)
+            self.last_decision = decision
+            return decision
+        bins = self.config.bins
+        peaks = {c: self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
+                                        transport_row_elements=extra) for c in bins}
+        fits = next((c for c in bins if peaks[c] <= budget), None)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
-        local = choice.num_chunks or max(bins[-1] + 1, choice.chunks_needed or 0)
-        agreed = int((agree or self.agree_num_chunks)(local))
+        local = fits if fits is not None else bins[-1] + 1
+        agreed = int(agree(local)) if agree is not None else local
         if agreed <= bins[-1]:
-            return agreed
-        msg = self._over_budget(choice, recv_rows, num_tokens, dtype_bytes, agreed=agreed,
-                                transport_row_elements=extra)
-        if not self.config.allow_over_budget:
-            raise ValueError(msg + "; raise ChunkConfig.memory_budget_bytes, add a larger bin to "
-                             "ChunkConfig.bins, or set ChunkConfig.allow_over_budget to run with "
-                             "the largest bin")
-        if not self._warned:
-            self._warned = True
-            warnings.warn(msg + f"; using the largest bin c={bins[-1]} (allow_over_budget)",
-                          UserWarning, stacklevel=2)
-        return bins[-1]
+            c = min(b for b in bins if b >= agreed)
+        else:
+            err = self._over_budget(peaks, recv_rows, num_tokens, agreed, fits)
+            if not self.config.allow_over_budget:
+                raise err
+            if not self._warned:
+                self._warned = True
+                warnings.warn(f"{err.message(CONFIG_NAMES)}; using the largest bin "
+                              f"c={bins[-1]} (allow_over_budget)", UserWarning, stacklevel=2)
+            c = bins[-1]
+        decision = ChunkDecision(c, rec, recv_rows, peaks[c], budget)
+        self.last_decision = decision
+        return decision
 
-    def _over_budget(self, choice: ChunkChoice, recv_rows: int, num_tokens: int,
-                     dtype_bytes: int, *, agreed: int, transport_row_elements: int) -> str:
-        """The message of a budget no bin meets: why, and the smallest feasible budget."""
+    def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+                   agree: AgreeNumChunks | None = None, transport_row_elements: int = 0) -> int:
+        """C of one MoE layer call: :meth:`decide`'s ``num_chunks`` (arguments and errors as there).
+
+        Under ``torch.compile`` tracing with a fixed c nothing is predicted or recorded (the
+        count is the config's; the memory model runs on host integers only).
+        """
+        if not self.budgeted and _compiling():
+            return self.config.num_chunks
+        return self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
+                           transport_row_elements=transport_row_elements).num_chunks
+
+    def _over_budget(self, peaks: dict[int, int], recv_rows: int, num_tokens: int,
+                     agreed: int, fits: int | None) -> InfeasibleBudgetError:
+        """The error of a budget no bin meets: why, and the smallest feasible budget."""
         bins, budget = self.config.bins, self.config.memory_budget_bytes
-        extra = transport_row_elements
-        s_max = self.s_prime_max(num_tokens, dtype_bytes, transport_row_elements=extra)
-        if choice.num_chunks is not None:
+        assert budget is not None
+        best = min(peaks, key=lambda c: (peaks[c], c))
+        if fits is not None:
             reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
                       f"bin {bins[-1]}")
         else:
-            need = self.smallest_feasible_budget(recv_rows, num_tokens, dtype_bytes,
-                                                 transport_row_elements=extra)
-            if choice.chunks_needed is None:
-                fixed = self.fixed_bytes(num_tokens, dtype_bytes)
-                reason = (f"s'_max={s_max} rows: the budget does not cover the "
-                          f"{format_bytes(fixed, exact=True)} that do not scale with the rows")
-            else:
-                reason = (f"s''={recv_rows} received rows with s'_max={s_max} rows per chunk "
-                          f"need c={choice.chunks_needed} > largest bin {bins[-1]}")
-            reason += f"; the smallest feasible budget is {format_bytes(need, exact=True)}"
-        return (f"ChunkConfig.memory_budget_bytes = {format_bytes(budget, exact=True)} cannot be "
-                f"met with ChunkConfig.bins {bins}: {reason}")
+            reason = (f"with T={num_tokens} tokens and s''={recv_rows} received rows the "
+                      f"predicted layer peak is {format_bytes(peaks[best], exact=True)} at "
+                      f"best (c={best})")
+        return InfeasibleBudgetError(budget, peaks[best], bins, reason)
+
+
+def _compiling() -> bool:
+    """True while ``torch.compile`` traces (imported lazily: the policy is host arithmetic)."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())

@@ -33,8 +33,9 @@ from memfine.config import TrainConfig
 from memfine.train.execution import autocast_region
 from memfine.train.setup import RunState
 
-# What one micro-batch returns: (3,) [CE, LBL, z-loss], (L, E) counts, c per layer, drops.
-MicroOut = tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
+# What one micro-batch returns: (3,) [CE, LBL, z-loss], (L, E) counts, c per layer, drops,
+# recompute mode per layer.
+MicroOut = tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[str]]
 
 
 def needs_step_counts(config: TrainConfig) -> bool:
@@ -134,4 +135,5 @@ def micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro
     (loss / num_micro).backward()
     losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
     dropped = [int(a.dropped_pairs or 0) for a in out.aux]
-    return losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped
+    return (losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped,
+            [a.recompute for a in out.aux])

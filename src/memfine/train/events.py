@@ -48,6 +48,7 @@ def write_metrics(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
         "tokens_per_s": run.log_steps * run.tokens_per_step / run.log_time,
         "load_balancing_loss": record.load_balancing_loss, "z_loss": record.z_loss,
         "grad_norm": record.grad_norm, "num_chunks": record.num_chunks,
+        "recompute": list(record.recompute),
         "tokens_per_expert": run.load_log_LE.tolist(),
         "expert_load_max_over_mean": [load_max_over_mean(c) for c in run.load_log_LE],
         "peak_bytes": record.peak_bytes, "peak_bytes_predicted": record.peak_bytes_predicted,
@@ -61,12 +62,19 @@ def write_metrics(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
     run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None
 
 
-def show_progress(run: RunState) -> None:
-    """Advance the progress bar by one step (loss, tokens/s), when there is one."""
+def show_progress(run: RunState, record: StepRecord | None = None) -> None:
+    """Advance the progress bar by one step, when there is one.
+
+    The postfix shows the loss, tokens/s and, per layer, c with its recompute mode's initial
+    (``c=4e,4e,1n,2f``).
+    """
     if run.bar is not None:
         run.bar.update(1)
+        layers = {} if record is None else {"c": ",".join(
+            f"{c}{r[0]}" for c, r in zip(record.num_chunks, record.recompute, strict=False))}
         run.bar.set_postfix(loss=f"{run.losses[-1]:.3f}",
-                            tok_s=f"{run.tokens_per_step * len(run.losses) / run.run_time:,.0f}")
+                            tok_s=f"{run.tokens_per_step * len(run.losses) / run.run_time:,.0f}",
+                            **layers)
 
 
 def close(run: RunState) -> None:

@@ -151,7 +151,7 @@ def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -
                     events.save(run)
                 if config.logs_at(record.step):
                     events.write_metrics(run, record, is_eval=is_eval)
-                events.show_progress(run)
+                events.show_progress(run, record)
                 if on_step is not None:
                     on_step(record.step)
                 if stop.is_set():

@@ -35,6 +35,7 @@ class StepRecord:
             with the balancing loss on, else each micro-batch's own f).
         z_loss: router z-loss (mean over layers, micro-batches and ranks, as above).
         num_chunks: chunk count c per MoE layer.
+        recompute: recompute mode per MoE layer (``none``, ``experts``, ``full``).
         tokens_per_expert_LE: (L, E) int64 on CPU, assignments per expert (sum over the ranks).
         seconds: wall time of the step, seconds.
         peak_bytes: this rank's peak live bytes of forward + backward above those alive before
@@ -57,6 +58,7 @@ class StepRecord:
     peak_bytes: int | None = None
     peak_bytes_predicted: list[int | None] | None = None
     dropped_pairs: list[int] | None = None
+    recompute: tuple[str, ...] = ()
 
 
 def run_step(run: RunState, step_index: int) -> StepRecord:
@@ -100,7 +102,8 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     local_tokens = parallel.shard_batch(x_NBQ[:B])[0].numel()  # one micro-batch on this rank
     return StepRecord(
         step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm, load_balancing_loss=lbl,
-        z_loss=z, num_chunks=num_chunks, tokens_per_expert_LE=load_LE, seconds=dt,
+        z_loss=z, num_chunks=num_chunks, recompute=tuple(outs[-1][4]),
+        tokens_per_expert_LE=load_LE, seconds=dt,
         dropped_pairs=None if config.model.moe.dropless
         else torch.tensor([out[3] for out in outs]).sum(0).tolist(),
         peak_bytes=None if tracker is None else tracker.peak_bytes,

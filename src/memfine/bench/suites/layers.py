@@ -226,12 +226,14 @@ def layer_inputs(shape: LayerShape, *, dtype: torch.dtype, device: torch.device,
 
 
 def budget_for_rows(moe: MoEConfig, num_tokens: int, dtype_bytes: int, rows: int) -> int:
-    """The MACT budget whose s′_max is ``rows`` received rows at T = ``num_tokens`` (Eq. 8).
+    """The MACT budget that holds chunks of ``rows`` received rows at T = ``num_tokens``.
 
-    fixed(T) + rows · row bytes, from the memory model (recompute ``experts``).
+    The exact predicted layer peak (recompute ``experts``) at c = ⌈T·k / rows⌉, so MACT picks
+    that c or a smaller one.
     """
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
-    return policy.fixed_bytes(num_tokens, dtype_bytes) + rows * policy.row_bytes(dtype_bytes)
+    c = -(-num_tokens * moe.top_k // max(rows, 1))
+    return policy.layer_peak(num_tokens, dtype_bytes, max(c, 1))
 
 
 def half_rows_budget(moe: MoEConfig, num_tokens: int, dtype_bytes: int) -> int:

@@ -40,7 +40,7 @@ from memfine.ops.fused.lora import ExpertLoRA
 from memfine.ops.fused.lora_experts import run_lora_experts
 from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkDecision, ChunkPolicy
 
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
 
@@ -206,12 +206,21 @@ def num_chunks_for(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights,
         ValueError: when the budget cannot be met and ``chunk.allow_over_budget`` is False
             (the message names the smallest feasible budget).
     """
-    if chunk.memory_budget_bytes is None:
-        return chunk.num_chunks
     E = weights.shape_EDGN[0]
-    recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
+    recv_rows = 0  # a fixed c reads no count (no host sync)
+    if chunk.memory_budget_bytes is not None:
+        recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
     policy = _policy(module, plan, weights, top_k_index.shape[1], chunk)
     return policy.num_chunks(recv_rows, x_TD.shape[0], x_TD.element_size())
+
+
+def last_decision(module: nn.Module) -> ChunkDecision | None:
+    """The :class:`memfine.schedule.ChunkDecision` of ``module``'s last chunked call.
+
+    None before one, or when the module runs unchunked without a budget.
+    """
+    policy = getattr(module, "_memfine_chunk_policy", None)
+    return None if policy is None else policy.last_decision
 
 
 def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_TD: torch.Tensor,

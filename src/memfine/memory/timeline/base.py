@@ -102,3 +102,32 @@ class WeightGrads:
             else:
                 self.buffer[name] = grads[name]
         self.tl.free(*incoming)
+
+
+def expert_saved(moe: MoEConfig, C: int, S: int, dt: int) -> dict[str, int]:
+    """Saved-for-backward bytes of one chunk's expert path (no recompute), by field.
+
+    One formula for routed rows (k slots per token) and shared experts (k = S, every token).
+
+    Args:
+        moe: the experts' config (``experts_impl`` selects the fused or plain path).
+        C: tokens of the chunk.
+        S: rows the chunk's experts receive (C·k without sentinels).
+        dt: D_t, bytes per activation element.
+
+    Returns:
+        :class:`memfine.memory.breakdown.MemoryBreakdown` field name → bytes.
+    """
+    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
+                     moe.top_k)
+    if moe.experts_impl == "fused":
+        return {"pre_activation_bytes": S * G * dt,
+                "routing_index_bytes": 4 * (2 * S + C * K + E + 1)}
+    keeps_h = moe.activation != "relu"  # relu saves its output A, not H
+    return {
+        "pre_activation_bytes": S * G * dt if keeps_h else 0,
+        "routing_index_bytes": 4 * (E + 1),  # offsets, saved by both grouped matmuls
+        "gathered_input_bytes": S * D * dt + S * 8,
+        "activation_output_bytes": S * N * dt * (2 if moe.gated else 1),
+        "combine_copy_bytes": C * K * (D * dt + dt + 8 + 2),
+    }

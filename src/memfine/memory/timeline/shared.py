@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfine.config import MoEConfig
+from memfine.memory.timeline.base import expert_saved
 from memfine.memory.timeline.experts import (
     Shape,
     Timeline,
@@ -50,10 +51,8 @@ def shared_saved_items(moe: MoEConfig, chunks: list[int], dt: int, *, ckpt: bool
         items["shared_weights_bytes"] += T * D * dt
     if ckpt:
         return items
-    from memfine.memory.layer import _expert_saved  # one formula for routed and shared rows
-
     for C in chunks:
-        per_chunk = _expert_saved(sh, C, C * S, dt)
+        per_chunk = expert_saved(sh, C, C * S, dt)
         if sh.experts_impl == "plain" and not gate:  # weights need no grad: no slot rows
             per_chunk["combine_copy_bytes"] -= C * S * (D * dt + 1)
         items["shared_expert_bytes"] += sum(per_chunk.values())

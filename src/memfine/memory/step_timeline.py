@@ -1,0 +1,244 @@
+"""Allocation timeline of one training step of the small MoE language model (bytes, integers).
+
+:func:`simulate_step` replays :class:`memfine.nn.MoETransformerLM`'s forward and backward with
+one (recompute mode, chunk count) per layer: the embedding, every block's attention part (RMSNorm,
+qkv, rotary embeddings, SDPA, projection, residual), the MoE layer (its exact timeline,
+:func:`memfine.memory.layer.moe_layer_timeline`, placed at its point of the step), the final norm,
+the tied logits and the cross-entropy; backward in the autograd engine's order, the blocks in
+reverse, each block's saved tensors freed by its backward, parameter gradients kept to the end.
+
+Protocol (as the tests measure): the input ids exist before; parameters have no ``.grad``;
+``loss = CE + a·LBL + z·z-loss`` (the aux losses' gradients are scalars); the caller keeps the
+:class:`memfine.nn.model.LMOutput` (logits) until backward ends.
+
+Legend: B batch, Q sequence, T = B·Q tokens, D = d, V vocab, H heads, D_t activation bytes.
+Reference: our derivation from the code (docs/design.md §5: peak = saved + largest transient;
+MemFine Eq. 2 for the layer terms it itemises).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from memfine.config import ModelConfig
+from memfine.memory import layer as layer_memory
+from memfine.memory.timeline.base import Timeline
+
+STEP_RECOMPUTE = ("none", "experts", "full")
+"""A layer's recompute options in a step plan (``full``: the whole block)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayerChoice:
+    """One MoE block's execution in a step: recompute mode and chunk count.
+
+    Attributes:
+        recompute: ``none``, ``experts`` (chunked expert recompute) or ``full`` (the block).
+        num_chunks: c, token chunks of the expert part.
+    """
+
+    recompute: str
+    num_chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Moe:
+    """The MoE layer's own timeline, reduced to what the step needs (bytes)."""
+
+    forward_peak: int
+    kept: int  # live after its forward, the output excluded
+    backward_peak: int  # above the live bytes at the start of its backward (output included)
+    end: int  # live after its backward: dx of its input, its parameter gradients, counts
+
+
+@functools.lru_cache(maxsize=256)
+def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice) -> _Moe:
+    rec = "none" if choice.recompute == "none" else "experts"
+    tl = layer_memory.moe_layer_timeline(config.moe, T, dt, num_chunks=choice.num_chunks,
+                                         recompute=rec)
+    out = T * config.moe.hidden_size * dt
+    fwd = tl.marks["forward"]
+    bwd = max(tl.phase_peaks["losses_backward"], tl.phase_peaks["end"])
+    return _Moe(forward_peak=tl.phase_peaks["forward"], kept=fwd - out,
+                backward_peak=bwd - fwd, end=tl.marks["end"])
+
+
+class _Step:
+    """The step's running timeline and the names of what each block keeps."""
+
+    def __init__(self, config: ModelConfig, batch: int, seq: int, dt: int) -> None:
+        self.c, self.B, self.Q, self.dt = config, batch, seq, dt
+        self.T, self.D = batch * seq, config.moe.hidden_size
+        self.tl = Timeline(record=False)
+
+    def td(self, name: str, factor: float = 1.0) -> str:
+        """Allocate a (T, D·factor) activation."""
+        return self.tl.alloc(name, int(self.T * self.D * factor) * self.dt)
+
+    def norm(self, prefix: str, output: bool = True) -> list[str]:
+        """RMSNorm forward (a composite on CPU): [rstd (T,), x·rstd (T, D), output (T, D)].
+
+        x² and its mean are transient; x·rstd and the output are both saved (the weight's
+        multiply keeps its input), the output last in the list.
+        """
+        tl = self.tl
+        square = self.td(f"{prefix}.square")
+        mean = tl.alloc(f"{prefix}.mean", self.T * self.dt)
+        tl.free(square)
+        rstd = tl.alloc(f"{prefix}.rstd", self.T * self.dt)
+        tl.free(mean)
+        saved = [rstd, self.td(f"{prefix}.normalized")]
+        return saved + [self.td(f"{prefix}.out")] if output else saved
+
+    def attention_forward(self, keep: bool, rerun: bool = False
+                          ) -> tuple[list[str], str, str | None]:
+        """attn_norm → qkv → RoPE(q, k) → SDPA → proj → residual → moe_norm.
+
+        Returns (saved names, h, the MoE input); with ``keep=False`` (a checkpointed region)
+        nothing but the two outputs survives. ``rerun``: the checkpoint's recomputation, which
+        stops once the last saved tensor is packed (autograd saves a multiply's inputs before
+        it runs), so the region's last output is never allocated (returned as None).
+        """
+        tl, H = self.tl, self.c.num_heads
+        saved = self.norm("attn_norm")
+        saved.append(self.td("qkv", 3))
+        for part in ("q", "k"):
+            halves = [self.td(f"rope.{part}.{i}", 0.5) for i in range(4)]
+            first, second = self.td(f"rope.{part}.a", 0.5), self.td(f"rope.{part}.b", 0.5)
+            tl.free(*halves)
+            saved.append(self.td(f"rope.{part}"))
+            tl.free(first, second)
+        saved += [self.td("sdpa.out"), tl.alloc("sdpa.lse", self.B * H * self.Q * 4)]
+        saved.append(self.td("sdpa.out_BQD"))  # transpose(1, 2).reshape copies (proj's input)
+        proj = self.td("proj")
+        h = self.td("h")
+        tl.free(proj)
+        norm2 = self.norm("moe_norm", output=not rerun)
+        if not keep:
+            tl.free(*saved, *norm2[:2])
+            return [], h, norm2[2]
+        return saved + norm2[:2], h, None if rerun else norm2[2]
+
+    def norm_backward(self, prefix: str, saved: list[str], grad_out: str) -> str:
+        """RMSNorm backward: frees its grad_out and saved [rstd, x·rstd] as each node ends."""
+        tl = self.tl
+        tl.free(tl.alloc(f"{prefix}.bwd.dweight", self.T * self.D * self.dt))  # then summed
+        tl.alloc(f"grad.{prefix}.weight", self.D * self.dt)
+        d_norm = self.td(f"{prefix}.bwd.dnormalized")
+        tl.free(grad_out)
+        tl.free(saved[1])
+        grad_x = self.td(f"{prefix}.bwd.dx")
+        tl.free(d_norm, saved[0])
+        return grad_x
+
+    def attention_backward(self, saved: list[str], h: str, moe_in: str, grad_h: str,
+                           grad_moe_in: str) -> str:
+        """Backward of the attention part, its saved tensors freed node by node.
+
+        Returns the block input's gradient (summed in place into ``grad_h``).
+        """
+        tl = self.tl
+        rstd1, nz1, n1, qkv, rq, rk, out, lse, out_bqd, rstd2, nz2 = saved
+        tl.free(moe_in)
+        tl.free(self.norm_backward("bwd.moe_norm", [rstd2, nz2], grad_moe_in), h)
+        grad_y = self.td("bwd.proj.dx")
+        tl.alloc("grad.proj.weight", self.D * self.D * self.dt)
+        tl.free(out_bqd)
+        grads = [self.td(f"bwd.sdpa.d{p}") for p in "qkv"]
+        tl.free(grad_y, rq, rk, out, lse)
+        rope = []
+        for i, part in enumerate("qk"):
+            products = [self.td(f"bwd.rope.{part}.{j}", 0.5) for j in range(4)]
+            halves = [self.td(f"bwd.rope.{part}.x{j}", 0.5) for j in (1, 2)]
+            tl.free(*products)
+            rope.append(self.td(f"bwd.rope.{part}"))
+            tl.free(*halves, grads[i])
+        grad_qkv = self.td("bwd.qkv", 3)
+        tl.free(*rope, grads[2], qkv)
+        grad_n = self.td("bwd.qkv.dx")
+        tl.alloc("grad.qkv.weight", 3 * self.D * self.D * self.dt)
+        tl.free(grad_qkv, n1)
+        tl.free(self.norm_backward("bwd.attn_norm", [rstd1, nz1], grad_n))
+        return grad_h
+
+
+def parameter_bytes(config: ModelConfig, dt: int) -> dict[str, int]:
+    """Parameter (= gradient) bytes of the embedding (tied head) and of one block."""
+    moe, D = config.moe, config.moe.hidden_size
+    experts = moe.num_experts * D * (moe.up_width + moe.intermediate_size)
+    block = 4 * D * D + 2 * D + moe.num_experts * D + experts
+    if moe.num_shared_experts:
+        sh = moe.shared_experts_config()
+        block += sh.num_experts * D * (sh.up_width + sh.intermediate_size)
+    return {"embedding": config.vocab_size * D * dt + D * dt, "block": block * dt}
+
+
+def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
+                  plan: tuple[LayerChoice, ...]) -> Timeline:
+    """Replay one training step's forward + backward with one :class:`LayerChoice` per layer.
+
+    Args:
+        config: the model.
+        batch: B sequences.
+        seq: Q tokens per sequence.
+        dtype_bytes: D_t of activations and parameters (4 on CPU).
+        plan: one choice per layer (``len(plan) == config.num_layers``).
+
+    Returns:
+        The :class:`memfine.memory.timeline.base.Timeline` (``peak``; marks ``forward``, ``end``).
+
+    Raises:
+        ValueError: if the plan's length is not the number of layers, or a choice is invalid.
+    """
+    if len(plan) != config.num_layers:
+        raise ValueError(f"plan must hold one LayerChoice per layer ({config.num_layers}), got "
+                         f"{len(plan)}")
+    for choice in plan:
+        if choice.recompute not in STEP_RECOMPUTE or choice.num_chunks < 1:
+            raise ValueError(f"LayerChoice.recompute must be one of {STEP_RECOMPUTE} and "
+                             f"num_chunks >= 1, got {choice}")
+    s = _Step(config, batch, seq, dtype_bytes)
+    tl, T, dt, V = s.tl, s.T, dtype_bytes, config.vocab_size
+    moes = [_moe(config, T, dt, choice) for choice in plan]
+    stream = s.td("embed.out")
+    blocks = []
+    for choice, moe in zip(plan, moes, strict=True):
+        full = choice.recompute == "full"
+        saved, h, moe_in = s.attention_forward(keep=not full)
+        tl.free(tl.alloc("moe.forward_peak", moe.forward_peak))
+        kept = tl.alloc("moe.kept", moe.kept)
+        out = s.td("moe.out")
+        new = s.td("block.out")
+        tl.free(out)
+        if full:  # h only feeds the residual sum: not saved
+            tl.free(h)
+        blocks.append((choice, moe, saved, h, moe_in, kept, stream))
+        stream = new
+    final = s.norm("final_norm")
+    logits = tl.alloc("logits", T * V * dt)
+    log_probs = tl.alloc("ce.log_softmax", T * V * 4)
+    tl.mark("forward")
+    grad_nll = tl.alloc("bwd.ce.nll", T * V * 4)
+    grad_logits = tl.alloc("bwd.ce.log_softmax", T * V * 4)
+    tl.free(grad_nll, log_probs)
+    grad_n = s.td("bwd.head.dx")
+    tl.alloc("grad.embedding", V * s.D * dt)
+    tl.free(grad_logits)
+    grad = s.td("bwd.final_norm.dx")
+    tl.free(grad_n, *final, stream)
+    tl.alloc("grad.final_norm", s.D * dt)
+    for choice, moe, saved, h, moe_in, kept, block_in in reversed(blocks):
+        tl.free(tl.alloc("moe.backward_peak", moe.backward_peak))
+        tl.free(kept)
+        end = tl.alloc("moe.end", moe.end - T * s.D * dt)
+        grad_moe_in = s.td("moe.dx")
+        if choice.recompute == "full":  # the attention region runs again, then backward
+            saved, h, _ = s.attention_forward(keep=True, rerun=True)
+        grad = s.attention_backward(saved, h, moe_in, grad, grad_moe_in)
+        tl.free(block_in)
+        del end
+    tl.free(tl.alloc("bwd.embedding", V * s.D * dt))  # summed into the tied weight's grad
+    tl.free(grad, logits)
+    tl.mark("end")
+    return tl
