@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 
-.PHONY: train test install lint clean results
+.PHONY: train test install lint typecheck clean results
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,8 +28,14 @@ results: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(ARGS)
 
+# ruff, then mypy (docs/style.md §8)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples scripts
+	$(MAKE) --no-print-directory typecheck
+
+# mypy on src/memfine, configured in pyproject.toml [tool.mypy]
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

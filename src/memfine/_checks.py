@@ -13,7 +13,7 @@ with the same message when the condition is False).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, TypeVar, get_args
+from typing import Any, NoReturn, TypeVar, get_args
 
 import torch
 
@@ -43,7 +43,8 @@ class FieldError(ValueError):
         self.plain = allowed if plain is None else plain
 
 
-def fail(obj: object, name: str, allowed: str, value: object, plain: str | None = None) -> None:
+def fail(obj: object, name: str, allowed: str, value: object,
+         plain: str | None = None) -> NoReturn:
     """Raise :class:`FieldError` ``"<Class>.<name> must be <allowed>, got <value>"``.
 
     ``plain``: what is allowed as typed on a command line (see :class:`FieldError`).

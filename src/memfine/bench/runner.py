@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from memfine.bench import SUITE_MODULES, select_methods
-from memfine.bench.options import BenchOptions
+from memfine.bench.options import BenchOptions, Point
 from memfine.bench.output import plot_points, print_point
 from memfine.bench.results import result_rows, write_csv
 from memfine.environment import collect_environment
@@ -54,7 +54,8 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
             print(f"{suite}: skipped: none of --methods belongs to this suite")
             continue
         start = time.perf_counter()
-        points, rows = [], []
+        points: list[Point] = []
+        rows: list[dict[str, str]] = []
         module = SUITE_MODULES[suite]  # a suite may print and write its own rows (counts)
         for point in module.run(opts, device, names):
             getattr(module, "print_point", print_point)(point)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import re
+import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -274,24 +275,24 @@ def apply_config_file(args: argparse.Namespace, path: str | Path, flags: Iterabl
             value the flag does not accept (also when the command line gives that flag too).
     """
     table = _read_toml(Path(path))
-    by_key = {}
+    by_key: dict[str, Flag] = {}
     for flag in flags:
         for name in (flag.name, *flag.aliases):
             by_key[flag_dest(name)] = flag
     for key, raw in table.items():
-        flag = by_key.get(key)
-        if flag is None:
+        known = by_key.get(key)
+        if known is None:
             raise ValueError(f"--config {str(path)!r}: unknown key {key!r}; allowed: "
                              f"{', '.join(sorted({f.dest for f in by_key.values()}))}")
-        checked = _config_value(flag, raw, f"--config {str(path)!r}: {key}")  # even if given
-        if not given(args, flag.dest):
-            setattr(args, flag.dest, checked)
+        checked = _config_value(known, raw, f"--config {str(path)!r}: {key}")  # even if given
+        if not given(args, known.dest):
+            setattr(args, known.dest, checked)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:
-    try:
+    if sys.version_info >= (3, 11):
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
+    else:  # Python 3.10
         from memfine._optional import require
 
         tomllib = require("tomli")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field, fields
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -208,7 +208,7 @@ class MemfineRoutedExperts(RoutedExperts):
             raise ValueError(f"expected torchtitan's RoutedExperts, got {type(module).__name__}")
         experts_layout(module.inner_experts, config.impl)  # raises on unsupported experts
         module.__class__ = cls
-        module.memfine_config = config
+        cast(MemfineRoutedExperts, module).memfine_config = config  # its class is now cls
 
     def _uses_memfine_dispatch(self) -> bool:
         mode, local = self.memfine_config.dispatch, _is_local(self.token_dispatcher)

@@ -57,6 +57,7 @@ IndexBuilder = Literal["auto", "sort_free", "argsort"]
 ExpertsFn = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 _log = logging.getLogger(__name__)
+_LOGGED_ATTRIBUTE = "_memfine_plan_logged"  # set on an experts module once its plan is logged
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -223,10 +224,10 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         raise ValueError(f"top_k_index and top_k_weights must be (T, k) with T={T}, got "
                          f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
     plan = resolve_plan(module, cfg.impl)
-    if not getattr(module, "_memfine_plan_logged", False):
+    if not getattr(module, _LOGGED_ATTRIBUTE, False):
         _log.info("memfine experts for %s: %s path%s", type(module).__name__, plan.path,
                   f" ({plan.reason})" if plan.reason else f", activation {plan.activation}")
-        module._memfine_plan_logged = True
+        setattr(module, _LOGGED_ATTRIBUTE, True)
     x_TD = hidden_states.to(compute_dtype(hidden_states, weights.w_up_EDG.dtype))
     out_TD = run_module(module, plan, weights, x_TD, top_k_index, top_k_weights,
                         chunk=cfg.chunk, backend=cfg.gemm_backend,

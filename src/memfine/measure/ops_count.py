@@ -99,10 +99,10 @@ def _is_mask(t: object) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype in _MASK_DTYPES
 
 
-def _leaves_cpu(src: object, dst_device: object) -> bool:
+def _leaves_cpu(src: object, dst_device: torch.device | str | int | None) -> bool:
     """True for a copy from a non-CPU tensor to the CPU."""
     return (isinstance(src, torch.Tensor) and src.device.type != "cpu"
-            and dst_device is not None and torch.device(dst_device).type == "cpu")  # type: ignore[arg-type]
+            and dst_device is not None and torch.device(dst_device).type == "cpu")
 
 
 def sync_kind(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:

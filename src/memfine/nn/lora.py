@@ -21,7 +21,7 @@ import math
 import torch
 from torch import nn
 
-from memfine.config import MoEConfig
+from memfine.config import MoEConfig, Recompute
 from memfine.config.lora import LoRAConfig, check_lora_rank
 from memfine.dispatch import build_routing_index
 from memfine.nn.experts import GroupedExperts
@@ -60,7 +60,7 @@ class LoRAGroupedExperts(GroupedExperts):
         self.lora = lora
         E, D, N, G, r = (config.num_experts, config.hidden_size, config.intermediate_size,
                          config.up_width, lora.rank)
-        shapes = {}
+        shapes: dict[str, tuple[int, int, int]] = {}
         if "w_up" in lora.targets:
             check_lora_rank(r, D, G)
             shapes.update(lora_a_up=(E, r, D), lora_b_up=(E, G, r))
@@ -111,7 +111,7 @@ class LoRAGroupedExperts(GroupedExperts):
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,
-                recompute: str = "none") -> torch.Tensor:
+                recompute: Recompute = "none") -> torch.Tensor:
         """Run the experts with adapters on routed tokens in c chunks (as the base class)."""
         lora = self.adapters()
         seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 
-def _known_true(condition: torch.SymBool) -> bool:
+def _known_true(condition: bool | torch.SymBool) -> bool:
     """Whether a symbolic ``condition`` holds for every size (only while torch.compile traces).
 
     Imported here so that ``import memfine`` and eager calls load neither sympy nor dynamo.

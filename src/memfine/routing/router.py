@@ -254,6 +254,8 @@ class TopKRouter(FP32BuffersMixin):
     Reference: docs/design.md §2; Switch Transformer §2.4 (jitter).
     """
 
+    selection_bias: torch.Tensor  # a registered buffer
+
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, *,
                  score_func: ScoreFunc = "softmax", renormalize: bool = True,
                  options: RouteOptions = DEFAULT_OPTIONS, jitter_eps: float = 0.0) -> None:

@@ -9,7 +9,9 @@ of :class:`memfine.config.TrainConfig`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
+
+import torch
 
 from memfine.artifacts.checkpoint import save_checkpoint, save_sharded_checkpoint
 from memfine.artifacts.evaluation import evaluate
@@ -28,10 +30,20 @@ def validate(run: RunState, record: StepRecord) -> None:
     run.load_eval_LE = None
 
 
+class _CheckpointArgs(TypedDict):
+    """The keyword arguments both checkpoint writers take."""
+
+    step: int
+    config: dict[str, Any]
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+
 def save(run: RunState) -> None:
     """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank)."""
     parallel = run.parallel
-    args = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
+    args: _CheckpointArgs = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
             "optimizer": run.optimizer, "scheduler": run.scheduler}
     if parallel.sharded:
         save_sharded_checkpoint(run.ckpt_path, is_main=parallel.is_main,

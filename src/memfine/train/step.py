@@ -119,7 +119,7 @@ def _update(run: RunState, step_index: int) -> tuple[float, float]:
     config = run.config
     grad_norm = run.parallel.clip_grad_norm_(
         run.model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
-    lr = run.scheduler.get_last_lr()[0]
+    lr = float(run.scheduler.get_last_lr()[0])  # a float LR: the stubs allow a tensor too
     run.consistent = False
     run.optimizer.step()
     run.scheduler.step()

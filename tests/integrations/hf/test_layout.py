@@ -234,3 +234,21 @@ def test_model_experts_modules_are_found() -> None:
     assert len(experts_modules(model)) == 1  # first_k_dense_replace=1: one MoE layer of two
     with pytest.raises(ValueError, match="has no transformers experts module"):
         mf_hf.configure(torch.nn.Linear(2, 2))
+
+
+def test_budget_of_an_ungated_relu2_module_is_that_of_silu() -> None:
+    """ReLU² (Nemotron-H) keeps H as SiLU does, so its memory model is the ungated SiLU one."""
+    (experts,) = tiny_experts("nemotron_h")
+    weights = mf_hf.expert_weights(experts)
+    plan = mf_hf.plan_experts(experts)
+    assert plan.activation == "relu2"
+    E, D, _, _ = weights.shape_EDGN
+    x_TD, idx, _ = _case(T=64, d=D, E=E)
+    chunk = ChunkConfig(memory_budget_bytes=1, allow_over_budget=True)
+    silu_plan = dataclasses.replace(plan, activation="silu")
+    with pytest.warns(UserWarning, match="allow_over_budget"):  # 1 byte: over budget at c = 8
+        c = hf_experts.num_chunks_for(experts, plan, weights, x_TD, idx, chunk)
+        c_silu = hf_experts.num_chunks_for(types.SimpleNamespace(), silu_plan, weights, x_TD,
+                                           idx, chunk)
+    assert experts._memfine_chunk_policy.moe.activation == "silu"
+    assert c == c_silu == 8

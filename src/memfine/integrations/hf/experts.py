@@ -20,12 +20,13 @@ Reference: MoEBlaze §3-§5 (index, fused path); docs/design.md §7.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, cast, get_args
 
 import torch
 from torch import nn
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import Activation, ChunkConfig, MoEConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.ops import (
@@ -43,6 +44,8 @@ from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkDecision, ChunkPolicy
 
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
+_RowsFn = Callable[[torch.Tensor], torch.Tensor]  # a module's activation or norm, row-wise
+_POLICY_ATTRIBUTE = "_memfine_chunk_policy"  # the ChunkPolicy kept on an experts module
 
 
 def _rows_bias(bias_EO: torch.Tensor, index: RoutingIndex) -> torch.Tensor:
@@ -109,12 +112,13 @@ def experts_module_plain(module: nn.Module, x_TD: torch.Tensor, top_k_weights: t
     if weights.b_up_EG is not None:
         h_SG = h_SG + _rows_bias(weights.b_up_EG, index)
     gated = getattr(module, "has_gate", True)
-    a_SN = module._apply_gate(h_SG) if gated else module.act_fn(h_SG)
+    activate = cast(_RowsFn, module._apply_gate if gated else module.act_fn)
+    a_SN = activate(h_SG)
     y_SD = GroupedMatmulFunction.apply(a_SN.contiguous(), weights.w_down_END, offsets, backend)
     if weights.b_down_ED is not None:
         y_SD = y_SD + _rows_bias(weights.b_down_ED, index)
     if getattr(module, "has_post_expert_norm", False):
-        y_SD = module.post_expert_norm(y_SD)
+        y_SD = cast(_RowsFn, module.post_expert_norm)(y_SD)
     return combine_rows(y_SD, top_k_weights, index.token_index_map)
 
 
@@ -166,33 +170,35 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
                                 autocast_weights(x_TD, weights), backend)
 
 
-def _policy(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,
+def _policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,
             chunk: ChunkConfig) -> ChunkPolicy:
     """The module's :class:`ChunkPolicy` for a memory budget.
 
     The policy is kept on the module, so its over-budget warning is given once.
     """
     E, D, G, N = weights.shape_EDGN
-    # The memory model needs only G: any gated activation counts as swiglu.
-    activation = plan.activation if isinstance(plan.activation, str) else (
-        "swiglu" if G == 2 * N else "silu")
+    # The memory model needs only G and whether A replaces H (relu): any other gated
+    # activation counts as swiglu, an ungated one without a MoEConfig name (relu2) as silu.
+    activation: Activation = "swiglu" if G == 2 * N else "silu"
+    if plan.activation in get_args(Activation):
+        activation = cast(Activation, plan.activation)
     # k ≤ E_local need not hold under expert parallelism; the memory model is per received row.
     moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=min(top_k, E),
                     renormalize=False, activation=activation)
-    cached = getattr(module, "_memfine_chunk_policy", None)
+    cached = getattr(module, _POLICY_ATTRIBUTE, None)
     if cached is not None and cached.config == chunk and cached.moe == moe:
         return cached
     policy = ChunkPolicy(chunk, moe)
-    module._memfine_chunk_policy = policy
+    setattr(module, _POLICY_ATTRIBUTE, policy)
     return policy
 
 
-def num_chunks_for(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights,
+def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
                    x_TD: torch.Tensor, top_k_index: torch.Tensor, chunk: ChunkConfig) -> int:
     """Chunk count c of this call: ``chunk.num_chunks``, or MemFine Eq. 8-9 from the budget.
 
     Args:
-        module: the experts module (it keeps the budget's :class:`ChunkPolicy`).
+        module: the experts module, or any object that keeps the budget's :class:`ChunkPolicy`.
         plan: the module's :class:`ExpertsPlan` (its activation enters the memory model).
         weights: the module's :class:`ExpertWeights` (E, d, n for the memory model).
         x_TD: (T, d) activations (T and the element size enter the memory model).

@@ -19,7 +19,8 @@ Reference: transformers 5.24 ``integrations/moe.py`` (``_default_apply_gate``) a
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 from torch import nn
@@ -65,7 +66,7 @@ def _probe(scale: float) -> torch.Tensor:
 def _reproduces(module: nn.Module, spec: GatedActivation, h_SG: torch.Tensor) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         h = h_SG.to(dtype)
-        want = module._apply_gate(h)
+        want = cast(Callable[[torch.Tensor], object], module._apply_gate)(h)
         got = apply_activation(h, spec)
         if not (isinstance(want, torch.Tensor) and want.shape == got.shape
                 and want.dtype == got.dtype and torch.equal(want, got)):

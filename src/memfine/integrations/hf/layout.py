@@ -16,7 +16,7 @@ Reference: docs/design.md §7-§8 (the transformers experts interface).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, SupportsInt, cast
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from memfine.integrations.hf.gates import match_gate
 from memfine.ops.fused.up_projection import UpWeights, up_shape
 
 ExpertsPath = Literal["fused", "plain"]
+_PLAN_ATTRIBUTE = "_memfine_plan"  # (key, ExpertsPlan) kept on an experts module
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +129,7 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
     has_gate = bool(getattr(module, "has_gate", True))
     has_bias = bool(getattr(module, "has_bias", False))
     transposed = bool(getattr(module, "is_transposed", False))
-    E = int(module.num_experts)
+    E = int(cast(SupportsInt, module.num_experts))
     up_name = "gate_up_proj" if has_gate else "up_proj"
     up = _local(_param(module, up_name), E)
     down = _local(_param(module, "down_proj"), E)
@@ -241,10 +242,10 @@ def plan_experts(module: nn.Module) -> ExpertsPlan:
         The :class:`ExpertsPlan`.
     """
     key = _plan_key(module)
-    cached = getattr(module, "_memfine_plan", None)
+    cached = getattr(module, _PLAN_ATTRIBUTE, None)
     if cached is not None and cached[0] == key:
         plan: ExpertsPlan = cached[1]
         return plan
     plan = _choose_plan(module)
-    module._memfine_plan = (key, plan)
+    setattr(module, _PLAN_ATTRIBUTE, (key, plan))
     return plan

@@ -100,7 +100,7 @@ def wrapper_class() -> type:
     """:class:`MemfineParamWrapper`, built on first use (PEFT is imported lazily)."""
     layer = require("peft.tuners.lora.layer")
 
-    class MemfineParamWrapper(layer.ParamWrapper):  # type: ignore[misc, name-defined]
+    class MemfineParamWrapper(layer.ParamWrapper):  # type: ignore[name-defined]
         """PEFT's ``ParamWrapper`` whose forward hands its adapter to memfine's experts."""
 
         def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:

@@ -20,10 +20,16 @@ Reference: MoEBlaze §4 (gather-fused GEMM, epilogue activation, per-token combi
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from memfine._optional import require
 
-triton = require("triton")
-tl = require("triton.language")
+if TYPE_CHECKING:  # the modules themselves, so that ``tl.constexpr`` names a type for mypy
+    import triton
+    import triton.language as tl
+else:
+    triton = require("triton")
+    tl = require("triton.language")
 
 ACT_SILU, ACT_GELU, ACT_RELU = 0, 1, 2
 
