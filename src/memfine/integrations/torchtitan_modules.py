@@ -259,7 +259,7 @@ class MemfineRoutedExperts(RoutedExperts):
 
     @property
     def last_decision(self) -> ChunkDecision | None:
-        """The :class:`ChunkDecision` of the last call (chunk count, recompute, prediction), or None.
+        """The :class:`ChunkDecision` of the last call (c, recompute, prediction), or None.
 
         Under ``torch.compile`` a fixed chunk count is not recorded (as
         :meth:`memfine.schedule.ChunkPolicy.num_chunks`).
