@@ -194,7 +194,7 @@ def small_policy(**chunk: Any) -> Any:
     return ChunkPolicy(ChunkConfig(**chunk), moe)
 
 
-def small_peak(num_chunks: int, num_tokens: int = SMALL_TOKENS, **chunk: Any) -> int:
+def small_peak(num_chunks: int, num_tokens: int = SMALL_TOKENS, /, **chunk: Any) -> int:
     """The exact predicted peak of one test-size block at T tokens (s'' = T·k), c chunks, fp32."""
     return int(small_policy(**chunk).predicted_peak(num_tokens * SMALL_TOP_K, num_tokens,
                                                     SMALL_DTYPE_BYTES, num_chunks))
