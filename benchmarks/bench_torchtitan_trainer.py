@@ -16,8 +16,10 @@ forward, backward, optimizer step; ``torch.profiler(profile_memory=True)`` alloc
 above the bytes alive before the loop: parameters and the model are built before it, the
 optimizer state is allocated inside it), ``loss_step<i>`` (nats/token), and for memfine
 ``num_chunks`` (c of every block in the last step) and the first-step memory report of a block
-(``fixed_bytes``, ``token_bytes`` at c = 1, ``smallest_feasible_budget_bytes``). Each method
-runs in one fresh process.
+from memfine's exact memory model (``fixed_bytes``: the predicted peak at T = 0;
+``token_bytes``: the peak at c = 1 above it; ``smallest_feasible_budget_bytes``;
+``predicted_peak_c<c>_bytes`` for every bin c). The budget of ``memfine_budget`` is the exact
+predicted peak at c = 4. Each method runs in one fresh process.
 
 Usage: ``python benchmarks/bench_torchtitan_trainer.py [--out PATH]``.
 """
@@ -92,6 +94,8 @@ def bench_shape(batch: int, seq_len: int, env: object) -> list[dict[str, str]]:
             first = next(iter(result["budgets"].values()))  # every block has the same sizes
             rows += [row(key, "bytes", first[key]) for key in
                      ("fixed_bytes", "token_bytes", "smallest_feasible_budget_bytes")]
+            rows += [row(f"predicted_peak_c{c}_bytes", "bytes", peak)
+                     for c, peak in zip(first["bins"], first["bin_peak_bytes"], strict=True)]
     return rows
 
 

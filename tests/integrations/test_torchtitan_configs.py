@@ -3,8 +3,6 @@ and the first-step memory report and chunk decisions of converted blocks."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan is not installed "
@@ -21,7 +19,7 @@ from memfine.integrations.torchtitan_budget import (  # noqa: E402
     format_budget_report,
     last_decisions,
 )
-from memfine.schedule.policy import ChunkPolicy  # noqa: E402
+from memfine.schedule.policy import ChunkDecision, ChunkPolicy  # noqa: E402
 
 OVERRIDE = "memfine.integrations.torchtitan_modules.memfine_experts"
 CONFIG_FUNCTIONS = [  # (memfine function, torchtitan module)
@@ -129,23 +127,29 @@ def test_quantised_experts_are_refused_naming_the_converter(factory: str,
         convert_model(model)
 
 
-def _tiny_policy(num_tokens: int, k: int) -> tuple:
+def _tiny_policy(k: int, **chunk: int | None) -> ChunkPolicy:
+    """A fresh chunk policy of the test blocks' sizes (fp32 SwiGLU experts, E = 6, d = 32)."""
     moe = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=6, top_k=k,
                     renormalize=False, activation="swiglu")
-    return ChunkPolicy(ChunkConfig(memory_budget_bytes=1), moe).chunk_bytes(num_tokens, 4)
+    return ChunkPolicy(ChunkConfig(**chunk), moe)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("chunk", [{}, {"num_chunks": 3}, {"budget_c": 2}], ids=str)
 def test_budget_report_and_decisions_follow_the_memory_model(chunk: dict) -> None:
     B, L, k = 2, 12, 2
-    T = B * L
-    line = _tiny_policy(T, k)
+    T, S = B * L, B * L * k
+    report_policy = _tiny_policy(k, memory_budget_bytes=1)  # what a budget would run
+    peaks = {c: report_policy.predicted_peak(S, T, 4, c) for c in (1, 2, 4, 8)}
+    assert peaks[2] < peaks[1]  # chunks lower the exact peak at these sizes
     options = dict(chunk)
     c = options.pop("budget_c", None)
     budget = None
-    if c is not None:  # s'_max = T·k/c rows: Eq. 9 picks exactly c
-        budget = line.fixed_bytes + line.row_bytes * (T * k // c)
-        options["memory_budget"] = budget
+    if c is not None:  # the exact peak at c, which c = 1 exceeds: MACT picks exactly c
+        budget = options["memory_budget"] = peaks[c]
+    want_c = c or options.get("num_chunks", 1)
+    want_peak = _tiny_policy(k, num_chunks=options.get("num_chunks", 1),
+                             memory_budget_bytes=budget).predicted_peak(S, T, 4, want_c)
+    want_recompute = "none" if want_c == 1 and budget is None else "experts"
     model = build_model(model_config("qwen3", n_layers=2))
     names = convert_model(model, **options)
     assert set(last_decisions(model)) == set(names) == set(budget_report(model))
@@ -153,18 +157,14 @@ def test_budget_report_and_decisions_follow_the_memory_model(chunk: dict) -> Non
     assert "no forward yet" in format_budget_report(model)
 
     forward_tokens(model, torch.randint(0, 64, (B, L))).sum().backward()
-    want_c = c or options.get("num_chunks", 1)
     for name in names:
         report, decision = budget_report(model)[name], last_decisions(model)[name]
-        assert (report.tokens, report.rows, report.dtype_bytes) == (T, T * k, 4)
-        assert (report.fixed_bytes, report.row_bytes) == (line.fixed_bytes, line.row_bytes)
-        assert report.token_bytes == line.row_bytes * T * k
-        assert report.smallest_feasible_budget_bytes == (
-            line.fixed_bytes + line.row_bytes * math.ceil(T * k / 8))
-        assert decision.num_chunks == want_c
-        assert decision.recompute == ("none" if want_c == 1 and budget is None else "experts")
-        assert (decision.tokens, decision.budget_bytes) == (T * k, budget)
-        assert decision.predicted_peak_bytes == (
-            line.fixed_bytes + line.row_bytes * math.ceil(T * k / want_c))
+        assert (report.tokens, report.rows, report.dtype_bytes) == (T, S, 4)
+        assert report.fixed_bytes == report_policy.predicted_peak(0, 0, 4, 1) > 0
+        assert report.token_bytes == peaks[1] - report.fixed_bytes > 0
+        assert report.bins == tuple(peaks) and report.bin_peak_bytes == tuple(peaks.values())
+        assert report.smallest_feasible_budget_bytes == report_policy.smallest_feasible_budget(
+            S, T, 4) == min(peaks.values())
+        assert decision == ChunkDecision(want_c, want_recompute, S, want_peak, budget)
     text = format_budget_report(model)
     assert all(name in text for name in names) and "smallest feasible memory_budget" in text

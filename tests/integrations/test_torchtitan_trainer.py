@@ -25,7 +25,8 @@ from torchtitan_trainer import (  # noqa: E402
     SMALL_TOP_K,
     budget_for_chunks,
     run_in_subprocess,
-    small_chunk_bytes,
+    small_peak,
+    small_policy,
     small_runs,
 )
 
@@ -62,25 +63,29 @@ def test_torchtitans_run_has_no_memfine_blocks(results: dict) -> None:
 @pytest.mark.parametrize("name", ["c1", "c2", "budget"])
 def test_every_block_reports_its_chunk_decision(results: dict, name: str) -> None:
     c = CHUNKS[name]
+    budget = BUDGET if name == "budget" else None
     decisions = results[name]["decisions"]
     assert len(decisions) == SMALL_LAYERS
-    line = small_chunk_bytes()
+    chunk = {"memory_budget_bytes": budget} if budget else {"num_chunks": c}
     for block, d in decisions.items():
         assert block.endswith("moe.routed_experts")
         assert d == {"num_chunks": c, "recompute": "none" if c == 1 else "experts",
-                     "tokens": T * K, "budget_bytes": BUDGET if name == "budget" else None,
-                     "predicted_peak_bytes": line.fixed_bytes
-                     + line.row_bytes * math.ceil(T * K / c)}
+                     "tokens": T * K, "budget_bytes": budget,
+                     "predicted_peak_bytes": small_peak(c, **chunk)}
 
 
 def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dict) -> None:
-    line = small_chunk_bytes()
-    rows = T * K
+    policy = small_policy(memory_budget_bytes=1)  # what a budget would run
+    rows, bins = T * K, (1, 2, 4, 8)
+    fixed = policy.predicted_peak(0, 0, SMALL_DTYPE_BYTES, 1)
+    peaks = [policy.predicted_peak(rows, T, SMALL_DTYPE_BYTES, c) for c in bins]
+    assert 0 < fixed < peaks[0] and peaks[1] < peaks[0]
     budgets = results["c1"]["budgets"]
     assert len(budgets) == SMALL_LAYERS
     for budget in budgets.values():
         assert budget == {
             "tokens": T, "rows": rows, "dtype_bytes": SMALL_DTYPE_BYTES,
-            "fixed_bytes": line.fixed_bytes, "token_bytes": line.row_bytes * rows,
-            "row_bytes": line.row_bytes, "largest_bin": 8,
-            "smallest_feasible_budget_bytes": line.fixed_bytes + line.row_bytes * rows // 8}
+            "fixed_bytes": fixed, "token_bytes": peaks[0] - fixed, "bins": list(bins),
+            "bin_peak_bytes": peaks,
+            "smallest_feasible_budget_bytes": policy.smallest_feasible_budget(
+                rows, T, SMALL_DTYPE_BYTES)}

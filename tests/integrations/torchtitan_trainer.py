@@ -180,22 +180,38 @@ SMALL_CONFIGS = {"torchtitan": "torchtitan_trainer:qwen3_moe_small",
                  "memfine": "torchtitan_trainer:qwen3_moe_small_memfine"}
 
 
-def small_chunk_bytes(num_tokens: int = SMALL_TOKENS) -> Any:
-    """memfine's memory model (``ChunkBytes``) of one test-size block at T tokens, fp32."""
+def small_policy(**chunk: Any) -> Any:
+    """A fresh :class:`memfine.schedule.ChunkPolicy` of one test-size block (fp32 SwiGLU).
+
+    ``chunk``: :class:`memfine.config.ChunkConfig` fields (default: a fixed c = 1).
+    """
     from memfine.config import ChunkConfig, MoEConfig
     from memfine.schedule.policy import ChunkPolicy
 
     moe = MoEConfig(hidden_size=SMALL_DIM, intermediate_size=SMALL_HIDDEN,
                     num_experts=SMALL_EXPERTS, top_k=SMALL_TOP_K, renormalize=False,
                     activation="swiglu")
-    return ChunkPolicy(ChunkConfig(memory_budget_bytes=1), moe).chunk_bytes(
-        num_tokens, SMALL_DTYPE_BYTES)
+    return ChunkPolicy(ChunkConfig(**chunk), moe)
+
+
+def small_peak(num_chunks: int, num_tokens: int = SMALL_TOKENS, /, **chunk: Any) -> int:
+    """The exact predicted peak of one test-size block at T tokens (s'' = T·k), c chunks, fp32."""
+    return int(small_policy(**chunk).predicted_peak(num_tokens * SMALL_TOP_K, num_tokens,
+                                                    SMALL_DTYPE_BYTES, num_chunks))
 
 
 def budget_for_chunks(num_chunks: int, num_tokens: int = SMALL_TOKENS) -> int:
-    """fixed + row · T·k/c bytes: s'_max = T·k/c rows, so MemFine Eq. 9 needs exactly c."""
-    line = small_chunk_bytes(num_tokens)
-    return line.fixed_bytes + line.row_bytes * (num_tokens * SMALL_TOP_K // num_chunks)
+    """The exact peak at c under a budget: MACT picks c when the smaller bins exceed it.
+
+    Raises:
+        ValueError: if a smaller bin also meets it (MACT would not pick ``num_chunks``).
+    """
+    budget = small_peak(num_chunks, num_tokens, memory_budget_bytes=1)
+    smaller = [c for c in (1, 2, 4, 8) if c < num_chunks
+               and small_peak(c, num_tokens, memory_budget_bytes=1) <= budget]
+    if smaller:
+        raise ValueError(f"bins {smaller} also meet {budget} bytes at T={num_tokens}")
+    return budget
 
 
 def small_runs(workdir: Path, methods: dict[str, str | None], *, steps: int = 3,

@@ -2,47 +2,48 @@
 
 At its first forward each converted routed-experts block
 (:class:`~memfine.integrations.torchtitan_modules.MemfineRoutedExperts`) evaluates memfine's
-memory model (:class:`memfine.schedule.ChunkPolicy`, :func:`memfine.memory.layer.chunk_bytes`)
-at the tokens it receives and logs one line: the bytes that do not scale with the tokens, the
-bytes that do (at c = 1, divided by c with chunks), and the smallest budget the largest chunk bin
-can meet. :func:`budget_report` returns these per block; :func:`last_decisions` the chunk count
-each block used in its last forward. Nothing here imports torchtitan.
+exact memory model (:class:`memfine.schedule.ChunkPolicy`: the allocation timeline of the
+block's forward + backward, :func:`memfine.memory.layer.layer_peak_bytes`) at the tokens it
+receives and logs one line: the bytes that do not scale with the tokens (the peak at T = 0),
+the bytes that do (the peak at c = 1 above those), the exact peak of every chunk bin and the
+smallest budget some bin meets. :func:`budget_report` returns these per block;
+:func:`last_decisions` the :class:`memfine.schedule.ChunkDecision` of each block's last forward.
+Nothing here imports torchtitan.
 
-Reference: MemFine Eq. 8 (fixed + s′ · row bytes), Eq. 9 and §4.2 (bins, MACT); docs/torchtitan.md.
+Reference: MemFine Eq. 8-9 and §4.2 (bins, MACT), with memfine's exact model; docs/torchtitan.md.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn
 
 from memfine.config import ChunkConfig
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkDecision, ChunkPolicy
 from memfine.units import format_bytes
 
 BUDGET_ATTRIBUTE = "memfine_budget"
-DECISION_ATTRIBUTE = "memfine_last_decision"
 
 
 @dataclass(frozen=True, slots=True)
 class ExpertsBudget:
-    """The memory model of one routed-experts block at one step's shapes (MemFine Eq. 8).
-
-    The block's modelled peak with c chunks is ``fixed_bytes + row_bytes · ⌈rows / c⌉``.
+    """The exact memory model of one routed-experts block at one step's shapes (bytes).
 
     Attributes:
         tokens: T, tokens entering the block on this rank.
         rows: s″, rows its experts receive (T·k without expert parallelism).
         dtype_bytes: D_t, bytes per activation element.
-        fixed_bytes: bytes that do not scale with the tokens of a chunk (output, input and
-            weight gradients, routing tensors).
-        token_bytes: bytes that scale with the tokens, at c = 1 (``row_bytes · rows``).
-        row_bytes: bytes per received row of one chunk.
-        largest_bin: the largest chunk count a budget may choose (``ChunkConfig.bins[-1]``).
-        smallest_feasible_budget_bytes: ``fixed_bytes + row_bytes · ⌈rows / largest_bin⌉``,
-            the least ``memory_budget`` that runs (smaller ones are refused).
+        fixed_bytes: the predicted peak at T = 0 (nothing routed): bytes that do not scale with
+            the tokens.
+        token_bytes: the predicted peak at c = 1 minus ``fixed_bytes``: what scales with the
+            tokens (chunks shrink the part one chunk holds at a time).
+        bins: the chunk counts a budget may choose (``ChunkConfig.bins``).
+        bin_peak_bytes: the predicted peak of the block at each bin, in the order of ``bins``
+            (:meth:`memfine.schedule.ChunkPolicy.predicted_peak`).
+        smallest_feasible_budget_bytes: the least ``memory_budget`` some bin meets
+            (:meth:`memfine.schedule.ChunkPolicy.smallest_feasible_budget`; smaller ones are
+            refused).
     """
 
     tokens: int
@@ -50,62 +51,52 @@ class ExpertsBudget:
     dtype_bytes: int
     fixed_bytes: int
     token_bytes: int
-    row_bytes: int
-    largest_bin: int
+    bins: tuple[int, ...]
+    bin_peak_bytes: tuple[int, ...]
     smallest_feasible_budget_bytes: int
 
-    def predicted_peak_bytes(self, num_chunks: int) -> int:
-        """Modelled peak bytes of the block with c = ``num_chunks`` chunks."""
-        return self.fixed_bytes + self.row_bytes * math.ceil(self.rows / num_chunks)
+    @property
+    def least_memory_bin(self) -> int:
+        """The bin whose peak is the smallest feasible budget (the smallest such bin)."""
+        return min(zip(self.bin_peak_bytes, self.bins, strict=True))[1]
 
     def describe(self) -> str:
-        """One line: T, s″, the two parts and the smallest feasible budget."""
+        """One line: T, s″, the two parts, each bin's peak and the smallest feasible budget."""
+        peaks = ", ".join(f"c={c} {format_bytes(p)}"
+                          for c, p in zip(self.bins, self.bin_peak_bytes, strict=True))
         return (f"T={self.tokens} tokens, s''={self.rows} rows, D_t={self.dtype_bytes}: "
                 f"{format_bytes(self.fixed_bytes)} fixed + {format_bytes(self.token_bytes)} "
-                f"scaling with the tokens (c=1, divided by c with chunks); smallest feasible "
+                f"scaling with the tokens (c=1); predicted peak {peaks}; smallest feasible "
                 f"memory_budget {format_bytes(self.smallest_feasible_budget_bytes, exact=True)} "
-                f"(c={self.largest_bin})")
-
-
-@dataclass(frozen=True, slots=True)
-class ExpertsDecision:
-    """The chunking one routed-experts block used in its last forward.
-
-    Same fields as ``memfine.schedule.ChunkDecision``, so that :func:`last_decisions` can return
-    those unchanged once the chunk policy records them.
-
-    Attributes:
-        num_chunks: c.
-        recompute: ``none``, ``experts`` or ``full`` (what each chunk recomputes in backward).
-        tokens: s″, rows the block's experts received.
-        predicted_peak_bytes: the memory model's peak of the block with this c.
-        budget_bytes: the configured budget, or ``None`` for a fixed c.
-    """
-
-    num_chunks: int
-    recompute: str
-    tokens: int
-    predicted_peak_bytes: int
-    budget_bytes: int | None
+                f"(c={self.least_memory_bin})")
 
 
 def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int,
                    transport_row_elements: int = 0) -> ExpertsBudget:
-    """Evaluate ``policy``'s memory model at one step's shapes.
+    """Evaluate ``policy``'s exact memory model at one step's shapes.
 
     Args:
-        policy: the block's chunk policy (its ``MoEConfig`` and ``ChunkConfig``).
+        policy: the block's chunk policy (its ``MoEConfig`` and ``ChunkConfig``: bins and
+            recompute mode).
         tokens: T, tokens entering the block.
         rows: s″, rows its experts receive.
         dtype_bytes: D_t.
         transport_row_elements: elements per received row held outside the experts (the
             received copy of x under expert parallelism: d; 0 otherwise).
+
+    Raises:
+        ValueError: on negative ``tokens`` or ``rows`` (from the memory model).
     """
-    line = policy.chunk_bytes(tokens, dtype_bytes, transport_row_elements=transport_row_elements)
+    def peak(recv_rows: int, num_tokens: int, num_chunks: int) -> int:
+        return policy.predicted_peak(recv_rows, num_tokens, dtype_bytes, num_chunks,
+                                     transport_row_elements=transport_row_elements)
+
+    fixed = peak(0, 0, 1)
+    bins = policy.config.bins
     return ExpertsBudget(
-        tokens=tokens, rows=rows, dtype_bytes=dtype_bytes, fixed_bytes=line.fixed_bytes,
-        token_bytes=line.row_bytes * rows, row_bytes=line.row_bytes,
-        largest_bin=policy.config.bins[-1],
+        tokens=tokens, rows=rows, dtype_bytes=dtype_bytes, fixed_bytes=fixed,
+        token_bytes=peak(rows, tokens, 1) - fixed, bins=bins,
+        bin_peak_bytes=tuple(peak(rows, tokens, c) for c in bins),
         smallest_feasible_budget_bytes=policy.smallest_feasible_budget(
             rows, tokens, dtype_bytes, transport_row_elements=transport_row_elements))
 
@@ -127,7 +118,7 @@ def _converted(model: nn.Module, attribute: str) -> dict[str, object]:
 
 
 def budget_report(model: nn.Module) -> dict[str, ExpertsBudget | None]:
-    """Each converted block's :class:`ExpertsBudget` from its first forward (``None`` before).
+    """Each converted block's :class:`ExpertsBudget` of its latest forward (``None`` before).
 
     Args:
         model: a model converted by :func:`memfine.integrations.torchtitan.convert_model` or
@@ -139,13 +130,13 @@ def budget_report(model: nn.Module) -> dict[str, ExpertsBudget | None]:
     return _converted(model, BUDGET_ATTRIBUTE)  # type: ignore[return-value]
 
 
-def last_decisions(model: nn.Module) -> dict[str, ExpertsDecision | None]:
-    """Each converted block's chunking in its last forward (``None`` before the first).
+def last_decisions(model: nn.Module) -> dict[str, ChunkDecision | None]:
+    """Each converted block's ``last_decision``: its chunking in its last forward.
 
     Returns:
-        ``{qualified module name: ExpertsDecision | None}``.
+        ``{qualified module name: ChunkDecision | None}`` (``None`` before the first forward).
     """
-    return _converted(model, DECISION_ATTRIBUTE)  # type: ignore[return-value]
+    return _converted(model, "last_decision")  # type: ignore[return-value]
 
 
 def format_budget_report(model: nn.Module) -> str:

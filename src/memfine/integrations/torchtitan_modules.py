@@ -20,7 +20,7 @@ MACT); docs/torchtitan.md.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -44,8 +44,6 @@ from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
 from memfine.integrations.torchtitan_budget import (
     BUDGET_ATTRIBUTE,
-    DECISION_ATTRIBUTE,
-    ExpertsDecision,
     budget_chunk_config,
     experts_budget,
 )
@@ -237,32 +235,35 @@ class MemfineRoutedExperts(RoutedExperts):
 
     def _note_chunking(self, gate: _Gate, plan: ExpertsPlan, weights: ExpertWeights,
                        x_TD: torch.Tensor, top_k_index: torch.Tensor, rows: int) -> None:
-        """Keep this call's memory model (logged at the first call) and chunk decision.
+        """Keep this call's memory model (``memfine_budget``, logged at the first call).
 
         The model is that of a budget with this block's bins and recompute mode (its own
-        budget, when set): ``memfine_budget`` (:class:`ExpertsBudget`) and
-        ``memfine_last_decision`` (:class:`ExpertsDecision`).
+        budget, when set: then it is the block's own chunk policy). The chunk decision is the
+        policy's record (:attr:`last_decision`): ``run_module`` makes it when it chunks; an
+        unchunked call (c = 1 without a budget: one direct call, no recompute) has it made here
+        by the policy of that call.
         """
         chunk = self.memfine_config.chunk
-        holder = self.__dict__.setdefault("_memfine_budget_policy", SimpleNamespace())
+        budgeted = chunk.memory_budget_bytes is not None
+        holder = gate if budgeted else self.__dict__.setdefault("_memfine_budget_policy",
+                                                                SimpleNamespace())
         policy = experts_policy(holder, plan, weights, top_k_index.shape[1],
                                 budget_chunk_config(chunk))
         budget = experts_budget(policy, top_k_index.shape[0], rows, x_TD.element_size())
         if getattr(self, BUDGET_ATTRIBUTE, None) is None:
             _log.info("memfine experts memory model at the first step: %s", budget.describe())
         setattr(self, BUDGET_ATTRIBUTE, budget)
-        budgeted = chunk.memory_budget_bytes is not None
-        c = (num_chunks_for(gate, plan, weights, x_TD, top_k_index, chunk) if budgeted
-             else chunk.num_chunks)
-        recompute = chunk.resolved_recompute if budgeted or c > 1 else "none"
-        setattr(self, DECISION_ATTRIBUTE, ExpertsDecision(
-            num_chunks=c, recompute=recompute, tokens=rows,
-            predicted_peak_bytes=budget.predicted_peak_bytes(c),
-            budget_bytes=chunk.memory_budget_bytes))
+        if not budgeted and chunk.num_chunks == 1:
+            num_chunks_for(gate, plan, weights, x_TD, top_k_index,
+                           replace(chunk, recompute="none"))
 
     @property
     def last_decision(self) -> ChunkDecision | None:
-        """The chunk count, recompute mode and prediction of the last chunked call, or None."""
+        """The :class:`ChunkDecision` of the last call (c, recompute, prediction), or None.
+
+        Under ``torch.compile`` a fixed chunk count is not recorded (as
+        :meth:`memfine.schedule.ChunkPolicy.num_chunks`).
+        """
         gate = self.__dict__.get("_memfine_gate")
         return None if gate is None else last_decision(gate)
 
