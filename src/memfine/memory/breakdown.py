@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 
 def _item(tensor: str, source: str) -> int:
-    return field(default=0, metadata={"tensor": tensor, "source": source})  # type: ignore[no-any-return]
+    return field(default=0, metadata={"tensor": tensor, "source": source})
 
 
 ASSUMPTIONS = (

@@ -34,7 +34,7 @@ from __future__ import annotations
 import dataclasses
 
 from memfine.config import MoEConfig
-from memfine.memory.breakdown import SAVED_FIELDS, MemoryBreakdown
+from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
 from memfine.memory.timeline import layer as tlm
 from memfine.memory.timeline.base import expert_saved
 from memfine.memory.timeline.shared import shared_saved_items
@@ -184,7 +184,8 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
         parameter_bytes=num_params * dt,
         gradient_bytes=num_params * dt,
         optimizer_state_bytes=num_params * optimizer_bytes_per_param,
-        **items,
+        **items,  # the saved int fields; assumptions named so that ** maps to ints only
+        assumptions=ASSUMPTIONS,
         saved_bytes=sum(items.values()),
         transient_gathered_rows_bytes=S_c * D * dt,
         transient_pre_activation_grad_bytes=S_c * G * dt,

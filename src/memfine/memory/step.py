@@ -26,7 +26,7 @@ import functools
 import itertools
 from dataclasses import dataclass
 
-from memfine.config import ModelConfig
+from memfine.config import ModelConfig, RecomputeMode
 from memfine.memory.step_timeline import STEP_RECOMPUTE, LayerChoice, simulate_step
 
 EXHAUSTIVE_MAX_LAYERS = 6
@@ -94,14 +94,17 @@ class StepPlanner:
     def _flops(self, recompute: str) -> int:
         return recompute_flops(self.config, self.batch, self.seq, recompute)
 
-    def _assignments(self) -> list[tuple[str, ...]]:
+    def _assignments(self) -> list[tuple[RecomputeMode, ...]]:
         L = self.config.num_layers
         if L <= EXHAUSTIVE_MAX_LAYERS:
             return list(itertools.product(STEP_RECOMPUTE, repeat=L))
-        return [("full",) * a + ("experts",) * b + ("none",) * (L - a - b)
+        full: tuple[RecomputeMode] = ("full",)
+        experts: tuple[RecomputeMode] = ("experts",)
+        none: tuple[RecomputeMode] = ("none",)
+        return [full * a + experts * b + none * (L - a - b)
                 for a in range(L + 1) for b in range(L + 1 - a)]
 
-    def _fit(self, modes: tuple[str, ...], budget: int) -> tuple[LayerChoice, ...] | None:
+    def _fit(self, modes: tuple[RecomputeMode, ...], budget: int) -> tuple[LayerChoice, ...] | None:
         """The smallest chunk counts that fit with these modes, or None."""
         plan = None
         for c in self.bins:

@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Literal, overload
 
-from memfine.config import ModelConfig
+from memfine.config import ModelConfig, RecomputeMode
 from memfine.memory import layer as layer_memory
 from memfine.memory.timeline.base import Timeline
 
-STEP_RECOMPUTE = ("none", "experts", "full")
+STEP_RECOMPUTE: tuple[RecomputeMode, ...] = ("none", "experts", "full")
 """A layer's recompute options in a step plan (``full``: the whole block)."""
 
 
@@ -38,7 +39,7 @@ class LayerChoice:
         num_chunks: c, token chunks of the expert part.
     """
 
-    recompute: str
+    recompute: RecomputeMode
     num_chunks: int
 
 
@@ -90,6 +91,14 @@ class _Step:
         tl.free(mean)
         saved = [rstd, self.td(f"{prefix}.normalized")]
         return saved + [self.td(f"{prefix}.out")] if output else saved
+
+    @overload
+    def attention_forward(self, keep: bool, rerun: Literal[False] = False
+                          ) -> tuple[list[str], str, str]: ...
+
+    @overload
+    def attention_forward(self, keep: bool, rerun: bool
+                          ) -> tuple[list[str], str, str | None]: ...
 
     def attention_forward(self, keep: bool, rerun: bool = False
                           ) -> tuple[list[str], str, str | None]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +43,9 @@ def _apply_rope(x_BHQA: torch.Tensor, cos_QA: torch.Tensor, sin_QA: torch.Tensor
 
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with RoPE (SDPA kernel)."""
+
+    rope_cos: torch.Tensor
+    rope_sin: torch.Tensor
 
     def __init__(self, config: ModelConfig) -> None:
         """Build the projections and the RoPE tables.
@@ -217,10 +221,14 @@ class MoETransformerLM(nn.Module):
         self.norm = nn.RMSNorm(D, eps=config.norm_eps)
         self._init_weights()
 
+    def _block_list(self) -> list[Block]:
+        """The blocks, typed (``nn.ModuleList`` yields them as plain ``nn.Module``)."""
+        return cast(list[Block], list(self.blocks))
+
     def _init_weights(self) -> None:
         std = 0.02
         nn.init.normal_(self.embed.weight, std=std)
-        for block in self.blocks:
+        for block in self._block_list():
             nn.init.normal_(block.attn.qkv.weight, std=std)
             nn.init.normal_(block.attn.proj.weight, std=std / (2 * self.config.num_layers) ** 0.5)
 
@@ -311,7 +319,7 @@ class MoETransformerLM(nn.Module):
     def apply_plan(self, plan: StepPlan) -> None:
         """Set every block's recompute mode and its MoE layer's fixed chunk count."""
         self.last_plan = plan
-        for block, choice in zip(self.blocks, plan.choices, strict=True):
+        for block, choice in zip(self._block_list(), plan.choices, strict=True):
             key = (choice.recompute, choice.num_chunks)
             if key not in self._fixed:
                 self._fixed[key] = ChunkPolicy(ChunkConfig(
@@ -338,7 +346,7 @@ class MoETransformerLM(nn.Module):
             and sampling included).
         """
         regions: list[nn.Module] = [self.norm]
-        for block in self.blocks:
+        for block in self._block_list():
             regions += [block.attn_norm, block.attn, block.moe_norm, block.moe.router]
         for region in regions:
             region.compile(backend=backend)
@@ -368,7 +376,7 @@ class MoETransformerLM(nn.Module):
         rate = self.config.moe.bias_update_rate
         if rate == 0:
             return
-        for block, counts_E in zip(self.blocks, tokens_per_expert_LE, strict=True):
+        for block, counts_E in zip(self._block_list(), tokens_per_expert_LE, strict=True):
             update_selection_bias(block.moe.router.selection_bias, counts_E, rate)
 
     @torch.no_grad()

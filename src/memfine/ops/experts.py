@@ -199,8 +199,9 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
     Memory: see :class:`FusedExpertsFunction` and :func:`experts_plain`.
     """
     _check_run_options(impl, backend, backward_block_bytes)
-    x_TD, w_up_EDG, w_down_END, b_up_EG, b_down_ED = autocast_operands(
-        x_TD, w_up_EDG, w_down_END, b_up_EG, b_down_ED)
+    x_TD, w_down_END, b_up_EG, b_down_ED, *ups = autocast_operands(
+        x_TD, w_down_END, b_up_EG, b_down_ED, *up_parts(w_up_EDG))
+    w_up_EDG = ups[0] if len(ups) == 1 else (ups[0], ups[1])
     check_expert_inputs(x_TD, top_k_weights, index, w_up_EDG, w_down_END, activation,
                         b_up_EG, b_down_ED)
     weights_TK = top_k_weights.to(x_TD.dtype)

@@ -49,6 +49,23 @@ def test_halves_equal_the_reference(impl: str, backend: str) -> None:
     assert torch.equal(grads[2][E - 1], torch.zeros_like(grads[2][E - 1]))  # unused expert
 
 
+@pytest.mark.parametrize("impl", ["fused", "plain"])
+def test_halves_follow_autocast(impl: str) -> None:
+    """Inside bf16 autocast both halves are cast like a single w_up: bf16 output equal to the
+    concatenated tensor's under autocast, fp32 gradients for the fp32 halves."""
+    x, idx, w, gate, up, down = _problem(torch.float32)
+    index = build_routing_index(idx, gate.shape[0])
+    w_up = torch.cat([gate.transpose(1, 2), up.transpose(1, 2)], dim=2).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = run_experts(x, w, index, (gate.transpose(1, 2), up.transpose(1, 2)), down,
+                          impl=impl, backend="loop")
+        want = run_experts(x, w, index, w_up, down, impl=impl, backend="loop")
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, want)
+    grad_gate, grad_up = torch.autograd.grad(out.float().sum(), (gate, up))
+    assert grad_gate.dtype == grad_up.dtype == torch.float32
+
+
 def test_gradcheck_float64_halves() -> None:
     x, idx, w, gate, up, down = _problem(torch.float64, T=5, d=4, n=3, E=3)
     index = build_routing_index(idx, gate.shape[0])

@@ -257,12 +257,10 @@ def print_point(point: Point) -> None:
 def presets(opts: BenchOptions) -> list[LayerShape]:
     """The presets with ``--tokens`` / ``--num-experts`` applied (``--quick``: T = 256)."""
     tokens = opts.tokens or (QUICK_TOKENS if opts.quick else None)
-    out = []
-    for shape in PRESETS.values():
-        sizes = {k: v for k, v in (("tokens", tokens), ("num_experts", opts.num_experts))
-                 if v is not None}
-        out.append(dataclasses.replace(shape, **sizes))
-    return out
+    return [dataclasses.replace(
+        shape, tokens=shape.tokens if tokens is None else tokens,
+        num_experts=shape.num_experts if opts.num_experts is None else opts.num_experts)
+        for shape in PRESETS.values()]
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Iterator[Point]:

@@ -16,6 +16,7 @@ Reference: our derivation from the code (docs/design.md §5: peak = saved + larg
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Literal, overload
 
 from memfine.config import MoEConfig, backward_block_rows
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
@@ -336,6 +337,16 @@ def chunk_tokens(num_tokens: int, num_chunks: int) -> list[int]:
     base, extra = divmod(num_tokens, num_chunks)
     sizes = [base + 1 if i < extra else base for i in range(num_chunks)]
     return [c for c in sizes if c > 0]
+
+
+@overload
+def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,
+                    rerun: Literal[False] = False) -> tuple[list[str], str]: ...
+
+
+@overload
+def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,
+                    rerun: bool) -> tuple[list[str], str | None]: ...
 
 
 def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,

@@ -97,7 +97,7 @@ def shared_forward(tl: Timeline, moe: MoEConfig, T: int, dt: int, sizes: list[in
         saved, out = experts_forward(tl, sh, C, C * S, plain=plain, recompute=ckpt)
         state.chunk_saved.append(saved)
         outs.append(out)
-    out = _cat(tl, outs, "shared.out_cat", T * D * dt)  # type: ignore[arg-type]
+    out = _cat(tl, outs, "shared.out_cat", T * D * dt)
     if not ckpt:
         tl.free(index)
         if not moe.shared_expert_gate and plain:

@@ -11,7 +11,7 @@ docs/design.md §3, §5; docs/style.md §9.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -215,7 +215,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         Arguments, saved tensors and their bytes are described on the class.
         """
         w_up_EDG, w_down_END, b_up_EG, b_down_ED, w_up_second_EDN = params[:len(PARAMS)]
-        lora_weights = params[len(PARAMS):]
+        # the adapter tensors, never None (only the biases and the second up half may be)
+        lora_weights = cast(tuple[torch.Tensor, ...], params[len(PARAMS):])
         lora_fwd = (None if options.lora is None
                     else LoRAForward(options.lora, lora_weights, options.backend))
         assert w_up_EDG is not None and w_down_END is not None, "w_up and w_down are required"
@@ -258,7 +259,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         for b, (r0, r1) in enumerate(blocks):
             _backward_block(st, b, r0, r1)
         grad_weights = None
-        if st.need_w:
+        if st.dots_S is not None:  # allocated when the routing weights need a gradient
             grad_weights = scatter_slots(st.dots_S, st.slot_S, tuple(st.weights_TK.shape))
         own = ctx.options.weight_grads is None  # else the chunk loop's wrapper hands them over
         grad_up = st.grads.take(0, st.w_up_EDG) if st.need_up[0] and own else None
@@ -396,6 +397,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     if st.need_down or st.need_b_down:
         grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
         if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
+            assert a_BN is not None, "A is recomputed when w_down needs a gradient"
             st.grads.accumulate_(1, st.w_down_END, a_BN, grad_out_BD, st.bounds, r0, offs_E1,
                                  st.backend)
         if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
