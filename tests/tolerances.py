@@ -31,6 +31,9 @@ DISTRIBUTED_PARAM_ATOL = 1e-4
 # Memory model vs measurement (issue bar): predicted peak bytes within 3% of the measured peak
 # (measured on the validation grid: peak and saved bytes both exact on the CPU).
 PEAK_RTOL = 0.03
+# The whole training step's memory model vs torch.profiler (embedding, attention, norms, MoE
+# layers, logits, loss): within 3% (the attention weight gradients are modelled live at the peak).
+STEP_PEAK_RTOL = 0.03
 
 
 def assert_close(actual: torch.Tensor, expected: torch.Tensor, *, grad: bool = False,

@@ -256,7 +256,7 @@ def test_a_failing_method_makes_the_exit_code_non_zero(
                  "--budget", "1KiB", "--out", str(tmp_path)])
     err = capsys.readouterr().err
     assert code == 1
-    assert "method failed: experts quick fused_mact: ValueError" in err
+    assert "method failed: experts quick fused_mact: InfeasibleBudgetError" in err
     assert "smallest feasible budget" in err
 
 

@@ -28,7 +28,7 @@ FAST = ["--preset", "tiny", "--data", CORPUS, "--no-progress", "--threads", "1"]
 # Pinned: a change to the flag set of `memfine train` must be deliberate (update this list).
 TRAIN_FLAGS = sorted([
     "--activation", "--allow-over-budget", "--autocast", "--aux-loss-coef", "--backend",
-    "--backward-block-bytes", "--batch-size", "--bias-update-rate", "--bins",
+    "--backward-block-bytes", "--batch-size", "--bias-update-rate", "--bins", "--budget-scope",
     "--capacity-factor", "--chunk-bins", "--compile", "--config", "--data", "--device",
     "--deterministic", "--dp-shard", "--drop-policy", "--dtype", "--ep", "--eval-batches",
     "--eval-every",
@@ -219,8 +219,8 @@ def test_a_failed_run_can_run_again_into_the_same_out(tmp_path: Path,
     with pytest.raises(SystemExit) as info:
         main(["train", *FAST, "--max-steps", "2", "--memory-budget", "1KiB", "--out", str(out)])
     assert info.value.code == 2
-    assert "error: ChunkConfig.memory_budget_bytes = 1024 bytes (0.00 MiB) cannot be met" in (
-        capsys.readouterr().err)
+    assert ("error: --memory-budget 1024 bytes (0.00 MiB) cannot be met by any chunk count in "
+            "--bins") in capsys.readouterr().err
     assert not (tmp_path / "runs").exists()
     assert _train("--max-steps", "2", "--memory-budget", "1MiB", "--out", str(out)) == 0
     assert load_checkpoint(out / "checkpoint.pt")["step"] == 2
