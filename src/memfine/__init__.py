@@ -17,7 +17,7 @@ from memfine.nn import MoELayer, MoETransformerLM
 from memfine.ops import FusedExpertsFunction, run_experts
 from memfine.routing import RoutingResult, TopKRouter, load_balancing_loss, z_loss
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "ChunkConfig",

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,8 @@ def test_generate_is_seeded_and_continues_the_prompt(
 @pytest.mark.parametrize(("args", "message"), [
     pytest.param(["--temperature", "-1"], "--temperature must be >= 0 (0: greedy decoding), "
                  "got -1.0", id="temperature"),
-    pytest.param(["--max-new-bytes", "-1"], "--max-new-bytes must be >= 0, got -1", id="bytes"),
+    pytest.param(["--max-new-bytes", "-1"], "--max-new-bytes must be in [0, 1000000], got -1",
+                 id="bytes"),
     pytest.param(["--prompt", ""], "--prompt must hold at least one character", id="empty"),
     pytest.param(["--threads", "0"], "--threads must be >= 1, got 0", id="threads"),
 ])
@@ -191,3 +193,47 @@ def test_checkpoint_commands_run_on_the_threads_asked_for(run_dir: Path, command
     finally:
         torch.set_num_threads(before)
 
+
+
+@pytest.mark.parametrize("name", ["checkpoint.pt", "config.json", "metrics.jsonl"])
+def test_export_never_writes_over_the_runs_own_files(run_dir: Path, name: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    before = (run_dir / name).read_bytes()
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--out", str(run_dir), "--to", str(run_dir / name), "--overwrite"])
+    assert info.value.code == 2
+    assert "is a file of the run in --out" in capsys.readouterr().err
+    assert (run_dir / name).read_bytes() == before
+
+
+def test_export_refuses_a_target_that_is_no_regular_file(run_dir: Path, tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    target = tmp_path / "model.safetensors"
+    target.mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--out", str(run_dir), "--to", str(target), "--overwrite"])
+    assert info.value.code == 2
+    assert "exists and is not a regular file" in capsys.readouterr().err
+    assert target.is_dir()
+
+
+def test_generate_bounds_the_bytes_asked_for(run_dir: Path,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--out", str(run_dir), "--prompt", "x", "--max-new-bytes",
+              str(10**20)])
+    assert info.value.code == 2
+    assert "--max-new-bytes must be in [0, 1000000]" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["train", "--config"], ["plan", "--hf-config"]])
+def test_a_fifo_as_a_config_file_is_refused_without_blocking(
+        command: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fifo = tmp_path / "config.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SystemExit) as info:  # opening the FIFO would block forever
+        main([*command, str(fifo), "--out", str(tmp_path / "run")] if command[0] == "train"
+             else [*command, str(fifo)])
+    assert info.value.code == 2
+    assert "is not a regular file" in capsys.readouterr().err

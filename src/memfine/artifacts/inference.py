@@ -125,18 +125,22 @@ def language_model(config: TrainConfig) -> MoETransformerLM:
             apply_lora(model, config.lora)
     return model
 
+# The most bytes one generate call samples: a larger request is a typo, not a plan.
+MAX_NEW_BYTES = 1_000_000
+
+
 def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperature: float,
                   seed: int = 0) -> str:
     """Sample ``max_new_bytes`` bytes after ``prompt`` (UTF-8); returns the continuation only.
 
     Raises:
-        ValueError: when ``prompt`` is empty, ``max_new_bytes < 0`` or ``temperature < 0``
-            (0 is greedy decoding).
+        ValueError: when ``prompt`` is empty, ``max_new_bytes`` is outside
+            [0, :data:`MAX_NEW_BYTES`] or ``temperature < 0`` (0 is greedy decoding).
     """
     if not prompt:
         raise ValueError("--prompt must hold at least one character, got ''")
-    if max_new_bytes < 0:
-        raise ValueError(f"--max-new-bytes must be >= 0, got {max_new_bytes}")
+    if not 0 <= max_new_bytes <= MAX_NEW_BYTES:
+        raise ValueError(f"--max-new-bytes must be in [0, {MAX_NEW_BYTES}], got {max_new_bytes}")
     if not temperature >= 0:
         raise ValueError(f"--temperature must be >= 0 (0: greedy decoding), got {temperature}")
     device = next(trained.model.parameters()).device

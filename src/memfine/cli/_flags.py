@@ -296,6 +296,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         from memfine._optional import require
 
         tomllib = require("tomli")
+    if path.exists() and not path.is_file():  # a FIFO or device would block or never end
+        raise ValueError(f"--config {str(path)!r} is not a regular file")
     try:
         with path.open("rb") as f:
             return dict(tomllib.load(f))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from memfine.artifacts.adapters import ADAPTERS_NAME, export_adapters, merged
 from memfine.artifacts.inference import export_safetensors
+from memfine.artifacts.rundir import RUN_FILES
 from memfine.cli._checkpoint import OUT_FLAG, load_run_directory, run_directory
 from memfine.cli._flags import Flag, NotGiven, add_flags, path_flag, value
 
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
                                                      else "model.safetensors"))
     _check_folder(target)
     paths = [target] if adapters else [target, target.with_name(f"{target.stem}_config.json")]
+    _check_targets(paths, Path(out))
     existing = [str(p) for p in paths if p.exists()]
     if existing and not value(args, "overwrite"):
         raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "
@@ -64,6 +66,22 @@ def run(args: argparse.Namespace) -> int:
         written = export_safetensors(merged(trained) if merge else trained, target)
     print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _check_targets(paths: list[Path], out: Path) -> None:
+    """Raise ValueError naming ``--to`` for a run file or a path that is no regular file.
+
+    A file to write may be neither one of the run's own files (its checkpoint, config, logs) nor
+    an existing folder, FIFO or device.
+    """
+    run_files = {(out / name).resolve() for name in RUN_FILES}
+    for path in paths:
+        if path.resolve() in run_files:
+            raise ValueError(f"--to {str(path)!r} is a file of the run in --out (its checkpoint, "
+                             f"config or logs): choose another --to")
+        if path.exists() and not path.is_file():
+            raise ValueError(f"--to {str(path)!r} exists and is not a regular file: choose "
+                             f"another --to")
 
 
 def _check_folder(target: Path) -> None:

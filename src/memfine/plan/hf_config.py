@@ -192,6 +192,8 @@ def load_hf_config(path: str | Path) -> ModelPreset:
     file = Path(path).expanduser()
     if file.is_dir():
         file = file / "config.json"
+    if file.exists() and not file.is_file():  # a FIFO or device would block or never end
+        raise ValueError(f"--hf-config: {str(file)!r} is not a regular file")
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except FileNotFoundError:
