@@ -35,7 +35,7 @@ from memfine.measure.profiled import profiled_peak_bytes
 from memfine.measure.saved import track_saved_tensors
 
 SHAPES = {  # name: (d, n, E, k, tokens)
-    "issue": (256, 128, 32, 4, 1024),
+    "narrow": (256, 128, 32, 4, 1024),
     "wide": (512, 256, 16, 2, 1024),
 }
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
