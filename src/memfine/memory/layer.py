@@ -226,7 +226,8 @@ def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "expe
         moe: the layer config (E = experts on this rank).
         dtype_bytes: D_t.
         recompute: ``none``, ``experts`` or ``full`` (the slope is the same: a chunk's own
-            tensors; under ``none`` the other chunks' saved H is in :func:`expert_fixed_bytes`).
+            tensors; under ``none`` the other chunks' saved H is part of the exact peak,
+            :func:`layer_peak_bytes`).
 
     Returns:
         Bytes per row (> 0), an int rounded up.
