@@ -1,12 +1,14 @@
 """Rows of scripts/gpu_check.sh's one CSV: part, name, status, metric, value, unit, detail.
 
     gpu_check_csv.py CSV part NAME STATUS SECONDS    a part's outcome and wall time
-    gpu_check_csv.py CSV environment                  GPU name, torch, CUDA, triton versions
+    gpu_check_csv.py CSV environment                  GPU name, torch, CUDA, triton versions,
+                                                      torchtitan (or why its method is skipped)
     gpu_check_csv.py CSV junit FILE                   one row per test (passed/failed/skipped)
     gpu_check_csv.py CSV bench FILE...                the p50 time, peak and saved bytes per method
     gpu_check_csv.py CSV train NAME RUN_DIR           last loss, tokens/s, peak bytes of a run
 
-Only the standard library, except ``environment`` (torch), so the install part can log a row.
+Only the standard library, except ``environment`` (torch, memfine), so the install part can log
+a row.
 """
 
 from __future__ import annotations
@@ -41,10 +43,24 @@ def _environment() -> list[list[object]]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    return [["environment", "gpu", "ok", "device", gpu, "", ""],
+    from memfine.bench.suites.titan_style import torchtitan_missing
+
+    missing = torchtitan_missing()
+    if missing is not None:
+        print(f"torchtitan: skipped (the layer benchmark's and equality's torchtitan rows): "
+              f"{missing}")
+    titan = ["environment", "torchtitan", "skipped" if missing else "ok", "version",
+             "" if missing else _version("torchtitan"), "", missing or ""]
+    return [["environment", "gpu", "ok", "device", gpu, "", ""], titan,
             ["environment", "torch", "ok", "version", torch.__version__, "",
              f"cuda {torch.version.cuda}"],
             ["environment", "triton", "ok", "version", triton_version, "", ""]]
+
+
+def _version(name: str) -> str:
+    from importlib.metadata import version
+
+    return version(name)
 
 
 def _junit(path: Path) -> list[list[object]]:

@@ -6,8 +6,10 @@
 Methods share one set of weights and one input (bf16): ``fused`` (c = 1), ``chunked_c4``
 (4 chunks, per-chunk recompute), ``mact`` (c chosen from a budget of half the unchunked peak
 the memory model predicts), ``plain_grouped_mm`` (torchtitan-style: gathered copies through
-torch._grouped_mm). Each row: max |out - fused| and max |out - fp32 plain| (the same layer in
-fp32), plus the input gradient's max |dx - fused dx|. Appends rows to scripts/gpu_check.sh's CSV.
+torch._grouped_mm) and ``torchtitan`` (torchtitan's own RoutedExperts on the same weights and
+routing; one ``skipped`` row saying why when torchtitan cannot be imported). Each row: max
+|out - fused| and max |out - fp32 plain| (the same layer in fp32), plus the input gradient's
+max |dx - fused dx|. Appends rows to scripts/gpu_check.sh's CSV.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from memfine.bench.suites.titan_style import torchtitan_layer, torchtitan_missing
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory.layer import moe_layer_memory
 from memfine.nn import MoELayer
@@ -53,13 +56,18 @@ def main() -> int:
     layers = {name: MoELayer(moe, chunk=chunk) for name, chunk in chunks.items()}
     layers["plain_grouped_mm"] = MoELayer(dataclasses.replace(moe, experts_impl="plain",
                                                               gemm_backend="grouped_mm"))
-    results = {}
-    for name, layer in layers.items():
+    for layer in layers.values():
         layer.load_state_dict(base.state_dict())
-        results[name] = _run(layer.to(args.device, dtype), x.to(args.device, dtype))
+        layer.to(args.device, dtype)
+    missing = torchtitan_missing()
+    if missing is None:  # torchtitan's experts on the fused layer's weights, memfine's router
+        layers["torchtitan"] = torchtitan_layer(layers["fused"], moe)
+    results = {name: _run(layer, x.to(args.device, dtype)) for name, layer in layers.items()}
     ref_out, _ = _run(base.to(args.device), x.to(args.device))  # fp32 plain reference: fused fp32
     rows = [["equality", "fp32", "ok", "max_abs_out", f"{float(ref_out.abs().max()):.6g}", "",
              f"T={T} fp32 device={args.device} (scale of the differences below)"]]
+    if missing is not None:
+        rows.append(["equality", "torchtitan", "skipped", "", "", "", missing])
     for name, (out, dx) in results.items():
         fused_out, fused_dx = results["fused"]
         for metric, value in (("max_abs_diff_vs_fused", (out - fused_out).abs().max()),
