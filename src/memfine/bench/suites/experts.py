@@ -52,7 +52,7 @@ from memfine.bench.suites.layers import (
     sharing,
 )
 from memfine.bench.suites.titan_style import torchtitan_layer, torchtitan_missing
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import ChunkConfig, GemmBackend, MoEConfig
 from memfine.nn import MoELayer
 from memfine.schedule.policy import ChunkPolicy
 from memfine.units import format_bytes
@@ -85,7 +85,7 @@ class ShapeSetup:
     base: MoELayer
     budget_bytes: int
 
-    def plain(self, backend: str) -> MoEConfig:
+    def plain(self, backend: GemmBackend) -> MoEConfig:
         """The shape's config on memfine's plain path (gathered copies) with ``backend``."""
         return dataclasses.replace(self.moe, experts_impl="plain", gemm_backend=backend)
 
