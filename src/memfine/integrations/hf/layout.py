@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from memfine.config import GatedActivation
-from memfine.integrations.hf.gates import match_gate
+from memfine.integrations.hf.gates import GATE_ATTRIBUTES, match_gate
 from memfine.ops.fused.up_projection import UpWeights, up_shape
 
 ExpertsPath = Literal["fused", "plain"]
@@ -197,8 +197,7 @@ def _has_default_gate(module: nn.Module) -> bool:
 
 def _plan_key(module: nn.Module) -> tuple[object, ...]:
     """What :func:`plan_experts` reads from the module (its cached plan is valid while equal)."""
-    names = ("has_bias", "has_gate", "has_post_expert_norm", "alpha", "swiglu_alpha", "limit",
-             "swiglu_limit")
+    names = ("has_bias", "has_gate", "has_post_expert_norm", *GATE_ATTRIBUTES)
     return (type(module), type(getattr(module, "act_fn", None)),
             *(getattr(module, name, None) for name in names))
 
