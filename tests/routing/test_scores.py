@@ -88,7 +88,9 @@ def test_design_doc_lists_the_table() -> None:
     rows = re.findall(r"^\s*\| `(\w+)` \| (.+?) \| (.+?) \| (.+?) \|$", DESIGN.read_text(),
                       re.MULTILINE)
     documented = {name: (formula, renorm, source) for name, formula, renorm, source in rows}
-    assert set(documented) == set(SCORE_FUNCTIONS)
+    missing, extra = set(SCORE_FUNCTIONS) - set(documented), set(documented) - set(SCORE_FUNCTIONS)
+    assert not missing and not extra, (f"docs/design.md §2's score-function table: add rows for "
+                                       f"{sorted(missing)}, remove {sorted(extra)}")
     for name, entry in SCORE_FUNCTIONS.items():
         renorm = "s_j / Σ_k s" if entry.log_scores is None else "softmax of log s over the k"
         assert documented[name] == (entry.formula, renorm, entry.source), name

@@ -4,9 +4,14 @@ Legend: T tokens, E experts, K top-k slots.
 Each entry maps fp32 logits to scores and says how the k selected scores are renormalised.
 Every score function here is monotone in each logit (softmax within a row), so without a
 selection bias or groups the router ranks by logit (docs/design.md §2).
-Adding a name means adding it to :data:`memfine.config.ScoreFunc` (the validator's choices) and
-here; importing this module fails when the two differ, and the reference (``memfine.reference``)
-must gain its own formula (a test fails when an entry has none).
+Adding a score function (docs/extending.md): one :class:`ScoreFunction` entry in
+:data:`SCORE_FUNCTIONS` here and its name in :data:`memfine.config.ScoreFunc` (the config check
+and ``--score-func`` read it), then the test oracle's own formula in
+``memfine.reference.REFERENCE_SCORES`` and a row in docs/design.md §2. Each half-done state fails
+with a message: importing this module names a table/``ScoreFunc`` difference, and
+tests/routing/test_scores.py names an entry without a reference formula or a doc row (the
+router, the renormalisation, the underflow and the config tests then cover the entry as they
+cover every other).
 """
 
 from __future__ import annotations
