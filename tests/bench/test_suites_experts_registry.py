@@ -42,20 +42,20 @@ def test_every_entry_builds_a_method_of_its_name() -> None:
 
 
 def test_a_new_entry_is_a_new_method(monkeypatch: pytest.MonkeyPatch) -> None:
-    _with_entry(monkeypatch, "argsort_fused", experts.LayerMethod(
+    _with_entry(monkeypatch, "argsort_example", experts.LayerMethod(
         lambda s: sharing(s.base, dataclasses.replace(s.moe, index_builder="argsort"))))
-    assert _build(("fused", "argsort_fused")) == ["fused", "argsort_fused"]
+    assert _build(("fused", "argsort_example")) == ["fused", "argsort_example"]
 
 
 def test_an_unknown_name_lists_the_table() -> None:
-    with pytest.raises(ValueError, match=r"unknown method\(s\) \['argsort_fused'\].*LAYER_METHODS"):
-        _build(("fused", "argsort_fused"))
+    with pytest.raises(ValueError, match=r"unknown method\(s\) \['no_method'\].*LAYER_METHODS"):
+        _build(("fused", "no_method"))
 
 
 def test_an_entry_that_is_no_layer_method_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
-    _with_entry(monkeypatch, "argsort_fused", lambda s: sharing(s.base, s.moe))
-    with pytest.raises(ValueError, match=r"method 'argsort_fused'.*must be a LayerMethod"):
-        _build(("argsort_fused",))
+    _with_entry(monkeypatch, "bare_lambda", lambda s: sharing(s.base, s.moe))
+    with pytest.raises(ValueError, match=r"method 'bare_lambda'.*must be a LayerMethod"):
+        _build(("bare_lambda",))
 
 
 def test_a_layer_that_is_no_moe_layer_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
