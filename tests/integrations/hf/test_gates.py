@@ -1,6 +1,6 @@
 """A transformers experts class with a new gate: recognised from gates.py's tables, or warned.
 
-The class here clamps like DeepSeek-V4 but names its limit ``clamp_limit``, which memfine does
+The class here clamps like DeepSeek-V4 but names its limit ``example_bound``, which memfine does
 not read: the gate runs on the plain path with one warning per class naming the class and
 gates.py. Adding the name to ``LIMIT_ATTRIBUTES`` (the extending recipe) fuses it, equal to the
 module's own experts, and the cached plan follows the attribute.
@@ -27,21 +27,21 @@ from memfine.integrations.hf import gates, layout  # noqa: E402
 
 
 def _clamped_gate(self: torch.nn.Module, h: torch.Tensor) -> torch.Tensor:
-    n, limit = h.shape[-1] // 2, self.clamp_limit
+    n, limit = h.shape[-1] // 2, self.example_bound
     return F.silu(h[:, :n].clamp(max=limit)) * h[:, n:].clamp(min=-limit, max=limit)
 
 
 def _clamped_experts(name: str, cls: type | None = None) -> torch.nn.Module:
     (experts,) = tiny_experts("qwen3_moe")
     experts.__class__ = cls or type(name, (type(experts),), {"_apply_gate": _clamped_gate})
-    experts.clamp_limit = 0.5
+    experts.example_bound = 0.5
     return experts
 
 
 def _recipe(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the recipe adds to gates.py: the attribute's name in LIMIT_ATTRIBUTES."""
-    monkeypatch.setattr(gates, "LIMIT_ATTRIBUTES", (*gates.LIMIT_ATTRIBUTES, "clamp_limit"))
-    monkeypatch.setattr(layout, "GATE_ATTRIBUTES", (*layout.GATE_ATTRIBUTES, "clamp_limit"))
+    monkeypatch.setattr(gates, "LIMIT_ATTRIBUTES", (*gates.LIMIT_ATTRIBUTES, "example_bound"))
+    monkeypatch.setattr(layout, "GATE_ATTRIBUTES", (*layout.GATE_ATTRIBUTES, "example_bound"))
 
 
 def test_an_unrecognised_gate_warns_once_per_class() -> None:
@@ -69,5 +69,5 @@ def test_the_recipe_fuses_the_gate_and_matches_the_module(
     w = torch.rand(9, 2)
     experts.config._experts_implementation = "batched_mm"  # calls _apply_gate, as memfine does
     assert_close(mf_hf.memfine_experts_forward(experts, x, idx, w), experts(x, idx, w))
-    experts.clamp_limit = 2.0  # the plan follows the attribute it was read from
+    experts.example_bound = 2.0  # the plan follows the attribute it was read from
     assert mf_hf.plan_experts(experts).activation == GatedActivation(limit=2.0)
