@@ -71,7 +71,7 @@ def _case(shape: LayerShape, dtype: torch.dtype, chunk: ChunkConfig | str,
     assert isinstance(chunk, ChunkConfig)
     torch.manual_seed(0)
     with torch.device(device):  # initialised where it runs: seconds, not minutes, at Qwen3 size
-        layer = MoELayer(moe, chunk=chunk).to(dtype=dtype)
+        layer = MoELayer(moe, chunk=chunk).to(device=device, dtype=dtype)
     name = f"{shape.name}/{str(dtype).removeprefix('torch.')}/" + (
         "mact" if budget else f"c{chunk.num_chunks}-{chunk.resolved_recompute}")
     method = layer_method(name, layer, x_TD, grad_TD, budget_bytes=budget)

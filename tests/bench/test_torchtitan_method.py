@@ -9,6 +9,8 @@ through the weight views.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -60,3 +62,15 @@ def test_experts_suite_runs_torchtitan_beside_grouped_mm() -> None:
                                        torch.device("cpu"), ("grouped_mm", "torchtitan"))
     outs = [m.forward()[0].detach().float() for m in methods]
     assert_close(outs[1], outs[0], dtype=torch.bfloat16)
+
+
+def test_counts_suite_counts_torchtitan_s_three_grouped_gemms_without_a_host_sync() -> None:
+    """torchtitan's GroupedExperts: w1, w3, w2 forward; dA and dB of each backward; no sync."""
+    from memfine.bench.suites import counts
+
+    real = dataclasses.replace(counts.PRESETS["qwen3-30b-a3b"], tokens=256)
+    (titan,) = counts.count_shape(real, ("torchtitan",))[2]
+    assert titan.error is None
+    full = titan.phase("full")
+    assert full.ops["aten._grouped_mm.default"] == 3 + 6
+    assert sum(full.syncs.values()) == 0

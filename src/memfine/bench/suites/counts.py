@@ -17,6 +17,9 @@ Methods (same weights, input, routing and incoming gradients within a point):
 - ``torchtitan_style``: the same router and aux losses, then torchtitan's expert recipe (histc +
   argsort, gathered copy, ``torch._grouped_mm`` under autograd, scatter back;
   :mod:`memfine.bench.suites.titan_style`), the reference of the ``÷ ref`` column;
+- ``torchtitan``: the same router, then torchtitan's own ``RoutedExperts`` (dispatcher +
+  ``GroupedExperts``) on views of the same weights (skipped with a line where torchtitan 0.3
+  cannot be imported);
 - ``grouped_mm``: memfine's plain path (gathered copies, index arrays) with ``torch._grouped_mm``
   under autograd (the ``experts`` suite's method of that name);
 - ``hf_grouped_mm``: transformers' ``Qwen3MoeExperts`` with its ``grouped_mm`` experts
@@ -57,7 +60,11 @@ from memfine.bench.suites.layers import (
     layer_method,
     sharing,
 )
-from memfine.bench.suites.titan_style import titan_style_layer
+from memfine.bench.suites.titan_style import (
+    titan_style_layer,
+    torchtitan_layer,
+    torchtitan_missing,
+)
 from memfine.config import (
     DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
@@ -68,8 +75,8 @@ from memfine.environment import Environment
 from memfine.measure.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
 
 NAME = "counts"
-METHODS = ("fused", "fused_one_block", "chunked_c4", "mact", "torchtitan_style", "grouped_mm",
-           "hf_grouped_mm", "hf_memfine")
+METHODS = ("fused", "fused_one_block", "chunked_c4", "mact", "torchtitan_style", "torchtitan",
+           "grouped_mm", "hf_grouped_mm", "hf_memfine")
 REFERENCE = "torchtitan_style"
 DIM_SCALE = 16
 """d and n are divided by this; the backward block count is kept at the real dims' value."""
@@ -169,6 +176,8 @@ def layer_methods(shape: LayerShape, names: tuple[str, ...], *, block_bytes: int
               if n in names}
     if "torchtitan_style" in names:
         layers["torchtitan_style"] = titan_style_layer(base, moe)
+    if "torchtitan" in names and torchtitan_missing() is None:
+        layers["torchtitan"] = torchtitan_layer(base, moe)
     methods = [layer_method(n, layers[n], x_TD, grad_TD, modelled=False)
                for n in names if n in layers]
     hf_names = tuple(n for n in names if n.startswith("hf_"))
@@ -271,6 +280,8 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Ite
     if device.type != "cpu":
         print(f"{NAME}: skipped: counts run on the CPU (got --device {device.type})")
         return
+    if "torchtitan" in names and torchtitan_missing() is not None:
+        print(f"{NAME}: torchtitan skipped: {torchtitan_missing()}")
     for real in presets(opts):
         print(f"[{NAME}] {real.label()}: {len(names)} methods x (1 untimed + 1 counted) calls",
               flush=True)
