@@ -51,11 +51,12 @@ def main() -> int:
               "mact": ChunkConfig(memory_budget_bytes=budget, recompute="experts",
                                   allow_over_budget=True)}
     torch.manual_seed(0)
-    base = MoELayer(moe)
     x = torch.randn(T, args.hidden_size)
-    layers = {name: MoELayer(moe, chunk=chunk) for name, chunk in chunks.items()}
-    layers["plain_grouped_mm"] = MoELayer(dataclasses.replace(moe, experts_impl="plain",
-                                                              gemm_backend="grouped_mm"))
+    with torch.device(args.device):  # initialised where they run: seconds at Qwen3 size
+        base = MoELayer(moe)
+        layers = {name: MoELayer(moe, chunk=chunk) for name, chunk in chunks.items()}
+        layers["plain_grouped_mm"] = MoELayer(dataclasses.replace(moe, experts_impl="plain",
+                                                                  gemm_backend="grouped_mm"))
     for layer in layers.values():
         layer.load_state_dict(base.state_dict())
         layer.to(args.device, dtype)
