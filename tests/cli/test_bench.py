@@ -67,8 +67,9 @@ def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
     assert torch.get_num_threads() == threads  # --quick runs on 1 thread, then restores
     header, table = _read(out / "bench_experts.csv")
     assert header == CSV_COLUMNS
-    assert set(table) == {f"quick/{m}" for m in experts.METHODS}
-    for name in experts.METHODS:
+    runnable = [m for m in experts.METHODS if m not in experts.skipped_methods(experts.METHODS)]
+    assert set(table) == {f"quick/{m}" for m in runnable}  # torchtitan: where it imports
+    for name in runnable:
         rows = table[f"quick/{name}"]
         for key in ("time/fwd", "time/bwd", "time/full", "tokens_per_s/full", "saved_bytes/fwd",
                     "peak_bytes/full", "saved_bytes_predicted/fwd", "peak_bytes_predicted/full"):
@@ -85,7 +86,7 @@ def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
             assert rows[f"{item}/{mode}"]["p50"] == rows[f"{item}_predicted/{mode}"]["p50"], name
     for name in ("expert_loop", "full_recompute"):
         assert table[f"quick/{name}"]["peak_bytes_predicted/full"]["p50"] == NOT_MODELLED
-    saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in experts.METHODS}
+    saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in runnable}
     assert saved["fused"] < saved["grouped_mm"] == saved["plain"]
     assert saved["fused_mact"] < saved["fused"]
     assert int(table["quick/fused_mact"]["num_chunks/full"]["p50"]) == 2
