@@ -321,7 +321,7 @@ def test_unwritable_out_is_a_one_line_error(tmp_path: Path,
     err = capsys.readouterr().err
     assert exc.value.code == 2  # a usage error, found before anything is loaded or written
     assert err.startswith("memfine train: error: --out") and err.count("\n") == 1
-    assert "which is a file" in err and "Traceback" not in err
+    assert "which is not a directory" in err and "Traceback" not in err
 
 
 def test_resume_with_nothing_left_to_train_is_an_error(
