@@ -175,10 +175,11 @@ def comma_ints(text: str) -> tuple[int, ...]:
         argparse.ArgumentTypeError: when an item is not an int (argparse names the flag).
     """
     try:
-        return tuple(int64(item) for item in str(text).split(","))
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated int64 integers such as "
-                                         f"1,2,4,8, got {text!r}") from None
+        items = [int(item) for item in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
+                                         f"{text!r}") from None
+    return tuple(int64(str(item)) for item in items)
 
 
 def path_flag(text: str) -> Path:

@@ -35,6 +35,7 @@ from memfine.cli._flags import (
     byte_size,
     clamp_threads,
     comma_ints,
+    int64,
     name_flag,
     typed_fields,
     value,
@@ -45,7 +46,7 @@ _FLAGS = (
     Flag("--suites", ("suites",), "suites to run", str, (*SUITES, "all"), NotGiven(text="all"),
          "+", aliases=("--suite",)),
     Flag("--configs", ("configs",), "MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, "
-         "chunking and hf suites", int, sorted(TABLE1),
+         "chunking and hf suites", int64, sorted(TABLE1),
          NotGiven(text="experts 1 2 3 5, hf 1 5, chunking its skew_demo shape"), "+",
          aliases=("--config",)),
     Flag("--scale-down", ("scale_down",), "divide the paper's batch x seq by this factor (d, E, "
