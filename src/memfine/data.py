@@ -239,11 +239,18 @@ class ByteCorpus:
         ids = encode(raw)
         n_val = math.ceil(val_fraction * ids.numel())
         need = seq_len + 1
-        if n_val < need or ids.numel() - n_val < need:
+        total = ids.numel()
+        if n_val < need or total - n_val < need:
+            part = (f"its validation part (the last {n_val} bytes)" if n_val < need
+                    else f"its training part ({total - n_val} bytes)")
             smallest = max(math.ceil(need / val_fraction), 2 * need)
-            raise ValueError(f"data {description}: {ids.numel()} bytes is too small for "
-                             f"seq_len={seq_len} and val_fraction={val_fraction}; need at least "
-                             f"{smallest} bytes")
+            more = (f"at least {smallest} bytes" if smallest < 2**63 else "more data")
+            fix = (f"give --val-fraction between {need / total:.4g} and "
+                   f"{(total - need) / total:.4g}, or {more}" if total >= 2 * need
+                   else f"give {more} or a shorter --seq-len")
+            raise ValueError(f"--data {description}: {total} bytes are too few for --seq-len "
+                             f"{seq_len} and --val-fraction {val_fraction}: {part} holds less "
+                             f"than one window of {need} bytes; {fix}")
         split = ids.numel() - n_val
         return cls(train_ids=ids[:split], val_ids=ids[split:], description=description)
 

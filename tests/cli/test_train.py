@@ -167,7 +167,7 @@ BAD_INPUTS = [
     pytest.param(lambda p: ["--data", _write(p, "junk.bin", bytes(range(256)) * 4)],
                  "junk.bin' does not look like text", id="binary_data_file"),
     pytest.param(lambda p: ["--data", _write(p, "short.txt", b"too short")],
-                 "is too small for seq_len=64", id="data_too_small"),
+                 "are too few for --seq-len 64", id="data_too_small"),
     pytest.param(lambda p: ["--resume"], "checkpoint.dcp' (train without --resume first)",
                  id="resume_without_checkpoint"),
     # a config field set by a flag: the flag, what it allows as typed, the value typed

@@ -183,6 +183,22 @@ def test_an_os_error_on_a_typed_path_names_its_flag(tmp_path: Path) -> None:
     assert _path_flag(args, NotADirectoryError(20, "x", "/elsewhere/file")) is None
 
 
+def test_empty_values_are_refused_and_shown(run_dir: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty value (an unset shell variable) never means the current directory or a default."""
+    out = ["--out", str(tmp_path / "r")]
+    cases = [
+        (["eval", "--out", str(run_dir), "--data", ""], "argument --data: expected a value, "
+                                                        "got ''"),
+        (["train", *FAST, "--data", " ", *out], "argument --data: expected a value, got ' '"),
+        (["train", *FAST, "--config", "", *out], "argument --config: expected a path, got ''"),
+        (["train", *FAST, "--device", "", *out], "--device must be 'cpu' or 'cuda[:i]', got ''"),
+    ]
+    for argv, expected in cases:
+        assert expected in _usage_error(argv, capsys)
+    assert not (tmp_path / "r").exists()
+
+
 # -- numbers: int flags hold int64, float flags are finite -----------------------------------
 
 

@@ -120,7 +120,12 @@ def name_flag(err: ValueError, typed: Mapping[str, tuple[str, Any]],
 
 
 def _shown(got: Any) -> str:
-    return " ".join(map(str, got)) if isinstance(got, (list, tuple)) else str(got)
+    """A value as typed; an empty or space-padded string quoted, so that it shows."""
+    if isinstance(got, (list, tuple)):
+        return " ".join(map(str, got))
+    if isinstance(got, str) and (not got.strip() or got != got.strip()):
+        return repr(got)
+    return str(got)
 
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -195,6 +200,20 @@ def path_flag(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
                                          "directory give '.')")
     return Path(text)
+
+
+def text_flag(text: str) -> str:
+    """An argparse ``type`` for a text flag that names something (``--data``): not blank.
+
+    An empty value (an unset shell variable) must not fall back to a default or, read as a
+    path, to the current directory.
+
+    Raises:
+        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
+    """
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
+    return str(text)
 
 
 def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:

@@ -2,7 +2,9 @@
 
 The values come from ``--preset`` (or, with ``--resume``, from the checkpoint in ``--out``; with
 ``--init-from``, the preset with that checkpoint's model and context length), then ``--config``
-FILE, then the flags given (:mod:`memfine.cli._train_flags`). Errors name the flag that caused
+FILE, then the flags given (:mod:`memfine.cli._train_flags`). With ``--init-from`` a flag may
+change the model's settings (chunking, budget, kernels, ``--seq-len``) but not its architecture
+(:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name the flag that caused
 them (:func:`memfine.cli._flags.name_flag`).
 """
 
@@ -72,7 +74,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     Raises:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
             value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
-            run than the checkpoint's; a flag that changes a value resume may not change.
+            run than the checkpoint's; a flag that changes a value resume may not change
+            (naming the flag first); a flag that changes ``--init-from``'s architecture.
     """
     if given(args, "config"):
         apply_config_file(args, value(args, "config"), RUN_FLAGS + SETTING_FLAGS)

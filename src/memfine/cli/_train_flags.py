@@ -11,7 +11,6 @@ that belong to no config: preset, run directory, resume, mesh). ``--moe-chunks``
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import get_args
 
 from memfine import config
@@ -24,6 +23,7 @@ from memfine.cli._flags import (
     finite_float,
     int64,
     path_flag,
+    text_flag,
 )
 from memfine.config.lora import LoRAConfig
 from memfine.train import DEFAULT_PRESET, PRESETS
@@ -52,7 +52,7 @@ def _optional_int(text: str) -> int | None:
 
 CONFIG_FLAGS = (
     Flag("--data", ("data",), "'pydoc' (Python's documentation topics), 'stdlib' (the "
-         "standard library's .py sources) or a path to a text file or directory", str),
+         "standard library's .py sources) or a path to a text file or directory", text_flag),
     Flag("--val-fraction", ("val_fraction",), "share of the corpus (its end) held out for "
          "validation", finite_float),
     Flag("--seq-len", ("seq_len", "model.max_seq_len"), "context length Q in bytes (= tokens)"),
@@ -200,10 +200,12 @@ RUN_FLAGS = (
     Flag("--overwrite", (), "replace the run already in --out (without it, any run file there "
          "stops the run)", action="store_true", default=NotGiven(False)),
     Flag("--init-from", (), "fine-tune: start from the weights of the checkpoint in this run "
-         "directory (its model; fresh optimizer and LR schedule; give the new --data)", path_flag,
+         "directory (its model: flags may change chunking, budget, kernels and --seq-len, not "
+         "the architecture; training settings from --preset and the flags; fresh optimizer and "
+         "LR schedule; give the new --data)", path_flag,
          default=NotGiven(text="none")),
     Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
-         "max_steps = 400); flags given on the command line override it", Path,
+         "max_steps = 400); flags given on the command line override it", path_flag,
          default=NotGiven(text="none")),
     Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
          "tensorboard package)", action="store_true", default=NotGiven(False)),
