@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 import resource
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+from ep_harness import free_port
 
 from memfine.artifacts import memory_log
 from memfine.cli import _flags
@@ -140,6 +145,22 @@ def test_torchrun_ranks_refuse_before_any_process_group(
     line = _usage_error(["train", *FAST, "--hidden-size", "100000", "--out",
                          str(tmp_path / "r")], capsys)
     assert "8.00 GiB share of each of the 2 ranks" in line and "(rank 0 of 2)" in line
+
+
+@pytest.mark.distributed
+def test_torchrun_ranks_each_refuse_a_run_too_large(tmp_path: Path) -> None:
+    """Under a real torchrun with two CPU ranks, both refuse before any process group exists."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "memfine",
+           "train", *FAST, "--hidden-size", "100000", "--out", str(tmp_path / "r")]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    for rank in (0, 1):
+        assert re.search(r"memfine train: error: the run needs about [\d.]+ GiB per step .* "
+                         rf"share of each of the 2 ranks of this host's free memory \(rank "
+                         rf"{rank} of 2\)", proc.stdout + proc.stderr)
+    assert "Traceback" not in proc.stdout and not (tmp_path / "r").exists()
 
 
 # -- paths: files, devices and folders where the other is needed ----------------------------
