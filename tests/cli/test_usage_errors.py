@@ -214,10 +214,21 @@ def test_empty_values_are_refused_and_shown(run_dir: Path, tmp_path: Path,
         (["train", *FAST, "--data", " ", *out], "argument --data: expected a value, got ' '"),
         (["train", *FAST, "--config", "", *out], "argument --config: expected a path, got ''"),
         (["train", *FAST, "--device", "", *out], "--device must be 'cpu' or 'cuda[:i]', got ''"),
+        (["bench", "--quick", "--out", ""], "argument --out: expected a path, got ''"),
     ]
     for argv, expected in cases:
         assert expected in _usage_error(argv, capsys)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_tilde_in_a_path_flag_is_the_home_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--out=~/run`` (no shell expansion after '=') writes under $HOME, not into './~'."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *FAST, "--out=~/run"]) == 0
+    assert (tmp_path / "home" / "run" / "checkpoint.pt").is_file()
+    assert not (tmp_path / "~").exists()
 
 
 # -- numbers: int flags hold int64, float flags are finite -----------------------------------

@@ -191,7 +191,8 @@ def path_flag(text: str) -> Path:
     """An argparse ``type`` for a path flag (``--out``, ``--init-from``, ``--to``).
 
     An empty value is refused: ``Path("")`` is the current directory, so ``--out ""`` (an
-    unset shell variable) would scatter a run's files there.
+    unset shell variable) would scatter a run's files there. A leading ``~`` is the home
+    directory, as in the shell, which does not expand it in ``--out=~/runs/x``.
 
     Raises:
         argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
@@ -199,7 +200,7 @@ def path_flag(text: str) -> Path:
     if not str(text).strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
                                          "directory give '.')")
-    return Path(text)
+    return Path(text).expanduser()
 
 
 def text_flag(text: str) -> str:

@@ -37,6 +37,7 @@ from memfine.cli._flags import (
     comma_ints,
     int64,
     name_flag,
+    path_flag,
     typed_fields,
     value,
 )
@@ -67,7 +68,7 @@ _FLAGS = (
     Flag("--warmup", ("warmup",), "untimed rounds per method first",
          default=NotGiven(text="1 (0 with --quick)")),
     Flag("--out", ("out",), "output folder: bench_config.json, bench_<suite>.csv and PNGs",
-         Path, default=NotGiven(Path("runs/bench"))),
+         path_flag, default=NotGiven(Path("runs/bench"))),
     Flag("--overwrite", (), "replace the results of an earlier run in --out (without it, any "
          "bench_* file there stops the run)", action="store_true", default=NotGiven(False)),
     Flag("--quick", ("quick",), "smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under "
