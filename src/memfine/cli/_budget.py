@@ -14,7 +14,9 @@ least-memory plan's predicted step peak (checked under torchrun too: it depends 
 
 Under torchrun the rows a rank receives depend on the other ranks' routing (expert parallelism),
 so the policy checks each call at run time; :func:`flag_message` rewrites its error
-(:class:`memfine.schedule.InfeasibleBudgetError`) with the flags' names.
+(:class:`memfine.schedule.InfeasibleBudgetError`) with the flags' names, and
+:func:`budget_warnings_in_flags` does the same for the warnings of ``--allow-over-budget`` (layer
+and step scope); :func:`flag_words` serves ``memfine bench`` too.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ def flag_message(err: InfeasibleBudgetError) -> str:
     return err.message(FLAG_NAMES)
 
 
+_ALLOW_ADVICE = f", or set {CONFIG_NAMES['allow']} to run with the largest bin"
+"""The advice of :meth:`InfeasibleBudgetError.message` that names ``allow_over_budget``."""
+
+
 def flag_words(text: str, names: Mapping[str, str | None] = FLAG_NAMES) -> str:
     """A budget message or warning of the library (ChunkConfig fields) in a command's flags.
 
@@ -57,7 +63,7 @@ def flag_words(text: str, names: Mapping[str, str | None] = FLAG_NAMES) -> str:
     that names it.
     """
     if names.get("allow") is None:
-        text = text.replace(f", or set {CONFIG_NAMES['allow']} to run with the largest bin", "")
+        text = text.replace(_ALLOW_ADVICE, "")
     for key, field in CONFIG_NAMES.items():
         text = text.replace(field, names.get(key) or field)
     allow = names.get("allow")
@@ -80,8 +86,7 @@ def budget_warnings_in_flags() -> Iterator[None]:
             if not any(field in text for field in CONFIG_NAMES.values()):
                 shown(message, category, filename, lineno, file, line)
                 return
-            text = text.replace(f", or set {CONFIG_NAMES['allow']} to run with the largest "
-                                "bin", "")  # it is set: the warning says what runs instead
+            text = text.replace(_ALLOW_ADVICE, "")  # it is set: the warning says what runs
             print(f"warning: {flag_words(text)}", file=file or sys.stderr)
 
         warnings.showwarning = show

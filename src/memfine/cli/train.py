@@ -135,7 +135,7 @@ def _check_memory_fits(config: TrainConfig, world: int) -> None:
                          f"parameters with their gradients and AdamW state, and the MoE layers' "
                          f"activations), more than the {format_bytes(free)} {where}; lower "
                          f"--hidden-size, --num-layers, --num-experts, --intermediate-size, "
-                         f"--batch-size or --seq-len (given: {shape}), or set --memory-budget / "
+                         f"--batch-size or --seq-len (now {shape}), or set --memory-budget / "
                          f"--num-chunks")
 
 
