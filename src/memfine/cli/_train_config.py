@@ -166,10 +166,11 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
         origin = " and ".join(f"--{f.replace('_', '-')}" for f in ("preset", "init_from")
                               if given(args, f))
         names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
-        shown = ", ".join(f"{names.get(path, path)} {_get(saved, path)!r} -> "
-                          f"{_get(started, path)!r}" for path in differ[:4])
+        changes = list(dict.fromkeys(f"{names.get(path, path)} {_get(saved, path)!r} -> "
+                                     f"{_get(started, path)!r}" for path in differ))
+        shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
         raise ValueError(f"{origin} starts another run than the checkpoint in {str(out)!r} "
-                         f"(checkpoint -> {origin}: {shown}{', ...' if len(differ) > 4 else ''}"
+                         f"(checkpoint -> {origin}: {shown}"
                          f"); --resume continues the run as saved: drop {origin} or give the "
                          f"original one")
 
