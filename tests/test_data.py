@@ -63,7 +63,11 @@ def test_split_is_deterministic_and_val_is_the_tail() -> None:
 
 
 def test_split_rejects_corpus_too_small() -> None:
-    with pytest.raises(ValueError, match=r"too small for seq_len=64 .* need at least 1300 bytes"):
+    with pytest.raises(ValueError, match=r"500 bytes are too few for --seq-len 64 and "
+                                         r"--val-fraction 0.05: its validation part \(the last 25 "
+                                         r"bytes\) holds less than one window of 65 bytes; give "
+                                         r"--val-fraction between 0.13 and 0.87, or at least 1300 "
+                                         r"bytes"):
         ByteCorpus.from_bytes(b"x" * 500, val_fraction=0.05, seq_len=64)
 
 

@@ -83,7 +83,7 @@ def _read_file(path: Path) -> bytes:
                 raise ValueError(_not_regular(path))
             raw = f.read(limit + 1)  # bounded even where st_size is 0 (/proc) or still growing
     except OSError as err:
-        raise ValueError(f"data file {str(path)!r} cannot be read: {err.strerror or err}"
+        raise ValueError(f"--data file {str(path)!r} cannot be read: {err.strerror or err}"
                          ) from err
     if len(raw) > limit:
         raise ValueError(_too_large(path))
@@ -91,12 +91,12 @@ def _read_file(path: Path) -> bytes:
 
 
 def _not_regular(path: Path) -> str:
-    return (f"data path {str(path)!r} is not a regular file (a FIFO, device or socket); "
+    return (f"--data {str(path)!r} is not a regular file (a FIFO, device or socket); "
             "--data reads text files and directories of them only")
 
 
 def _too_large(path: Path) -> str:
-    return (f"data path {str(path)!r} holds more than {MAX_DATA_BYTES} bytes, the --data limit "
+    return (f"--data {str(path)!r} holds more than {MAX_DATA_BYTES} bytes, the --data limit "
             "(files of a directory together)")
 
 
@@ -108,7 +108,7 @@ def _check_regular(path: Path) -> int:
     try:
         info = path.stat()
     except OSError as err:
-        raise ValueError(f"data file {str(path)!r} cannot be read: {err.strerror or err}"
+        raise ValueError(f"--data file {str(path)!r} cannot be read: {err.strerror or err}"
                          ) from err
     if not stat.S_ISREG(info.st_mode):
         raise ValueError(_not_regular(path))
@@ -154,7 +154,7 @@ def load_corpus(source: str) -> tuple[bytes, str]:
         return raw, f"{len(files)} standard-library sources ({sysconfig.get_paths()['stdlib']})"
     path = Path(source).expanduser()
     if not path.exists():
-        raise ValueError(f"data path {source!r} does not exist (expected 'pydoc', 'stdlib', "
+        raise ValueError(f"--data {source!r} does not exist (expected 'pydoc', 'stdlib', "
                          f"a text file or a directory of text files)")
     if path.is_dir():
         files = _directory_files(path)
@@ -170,14 +170,14 @@ def load_corpus(source: str) -> tuple[bytes, str]:
                 texts.append(raw)
         note = _skipped_note(skipped)
         if not texts:
-            raise ValueError(f"data directory {source!r} holds no non-empty text file{note}")
+            raise ValueError(f"--data directory {source!r} holds no non-empty text file{note}")
         return b"\n".join(texts), f"{len(texts)} text file(s) under {path}{note}"
     _check_regular(path)
     raw = _read_file(path)
     if not raw:
-        raise ValueError(f"data file {source!r} is empty")
+        raise ValueError(f"--data file {source!r} is empty")
     if looks_binary(raw):
-        raise ValueError(f"data file {source!r} does not look like text (it holds NUL or "
+        raise ValueError(f"--data file {source!r} does not look like text (it holds NUL or "
                          f"control bytes); pass a text file")
     return raw, f"text file {path}"
 
@@ -239,11 +239,18 @@ class ByteCorpus:
         ids = encode(raw)
         n_val = math.ceil(val_fraction * ids.numel())
         need = seq_len + 1
-        if n_val < need or ids.numel() - n_val < need:
+        total = ids.numel()
+        if n_val < need or total - n_val < need:
+            part = (f"its validation part (the last {n_val} bytes)" if n_val < need
+                    else f"its training part ({total - n_val} bytes)")
             smallest = max(math.ceil(need / val_fraction), 2 * need)
-            raise ValueError(f"data {description}: {ids.numel()} bytes is too small for "
-                             f"seq_len={seq_len} and val_fraction={val_fraction}; need at least "
-                             f"{smallest} bytes")
+            more = (f"at least {smallest} bytes" if smallest < 2**63 else "more data")
+            fix = (f"give --val-fraction between {need / total:.4g} and "
+                   f"{(total - need) / total:.4g}, or {more}" if total >= 2 * need
+                   else f"give {more} or a shorter --seq-len")
+            raise ValueError(f"--data {description}: {total} bytes are too few for --seq-len "
+                             f"{seq_len} and --val-fraction {val_fraction}: {part} holds less "
+                             f"than one window of {need} bytes; {fix}")
         split = ids.numel() - n_val
         return cls(train_ids=ids[:split], val_ids=ids[split:], description=description)
 

@@ -46,13 +46,14 @@ def test_never_the_data_directory(tmp_path: Path, out: str) -> None:
 
 def test_out_that_is_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ValueError, match="is a file; give a directory"):
+    with pytest.raises(ValueError, match="is not a directory; give a directory"):
         check_run_dir(tmp_path / "f", data="pydoc", resume=False, overwrite=False)
 
 
 def test_out_under_a_file(tmp_path: Path) -> None:
     (tmp_path / "f").write_text("x")
-    with pytest.raises(ValueError, match=r"--out .*f/sub/run' lies under .*f', which is a file"):
+    with pytest.raises(ValueError, match=r"--out .*f/sub/run' lies under .*f', which is not a "
+                                         "directory"):
         check_run_dir(tmp_path / "f" / "sub" / "run", data="pydoc", resume=False,
                       overwrite=False)
     assert (tmp_path / "f").read_text() == "x"

@@ -295,6 +295,6 @@ def test_out_that_is_or_lies_under_a_file(tmp_path: Path, sub: str,
     with pytest.raises(SystemExit) as info:
         main(["bench", "--quick", "--out", str(blocker / sub if sub else blocker)])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and "is a file; give a directory" in err
+    assert info.value.code == 2 and "is not a directory; give a directory" in err
     assert blocker.read_text() == "x"
 

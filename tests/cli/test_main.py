@@ -110,8 +110,8 @@ def test_checkpoint_commands_on_a_file_say_out_takes_a_run_directory(
     path = tmp_path / "checkpoint.pt"  # the file itself, where its directory was meant
     path.write_bytes(b"x")
     line = _usage_error([command[0], "--out", str(path), *command[1:]], capsys)
-    assert line == (f"memfine {command[0]}: error: --out '{path}' is a file; --out takes the run "
-                    f"directory of memfine train (the directory holding checkpoint.pt)")
+    assert line == (f"memfine {command[0]}: error: --out '{path}' is not a directory; --out takes "
+                    f"the run directory of memfine train (the directory holding checkpoint.pt)")
     missing = tmp_path / "nope"
     line = _usage_error([command[0], "--out", str(missing), *command[1:]], capsys)
     assert f"--out '{missing}' does not exist; --out takes the run directory" in line
@@ -128,8 +128,9 @@ def test_train_resume_and_init_from_on_a_file(tmp_path: Path,
                     f"the directory memfine train wrote, the one holding checkpoint.pt)")
     line = _usage_error(["train", "--init-from", str(path), "--out", str(tmp_path / "r")],
                         capsys)
-    assert line == (f"memfine train: error: --init-from '{path}' is a file; --init-from takes "
-                    f"the run directory of memfine train (the directory holding checkpoint.pt)")
+    assert line == (f"memfine train: error: --init-from '{path}' is not a directory; "
+                    f"--init-from takes the run directory of memfine train (the directory "
+                    f"holding checkpoint.pt)")
     assert not (tmp_path / "r").exists()
 
 

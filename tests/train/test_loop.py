@@ -203,9 +203,16 @@ def test_init_from_starts_from_the_checkpoint_weights(tmp_path: Path) -> None:
     with torch.no_grad():
         direct = float(model(x, y).loss)
     assert abs(tuned.train_losses[0] - direct) <= LOSS_ATOL
-    with pytest.raises(ValueError, match=r"its model differs in \['num_layers'\]"):
+    with pytest.raises(ValueError, match=r"its model differs in num_layers \(2 there, 3 here\)"):
         _run(_config(model=dataclasses.replace(_config().model, num_layers=3)),
              tmp_path / "bad", init_from=tmp_path / "base")
+    # the run's own settings of the same architecture: the same weights, chunked in two
+    model_config = _config().model
+    chunked = dataclasses.replace(model_config, chunk=dataclasses.replace(model_config.chunk,
+                                                                          num_chunks=2))
+    tuned = _run(_config(max_steps=1, data=str(other), model=chunked), tmp_path / "chunked",
+                 init_from=tmp_path / "base")
+    assert abs(tuned.train_losses[0] - direct) <= LOSS_ATOL
 
 
 def test_missing_plot_package_stops_before_anything_is_written(

@@ -39,6 +39,32 @@ from memfine.nn.lora import apply_lora, merge_model_lora_
 
 EXPORT_FORMAT = "memfine-model-v1"
 
+ARCHITECTURE_FIELDS = ("vocab_size", "num_layers", "num_heads", "rope_theta", "norm_eps",
+                       "moe.hidden_size", "moe.intermediate_size", "moe.num_experts",
+                       "moe.top_k", "moe.score_func", "moe.renormalize", "moe.activation",
+                       "moe.n_group", "moe.topk_group", "moe.routed_scaling_factor",
+                       "moe.num_shared_experts", "moe.shared_intermediate_size",
+                       "moe.shared_expert_gate")
+"""The :class:`ModelConfig` fields (dotted) that define what a model's weights compute.
+
+A run started from another run's weights (``init_from``) keeps them; the rest of the model's
+config (chunking and memory budget, recompute, expert kernels, capacity, loss coefficients,
+``max_seq_len``: RoPE has no weights) is a setting of the new run.
+"""
+
+
+def architecture_differences(source: ModelConfig, model: ModelConfig
+                             ) -> list[tuple[str, object, object]]:
+    """``(field, source's value, model's value)`` per differing :data:`ARCHITECTURE_FIELDS`."""
+    out: list[tuple[str, object, object]] = []
+    for path in ARCHITECTURE_FIELDS:
+        a, b = source, model
+        for key in path.split("."):
+            a, b = getattr(a, key), getattr(b, key)
+        if a != b:
+            out.append((path, a, b))
+    return out
+
 
 @dataclass(frozen=True, slots=True)
 class Trained:
@@ -90,7 +116,8 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
 
     Args:
         model: a whole (unsharded) model built from ``model_config``.
-        model_config: the model of the new run; it must equal the checkpoint's.
+        model_config: the model of the new run; its :data:`ARCHITECTURE_FIELDS` must equal
+            the checkpoint's (chunking, kernels and the other settings may differ).
         run_dir: the run directory of the checkpoint.
 
     Raises:
@@ -99,10 +126,11 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
     """
     payload = read_checkpoint(find_checkpoint(run_dir))
     source = TrainConfig.from_dict(payload["config"])
-    if source.model != model_config:
+    differ = architecture_differences(source.model, model_config)
+    if differ:
         raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in "
-                         f"{source.model.differing_fields(model_config)}; the model flags must "
-                         f"match the checkpoint's")
+                         f"{', '.join(f'{p} ({a!r} there, {b!r} here)' for p, a, b in differ)}; "
+                         f"the model's architecture must be the checkpoint's")
     with torch.no_grad():
         if source.lora is None:
             load_model_state(payload, model)

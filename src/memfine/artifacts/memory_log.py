@@ -22,6 +22,7 @@ device has free; a warning line when it does not fit.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -88,9 +89,17 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
 
 
 def num_parameters(config: TrainConfig) -> int:
-    """Parameters of the whole model of ``config`` (all experts, whatever the EP size)."""
+    """Parameters of the whole model of ``config`` (all experts, whatever the EP size).
+
+    Counted on the meta device from a one-block model (the blocks are alike), so nothing is
+    allocated and a huge ``num_layers`` costs no time: embedding + norm + L · one block.
+    """
+    one = dataclasses.replace(config.model, num_layers=1)
     with torch.device("meta"):
-        return sum(p.numel() for p in MoETransformerLM(config.model).parameters())
+        model = MoETransformerLM(one)
+    block = sum(p.numel() for p in model.blocks.parameters())
+    rest = sum(p.numel() for p in model.parameters()) - block
+    return rest + config.model.num_layers * block
 
 
 def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: int) -> int:

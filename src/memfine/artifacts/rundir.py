@@ -27,13 +27,16 @@ LOCK_NAME = ".memfine.lock"
 
 
 def file_on_path(path: Path) -> Path | None:
-    """The first of ``path`` and its parents that is a file (a directory cannot be made there).
+    """The first of ``path`` and its parents that exists and is no directory.
+
+    A file, device (``/dev/null``), FIFO or socket there means no directory can be made at
+    ``path`` (the OS would answer ``NotADirectoryError``).
 
     Returns:
-        That file's path, or None when every existing component is a directory.
+        That path, or None when every existing component is a directory.
     """
     path = path.expanduser().absolute()
-    return next((p for p in (path, *path.parents) if p.is_file()), None)
+    return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
 def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) -> None:
@@ -57,11 +60,11 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
         raise ValueError("--resume and --overwrite exclude each other: --resume continues the "
                          "run in --out, --overwrite replaces it")
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {str(out_dir)!r} is a file; give a directory")
+        raise ValueError(f"--out {str(out_dir)!r} is not a directory; give a directory")
     blocked = file_on_path(out_dir.parent)
     if blocked is not None:
-        raise ValueError(f"--out {str(out_dir)!r} lies under {str(blocked)!r}, which is a file; "
-                         f"give a directory")
+        raise ValueError(f"--out {str(out_dir)!r} lies under {str(blocked)!r}, which is not a "
+                         f"directory; give a directory")
     data_dir = Path(data).expanduser().resolve() if data not in BUILTIN_CORPORA else None
     if data_dir is not None and data_dir.is_dir():
         out = out_dir.expanduser().resolve()

@@ -33,9 +33,9 @@ def run_directory(args: argparse.Namespace, dest: str = "out") -> Path:
     if got is None:
         raise ValueError(f"{flag} is required: the run directory of memfine train")
     path = Path(got)
-    if path.is_file():
-        raise ValueError(f"{flag} {str(path)!r} is a file; {flag} takes the run directory of "
-                         f"memfine train (the directory holding checkpoint.pt)")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {str(path)!r} is not a directory; {flag} takes the run "
+                         f"directory of memfine train (the directory holding checkpoint.pt)")
     if not path.exists():
         raise ValueError(f"{flag} {str(path)!r} does not exist; {flag} takes the run directory "
                          f"of memfine train (the directory holding checkpoint.pt)")

@@ -11,6 +11,8 @@ that were not given (:func:`apply_config_file`).
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -118,7 +120,57 @@ def name_flag(err: ValueError, typed: Mapping[str, tuple[str, Any]],
 
 
 def _shown(got: Any) -> str:
-    return " ".join(map(str, got)) if isinstance(got, (list, tuple)) else str(got)
+    """A value as typed; an empty or space-padded string quoted, so that it shows."""
+    if isinstance(got, (list, tuple)):
+        return " ".join(map(str, got))
+    if isinstance(got, str) and (not got.strip() or got != got.strip()):
+        return repr(got)
+    return str(got)
+
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def int64(text: str) -> int:
+    """An argparse ``type`` for an int flag: an integer within int64, what torch can hold.
+
+    Python ints are unbounded, so ``--seed 100000000000000000000000`` would parse and then fail
+    deep inside torch ("Overflow when unpacking long long"); ``1e23`` is refused as no integer.
+
+    Raises:
+        argparse.ArgumentTypeError: on a non-integer or a value outside int64 (argparse names
+            the flag).
+    """
+    try:
+        got = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not INT64_MIN <= got <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**63 - 1] (int64), "
+                                         f"got {text}")
+    return got
+
+
+int64.__name__ = "int"  # argparse's "invalid int value" if it ever shows
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type`` for a float flag: a finite number (no ``inf`` or ``nan``).
+
+    Raises:
+        argparse.ArgumentTypeError: on a non-number, an infinity or a NaN (argparse names the
+            flag).
+    """
+    try:
+        got = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(got):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return got
+
+
+finite_float.__name__ = "float"
 
 
 def comma_ints(text: str) -> tuple[int, ...]:
@@ -128,17 +180,19 @@ def comma_ints(text: str) -> tuple[int, ...]:
         argparse.ArgumentTypeError: when an item is not an int (argparse names the flag).
     """
     try:
-        return tuple(int(item) for item in str(text).split(","))
+        items = [int(item) for item in str(text).split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
                                          f"{text!r}") from None
+    return tuple(int64(str(item)) for item in items)
 
 
 def path_flag(text: str) -> Path:
     """An argparse ``type`` for a path flag (``--out``, ``--init-from``, ``--to``).
 
     An empty value is refused: ``Path("")`` is the current directory, so ``--out ""`` (an
-    unset shell variable) would scatter a run's files there.
+    unset shell variable) would scatter a run's files there. A leading ``~`` is the home
+    directory, as in the shell, which does not expand it in ``--out=~/runs/x``.
 
     Raises:
         argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
@@ -146,7 +200,21 @@ def path_flag(text: str) -> Path:
     if not str(text).strip():
         raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
                                          "directory give '.')")
-    return Path(text)
+    return Path(text).expanduser()
+
+
+def text_flag(text: str) -> str:
+    """An argparse ``type`` for a text flag that names something (``--data``): not blank.
+
+    An empty value (an unset shell variable) must not fall back to a default or, read as a
+    path, to the current directory.
+
+    Raises:
+        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
+    """
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
+    return str(text)
 
 
 def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
@@ -208,7 +276,8 @@ class Flag:
         paths: dotted config fields it sets (``("model.chunk.num_chunks",)``); empty for run
             options that belong to no config.
         help: help text (the default is appended by the formatter).
-        type: argparse ``type`` (ignored with ``action``).
+        type: argparse ``type`` (ignored with ``action``); :func:`int64` by default, and
+            :func:`finite_float` for numbers.
         choices: allowed values, or None.
         default: the default, normally a :class:`NotGiven`; None: ask ``add_flags``'s
             ``default_for``.
@@ -221,7 +290,7 @@ class Flag:
     name: str
     paths: tuple[str, ...]
     help: str
-    type: Any = int
+    type: Any = int64
     choices: Any = None
     default: Any = None
     nargs: str | None = None
@@ -335,17 +404,45 @@ def _convert(flag: Flag, text: str, where: str) -> Any:
 
 THREADS_FLAG = Flag("--threads", (), "CPU threads for torch; the small models here gain little "
                     "from more, and on a CPU shared with other jobs more threads can be many "
-                    "times slower", default=NotGiven(1))
+                    "times slower; more than this process's CPUs (shared by the local ranks "
+                    "under torchrun) is lowered to them with a warning", default=NotGiven(1))
 """``--threads`` of ``memfine train``, ``generate`` and ``eval`` (default 1)."""
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, else ``os.cpu_count()``), at least 1."""
+    try:
+        return max(len(os.sched_getaffinity(0)), 1)
+    except AttributeError:  # not on Linux
+        return max(os.cpu_count() or 1, 1)
+
+
+def clamp_threads(threads: int, flag: str = "--threads") -> int:
+    """``threads`` at most this process's share of the CPUs, with a one-line warning if lowered.
+
+    ``torch.set_num_threads`` takes any count and oversubscribes the CPUs, which makes every
+    operator many times slower; torchrun likewise sets ``OMP_NUM_THREADS`` and warns. The share
+    is :func:`usable_cpus` over torchrun's ``LOCAL_WORLD_SIZE`` (the ranks of this host).
+
+    Raises:
+        ValueError: naming ``flag`` when ``threads`` is below 1.
+    """
+    if threads < 1:
+        raise ValueError(f"{flag} must be >= 1, got {threads}")
+    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
+    share = max(usable_cpus() // local, 1)
+    if threads > share:
+        ranks = f" shared by {local} local ranks" if local > 1 else ""
+        print(f"warning: {flag} {threads} is more than the {share} CPU(s) this process may use"
+              f"{ranks}; using {share}", file=sys.stderr)
+        return share
+    return threads
+
+
 def checked_threads(args: argparse.Namespace) -> int:
-    """The ``--threads`` value.
+    """The ``--threads`` value, lowered to this process's CPUs (:func:`clamp_threads`).
 
     Raises:
         ValueError: naming the flag when it is below 1.
     """
-    threads = int(value(args, "threads"))
-    if threads < 1:
-        raise ValueError(f"--threads must be >= 1, got {threads}")
-    return threads
+    return clamp_threads(int(value(args, "threads")))

@@ -2,13 +2,16 @@
 
 The values come from ``--preset`` (or, with ``--resume``, from the checkpoint in ``--out``; with
 ``--init-from``, the preset with that checkpoint's model and context length), then ``--config``
-FILE, then the flags given (:mod:`memfine.cli._train_flags`). Errors name the flag that caused
+FILE, then the flags given (:mod:`memfine.cli._train_flags`). With ``--init-from`` a flag may
+change the model's settings (chunking, budget, kernels, ``--seq-len``) but not its architecture
+(:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name the flag that caused
 them (:func:`memfine.cli._flags.name_flag`).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +20,7 @@ from memfine.artifacts.checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
+from memfine.artifacts.inference import ARCHITECTURE_FIELDS
 from memfine.artifacts.rundir import RUN_FILES
 from memfine.cli._checkpoint import run_directory
 from memfine.cli._flags import (
@@ -70,7 +74,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     Raises:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
             value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
-            run than the checkpoint's; a flag that changes a value resume may not change.
+            run than the checkpoint's; a flag that changes a value resume may not change
+            (naming the flag first); a flag that changes ``--init-from``'s architecture.
     """
     if given(args, "config"):
         apply_config_file(args, value(args, "config"), RUN_FLAGS + SETTING_FLAGS)
@@ -79,10 +84,12 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     out = Path(value(args, "out") or f"runs/{name}")
     if resume:
         tree = _checkpoint_of("--out", out, _no_checkpoint_hint(out))["config"]
+        _apply_flags(args, tree, resume=True, out=out)  # a changed flag is named first
         _check_unchanged_origin(args, tree, out)
     else:
-        tree = _fresh_tree(args, name)
-    _apply_flags(args, tree, resume=resume, out=out)
+        tree, source = _fresh_tree(args, name)
+        _apply_flags(args, tree, resume=False, out=out)
+        _check_source_architecture(args, tree, source)
     if not resume:
         _cuda_autocast_default(args, tree)
     return _build(args, tree), out
@@ -99,16 +106,45 @@ def _build(args: argparse.Namespace, tree: dict[str, Any]) -> TrainConfig:
                                    flag_names(SETTING_FLAGS))) from err
 
 
-def _fresh_tree(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """The preset's config, with ``--init-from``'s model and context length (not the flags)."""
+def _fresh_tree(args: argparse.Namespace, name: str
+                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The preset's config with ``--init-from``'s model and context length (not the flags).
+
+    Returns:
+        That config tree, and the ``--init-from`` run's saved config (None without it).
+    """
     tree = preset(name).to_dict()
-    if given(args, "init_from"):
-        source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
-                                "--init-from takes the --out of a memfine train run that "
-                                "has saved a checkpoint")
-        tree["model"] = source["config"]["model"]  # and its context length:
-        tree["seq_len"] = source["config"]["seq_len"]
-    return tree
+    if not given(args, "init_from"):
+        return tree, None
+    source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
+                            "--init-from takes the --out of a memfine train run that "
+                            "has saved a checkpoint")["config"]
+    tree["model"] = copy.deepcopy(source["model"])  # and its context length:
+    tree["seq_len"] = source["seq_len"]
+    return tree, source
+
+
+def _check_source_architecture(args: argparse.Namespace, tree: dict[str, Any],
+                               source: dict[str, Any] | None) -> None:
+    """Refuse a flag that changes the architecture of ``--init-from``'s model.
+
+    The fine-tune keeps the source model's :data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`
+    (its weights mean nothing in another shape); its chunking, memory budget, kernels, loss
+    coefficients and context length are settings of the new run.
+
+    Raises:
+        ValueError: naming the flag, the source's value and the one given.
+    """
+    if source is None:
+        return
+    fixed = {f"model.{path}" for path in ARCHITECTURE_FIELDS}
+    for flag in SETTING_FLAGS:
+        for path in flag.paths:
+            if path in fixed and given(args, flag.dest) and _get(tree, path) != _get(source, path):
+                raise ValueError(f"{flag.name} {_get(tree, path)!r} cannot change the model of "
+                                 f"--init-from {str(value(args, 'init_from'))!r} (it has "
+                                 f"{_get(source, path)!r}): a fine-tune keeps the source "
+                                 f"model's architecture; drop {flag.name}")
 
 
 def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
@@ -119,8 +155,9 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
     """
     if not (given(args, "preset") or given(args, "init_from")):
         return
-    fresh = _fresh_tree(args, value(args, "preset"))
+    fresh, source = _fresh_tree(args, value(args, "preset"))
     _apply_flags(args, fresh, resume=False, out=out)
+    _check_source_architecture(args, fresh, source)
     _cuda_autocast_default(args, fresh)
     started = _build(args, fresh).to_dict()
     differ = [path for path in _leaf_paths(saved) if path not in RESUMABLE_FIELDS
@@ -128,9 +165,14 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
     if differ:
         origin = " and ".join(f"--{f.replace('_', '-')}" for f in ("preset", "init_from")
                               if given(args, f))
-        raise ValueError(f"{origin} with these flags starts another run than the checkpoint in "
-                         f"{str(out)!r} (it differs in {', '.join(differ)}); --resume continues "
-                         f"the run as saved: drop {origin} or give the original one")
+        names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
+        changes = list(dict.fromkeys(f"{names.get(path, path)} {_get(saved, path)!r} -> "
+                                     f"{_get(started, path)!r}" for path in differ))
+        shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
+        raise ValueError(f"{origin} starts another run than the checkpoint in {str(out)!r} "
+                         f"(checkpoint -> {origin}: {shown}"
+                         f"); --resume continues the run as saved: drop {origin} or give the "
+                         f"original one")
 
 
 def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:

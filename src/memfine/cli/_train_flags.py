@@ -11,7 +11,6 @@ that belong to no config: preset, run directory, resume, mesh). ``--moe-chunks``
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 from typing import get_args
 
 from memfine import config
@@ -21,7 +20,10 @@ from memfine.cli._flags import (
     NotGiven,
     byte_size,
     comma_ints,
+    finite_float,
+    int64,
     path_flag,
+    text_flag,
 )
 from memfine.config.lora import LoRAConfig
 from memfine.train import DEFAULT_PRESET, PRESETS
@@ -30,9 +32,10 @@ from memfine.train.setup import RESUMABLE_FIELDS
 
 def _optional_float(text: str) -> float | None:
     try:
-        return None if text.lower() == "none" else float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number or 'none', got {text!r}") from None
+        return None if text.lower() == "none" else finite_float(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected a finite number or 'none', got {text!r}"
+                                         ) from None
 
 
 def _autocast_dtype(text: str) -> str:
@@ -41,28 +44,29 @@ def _autocast_dtype(text: str) -> str:
 
 def _optional_int(text: str) -> int | None:
     try:
-        return None if text.lower() == "none" else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an int or 'none', got {text!r}") from None
+        return None if text.lower() == "none" else int64(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected an int64 integer or 'none', got {text!r}"
+                                         ) from None
 
 
 CONFIG_FLAGS = (
     Flag("--data", ("data",), "'pydoc' (Python's documentation topics), 'stdlib' (the "
-         "standard library's .py sources) or a path to a text file or directory", str),
+         "standard library's .py sources) or a path to a text file or directory", text_flag),
     Flag("--val-fraction", ("val_fraction",), "share of the corpus (its end) held out for "
-         "validation", float),
+         "validation", finite_float),
     Flag("--seq-len", ("seq_len", "model.max_seq_len"), "context length Q in bytes (= tokens)"),
     Flag("--batch-size", ("batch_size",), "sequences per micro-batch B (over all ranks)"),
     Flag("--grad-accum", ("grad_accum",), "micro-batches per optimizer step N (the step's "
          "gradient is that of one batch of N*B sequences)"),
     Flag("--max-steps", ("max_steps",), "optimizer steps of the run"),
-    Flag("--lr", ("lr",), "peak AdamW learning rate", float),
-    Flag("--min-lr-ratio", ("min_lr_ratio",), "final LR as a fraction of --lr", float),
+    Flag("--lr", ("lr",), "peak AdamW learning rate", finite_float),
+    Flag("--min-lr-ratio", ("min_lr_ratio",), "final LR as a fraction of --lr", finite_float),
     Flag("--warmup-steps", ("warmup_steps",), "linear LR warm-up steps"),
     Flag("--lr-decay-steps", ("lr_decay_steps",), "step where the cosine decay ends; None: "
          "--max-steps (set it to stop early and --resume later on the same schedule)"),
-    Flag("--weight-decay", ("weight_decay",), "AdamW weight decay of matrices", float),
-    Flag("--grad-clip", ("grad_clip",), "max global gradient norm (0: no clipping)", float),
+    Flag("--weight-decay", ("weight_decay",), "AdamW weight decay of matrices", finite_float),
+    Flag("--grad-clip", ("grad_clip",), "max global gradient norm (0: no clipping)", finite_float),
     Flag("--seed", ("seed",), "seed of initialisation, batch order and sample"),
     Flag("--eval-every", ("eval_every",), "validate (and checkpoint, unless --save-every is set) "
          "every N steps"),
@@ -92,8 +96,9 @@ CONFIG_FLAGS = (
          get_args(config.Activation)),
     Flag("--score-func", ("model.moe.score_func",), "router scores", str,
          get_args(config.ScoreFunc)),
-    Flag("--aux-loss-coef", ("model.moe.aux_loss_coef",), "load-balancing loss weight", float),
-    Flag("--z-loss-coef", ("model.moe.z_loss_coef",), "router z-loss weight", float),
+    Flag("--aux-loss-coef", ("model.moe.aux_loss_coef",), "load-balancing loss weight",
+         finite_float),
+    Flag("--z-loss-coef", ("model.moe.z_loss_coef",), "router z-loss weight", finite_float),
     Flag("--experts-impl", ("model.moe.experts_impl",), "expert computation", str,
          get_args(config.ExpertsImpl)),
     Flag("--gemm-backend", ("model.moe.gemm_backend",), "grouped GEMM backend", str,
@@ -127,13 +132,13 @@ CONFIG_FLAGS = (
          "(DeepSeek-V3; 1: off)"),
     Flag("--topk-group", ("model.moe.topk_group",), "groups each token may use"),
     Flag("--routed-scaling-factor", ("model.moe.routed_scaling_factor",), "factor on the "
-         "routing weights after renormalisation (DeepSeek-V3: 2.5)", float),
+         "routing weights after renormalisation (DeepSeek-V3: 2.5)", finite_float),
     Flag("--bias-update-rate", ("model.moe.bias_update_rate",), "gamma of aux-loss-free "
-         "balancing: selection bias step per optimizer step (0: off)", float),
+         "balancing: selection bias step per optimizer step (0: off)", finite_float),
     Flag("--seq-aux-loss-coef", ("model.moe.seq_aux_loss_coef",), "weight of the "
-         "sequence-wise balance loss (DeepSeek-V3)", float),
+         "sequence-wise balance loss (DeepSeek-V3)", finite_float),
     Flag("--router-jitter-eps", ("model.moe.router_jitter_eps",), "router input jitter: "
-         "multiply by U(1-eps, 1+eps) in training (0: off)", float),
+         "multiply by U(1-eps, 1+eps) in training (0: off)", finite_float),
     Flag("--num-shared-experts", ("model.moe.num_shared_experts",), "always-on shared "
          "experts per MoE layer"),
     Flag("--shared-intermediate-size", ("model.moe.shared_intermediate_size",), "n of one "
@@ -141,7 +146,7 @@ CONFIG_FLAGS = (
     Flag("--skew-hot-experts", ("model.moe.skew_hot_experts",), "experiment knob: experts "
          "0..N-1 favoured by the router's selection bias (0: off)"),
     Flag("--skew-bias", ("model.moe.skew_bias",), "experiment knob: selection bias of the hot "
-         "experts (> 1 with N = k sends every token to them)", float),
+         "experts (> 1 with N = k sends every token to them)", finite_float),
 )
 
 
@@ -171,9 +176,9 @@ LORA_FLAGS = (
          "experts only (needs --init-from; base weights frozen); at most min(d_in, d_out) of "
          "each adapted expert weight", default=NotGiven(text="none (no adapters)")),
     Flag("--lora-alpha", ("lora.alpha",), "LoRA alpha: the adapters' update is scaled by "
-         "alpha / r", float, default=NotGiven(text=str(_LORA_DEFAULTS.alpha))),
+         "alpha / r", finite_float, default=NotGiven(text=str(_LORA_DEFAULTS.alpha))),
     Flag("--lora-dropout", ("lora.dropout",), "dropout probability on the adapters' input (the "
-         "base path sees none)", float, default=NotGiven(text=str(_LORA_DEFAULTS.dropout))),
+         "base path sees none)", finite_float, default=NotGiven(text=str(_LORA_DEFAULTS.dropout))),
     Flag("--lora-targets", ("lora.targets",), "adapted expert weights, comma-separated: w_up "
          "(gate/up projection), w_down", _names,
          default=NotGiven(text=",".join(_LORA_DEFAULTS.targets))),
@@ -195,10 +200,12 @@ RUN_FLAGS = (
     Flag("--overwrite", (), "replace the run already in --out (without it, any run file there "
          "stops the run)", action="store_true", default=NotGiven(False)),
     Flag("--init-from", (), "fine-tune: start from the weights of the checkpoint in this run "
-         "directory (its model; fresh optimizer and LR schedule; give the new --data)", path_flag,
+         "directory (its model: flags may change chunking, budget, kernels and --seq-len, not "
+         "the architecture; training settings from --preset and the flags; fresh optimizer and "
+         "LR schedule; give the new --data)", path_flag,
          default=NotGiven(text="none")),
     Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
-         "max_steps = 400); flags given on the command line override it", Path,
+         "max_steps = 400); flags given on the command line override it", path_flag,
          default=NotGiven(text="none")),
     Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
          "tensorboard package)", action="store_true", default=NotGiven(False)),

@@ -27,13 +27,17 @@ from memfine.artifacts.rundir import file_on_path
 from memfine.bench import SUITES, BenchOptions, select_methods
 from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
 from memfine.bench.runner import run_suites
+from memfine.cli._budget import flag_words
 from memfine.cli._flags import (
     Flag,
     NotGiven,
     add_flags,
     byte_size,
+    clamp_threads,
     comma_ints,
+    int64,
     name_flag,
+    path_flag,
     typed_fields,
     value,
 )
@@ -43,7 +47,7 @@ _FLAGS = (
     Flag("--suites", ("suites",), "suites to run", str, (*SUITES, "all"), NotGiven(text="all"),
          "+", aliases=("--suite",)),
     Flag("--configs", ("configs",), "MoEBlaze Table 1 rows (d, E, k; n = 4d) for the experts, "
-         "chunking and hf suites", int, sorted(TABLE1),
+         "chunking and hf suites", int64, sorted(TABLE1),
          NotGiven(text="experts 1 2 3 5, hf 1 5, chunking its skew_demo shape"), "+",
          aliases=("--config",)),
     Flag("--scale-down", ("scale_down",), "divide the paper's batch x seq by this factor (d, E, "
@@ -64,7 +68,7 @@ _FLAGS = (
     Flag("--warmup", ("warmup",), "untimed rounds per method first",
          default=NotGiven(text="1 (0 with --quick)")),
     Flag("--out", ("out",), "output folder: bench_config.json, bench_<suite>.csv and PNGs",
-         Path, default=NotGiven(Path("runs/bench"))),
+         path_flag, default=NotGiven(Path("runs/bench"))),
     Flag("--overwrite", (), "replace the results of an earlier run in --out (without it, any "
          "bench_* file there stops the run)", action="store_true", default=NotGiven(False)),
     Flag("--quick", ("quick",), "smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under "
@@ -89,6 +93,10 @@ _FLAGS = (
 )
 
 
+_BUDGET_NAMES = {"budget": "--memory-budget", "bins": "the bins", "allow": None}
+"""How a budget error names the settings: bench has ``--memory-budget`` only."""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``memfine bench`` flags (one per :class:`BenchOptions` field)."""
     add_flags(parser, _FLAGS)
@@ -111,13 +119,16 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
     chosen = value(args, "suites") or ["all"]
     suites = SUITES if "all" in chosen else tuple(dict.fromkeys(chosen))
     quick = bool(value(args, "quick"))
+    threads = _or(args, "threads", 1 if quick else None)
+    if threads is not None and threads >= 1:  # below 1: BenchOptions names --threads
+        threads = clamp_threads(threads)
     return _options(args, dict(
         suites=suites, configs=tuple(value(args, "configs") or ()),
         scale_down=value(args, "scale_down"), tokens=value(args, "tokens"),
         hidden_size=value(args, "hidden_size"),
         intermediate_size=value(args, "intermediate_size"),
         num_experts=value(args, "num_experts"), top_k=value(args, "top_k"),
-        dtype=value(args, "dtype"), threads=_or(args, "threads", 1 if quick else None),
+        dtype=value(args, "dtype"), threads=threads,
         repeats=_or(args, "repeats", 1 if quick else 5),
         warmup=_or(args, "warmup", 0 if quick else 1), out=str(value(args, "out")), quick=quick,
         methods=tuple(value(args, "methods") or ()),
@@ -152,7 +163,8 @@ def run(args: argparse.Namespace) -> int:
     out = Path(opts.out)
     blocked = file_on_path(out)
     if blocked is not None:
-        raise ValueError(f"--out {opts.out!r}: {str(blocked)!r} is a file; give a directory")
+        raise ValueError(f"--out {opts.out!r}: {str(blocked)!r} is not a directory; give a "
+                         f"directory")
     earlier = sorted(p.name for p in out.glob("bench_*"))
     if earlier and not value(args, "overwrite"):
         raise ValueError(f"--out {opts.out!r} already holds results ({', '.join(earlier[:4])}"
@@ -162,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
     failures = run_suites(opts, device)
     for failure in failures:
-        print(f"memfine bench: method failed: {failure}", file=sys.stderr)
+        print(f"memfine bench: method failed: {flag_words(failure, _BUDGET_NAMES)}",
+              file=sys.stderr)
     return 1 if failures else 0
 

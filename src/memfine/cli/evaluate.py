@@ -7,12 +7,12 @@ import json
 
 from memfine.artifacts.inference import evaluate_text
 from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
-from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, value
+from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, text_flag, value
 
 _FLAGS = (
     OUT_FLAG,
     Flag("--data", (), "'pydoc', 'stdlib' or a path to a text file or directory; its last "
-         "val_fraction is evaluated, as in training", str,
+         "val_fraction is evaluated, as in training", text_flag,
          default=NotGiven(text="the run's own data")),
     DEVICE_FLAG,
     THREADS_FLAG,

@@ -85,7 +85,10 @@ def _check_targets(paths: list[Path], out: Path) -> None:
 
 
 def _check_folder(target: Path) -> None:
-    """Raise ValueError naming ``--to`` when ``target``'s folder does not exist."""
+    """Raise ValueError naming ``--to`` when ``target``'s folder is missing or no folder."""
+    if target.parent.exists() and not target.parent.is_dir():
+        raise ValueError(f"--to {str(target)!r}: {str(target.parent)!r} is not a folder; "
+                         f"choose another --to")
     if not target.parent.is_dir():
         raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
                          f"exist; create it or choose another --to")

@@ -88,6 +88,30 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+_PATH_ERRORS = (NotADirectoryError, IsADirectoryError, FileNotFoundError, FileExistsError,
+                PermissionError)
+"""OS errors that mean a path given on the command line cannot be used as that flag needs."""
+
+
+def _path_flag(args: argparse.Namespace, err: OSError) -> str | None:
+    """The flag and value whose path ``err`` is about: the path itself or one under it.
+
+    Returns:
+        ``--flag 'value'``, or None when no path flag given on the command line leads there.
+    """
+    if not err.filename:
+        return None
+    target = os.path.abspath(os.fsdecode(err.filename))
+    for dest, got in vars(args).items():
+        if (dest.startswith("_") or dest == "command"
+                or not isinstance(got, (str, os.PathLike)) or not str(got)):
+            continue
+        path = os.path.abspath(os.fspath(got))
+        if target == path or target.startswith(path.rstrip(os.sep) + os.sep):
+            return f"--{dest.replace('_', '-')} {os.fspath(got)!r}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the chosen subcommand; returns the exit code."""
     # kineto (torch.profiler's backend, used by memfine bench) prints "USDT:" trace lines at
@@ -110,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except (OSError, RuntimeError) as err:  # files, devices, backends: one line, no traceback
+        flag = _path_flag(args, err) if isinstance(err, _PATH_ERRORS) else None
+        if flag is not None and isinstance(err, OSError):  # a path typed: a usage error
+            parser.exit(2, f"memfine {args.command}: error: {flag}: {err.strerror or err}: "
+                           f"{str(err.filename)!r}\n")
         parser.exit(1, f"memfine {args.command}: error: {type(err).__name__}: "
                        f"{_first_line(err)}\n")
     except KeyboardInterrupt:

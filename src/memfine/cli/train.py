@@ -13,7 +13,7 @@ import os
 from typing import Any
 
 from memfine.artifacts.rundir import check_run_dir
-from memfine.cli._budget import check_memory_budget, flag_message
+from memfine.cli._budget import budget_warnings_in_flags, check_memory_budget, flag_message
 from memfine.cli._flags import add_flags, check_device, checked_threads, given, value
 from memfine.cli._train_config import preset_default, resolve_config
 from memfine.cli._train_flags import RUN_FLAGS, SETTING_FLAGS
@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     parallel = _parallel(args, config, world)
     finished = False
     try:
-        with deterministic_mode(config.deterministic):
+        with deterministic_mode(config.deterministic), budget_warnings_in_flags():
             result = train(config, out, resume=resume, overwrite=overwrite,
                            progress=not value(args, "no_progress"),
                            plot=bool(value(args, "plot")),
@@ -85,8 +85,24 @@ def _check_num_chunks(config: TrainConfig, world: int) -> None:
                          f"{chunk.num_chunks}: each chunk holds at least one token")
 
 
+def _rank_device(device: str, world: int) -> str:
+    """The device this process computes on: ``cuda`` is ``cuda:LOCAL_RANK`` under torchrun."""
+    if world > 1 and device == "cuda":
+        return f"cuda:{os.environ.get('LOCAL_RANK', '0')}"
+    return device
+
+
 def _check_memory_fits(config: TrainConfig, world: int) -> None:
-    """Refuse a run whose predicted memory exceeds the device's free memory, before allocating.
+    """Refuse a run whose predicted memory exceeds what this process has free, before allocating.
+
+    One process: the whole model's parameters, gradients and AdamW state plus the MoE layers'
+    activations at T = B·Q, against the device's free memory. Under torchrun every rank checks
+    its own share before any process group exists: the parameters are sharded over the
+    ``WORLD_SIZE`` ranks (FSDP2 and expert parallelism) but each rank first builds the whole
+    model, so its prediction is the larger of the whole model's weights and its shard's static
+    bytes plus the activations of its B/W rows. On CUDA each rank has its own device
+    (``cuda:LOCAL_RANK``); on the CPU the ``LOCAL_WORLD_SIZE`` ranks of a host share its free
+    memory, so each rank gets that share.
 
     Raises:
         ValueError: naming the prediction, the free bytes and the flags that lower it.
@@ -94,20 +110,33 @@ def _check_memory_fits(config: TrainConfig, world: int) -> None:
     import torch
 
     from memfine.artifacts.memory_log import available_bytes, num_parameters, predicted_run_bytes
-    from memfine.units import format_bytes
+    from memfine.units import DTYPE_BYTES, format_bytes
 
-    free = available_bytes(torch.device(config.device))
-    if free is None or world > 1:  # under torchrun each rank holds a shard: checked per rank
+    device = torch.device(_rank_device(config.device, world))
+    free = available_bytes(device)
+    if free is None:
         return
     params = num_parameters(config)
-    predicted = predicted_run_bytes(config, params, _tokens_per_rank(config, world))
+    predicted = predicted_run_bytes(config, -(-params // world), _tokens_per_rank(config, world))
+    where = f"free on {device}"
+    if world > 1:
+        predicted = max(predicted, params * DTYPE_BYTES[config.dtype])
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if device.type == "cpu" and local > 1:
+            free //= local
+            where = f"share of each of the {local} ranks of this host's free memory"
+        where += f" (rank {os.environ.get('RANK', '?')} of {world})"
     if predicted > free:
+        shape = (f"--hidden-size {config.model.moe.hidden_size}, --num-layers "
+                 f"{config.model.num_layers}, --num-experts {config.model.moe.num_experts}, "
+                 f"--intermediate-size {config.model.moe.intermediate_size}, --batch-size "
+                 f"{config.batch_size}, --seq-len {config.seq_len}")
         raise ValueError(f"the run needs about {format_bytes(predicted)} per step ({params:,} "
                          f"parameters with their gradients and AdamW state, and the MoE layers' "
-                         f"activations), more than the {format_bytes(free)} free on "
-                         f"{config.device}; lower --hidden-size, --num-layers, --num-experts, "
-                         f"--intermediate-size, --batch-size or --seq-len, or set "
-                         f"--memory-budget / --num-chunks")
+                         f"activations), more than the {format_bytes(free)} {where}; lower "
+                         f"--hidden-size, --num-layers, --num-experts, --intermediate-size, "
+                         f"--batch-size or --seq-len (now {shape}), or set --memory-budget / "
+                         f"--num-chunks")
 
 
 def _parallel(args: argparse.Namespace, config: TrainConfig, world: int) -> Any:
