@@ -87,16 +87,32 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
                             recompute=config.model.chunk.resolved_recompute).peak_bytes
 
 
-def num_parameters(config: TrainConfig) -> int:
-    """Parameters of the whole model of ``config`` (all experts, whatever the EP size)."""
+def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:
+    """Parameters of the whole model of ``config`` (all experts, whatever the EP size).
+
+    With ``config.lora`` the expert adapters are counted; ``trainable_only`` counts only what
+    the optimizer updates (the adapters, and routers / attention where ``config.lora`` trains
+    them; every parameter without LoRA).
+    """
+    return _count_parameters(config, trainable_only)
+
+
+def _count_parameters(config: TrainConfig, trainable_only: bool) -> int:
+    from memfine.nn.lora import apply_lora
+
     with torch.device("meta"):
-        return sum(p.numel() for p in MoETransformerLM(config.model).parameters())
+        model = MoETransformerLM(config.model)
+        if config.lora is not None:
+            apply_lora(model, config.lora)
+        return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
 
 
 def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: int) -> int:
     """Predicted bytes of a training step: static memory plus the MoE layers' activations.
 
-    Static: parameters, their gradients and AdamW's two moments, ``num_parameters · D_t`` each.
+    Static: parameters (``num_parameters · D_t``), and the gradients and AdamW's two moments of
+    the trained ones (all of them, or under LoRA those of
+    ``num_parameters(config, trainable_only=True)``), ``D_t`` bytes per element each.
     Activations: every MoE layer's saved bytes plus one layer's backward peak above its saved
     bytes, at the configured c (MACT's budget bounds a layer when one is set). Attention, norms,
     embedding and logits activations are not modelled (a lower bound).
@@ -110,7 +126,10 @@ def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: in
     peak_above_saved = layer.peak_bytes - layer.saved_bytes
     if chunk.memory_budget_bytes is not None:
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
-    static = num_parameters * _dtype_bytes(config) * (2 + ADAM_MOMENTS)
+    trained = num_parameters
+    if config.lora is not None:
+        trained = _count_parameters(config, trainable_only=True)
+    static = (num_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
 
