@@ -1,4 +1,4 @@
-"""The printed step prediction of a LoRA run: gradients and AdamW state of trained parameters only."""
+"""A LoRA run's step prediction: gradients and AdamW state of the trained parameters only."""
 
 from __future__ import annotations
 
