@@ -8,6 +8,8 @@ import torch
 
 from memfine.artifacts.memory_log import ADAM_MOMENTS, num_parameters, predicted_run_bytes
 from memfine.config.lora import LoRAConfig
+from memfine.memory.layer import moe_layer_memory
+from memfine.memory.lora import lora_layer_memory
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
 from memfine.train import preset
@@ -31,9 +33,14 @@ def test_lora_prediction_counts_only_trained_gradients_and_moments() -> None:
         assert num_parameters(config, trainable_only=True) == trained < total
         dt, tokens = torch.float32.itemsize, 256
         base = num_parameters(full)
-        full_bytes = predicted_run_bytes(full, base, tokens)
-        lora_bytes = predicted_run_bytes(config, total, tokens)
-        # same activations; static: every parameter once, gradient + moments for trained ones
-        assert full_bytes - lora_bytes == dt * ((2 + ADAM_MOMENTS) * base
-                                                - total - (1 + ADAM_MOMENTS) * trained)
-        assert full_bytes - lora_bytes > 0
+        layers = config.model.num_layers
+        moe = config.model.moe
+        plain = moe_layer_memory(moe, tokens, dt)
+        adapted = lora_layer_memory(moe, lora, tokens, dt)
+        # static: every parameter once, a gradient and two moments for the trained ones only
+        assert predicted_run_bytes(full, base, tokens) == (
+            (2 + ADAM_MOMENTS) * base * dt + layers * plain.saved_bytes
+            + plain.peak_bytes - plain.saved_bytes)
+        assert predicted_run_bytes(config, total, tokens) == (
+            (total + (1 + ADAM_MOMENTS) * trained) * dt + layers * adapted.saved_bytes
+            + adapted.peak_bytes - adapted.saved_bytes)

@@ -29,7 +29,9 @@ import torch
 
 from memfine.config import TrainConfig
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
+from memfine.memory.layer import MemoryBreakdown as MoELayerMemory
 from memfine.memory.layer import moe_layer_memory
+from memfine.memory.lora import LoRALayerMemory, lora_layer_memory
 from memfine.nn import MoETransformerLM
 from memfine.units import format_bytes
 
@@ -114,15 +116,18 @@ def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: in
     the trained ones (all of them, or under LoRA those of
     ``num_parameters(config, trainable_only=True)``), ``D_t`` bytes per element each.
     Activations: every MoE layer's saved bytes plus one layer's backward peak above its saved
-    bytes, at the configured c (MACT's budget bounds a layer when one is set). Attention, norms,
-    embedding and logits activations are not modelled (a lower bound).
+    bytes, at the configured c (MACT's budget bounds a layer when one is set); a LoRA run's
+    layers by :func:`memfine.memory.lora.lora_layer_memory` (adapters, frozen base).
+    Attention, norms, embedding and logits activations are not modelled (a lower bound).
 
     Reference: MemFine Eq. 1 (static) and Eq. 3 (static + activation ≤ device memory).
     """
     chunk = config.model.chunk
-    layer = moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
-                             num_chunks=min(chunk.num_chunks, num_tokens),
-                             recompute=chunk.resolved_recompute)
+    c, dt, mode = min(chunk.num_chunks, num_tokens), _dtype_bytes(config), chunk.resolved_recompute
+    layer: MoELayerMemory | LoRALayerMemory = (
+        moe_layer_memory(config.model.moe, num_tokens, dt, num_chunks=c, recompute=mode)
+        if config.lora is None else lora_layer_memory(config.model.moe, config.lora, num_tokens,
+                                                      dt, num_chunks=c, recompute=mode))
     peak_above_saved = layer.peak_bytes - layer.saved_bytes
     if chunk.memory_budget_bytes is not None:
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
