@@ -97,7 +97,7 @@ def test_save_load_and_merge(model_type: str, tmp_path) -> None:
         assert_close(merged(input_ids=ids).logits, logits)
 
 
-PLAIN_PEFT_MODELS = ["qwen3_moe", "mixtral", "olmoe"]
+PLAIN_PEFT_MODELS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
 
 
 def _plain_pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
