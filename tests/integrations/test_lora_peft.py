@@ -36,7 +36,9 @@ def _randomise_adapters(model: torch.nn.Module) -> None:
                 p.normal_(std=0.2)
 
 
-def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(model_type: str, split: bool = True) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(memfine, eager) PEFT models with equal adapters; ``split``: :func:`split_lora` first
+    (otherwise PEFT's own get_peft_model alone, with no memfine call in between)."""
     register()
     base = tiny_causal_lm(model_type)
     eager = copy.deepcopy(base)
@@ -46,8 +48,9 @@ def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     ref = peft.get_peft_model(eager, _lora_config())
     _randomise_adapters(ours)
     ref.load_state_dict(ours.state_dict())
-    assert split_lora(ours) == 2 * len([m for m in base.modules()
-                                        if type(m).__name__.endswith("Experts")])
+    if split:
+        assert split_lora(ours) == 2 * len([m for m in base.modules()
+                                            if type(m).__name__.endswith("Experts")])
     return ours, ref
 
 
@@ -77,41 +80,7 @@ def test_split_lora_equals_peft_on_eager(model_type: str, monkeypatch) -> None:
     assert frozen and all(p.grad is None for p in frozen)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_save_load_and_merge(model_type: str, tmp_path) -> None:
-    ours, _ = _pair(model_type)
-    ours.eval()
-    ids = torch.randint(0, 61, (2, 7))
-    with torch.no_grad():
-        logits = ours(input_ids=ids).logits
-    ours.save_pretrained(tmp_path)
-    fresh = tiny_causal_lm(model_type)
-    fresh.set_experts_implementation("memfine")
-    loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
-    assert split_lora(loaded) > 0
-    loaded.eval()
-    with torch.no_grad():
-        assert_close(loaded(input_ids=ids).logits, logits)
-        merged = loaded.merge_and_unload()
-        assert not any("lora_" in n for n, _ in merged.named_parameters())
-        assert_close(merged(input_ids=ids).logits, logits)
-
-
 PLAIN_PEFT_MODELS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
-
-
-def _plain_pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """PEFT's own get_peft_model on a memfine model and on eager: no memfine call in between."""
-    register()
-    base = tiny_causal_lm(model_type)
-    eager = copy.deepcopy(base)
-    eager.set_experts_implementation("eager")
-    base.set_experts_implementation("memfine")
-    ours = peft.get_peft_model(base, _lora_config())
-    ref = peft.get_peft_model(eager, _lora_config())
-    _randomise_adapters(ours)
-    ref.load_state_dict(ours.state_dict())
-    return ours, ref
 
 
 def _weight_sizes(model: torch.nn.Module) -> set[int]:
@@ -140,7 +109,7 @@ def test_plain_peft_runs_split_lora(model_type: str, monkeypatch) -> None:
     """PEFT's get_peft_model alone: loss and adapter gradients equal PEFT on eager, and the
     experts never compute with W + s·B·A (nothing of a weight's size is saved; after the first
     call PEFT's factor proxy is not even evaluated)."""
-    ours, ref = _plain_pair(model_type)
+    ours, ref = _pair(model_type, split=False)
     layer = peft.tuners.lora.layer
     evaluated = []
     original = layer._LoraFactorsProxy.forward
@@ -174,7 +143,7 @@ def test_plain_peft_runs_split_lora(model_type: str, monkeypatch) -> None:
 
 def test_plain_peft_dense_parametrized_weights_are_never_read(monkeypatch) -> None:
     """The experts read the original weights: the parametrized attribute is never evaluated."""
-    ours, _ = _plain_pair("qwen3_moe")
+    ours, _ = _pair("qwen3_moe", split=False)
     reads = []
     original = torch.nn.utils.parametrize.ParametrizationList.forward
     monkeypatch.setattr(torch.nn.utils.parametrize.ParametrizationList, "forward",
@@ -185,10 +154,12 @@ def test_plain_peft_dense_parametrized_weights_are_never_read(monkeypatch) -> No
     assert len(reads) == len(wrappers)  # PEFT's registration check only (first call)
 
 
-@pytest.mark.parametrize("model_type", PLAIN_PEFT_MODELS)
-def test_plain_peft_save_load_and_merge(model_type: str, tmp_path) -> None:
-    """PEFT's own save_pretrained, PeftModel.from_pretrained, merge_and_unload; no memfine call."""
-    ours, _ = _plain_pair(model_type)
+@pytest.mark.parametrize(("model_type", "split"), [
+    *((m, False) for m in PLAIN_PEFT_MODELS), ("qwen3_moe", True), ("gpt_oss", True)])
+def test_save_load_and_merge(model_type: str, split: bool, tmp_path) -> None:
+    """PEFT's own save_pretrained, PeftModel.from_pretrained and merge_and_unload (with and
+    without split_lora ahead of time)."""
+    ours, _ = _pair(model_type, split=split)
     ours.eval()
     ids = torch.randint(0, 61, (2, 7))
     with torch.no_grad():
@@ -197,10 +168,11 @@ def test_plain_peft_save_load_and_merge(model_type: str, tmp_path) -> None:
     fresh = tiny_causal_lm(model_type)
     fresh.set_experts_implementation("memfine")
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
+    if split:
+        assert split_lora(loaded) > 0
     loaded.eval()
     with torch.no_grad():
-        again = loaded(input_ids=ids).logits
-        assert_close(again, logits)
+        assert_close(loaded(input_ids=ids).logits, logits)
         assert any(type(m).__name__ == "MemfineParamWrapper" for m in loaded.modules())
         merged = loaded.merge_and_unload()
         assert not any("lora_" in n for n, _ in merged.named_parameters())
@@ -209,7 +181,7 @@ def test_plain_peft_save_load_and_merge(model_type: str, tmp_path) -> None:
 
 def test_several_active_adapters_run_dense_with_one_warning() -> None:
     """Two active adapters: PEFT's summed ΔW, computed exactly, with a warning naming why."""
-    ours, ref = _plain_pair("qwen3_moe")
+    ours, ref = _pair("qwen3_moe", split=False)
     for model in (ours, ref):
         model.add_adapter("second", _lora_config())
         model.base_model.set_adapter(["default", "second"])

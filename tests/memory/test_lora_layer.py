@@ -1,45 +1,21 @@
 """The LoRA MoE layer's memory model against measurement: saved bytes and peaks exact.
 
-Protocol as tests/memory/test_layer.py (x exists and requires grad, parameters excluded, the
-output and the aux losses get gradients that exist before). The layer is MoELayer(lora=...):
-frozen base and router (unless trained), per-expert adapters, split LoRA in the fused path.
+Protocol and measurement as tests/memory/test_layer.py (``measure_layer``). The layer is
+MoELayer(lora=...): frozen base and router (unless trained), per-expert adapters, split LoRA.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from test_layer import measure_layer
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
-from memfine.measure import MemoryReport, measure_backward
 from memfine.memory.layer import moe_layer_memory
 from memfine.memory.lora import lora_layer_memory
-from memfine.nn import MoELayer
 
 F32, BF16 = torch.float32, torch.bfloat16
-
-
-def _measure(moe: MoEConfig, lora: LoRAConfig, T: int, dtype: torch.dtype, c: int,
-             recompute: str) -> MemoryReport:
-    layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=c, recompute=recompute), lora=lora)
-    layer = layer.to(dtype)
-    torch.manual_seed(0)
-    with torch.no_grad():  # B = 0 at init; non-zero adapters exercise every term
-        for name, p in layer.named_parameters():
-            if "lora_b" in name:
-                p.normal_(std=0.1)
-    x = torch.randn(T, moe.hidden_size, dtype=dtype, requires_grad=True)
-    grads = [torch.randn(T, moe.hidden_size, dtype=dtype), torch.tensor(0.01),
-             torch.tensor(0.001)]
-    kept: list[object] = []
-
-    def forward() -> list[torch.Tensor]:
-        out, aux = layer(x)
-        kept[:] = [aux]
-        return [out, aux.load_balancing_loss, aux.z_loss]
-
-    return measure_backward(forward, grads, exclude=layer.parameters())
 
 
 # (dtype, T, d, n, E, k, skewed, c, recompute, lora kwargs)
@@ -72,7 +48,7 @@ def test_lora_layer_model_equals_measurement(dtype: torch.dtype, T: int, d: int,
                     renormalize=True, skew_hot_experts=k if skewed else 0,
                     skew_bias=100.0 if skewed else 0.0)
     lora = LoRAConfig(**{"rank": 4, **kw})  # type: ignore[arg-type]
-    measured = _measure(moe, lora, T, dtype, c, recompute)
+    measured = measure_layer(moe, T, dtype, c, recompute, lora)
     predicted = lora_layer_memory(moe, lora, T, dtype.itemsize, num_chunks=c,
                                   recompute=recompute)
     assert predicted.saved_bytes == measured.saved_bytes
