@@ -74,3 +74,28 @@ def test_plain_experts_are_refused() -> None:
                     experts_impl="plain")
     with pytest.raises(ValueError, match="experts_impl='fused'"):
         lora_layer_memory(moe, LoRAConfig(rank=2), 8, 4)
+
+
+def test_mact_budget_on_a_lora_layer_uses_the_lora_peak() -> None:
+    """MACT picks c from the LoRA layer's peak; the measured peak is the predicted one."""
+    from memfine.config import ChunkConfig
+    from memfine.nn import MoELayer
+
+    moe = MoEConfig(hidden_size=32, intermediate_size=64, num_experts=8, top_k=2,
+                    renormalize=True)
+    lora = LoRAConfig(rank=4)
+    T = 96
+    peaks = {c: lora_layer_memory(moe, lora, T, 4, num_chunks=c, recompute="experts").peak_bytes
+             for c in (1, 2, 4, 8)}
+    assert peaks[1] > peaks[2] > peaks[4]
+    budget = (peaks[2] + peaks[4]) // 2  # c = 4 is the smallest bin that fits
+    layer = MoELayer(moe, chunk=ChunkConfig(memory_budget_bytes=budget, recompute="experts"),
+                     lora=lora)
+    x = torch.randn(T, 32, requires_grad=True)
+    out, aux = layer(x)
+    decision = layer.policy.last_decision
+    assert decision is not None and decision.num_chunks == 4
+    assert decision.predicted_peak_bytes == peaks[4] <= budget
+    del out, aux
+    measured = measure_layer(moe, T, torch.float32, 4, "experts", lora)
+    assert measured.peak_bytes == peaks[4]
