@@ -210,3 +210,24 @@ def test_memfine_param_wrapper_pickles_by_name() -> None:
 
     cls = memfine_peft.wrapper_class()
     assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def test_plain_peft_with_chunks_and_recompute_equals_eager() -> None:
+    """Two token chunks under recompute: the adapters found at call time serve the recompute."""
+    ours, ref = _pair("qwen3_moe", split=False)
+    register(num_chunks=2)
+    try:
+        ids = torch.randint(0, 61, (2, 7))
+        for _ in range(2):  # PEFT's parametrization, then the converted wrappers
+            ours.zero_grad()
+            ref.zero_grad()
+            out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            assert_close(out.loss, want.loss)
+            out.loss.backward()
+            want.loss.backward()
+            theirs = dict(ref.named_parameters())
+            for name, p in ours.named_parameters():
+                if "lora_" in name:
+                    assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
+    finally:
+        register()
