@@ -5,9 +5,16 @@ One forward + backward of a 1-layer Qwen3-MoE (fp32, CPU) whose LoRA adapters (P
 
 - ``peft_eager``: PEFT's ParamWrapper (W + s·B·A rebuilt per forward), transformers' eager experts;
 - ``peft_grouped_mm``: the same on transformers' ``grouped_mm`` experts;
-- ``memfine_split``: memfine's experts with :func:`memfine.integrations.hf.peft.split_lora`;
-- ``memfine_attention_lora``: memfine's experts, LoRA on attention only (q, k, v, o projections):
-  the frozen-base memfine step that the targets compare with.
+- ``memfine_split``: memfine's experts under PEFT's own ``get_peft_model`` (no memfine call: the
+  experts function finds PEFT's adapters and runs split LoRA);
+- ``memfine_attention_lora``: memfine's experts, LoRA on attention only (q, k, v, o projections);
+- ``memfine_frozen``: memfine's experts, no adapter, every weight frozen: the frozen-base step
+  that the time target compares with.
+
+Every method runs backward down to the embeddings' output (it requires grad), as each layer
+above the first does in a deep model whose layers all carry adapters: the activation gradients
+of attention and experts are computed in every method, so ``memfine_frozen`` is exactly the
+LoRA step minus the adapters' own work.
 
 Per method: peak bytes of the step (``torch.profiler`` with ``profile_memory=True``, above the
 state before it), saved-for-backward bytes (saved-tensor hooks, parameters left out), the step's
@@ -29,7 +36,6 @@ import torch
 from memfine.bench.harness import percentiles
 from memfine.bench.results import csv_row, write_csv
 from memfine.environment import collect_environment
-from memfine.integrations.hf.peft import split_lora
 from memfine.integrations.transformers import register
 from memfine.measure.profiled import profiled_peak_bytes
 from memfine.measure.saved import track_saved_tensors
@@ -40,7 +46,9 @@ SHAPES = {  # name: (d, n, E, k, tokens)
 }
 EXPERTS = ["experts.gate_up_proj", "experts.down_proj"]
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-METHODS = ("peft_eager", "peft_grouped_mm", "memfine_split", "memfine_attention_lora")
+METHODS = ("peft_eager", "peft_grouped_mm", "memfine_split", "memfine_attention_lora",
+           "memfine_frozen")
+BASELINES = {"peak": "memfine_attention_lora", "time": "memfine_frozen"}
 
 
 def build(shape: tuple[int, ...], seed: int = 0) -> torch.nn.Module:
@@ -53,11 +61,14 @@ def build(shape: tuple[int, ...], seed: int = 0) -> torch.nn.Module:
         num_experts=E, num_experts_per_tok=k, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=d // 4, decoder_sparse_step=1, use_cache=False)
     torch.manual_seed(seed)
-    return transformers.Qwen3MoeForCausalLM(config).float().train()
+    model = transformers.Qwen3MoeForCausalLM(config).float().train()
+    # backward reaches the embeddings' output in every method (see the module docstring)
+    model.get_input_embeddings().register_forward_hook(lambda m, i, out: out.requires_grad_())
+    return model
 
 
 def models(shape: tuple[int, ...]) -> dict[str, torch.nn.Module]:
-    """The four PEFT models, the expert adapters shared (same values) by the first three."""
+    """The PEFT models (expert adapters shared by the first three) and the frozen base."""
     import peft
 
     register()
@@ -67,6 +78,9 @@ def models(shape: tuple[int, ...]) -> dict[str, torch.nn.Module]:
         model = copy.deepcopy(base)
         impl = {"peft_eager": "eager", "peft_grouped_mm": "grouped_mm"}.get(name, "memfine")
         model.set_experts_implementation(impl)
+        if name == "memfine_frozen":
+            out[name] = model.requires_grad_(False)
+            continue
         targets = ATTENTION if name == "memfine_attention_lora" else []
         params = [] if name == "memfine_attention_lora" else EXPERTS
         config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=targets,
@@ -78,7 +92,6 @@ def models(shape: tuple[int, ...]) -> dict[str, torch.nn.Module]:
             p.normal_(std=0.02)
     for name in ("peft_grouped_mm", "memfine_split"):
         out[name].load_state_dict(out["peft_eager"].state_dict())
-    split_lora(out["memfine_split"])
     return out
 
 
@@ -119,17 +132,17 @@ def measure(shape_name: str, rounds: int) -> list[dict[str, str]]:
             t0 = time.thread_time()
             step(ms[name], ids)
             times[name].append((time.thread_time() - t0) * 1e3)
-    base = times["memfine_attention_lora"]
     for name, values in times.items():
-        ratio = [v / b for v, b in zip(values, base, strict=True)]
         rows.append(csv_row(benchmark="lora", method=name, mode="full", metric="thread_time",
                             unit="ms", x_name="shape", x_value=shape_name,
                             values=percentiles(values), config=config, env=env))
-        rows.append(csv_row(benchmark="lora", method=name, mode="full",
-                            metric="time_ratio_to_memfine_attention_lora", unit="ratio",
-                            x_name="shape", x_value=shape_name, values=percentiles(ratio),
-                            config=config, env=env))
-        if name != "memfine_attention_lora":
+        for base in dict.fromkeys(BASELINES.values()):
+            ratio = [v / b for v, b in zip(values, times[base], strict=True)]
+            rows.append(csv_row(benchmark="lora", method=name, mode="full",
+                                metric=f"time_ratio_to_{base}", unit="ratio", x_name="shape",
+                                x_value=shape_name, values=percentiles(ratio), config=config,
+                                env=env))
+        if name in ("peft_grouped_mm", "memfine_split"):
             diff = max((g - grads["peft_eager"][n]).abs().max().item()
                        for n, g in grads[name].items())
             rows.append(csv_row(benchmark="lora", method=name, mode="full",
@@ -140,6 +153,28 @@ def measure(shape_name: str, rounds: int) -> list[dict[str, str]]:
                             unit="nats", x_name="shape", x_value=shape_name,
                             values=float(losses[name]), config=config, env=env))
     return rows
+
+
+def table(rows: list[dict[str, str]]) -> str:
+    """The markdown table of README / docs/lora.md from the CSV rows (MiB = 2^20 bytes)."""
+    def get(shape: str, method: str, metric: str) -> float:
+        return next(float(r["p50"]) for r in rows if (r["x_value"], r["method"], r["metric"])
+                    == (shape, method, metric))
+
+    peak_base, time_base = BASELINES["peak"], BASELINES["time"]
+    lines = ["| shape | method | peak MiB | peak / attention-only | saved MiB | time p50 ms | "
+             "time / frozen base (median ratio) |", "|---|---|---|---|---|---|---|"]
+    for shape in dict.fromkeys(r["x_value"] for r in rows):
+        d, n, E, k, _ = SHAPES[shape]
+        for method in METHODS:
+            peak = get(shape, method, "peak_bytes")
+            lines.append(
+                f"| d {d}, n {n}, E {E}, k {k} | {method} | {peak / 2**20:.1f} | "
+                f"{peak / get(shape, peak_base, 'peak_bytes'):.2f} | "
+                f"{get(shape, method, 'saved_bytes') / 2**20:.1f} | "
+                f"{get(shape, method, 'thread_time'):.0f} | "
+                f"{get(shape, method, f'time_ratio_to_{time_base}'):.2f} |")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -153,10 +188,11 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shapes.split(","):
         shape_rows = measure(shape, args.rounds)
         for row in shape_rows:
-            if row["metric"] != "time_ratio_to_memfine_attention_lora":
+            if row["metric"] != "time_ratio_to_memfine_attention_lora":  # printed: to frozen
                 print(shape, row["method"], row["metric"], row["p50"], row["unit"])
         rows += shape_rows
     write_csv(rows, args.out)
+    print(table(rows))
     print(f"wrote {args.out}")
     return 0
 

@@ -44,10 +44,13 @@ def test_lora_run_trains_adapters_on_the_frozen_base(base: Path, tuned: Path) ->
                               "train_attention": False}
     before = load_checkpoint(base / "checkpoint.pt")["model"]
     after = load_checkpoint(tuned / "checkpoint.pt")
-    assert all(torch.equal(after["model"][k], v) for k, v in before.items())
+    whole = load_trained(tuned).model.state_dict()  # the frozen base read from the base run
+    assert all(torch.equal(whole[k], v) for k, v in before.items())
     assert sorted(set(after["model"]) - set(before)) == sorted(
         f"blocks.{i}.moe.experts.lora_{ab}_{w}" for i in range(2) for ab in "ab"
         for w in ("up", "down"))
+    assert set(after["model"]) & set(before) <= {k for k in before if "selection_bias" in k}
+    assert after["base"]["checkpoint"] == str((base / "checkpoint.pt").resolve())
     assert len(after["optimizer"]["state"]) == 8  # AdamW moments of the adapters only
     losses = [r["train_loss"] for r in read_metrics(tuned / "metrics.jsonl")]
     assert len(losses) == 4 and all(map(torch.isfinite, torch.tensor(losses)))

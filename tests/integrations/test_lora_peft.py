@@ -36,7 +36,9 @@ def _randomise_adapters(model: torch.nn.Module) -> None:
                 p.normal_(std=0.2)
 
 
-def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+def _pair(model_type: str, split: bool = True) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(memfine, eager) PEFT models with equal adapters; ``split``: :func:`split_lora` first
+    (otherwise PEFT's own get_peft_model alone, with no memfine call in between)."""
     register()
     base = tiny_causal_lm(model_type)
     eager = copy.deepcopy(base)
@@ -46,8 +48,9 @@ def _pair(model_type: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     ref = peft.get_peft_model(eager, _lora_config())
     _randomise_adapters(ours)
     ref.load_state_dict(ours.state_dict())
-    assert split_lora(ours) == 2 * len([m for m in base.modules()
-                                        if type(m).__name__.endswith("Experts")])
+    if split:
+        assert split_lora(ours) == 2 * len([m for m in base.modules()
+                                            if type(m).__name__.endswith("Experts")])
     return ours, ref
 
 
@@ -77,9 +80,86 @@ def test_split_lora_equals_peft_on_eager(model_type: str, monkeypatch) -> None:
     assert frozen and all(p.grad is None for p in frozen)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])
-def test_save_load_and_merge(model_type: str, tmp_path) -> None:
-    ours, _ = _pair(model_type)
+PLAIN_PEFT_MODELS = ["qwen3_moe", "mixtral", "olmoe", "deepseek_v3", "gpt_oss"]
+
+
+def _weight_sizes(model: torch.nn.Module) -> set[int]:
+    return {p.numel() for n, p in model.named_parameters() if ".experts." in n and "lora_" not in n}
+
+
+def _large_saved(model: torch.nn.Module, run) -> tuple[list[tuple[int, ...]], object]:
+    """Shapes of tensors saved for backward that are as large as an expert weight and are not a
+    parameter's storage (W + s·B·A, its cast or its product would be)."""
+    sizes = _weight_sizes(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    found: list[tuple[int, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.numel() in sizes and t.untyped_storage().data_ptr() not in params:
+            found.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = run()
+    return found, out
+
+
+@pytest.mark.parametrize("model_type", PLAIN_PEFT_MODELS)
+def test_plain_peft_runs_split_lora(model_type: str, monkeypatch) -> None:
+    """PEFT's get_peft_model alone: loss and adapter gradients equal PEFT on eager, and the
+    experts never compute with W + s·B·A (nothing of a weight's size is saved; after the first
+    call PEFT's factor proxy is not even evaluated)."""
+    ours, ref = _pair(model_type, split=False)
+    layer = peft.tuners.lora.layer
+    evaluated = []
+    original = layer._LoraFactorsProxy.forward
+    monkeypatch.setattr(layer._LoraFactorsProxy, "forward",
+                        lambda self, w: evaluated.append(1) or original(self, w))
+    ids = torch.randint(0, 61, (2, 7))
+    wrappers = [m for m in ours.modules() if isinstance(m, layer.ParamWrapper)]
+    assert wrappers and all(type(m) is layer.ParamWrapper for m in wrappers)
+    for step in range(2):
+        ours.zero_grad()
+        ref.zero_grad()
+        evaluated.clear()
+        large, out = _large_saved(ours, lambda: ours(input_ids=ids, labels=ids))
+        assert not large, f"step {step}: tensors of an expert weight's size saved: {large}"
+        # PEFT's registration check evaluates each proxy once on the first call (never for
+        # the experts' math); the wrappers are then memfine's and register nothing
+        assert len(evaluated) == (len(wrappers) if step == 0 else 0), (step, len(evaluated))
+        assert all(type(m).__name__ == "MemfineParamWrapper" for m in wrappers)
+        want = ref(input_ids=ids, labels=ids)
+        assert_close(out.logits, want.logits)
+        assert_close(out.loss, want.loss)
+        out.loss.backward()
+        want.loss.backward()
+        theirs = dict(ref.named_parameters())
+        adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
+        assert adapters
+        for name, p in adapters:
+            assert p.grad is not None, name
+            assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
+
+
+def test_plain_peft_dense_parametrized_weights_are_never_read(monkeypatch) -> None:
+    """The experts read the original weights: the parametrized attribute is never evaluated."""
+    ours, _ = _pair("qwen3_moe", split=False)
+    reads = []
+    original = torch.nn.utils.parametrize.ParametrizationList.forward
+    monkeypatch.setattr(torch.nn.utils.parametrize.ParametrizationList, "forward",
+                        lambda self: reads.append(1) or original(self))
+    ids = torch.randint(0, 61, (2, 7))
+    ours(input_ids=ids, labels=ids).loss.backward()
+    wrappers = [m for m in ours.modules() if isinstance(m, peft.tuners.lora.layer.ParamWrapper)]
+    assert len(reads) == len(wrappers)  # PEFT's registration check only (first call)
+
+
+@pytest.mark.parametrize(("model_type", "split"), [
+    *((m, False) for m in PLAIN_PEFT_MODELS), ("qwen3_moe", True), ("gpt_oss", True)])
+def test_save_load_and_merge(model_type: str, split: bool, tmp_path) -> None:
+    """PEFT's own save_pretrained, PeftModel.from_pretrained and merge_and_unload (with and
+    without split_lora ahead of time)."""
+    ours, _ = _pair(model_type, split=split)
     ours.eval()
     ids = torch.randint(0, 61, (2, 7))
     with torch.no_grad():
@@ -88,10 +168,66 @@ def test_save_load_and_merge(model_type: str, tmp_path) -> None:
     fresh = tiny_causal_lm(model_type)
     fresh.set_experts_implementation("memfine")
     loaded = peft.PeftModel.from_pretrained(fresh, tmp_path)
-    assert split_lora(loaded) > 0
+    if split:
+        assert split_lora(loaded) > 0
     loaded.eval()
     with torch.no_grad():
         assert_close(loaded(input_ids=ids).logits, logits)
+        assert any(type(m).__name__ == "MemfineParamWrapper" for m in loaded.modules())
         merged = loaded.merge_and_unload()
         assert not any("lora_" in n for n, _ in merged.named_parameters())
         assert_close(merged(input_ids=ids).logits, logits)
+
+
+def test_several_active_adapters_run_dense_with_one_warning() -> None:
+    """Two active adapters: PEFT's summed ΔW, computed exactly, with a warning naming why."""
+    ours, ref = _pair("qwen3_moe", split=False)
+    for model in (ours, ref):
+        model.add_adapter("second", _lora_config())
+        model.base_model.set_adapter(["default", "second"])
+    _randomise_adapters(ours)
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 61, (2, 7))
+    with pytest.warns(UserWarning, match="several active adapters"):
+        out = ours(input_ids=ids, labels=ids)
+    assert_close(out.logits, ref(input_ids=ids, labels=ids).logits)
+
+
+def test_dora_on_expert_weights_is_refused_by_peft() -> None:
+    register()
+    base = tiny_causal_lm("qwen3_moe")
+    base.set_experts_implementation("memfine")
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[], use_dora=True,
+                             target_parameters=["experts.gate_up_proj"])
+    with pytest.raises(ValueError, match="DoRA|use_dora"):
+        peft.get_peft_model(base, config)
+
+
+def test_memfine_param_wrapper_pickles_by_name() -> None:
+    import pickle
+
+    from memfine.integrations.hf import peft as memfine_peft
+
+    cls = memfine_peft.wrapper_class()
+    assert pickle.loads(pickle.dumps(cls)) is cls
+
+
+def test_plain_peft_with_chunks_and_recompute_equals_eager() -> None:
+    """Two token chunks under recompute: the adapters found at call time serve the recompute."""
+    ours, ref = _pair("qwen3_moe", split=False)
+    register(num_chunks=2)
+    try:
+        ids = torch.randint(0, 61, (2, 7))
+        for _ in range(2):  # PEFT's parametrization, then the converted wrappers
+            ours.zero_grad()
+            ref.zero_grad()
+            out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+            assert_close(out.loss, want.loss)
+            out.loss.backward()
+            want.loss.backward()
+            theirs = dict(ref.named_parameters())
+            for name, p in ours.named_parameters():
+                if "lora_" in name:
+                    assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
+    finally:
+        register()

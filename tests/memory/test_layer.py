@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from memfine.config import ChunkConfig, MoEConfig
+from memfine.config.lora import LoRAConfig
 from memfine.measure import MemoryReport, measure_backward
 from memfine.memory.layer import (
     MemoryBreakdown,
@@ -37,9 +38,10 @@ def _layer_config(d: int, n: int, E: int, k: int, *, skewed: bool, impl: str,
 
 
 def measure_layer(moe: MoEConfig, T: int, dtype: torch.dtype, num_chunks: int,
-                  recompute: str) -> MemoryReport:
+                  recompute: str, lora: LoRAConfig | None = None) -> MemoryReport:
     """Measured saved and peak bytes of one MoELayer forward + backward (the model's protocol)."""
-    layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=num_chunks, recompute=recompute))
+    layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=num_chunks, recompute=recompute),
+                     lora=lora)
     layer = layer.to(dtype)
     x = torch.randn(T, moe.hidden_size, dtype=dtype, requires_grad=True)
     grads = [torch.randn(T, moe.hidden_size, dtype=dtype), torch.tensor(0.01),

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 from memfine.artifacts.evaluation import evaluate
+from memfine.artifacts.inference import load_trained
 from memfine.config import TrainConfig
 from memfine.config.lora import LoRAConfig
 from memfine.data import ByteCorpus, train_batch, val_batches
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
-from memfine.train import load_checkpoint, preset, train
+from memfine.train import preset, train
 from memfine.train.parallel import SingleProcess
 from memfine.train.setup import build_model
 from tolerances import LOSS_ATOL
@@ -52,7 +53,8 @@ def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return load_checkpoint(run_dir / "checkpoint.pt")["model"]
+    """The run's whole model state as loaded (a LoRA run's frozen base read from its base)."""
+    return load_trained(run_dir).model.state_dict()
 
 
 def _is_adapter(name: str) -> bool:

@@ -1,7 +1,8 @@
 """Exporting a LoRA fine-tune: its adapters alone, or the model with the adapters merged.
 
-A ``memfine train --lora-rank`` run's checkpoint holds the frozen base weights and the trained
-parameters (the expert adapters, and the routers or attention when they were trained).
+A ``memfine train --lora-rank`` run's checkpoint holds the trained parameters (the expert
+adapters, and the routers or attention when they were trained) and a reference to the frozen
+base, which loading reads (:mod:`memfine.artifacts.lora_base`).
 :func:`export_adapters` writes the trained parameters only to ``adapters.safetensors``, with the
 LoRA and model configs in its metadata; :func:`load_adapters` puts them on a model of the same
 base (e.g. one loaded with :func:`memfine.artifacts.inference.load_safetensors`).

@@ -5,8 +5,11 @@ Two forms, and every run loads both:
 - one process: ``checkpoint.pt``, one ``torch.save`` file holding the model, optimizer and
   LR-scheduler state dicts, the RNG states, the number of completed steps and the
   :class:`TrainConfig` as a dict. It is written to a temporary file in the same directory and
-  moved into place with :func:`os.replace`, so the file is always either the previous checkpoint
-  or the new one, never a partial write.
+  moved into place with :func:`os.replace`, so the file is always either the previous
+  checkpoint or the new one, never a partial write. A LoRA run's model state holds only the
+  trained parameters and the buffers, plus ``base`` (the frozen base's run directory,
+  checkpoint and SHA-256; :mod:`memfine.artifacts.lora_base`), which loading reads and checks
+  first.
 - sharded (under torchrun): ``checkpoint.dcp/``, a torch.distributed.checkpoint (DCP) directory
   in which every rank writes its own shards of the model and optimizer states
   (``get_state_dict``; tensors under their single-process names and global shapes, so a run
@@ -97,17 +100,23 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
         path: destination file.
         step: completed optimizer steps.
         config: ``TrainConfig.to_dict()``.
-        model: its ``state_dict()`` is stored (parameters and buffers).
+        model: its ``state_dict()`` is stored (parameters and buffers); for a LoRA model with a
+            recorded base (:func:`memfine.artifacts.lora_base.set_lora_base`) without the
+            frozen parameters, and the base's reference beside it.
         optimizer: its ``state_dict()`` is stored (AdamW moments and step counts).
         scheduler: its ``state_dict()`` is stored (LR schedule position).
 
     Side effects: on any failure the temporary file is removed and ``path`` is left untouched;
     the file gets the permissions ``0o666 & ~umask``, like the run's other files.
     """
+    from memfine.artifacts.lora_base import BASE_ATTRIBUTE, trainable_state
+
     path = Path(path)
+    base = getattr(model, BASE_ATTRIBUTE, None)  # a LoRA run: the frozen base is not repeated
     payload = {"format": FORMAT, "step": step, "config": config,
-               "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-               "scheduler": scheduler.state_dict(), "rng": rng_state()}
+               "model": model.state_dict() if base is None else trainable_state(model),
+               "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+               "rng": rng_state(), **({} if base is None else {"base": base})}
     _atomic_save(payload, path)
     for stale in (path.parent / SHARDED_NAME, _old(path.parent / SHARDED_NAME)):
         shutil.rmtree(stale, ignore_errors=True)
@@ -344,7 +353,7 @@ def load_states(payload: dict[str, Any], model: torch.nn.Module,
         set_state_dict(model, optimizer, model_state_dict=model_state,
                        optim_state_dict=optim_state)
     elif not sharded:
-        model.load_state_dict(payload["model"])
+        _load_model(payload, model)
         optimizer.load_state_dict(payload["optimizer"])
     else:  # one file of full tensors into a sharded model: every rank keeps its shards
         set_state_dict(model, optimizer, model_state_dict=payload["model"],
@@ -395,13 +404,30 @@ def load_model_state(payload: dict[str, Any], model: torch.nn.Module) -> None:
         RuntimeError, KeyError, ValueError: when the state does not fit the model.
     """
     if "sharded_path" not in payload:
-        model.load_state_dict(payload["model"])
+        _load_model(payload, model)
         return
     state = model.state_dict()
     with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, checkpoint_id=payload["sharded_path"])
     model.load_state_dict(state)
+
+
+def _load_model(payload: dict[str, Any], model: torch.nn.Module) -> None:
+    """The model state of a one-file payload; a LoRA one's frozen base from its ``base`` first.
+
+    Raises:
+        RuntimeError, ValueError: when the state does not fit, or the base changed or is gone.
+    """
+    if "base" not in payload:
+        model.load_state_dict(payload["model"])
+        return
+    from memfine.artifacts.lora_base import load_base_
+
+    load_base_(payload["base"], payload["config"], model)
+    unexpected = model.load_state_dict(payload["model"], strict=False).unexpected_keys
+    if unexpected:
+        raise RuntimeError(f"unexpected keys in the adapter state: {unexpected[:3]}")
 
 
 def _named_optimizer_state(state: dict[str, Any], model: torch.nn.Module,

@@ -30,7 +30,9 @@ import torch
 
 from memfine.config import TrainConfig
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
+from memfine.memory.layer import MemoryBreakdown as MoELayerMemory
 from memfine.memory.layer import moe_layer_memory
+from memfine.memory.lora import LoRALayerMemory, lora_layer_memory
 from memfine.nn import MoETransformerLM
 from memfine.units import format_bytes
 
@@ -88,38 +90,55 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
                             recompute=config.model.chunk.resolved_recompute).peak_bytes
 
 
-def num_parameters(config: TrainConfig) -> int:
+def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:
     """Parameters of the whole model of ``config`` (all experts, whatever the EP size).
 
-    Counted on the meta device from a one-block model (the blocks are alike), so nothing is
-    allocated and a huge ``num_layers`` costs no time: embedding + norm + L · one block.
+    With ``config.lora`` the expert adapters are counted; ``trainable_only`` counts only what
+    the optimizer updates (the adapters, and routers / attention where ``config.lora`` trains
+    them; every parameter without LoRA). Counted on the meta device from a one-block model (the
+    blocks are alike), so nothing is allocated and a huge ``num_layers`` costs no time:
+    embedding + norm + L · one block.
     """
+    from memfine.nn.lora import apply_lora
+
     one = dataclasses.replace(config.model, num_layers=1)
     with torch.device("meta"):
         model = MoETransformerLM(one)
-    block = sum(p.numel() for p in model.blocks.parameters())
-    rest = sum(p.numel() for p in model.parameters()) - block
+        if config.lora is not None:
+            apply_lora(model, config.lora)
+    counted = [p for p in model.parameters() if p.requires_grad or not trainable_only]
+    block_ids = {id(p) for p in model.blocks.parameters()}
+    block = sum(p.numel() for p in counted if id(p) in block_ids)
+    rest = sum(p.numel() for p in counted) - block
     return rest + config.model.num_layers * block
 
 
 def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: int) -> int:
     """Predicted bytes of a training step: static memory plus the MoE layers' activations.
 
-    Static: parameters, their gradients and AdamW's two moments, ``num_parameters · D_t`` each.
+    Static: parameters (``num_parameters · D_t``), and the gradients and AdamW's two moments of
+    the trained ones (all of them, or under LoRA those of
+    ``num_parameters(config, trainable_only=True)``), ``D_t`` bytes per element each.
     Activations: every MoE layer's saved bytes plus one layer's backward peak above its saved
-    bytes, at the configured c (MACT's budget bounds a layer when one is set). Attention, norms,
-    embedding and logits activations are not modelled (a lower bound).
+    bytes, at the configured c (MACT's budget bounds a layer when one is set); a LoRA run's
+    layers by :func:`memfine.memory.lora.lora_layer_memory` (adapters, frozen base).
+    Attention, norms, embedding and logits activations are not modelled (a lower bound).
 
     Reference: MemFine Eq. 1 (static) and Eq. 3 (static + activation ≤ device memory).
     """
     chunk = config.model.chunk
-    layer = moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
-                             num_chunks=min(chunk.num_chunks, num_tokens),
-                             recompute=chunk.resolved_recompute)
+    c, dt, mode = min(chunk.num_chunks, num_tokens), _dtype_bytes(config), chunk.resolved_recompute
+    layer: MoELayerMemory | LoRALayerMemory = (
+        moe_layer_memory(config.model.moe, num_tokens, dt, num_chunks=c, recompute=mode)
+        if config.lora is None else lora_layer_memory(config.model.moe, config.lora, num_tokens,
+                                                      dt, num_chunks=c, recompute=mode))
     peak_above_saved = layer.peak_bytes - layer.saved_bytes
     if chunk.memory_budget_bytes is not None:
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
-    static = num_parameters * _dtype_bytes(config) * (2 + ADAM_MOMENTS)
+    trained = num_parameters
+    if config.lora is not None:
+        trained = _count_parameters(config, trainable_only=True)
+    static = (num_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
 

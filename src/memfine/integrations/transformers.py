@@ -45,7 +45,7 @@ from memfine.config import ChunkConfig, _ConfigBase
 from memfine.integrations.hf.experts import compute_dtype, run_module
 from memfine.integrations.hf.experts import last_decision as last_decision  # public: c of a call
 from memfine.integrations.hf.layout import ExpertsPlan, expert_weights, plan_experts
-from memfine.integrations.hf.peft import pending_lora
+from memfine.integrations.hf.peft import parametrized_lora, pending_lora
 
 MIN_TRANSFORMERS_VERSION = (5, 7, 0)
 IMPLEMENTATION_NAME = "memfine"
@@ -201,6 +201,10 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         top_k_weights: (T, k) routing weights.
         config: options; the module's ``config.memfine_experts`` (see :func:`configure`) wins.
 
+    PEFT LoRA on the expert weights (``target_parameters``, plain ``peft.get_peft_model``) is
+    found on the module at call time and run as split LoRA on the fused path, never as
+    W + s·B·A (:func:`memfine.integrations.hf.peft.parametrized_lora`).
+
     Returns:
         (T, d) tensor in ``hidden_states``' dtype.
 
@@ -213,7 +217,11 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     these are in the autocast dtype, plus the per-call casts of the weights.
     """
     cfg = _module_config(module, config if config is not None else HFExpertsConfig())
-    weights = expert_weights(module)
+    plan = resolve_plan(module, cfg.impl)
+    lora, originals = pending_lora(module), frozenset[str]()
+    if lora is None:  # PEFT's own parametrization (plain peft.get_peft_model)
+        lora, originals = parametrized_lora(module, plan.path == "fused", plan.reason)
+    weights = expert_weights(module, originals)
     D = weights.w_up_EDG.shape[1]
     if hidden_states.dim() != 2 or hidden_states.shape[1] != D:
         raise ValueError(f"hidden_states must be (T, d) with d={D}, got "
@@ -223,7 +231,6 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     if top_k_index.dim() != 2 or shape_TK[0] != T or tuple(top_k_weights.shape) != shape_TK:
         raise ValueError(f"top_k_index and top_k_weights must be (T, k) with T={T}, got "
                          f"{tuple(top_k_index.shape)} and {tuple(top_k_weights.shape)}")
-    plan = resolve_plan(module, cfg.impl)
     if not getattr(module, _LOGGED_ATTRIBUTE, False):
         _log.info("memfine experts for %s: %s path%s", type(module).__name__, plan.path,
                   f" ({plan.reason})" if plan.reason else f", activation {plan.activation}")
@@ -231,7 +238,7 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     x_TD = hidden_states.to(compute_dtype(hidden_states, weights.w_up_EDG.dtype))
     out_TD = run_module(module, plan, weights, x_TD, top_k_index, top_k_weights,
                         chunk=cfg.chunk, backend=cfg.gemm_backend,
-                        index_builder=cfg.index_builder, lora=pending_lora(module))
+                        index_builder=cfg.index_builder, lora=lora)
     return out_TD.to(hidden_states.dtype)
 
 

@@ -21,9 +21,10 @@ import math
 import torch
 from torch import nn
 
-from memfine.config import MoEConfig, Recompute
+from memfine.config import ChunkConfig, MoEConfig, Recompute
 from memfine.config.lora import LoRAConfig, check_lora_rank
 from memfine.dispatch import build_routing_index
+from memfine.memory.lora import lora_layer_memory
 from memfine.nn.experts import GroupedExperts
 from memfine.ops.fused.lora import ExpertLoRA
 from memfine.ops.fused.lora_experts import run_lora_experts
@@ -31,6 +32,33 @@ from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
 
 ADAPTER_PREFIX = "lora_"
+
+
+class LoRAChunkPolicy(ChunkPolicy):
+    """:class:`ChunkPolicy` of a layer with split-LoRA experts: MACT on the LoRA layer's peak.
+
+    The layer peak of each c is the LoRA timeline's (:func:`memfine.memory.lora.
+    lora_layer_memory`: adapters' U, products and gradient buffers, no base weight gradient),
+    which the tests hold equal to the measured peak.
+    """
+
+    def __init__(self, chunk: ChunkConfig, moe: MoEConfig, lora: LoRAConfig) -> None:
+        """As :class:`ChunkPolicy`, for experts with the adapters of ``lora``."""
+        super().__init__(chunk, moe)
+        self.lora = lora
+
+    def layer_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, *,
+                   recompute: str | None = None) -> int:
+        """The LoRA layer's exact timeline peak at c chunks (cached), bytes."""
+        rec = recompute or self.config.resolved_recompute
+        key = (num_tokens, dtype_bytes, rec, num_chunks)
+        if key not in self._peaks:
+            if len(self._peaks) >= 256:  # varying T: stay small
+                self._peaks.clear()
+            self._peaks[key] = lora_layer_memory(self.moe, self.lora, num_tokens, dtype_bytes,
+                                                 num_chunks=num_chunks,
+                                                 recompute=rec).peak_bytes
+        return self._peaks[key]
 
 
 class LoRAGroupedExperts(GroupedExperts):
@@ -46,8 +74,8 @@ class LoRAGroupedExperts(GroupedExperts):
             experts path is not ``fused``.
 
     Attributes:
-        transport_row_elements: r per adapted weight: the rank-r intermediate U that each routed
-            row keeps for backward beside x and H, which the chunk policy's per-row bytes add.
+        transport_row_elements: 0: the rank-r intermediates U that each routed row keeps are
+            in the LoRA layer's timeline (:class:`LoRAChunkPolicy`), not added per row.
     """
 
     def __init__(self, config: MoEConfig, lora: LoRAConfig, *, init_std: float = 0.02,
@@ -69,7 +97,6 @@ class LoRAGroupedExperts(GroupedExperts):
             shapes.update(lora_a_down=(E, r, N), lora_b_down=(E, D, r))
         for name, shape in shapes.items():
             self.register_parameter(name, nn.Parameter(torch.empty(shape)))
-        self.transport_row_elements = r * len(lora.targets)
         self.w_up.requires_grad_(False)
         self.w_down.requires_grad_(False)
         self.reset_adapters()

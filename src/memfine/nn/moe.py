@@ -15,7 +15,7 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.nn.experts import GroupedExperts
-from memfine.nn.lora import LoRAGroupedExperts
+from memfine.nn.lora import LoRAChunkPolicy, LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
 from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
 from memfine.routing.precision import count_per_expert
@@ -105,7 +105,8 @@ class MoELayer(nn.Module):
         if policy is not None and policy.moe != config:
             raise ValueError(f"MoELayer policy.moe must equal config, got {policy.moe} vs {config}")
         self.config = config
-        self.policy = policy or ChunkPolicy(chunk or NO_CHUNKING, config)
+        self.policy = policy or (ChunkPolicy(chunk or NO_CHUNKING, config) if lora is None
+                                 else LoRAChunkPolicy(chunk or NO_CHUNKING, config, lora))
         self._last_decision: ChunkDecision | None = None
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize,

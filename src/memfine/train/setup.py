@@ -29,6 +29,7 @@ from memfine.artifacts.checkpoint import (
     restore,
 )
 from memfine.artifacts.inference import load_weights
+from memfine.artifacts.lora_base import set_lora_base
 from memfine.artifacts.memory_log import check_fits, num_parameters
 from memfine.artifacts.metrics import MetricsLog
 from memfine.artifacts.outputs import Outputs
@@ -263,6 +264,8 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
         load_weights(model, config.model, init_from)
     if config.lora is not None:
         apply_lora(model, config.lora)
+        if init_from is not None:  # the checkpoints then hold the adapters, not the base
+            set_lora_base(model, init_from)
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)

@@ -15,6 +15,7 @@ Reference: docs/design.md §7-§8 (the transformers experts interface).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Literal, SupportsInt, cast
 
@@ -105,7 +106,10 @@ def _local(weight: torch.Tensor, num_experts: int) -> torch.Tensor:
     return weight.full_tensor()
 
 
-def _param(module: nn.Module, name: str) -> torch.Tensor:
+def _param(module: nn.Module, name: str, originals: Collection[str] = ()) -> torch.Tensor:
+    if name in originals:  # the unparametrized tensor (torch.nn.utils.parametrize)
+        parametrizations = cast(nn.ModuleDict, module.parametrizations)
+        return cast(torch.Tensor, parametrizations[name].original)
     value = getattr(module, name, None)
     if not isinstance(value, torch.Tensor):
         raise ValueError(f"{type(module).__name__} has no tensor attribute {name!r}: not a "
@@ -113,11 +117,13 @@ def _param(module: nn.Module, name: str) -> torch.Tensor:
     return value
 
 
-def expert_weights(module: nn.Module) -> ExpertWeights:
+def expert_weights(module: nn.Module, originals: Collection[str] = ()) -> ExpertWeights:
     """Return the module's expert weights in memfine's layout (views; DTensors made local).
 
     Args:
         module: a transformers experts module (``@use_experts_implementation``).
+        originals: names of parametrized weights whose original (unparametrized) tensor is
+            read, e.g. PEFT's LoRA weights that memfine runs as split adapters.
 
     Returns:
         :class:`ExpertWeights` with w_up (E, d, G) and w_down (E, n, d).
@@ -131,8 +137,8 @@ def expert_weights(module: nn.Module) -> ExpertWeights:
     transposed = bool(getattr(module, "is_transposed", False))
     E = int(cast(SupportsInt, module.num_experts))
     up_name = "gate_up_proj" if has_gate else "up_proj"
-    up = _local(_param(module, up_name), E)
-    down = _local(_param(module, "down_proj"), E)
+    up = _local(_param(module, up_name, originals), E)
+    down = _local(_param(module, "down_proj", originals), E)
     if up.dim() != 3 or down.dim() != 3:
         raise ValueError(f"{up_name} and down_proj must be 3-D, got {tuple(up.shape)} and "
                          f"{tuple(down.shape)}")

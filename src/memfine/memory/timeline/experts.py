@@ -20,6 +20,7 @@ from typing import Literal, overload
 
 from memfine.config import MoEConfig, backward_block_rows
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+from memfine.memory.timeline import lora as adapters
 from memfine.memory.timeline.base import Shape, Timeline, WeightGrads
 
 
@@ -109,14 +110,22 @@ def slot_rows(tl: Timeline, s: Shape, C: int, prefix: str) -> str:
     return rows
 
 
-def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
-    """FusedExpertsFunction.forward; returns (H, out)."""
+def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
+                  lora_saved: list[str] | None = None) -> tuple[str, str]:
+    """FusedExpertsFunction.forward; returns (H, out).
+
+    Split-LoRA adapters (a :class:`memfine.memory.timeline.lora.LoRAShape`) add their terms;
+    their saved U go to ``lora_saved``.
+    """
     D, G = s.moe.hidden_size, s.moe.up_width
+    kept = [] if lora_saved is None else lora_saved
     xg = tl.alloc("fwd.x_SD", S * D * s.dt)
     h = tl.alloc("fwd.H", S * G * s.dt)
+    kept += adapters.forward_term(tl, s, S, "up")
     tl.free(xg)
     a = activation_forward(tl, s, S, "fwd")
     y = tl.alloc("fwd.Y", S * D * s.dt)
+    kept += adapters.forward_term(tl, s, S, "down")
     tl.free(a)
     if C * s.moe.top_k == S:  # no sentinel slot: the rows are gathered directly
         idx = tl.alloc("fwd.combine.idx64", S * 8)
@@ -163,16 +172,18 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
         plan.append(tl.alloc("bwd.block_offsets", num_blocks * (E + 1) * 4))
         tl.free(starts)
     grouped = grouped_weight_grads(s)
+    lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
     for r0 in range(0, S, rows):
-        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped)
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped, lora_buffers)
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
     tl.free(*plan)
-    if shared is None:
+    if shared is None and adapters.adapters_of(s) is None:  # a frozen base has no gradient
         for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
                                                              * D)):
             grads[name] = buffers.get(name) or tl.alloc(f"grad.{name}", size * dt)
+    grads.update(lora_buffers)
     tl.free(*dots, *saved)
     return grads
 
@@ -210,7 +221,7 @@ def _weight_grad(tl: Timeline, buffers: dict[str, str], grouped: bool, name: str
 
 
 def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
-                          grouped: dict[str, bool]) -> None:
+                          grouped: dict[str, bool], lora_buffers: dict[str, str]) -> None:
     """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order)."""
     moe, dt = s.moe, s.dt
     D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
@@ -218,15 +229,20 @@ def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str
     grad_a = tl.alloc("bwd.dA", B * N * dt)
     gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated else []  # kept for dH
     a = activation_forward(tl, s, B, "bwd")
-    _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
+    adapters.backward_down(tl, s, B, lora_buffers)
+    frozen = adapters.adapters_of(s) is not None  # split LoRA: the base weights are frozen
+    if not frozen:
+        _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
     tl.free(a, grad_out)
     grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
     tl.free(grad_a, *gate)
-    xg = tl.alloc("bwd.x_BD", B * D * dt)
-    _weight_grad(tl, buffers, grouped["w_up"], "w_up", E * D * G * dt)
-    tl.free(xg)
+    if not frozen:
+        xg = tl.alloc("bwd.x_BD", B * D * dt)
+        _weight_grad(tl, buffers, grouped["w_up"], "w_up", E * D * G * dt)
+        tl.free(xg)
+    lora_dx = adapters.backward_up(tl, s, B, lora_buffers, need_x=True)
     dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
-    tl.free(grad_h, dx_rows)
+    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
 
 
 def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
@@ -362,8 +378,9 @@ def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, reco
         tl.free(arrays["eti"], arrays["tim"], arrays["esi"])
         saved.append(arrays["offs"])  # saved by both grouped matmuls
     else:
-        h, out = fused_forward(tl, s, C, S)
-        saved = [h, arrays["eti"], arrays["offs"], arrays["tim"], arrays["esi"]]
+        lora_saved: list[str] = []
+        h, out = fused_forward(tl, s, C, S, lora_saved)
+        saved = [h, arrays["eti"], arrays["offs"], arrays["tim"], arrays["esi"], *lora_saved]
     tl.free(arrays["tei"])
     if recompute:
         tl.free(*saved)
@@ -405,5 +422,6 @@ def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[
             after_first_chunk()
         if "weights" in grads:
             grads_w.append(grads["weights"])
+        wg.add(grads, *(n for n in grads if n.startswith("lora_")))  # the engine sums chunks
         grads_x.append(grads["x"])
     return grads_w, grads_x

@@ -11,6 +11,7 @@ Reference: our derivation from the code (docs/design.md §2, §5).
 from __future__ import annotations
 
 from memfine.config import MoEConfig
+from memfine.config.lora import LoRAConfig
 from memfine.memory.timeline.experts import (
     Shape,
     Timeline,
@@ -21,6 +22,7 @@ from memfine.memory.timeline.experts import (
     fused_backward,
     plain_backward,
 )
+from memfine.memory.timeline.lora import LoRAShape, router_trained
 from memfine.memory.timeline.shared import shared_backward, shared_forward
 
 __all__ = ["Shape", "Timeline", "WeightGrads", "chunk_tokens", "experts_forward",
@@ -35,6 +37,8 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         out["x32"] = tl.alloc("router.x_fp32", T * D * r)
         out["w32"] = tl.alloc("router.w_fp32", E * D * r)
     out["logits"] = tl.alloc("router.logits", T * E * r)
+    if s.cast and not router_trained(s):  # a frozen weight: the matmul does not keep x's copy
+        tl.free(out.pop("x32"))
     out["scores"] = tl.alloc("router.scores", T * E * r)
     # selection: where(bias.any(), scores + bias, logits); the bias buffer stays fp32
     biased = tl.alloc("router.biased_scores", T * E * r)
@@ -141,13 +145,16 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
     tl.free(scattered, rt["scores"])
     acc = tl.alloc("grad.logits", T * E * r)
     tl.free(grad_logits, grad_scores)
-    tl.alloc("grad.router_weight_fp32" if s.cast else "grad.router_weight", E * D * r)
+    trained = router_trained(s)  # a LoRA layer's router is frozen unless trained
+    if trained:
+        tl.alloc("grad.router_weight_fp32" if s.cast else "grad.router_weight", E * D * r)
     grad_x = tl.alloc("rbwd.dx", T * D * r)
     tl.free(acc)
     if s.cast:
-        tl.free(rt["x32"], rt["w32"])
-        tl.alloc("grad.router_weight", E * D * dt)
-        tl.free("grad.router_weight_fp32")
+        tl.free(*(rt[n] for n in ("x32", "w32") if n in rt))
+        if trained:
+            tl.alloc("grad.router_weight", E * D * dt)
+            tl.free("grad.router_weight_fp32")
         cast = tl.alloc("rbwd.dx_cast", T * D * dt)
         tl.free(grad_x)
         grad_x = cast
@@ -157,15 +164,18 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
 
 def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
                    recompute: str = "none", record: bool = True,
-                   keep_aux: bool = True) -> Timeline:
+                   keep_aux: bool = True, lora: LoRAConfig | None = None) -> Timeline:
     """Replay one MoELayer forward + backward (loss gradients given from outside).
 
     Protocol (what the measurement does): x (T, d) requires grad and exists before; parameters
     have no ``.grad``; the caller keeps out and MoEAux (``keep_aux=False``: only out and the two
     losses); backward runs from out and the two losses with gradients that exist before.
-    The timeline marks ``forward`` at the end of forward.
+    The timeline marks ``forward`` at the end of forward. ``lora``: the routed experts carry
+    split-LoRA adapters on a frozen base (:class:`memfine.nn.lora.LoRAGroupedExperts`), the
+    router frozen unless ``lora.train_router`` (:mod:`memfine.memory.timeline.lora`).
     """
-    s = Shape(moe, num_tokens, dtype_bytes)
+    s = Shape(moe, num_tokens, dtype_bytes) if lora is None else LoRAShape(
+        moe, num_tokens, dtype_bytes, lora)  # split-LoRA adapters on a frozen base
     T, D, K, dt = s.T, moe.hidden_size, moe.top_k, s.dt
     plain, ckpt = moe.experts_impl == "plain", recompute != "none"
     tl = Timeline(record=record)

@@ -1,0 +1,120 @@
+"""Adapter-only checkpoints of LoRA runs: the reference to the frozen base and its content hash.
+
+A ``memfine train --init-from RUN --lora-rank r`` run keeps RUN's weights frozen. Its checkpoint
+(:func:`memfine.artifacts.checkpoint.save_checkpoint`) stores only what training changes — the
+trainable parameters (adapters, and router / attention where the LoRA config trains them), the
+buffers, the optimizer, scheduler and RNG states and the step — plus ``base``: RUN's directory,
+the checkpoint file read from it and the SHA-256 of that checkpoint's bytes. Loading (resume,
+eval, generate, export) reads the base weights from there first, after checking the hash: a
+changed base is a one-line error, since the adapters were trained against the other weights.
+
+The model carries its reference as the attribute :data:`BASE_ATTRIBUTE` (set by
+:func:`set_lora_base` when the run starts, and again when a checkpoint is loaded), so every save
+of the run writes the same reference.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfine.artifacts.checkpoint import find_checkpoint
+
+BASE_ATTRIBUTE = "_memfine_lora_base"
+_HASH_CHUNK = 1 << 20
+_hash_cache: dict[tuple[str, int, int], str] = {}
+
+
+def content_hash(path: str | os.PathLike[str]) -> str:
+    """SHA-256 (hex) of a checkpoint: a file's bytes, or every file of a DCP directory.
+
+    A directory's digest covers each file's relative path and bytes, in sorted order. Results
+    are cached per (path, size, modification time), so a run hashes its base once.
+
+    Raises:
+        ValueError: naming the path when it does not exist.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"the LoRA base checkpoint {str(path)!r} does not exist")
+    files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
+    stats = [p.stat() for p in files]
+    key = (str(path.resolve()), sum(s.st_size for s in stats),
+           max((s.st_mtime_ns for s in stats), default=0))
+    if key in _hash_cache:
+        return _hash_cache[key]
+    digest = hashlib.sha256()
+    for file in files:
+        if path.is_dir():
+            digest.update(str(file.relative_to(path)).encode() + b"\0")
+        with file.open("rb") as f:
+            while block := f.read(_HASH_CHUNK):
+                digest.update(block)
+    _hash_cache[key] = digest.hexdigest()
+    return _hash_cache[key]
+
+
+def set_lora_base(model: torch.nn.Module, run_dir: str | os.PathLike[str]) -> dict[str, str]:
+    """Record ``run_dir``'s newest checkpoint as the frozen base of ``model`` (a LoRA model).
+
+    Returns:
+        The reference ``{"run_dir", "checkpoint", "sha256"}`` (absolute paths).
+
+    Raises:
+        ValueError: when ``run_dir`` holds no checkpoint.
+    """
+    checkpoint = find_checkpoint(run_dir).resolve()
+    reference = {"run_dir": str(Path(run_dir).resolve()), "checkpoint": str(checkpoint),
+                 "sha256": content_hash(checkpoint)}
+    setattr(model, BASE_ATTRIBUTE, reference)
+    return reference
+
+
+def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` without the frozen parameters (buffers and trained ones kept)."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+
+
+def load_base_(reference: dict[str, str], config: dict[str, Any],
+               model: torch.nn.Module) -> None:
+    """Load the frozen base of a LoRA checkpoint into ``model`` and record the reference.
+
+    Args:
+        reference: the checkpoint's ``base``.
+        config: the checkpoint's ``config`` (``TrainConfig.to_dict()``).
+        model: the LoRA model (its adapters are loaded afterwards from the checkpoint).
+
+    Raises:
+        ValueError: one line when the base checkpoint is gone or its content changed (naming the
+            path and both hashes), or when its weights do not fit.
+    """
+    from memfine.artifacts.inference import language_model, load_weights
+    from memfine.config import TrainConfig
+
+    path = Path(reference["checkpoint"])
+    if not path.exists():
+        raise ValueError(f"the LoRA base checkpoint {str(path)!r} is gone; this run's "
+                         f"checkpoint holds only the adapters (restore the base run)")
+    now = content_hash(path)
+    if now != reference["sha256"]:
+        raise ValueError(f"the LoRA base checkpoint {str(path)!r} changed since the adapters "
+                         f"were trained (sha256 {reference['sha256'][:12]}… now {now[:12]}…); "
+                         f"restore it, or start a new run with --init-from")
+    if find_checkpoint(reference["run_dir"]).resolve() != path.resolve():
+        raise ValueError(f"the LoRA base run {reference['run_dir']!r} has a newer checkpoint "
+                         f"than {str(path)!r}, which the adapters were trained on; restore it")
+    base_config = dataclasses.replace(TrainConfig.from_dict(config), lora=None)
+    plain = language_model(base_config)
+    load_weights(plain, base_config.model, reference["run_dir"])
+    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    if unexpected or not set(missing) <= trained:
+        raise ValueError(f"the LoRA base {str(path)!r} does not fit the model (missing "
+                         f"{sorted(set(missing) - trained)[:3]}, unexpected {unexpected[:3]})")
+    setattr(model, BASE_ATTRIBUTE, dict(reference))

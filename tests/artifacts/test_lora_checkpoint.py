@@ -1,0 +1,89 @@
+"""Adapter-only LoRA checkpoints: trained state plus a hashed reference to the frozen base."""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.artifacts.checkpoint import load_checkpoint
+from memfine.artifacts.inference import load_trained
+from memfine.artifacts.lora_base import content_hash
+from memfine.config.lora import LoRAConfig
+from memfine.nn import MoETransformerLM
+from memfine.train import preset, train
+
+ASSET = Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt"
+
+
+def _config(**overrides: object):
+    return dataclasses.replace(preset("tiny"), **{
+        "data": str(ASSET), "seq_len": 32, "batch_size": 4, "max_steps": 2, "lr": 3e-3,
+        "warmup_steps": 1, "eval_every": 2, "eval_batches": 1, "sample_tokens": 0,
+        **overrides})
+
+
+def _run(config, out: Path, **kwargs: object):
+    return train(config, out, progress=False, threads=1, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    root = tmp_path_factory.mktemp("lora_ckpt")
+    _run(_config(), root / "base")
+    _run(_config(max_steps=2, lora=LoRAConfig(rank=2)), root / "ft", init_from=root / "base")
+    return root / "base", root / "ft"
+
+
+def test_checkpoint_holds_trained_state_and_the_base_reference(runs: tuple[Path, Path]) -> None:
+    base, ft = runs
+    payload = load_checkpoint(ft / "checkpoint.pt")
+    params = {n for n, _ in MoETransformerLM(_config().model).named_parameters()}
+    saved = set(payload["model"])
+    assert not saved & params  # no frozen base parameter is repeated
+    assert any("lora_a_up" in k for k in saved) and all(
+        "lora_" in k or k.endswith("selection_bias") for k in saved)
+    ckpt = (base / "checkpoint.pt").resolve()
+    assert payload["base"] == {"run_dir": str(base.resolve()), "checkpoint": str(ckpt),
+                               "sha256": hashlib.sha256(ckpt.read_bytes()).hexdigest()}
+    assert (ft / "checkpoint.pt").stat().st_size < (base / "checkpoint.pt").stat().st_size / 3
+    # loading reads the base: every base tensor bitwise, the adapters from the run
+    whole = load_trained(ft).model.state_dict()
+    base_state = load_checkpoint(ckpt)["model"]
+    for name in params:
+        assert torch.equal(whole[name], base_state[name]), name
+    for name, tensor in payload["model"].items():
+        assert torch.equal(whole[name], tensor), name
+
+
+def test_resume_continues_and_a_changed_base_is_one_line(runs: tuple[Path, Path],
+                                                         tmp_path: Path) -> None:
+    base, ft = runs
+    # a copy of both runs, the LoRA one pointing at the copied base
+    import shutil
+
+    shutil.copytree(base, tmp_path / "base")
+    shutil.copytree(ft, tmp_path / "ft")
+    payload = load_checkpoint(tmp_path / "ft" / "checkpoint.pt")
+    payload["base"] = {"run_dir": str(tmp_path / "base"),
+                       "checkpoint": str(tmp_path / "base" / "checkpoint.pt"),
+                       "sha256": payload["base"]["sha256"]}
+    torch.save(payload, tmp_path / "ft" / "checkpoint.pt")
+    config = _config(max_steps=3, lora=LoRAConfig(rank=2))
+    resumed = _run(config, tmp_path / "ft", resume=True)
+    assert len(resumed.train_losses) == 1
+    assert load_checkpoint(tmp_path / "ft" / "checkpoint.pt")["base"] == payload["base"]
+    # the base's checkpoint changes: resume and loading refuse in one line
+    state = load_checkpoint(tmp_path / "base" / "checkpoint.pt")
+    first = next(iter(state["model"]))
+    state["model"][first] = state["model"][first] + 1
+    torch.save(state, tmp_path / "base" / "checkpoint.pt")
+    assert content_hash(tmp_path / "base" / "checkpoint.pt") != payload["base"]["sha256"]
+    with pytest.raises(ValueError, match=r"changed since the adapters were trained") as err:
+        _run(_config(max_steps=4, lora=LoRAConfig(rank=2)), tmp_path / "ft", resume=True)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match=r"changed since the adapters were trained"):
+        load_trained(tmp_path / "ft")
