@@ -137,7 +137,7 @@ def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: in
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
     trained = num_parameters
     if config.lora is not None:
-        trained = _count_parameters(config, trainable_only=True)
+        trained = num_parameters(config, trainable_only=True)
     static = (num_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
