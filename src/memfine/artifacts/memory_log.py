@@ -99,6 +99,10 @@ def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:
     blocks are alike), so nothing is allocated and a huge ``num_layers`` costs no time:
     embedding + norm + L · one block.
     """
+    return _count_parameters(config, trainable_only)
+
+
+def _count_parameters(config: TrainConfig, trainable_only: bool) -> int:
     from memfine.nn.lora import apply_lora
 
     one = dataclasses.replace(config.model, num_layers=1)
@@ -137,7 +141,7 @@ def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: in
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
     trained = num_parameters
     if config.lora is not None:
-        trained = num_parameters(config, trainable_only=True)
+        trained = _count_parameters(config, trainable_only=True)
     static = (num_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
