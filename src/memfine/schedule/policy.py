@@ -33,6 +33,7 @@ Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4;
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import warnings
@@ -200,10 +201,13 @@ class ChunkPolicy:
         rec = self.config.resolved_recompute
         key = (dtype_bytes, rec)
         if key not in self._limits:
-            self._limits[key] = tuple(
-                largest_fitting(lambda T, c=c: layer_memory.layer_peak_bytes(
-                    self.moe, T, dtype_bytes, num_chunks=c, recompute=rec) <= budget)
-                for c in self.config.bins)
+            def fits(num_tokens: int, num_chunks: int) -> bool:
+                return layer_memory.layer_peak_bytes(self.moe, num_tokens, dtype_bytes,
+                                                     num_chunks=num_chunks,
+                                                     recompute=rec) <= budget
+
+            self._limits[key] = tuple(largest_fitting(functools.partial(fits, num_chunks=c))
+                                      for c in self.config.bins)
         return self._limits[key]
 
     def row_bytes(self, dtype_bytes: int) -> int:
