@@ -44,3 +44,20 @@ def test_compiled_step_is_measured_by_the_profiler_and_still_compiles() -> None:
             assert got.peak_bytes >= 32 * 64 * 4
     torch._dynamo.reset()
     assert graphs == {False: 0, True: 1}
+
+
+def test_prediction_uses_each_layers_own_recompute_mode() -> None:
+    """A step-scope plan runs layers with different modes: each layer's prediction is its own."""
+    from memfine.artifacts.memory_log import predicted_moe_layer_peak
+    from memfine.config import ChunkConfig, ModelConfig, MoEConfig, TrainConfig
+    from memfine.memory.layer import moe_layer_memory
+
+    moe = MoEConfig(hidden_size=32, intermediate_size=64, num_experts=4, top_k=2)
+    config = TrainConfig(model=ModelConfig(num_layers=2, num_heads=2, moe=moe,
+                                           chunk=ChunkConfig(num_chunks=2, recompute="experts")))
+    peaks = {mode: moe_layer_memory(moe, 64, 4, num_chunks=2, recompute=mode).peak_bytes
+             for mode in ("none", "experts")}
+    assert peaks["none"] != peaks["experts"]
+    for mode, want in peaks.items():
+        assert predicted_moe_layer_peak(config, 64, 2, mode) == want
+    assert predicted_moe_layer_peak(config, 64, 2) == peaks["experts"]  # the config's mode

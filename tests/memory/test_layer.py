@@ -9,6 +9,7 @@ Skewed routing sends every token to experts 0..k-1 (the router's selection-bias 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -265,3 +266,30 @@ def test_bf16_grouped_weight_grad_transients_match_the_tracker_exactly(
     loop = moe_layer_memory(dataclasses.replace(moe, gemm_backend="loop"), T, 2,
                             num_chunks=c, recompute=recompute)
     assert predicted.peak_bytes > loop.peak_bytes  # the transient is in the model
+
+
+MONOTONE_SHAPES = {
+    "fused": MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2),
+    "plain": MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2,
+                       experts_impl="plain"),
+    "argsort-relu": MoEConfig(hidden_size=16, intermediate_size=24, num_experts=4, top_k=2,
+                              index_builder="argsort", activation="relu"),
+    "shared": MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2,
+                        num_shared_experts=1, shared_expert_gate=True),
+    "blocks-k1": MoEConfig(hidden_size=8, intermediate_size=24, num_experts=8, top_k=1,
+                           renormalize=False, backward_block_bytes=12 * 832),
+}
+
+
+@pytest.mark.parametrize("shape", list(MONOTONE_SHAPES))
+def test_layer_peak_grows_with_the_token_count(shape: str) -> None:
+    """MACT's thresholds T_max(c) (``ChunkPolicy.token_limits``) bisect over T: the exact peak
+    never falls when T grows, for every dtype, recompute mode and chunk count of the grid
+    (T = 0 … 96 one by one, then around each power of two up to 2^13)."""
+    moe = MONOTONE_SHAPES[shape]
+    tokens = [*range(97), *(2**i + j for i in range(7, 14) for j in (-1, 0, 1))]
+    for dt, recompute, c in itertools.product((2, 4, 8), ("none", "experts", "full"),
+                                              (1, 2, 3, 8)):
+        peaks = [layer_peak_bytes(moe, T, dt, num_chunks=c, recompute=recompute)
+                 for T in tokens]
+        assert all(a <= b for a, b in zip(peaks, peaks[1:], strict=False)), (dt, recompute, c)

@@ -6,7 +6,13 @@ import re
 
 import pytest
 
-from memfine.memory.planner import ChunkChoice, choose_num_chunks, s_prime_max
+from memfine.memory.planner import (
+    SEARCH_LIMIT,
+    ChunkChoice,
+    choose_num_chunks,
+    largest_fitting,
+    s_prime_max,
+)
 from memfine.units import parse_bytes
 
 
@@ -143,3 +149,19 @@ def test_the_memory_package_has_no_import_cycle() -> None:
     for module in graph:
         visit(module, ())
     assert "memfine.memory.timeline.shared" in graph
+
+
+@pytest.mark.parametrize("largest", [-1, 0, 1, 2, 3, 7, 8, 9, 1000, 2**33 + 5])
+def test_largest_fitting_finds_the_last_count_that_fits(largest: int) -> None:
+    calls: list[int] = []
+
+    def fits(n: int) -> bool:
+        calls.append(n)
+        return n <= largest
+
+    assert largest_fitting(fits) == largest
+    assert len(calls) <= 2 * max(1, largest).bit_length() + 3  # doubling, then bisection
+
+
+def test_largest_fitting_stops_at_its_limit() -> None:
+    assert largest_fitting(lambda n: True) == SEARCH_LIMIT

@@ -27,6 +27,7 @@ from torch._dynamo.variables.tensor import TensorVariable
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.nn import MoELayer, MoETransformerLM
 from memfine.ops.fused import function as fused_function
+from memfine.schedule import InfeasibleBudgetError, traced
 from tolerances import assert_close
 
 DOCS = Path(__file__).parents[2] / "docs" / "compile.md"
@@ -36,7 +37,7 @@ C3 = ChunkConfig(num_chunks=3, recompute="experts")
 
 # Graph-break sites of a compiled MoELayer under dynamo.explain, as docs/compile.md lists them
 # (capture_scalar_outputs on). A new break must be documented there and counted here.
-DOCUMENTED_BREAKS = {"c1": 0, "c3-recompute": 0, "c3-none": 0, "plain": 0, "budget": 1,
+DOCUMENTED_BREAKS = {"c1": 0, "c3-recompute": 0, "c3-none": 0, "plain": 0, "budget": 0,
                      "biased": 0, "groups-capacity": 0, "shared-seq": 0, "c1-blocks": 0}
 # Streamed fused backward in blocks of 12 rows: one row costs (3·d + 3·n + 2·n)·4 = 832 bytes,
 # so S ≤ T·k = 32 rows are 3 blocks (12, 12, 8), traced over the bound T·k.
@@ -371,25 +372,85 @@ def test_marked_dynamic_token_count_compiles_once() -> None:
     assert counters["stats"]["unique_graphs"] == 1
 
 
-def test_budget_over_varying_token_counts_equals_eager() -> None:
-    """With a memory budget, MACT decides c per call outside the graph (its documented break):
-    over T = 16 … 40 the compiled layer uses eager's c and gives eager's values. Each frame
-    compiles for the first T and once more when T turns dynamic; the chunk loop's frame also once
-    per further chunk count in use (c = 4 from T = 32): 7 graphs, not one set per T."""
+def _recording(fn: Any, chunks: list[int]) -> Any:
+    """``fn`` that appends each call's chunk count to ``chunks``."""
+    def call(x: torch.Tensor) -> Any:
+        out, aux = fn(x)
+        chunks.append(aux.num_chunks)
+        return out, aux
+    return call
+
+
+@pytest.mark.parametrize("marked", [False, True], ids=["automatic", "marked-dynamic"])
+def test_budget_under_fullgraph_over_varying_token_counts_equals_eager(marked: bool) -> None:
+    """A budgeted layer under ``fullgraph`` at T = 16 … 40: eager MACT's c (1, 2, 4, 4) and
+    eager's values and gradients. c is chosen by comparing the symbolic T with the policy's
+    thresholds T_max(c) (shape guards): one graph per bin in use, plus the first, static T
+    under automatic dynamic shapes (none with T marked dynamic up front); T = 40 reuses the
+    graph of T = 32 (same bin)."""
     layer = MoELayer(MOE, chunk=WIDE_BUDGET)
     chunks: dict[str, list[int]] = {"eager": [], "compiled": []}
-
-    def recording(fn: Any, name: str) -> Any:
-        def call(x: torch.Tensor) -> Any:
-            out, aux = fn(x)
-            chunks[name].append(aux.num_chunks)
-            return out, aux
-        return call
-
-    want = _steps_over_token_counts(layer, recording(layer, "eager"))
+    want = _steps_over_token_counts(layer, _recording(layer, chunks["eager"]))
+    graphs = []
     with dynamo.config.patch(capture_scalar_outputs=True):
-        compiled = torch.compile(layer, backend="aot_eager")
-        got = _steps_over_token_counts(layer, recording(compiled, "compiled"))
+        compiled = _recording(torch.compile(layer, backend="aot_eager", fullgraph=True),
+                              chunks["compiled"])
+
+        def counting(x: torch.Tensor) -> Any:
+            if marked:
+                dynamo.mark_dynamic(x, 0)
+            result = compiled(x)
+            graphs.append(counters["stats"]["unique_graphs"])
+            return result
+        got = _steps_over_token_counts(layer, counting)
     assert chunks["compiled"] == chunks["eager"] == [1, 2, 4, 4]
     _assert_steps_equal(got, want, "budget")
-    assert counters["stats"]["unique_graphs"] <= 7, dict(counters["stats"])
+    assert graphs[3] == graphs[2], graphs  # T = 40: the graph of T = 32 (bin c = 4)
+    assert graphs[-1] == 3, graphs  # T = 16, 24 and 32: three bins, or a static T and two bins
+
+
+@pytest.mark.parametrize("allow", [False, True], ids=["refused", "allowed"])
+def test_budget_under_fullgraph_that_no_bin_meets(allow: bool) -> None:
+    """A budget no bin meets at T = 32 (and does at T = 16): the compiled call raises eager's
+    one-line InfeasibleBudgetError, naming the T of the call; with ``allow_over_budget`` it
+    warns once and runs the largest bin, with eager's values."""
+    layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=36_000,
+                                            allow_over_budget=allow))
+    limits = layer.policy.token_limits(4)
+    assert 16 <= max(limits) < 32, limits
+    g = torch.Generator().manual_seed(0)
+    small, large = (torch.randn(T, MOE.hidden_size, generator=g) for T in (16, 32))
+    with dynamo.config.patch(capture_scalar_outputs=True):
+        compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+        compiled(small)
+        if not allow:
+            with pytest.raises(InfeasibleBudgetError) as eager:
+                layer(large)
+            messages = []
+            for x in (large, torch.randn(36, MOE.hidden_size, generator=g)):
+                with pytest.raises(InfeasibleBudgetError) as caught:  # T = 36: the same graph
+                    compiled(x)
+                messages.append(str(caught.value))
+            assert messages[0] == str(eager.value)  # dropless: s″ = T·k, eager's numbers
+            assert "\n" not in messages[1] and "T=36 tokens and s''=72 " in messages[1]
+            return
+        chunks: list[int] = []
+        with pytest.warns(UserWarning, match="allow_over_budget") as warned:
+            got = _step(_recording(compiled, chunks), layer, large)
+            _step(_recording(compiled, chunks), layer, large)
+        assert len(warned) == 1 and chunks == [8, 8]  # the largest bin
+    want = _step(layer, layer, large)
+    assert torch.equal(got[3], want[3])
+    for i, (a, b) in enumerate(zip(got, want, strict=True)):
+        if i != 3:
+            assert_close(a, b, grad=i >= 4, msg=f"tensor {i}")
+
+
+def test_token_limits_are_folded_as_dynamo_constants() -> None:
+    """The threshold function carries the flag ``torch.compiler.assume_constant_result`` sets
+    (and nothing else that decorator sets), so Dynamo calls it on constants while tracing."""
+    def probe() -> int:
+        return 0
+    marked = torch.compiler.assume_constant_result(probe)
+    assert marked is probe and vars(probe) == {"_dynamo_marked_constant": True}
+    assert traced._token_limits._dynamo_marked_constant is True  # type: ignore[attr-defined]

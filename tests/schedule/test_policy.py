@@ -148,3 +148,42 @@ def test_peaks_are_replayed_once_per_token_count(monkeypatch: pytest.MonkeyPatch
 def test_negative_counts_are_refused() -> None:
     with pytest.raises(ValueError, match="recv_rows and num_tokens must be >= 0"):
         _budgeted(10**9).num_chunks(-1, T, DT)
+
+
+@pytest.mark.parametrize("recompute", ["none", "experts"])
+@pytest.mark.parametrize("dtype_bytes", [2, 4])
+def test_token_thresholds_choose_as_the_decision_for_every_token_count(recompute: str,
+                                                                       dtype_bytes: int
+                                                                       ) -> None:
+    """The compiled rule (first bin with T ≤ T_max(c)) is ``decide``'s choice at every T with
+    s″ = T·k (dropless) and with fewer rows (capacity drops), and T_max(c) is the largest T
+    whose peak fits (T_max + 1 does not)."""
+    moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
+    budget = 45_000 if dtype_bytes == 4 else 30_000
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute=recompute), moe)
+    limits = policy.token_limits(dtype_bytes)
+    for c, limit in zip(policy.config.bins, limits, strict=True):
+        assert limit >= 0
+        assert policy.layer_peak(limit, dtype_bytes, c) <= budget
+        assert policy.layer_peak(limit + 1, dtype_bytes, c) > budget
+    chosen = set()
+    for tokens in range(max(limits) + 1):
+        rule = next(c for c, limit in zip(policy.config.bins, limits, strict=True)
+                    if tokens <= limit)
+        chosen.add(rule)
+        for rows in {tokens * moe.top_k, tokens}:
+            assert policy.decide(rows, tokens, dtype_bytes).num_chunks == rule, (tokens, rows)
+    assert len(chosen) >= (3 if recompute == "experts" else 1), chosen
+    with pytest.raises(InfeasibleBudgetError):
+        policy.decide((max(limits) + 1) * moe.top_k, max(limits) + 1, dtype_bytes)
+
+
+def test_token_thresholds_are_cached_and_need_a_budget(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    policy = _budgeted(10 * MIB)
+    limits = policy.token_limits(DT)
+    monkeypatch.setattr(layer_memory, "layer_peak_bytes", None)  # a second search would fail
+    assert policy.token_limits(DT) == limits
+    assert ChunkPolicy.registered(policy.key) is policy
+    with pytest.raises(ValueError, match="memory_budget_bytes"):
+        ChunkPolicy(ChunkConfig(num_chunks=2), MOE).token_limits(DT)

@@ -10,9 +10,10 @@ compile, so a compiled run (``--compile``) on the CPU measures with
 logged steps run the compiled graph like every other step.
 
 Predicted (:func:`predicted_moe_layer_peak`): the memory model's peak of one MoE layer's forward
-+ backward (:func:`memfine.memory.layer.moe_layer_memory`) at the step's tokens, dtype, recompute
-mode and chunk count c. The model covers MoE layers only; attention, norms, embedding and logits
-are not modelled, so the whole step's measured peak is larger.
++ backward (:func:`memfine.memory.layer.moe_layer_memory`) at the step's tokens and dtype, with
+each layer's own recompute mode and chunk count c (a step-scope budget plans them per layer). The
+model covers MoE layers only; attention, norms, embedding and logits are not modelled, so the
+whole step's measured peak is larger.
 
 Before training (:func:`check_fits`): static bytes (parameters, gradients, AdamW's two moments)
 plus every MoE layer's predicted saved bytes plus one layer's peak, against the memory the
@@ -69,14 +70,16 @@ def measured_peak(device: torch.device, enabled: bool, *, compiled: bool = False
         yield tracker
 
 
-def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: int
-                             ) -> int | None:
+def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: int,
+                             recompute: str | None = None) -> int | None:
     """The memory model's peak bytes of one MoE layer forward + backward.
 
     Args:
-        config: the run (MoE config, dtype, recompute mode).
+        config: the run (MoE config, dtype).
         num_tokens: T, tokens entering the layer on this process.
         num_chunks: c, the chunk count the layer ran with.
+        recompute: the recompute mode the layer ran with (``none``, ``experts`` or ``full``;
+            a step-scope budget plans one per layer, ``MoEAux.recompute``); None: the config's.
 
     Returns:
         Bytes (int), or None when the model does not cover the setting (T < c).
@@ -87,7 +90,8 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
         return None
     return moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
                             num_chunks=num_chunks,
-                            recompute=config.model.chunk.resolved_recompute).peak_bytes
+                            recompute=recompute or config.model.chunk.resolved_recompute
+                            ).peak_bytes
 
 
 def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:

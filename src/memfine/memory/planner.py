@@ -6,7 +6,11 @@ Reference: MemFine (arXiv 2511.21431) Eq. 8-9 and §4.2 (MACT); docs/design.md �
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+
+SEARCH_LIMIT = 2**48
+"""The largest count :func:`largest_fitting` tries (tokens: far beyond any device's memory)."""
 
 
 def s_prime_max(budget_bytes: int, fixed_bytes: int, row_bytes: int) -> int:
@@ -26,6 +30,39 @@ def s_prime_max(budget_bytes: int, fixed_bytes: int, row_bytes: int) -> int:
     if row_bytes <= 0:
         raise ValueError(f"row_bytes must be > 0, got {row_bytes}")
     return (budget_bytes - fixed_bytes) // row_bytes
+
+
+def largest_fitting(fits: Callable[[int], bool]) -> int:
+    """The largest n ≥ 0 with ``fits(n)``, for a ``fits`` that holds up to a point and not after.
+
+    Doubling from 1 until ``fits`` fails, then bisection: about 2·log2(n) calls. ``fits`` must
+    be monotone (true on [0, n], false above); the exact layer model is (a test over a grid of
+    shapes, dtypes, chunk counts and recompute modes).
+
+    Args:
+        fits: n → whether n fits (e.g. the predicted peak at T = n tokens is within a budget).
+
+    Returns:
+        n, or -1 when ``fits(0)`` is False; :data:`SEARCH_LIMIT` when every count up to it fits.
+
+    Reference: MemFine Eq. 8 (s′_max: the largest tolerable size), found on the exact model
+    instead of its straight line.
+    """
+    if not fits(0):
+        return -1
+    low, high = 0, 1  # fits(low); high is tried next
+    while fits(high):
+        low = high
+        if high >= SEARCH_LIMIT:
+            return SEARCH_LIMIT
+        high = min(2 * high, SEARCH_LIMIT)
+    while high - low > 1:  # fits(low), not fits(high)
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 @dataclass(frozen=True, slots=True)

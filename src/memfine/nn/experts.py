@@ -33,6 +33,7 @@ from memfine.ops import autocast_operands, run_experts
 from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
 from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.traced import traced_num_chunks
 
 
 class GroupedExperts(nn.Module):
@@ -85,10 +86,7 @@ class GroupedExperts(nn.Module):
         Reference: MemFine Eq. 8-9, §4.
         """
         if policy.budgeted:
-            decide = self.budgeted_num_chunks
-            if torch.compiler.is_compiling():  # run eagerly (one graph break; docs/compile.md)
-                decide = torch.compiler.disable(decide)
-            num_chunks = decide(x_TD, top_k_index, policy)
+            num_chunks = self.budgeted_num_chunks(x_TD, top_k_index, policy)
         else:
             num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
         out_TD = self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
@@ -99,17 +97,22 @@ class GroupedExperts(nn.Module):
                             policy: ChunkPolicy) -> int:
         """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
 
-        Runs outside ``torch.compile`` (``torch.compiler.disable`` at the call, so importing
-        memfine loads no Dynamo): the decision needs s″ as a host number (one ``.item()``), and c
-        decides how many chunks the graph holds. A compiled layer with a budget therefore has one
-        graph break here (docs/compile.md) and one graph per chunk count in use.
+        Eagerly s″ is read with one ``.item()`` and the policy predicts each bin's peak
+        (:meth:`memfine.schedule.ChunkPolicy.decide`, recorded as ``last_decision``). While
+        ``torch.compile`` traces, c comes from the policy's token thresholds compared with the
+        symbolic T (:func:`memfine.schedule.traced.traced_num_chunks`, planned from s″ ≤ T·k,
+        the same c on one process): no graph break, one graph per bin in use, nothing recorded
+        (docs/compile.md).
 
         Returns:
             c ≥ 1.
 
         Raises:
-            ValueError: from the policy when the budget cannot be met.
+            ValueError: from the policy when the budget cannot be met (under compile, when the
+                compiled call runs).
         """
+        if torch.compiler.is_compiling():
+            return traced_num_chunks(policy, x_TD, top_k_index)
         recv = self.received_rows(top_k_index)
         return policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size(),
                                  transport_row_elements=self.transport_row_elements)

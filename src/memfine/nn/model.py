@@ -24,6 +24,7 @@ from memfine.memory.step import StepPlan, step_planner
 from memfine.nn.moe import MoEAux, MoELayer
 from memfine.routing import update_selection_bias
 from memfine.schedule.policy import ChunkPolicy, InfeasibleBudgetError
+from memfine.schedule.step import step_layer_policies
 
 
 def _rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device
@@ -211,6 +212,7 @@ class MoETransformerLM(nn.Module):
         self.last_plan: StepPlan | None = None
         self._plans: dict[tuple[int, int, int], StepPlan] = {}
         self._fixed: dict[tuple[str, int], ChunkPolicy] = {}
+        self._replanned: dict[tuple[StepPlan, int], list[ChunkPolicy]] = {}
         self.embed = nn.Embedding(config.vocab_size, D)
         self.blocks = nn.ModuleList([Block(config, policy=self.chunk_policy)
                                      for _ in range(config.num_layers)])
@@ -267,7 +269,7 @@ class MoETransformerLM(nn.Module):
         chunk = self.config.chunk
         if (chunk.budget_scope == "step" and chunk.memory_budget_bytes is not None
                 and torch.is_grad_enabled() and not torch.compiler.is_compiling()):
-            self.apply_plan(self.plan_step(*input_ids.shape))
+            self.apply_plan(self.plan_step(*input_ids.shape), tokens=input_ids.numel())
         x_BQD = self.embed(input_ids)
         auxes = []
         for i, block in enumerate(self.blocks):
@@ -312,10 +314,28 @@ class MoETransformerLM(nn.Module):
         self._plans[key] = plan
         return plan
 
-    def apply_plan(self, plan: StepPlan) -> None:
-        """Set every block's recompute mode and its MoE layer's fixed chunk count."""
+    def apply_plan(self, plan: StepPlan, *, tokens: int | None = None) -> None:
+        """Set every block's recompute mode and its MoE layer's chunk policy.
+
+        With ``tokens`` (T of this rank), a step budget and expert-parallel experts (a transport
+        that receives rows, s″ > T·k possible), each layer gets a policy that runs the plan's c
+        and re-decides it from the rows each call receives
+        (:func:`memfine.schedule.step.step_layer_policies`); otherwise a fixed chunk count.
+        """
         self.last_plan = plan
-        for block, choice in zip(self._block_list(), plan.choices, strict=True):
+        blocks, budget = self._block_list(), self.config.chunk.memory_budget_bytes
+        transport = [block.moe.experts.transport_row_elements for block in blocks]
+        if tokens is not None and budget is not None and any(transport):
+            plan_key = (plan, tokens)
+            if plan_key not in self._replanned:
+                self._replanned[plan_key] = step_layer_policies(
+                    self.config, plan, budget, tokens, self.embed.weight.element_size(),
+                    transport)
+            for block, choice, policy in zip(blocks, plan.choices,
+                                             self._replanned[plan_key], strict=True):
+                block.recompute, block.moe.policy = choice.recompute, policy
+            return
+        for block, choice in zip(blocks, plan.choices, strict=True):
             key = (choice.recompute, choice.num_chunks)
             if key not in self._fixed:
                 self._fixed[key] = ChunkPolicy(ChunkConfig(

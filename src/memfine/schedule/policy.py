@@ -21,18 +21,29 @@ over the ``ep`` group) as the ``agree`` argument of each decision; one process n
 Every decision is recorded as a :class:`ChunkDecision` (``last_decision``), which
 :class:`memfine.nn.MoELayer`, the transformers backend and the torchtitan converter expose.
 
+Under ``torch.compile`` (:mod:`memfine.schedule.traced`) T is a symbolic size and s″ is not a
+host number, so the decision is read from thresholds instead: :meth:`ChunkPolicy.token_limits`
+gives per bin c the most tokens T_max(c) whose exact predicted peak fits the budget (MemFine
+Eq. 8's s′_max, here in tokens with s″ = T·k rows), a function of the budget, the sizes, D_t,
+the bins and the recompute mode only, and c is the first bin with T ≤ T_max(c) (Eq. 9). On one
+process the prediction is the same for every s″ ≤ T·k, so this is the eager choice.
+
 Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4; docs/style.md §7.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 import math
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
+from memfine.memory.planner import largest_fitting
 from memfine.units import format_bytes
 
 AgreeNumChunks = Callable[[int], int]
@@ -100,6 +111,10 @@ class InfeasibleBudgetError(ValueError):
                 f"{names['allow']} to run with the largest bin")
 
 
+_KEYS = itertools.count()
+_POLICIES: weakref.WeakValueDictionary[int, ChunkPolicy] = weakref.WeakValueDictionary()
+
+
 class ChunkPolicy:
     """Decides the chunk count c of an MoE layer call.
 
@@ -116,6 +131,7 @@ class ChunkPolicy:
         config: the chunk config.
         moe: the MoE config.
         last_decision: the :class:`ChunkDecision` of the latest eager call (None before any).
+        key: an int naming this policy for :meth:`registered` (compiled code holds the int).
 
     Reference: MemFine Eq. 8-9, §4.2.
     """
@@ -129,6 +145,18 @@ class ChunkPolicy:
         # (T, D_t, recompute, c) → exact timeline peak; a training step repeats one T.
         self._peaks: dict[tuple[int, int, str, int], int] = {}
         self._row_bytes: dict[tuple[int, str], int] = {}
+        self._limits: dict[tuple[int, str], tuple[int, ...]] = {}
+        self.key = next(_KEYS)
+        _POLICIES[self.key] = self
+
+    @staticmethod
+    def registered(key: int) -> ChunkPolicy:
+        """The live policy whose ``key`` is ``key``.
+
+        Raises:
+            KeyError: when no such policy is alive.
+        """
+        return _POLICIES[key]
 
     @property
     def budgeted(self) -> bool:
@@ -147,6 +175,40 @@ class ChunkPolicy:
             peak = self._peaks[key] = layer_memory.layer_peak_bytes(
                 self.moe, num_tokens, dtype_bytes, num_chunks=num_chunks, recompute=rec)
         return peak
+
+    def token_limits(self, dtype_bytes: int) -> tuple[int, ...]:
+        """T_max(c) per bin: the most tokens whose predicted layer peak fits the budget (cached).
+
+        For each bin c, the largest T with :meth:`layer_peak` (T, D_t, c) ≤ the budget, found by
+        :func:`memfine.memory.planner.largest_fitting` on host integers (the exact model's peak
+        grows with T; a test proves it over a grid). With s″ ≤ T·k rows and no transport rows
+        (one process) the first bin with T ≤ T_max(c) is :meth:`decide`'s choice for every T.
+
+        Args:
+            dtype_bytes: D_t.
+
+        Returns:
+            One count per bin, in bin order; -1 where even T = 0 does not fit.
+
+        Raises:
+            ValueError: without a budget.
+
+        Reference: MemFine Eq. 8 (s′_max, here in tokens: s′_max = T_max·k) and Eq. 9.
+        """
+        budget = self.config.memory_budget_bytes
+        if budget is None:
+            raise ValueError("token_limits needs ChunkConfig.memory_budget_bytes")
+        rec = self.config.resolved_recompute
+        key = (dtype_bytes, rec)
+        if key not in self._limits:
+            def fits(num_tokens: int, num_chunks: int) -> bool:
+                return layer_memory.layer_peak_bytes(self.moe, num_tokens, dtype_bytes,
+                                                     num_chunks=num_chunks,
+                                                     recompute=rec) <= budget
+
+            self._limits[key] = tuple(largest_fitting(functools.partial(fits, num_chunks=c))
+                                      for c in self.config.bins)
+        return self._limits[key]
 
     def row_bytes(self, dtype_bytes: int) -> int:
         """The timeline's peak bytes per received row of one chunk (its largest slope)."""

@@ -1,0 +1,72 @@
+"""A step plan's layers as chunk policies that re-decide c from the rows each call receives.
+
+The step plan (:class:`memfine.memory.step.StepPlanner`) chooses every layer's recompute mode
+and chunk count from T·k rows per layer. Under expert parallelism a rank may receive more rows
+(s″ > T·k), and the plan alone would not see them. :func:`step_layer_policies` turns the plan
+into one budgeted :class:`ChunkPolicy` per layer (MACT inside the plan, MemFine §4.2):
+
+- the layer's share of the step budget is its own predicted peak at the plan's c with s″ = T·k
+  rows (and the transport's rows) plus the plan's slack, the step budget minus the plan's
+  predicted step peak: the rest of the step is as the plan predicts, so the layer's own peak
+  may grow by the slack and the step still fits;
+- the bins start at the plan's c: with s″ ≤ T·k every call runs the plan's c (its prediction is
+  the share's first term), and a call that receives more rows raises c to the smallest bin whose
+  predicted peak with those rows fits the share, agreed over the expert-parallel group as in the
+  layer scope; a call no bin fits raises :class:`InfeasibleBudgetError` (or, with
+  ``allow_over_budget``, runs the largest bin).
+
+Limits: under no recompute the rows beyond T·k also grow what the layer keeps for backward (its
+H), which the later layers' shares do not see; under chunked or full recompute a layer keeps
+only its input and the routing, whatever s″.
+
+Reference: MemFine (arXiv 2511.21431) §4.2 (MACT per step and layer), Eq. 8-9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from memfine.config import ChunkConfig, ModelConfig
+from memfine.memory.step import StepPlan
+from memfine.schedule.policy import ChunkPolicy
+
+
+def step_layer_policies(config: ModelConfig, plan: StepPlan, budget_bytes: int,
+                        num_tokens: int, dtype_bytes: int,
+                        transport_row_elements: Sequence[int]) -> list[ChunkPolicy]:
+    """One budgeted policy per layer of ``plan`` that re-decides c from each call's s″.
+
+    Args:
+        config: the model (its ``chunk.bins`` and ``chunk.allow_over_budget``).
+        plan: the step plan (one :class:`memfine.memory.step_timeline.LayerChoice` per layer).
+        budget_bytes: the step budget, bytes.
+        num_tokens: T, tokens entering each MoE layer on this rank.
+        dtype_bytes: D_t.
+        transport_row_elements: per layer, the experts' transport elements per received row
+            (d under expert parallelism, 0 on one process).
+
+    Returns:
+        Policies in layer order; each runs the plan's c while s″ ≤ T·k.
+
+    Raises:
+        ValueError: if the lengths of ``plan.choices`` and ``transport_row_elements`` differ
+            from the number of layers.
+    """
+    L = config.num_layers
+    if len(plan.choices) != L or len(transport_row_elements) != L:
+        raise ValueError(f"plan.choices and transport_row_elements must hold one entry per "
+                         f"layer ({L}), got {len(plan.choices)} and "
+                         f"{len(transport_row_elements)}")
+    slack = max(0, budget_bytes - plan.predicted_peak_bytes)
+    rows = num_tokens * config.moe.top_k
+    policies = []
+    for choice, transport in zip(plan.choices, transport_row_elements, strict=True):
+        own = ChunkPolicy(ChunkConfig(num_chunks=choice.num_chunks, recompute=choice.recompute),
+                          config.moe).predicted_peak(rows, num_tokens, dtype_bytes,
+                                                     choice.num_chunks,
+                                                     transport_row_elements=transport)
+        bins = tuple(b for b in config.chunk.bins if b >= choice.num_chunks)
+        policies.append(ChunkPolicy(ChunkConfig(
+            memory_budget_bytes=own + slack, bins=bins, recompute=choice.recompute,
+            allow_over_budget=config.chunk.allow_over_budget), config.moe))
+    return policies
