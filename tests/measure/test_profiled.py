@@ -5,8 +5,8 @@ program does. The live-storage tracker (a TorchDispatchMode) does in one place: 
 engine sums two gradients of one tensor out of place under any dispatch mode (test below). On
 memfine's MoE layer (plain, fused, chunked, recomputed, forward and backward streamed over
 several row blocks) the tracker, the profiler and the memory model's timeline give the same peak
-and forward-peak bytes, exactly (the bytes alive between phases may differ by a scalar the profiler sees and the tracker
-does not: Python-created scalar tensors bypass the dispatcher).
+and forward-peak bytes, exactly (the bytes alive between phases may differ by a scalar the
+profiler sees and the tracker does not: Python-created scalar tensors bypass the dispatcher).
 """
 
 from __future__ import annotations

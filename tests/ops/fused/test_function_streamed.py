@@ -15,7 +15,13 @@ import pytest
 import torch
 from test_function import make_problem
 
-from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
+from memfine.config import (
+    CUDA_BACKWARD_BLOCK_BYTES,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
+    ChunkConfig,
+    MoEConfig,
+    backward_block_rows,
+)
 from memfine.dispatch import build_routing_index
 from memfine.measure import PeakMemoryTracker
 from memfine.nn import MoELayer
@@ -33,6 +39,32 @@ def _row_bytes(d: int, n: int, G: int, dtype_bytes: int) -> int:
 def test_block_rows_from_bytes() -> None:
     assert backward_block_rows(_row_bytes(8, 4, 8, 4) * 3 + 5, 8, 4, 8, 4) == 3
     assert backward_block_rows(1, 8, 4, 8, 4) == 1  # never 0 rows
+
+
+def test_default_block_is_sized_from_the_device() -> None:
+    """None: 16 MiB on the CPU; on CUDA a handful of blocks at the Qwen3-30B-A3B layer at
+    T 16384 in bf16 (S = 131,072 rows of (3·2048 + 3·768 + 1536)·2 bytes)."""
+    assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3,
+                     top_k=2).backward_block_bytes is None
+    d, n, S = 2048, 768, 16384 * 8
+    cpu = backward_block_rows(None, d, n, 2 * n, 2)
+    assert cpu == backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES, d, n, 2 * n, 2)
+    cuda = backward_block_rows(None, d, n, 2 * n, 2, "cuda")
+    assert cuda == backward_block_rows(CUDA_BACKWARD_BLOCK_BYTES, d, n, 2 * n, 2)
+    assert 3 <= -(-S // cuda) <= 8 < -(-S // cpu)
+
+
+def test_triton_backend_without_cuda_or_interpreter_is_refused_at_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"MoEConfig.gemm_backend must be 'auto', 'grouped_mm' "
+                                         r"or 'loop' on a machine without CUDA .*got 'triton'"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                  gemm_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                     gemm_backend="triton").gemm_backend == "triton"
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -122,7 +154,8 @@ def test_chunks_share_weight_grads_through_accumulate_grad() -> None:
 
 def test_rejects_bad_block_bytes() -> None:
     x, idx, w, w_up, w_down = make_problem(4, 8, 4, 3, 2)
-    with pytest.raises(ValueError, match="backward_block_bytes must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="backward_block_bytes must be None or an int >= 1, "
+                                         "got 0"):
         run_experts(x, w, build_routing_index(idx, 3), w_up, w_down, backward_block_bytes=0)
     with pytest.raises(ValueError, match="MoEConfig.backward_block_bytes"):
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,

@@ -97,8 +97,11 @@ def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
 
 
 def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str]:
-    """ops.fused.rows.RowBlocks.plan, once per pass: w_S and, with several blocks, the
-    (n_blocks, E + 1) int32 block offsets (the block starts are transient)."""
+    """ops.fused.rows.RowBlocks.plan, once per pass (forward and backward).
+
+    w_S and, with several blocks, the (n_blocks, E + 1) int32 block offsets (the block starts
+    are transient).
+    """
     plan = [tl.alloc(f"{phase}.w_S", S * s.dt)]
     num_blocks = -(-S // rows)
     if num_blocks > 1:
@@ -116,17 +119,17 @@ def block_rows(s: Shape) -> int:
 
 
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
-    """FusedExpertsFunction.forward, streamed over row blocks (ops.fused.rows.forward_rows);
-    returns (H, out).
+    """FusedExpertsFunction.forward streamed over row blocks; returns (H, out).
 
-    Per block of B rows: x rows, the block's H product (copied into H when there are several
-    blocks; with one block it is H), A, Y; w ⊙ Y is added into out in place (``index_add_``).
+    ops.fused.rows.forward_rows. Per block of B rows: x rows, the block's H product (copied
+    into H when there are several blocks; with one block it is H), A, Y; w ⊙ Y is added into
+    out in place (``index_add_``). The row plan (w_S, block offsets) lives for the forward.
     """
     D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
     rows = block_rows(s)
     plan = _row_plan(tl, s, S, rows, "fwd")
     out = tl.alloc("fwd.out", C * D * s.dt)
-    several = S > rows
+    several = rows < S
     h = tl.alloc("fwd.H", S * G * s.dt) if several else None
     for r0 in range(0, S, rows):
         B = min(S, r0 + rows) - r0

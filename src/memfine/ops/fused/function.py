@@ -19,7 +19,6 @@ from memfine.ops.activations import (
     Activation,
     activation_and_gate,
     activation_backward,
-    apply_activation,
 )
 from memfine.ops.combine import scatter_slots
 from memfine.ops.fused.lora import LoRABackward, LoRAForward, LoRASpec
@@ -36,12 +35,14 @@ from memfine.ops.grouped import grouped_mm, grouped_row_sums
 
 # Activations the Triton up-projection kernel computes in its epilogue.
 TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
-# Under torch.compile the backward runs as one block unless this is True: the traced row blocks
-# (:func:`_row_blocks`) equal eager but raised the compiled peak and time where measured
-# (docs/compile.md, "The streamed backward under compile").
+# Under torch.compile the backward runs as one block unless this is True: the traced row
+# blocks (:func:`memfine.ops.fused.rows.row_blocks`) equal eager but raised the compiled peak
+# and time where measured (docs/compile.md, "The streamed backward under compile"). The traced
+# forward is one block either way.
 STREAM_UNDER_COMPILE = False
-# The CPU sums the dx rows with ``index_add_`` (sequential, deterministic, fastest there); True
-# makes it take the per-token gather that every other device takes (:func:`memfine.ops.fused.rows.add_token_rows_`).
+# The CPU sums the output rows (forward) and the dx rows (backward) with ``index_add_``
+# (sequential, deterministic, fastest there); True makes it take the per-token gather that every
+# other device takes (:func:`memfine.ops.fused.rows.add_token_rows_`).
 DX_BY_GATHER_ON_CPU = False
 
 
@@ -74,7 +75,7 @@ class FusedOptions:
     Attributes:
         activation: a name or a :class:`memfine.ops.activations.GatedActivation`.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
-        block_rows: rows per block of the streamed backward (≥ 1; clamped to 1).
+        block_rows: rows per block of the streamed forward and backward (≥ 1; clamped to 1).
         weight_grads: the chunk loop's shared weight-gradient buffers, or None (the Function
             returns its own).
         lora: split-LoRA adapters (:class:`memfine.ops.fused.lora.LoRASpec`); their tensors
@@ -145,7 +146,8 @@ class FusedExpertsFunction(torch.autograd.Function):
     offsets and H allocated before the first block; per block x rows (B·d), the block's H
     product (B·G, copied into H; with one block it is H), A (B·n) and Y (B·d). The bookkeeping
     (w_S, block offsets) is built once per pass, in forward and again in backward, never saved.
-    Split LoRA runs the forward as one block.
+    Split LoRA and a forward traced by torch.compile (whose S is data-dependent) run the
+    forward as one block.
 
     Streamed backward (MoEBlaze §4.2, row tiles of the expert-grouped rows): backward walks the
     S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
@@ -156,8 +158,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     :mod:`memfine.ops.fused.weight_grads`) and its dx rows into dx (T, d) deterministically: on
     the CPU with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
     order), elsewhere with a per-token gather through token_index_map, no atomics
-    (:func:`memfine.ops.fused.rows.add_token_rows_`). ``weight_grads``: the chunk loop's shared buffers
-    (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
+    (:func:`memfine.ops.fused.rows.add_token_rows_`). ``weight_grads``: the chunk loop's shared
+    buffers (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into
+    them and None
     is returned for those inputs. Otherwise the Function owns its buffers and returns them.
 
     Backward transients: per block of B rows, dO rows (B·d), dA (B·n), A (B·n), f(gate) (B·n,
@@ -203,9 +206,11 @@ class FusedExpertsFunction(torch.autograd.Function):
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
         else:  # streamed over row blocks (split LoRA: one block)
+            # under torch.compile (S data-dependent) and with split LoRA: one block
+            traced = torch.compiler.is_compiling()
             blocks = _plan_rows(options, x_TD, weights_TK, expert_token_offsets_E1,
-                                expert_slot_indices_S, torch.compiler.is_compiling(),
-                                one_block=lora_fwd is not None)
+                                expert_slot_indices_S, traced,
+                                one_block=traced or lora_fwd is not None)
             h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
                                         expert_token_indices_S, token_index_map_TK, activation,
                                         backend, by_gather=_by_gather(x_TD), lora=lora_fwd)

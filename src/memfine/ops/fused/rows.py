@@ -78,18 +78,21 @@ class RowBlocks:
         w_S: (S,) routing weight of every row, weights[expert_slot_indices], x's dtype.
         block_offsets: eagerly with several blocks, every block's grouped offsets at once,
             (n_blocks, E + 1) int32 clamp(offsets − r0, 0, block_rows); else None.
+        eager: the bounds are ints (not traced by torch.compile).
     """
 
     bounds: list[tuple[Any, Any]]
     offsets_E1: torch.Tensor
     w_S: torch.Tensor
     block_offsets: torch.Tensor | None
+    eager: bool
 
     @classmethod
     def plan(cls, bounds: list[tuple[Any, Any]], block_rows: int, offsets_E1: torch.Tensor,
              weights_TK: torch.Tensor, slot_S: torch.Tensor, eager: bool) -> RowBlocks:
-        """The bookkeeping of ``bounds``: one ``index_select`` and, with several blocks, an
-        arange, a subtraction and a clamp (no host read).
+        """The bookkeeping of ``bounds`` (no host read).
+
+        One ``index_select`` and, with several blocks, an arange, a subtraction and a clamp.
 
         Memory: w_S (S·D_t bytes) and, with several blocks, the (n_blocks, E + 1) int32
         offsets, held for the pass; the block starts (n_blocks int32) are transient.
@@ -97,18 +100,18 @@ class RowBlocks:
         # NOTE(memory): S·D_t bytes for the whole pass (not B·(D_t + 8) per block)
         w_S = weights_TK.reshape(-1).index_select(0, slot_S)
         if not eager or len(bounds) < 2:
-            return cls(bounds, offsets_E1, w_S, None)
+            return cls(bounds, offsets_E1, w_S, None, eager)
         starts_n1 = torch.arange(0, bounds[-1][0] + 1, block_rows, dtype=offsets_E1.dtype,
                                  device=offsets_E1.device)[:, None]
         # NOTE(memory): (n_blocks, E + 1) int32 offsets, freed with the pass
         block_offsets = (offsets_E1[None, :] - starts_n1).clamp_(0, block_rows)
-        return cls(bounds, offsets_E1, w_S, block_offsets)
+        return cls(bounds, offsets_E1, w_S, block_offsets, eager)
 
     def offsets_of(self, b: int, r0: Any, r1: Any, num_rows: Any) -> torch.Tensor:
         """(E + 1,) int32 grouped offsets of block ``b`` = rows [r0, r1), starting at 0."""
         if self.block_offsets is not None:
             return self.block_offsets[b]
-        if isinstance(r0, int) and isinstance(r1, int) and r0 == 0 and r1 == num_rows:
+        if self.eager and r0 == 0 and r1 == num_rows:
             return self.offsets_E1  # one eager block: the offsets as they are
         return self.offsets_E1.clamp(r0, r1) - r0
 
@@ -159,7 +162,8 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         blocks: the pass's :class:`RowBlocks`.
         up_parts: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
         w_down_END: (E, n, d) down-projection.
-        b_up_EG, b_down_ED: optional biases.
+        b_up_EG: optional (E, G) up-projection bias.
+        b_down_ED: optional (E, d) down-projection bias.
         token_idx_S: (S,) int32 expert_token_indices.
         map_TK: (T, k) int32 token_index_map (read by the gather form only).
         activation: the experts' activation.
