@@ -20,16 +20,14 @@ import dataclasses
 import os
 import time
 
+import bench_flops  # this folder's FLOP-rate script: its shapes and layer set-up
 import torch
 
 from memfine.bench.harness import Method, percentiles, run_methods
-from memfine.bench.options import LayerShape
 from memfine.bench.results import collect_environment, csv_row, write_csv
-from memfine.bench.suites.layers import base_layer, layer_inputs, layer_method, sharing
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, MoEConfig
+from memfine.bench.suites.layers import layer_method, sharing
+from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES
 
-SHAPES = {"coarse": (512, 1024, 16, 4), "fine": (512, 128, 64, 8)}
-"""name → (d, n, E, k)."""
 BLOCKS_MIB = (4, 8, 16, 32, 64)
 ONE_BLOCK = 2**40
 """A byte target above every S·row bytes measured here: one block."""
@@ -37,13 +35,8 @@ ONE_BLOCK = 2**40
 
 def methods(shape_name: str, T: int, seed: int) -> list[Method]:
     """The fused layer at every block size (shared weights, input and incoming gradient)."""
-    d, n, E, k = SHAPES[shape_name]
-    shape = LayerShape(name=f"{shape_name}-T{T}", tokens=T, hidden_size=d, intermediate_size=n,
-                       num_experts=E, top_k=k)
-    moe = MoEConfig(hidden_size=d, intermediate_size=n, num_experts=E, top_k=k)
-    cpu = torch.device("cpu")
-    base = base_layer(moe, dtype=torch.float32, device=cpu, seed=seed)
-    x_TD, grad_TD = layer_inputs(shape, dtype=torch.float32, device=cpu, seed=seed)
+    bench_flops.use_shape(shape_name)
+    moe, base, x_TD, grad_TD = bench_flops.layer_setup(T, seed)
     sizes = [(f"{mib}MiB", mib * 2**20) for mib in BLOCKS_MIB] + [("one_block", ONE_BLOCK)]
     return [layer_method(name, sharing(base, dataclasses.replace(moe, backward_block_bytes=b)),
                          x_TD, grad_TD, modelled=False) for name, b in sizes]
@@ -62,7 +55,7 @@ def main() -> None:
     env, load_start = collect_environment("cpu"), os.getloadavg()[0]
     default_name = f"{DEFAULT_BACKWARD_BLOCK_BYTES // 2**20}MiB"
     rows = []
-    for shape_name, (d, n, E, k) in SHAPES.items():
+    for shape_name, (d, n, E, k) in bench_flops.SHAPES.items():
         results = run_methods(methods(shape_name, args.tokens, args.seed), repeats=args.repeats,
                               warmup=args.warmup, measure=False, clock=time.thread_time)
         default = next(r for r in results if r.name == default_name).times_s["full"]

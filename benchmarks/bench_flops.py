@@ -81,14 +81,20 @@ def raw_grouped_gemms(T: int, seed: int) -> Method:
     return Method(name="raw_grouped_gemms", forward=forward, backward=backward, tokens=T)
 
 
-def methods(T: int, seed: int) -> list[Method]:
-    """Every method of one token count (the layers share weights, input and gradient)."""
+def layer_setup(T: int, seed: int) -> tuple[MoEConfig, Any, torch.Tensor, torch.Tensor]:
+    """(config, fp32 base layer, x (T, d), incoming gradient) at the module's (d, n, E, k)."""
     shape = LayerShape(name=f"T{T}", tokens=T, hidden_size=D, intermediate_size=N,
                        num_experts=E, top_k=K)
     moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
     cpu = torch.device("cpu")
     base = base_layer(moe, dtype=torch.float32, device=cpu, seed=seed)
     x_TD, grad_TD = layer_inputs(shape, dtype=torch.float32, device=cpu, seed=seed)
+    return moe, base, x_TD, grad_TD
+
+
+def methods(T: int, seed: int) -> list[Method]:
+    """Every method of one token count (the layers share weights, input and gradient)."""
+    moe, base, x_TD, grad_TD = layer_setup(T, seed)
     gmm = dataclasses.replace(moe, experts_impl="plain", gemm_backend="grouped_mm")
     loop = dataclasses.replace(moe, experts_impl="plain", gemm_backend="loop")
     return [raw_grouped_gemms(T, seed),
