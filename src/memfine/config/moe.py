@@ -68,8 +68,10 @@ class GatedActivation(_ConfigBase):
 
 
 DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
-"""Byte target of one row block of the fused forward and backward on the CPU (16 MiB): the
-fastest of the sizes measured there (``benchmarks/bench_block_bytes.py``)."""
+"""Byte target of one row block of the fused forward and backward on the CPU (16 MiB): of 4, 8,
+16, 32, 64 MiB and one block, the size whose slower shape is least slow, within 1% of the
+fastest at both shapes measured (one thread, thread CPU time, interleaved; one block 1.09× and
+1.27× its time; ``benchmarks/bench_block_bytes.py``, ``benchmarks/results/block_bytes_cpu.csv``)."""
 
 CUDA_BACKWARD_BLOCK_BYTES = 512 * 2**20
 """Byte target of one row block on CUDA (and any other accelerator): 512 MiB, five blocks at
@@ -164,8 +166,8 @@ class MoEConfig(RouteOptions):
             forward and backward (the backward's dO, dA, A, dH and gathered rows per block;
             :func:`backward_block_rows`), at least one row at 2 bytes per element
             ((3·d + 3·n + G)·2; ValueError below). None (default): sized from the device the
-            activations are on (:func:`default_block_bytes`): 16 MiB on the CPU (the fastest
-            size measured there), 512 MiB on CUDA (a handful of blocks at the Qwen3-30B-A3B
+            activations are on (:func:`default_block_bytes`): 16 MiB on the CPU (within 1%
+            of the fastest size measured there), 512 MiB on CUDA (a handful of blocks at the Qwen3-30B-A3B
             layer at T 16384). Rows per block set the forward's and the backward's transients
             (the memory model's ``fwd.*_B*`` and ``bwd.*`` items scale with them; it reads None
             as the CPU size) and the block count (each block is one set of kernel launches);
