@@ -167,9 +167,10 @@ class MoEConfig(RouteOptions):
             :func:`backward_block_rows`), at least one row at 2 bytes per element
             ((3·d + 3·n + G)·2; ValueError below). None (default): sized from the device the
             activations are on (:func:`default_block_bytes`): 16 MiB on the CPU (within 1%
-            of the fastest size measured there), 512 MiB on CUDA (a handful of blocks at the Qwen3-30B-A3B
-            layer at T 16384). Rows per block set the forward's and the backward's transients
-            (the memory model's ``fwd.*_B*`` and ``bwd.*`` items scale with them; it reads None
+            of the fastest size measured there), 512 MiB on CUDA (a handful of blocks at the
+            Qwen3-30B-A3B layer at T 16384). Rows per block set the forward's and the
+            backward's transients (the memory model's ``fwd.x_BD``, ``fwd.H_block``,
+            ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it reads None
             as the CPU size) and the block count (each block is one set of kernel launches);
             in bf16 each backward block after the first adds one grouped weight-gradient
             product of the buffer's size (E·d·G, E·n·d) as a transient.
