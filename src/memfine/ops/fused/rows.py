@@ -176,7 +176,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
 
     Memory: out (T·d, zero-filled first) and H (S·G, allocated before the first block when
     there are several); per block, transients x rows (B·d), the block's H product (B·G, copied
-    into H), A (B·n, plus the activation's own temporaries) and Y (B·d).
+    into H), A (B·n, plus the activation's own temporaries), Y (B·d) and w ⊙ Y (B·d).
     """
     S, (T, D) = token_idx_S.shape[0], x_TD.shape
     assert lora is None or len(blocks.bounds) == 1, "split LoRA runs the forward as one block"
@@ -203,9 +203,12 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         if lora is not None:
             lora.down_(y_BD, a_BN, offs_E1)
         del a_BN  # NOTE(memory): A is recomputed from H in backward
-        add_row_bias_(y_BD, b_down_ED, offs_E1).mul_(blocks.w_S[r0:r1, None])
-        add_token_rows_(out_TD, y_BD, token_B, map_TK, r0, by_gather)
+        # w ⊙ Y out of place: Y is a GEMM output, which selective activation checkpointing may
+        # have cached (a cached tensor must not be mutated)
+        weighted_BD = add_row_bias_(y_BD, b_down_ED, offs_E1) * blocks.w_S[r0:r1, None]
         del y_BD  # NOTE(memory): Y is never saved
+        add_token_rows_(out_TD, weighted_BD, token_B, map_TK, r0, by_gather)
+        del weighted_BD
     if h_SG is None:  # no block (S == 0)
         h_SG = x_TD.new_empty(0, sum(p.shape[2] for p in up_parts))
     return h_SG, out_TD
