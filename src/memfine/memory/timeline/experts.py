@@ -122,8 +122,9 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int) -> tuple[str, str]:
     """FusedExpertsFunction.forward streamed over row blocks; returns (H, out).
 
     ops.fused.rows.forward_rows. Per block of B rows: x rows, the block's H product (copied
-    into H when there are several blocks; with one block it is H), A, Y, w ⊙ Y (out of
-    place), which is added into out in place (``index_add_``). The row plan (w_S, block offsets) lives for the forward.
+    into H when there are several blocks; with one block it is H), A, Y and w ⊙ Y (out of
+    place), which is added into out in place (``index_add_``). The row plan (w_S, block
+    offsets) lives for the forward.
     """
     D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
     rows = block_rows(s)

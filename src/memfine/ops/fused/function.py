@@ -144,8 +144,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     (S, n) A, no (S, d) Y and no (T, k, d) scattered copy is ever live. Forward transients: out
     (T·d), the rows' routing weights (S), with several blocks their (n_blocks, E + 1) int32
     offsets and H allocated before the first block; per block x rows (B·d), the block's H
-    product (B·G, copied into H; with one block it is H), A (B·n), Y (B·d) and w ⊙ Y (B·d). The bookkeeping
-    (w_S, block offsets) is built once per pass, in forward and again in backward, never saved.
+    product (B·G, copied into H; with one block it is H), A (B·n), Y (B·d) and w ⊙ Y (B·d).
+    The bookkeeping (w_S, block offsets) is built once per pass, in forward and again in
+    backward, never saved.
     Split LoRA and a forward traced by torch.compile (whose S is data-dependent) run the
     forward as one block.
 
