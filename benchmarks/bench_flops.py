@@ -1,6 +1,7 @@
 """FLOP rate of one MoE layer's forward + backward: memfine fused against raw grouped GEMMs.
 
-One MoE layer (d = 512, n = 1024, E = 16, k = 4, SwiGLU, fp32, router + experts) at several
+One MoE layer (``--shape coarse``: d = 512, n = 1024, E = 16, k = 4; ``--shape fine``: the
+fine-grained d = 512, n = 128, E = 64, k = 8; SwiGLU, fp32, router + experts) at several
 token counts T, forward + backward, timed with :func:`memfine.bench.harness.run_methods`
 (warm-up, then interleaved rounds, p20/p50/p80 of ``repeats`` calls). Methods:
 
@@ -18,12 +19,15 @@ down-projection, twice that backward; S = T·k). GFLOP/s = that count ÷ the cal
 
     python benchmarks/bench_flops.py --tokens 2048 4096 8192 16384 --repeats 5 --clock thread \
         --out benchmarks/results/flops_cpu.csv
+    python benchmarks/bench_flops.py --shape fine --tokens 4096 --repeats 7 --clock thread \
+        --out benchmarks/results/flops_cpu_fine.csv
     python benchmarks/bench_flops.py --profile 4096 --out benchmarks/results/flops_profile_cpu.csv
 
 Writes one CSV row per method × T × metric (``time`` in ms, or ``thread_cpu_time`` with
 ``--clock thread``, ``gflops`` in GFLOP/s, both
-p20/p50/p80; ``flops`` per call) with versions, git SHA and the 1-minute load average at the
-start and the end of the run (the machine may be shared: compare methods of one run).
+p20/p50/p80; ``flops`` per call; ``rate_vs_raw``: per round, the raw GEMMs' time ÷ the
+method's time, p20/p50/p80 over the rounds) with versions, git SHA and the 1-minute load
+average at the start and the end of the run (the machine may be shared: compare methods of one run).
 """
 
 from __future__ import annotations
@@ -42,7 +46,15 @@ from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.bench.suites.layers import base_layer, layer_inputs, layer_method, sharing
 from memfine.config import MoEConfig
 
-D, N, E, K = 512, 1024, 16, 4
+SHAPES = {"coarse": (512, 1024, 16, 4), "fine": (512, 128, 64, 8)}
+"""--shape → (d, n, E, k)."""
+D, N, E, K = SHAPES["coarse"]
+
+
+def use_shape(name: str) -> None:
+    """Set the module's (d, n, E, k) to :data:`SHAPES` ``[name]``."""
+    global D, N, E, K
+    D, N, E, K = SHAPES[name]
 
 
 def raw_grouped_gemms(T: int, seed: int) -> Method:
@@ -69,14 +81,20 @@ def raw_grouped_gemms(T: int, seed: int) -> Method:
     return Method(name="raw_grouped_gemms", forward=forward, backward=backward, tokens=T)
 
 
-def methods(T: int, seed: int) -> list[Method]:
-    """Every method of one token count (the layers share weights, input and gradient)."""
+def layer_setup(T: int, seed: int) -> tuple[MoEConfig, Any, torch.Tensor, torch.Tensor]:
+    """(config, fp32 base layer, x (T, d), incoming gradient) at the module's (d, n, E, k)."""
     shape = LayerShape(name=f"T{T}", tokens=T, hidden_size=D, intermediate_size=N,
                        num_experts=E, top_k=K)
     moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
     cpu = torch.device("cpu")
     base = base_layer(moe, dtype=torch.float32, device=cpu, seed=seed)
     x_TD, grad_TD = layer_inputs(shape, dtype=torch.float32, device=cpu, seed=seed)
+    return moe, base, x_TD, grad_TD
+
+
+def methods(T: int, seed: int) -> list[Method]:
+    """Every method of one token count (the layers share weights, input and gradient)."""
+    moe, base, x_TD, grad_TD = layer_setup(T, seed)
     gmm = dataclasses.replace(moe, experts_impl="plain", gemm_backend="grouped_mm")
     loop = dataclasses.replace(moe, experts_impl="plain", gemm_backend="loop")
     return [raw_grouped_gemms(T, seed),
@@ -85,8 +103,9 @@ def methods(T: int, seed: int) -> list[Method]:
             layer_method("plain", sharing(base, loop), x_TD, grad_TD)]
 
 
-Measured = tuple[int, str, int, Any, tuple[float, ...]]
-"""(T, method, FLOPs per call, time (p20, p50, p80) in ms, GFLOP/s (p20, p50, p80))."""
+Measured = tuple[int, str, int, Any, tuple[float, ...], tuple[float, ...]]
+"""(T, method, FLOPs per call, time (p20, p50, p80) in ms, GFLOP/s (p20, p50, p80), per-round
+raw ÷ method time (p20, p50, p80))."""
 
 
 CLOCKS = {"wall": time.perf_counter, "thread": time.thread_time}
@@ -104,14 +123,17 @@ def measure_all(tokens: list[int], seed: int, repeats: int, warmup: int,
     measured: list[Measured] = []
     for T in tokens:
         flops = 18 * T * K * D * N
-        for res in run_methods(methods(T, seed), repeats=repeats, warmup=warmup, measure=False,
-                               clock=CLOCKS[clock]):
+        results = run_methods(methods(T, seed), repeats=repeats, warmup=warmup, measure=False,
+                              clock=CLOCKS[clock])
+        raw = next(res for res in results if res.name == "raw_grouped_gemms").times_s["full"]
+        for res in results:
             if res.error:
                 raise RuntimeError(f"{res.name} at T={T}: {res.error}")
             rates = percentiles([flops / t / 1e9 for t in res.times_s["full"]])
-            measured.append((T, res.name, flops, res.time_ms("full"), rates))
+            ratios = percentiles([r / t for r, t in zip(raw, res.times_s["full"], strict=True)])
+            measured.append((T, res.name, flops, res.time_ms("full"), rates, ratios))
             print(f"T={T:6d} {res.name:18s} {res.time_ms('full')[1]:9.1f} ms "
-                  f"{rates[1]:6.1f} GFLOP/s", flush=True)
+                  f"{rates[1]:6.1f} GFLOP/s {ratios[1]:6.3f}x raw rate", flush=True)
     return measured
 
 
@@ -151,6 +173,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
     "--out": {"default": "benchmarks/results/flops_cpu.csv"},
     "--threads": {"type": int, "default": 1},
     "--seed": {"type": int, "default": 0},
+    "--shape": {"choices": tuple(SHAPES), "default": "coarse"},
     "--clock": {"choices": tuple(CLOCKS), "default": "wall",
                 "help": "wall: elapsed time; thread: the thread's CPU time (with --threads 1, "
                         "robust to other processes on a shared machine)"},
@@ -181,6 +204,7 @@ def main() -> None:
         parser.add_argument(flag, **options)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    use_shape(args.shape)
     env, load_start = collect_environment("cpu"), os.getloadavg()[0]
     if args.profile is not None:
         write_profile(args.profile, args.seed, args.out, env, load_start)
@@ -194,12 +218,13 @@ def main() -> None:
               "load_average_1min_end": round(os.getloadavg()[0], 2),
               "flops_per_call": "18*T*k*d*n", "clock": args.clock}
     rows = []
-    for T, name, flops, time_ms, rates in measured:
+    for T, name, flops, time_ms, rates, ratios in measured:
         common = {"benchmark": "flops", "method": name, "mode": "full", "x_name": "tokens",
                   "x_value": T, "config": config, "env": env}
         rows += [csv_row(metric="time" if args.clock == "wall" else "thread_cpu_time",
                          unit="ms", values=time_ms, **common),
                  csv_row(metric="gflops", unit="GFLOP/s", values=rates, **common),
+                 csv_row(metric="rate_vs_raw", unit="ratio", values=ratios, **common),
                  csv_row(metric="flops", unit="FLOP", values=flops, **common)]
     write_csv(rows, args.out)
     print(f"wrote {args.out} (load average {load_start:.1f} at start, "

@@ -1,7 +1,8 @@
 """Peak live bytes of one MoE layer forward + backward, per method, from ``torch.profiler``.
 
-One MoE layer (d = 512, n = 1024, E = 16, k = 4, SwiGLU, fp32, router + experts) at several
-token counts T; each method runs once per T under ``torch.profiler(profile_memory=True)``
+One MoE layer (``--shape coarse``: d = 512, n = 1024, E = 16, k = 4; ``--shape fine``: the
+fine-grained d = 512, n = 128, E = 64, k = 8; SwiGLU, fp32, router + experts) at several token
+counts T; each method runs once per T under ``torch.profiler(profile_memory=True)``
 (:class:`memfine.measure.ProfiledPeakMemory`, the CPU ground truth) with the saved-tensor hooks
 during forward. Methods: memfine fused, memfine fused with c ∈ {2, 4, 8} token chunks
 (per-chunk recompute), and the baselines: the plain autograd path over gathered / scattered
@@ -9,11 +10,14 @@ copies with the per-expert loop GEMM and with ``torch._grouped_mm`` (torchtitan 
 per-expert loop with index masks (transformers ``eager`` style). memfine's methods also get the
 memory model's prediction. No timing: memory only.
 
-    python benchmarks/bench_peak.py --tokens 256 1024 2048 4096 \
+    python benchmarks/bench_peak.py --tokens 256 1024 2048 4096 8192 16384 \
         --out benchmarks/results/peak_cpu.csv
+    python benchmarks/bench_peak.py --shape fine --tokens 1024 4096 16384 \
+        --out benchmarks/results/peak_cpu_fine.csv
 
 Writes one CSV row per method × T × metric (``peak_bytes``, ``saved_bytes``,
-``predicted_peak_bytes``; unit bytes) with versions, git SHA and the load average at the start.
+``predicted_peak_bytes``, ``x_plus_h_bytes``: the saved floor x + H = (T·d + T·k·2n)·4; unit
+bytes) with versions, git SHA and the load average at the start.
 """
 
 from __future__ import annotations
@@ -40,13 +44,16 @@ from memfine.measure import measure_memory
 from memfine.units import format_bytes
 
 CHUNKS = (2, 4, 8)
+SHAPES = {"coarse": (512, 1024, 16, 4), "fine": (512, 128, 64, 8)}
+"""--shape → (d, n, E, k)."""
 
 
-def methods(T: int, seed: int) -> list[Method]:
+def methods(T: int, seed: int, shape_name: str = "coarse") -> list[Method]:
     """Every method of one token count, sharing weights, input and incoming gradient."""
-    shape = LayerShape(name=f"T{T}", tokens=T, hidden_size=512, intermediate_size=1024,
-                       num_experts=16, top_k=4)
-    moe = MoEConfig(hidden_size=512, intermediate_size=1024, num_experts=16, top_k=4)
+    d, n, E, k = SHAPES[shape_name]
+    shape = LayerShape(name=f"T{T}", tokens=T, hidden_size=d, intermediate_size=n,
+                       num_experts=E, top_k=k)
+    moe = MoEConfig(hidden_size=d, intermediate_size=n, num_experts=E, top_k=k)
     base = base_layer(moe, dtype=torch.float32, device=torch.device("cpu"), seed=seed)
     x_TD, grad_TD = layer_inputs(shape, dtype=torch.float32, device=torch.device("cpu"),
                                  seed=seed)
@@ -87,17 +94,20 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/peak_cpu.csv")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="coarse")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     env = collect_environment("cpu")
     load = os.getloadavg()[0]
     rows = []
+    d, n, E, k = SHAPES[args.shape]
     for T in args.tokens:
-        for method in methods(T, args.seed):
+        for method in methods(T, args.seed, args.shape):
             values = measure(method)
+            values["x_plus_h_bytes"] = (T * d + T * k * 2 * n) * 4
             print(f"T={T:6d} {method.name:12s} peak {format_bytes(values['peak_bytes'] or 0):>12}"
                   f"  saved {format_bytes(values['saved_bytes'] or 0):>12}", flush=True)
-            config = {"d": 512, "n": 1024, "E": 16, "k": 4, "dtype": "float32",
+            config = {"d": d, "n": n, "E": E, "k": k, "dtype": "float32",
                       "peak": "torch.profiler", "load_average_1min": round(load, 2)}
             rows += [csv_row(benchmark="peak", method=method.name, mode="full", metric=metric,
                              unit="bytes", x_name="tokens", x_value=T, values=value,

@@ -28,9 +28,9 @@ def test_block_bytes_keep_the_real_dims_block_rows() -> None:
     real = counts.PRESETS["qwen3-30b-a3b"]
     shape = counts.scaled(real)
     block = counts.block_bytes_keeping_rows(real, shape)
-    # 16 MiB / ((3·2048 + 3·768 + 1536) · 2 bytes) = 840 rows at the real dims
+    # CUDA's 512 MiB / ((3·2048 + 3·768 + 1536) · 2 bytes) = 26,886 rows at the real dims
     assert backward_block_rows(block, shape.hidden_size, shape.intermediate_size,
-                               2 * shape.intermediate_size, 2) == 840
+                               2 * shape.intermediate_size, 2) == 26_886
 
 
 def test_counts_do_not_depend_on_d_and_n_at_equal_block_rows() -> None:

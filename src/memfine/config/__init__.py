@@ -29,14 +29,17 @@ from memfine.config.base import (
 )
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
+    CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
     GatedActivation,
     MoEConfig,
     backward_block_rows,
+    default_block_bytes,
 )
 from memfine.config.routing import RouteOptions
 
 __all__ = [
+    "CUDA_BACKWARD_BLOCK_BYTES",
     "DEFAULT_BACKWARD_BLOCK_BYTES",
     "GATED_ACTIVATIONS",
     "MAX_BIN",
@@ -59,4 +62,5 @@ __all__ = [
     "TrainConfig",
     "_ConfigBase",
     "backward_block_rows",
+    "default_block_bytes",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -67,28 +68,55 @@ class GatedActivation(_ConfigBase):
 
 
 DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
-"""Default byte target of one row block of the fused backward (16 MiB)."""
+"""Byte target of one row block of the fused forward and backward on the CPU (16 MiB): of 4, 8,
+16, 32, 64 MiB and one block, the size whose slower shape is least slow, within 1% of the
+fastest at both shapes measured (one thread, thread CPU time, interleaved; one block 1.09× and
+1.27× its time; ``benchmarks/bench_block_bytes.py``, ``benchmarks/results/block_bytes_cpu.csv``)."""
+
+CUDA_BACKWARD_BLOCK_BYTES = 512 * 2**20
+"""Byte target of one row block on CUDA (and any other accelerator): 512 MiB, five blocks at
+the Qwen3-30B-A3B layer (d 2048, n 768, k 8) at T 16384 in bf16 (S = 131,072 rows of 19,968
+bytes), so kernel launches per layer stay few while the block transients stay well below the
+saved H (2.3 GiB there)."""
 
 
-def backward_block_rows(block_bytes: int, hidden_size: int, intermediate_size: int,
-                        up_width: int, dtype_bytes: int) -> int:
-    """Rows per block of the streamed fused backward for a byte target.
-
-    One row of a block costs (3·d + 3·n + G)·D_t bytes of transients: dO, gathered x and dx
-    rows (d each), dA, A and one activation temporary (n each) and dH (G).
+def default_block_bytes(device_type: str) -> int:
+    """The row-block byte target used when ``MoEConfig.backward_block_bytes`` is None.
 
     Args:
-        block_bytes: byte target of one block, ≥ 1.
+        device_type: ``torch.device.type`` of the activations (``cpu``, ``cuda``, ...).
+
+    Returns:
+        :data:`DEFAULT_BACKWARD_BLOCK_BYTES` on the CPU, :data:`CUDA_BACKWARD_BLOCK_BYTES`
+        elsewhere.
+    """
+    return DEFAULT_BACKWARD_BLOCK_BYTES if device_type == "cpu" else CUDA_BACKWARD_BLOCK_BYTES
+
+
+def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_size: int,
+                        up_width: int, dtype_bytes: int, device_type: str = "cpu") -> int:
+    """Rows per block of the streamed fused forward and backward for a byte target.
+
+    One row of a block costs (3·d + 3·n + G)·D_t bytes of backward transients: dO, gathered x
+    and dx rows (d each), dA, A and one activation temporary (n each) and dH (G); the forward's
+    per-row transients (x rows, the H product, A, Y: (2·d + G + n)·D_t) are smaller.
+
+    Args:
+        block_bytes: byte target of one block, ≥ 1, or None for the device's default
+            (:func:`default_block_bytes`).
         hidden_size: d.
         intermediate_size: n.
         up_width: G (2n gated, else n).
         dtype_bytes: D_t, bytes per activation element.
+        device_type: the activations' device type (used when ``block_bytes`` is None).
 
     Returns:
         ⌊block_bytes / row bytes⌋, at least 1.
 
     Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
     """
+    if block_bytes is None:
+        block_bytes = default_block_bytes(device_type)
     row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
     return max(1, block_bytes // row_bytes)
 
@@ -134,12 +162,18 @@ class MoEConfig(RouteOptions):
             Qwen2-MoE), >= 0; they run on the same fused, chunked path as the routed experts.
         shared_intermediate_size: n of one shared expert per GLU branch; ``None`` means n.
         shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
-        backward_block_bytes: byte target of one row block of the fused backward (its dA, A, dH
-            and gathered rows; :func:`backward_block_rows`), at least one row at 2 bytes per
-            element ((3·d + 3·n + G)·2; ValueError below). Default 16 MiB. Rows per block set
-            the backward's transients (the memory model's ``bwd.*`` items scale with them) and
-            its block count; in bf16 each block after the first adds one grouped
-            weight-gradient product of the buffer's size (E·d·G, E·n·d) as a transient.
+        backward_block_bytes: byte target of one row block of the fused experts' streamed
+            forward and backward (the backward's dO, dA, A, dH and gathered rows per block;
+            :func:`backward_block_rows`), at least one row at 2 bytes per element
+            ((3·d + 3·n + G)·2; ValueError below). None (default): sized from the device the
+            activations are on (:func:`default_block_bytes`): 16 MiB on the CPU (within 1%
+            of the fastest size measured there), 512 MiB on CUDA (a handful of blocks at the
+            Qwen3-30B-A3B layer at T 16384). Rows per block set the forward's and the
+            backward's transients (the memory model's ``fwd.x_BD``, ``fwd.H_block``,
+            ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it reads None
+            as the CPU size) and the block count (each block is one set of kernel launches);
+            in bf16 each backward block after the first adds one grouped weight-gradient
+            product of the buffer's size (E·d·G, E·n·d) as a transient.
     """
 
     hidden_size: int
@@ -162,7 +196,7 @@ class MoEConfig(RouteOptions):
     num_shared_experts: int = 0
     shared_intermediate_size: int | None = None
     shared_expert_gate: bool = False
-    backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES
+    backward_block_bytes: int | None = None
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -200,6 +234,9 @@ class MoEConfig(RouteOptions):
         check_float(self, "skew_bias", 0.0)
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
+        _check_backend_device(self)
+        if self.backward_block_bytes is None:
+            return
         check_int(self, "backward_block_bytes", 1)
         one_row = (3 * self.hidden_size + 3 * self.intermediate_size + self.up_width) * 2
         if self.backward_block_bytes < one_row:
@@ -239,6 +276,23 @@ class MoEConfig(RouteOptions):
     def up_width(self) -> int:
         """G: columns of w_up (2n gated, n otherwise)."""
         return 2 * self.intermediate_size if self.gated else self.intermediate_size
+
+
+def _check_backend_device(moe: MoEConfig) -> None:
+    """``gemm_backend='triton'`` needs CUDA or ``TRITON_INTERPRET=1`` (Triton's CPU interpreter).
+
+    Raises:
+        ValueError: naming ``gemm_backend`` on a machine without CUDA when the interpreter is
+            off, so the config fails when it is built, not at the first step.
+    """
+    if moe.gemm_backend != "triton" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    import torch  # lazily: the config package imports no torch at module level
+
+    if not torch.cuda.is_available():
+        fail(moe, "gemm_backend", "'auto', 'grouped_mm' or 'loop' on a machine without CUDA "
+             "('triton' runs there only under TRITON_INTERPRET=1, Triton's CPU interpreter)",
+             moe.gemm_backend)
 
 
 def _check_routing(moe: MoEConfig) -> None:

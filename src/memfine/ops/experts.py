@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, backward_block_rows
+from memfine.config import backward_block_rows
 from memfine.dispatch import RoutingIndex
 from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
@@ -147,14 +147,16 @@ def grouped_up_projection(x_SD: torch.Tensor, w_up_EDG: UpWeights, offsets_E1: t
                      dim=1)
 
 
-def _check_run_options(impl: str, backend: str, backward_block_bytes: int) -> None:
+def _check_run_options(impl: str, backend: str, backward_block_bytes: int | None) -> None:
     """Raise ValueError naming ``impl``, ``backend`` or ``backward_block_bytes`` when invalid."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if not isinstance(backward_block_bytes, int) or backward_block_bytes < 1:
-        raise ValueError(f"backward_block_bytes must be an int >= 1, got {backward_block_bytes!r}")
+    if backward_block_bytes is not None and (not isinstance(backward_block_bytes, int)
+                                             or backward_block_bytes < 1):
+        raise ValueError(f"backward_block_bytes must be None or an int >= 1, got "
+                         f"{backward_block_bytes!r}")
 
 
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
@@ -162,7 +164,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
                 activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
                 backend: str = "auto", b_up_EG: torch.Tensor | None = None,
                 b_down_ED: torch.Tensor | None = None,
-                backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES,
+                backward_block_bytes: int | None = None,
                 weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Routed experts: out[t] = Σ_j w[t,j]·(act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]).
 
@@ -183,8 +185,9 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         b_up_EG: optional (E, G) up-projection bias in x's dtype (the gate and up columns, in
             the activation's layout).
         b_down_ED: optional (E, d) down-projection bias in x's dtype.
-        backward_block_bytes: fused path: byte target of one row block of the streamed backward
-            (:func:`memfine.config.backward_block_rows`), ≥ 1.
+        backward_block_bytes: fused path: byte target of one row block of the streamed
+            forward and backward (:func:`memfine.config.backward_block_rows`), ≥ 1, or None
+            for the device's default (:func:`memfine.config.default_block_bytes`).
         weight_grads: fused path: shared weight-gradient buffers of a chunk loop
             (:func:`memfine.ops.fused.weight_grads.share_weight_grads`); ``None``: the Function
             returns its own.
@@ -211,7 +214,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
     parts = up_parts(w_up_EDG)
     G = sum(p.shape[2] for p in parts)
     block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
-                                     x_TD.element_size())
+                                     x_TD.element_size(), x_TD.device.type)
     options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets)
     out: torch.Tensor = FusedExpertsFunction.apply(

@@ -1,4 +1,5 @@
-"""The fused backward streamed over row blocks, and weight gradients shared across chunks.
+"""The fused forward and backward streamed over row blocks, and weight gradients shared across
+chunks.
 
 Blocks of 1, 3 and 7 rows cut experts anywhere; every block size must give the reference values
 (float64 gradcheck; fp32 against the float64 reference) and the one-block result. Shared
@@ -14,8 +15,15 @@ import pytest
 import torch
 from test_function import make_problem
 
-from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
+from memfine.config import (
+    CUDA_BACKWARD_BLOCK_BYTES,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
+    ChunkConfig,
+    MoEConfig,
+    backward_block_rows,
+)
 from memfine.dispatch import build_routing_index
+from memfine.measure import PeakMemoryTracker
 from memfine.nn import MoELayer
 from memfine.ops import run_experts
 from memfine.ops.fused.weight_grads import accumulate_grouped_weight_grad_
@@ -31,6 +39,32 @@ def _row_bytes(d: int, n: int, G: int, dtype_bytes: int) -> int:
 def test_block_rows_from_bytes() -> None:
     assert backward_block_rows(_row_bytes(8, 4, 8, 4) * 3 + 5, 8, 4, 8, 4) == 3
     assert backward_block_rows(1, 8, 4, 8, 4) == 1  # never 0 rows
+
+
+def test_default_block_is_sized_from_the_device() -> None:
+    """None: 16 MiB on the CPU; on CUDA a handful of blocks at the Qwen3-30B-A3B layer at
+    T 16384 in bf16 (S = 131,072 rows of (3·2048 + 3·768 + 1536)·2 bytes)."""
+    assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3,
+                     top_k=2).backward_block_bytes is None
+    d, n, S = 2048, 768, 16384 * 8
+    cpu = backward_block_rows(None, d, n, 2 * n, 2)
+    assert cpu == backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES, d, n, 2 * n, 2)
+    cuda = backward_block_rows(None, d, n, 2 * n, 2, "cuda")
+    assert cuda == backward_block_rows(CUDA_BACKWARD_BLOCK_BYTES, d, n, 2 * n, 2)
+    assert 3 <= -(-S // cuda) <= 8 < -(-S // cpu)
+
+
+def test_triton_backend_without_cuda_or_interpreter_is_refused_at_build(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match=r"MoEConfig.gemm_backend must be 'auto', 'grouped_mm' "
+                                         r"or 'loop' on a machine without CUDA .*got 'triton'"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                  gemm_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                     gemm_backend="triton").gemm_backend == "triton"
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -73,6 +107,7 @@ def test_blocks_match_reference_and_one_block(rows: int, backend: str) -> None:
         assert_close(got, want, grad=name != "out", msg=name)
     ref = reference_experts(x.double(), idx, w.double(), w_up.double(), w_down.double(),
                             b_up_EG=b_up.double(), b_down_ED=b_down.double())
+    assert_close(streamed[0], ref.float(), msg="out vs reference")
     ref_grads = torch.autograd.grad(ref, inputs[:4], grad_out.double())
     for name, got, want in zip(("x", "w", "w_up", "w_down"), streamed[1:5], ref_grads,
                                strict=True):
@@ -119,7 +154,8 @@ def test_chunks_share_weight_grads_through_accumulate_grad() -> None:
 
 def test_rejects_bad_block_bytes() -> None:
     x, idx, w, w_up, w_down = make_problem(4, 8, 4, 3, 2)
-    with pytest.raises(ValueError, match="backward_block_bytes must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="backward_block_bytes must be None or an int >= 1, "
+                                         "got 0"):
         run_experts(x, w, build_routing_index(idx, 3), w_up, w_down, backward_block_bytes=0)
     with pytest.raises(ValueError, match="MoEConfig.backward_block_bytes"):
         MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
@@ -164,21 +200,23 @@ def test_dx_by_gather_matches_index_add_and_reference(monkeypatch: pytest.Monkey
     grad_out = torch.randn(T, d)
     block_bytes = rows * _row_bytes(d, n, 2 * n, 4)
 
-    def grad_x() -> torch.Tensor:
+    def grad_x() -> tuple[torch.Tensor, torch.Tensor]:
         out = run_experts(x, w, index, w_up, w_down, backward_block_bytes=block_bytes)
-        return torch.autograd.grad(out, x, grad_out)[0]
+        return out.detach(), torch.autograd.grad(out, x, grad_out)[0]
 
-    by_index_add = grad_x()
+    out_index_add, by_index_add = grad_x()
     monkeypatch.setattr(function_module, "DX_BY_GATHER_ON_CPU", True)
     with torch.autograd.set_grad_enabled(True):
         torch.use_deterministic_algorithms(True)
         try:
-            by_gather, again = grad_x(), grad_x()
+            (out_gather, by_gather), (out_again, again) = grad_x(), grad_x()
         finally:
             torch.use_deterministic_algorithms(False)
-    assert torch.equal(by_gather, again)
+    assert torch.equal(by_gather, again) and torch.equal(out_gather, out_again)
     assert_close(by_gather, by_index_add, grad=True, msg="x")
+    assert_close(out_gather, out_index_add, msg="out: the forward's per-token gather")
     ref = reference_experts(x.double(), idx, w.double(), w_up.double(), w_down.double())
+    assert_close(out_gather, ref.detach().float(), msg="out vs reference")
     assert_close(by_gather, torch.autograd.grad(ref, x, grad_out.double())[0], grad=True,
                  msg="x vs reference")
 
@@ -197,3 +235,22 @@ def test_gradcheck_float64_dx_by_gather(monkeypatch: pytest.MonkeyPatch) -> None
                            backward_block_bytes=3 * _row_bytes(d, n, 2 * n, 8))
 
     assert torch.autograd.gradcheck(fn, (x,))
+
+
+@pytest.mark.parametrize(("d", "n", "E", "k"), [(32, 64, 4, 2), (32, 16, 16, 8)])
+def test_streamed_forward_never_holds_a_gathered_copy(d: int, n: int, E: int, k: int) -> None:
+    """With several row blocks the forward's peak stays below H + out + one (S, d) copy, which
+    the one-block forward (gathered x next to H) reaches: no S·d gathered copy is ever live."""
+    T = 96
+    S = T * k
+    x, idx, w, w_up, w_down = make_problem(T, d, n, E, k)
+    index = build_routing_index(idx, E)
+
+    def forward_peak(block_bytes: int) -> int:
+        with PeakMemoryTracker() as tracker:
+            out = run_experts(x, w, index, w_up, w_down, backward_block_bytes=block_bytes)
+        del out
+        return tracker.peak_bytes
+
+    bound = (S * 2 * n + T * d + S * d) * 4  # H + out + one gathered copy
+    assert forward_peak(8 * _row_bytes(d, n, 2 * n, 4)) < bound <= forward_peak(2**40)

@@ -9,7 +9,8 @@ counted. Counts are exact integers: one round, no percentiles.
 
 Methods (same weights, input, routing and incoming gradients within a point):
 
-- ``fused``: memfine's fused layer, default config;
+- ``fused``: memfine's fused layer, default config with CUDA's default row blocks
+  (:data:`memfine.config.CUDA_BACKWARD_BLOCK_BYTES`: the suite counts what a GPU would pay);
 - ``fused_one_block``: the same with one backward row block (``backward_block_bytes`` above the
   whole block);
 - ``chunked_c4``: c = 4 token chunks with per-chunk recompute of the experts;
@@ -66,7 +67,7 @@ from memfine.bench.suites.titan_style import (
     torchtitan_missing,
 )
 from memfine.config import (
-    DEFAULT_BACKWARD_BLOCK_BYTES,
+    CUDA_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
     MoEConfig,
     backward_block_rows,
@@ -99,7 +100,7 @@ def scaled(shape: LayerShape, dim_scale: int = DIM_SCALE) -> LayerShape:
 
 
 def block_bytes_keeping_rows(real: LayerShape, counted: LayerShape,
-                             block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES) -> int:
+                             block_bytes: int = CUDA_BACKWARD_BLOCK_BYTES) -> int:
     """The ``backward_block_bytes`` that gives ``counted`` the block rows ``real`` has.
 
     Rows per block are ⌊block bytes / row bytes⌋ with row bytes (3·d + 3·n + G)·D_t

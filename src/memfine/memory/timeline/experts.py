@@ -97,47 +97,65 @@ def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
     return tl.alloc(f"{prefix}.A", S * s.moe.intermediate_size * s.dt)
 
 
-def slot_rows(tl: Timeline, s: Shape, C: int, prefix: str) -> str:
-    """combine.slot_rows: the (C, k, d) gathered copy, sentinel rows zero-filled in place."""
-    K, D = s.moe.top_k, s.moe.hidden_size
-    valid = tl.alloc(f"{prefix}.valid", C * K)
-    clamp = tl.alloc(f"{prefix}.clamp", C * K * 4)
-    idx = tl.alloc(f"{prefix}.idx64", C * K * 8)
-    tl.free(clamp)
-    rows = tl.alloc(f"{prefix}.rows_TKD", C * K * D * s.dt)
-    tl.free(tl.alloc(f"{prefix}.not_valid", C * K))
-    tl.free(valid, idx)
-    return rows
+def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str]:
+    """ops.fused.rows.RowBlocks.plan, once per pass (forward and backward).
+
+    w_S and, with several blocks, the (n_blocks, E + 1) int32 block offsets (the block starts
+    are transient).
+    """
+    plan = [tl.alloc(f"{phase}.w_S", S * s.dt)]
+    num_blocks = -(-S // rows)
+    if num_blocks > 1:
+        starts = tl.alloc(f"{phase}.block_starts", num_blocks * 4)
+        plan.append(tl.alloc(f"{phase}.block_offsets", num_blocks * (s.moe.num_experts + 1) * 4))
+        tl.free(starts)
+    return plan
+
+
+def block_rows(s: Shape) -> int:
+    """Rows per block of the streamed fused forward and backward (``backward_block_bytes``)."""
+    moe = s.moe
+    return backward_block_rows(moe.backward_block_bytes, moe.hidden_size, moe.intermediate_size,
+                               moe.up_width, s.dt)
 
 
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
                   lora_saved: list[str] | None = None) -> tuple[str, str]:
-    """FusedExpertsFunction.forward; returns (H, out).
+    """FusedExpertsFunction.forward streamed over row blocks; returns (H, out).
 
-    Split-LoRA adapters (a :class:`memfine.memory.timeline.lora.LoRAShape`) add their terms;
-    their saved U go to ``lora_saved``.
+    ops.fused.rows.forward_rows. Per block of B rows: x rows, the block's H product (copied
+    into H when there are several blocks; with one block it is H), A, Y and w ⊙ Y (out of
+    place), which is added into out in place (``index_add_``). The row plan (w_S, block
+    offsets) lives for the forward. Split-LoRA adapters (a
+    :class:`memfine.memory.timeline.lora.LoRAShape`) run the forward as one block and add their
+    terms; their saved U go to ``lora_saved``.
     """
-    D, G = s.moe.hidden_size, s.moe.up_width
+    D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
     kept = [] if lora_saved is None else lora_saved
-    xg = tl.alloc("fwd.x_SD", S * D * s.dt)
-    h = tl.alloc("fwd.H", S * G * s.dt)
-    kept += adapters.forward_term(tl, s, S, "up")
-    tl.free(xg)
-    a = activation_forward(tl, s, S, "fwd")
-    y = tl.alloc("fwd.Y", S * D * s.dt)
-    kept += adapters.forward_term(tl, s, S, "down")
-    tl.free(a)
-    if C * s.moe.top_k == S:  # no sentinel slot: the rows are gathered directly
-        idx = tl.alloc("fwd.combine.idx64", S * 8)
-        rows = tl.alloc("fwd.combine.rows_TKD", S * D * s.dt)
-        tl.free(idx)
-    else:
-        rows = slot_rows(tl, s, C, "fwd.combine")
-    ge = tl.alloc("fwd.combine.ge", C * s.moe.top_k)
-    w = tl.alloc("fwd.combine.w_TK", C * s.moe.top_k * s.dt)
-    tl.free(ge)
+    rows = block_rows(s) if adapters.adapters_of(s) is None else max(S, 1)
+    plan = _row_plan(tl, s, S, rows, "fwd")
     out = tl.alloc("fwd.out", C * D * s.dt)
-    tl.free(rows, w, y)
+    several = rows < S
+    h = tl.alloc("fwd.H", S * G * s.dt) if several else None
+    for r0 in range(0, S, rows):
+        B = min(S, r0 + rows) - r0
+        xg = tl.alloc("fwd.x_BD", B * D * s.dt)
+        h_block = tl.alloc("fwd.H_block", B * G * s.dt)
+        kept += adapters.forward_term(tl, s, B, "up")
+        tl.free(xg)
+        if several:
+            tl.free(h_block)
+        else:
+            h = h_block
+        a = tl.alloc("fwd.A", B * N * s.dt)
+        y = tl.alloc("fwd.Y", B * D * s.dt)
+        kept += adapters.forward_term(tl, s, B, "down")
+        tl.free(a)
+        weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
+        tl.free(y, weighted)
+    if h is None:  # no rows
+        h = tl.alloc("fwd.H", 0)
+    tl.free(*plan)
     return h, out
 
 
@@ -163,14 +181,8 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
         tim = next(name for name in saved if name.startswith("idx.token_index_map"))
         saved = [name for name in saved if name != tim]
         tl.free(tim)
-    rows = backward_block_rows(moe.backward_block_bytes, D, moe.intermediate_size, moe.up_width,
-                               dt)
-    plan = [tl.alloc("bwd.w_S", S * dt)]  # _BackwardState.plan_blocks: once per backward
-    num_blocks = -(-S // rows)
-    if num_blocks > 1:
-        starts = tl.alloc("bwd.block_starts", num_blocks * 4)
-        plan.append(tl.alloc("bwd.block_offsets", num_blocks * (E + 1) * 4))
-        tl.free(starts)
+    rows = block_rows(s)
+    plan = _row_plan(tl, s, S, rows, "bwd")  # once per backward, as in forward
     grouped = grouped_weight_grads(s)
     lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
     for r0 in range(0, S, rows):

@@ -19,46 +19,36 @@ from memfine.ops.activations import (
     Activation,
     activation_and_gate,
     activation_backward,
-    apply_activation,
 )
-from memfine.ops.combine import combine_rows, scatter_slots
+from memfine.ops.combine import scatter_slots
 from memfine.ops.fused.lora import LoRABackward, LoRAForward, LoRASpec
-from memfine.ops.fused.up_projection import up_input_grad, up_project
+from memfine.ops.fused.rows import (
+    RowBlocks,
+    add_token_rows_,
+    expert_of_rows,
+    forward_rows,
+    row_blocks,
+)
+from memfine.ops.fused.up_projection import up_input_grad
 from memfine.ops.fused.weight_grads import WeightGradBuffers
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
 
 # Activations the Triton up-projection kernel computes in its epilogue.
 TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
-# Under torch.compile the backward runs as one block unless this is True: the traced row blocks
-# (:func:`_row_blocks`) equal eager but raised the compiled peak and time where measured
-# (docs/compile.md, "The streamed backward under compile").
+# Under torch.compile the backward runs as one block unless this is True: the traced row
+# blocks (:func:`memfine.ops.fused.rows.row_blocks`) equal eager but raised the compiled peak
+# and time where measured (docs/compile.md, "The streamed backward under compile"). The traced
+# forward is one block either way.
 STREAM_UNDER_COMPILE = False
-# The CPU sums the dx rows with ``index_add_`` (sequential, deterministic, fastest there); True
-# makes it take the per-token gather that every other device takes (:func:`_add_dx_rows_`).
+# The CPU sums the output rows (forward) and the dx rows (backward) with ``index_add_``
+# (sequential, deterministic, fastest there); True makes it take the per-token gather that every
+# other device takes (:func:`memfine.ops.fused.rows.add_token_rows_`).
 DX_BY_GATHER_ON_CPU = False
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
     """(S,) per-row inner products ⟨a_r, b_r⟩ without an (S, n) product temporary."""
     return torch.bmm(a_SN.unsqueeze(1), b_SN.unsqueeze(2)).view(-1)
-
-
-def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """(S,) int64 expert id of every expert-grouped row, from expert_token_offsets (E + 1,)."""
-    E = offsets_E1.shape[0] - 1
-    counts_E = (offsets_E1[1:] - offsets_E1[:-1]).long()
-    return torch.repeat_interleave(torch.arange(E, device=offsets_E1.device), counts_E,
-                                   output_size=num_rows)
-
-
-def _add_row_bias_(rows_SO: torch.Tensor, bias_EO: torch.Tensor | None,
-                   offsets_E1: torch.Tensor) -> torch.Tensor:
-    """rows[r] += bias[expert of r] in place (no-op without a bias); returns rows."""
-    if bias_EO is None:
-        return rows_SO
-    expert_S = expert_of_rows(offsets_E1, rows_SO.shape[0])
-    # NOTE(memory): the (S, O) gathered bias is transient; only the parameter is saved.
-    return rows_SO.add_(bias_EO.index_select(0, expert_S))
 
 
 def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torch.Tensor,
@@ -78,32 +68,6 @@ def _forward_triton(x_TD: torch.Tensor, weights_TK: torch.Tensor, w_up_EDG: torc
     return h_SG, down_combine(a_SN, w_down_END, offsets_E1, w_S, token_index_map_TK)
 
 
-def _forward_rows(x_TD: torch.Tensor, weights_TK: torch.Tensor,
-                  up_parts: tuple[torch.Tensor, ...], w_down_END: torch.Tensor,
-                  b_up_EG: torch.Tensor | None, b_down_ED: torch.Tensor | None,
-                  token_idx_S: torch.Tensor,
-                  offsets_E1: torch.Tensor, map_TK: torch.Tensor, activation: Activation,
-                  backend: str, lora: LoRAForward | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, out) with the grouped GEMM backend; the per-row biases are added in place.
-
-    ``up_parts``: the up-projection as one (E, d, G) tensor or its (gate, up) halves.
-    """
-    x_SD = x_TD.index_select(0, token_idx_S)  # int32 indices as they are (no int64 copy)
-    h_SG = _add_row_bias_(up_project(x_SD, up_parts, offsets_E1, backend), b_up_EG, offsets_E1)
-    if lora is not None:  # split LoRA (memfine.ops.fused.lora): H += s·(x·Aᵀ)·Bᵀ
-        lora.up_(h_SG, x_SD, offsets_E1)
-    del x_SD  # NOTE(memory): the gathered copy is never saved (saves S·d·D_t bytes)
-    a_SN = apply_activation(h_SG, activation)
-    y_SD = grouped_mm(a_SN, w_down_END, offsets_E1, backend)
-    if lora is not None:
-        lora.down_(y_SD, a_SN, offsets_E1)
-    del a_SN  # NOTE(memory): A is recomputed from H in backward (saves S·n·D_t bytes)
-    out_TD = combine_rows(_add_row_bias_(y_SD, b_down_ED, offsets_E1), weights_TK, map_TK)
-    del y_SD  # NOTE(memory): Y is never saved (saves S·d·D_t bytes)
-    return h_SG, out_TD
-
-
 @dataclass(frozen=True, eq=False, slots=True)
 class FusedOptions:
     """The non-tensor inputs of :class:`FusedExpertsFunction`, in one frozen structure.
@@ -111,7 +75,7 @@ class FusedOptions:
     Attributes:
         activation: a name or a :class:`memfine.ops.activations.GatedActivation`.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
-        block_rows: rows per block of the streamed backward (≥ 1; clamped to 1).
+        block_rows: rows per block of the streamed forward and backward (≥ 1; clamped to 1).
         weight_grads: the chunk loop's shared weight-gradient buffers, or None (the Function
             returns its own).
         lora: split-LoRA adapters (:class:`memfine.ops.fused.lora.LoRASpec`); their tensors
@@ -173,6 +137,19 @@ class FusedExpertsFunction(torch.autograd.Function):
         is never needed. The bias gradients are per-expert segment sums:
         db_up[e] = Σ_{rows of e} dH_r, db_down[e] = Σ_{rows of e} w_r·dO_t.
 
+    Streamed forward (:func:`memfine.ops.fused.rows.forward_rows`): the forward walks the same
+    row blocks as the backward. Per block of B rows it gathers the block's x rows, writes its H
+    rows (+ bias) into H, computes A and Y for them and adds w ⊙ Y into out per token
+    (``index_add_`` on the CPU, the per-token gather elsewhere), so no (S, d) gathered copy, no
+    (S, n) A, no (S, d) Y and no (T, k, d) scattered copy is ever live. Forward transients: out
+    (T·d), the rows' routing weights (S), with several blocks their (n_blocks, E + 1) int32
+    offsets and H allocated before the first block; per block x rows (B·d), the block's H
+    product (B·G, copied into H; with one block it is H), A (B·n), Y (B·d) and w ⊙ Y (B·d).
+    The bookkeeping (w_S, block offsets) is built once per pass, in forward and again in
+    backward, never saved.
+    Split LoRA and a forward traced by torch.compile (whose S is data-dependent) run the
+    forward as one block.
+
     Streamed backward (MoEBlaze §4.2, row tiles of the expert-grouped rows): backward walks the
     S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
     the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
@@ -182,8 +159,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     :mod:`memfine.ops.fused.weight_grads`) and its dx rows into dx (T, d) deterministically: on
     the CPU with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
     order), elsewhere with a per-token gather through token_index_map, no atomics
-    (:func:`_add_dx_rows_`). ``weight_grads``: the chunk loop's shared buffers
-    (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into them and None
+    (:func:`memfine.ops.fused.rows.add_token_rows_`). ``weight_grads``: the chunk loop's shared
+    buffers (:mod:`memfine.ops.fused.weight_grads`); the w_up / w_down gradients then go into
+    them and None
     is returned for those inputs. Otherwise the Function owns its buffers and returns them.
 
     Backward transients: per block of B rows, dO rows (B·d), dA (B·n), A (B·n), f(gate) (B·n,
@@ -228,11 +206,16 @@ class FusedExpertsFunction(torch.autograd.Function):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
-        else:
-            h_SG, out_TD = _forward_rows(x_TD, weights_TK, parts, w_down_END, b_up_EG,
-                                         b_down_ED, expert_token_indices_S,
-                                         expert_token_offsets_E1, token_index_map_TK,
-                                         activation, backend, lora_fwd)
+        else:  # streamed over row blocks (split LoRA: one block)
+            # under torch.compile (S data-dependent) and with split LoRA: one block
+            traced = torch.compiler.is_compiling()
+            blocks = _plan_rows(options, x_TD, weights_TK, expert_token_offsets_E1,
+                                expert_slot_indices_S, traced,
+                                one_block=traced or lora_fwd is not None)
+            h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
+                                        expert_token_indices_S, token_index_map_TK, activation,
+                                        backend, by_gather=_by_gather(x_TD), lora=lora_fwd)
+            del blocks  # NOTE(memory): w_S and the block offsets are rebuilt in backward
         lora_saved = lora_fwd.to_save(lora_weights) if lora_fwd else ()
         # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
         # the biases are parameters (saved by reference, no activation bytes).
@@ -252,11 +235,9 @@ class FusedExpertsFunction(torch.autograd.Function):
         buffers and None is returned for them.
         """
         st = _BackwardState(ctx, grad_out_TD)
-        S = st.h_SG.shape[0]
-        block_rows = max(1, ctx.options.block_rows)
-        blocks = _row_blocks(S, st.weights_TK.numel(), block_rows, st.bounds is None)
-        st.plan_blocks(blocks, block_rows)
-        for b, (r0, r1) in enumerate(blocks):
+        st.blocks = _plan_rows(ctx.options, st.x_TD, st.weights_TK, st.offsets_E1, st.slot_S,
+                               st.bounds is None)
+        for b, (r0, r1) in enumerate(st.blocks.bounds):
             _backward_block(st, b, r0, r1)
         grad_weights = None
         if st.dots_S is not None:  # allocated when the routing weights need a gradient
@@ -275,25 +256,25 @@ class FusedExpertsFunction(torch.autograd.Function):
         return grads[:len(ctx.needs_input_grad)]
 
 
-def _row_blocks(S: Any, max_rows: int, block_rows: int, traced: bool
-                ) -> list[tuple[Any, Any]]:
-    """The [r0, r1) row blocks of the streamed backward.
+def _plan_rows(options: FusedOptions, x_TD: torch.Tensor, weights_TK: torch.Tensor,
+               offsets_E1: torch.Tensor, slot_S: torch.Tensor, traced: bool, *,
+               one_block: bool = False) -> RowBlocks:
+    """The row blocks of one pass (forward or backward) and their bookkeeping, built once.
 
-    Eager: blocks of ``block_rows`` over the S rows. Under torch.compile S is an unbacked size:
-    one block [0, S) by default; with :data:`STREAM_UNDER_COMPILE` the blocks tile the static
-    bound S ≤ T·k (``max_rows``) and each end is min(S, r0 + B), so blocks past S are empty and
-    the block count is fixed by T and k, not by the routing.
+    Blocks of ``options.block_rows`` rows (:func:`memfine.ops.fused.rows.row_blocks`; under
+    torch.compile one block unless :data:`STREAM_UNDER_COMPILE`); ``one_block``: all S rows.
+    The forward and the backward build the same blocks (nothing is kept between them).
     """
-    if not traced:
-        return [(r0, min(S, r0 + block_rows)) for r0 in range(0, S, block_rows)]
-    if not STREAM_UNDER_COMPILE:
-        return [(0, S)]
-    blocks = []
-    for r0 in range(0, max(1, max_rows), block_rows):
-        r1 = torch.sym_min(S, r0 + block_rows)
-        torch._check(r1 >= 0)
-        blocks.append((torch.sym_min(r0, r1), r1))
-    return blocks
+    S = slot_S.shape[0]
+    block_rows = 2**62 if one_block else max(1, options.block_rows)
+    bounds = row_blocks(S, weights_TK.numel(), block_rows, traced,
+                        STREAM_UNDER_COMPILE and not one_block)
+    return RowBlocks.plan(bounds, block_rows, offsets_E1, weights_TK, slot_S, not traced)
+
+
+def _by_gather(x_TD: torch.Tensor) -> bool:
+    """Rows are summed per token by gather off the CPU (or with :data:`DX_BY_GATHER_ON_CPU`)."""
+    return x_TD.device.type != "cpu" or DX_BY_GATHER_ON_CPU
 
 
 class _BackwardState:
@@ -339,50 +320,23 @@ class _BackwardState:
                           else None)
         self.grad_b_down = (self.x_TD.new_zeros(E, self.x_TD.shape[1]) if self.need_b_down
                             else None)
-        self.w_S: torch.Tensor | None = None
-        self.block_offsets: torch.Tensor | None = None
-
-    def plan_blocks(self, blocks: list[tuple[Any, Any]], block_rows: int) -> None:
-        """The per-block bookkeeping, once per layer backward (not once per block).
-
-        The routing weight of every row, w_S = weights[expert_slot_indices] (S·D_t bytes, one
-        ``index_select`` with the int32 slots), and, eagerly with several blocks, every block's
-        grouped offsets at once: (n_blocks, E + 1) int32 clamp(offsets − r0, 0, block_rows)
-        (an arange, a subtraction and a clamp; one block uses the offsets as they are).
-        Under torch.compile each block computes its own offsets (sizes are symbolic).
-        """
-        # NOTE(memory): S·D_t bytes for the whole backward (was B·(D_t + 8) per block)
-        self.w_S = self.weights_TK.reshape(-1).index_select(0, self.slot_S)
-        if self.bounds is None or len(blocks) < 2:
-            return
-        starts_n1 = torch.arange(0, blocks[-1][0] + 1, block_rows, dtype=self.offsets_E1.dtype,
-                                 device=self.offsets_E1.device)[:, None]
-        # NOTE(memory): (n_blocks, E + 1) int32 offsets, freed with the backward state
-        self.block_offsets = (self.offsets_E1[None, :] - starts_n1).clamp_(0, block_rows)
-
-    def offsets_of(self, b: int, r0: Any, r1: Any) -> torch.Tensor:
-        """(E + 1,) int32 grouped offsets of block ``b`` = rows [r0, r1), starting at 0."""
-        if self.block_offsets is not None:
-            return self.block_offsets[b]
-        if self.bounds is not None and r0 == 0 and r1 == self.h_SG.shape[0]:
-            return self.offsets_E1  # one block: the offsets as they are
-        return self.offsets_E1.clamp(r0, r1) - r0
+        self.blocks: RowBlocks | None = None  # the row blocks, planned once per backward
 
 
 def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     """Back-propagate expert-grouped rows [r0, r1): A, dA, dH and the rows exist for them only.
 
     The block's grouped offsets are clamp(offsets, r0, r1) − r0 (computed for every block at
-    once, :meth:`_BackwardState.plan_blocks`; no host copy needed for the GEMMs); weight
+    once, :meth:`memfine.ops.fused.rows.RowBlocks.plan`; no host copy needed for the GEMMs); weight
     gradients go into the buffers (one grouped GEMM per weight in bf16, else per expert), dx
     per token. Rows are gathered with the int32 indices as they are (no int64 copy).
     """
     E = st.w_up_EDG.shape[0]
-    offs_E1 = st.offsets_of(b, r0, r1)
+    assert st.blocks is not None, "the blocks are planned before they run"
+    offs_E1 = st.blocks.offsets_of(b, r0, r1, st.h_SG.shape[0])
     token_B = st.token_idx_S[r0:r1]
     h_BG = st.h_SG[r0:r1]
-    assert st.w_S is not None, "plan_blocks runs before the blocks"
-    w_B1 = st.w_S[r0:r1, None]
+    w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d
     grad_out_BD = st.grad_out_TD.index_select(0, token_B)
     grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
@@ -430,33 +384,6 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
         grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
         if lora_dx_BD is not None:
             grad_x_BD.add_(lora_dx_BD)
-        _add_dx_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0)
+        add_token_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0,
+                        _by_gather(grad_x_BD))
         del grad_x_BD
-
-
-def _add_dx_rows_(grad_x_TD: torch.Tensor, grad_x_BD: torch.Tensor, token_B: torch.Tensor,
-                  map_TK: torch.Tensor | None, r0: int) -> None:
-    """dx[t] += Σ over the block's rows r of token t of dx_rows[r], deterministically.
-
-    On the CPU: ``index_add_`` over the rows' tokens, a sequential sum in row order (the
-    fastest form there). Elsewhere (CUDA's ``index_add_`` adds duplicates with atomics, so its
-    result order varies) and when :data:`DX_BY_GATHER_ON_CPU` is set: a per-token gather through
-    token_index_map (T, k), each token summing its slots' rows of this block in slot order
-    (``embedding_bag``, no atomics), so ``torch.use_deterministic_algorithms(True)`` holds and
-    two runs give the same bits. Slots outside the block read a padding row that the sum skips
-    (selection, never a multiplication by zero).
-
-    Memory: the CPU form none; the gather form a (B + 1, d) copy of the rows with the padding
-    row, the (T, k) int64 local rows and the (T, d) block sum (transients).
-    Reference: MoEBlaze §4 (per-token reduction through token_index_map, no atomics).
-    """
-    if grad_x_BD.device.type == "cpu" and not DX_BY_GATHER_ON_CPU:
-        grad_x_TD.index_add_(0, token_B, grad_x_BD)
-        return
-    assert map_TK is not None, "the gather form keeps token_index_map"
-    B = grad_x_BD.shape[0]
-    local_TK = map_TK.long() - r0
-    local_TK = torch.where((local_TK >= 0) & (local_TK < B), local_TK, B)
-    rows_B1D = torch.cat([grad_x_BD, grad_x_BD.new_zeros(1, grad_x_BD.shape[1])])
-    grad_x_TD.add_(torch.nn.functional.embedding_bag(local_TK, rows_B1D, mode="sum",
-                                                     padding_idx=B))

@@ -59,7 +59,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
                      activation: Activation = "swiglu", backend: str = "auto",
                      b_up_EG: torch.Tensor | None = None, b_down_ED: torch.Tensor | None = None,
                      seed: int = 0,
-                     backward_block_bytes: int = DEFAULT_BACKWARD_BLOCK_BYTES,
+                     backward_block_bytes: int | None = DEFAULT_BACKWARD_BLOCK_BYTES,
                      weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Routed experts with per-expert LoRA adapters, computed split (never W + s·B·A).
 
@@ -79,7 +79,8 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         b_down_ED: optional (E, d) down-projection bias.
         seed: dropout masks' seed; choose it once per layer call outside recomputed regions
             (unused without dropout).
-        backward_block_bytes: byte target of one row block of the streamed backward.
+        backward_block_bytes: byte target of one row block of the streamed backward, or None
+            for the device's default (:func:`memfine.config.default_block_bytes`).
         weight_grads: shared base weight-gradient buffers of a chunk loop, or None.
 
     Returns:
@@ -104,7 +105,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
                         w_down_END, activation, b_up_EG, b_down_ED)
     G = sum(p.shape[2] for p in parts)
     block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
-                                     x_TD.element_size())
+                                     x_TD.element_size(), x_TD.device.type)
     options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets,
                            lora=lora.spec(seed))
