@@ -122,6 +122,7 @@ class _Step:
         tl, H = self.tl, self.c.num_heads
         saved = self.norm("attn_norm")
         saved.append(self.td("qkv", 3))
+        saved += self.rope_tables()
         for part in ("q", "k"):
             halves = [self.td(f"rope.{part}.{i}", 0.5) for i in range(4)]
             first, second = self.td(f"rope.{part}.a", 0.5), self.td(f"rope.{part}.b", 0.5)
@@ -138,6 +139,32 @@ class _Step:
             tl.free(*saved, *norm2[:2])
             return [], h, norm2[2]
         return saved + norm2[:2], h, None if rerun else norm2[2]
+
+    def rope_tables(self) -> list[str]:
+        """nn.model._rope_tables: the (Q, A/2) fp32 cos and sin of one attention forward.
+
+        The inverse frequencies (A/2) and the positions (Q, int64 then fp32) and their outer
+        product are transient; cos and sin are saved by RoPE's multiplies.
+        """
+        tl, Q = self.tl, self.Q
+        half = self.D // self.c.num_heads // 2
+        steps = tl.alloc("rope.arange", half * 8)
+        as_float = tl.alloc("rope.arange_f", half * 4)
+        tl.free(steps)
+        scaled = tl.alloc("rope.scaled", half * 4)
+        tl.free(as_float)
+        power = tl.alloc("rope.power", half * 4)
+        tl.free(scaled)
+        inv = tl.alloc("rope.inv", half * 4)
+        tl.free(power)
+        positions = tl.alloc("rope.positions", Q * 8)
+        positions_f = tl.alloc("rope.positions_f", Q * 4)
+        tl.free(positions)
+        freqs = tl.alloc("rope.freqs", Q * half * 4)
+        tl.free(positions_f, inv)
+        tables = [tl.alloc("rope.cos", Q * half * 4), tl.alloc("rope.sin", Q * half * 4)]
+        tl.free(freqs)
+        return tables
 
     def norm_backward(self, prefix: str, saved: list[str], grad_out: str) -> str:
         """RMSNorm backward: frees its grad_out and saved [rstd, x·rstd] as each node ends."""
@@ -158,7 +185,7 @@ class _Step:
         Returns the block input's gradient (summed in place into ``grad_h``).
         """
         tl = self.tl
-        rstd1, nz1, n1, qkv, rq, rk, out, lse, out_bqd, rstd2, nz2 = saved
+        rstd1, nz1, n1, qkv, cos, sin, rq, rk, out, lse, out_bqd, rstd2, nz2 = saved
         tl.free(moe_in)
         tl.free(self.norm_backward("bwd.moe_norm", [rstd2, nz2], grad_moe_in), h)
         grad_y = self.td("bwd.proj.dx")
@@ -173,6 +200,7 @@ class _Step:
             tl.free(*products)
             rope.append(self.td(f"bwd.rope.{part}"))
             tl.free(*halves, grads[i])
+        tl.free(cos, sin)
         grad_qkv = self.td("bwd.qkv", 3)
         tl.free(*rope, grads[2], qkv)
         grad_n = self.td("bwd.qkv.dx")
