@@ -23,9 +23,9 @@ import time
 import bench_flops  # this folder's FLOP-rate script: its shapes and layer set-up
 import torch
 
+from memfine.baselines.layers import layer_method, sharing
 from memfine.bench.harness import Method, percentiles, run_methods
 from memfine.bench.results import collect_environment, csv_row, write_csv
-from memfine.bench.suites.layers import layer_method, sharing
 from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES
 
 BLOCKS_MIB = (4, 8, 16, 32, 64)

@@ -4,7 +4,7 @@ Rows (``provider``): eager fp32, compiled fp32 (inductor, capture_scalar_outputs
 torch.autocast(bf16) with fp32 master weights; then the streamed fused backward with row blocks
 of ``--block-rows`` rows, eager and compiled (``*_blocks``; under compile the backward is one
 block by default) and compiled with the traced row blocks (``compiled_fp32_streamed``,
-``memfine.ops.fused.function.STREAM_UNDER_COMPILE`` on); then c = 2 chunks with per-chunk
+``memfine.experts.function.STREAM_UNDER_COMPILE`` on); then c = 2 chunks with per-chunk
 recompute, eager and compiled (``*_c2``). Each: forward + backward of the layer, median of
 ``--repeats`` after two warm-up calls (the first compiled call compiles); ``saved_bytes``: the
 bytes saved for backward by one forward (saved-tensor hooks, parameters left out; a compiled
@@ -34,9 +34,9 @@ import torch
 
 import memfine
 from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
+from memfine.experts import function as fused_function
 from memfine.measure import SavedTensorsTracker, profiled_peak_bytes
 from memfine.nn import MoELayer
-from memfine.ops.fused import function as fused_function
 
 OUT = Path(__file__).parent / "results" / "compile_cpu.csv"
 D, N, E, K = 128, 256, 8, 2

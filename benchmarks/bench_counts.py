@@ -4,7 +4,7 @@ Counts one MoE layer's forward + backward per method (memfine fused, one backwar
 MACT, a torchtitan-style grouped_mm layer, memfine's plain grouped_mm path, transformers'
 grouped_mm and memfine's transformers backend) at the Qwen3-30B-A3B and DeepSeek-V3 layer presets,
 T = 4096, bf16, d and n divided by 16 with the real dims' backward block rows
-(:mod:`memfine.bench.suites.counts`).
+(:mod:`memfine.suites.counts`).
 
 Output: ``bench_counts.csv`` (docs/style.md §6 columns; units ops, syncs, calls, chunks) and
 ``bench_config.json`` in ``--out`` (default ``benchmarks/results/counts``).
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfine.bench.runner import script_main
+from memfine.suites.runner import script_main
 
 if __name__ == "__main__":
     raise SystemExit(script_main("counts", Path(__file__).parent / "results" / "counts"))

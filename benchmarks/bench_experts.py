@@ -1,7 +1,7 @@
 """One MoE layer on MoEBlaze Table 1 shapes: memfine fused against what people use today.
 
-A thin script over the ``experts`` suite (:mod:`memfine.bench.suites.experts`; the Table 1 rows
-are :data:`memfine.bench.options.TABLE1`, run by :func:`memfine.bench.runner.script_main`;
+A thin script over the ``experts`` suite (:mod:`memfine.suites.experts`; the Table 1 rows
+are :data:`memfine.bench.options.TABLE1`, run by :func:`memfine.suites.runner.script_main`;
 ``memfine bench --suite experts`` is the same with every flag): methods ``plain``,
 ``expert_loop``, ``grouped_mm``, ``fused``, ``fused_mact`` and ``full_recompute`` on Table 1 rows
 1, 2, 3 and 5 with batch × seq divided by 256, interleaved, after warm-up, one torch thread.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfine.bench.runner import script_main
+from memfine.suites.runner import script_main
 
 if __name__ == "__main__":
     raise SystemExit(script_main("experts", Path(__file__).parent / "results"))

@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
+from memfine.baselines.layers import base_layer, layer_inputs, layer_method, sharing
 from memfine.bench.harness import Method, percentiles, run_methods
 from memfine.bench.options import LayerShape
 from memfine.bench.results import collect_environment, csv_row, write_csv
-from memfine.bench.suites.layers import base_layer, layer_inputs, layer_method, sharing
 from memfine.config import MoEConfig
 
 SHAPES = {"coarse": (512, 1024, 16, 4), "fine": (512, 128, 64, 8)}

@@ -10,7 +10,7 @@ gradient:
 The routing (top-k of a softmax over random logits; weights require grad, as a router's do) is
 outside the timed region; the index build of memfine and the sort of grouped_mm are inside. The
 module, inputs and methods are those of ``memfine bench --suites hf``
-(:mod:`memfine.bench.suites.hf`), run by the shared harness
+(:mod:`memfine.suites.hf`), run by the shared harness
 (:func:`memfine.bench.harness.run_methods`).
 
 Configurations (Qwen3-MoE-shaped, fp32): ``tiny`` (d 128, n 64, E 8, k 2, T 512) and ``mid``
@@ -35,13 +35,13 @@ from pathlib import Path
 import torch
 
 from memfine._optional import pyplot
+from memfine.baselines.layers import add_ratios
 from memfine.bench.harness import MethodResult, run_methods
 from memfine.bench.options import BenchOptions, LayerShape, Point
 from memfine.bench.output import print_point
 from memfine.bench.results import collect_environment, result_rows, write_csv
-from memfine.bench.suites import hf
-from memfine.bench.suites.layers import add_ratios
 from memfine.integrations.transformers import register as register_memfine
+from memfine.suites import hf
 from memfine.units import format_bytes
 
 BENCHMARK = "hf_experts"

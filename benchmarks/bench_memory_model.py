@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 from memfine._optional import pyplot
+from memfine.baselines.layers import layer_method
 from memfine.bench.harness import Method, run_methods
 from memfine.bench.results import collect_environment, result_rows, write_csv
-from memfine.bench.suites.layers import layer_method
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure.report import compare, format_table
 from memfine.memory.layer import mode_settings
@@ -55,7 +55,7 @@ GRID = (
 
 def _method(moe: MoEConfig, T: int, dtype: torch.dtype, mode: str, c: int) -> Method:
     """A harness method running one MoELayer forward + backward in ``mode`` (the model's
-    protocol and prediction: :func:`memfine.bench.suites.layers.layer_method`)."""
+    protocol and prediction: :func:`memfine.baselines.layers.layer_method`)."""
     impl, num_chunks, recompute = mode_settings(mode, c)
     moe = dataclasses.replace(moe, experts_impl=impl)
     layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=num_chunks, recompute=recompute))

@@ -1,7 +1,7 @@
 """Training step of the small MoE language model: time and memory of memfine's paths.
 
-A thin script over the ``model`` suite (:mod:`memfine.bench.suites.model`, run by
-:func:`memfine.bench.runner.script_main`; ``memfine bench --suite model`` is the same with every
+A thin script over the ``model`` suite (:mod:`memfine.suites.model`, run by
+:func:`memfine.suites.runner.script_main`; ``memfine bench --suite model`` is the same with every
 flag): methods ``plain``, ``fused``, ``fused_mact`` and ``full_recompute`` on the ``small``
 training preset (d 128, n 128, E 8, k 2, 4 layers, 32 × 128 tokens per step), interleaved, after
 warm-up, one torch thread.
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfine.bench.runner import script_main
+from memfine.suites.runner import script_main
 
 if __name__ == "__main__":
     raise SystemExit(script_main("model", Path(__file__).parent / "results"))

@@ -29,16 +29,16 @@ from collections.abc import Callable
 
 import torch
 
-from memfine.bench.harness import Method
-from memfine.bench.options import LayerShape
-from memfine.bench.results import collect_environment, csv_row, write_csv
-from memfine.bench.suites.layers import (
+from memfine.baselines.layers import (
     ExpertLoopMoELayer,
     base_layer,
     layer_inputs,
     layer_method,
     sharing,
 )
+from memfine.bench.harness import Method
+from memfine.bench.options import LayerShape
+from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.measure import measure_memory
 from memfine.units import format_bytes

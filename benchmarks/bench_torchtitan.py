@@ -39,11 +39,11 @@ sys.path.insert(0, str(Path(__file__).parents[1] / "tests" / "integrations"))
 
 from torchtitan_models import build_moe, routed_saved_bytes  # noqa: E402
 
+from memfine.baselines.layers import add_ratios  # noqa: E402
 from memfine.bench.harness import Method, MethodResult, run_methods  # noqa: E402
 from memfine.bench.options import Point  # noqa: E402
 from memfine.bench.output import print_point  # noqa: E402
 from memfine.bench.results import collect_environment, result_rows, write_csv  # noqa: E402
-from memfine.bench.suites.layers import add_ratios  # noqa: E402
 from memfine.integrations.torchtitan import convert_model  # noqa: E402
 from memfine.units import format_bytes  # noqa: E402
 

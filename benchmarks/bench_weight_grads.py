@@ -4,7 +4,7 @@ Times, on the CPU with one thread (thread CPU time, the two methods interleaved,
 per-round ratios), dW[e] = X_eᵀ·dH_e over the S = T·k expert-grouped rows streamed in row blocks:
 
 - ``addmm_loop``: per block, one ``addmm_`` per expert present into one buffer
-  (:func:`memfine.ops.fused.weight_grads.accumulate_grouped_weight_grad_`);
+  (:func:`memfine.ops.weight_grads.accumulate_grouped_weight_grad_`);
 - ``grouped_mm``: per block, one ``torch._grouped_mm`` (2-D × 2-D, offsets along the rows); the
   first block's product is the buffer, later ones are added into it.
 
@@ -26,7 +26,7 @@ import torch
 
 import memfine
 from memfine.config import backward_block_rows
-from memfine.ops.fused.weight_grads import accumulate_grouped_weight_grad_
+from memfine.ops.weight_grads import accumulate_grouped_weight_grad_
 
 OUT = Path(__file__).parent / "results" / "weight_grads_cpu.csv"
 SHAPES = [(512, 1024, 16, 4, 4096), (512, 128, 64, 8, 4096)]  # d, n, E, k, T

@@ -43,7 +43,7 @@ def _environment() -> list[list[object]]:
         triton_version = triton.__version__
     except ImportError:
         triton_version = "not installed"
-    from memfine.bench.suites.titan_style import torchtitan_missing
+    from memfine.baselines.titan_style import torchtitan_missing
 
     missing = torchtitan_missing()
     if missing is not None:

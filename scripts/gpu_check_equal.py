@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from memfine.bench.suites.titan_style import torchtitan_layer, torchtitan_missing
+from memfine.baselines.titan_style import torchtitan_layer, torchtitan_missing
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory.layer import moe_layer_memory
 from memfine.nn import MoELayer

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import torch
 
+from memfine.baselines.layers import half_rows_budget, layer_inputs, layer_method
 from memfine.bench.harness import run_methods
 from memfine.bench.options import LayerShape
-from memfine.bench.suites.experts import moe_config
-from memfine.bench.suites.layers import half_rows_budget, layer_inputs, layer_method
 from memfine.config import ChunkConfig
 from memfine.nn import MoELayer
+from memfine.suites.experts import moe_config
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from tolerances import CUDA_PEAK_ATOL_BYTES, CUDA_PEAK_RTOL  # noqa: E402

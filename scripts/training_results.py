@@ -18,8 +18,8 @@ import platform
 import sys
 from pathlib import Path
 
-from memfine.artifacts.metrics import read_metrics
 from memfine.environment import collect_environment
+from memfine.reports.metrics import read_metrics
 
 
 def collect(run_dir: Path) -> dict[str, object]:

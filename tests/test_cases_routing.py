@@ -13,8 +13,9 @@ import torch
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import build_routing_index
+from memfine.experts import run_experts
 from memfine.nn import MoELayer
-from memfine.ops import combine_rows, run_experts
+from memfine.ops import combine_rows
 from memfine.reference import reference_experts, reference_moe
 from memfine.routing import TopKRouter, load_balancing_loss, route, z_loss
 from tolerances import CHUNKED_ATOL, assert_close

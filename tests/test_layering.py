@@ -2,8 +2,9 @@
 
 Every ``import memfine...`` / ``from memfine... import`` / relative import of a module is mapped to
 its layer and checked against the layers it may import. Imports inside a layer are free. Optional
-dependencies (triton, transformers) may be imported at module level only inside ``ops/triton/``;
-elsewhere only lazily, inside a function (docs/style.md §8); ``ops`` loads ``ops/triton/`` lazily.
+dependencies (triton, transformers) may be imported at module level only inside
+``triton_kernels/``; elsewhere only lazily, inside a function (docs/style.md §8); ``ops`` and
+``experts`` load ``triton_kernels/`` lazily.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import memfine
 SRC = Path(memfine.__file__).parent
 
 BASE = {"config", "units", "_checks", "environment"}
-ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "ops", "ops.triton",
-                       "parallel", "schedule", "memory"}
+ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "ops", "triton_kernels",
+                       "experts", "parallel", "schedule", "timeline", "memory"}
 ALLOWED: dict[str, set[str]] = {
     "units": set(),
     "_checks": set(),
@@ -32,43 +33,57 @@ ALLOWED: dict[str, set[str]] = {
     "measure": BASE,
     "routing": BASE,
     "dispatch": {"routing"} | BASE,
-    "ops.triton": {"_optional"},
-    "ops": {"dispatch", "_optional", "ops.triton"} | BASE,
+    "triton_kernels": {"_optional"},
+    "ops": {"dispatch", "_optional", "triton_kernels"} | BASE,
+    # the experts path: run_experts (plain or fused), the fused Function (MoEBlaze §4), split LoRA
+    "experts": {"ops", "dispatch", "_optional", "triton_kernels"} | BASE,
     # prediction: replays the code's allocations from configs; never imports the code it models
-    "memory": {"dispatch"} | BASE,
+    "timeline": {"dispatch"} | BASE,
+    "memory": {"timeline", "dispatch"} | BASE,
     # whole training layouts: pipeline stages, presets, the layout search (prediction only)
     "plan": {"memory"} | BASE,
-    "parallel": {"ops", "dispatch", "schedule", "memory"} | BASE,
-    "schedule": {"ops", "dispatch", "memory"} | BASE,
+    "parallel": {"ops", "experts", "dispatch", "schedule", "memory"} | BASE,
+    "schedule": {"ops", "experts", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,
-    # integrations also builds routing indices and runs the chunk schedule on HF weights (the
-    # transformers experts interface hands it routed tokens, not an MoELayer), so it may import
-    # dispatch and schedule as nn does.
-    "integrations": {"nn", "ops", "dispatch", "schedule", "memory", "_optional"} | BASE,
-    # a run's directory, checkpoints, metrics and what is done with a checkpoint afterwards;
-    # tqdm/matplotlib/tensorboard/safetensors are optional extras, loaded through _optional.
-    "artifacts": {"nn", "data", "memory", "measure", "_optional"} | BASE,
-    "train": {"nn", "data", "artifacts", "schedule", "memory", "measure", "_optional"} | BASE,
-    # the benchmark system measures every layer of the package (never against the reference)
-    "bench": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "artifacts", "plan"},
+    # what the transformers backend runs on HF experts modules' weights (the transformers experts
+    # interface hands it routed tokens, not an MoELayer), so it may import dispatch and schedule
+    # as nn does.
+    "hf": {"nn", "ops", "experts", "dispatch", "schedule", "memory", "_optional"} | BASE,
+    "integrations": {"hf", "nn", "ops", "experts", "dispatch", "schedule", "memory",
+                     "_optional"} | BASE,
+    # what a run reports: metrics, the memory log, progress, evaluation; tqdm/matplotlib/
+    # tensorboard are optional extras, loaded through _optional.
+    "reports": {"nn", "data", "memory", "measure", "_optional"} | BASE,
+    # a run's directory, checkpoints and what is done with a checkpoint afterwards
+    "artifacts": {"nn", "data", "memory", "measure", "reports", "_optional"} | BASE,
+    "train": {"nn", "data", "artifacts", "reports", "schedule", "memory", "measure",
+              "_optional"} | BASE,
+    # the benchmark system's measuring core (harness, options, CSV results, tables and plots)
+    "bench": {"measure", "_optional"} | BASE,
+    # the peer layers the suites measure against
+    "baselines": ALL_BELOW_NN | {"nn", "hf", "integrations", "bench"},
+    # the suites measure every layer of the package (never against the reference)
+    "suites": ALL_BELOW_NN | {"nn", "hf", "integrations", "train", "data", "artifacts",
+                              "reports", "plan", "bench", "baselines"},
+    # the flag tables of the commands and how they resolve into configs
+    "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "reports", "plan"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.
-    "__init__": ALL_BELOW_NN | {"nn", "integrations", "train", "data", "artifacts"},
+    "__init__": ALL_BELOW_NN | {"nn", "hf", "integrations", "train", "data", "artifacts",
+                                "reports"},
 }
 OPTIONAL_PACKAGES = ("triton", "transformers", "torchtitan")
 # Modules that subclass an optional package's classes import it at module level; they are
-# themselves loaded only lazily (inside a function), like ops/triton/.
+# themselves loaded only lazily (inside a function), like triton_kernels/.
 LAZY_MODULES = {"memfine.integrations.torchtitan_modules": "torchtitan"}
 
 
 def layer_of(module: str) -> str:
-    """'memfine.ops.triton.kernels' → 'ops.triton'; 'memfine.routing.router' → 'routing'."""
+    """'memfine.triton_kernels.kernels' → 'ops.triton'; 'memfine.routing.router' → 'routing'."""
     parts = module.split(".")[1:]
     if not parts:
         return "__init__"
-    if parts[:2] == ["ops", "triton"]:
-        return "ops.triton"
     return parts[0]
 
 
@@ -132,7 +147,7 @@ def violations(src: Path, only_layer: str | None = None) -> list[str]:
         for target, line, top in _imports(ast.parse(path.read_text(), str(path)), module,
                                           is_package):
             root = target.split(".")[0]
-            eager_ok = layer == "ops.triton" or LAZY_MODULES.get(module) == root
+            eager_ok = layer == "triton_kernels" or LAZY_MODULES.get(module) == root
             if root in OPTIONAL_PACKAGES and top and not eager_ok:
                 bad.append(f"{where}:{line}: module-level import of optional {root!r}")
             if target in LAZY_MODULES and top:
@@ -142,8 +157,9 @@ def violations(src: Path, only_layer: str | None = None) -> list[str]:
             target_layer = layer_of(target)
             if target_layer == layer or "*" in allowed:
                 continue
-            if target_layer == "ops.triton" and layer == "ops" and top:
-                bad.append(f"{where}:{line}: ops must load ops/triton lazily (inside a function)")
+            if target_layer == "triton_kernels" and layer in ("ops", "experts") and top:
+                bad.append(f"{where}:{line}: {layer} must load triton_kernels lazily (inside a "
+                           "function)")
             elif target_layer not in allowed:
                 bad.append(f"{where}:{line}: {layer} may not import {target_layer} ({target})")
     return bad
@@ -163,10 +179,10 @@ def test_every_file_belongs_to_a_layer() -> None:
 STYLE = Path(__file__).parents[1] / "docs" / "style.md"
 
 
-def test_bench_may_import_everything_below_cli_but_the_reference() -> None:
-    """docs/style.md's row for bench: "everything below `cli` except `reference`"."""
-    below_cli = set(ALLOWED) - {"cli", "__main__", "__init__", "bench", "reference"}
-    assert ALLOWED["bench"] == below_cli
+def test_suites_may_import_everything_below_cli_but_the_reference() -> None:
+    """docs/style.md's row for suites: "everything below `flags` and `cli` except `reference`"."""
+    below_cli = set(ALLOWED) - {"cli", "__main__", "__init__", "suites", "flags", "reference"}
+    assert ALLOWED["suites"] == below_cli
 
 
 def test_base_layers_match_the_style_table() -> None:
@@ -192,8 +208,8 @@ CASES = [
                  "dispatch may not import memory", id="plain_import"),
     pytest.param("nn/moe.py", "from memfine import reference\n",
                  "nn may not import reference", id="from_package"),
-    pytest.param("ops/grouped.py", "from memfine.ops.triton import grouped_mm\n",
-                 "ops must load ops/triton lazily", id="eager_triton"),
+    pytest.param("ops/grouped.py", "from memfine.triton_kernels import grouped_mm\n",
+                 "ops must load triton_kernels lazily", id="eager_triton"),
     pytest.param("integrations/hf.py", "import transformers\n",
                  "module-level import of optional 'transformers'", id="eager_optional"),
     pytest.param("integrations/torchtitan.py",
@@ -203,7 +219,7 @@ CASES = [
                  id="lazy_module_imports_its_package"),
     pytest.param("ops/__init__.py", "from . import experts\nfrom .. import config\n",
                  None, id="allowed_relative"),
-    pytest.param("ops/grouped.py", "def f():\n    from memfine.ops.triton import k\n"
+    pytest.param("ops/grouped.py", "def f():\n    from memfine.triton_kernels import k\n"
                  "    import triton\n", None, id="lazy_is_allowed"),
 ]
 

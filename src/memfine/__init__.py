@@ -13,8 +13,8 @@ with warnings.catch_warnings():  # restores the warning filters on exit
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
+from memfine.experts import FusedExpertsFunction, run_experts
 from memfine.nn import MoELayer, MoETransformerLM
-from memfine.ops import FusedExpertsFunction, run_experts
 from memfine.routing import RoutingResult, TopKRouter, load_balancing_loss, z_loss
 
 __version__ = "0.2.0"

@@ -68,7 +68,7 @@ def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,
         top_k_weights: (T, k) weights.
         w_up_EDG: (E, d, G) up-projection weights.
         w_down_END: (E, n, d) down-projection weights.
-        activation: as in :func:`memfine.ops.run_experts` (a name or a ``GatedActivation``).
+        activation: as in :func:`memfine.experts.run_experts` (a name or a ``GatedActivation``).
         b_up_EG: optional (E, G) up-projection bias.
         b_down_ED: optional (E, d) down-projection bias.
 

@@ -6,12 +6,12 @@ import dataclasses
 
 import torch
 
-from memfine.artifacts.memory_log import ADAM_MOMENTS, num_parameters, predicted_run_bytes
 from memfine.config.lora import LoRAConfig
 from memfine.memory.layer import moe_layer_memory
 from memfine.memory.lora import lora_layer_memory
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
+from memfine.reports.memory_log import ADAM_MOMENTS, num_parameters, predicted_run_bytes
 from memfine.train import preset
 
 

@@ -14,12 +14,12 @@ import dataclasses
 import pytest
 import torch
 
+from memfine.baselines.layers import base_layer
+from memfine.baselines.titan_style import torchtitan_missing
 from memfine.bench.options import BenchOptions
-from memfine.bench.suites import experts
-from memfine.bench.suites.layers import base_layer
-from memfine.bench.suites.titan_style import torchtitan_missing
 from memfine.config import MoEConfig
 from memfine.reference import reference_experts
+from memfine.suites import experts
 from tolerances import assert_close
 
 pytestmark = pytest.mark.skipif(torchtitan_missing() is not None,
@@ -29,7 +29,7 @@ MOE = MoEConfig(hidden_size=32, intermediate_size=16, num_experts=6, top_k=2, re
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_torchtitan_layer_matches_the_float64_reference(dtype: torch.dtype) -> None:
-    from memfine.bench.suites.titan_style import torchtitan_layer
+    from memfine.baselines.titan_style import torchtitan_layer
 
     base = base_layer(MOE, dtype=dtype, device=torch.device("cpu"), seed=0)
     layer = torchtitan_layer(base, MOE)
@@ -66,7 +66,7 @@ def test_experts_suite_runs_torchtitan_beside_grouped_mm() -> None:
 
 def test_counts_suite_counts_torchtitan_s_three_grouped_gemms_without_a_host_sync() -> None:
     """torchtitan's GroupedExperts: w1, w3, w2 forward; dA and dB of each backward; no sync."""
-    from memfine.bench.suites import counts
+    from memfine.suites import counts
 
     real = dataclasses.replace(counts.PRESETS["qwen3-30b-a3b"], tokens=256)
     (titan,) = counts.count_shape(real, ("torchtitan",))[2]

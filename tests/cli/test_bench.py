@@ -16,15 +16,14 @@ import pytest
 import torch
 
 from memfine._optional import is_available
-from memfine.bench import select_methods
 from memfine.bench.harness import MethodResult
 from memfine.bench.options import BenchOptions, resolve_shapes, table1_shape
 from memfine.bench.output import format_plain, table_rows
 from memfine.bench.results import CSV_COLUMNS, NOT_MODELLED
-from memfine.bench.suites import experts
 from memfine.cli import bench
 from memfine.cli.main import main
 from memfine.measure.report import NOT_MEASURED
+from memfine.suites import experts, select_methods
 
 BENCH_FLAGS = {
     "--suites", "--configs", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",

@@ -10,9 +10,9 @@ import torch
 
 from memfine.artifacts.adapters import load_adapters
 from memfine.artifacts.inference import load_safetensors, load_trained
-from memfine.artifacts.metrics import read_metrics
 from memfine.cli.main import main
 from memfine.data import encode
+from memfine.reports.metrics import read_metrics
 from memfine.train import load_checkpoint
 from tolerances import LOSS_ATOL, assert_close
 

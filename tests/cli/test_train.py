@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.metrics import read_metrics
 from memfine.cli import train as train_cli
 from memfine.cli.main import build_parser, main
+from memfine.reports.metrics import read_metrics
 from memfine.train import load_checkpoint
 from tolerances import LOSS_ATOL, assert_close
 

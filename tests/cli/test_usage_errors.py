@@ -24,9 +24,9 @@ from ep_harness import free_port
 from memfine.artifacts import memory_log
 from memfine.cli import _flags
 from memfine.cli import train as train_cli
-from memfine.cli._budget import flag_words
 from memfine.cli.bench import _BUDGET_NAMES
 from memfine.cli.main import _path_flag, build_parser, main
+from memfine.flags.budget import flag_words
 from memfine.nn import MoETransformerLM
 from memfine.schedule.policy import CONFIG_NAMES, InfeasibleBudgetError
 from memfine.train import preset

@@ -12,7 +12,7 @@ import torch
 
 from devices import gpu, triton_gpu
 from memfine.dispatch import build_routing_index
-from memfine.ops import run_experts
+from memfine.experts import run_experts
 from memfine.ops.grouped import grouped_mm, grouped_mm_supported
 from memfine.reference import reference_experts
 from tolerances import assert_close

@@ -14,8 +14,8 @@ import torch
 from ep_harness import free_port
 
 from devices import gpu
-from memfine.artifacts.metrics import read_metrics
 from memfine.cli.main import main
+from memfine.reports.metrics import read_metrics
 from memfine.train import preset, train
 from tolerances import DISTRIBUTED_LOSS_ATOL
 

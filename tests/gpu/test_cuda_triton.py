@@ -11,7 +11,7 @@ import torch
 
 from devices import triton_gpu
 from memfine.dispatch import build_routing_index
-from memfine.ops import run_experts
+from memfine.experts import run_experts
 from tolerances import assert_close
 
 pytestmark = triton_gpu
@@ -36,7 +36,7 @@ def test_fused_triton_matches_grouped_mm(dtype: torch.dtype) -> None:
 
 
 def test_down_combine_past_2_31_elements() -> None:
-    from memfine.ops.triton import down_combine
+    from memfine.triton_kernels import down_combine
 
     T, D, N = 2**20 + 64, 2048, 16
     assert T * D > 2**31

@@ -77,8 +77,8 @@ def test_plain_path_weight_gradients_are_2d_2d_calls_with_empty_groups() -> None
 def test_transformers_experts_backend_calls_take_the_fast_path() -> None:
     pytest.importorskip("transformers", reason="transformers is not installed")
     from memfine.bench.options import BenchOptions, LayerShape
-    from memfine.bench.suites import hf
     from memfine.integrations.transformers import make_config, memfine_experts_forward
+    from memfine.suites import hf
 
     shape = LayerShape(name="tiny", tokens=T, hidden_size=D, intermediate_size=N,
                        num_experts=E, top_k=K)

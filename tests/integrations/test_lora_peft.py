@@ -16,7 +16,7 @@ peft = pytest.importorskip("peft")
 
 from hf_models import tiny_causal_lm  # noqa: E402
 
-from memfine.integrations.hf.peft import split_lora  # noqa: E402
+from memfine.hf.peft import split_lora  # noqa: E402
 from memfine.integrations.transformers import register  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
@@ -206,7 +206,7 @@ def test_dora_on_expert_weights_is_refused_by_peft() -> None:
 def test_memfine_param_wrapper_pickles_by_name() -> None:
     import pickle
 
-    from memfine.integrations.hf import peft as memfine_peft
+    from memfine.hf import peft as memfine_peft
 
     cls = memfine_peft.wrapper_class()
     assert pickle.loads(pickle.dumps(cls)) is cls

@@ -27,8 +27,8 @@ from hf_models import (  # noqa: E402
     tiny_experts,
 )
 
+from memfine.hf import experts as hf_experts  # noqa: E402
 from memfine.integrations import transformers as mf_hf  # noqa: E402
-from memfine.integrations.hf import experts as hf_experts  # noqa: E402
 
 CHUNKINGS = {
     "unchunked": {},

@@ -22,8 +22,8 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 
 import hf_models  # noqa: E402
 
+from memfine.hf import experts as hf_experts  # noqa: E402
 from memfine.integrations import transformers as mf_hf  # noqa: E402
-from memfine.integrations.hf import experts as hf_experts  # noqa: E402
 
 IDS = torch.tensor([[3, 17, 5, 40, 2, 9]])
 

@@ -25,8 +25,8 @@ from torch._dynamo.utils import counters
 from torch._dynamo.variables.tensor import TensorVariable
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
+from memfine.experts import function as fused_function
 from memfine.nn import MoELayer, MoETransformerLM
-from memfine.ops.fused import function as fused_function
 from memfine.schedule import InfeasibleBudgetError, traced
 from tolerances import assert_close
 

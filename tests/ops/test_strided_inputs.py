@@ -18,8 +18,8 @@ from hypothesis import strategies as st
 
 from memfine.config import MoEConfig
 from memfine.dispatch import build_index_argsort, build_index_sort_free, build_routing_index
+from memfine.experts import run_experts
 from memfine.nn import MoELayer
-from memfine.ops import run_experts
 from tolerances import assert_close
 
 VIEWS = ("transposed", "sliced", "expanded", "stepped")

@@ -22,9 +22,9 @@ from torch.distributed.tensor import DTensor
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.dispatch import build_routing_index
+from memfine.experts import run_experts
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.nn import MoELayer, MoETransformerLM
-from memfine.ops import run_experts
 from memfine.parallel import (
     ExpertParallelExperts,
     ParallelContext,

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from memfine.config import MoEConfig
 from memfine.dispatch import build_routing_index
+from memfine.experts import run_experts
 from memfine.measure import SavedTensorsTracker
 from memfine.nn import MoELayer
-from memfine.ops import run_experts
 from memfine.routing import TopKRouter
 from memfine.routing.precision import count_per_expert
 from tolerances import assert_close

@@ -17,10 +17,10 @@ from torch.utils._pytree import tree_flatten
 
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.dispatch import build_routing_index
+from memfine.experts import run_experts
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.memory import layer as layer_memory
 from memfine.nn import GroupedExperts, MoELayer
-from memfine.ops import run_experts
 from memfine.schedule.chunked import chunk_sizes, run_chunked
 from tolerances import assert_chunked_close
 

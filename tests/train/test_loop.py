@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.metrics import read_metrics
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig, TrainConfig
 from memfine.data import train_batch
 from memfine.memory.layer import moe_layer_memory
 from memfine.nn import LMOutput, MoETransformerLM
+from memfine.reports.metrics import read_metrics
 from memfine.train import ByteCorpus, load_checkpoint, train
 from tolerances import LOSS_ATOL, assert_close
 
@@ -220,7 +220,7 @@ def test_missing_plot_package_stops_before_anything_is_written(
     def missing(name: str) -> object:
         raise ImportError(f"{name} is required for this feature: pip install 'memfine[train]'")
 
-    monkeypatch.setattr("memfine.artifacts.outputs.require", missing)
+    monkeypatch.setattr("memfine.reports.outputs.require", missing)
     with pytest.raises(ImportError, match="matplotlib is required"):
         _run(_config(), tmp_path / "run", plot=True)
     assert not (tmp_path / "run").exists()

@@ -12,13 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.evaluation import evaluate
 from memfine.artifacts.inference import load_trained
 from memfine.config import TrainConfig
 from memfine.config.lora import LoRAConfig
 from memfine.data import ByteCorpus, train_batch, val_batches
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
+from memfine.reports.evaluation import evaluate
 from memfine.train import preset, train
 from memfine.train.parallel import SingleProcess
 from memfine.train.setup import build_model

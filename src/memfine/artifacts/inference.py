@@ -30,12 +30,12 @@ from memfine.artifacts.checkpoint import (
     load_model_state,
     read_checkpoint,
 )
-from memfine.artifacts.evaluation import evaluate
-from memfine.artifacts.metrics import nats_to_bits
 from memfine.config import ModelConfig, TrainConfig
 from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora, merge_model_lora_
+from memfine.reports.evaluation import evaluate
+from memfine.reports.metrics import nats_to_bits
 
 EXPORT_FORMAT = "memfine-model-v1"
 

@@ -1,52 +1,13 @@
-"""The one benchmark system (``memfine bench`` and the scripts in ``benchmarks/``).
+"""The measuring core of the one benchmark system (``memfine bench`` and ``benchmarks/``).
 
-The suites (:mod:`memfine.bench.suites`) measure through the shared harness
-(:mod:`memfine.bench.harness`), so every suite writes the same CSV schema
-(:mod:`memfine.bench.results`).
+:mod:`memfine.bench.harness` times and measures methods, :mod:`memfine.bench.results` writes
+the one CSV schema, :mod:`memfine.bench.options` holds the options and shapes,
+:mod:`memfine.bench.output` the tables and plots. The suites that use it are
+:mod:`memfine.suites`; the peer layers they measure against are :mod:`memfine.baselines`.
 """
 
 from __future__ import annotations
 
-from types import ModuleType
-
 from memfine.bench.options import COMPILED_SUFFIX, SUITES, BenchOptions, LayerShape, Point
-from memfine.bench.suites import chunking, counts, experts, hf, model
 
-SUITE_MODULES: dict[str, ModuleType] = {"experts": experts, "chunking": chunking,
-                                        "model": model, "hf": hf, "counts": counts}
-
-
-def compiled_methods(suite: str) -> tuple[str, ...]:
-    """``<method>_compiled`` for each method of ``suite`` that has a compiled variant."""
-    return tuple(m + COMPILED_SUFFIX for m in getattr(SUITE_MODULES[suite], "COMPILABLE", ()))
-
-
-ALL_METHODS = tuple(dict.fromkeys(m for suite, mod in SUITE_MODULES.items()
-                                  for m in (*mod.METHODS, *compiled_methods(suite))))
-
-
-def select_methods(suite: str, requested: tuple[str, ...], compile: bool = False
-                   ) -> tuple[str, ...]:
-    """The methods of ``suite`` to run, in the suite's order.
-
-    Args:
-        suite: a suite name.
-        requested: method names (``--methods``); empty selects all of the suite's methods.
-        compile: also select ``<method>_compiled`` for each selected method that has a compiled
-            variant (``--compile``). A compiled name in ``requested`` is selected without it.
-
-    Raises:
-        ValueError: on a requested name that no suite has.
-    """
-    unknown = sorted(set(requested) - set(ALL_METHODS))
-    if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; known {list(ALL_METHODS)}")
-    base: tuple[str, ...] = SUITE_MODULES[suite].METHODS
-    chosen = {n for n in base if n in requested or not requested}
-    compiled = [n for n in compiled_methods(suite)
-                if n in requested or (compile and n.removesuffix(COMPILED_SUFFIX) in chosen)]
-    return tuple(n for n in (*base, *compiled_methods(suite)) if n in chosen or n in compiled)
-
-
-__all__ = ["ALL_METHODS", "SUITES", "SUITE_MODULES", "BenchOptions", "LayerShape", "Point",
-           "compiled_methods", "select_methods"]
+__all__ = ["COMPILED_SUFFIX", "SUITES", "BenchOptions", "LayerShape", "Point"]

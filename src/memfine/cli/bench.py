@@ -24,11 +24,10 @@ from typing import Any
 import torch
 
 from memfine.artifacts.rundir import file_on_path
-from memfine.bench import SUITES, BenchOptions, select_methods
+from memfine.bench import SUITES, BenchOptions
 from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
-from memfine.bench.runner import run_suites
-from memfine.cli._budget import flag_words
-from memfine.cli._flags import (
+from memfine.flags.budget import flag_words
+from memfine.flags.table import (
     Flag,
     NotGiven,
     add_flags,
@@ -41,6 +40,8 @@ from memfine.cli._flags import (
     typed_fields,
     value,
 )
+from memfine.suites import select_methods
+from memfine.suites.runner import run_suites
 
 _FROM_SHAPE = NotGiven(text="the shape's")
 _FLAGS = (

@@ -6,8 +6,8 @@ import argparse
 import json
 
 from memfine.artifacts.inference import evaluate_text
-from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
-from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, text_flag, value
+from memfine.flags.checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
+from memfine.flags.table import THREADS_FLAG, Flag, NotGiven, add_flags, text_flag, value
 
 _FLAGS = (
     OUT_FLAG,

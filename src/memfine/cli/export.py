@@ -12,8 +12,8 @@ from pathlib import Path
 from memfine.artifacts.adapters import ADAPTERS_NAME, export_adapters, merged
 from memfine.artifacts.inference import export_safetensors
 from memfine.artifacts.rundir import RUN_FILES
-from memfine.cli._checkpoint import OUT_FLAG, load_run_directory, run_directory
-from memfine.cli._flags import Flag, NotGiven, add_flags, path_flag, value
+from memfine.flags.checkpoint import OUT_FLAG, load_run_directory, run_directory
+from memfine.flags.table import Flag, NotGiven, add_flags, path_flag, value
 
 _FLAGS = (
     OUT_FLAG,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 
 from memfine.artifacts.inference import generate_text
-from memfine.cli._checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
-from memfine.cli._flags import THREADS_FLAG, Flag, NotGiven, add_flags, finite_float, value
+from memfine.flags.checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
+from memfine.flags.table import THREADS_FLAG, Flag, NotGiven, add_flags, finite_float, value
 
 _FLAGS = (
     OUT_FLAG,

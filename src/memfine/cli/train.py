@@ -1,8 +1,8 @@
 """``memfine train``: train the small byte-level MoE language model on real text.
 
 A thin front end over :class:`memfine.config.TrainConfig`: one flag per field, from one table
-(:mod:`memfine.cli._train_flags`), resolved against the preset, the checkpoint of ``--resume``
-or ``--init-from``, and ``--config`` FILE by :mod:`memfine.cli._train_config`. This module runs
+(:mod:`memfine.flags.train_flags`), resolved against the preset, the checkpoint of ``--resume``
+or ``--init-from``, and ``--config`` FILE by :mod:`memfine.flags.train_config`. This module runs
 the checks that need the machine (device, free memory, the process layout) and the training.
 """
 
@@ -13,11 +13,11 @@ import os
 from typing import Any
 
 from memfine.artifacts.rundir import check_run_dir
-from memfine.cli._budget import budget_warnings_in_flags, check_memory_budget, flag_message
-from memfine.cli._flags import add_flags, check_device, checked_threads, given, value
-from memfine.cli._train_config import preset_default, resolve_config
-from memfine.cli._train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.config import TrainConfig
+from memfine.flags.budget import budget_warnings_in_flags, check_memory_budget, flag_message
+from memfine.flags.table import add_flags, check_device, checked_threads, given, value
+from memfine.flags.train_config import preset_default, resolve_config
+from memfine.flags.train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.schedule.policy import InfeasibleBudgetError
 from memfine.train import train
 from memfine.train.determinism import deterministic_mode
@@ -109,7 +109,7 @@ def _check_memory_fits(config: TrainConfig, world: int) -> None:
     """
     import torch
 
-    from memfine.artifacts.memory_log import available_bytes, num_parameters, predicted_run_bytes
+    from memfine.reports.memory_log import available_bytes, num_parameters, predicted_run_bytes
     from memfine.units import DTYPE_BYTES, format_bytes
 
     device = torch.device(_rank_device(config.device, world))

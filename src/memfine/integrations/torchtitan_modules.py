@@ -38,9 +38,9 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
-from memfine.integrations.hf.experts import _policy as experts_policy
-from memfine.integrations.hf.experts import last_decision, num_chunks_for, run_module
-from memfine.integrations.hf.layout import ExpertsPlan, ExpertWeights
+from memfine.hf.experts import _policy as experts_policy
+from memfine.hf.experts import last_decision, num_chunks_for, run_module
+from memfine.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig
 from memfine.integrations.torchtitan_budget import (
     BUDGET_ATTRIBUTE,
@@ -174,7 +174,7 @@ class MemfineRoutedExperts(RoutedExperts):
           dispatcher's ``combine`` applies the scores and returns rows.
 
     Memory (saved for backward, dispatch ``memfine``, no chunks, fused path): x (T·d), H
-    (T·k·2n), the scores (T·k) and int32 indices, as :class:`memfine.ops.FusedExpertsFunction`;
+    (T·k·2n), the scores (T·k) and int32 indices, as :class:`memfine.experts.FusedExpertsFunction`;
     with chunks and recompute, x and the routing tensors only. torchtitan's own path saves the
     permuted copy of x, the bf16 casts and the products of each grouped GEMM, and the routed
     output for the combine.

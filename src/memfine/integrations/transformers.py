@@ -42,10 +42,10 @@ from torch import nn
 from memfine._checks import check_choice, fail
 from memfine._optional import require
 from memfine.config import ChunkConfig, _ConfigBase
-from memfine.integrations.hf.experts import compute_dtype, run_module
-from memfine.integrations.hf.experts import last_decision as last_decision  # public: c of a call
-from memfine.integrations.hf.layout import ExpertsPlan, expert_weights, plan_experts
-from memfine.integrations.hf.peft import parametrized_lora, pending_lora
+from memfine.hf.experts import compute_dtype, run_module
+from memfine.hf.experts import last_decision as last_decision  # public: c of a call
+from memfine.hf.layout import ExpertsPlan, expert_weights, plan_experts
+from memfine.hf.peft import parametrized_lora, pending_lora
 
 MIN_TRANSFORMERS_VERSION = (5, 7, 0)
 IMPLEMENTATION_NAME = "memfine"
@@ -195,7 +195,7 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         hidden_states: (T, d) activations, cast to the weights' dtype (as transformers'
             ``grouped_mm`` does) or, inside ``torch.autocast``, to the autocast dtype (the
             weights are then cast per call as ``nn.Linear``'s are, so x and H are saved in bf16
-            under bf16 autocast; :func:`memfine.ops.autocast_operands`).
+            under bf16 autocast; :func:`memfine.experts.autocast_operands`).
         top_k_index: (T, k) int64 expert ids; ids outside [0, num_experts) are sentinels
             (expert parallelism) and contribute exactly zero.
         top_k_weights: (T, k) routing weights.
@@ -203,7 +203,7 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
 
     PEFT LoRA on the expert weights (``target_parameters``, plain ``peft.get_peft_model``) is
     found on the module at call time and run as split LoRA on the fused path, never as
-    W + s·B·A (:func:`memfine.integrations.hf.peft.parametrized_lora`).
+    W + s·B·A (:func:`memfine.hf.peft.parametrized_lora`).
 
     Returns:
         (T, d) tensor in ``hidden_states``' dtype.
@@ -212,7 +212,7 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
         ValueError: on shapes that do not fit the module, or an impossible ``impl``.
 
     Memory: fused path, unchunked: x (T·d) + H (S·G) + weights and int32 indices saved
-    (:class:`memfine.ops.FusedExpertsFunction`); chunked with recompute: x and the routing
+    (:class:`memfine.experts.FusedExpertsFunction`); chunked with recompute: x and the routing
     tensors only, each chunk's H is recomputed in backward (peak: one chunk). Under autocast
     these are in the autocast dtype, plus the per-call casts of the weights.
     """
@@ -248,8 +248,16 @@ def _bind(config: HFExpertsConfig) -> ExpertsFn:
         return memfine_experts_forward(module, hidden_states, top_k_index, top_k_weights,
                                        config=config)
 
+    def runs_fused(module: nn.Module) -> bool:
+        try:
+            return resolve_plan(module, _module_config(module, config).impl).path == "fused"
+        except ValueError:
+            return False
+
     memfine_experts.__doc__ = memfine_experts_forward.__doc__
-    memfine_experts.memfine_config = config  # type: ignore[attr-defined]  # read by hf/peft.py
+    memfine_experts.memfine_config = config  # type: ignore[attr-defined]
+    # read by hf/peft.py (which sits below this module) through the interface's function
+    memfine_experts.memfine_runs_fused = runs_fused  # type: ignore[attr-defined]
     return memfine_experts
 
 

@@ -8,7 +8,7 @@ which keeps an extra reference to its storage, so the autograd engine can no lon
 gradients of one input in place (``InputBuffer`` falls back to an out-of-place ``add``). Under the
 tracker a gradient accumulated in the engine's buffer therefore costs one extra buffer of its size
 that the uninstrumented program never allocates. memfine's own chunk loop accumulates weight
-gradients itself (:mod:`memfine.ops.fused.weight_grads`), so on memfine's layer both
+gradients itself (:mod:`memfine.ops.weight_grads`), so on memfine's layer both
 measurements agree except where the engine sums a gradient (e.g. the layer input's gradient
 from the router and from the experts); tests/measure/test_profiled.py checks where.
 

@@ -1,7 +1,7 @@
 """Predicted memory of one MoE layer, and the Eq. 8-9 chunk-count arithmetic.
 
 - :mod:`memfine.memory.layer`: bytes of one MoE layer's forward + backward (saved and peak),
-  replayed from the code's allocation timeline (:mod:`memfine.memory.timeline`).
+  replayed from the code's allocation timeline (:mod:`memfine.timeline`).
 - :mod:`memfine.memory.planner`: s′_max (MemFine Eq. 8) and the one binned chunk count (Eq. 9).
 - :mod:`memfine.memory.step_timeline`: one training step of the language model (embedding,
   attention, norms, every MoE layer's timeline, logits, loss), and :mod:`memfine.memory.step`:

@@ -4,14 +4,14 @@ Saved-for-backward bytes are closed-form sums over the tensors memfine's code sa
 routing losses, and the expert path of each execution mode); they equal what saved-tensor hooks
 measure (:class:`memfine.measure.saved.SavedTensorsTracker`) exactly. Peak bytes come from an
 allocation timeline that replays the layer's forward and backward step by step
-(:mod:`memfine.memory.timeline.layer`); they equal what the live-storage tracker
+(:mod:`memfine.timeline.layer`); they equal what the live-storage tracker
 (:class:`memfine.measure.peak.PeakMemoryTracker`) measures.
 
 Execution modes (as :class:`memfine.nn.MoELayer` runs them):
 
 - ``plain``: ``experts_impl="plain"`` — autograd over gathered/scattered copies.
-- ``fused``: ``experts_impl="fused"`` — :class:`memfine.ops.FusedExpertsFunction` (x, H, weights,
-  int32 indices).
+- ``fused``: ``experts_impl="fused"`` — :class:`memfine.experts.FusedExpertsFunction` (x, H,
+  weights, int32 indices).
 - ``full``: recompute ``full`` or ``experts`` with c = 1 — only the layer input and the routing
   survive forward.
 - ``chunked``: recompute ``experts`` with c > 1 — as ``full``, and backward recomputes one token
@@ -35,9 +35,9 @@ import dataclasses
 
 from memfine.config import MoEConfig
 from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
-from memfine.memory.timeline import layer as tlm
-from memfine.memory.timeline.base import expert_saved
-from memfine.memory.timeline.shared import shared_saved_items
+from memfine.timeline import layer as tlm
+from memfine.timeline.base import expert_saved
+from memfine.timeline.shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -130,7 +130,7 @@ def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     Args: as :func:`moe_layer_memory`.
 
     Returns:
-        A :class:`memfine.memory.timeline.layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
+        A :class:`memfine.timeline.layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
         bytes alive at the peak), ``marks`` and ``phase_peaks`` (``forward``, ``end``).
 
     Raises:

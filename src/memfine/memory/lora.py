@@ -4,7 +4,7 @@
 saves U (S_c·r) per adapter beside x and H; forward adds the adapters' products (transients of
 H's and Y's size); backward allocates no gradient for the frozen base weights (nor for a
 frozen router) but the adapters' gradient buffers and their per-block rank-r transients
-(:mod:`memfine.memory.timeline.lora`). A frozen router's fp32 matmul (bf16 runs) keeps no copy
+(:mod:`memfine.timeline.lora`). A frozen router's fp32 matmul (bf16 runs) keeps no copy
 of x. The peak is the allocation timeline's, as for a layer without adapters.
 
 Legend: T tokens, K = k, S_c = C·k rows of a chunk, r the adapters' rank, D_t bytes per element.
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.memory.layer import saved_items
-from memfine.memory.timeline.experts import chunk_tokens
-from memfine.memory.timeline.layer import simulate_layer
-from memfine.memory.timeline.lora import adapter_saved_bytes
+from memfine.timeline.experts import chunk_tokens
+from memfine.timeline.layer import simulate_layer
+from memfine.timeline.lora import adapter_saved_bytes
 
 
 @dataclass(frozen=True, slots=True)

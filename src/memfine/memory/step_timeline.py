@@ -24,7 +24,7 @@ from typing import Literal, overload
 
 from memfine.config import ModelConfig, RecomputeMode
 from memfine.memory import layer as layer_memory
-from memfine.memory.timeline.base import Timeline
+from memfine.timeline.base import Timeline
 
 STEP_RECOMPUTE: tuple[RecomputeMode, ...] = ("none", "experts", "full")
 """A layer's recompute options in a step plan (``full``: the whole block)."""
@@ -233,7 +233,7 @@ def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
         plan: one choice per layer (``len(plan) == config.num_layers``).
 
     Returns:
-        The :class:`memfine.memory.timeline.base.Timeline` (``peak``; marks ``forward``, ``end``).
+        The :class:`memfine.timeline.base.Timeline` (``peak``; marks ``forward``, ``end``).
 
     Raises:
         ValueError: if the plan's length is not the number of layers, or a choice is invalid.

@@ -29,8 +29,8 @@ from torch import nn
 
 from memfine.config import MoEConfig, Recompute
 from memfine.dispatch import build_routing_index
-from memfine.ops import autocast_operands, run_experts
-from memfine.ops.fused.weight_grads import WeightGradBuffers
+from memfine.experts import autocast_operands, run_experts
+from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
 from memfine.schedule.policy import ChunkPolicy
 from memfine.schedule.traced import traced_num_chunks
@@ -148,22 +148,22 @@ class GroupedExperts(nn.Module):
 
         Returns:
             (T, d) combined expert output in x's dtype (the autocast dtype inside
-            ``torch.autocast``: see :func:`memfine.ops.experts.autocast_operands`), equal to the
-            unchunked :func:`memfine.ops.run_experts` up to the summation order of the weight
+            ``torch.autocast``: see :func:`memfine.experts.run.autocast_operands`), equal to the
+            unchunked :func:`memfine.experts.run_experts` up to the summation order of the weight
             gradients.
 
         Raises:
             ValueError: as :func:`memfine.schedule.chunked.run_chunked` and
-                :func:`memfine.ops.run_experts`.
+                :func:`memfine.experts.run_experts`.
 
         Memory: ``experts``/``full`` keep x_TD and the routing only; backward holds one chunk's
         H (S_c·G·D_t) and the fused backward's transients of one row block (see
-        :class:`memfine.ops.FusedExpertsFunction`), with S_c the rows of the chunk. ``none``
+        :class:`memfine.experts.FusedExpertsFunction`), with S_c the rows of the chunk. ``none``
         keeps every chunk's H (S·G·D_t in all); c = 1 with ``none`` is the plain call of
-        :class:`memfine.ops.FusedExpertsFunction` (``fused``) or
-        :func:`memfine.ops.experts_plain` (``plain``). With c > 1 on the fused path the chunks
+        :class:`memfine.experts.FusedExpertsFunction` (``fused``) or
+        :func:`memfine.experts.run_plain` (``plain``). With c > 1 on the fused path the chunks
         add their weight gradients into one shared buffer per weight
-        (:mod:`memfine.ops.fused.weight_grads`), so the weight gradients cost E·d·G + E·n·d
+        (:mod:`memfine.ops.weight_grads`), so the weight gradients cost E·d·G + E·n·d
         once, as without chunking.
         Reference: MemFine §4; docs/design.md §4.
         """
@@ -192,7 +192,7 @@ class GroupedExperts(nn.Module):
         Returns:
             (C, d) combined output of the chunk.
 
-        Memory: what :func:`memfine.ops.run_experts` saves for the chunk; recomputed whole in
+        Memory: what :func:`memfine.experts.run_experts` saves for the chunk; recomputed whole in
         backward under ``experts``/``full`` (its routing index included).
         """
         index = build_routing_index(top_k_index_CK, self.config.num_experts,

@@ -3,7 +3,7 @@
 :class:`LoRAGroupedExperts` is :class:`memfine.nn.experts.GroupedExperts` with frozen base weights
 and per-expert adapters (``lora_a_up`` (E, r, d), ``lora_b_up`` (E, G, r), ``lora_a_down``
 (E, r, n), ``lora_b_down`` (E, d, r)), run by the split LoRA of the fused path
-(:func:`memfine.ops.fused.lora_experts.run_lora_experts`) in the same c token chunks, under the
+(:func:`memfine.experts.lora_experts.run_lora_experts`) in the same c token chunks, under the
 same recompute modes. :func:`apply_lora` turns every :class:`memfine.nn.MoELayer` of a model into
 one with adapters and freezes what the :class:`LoRAConfig` does not train;
 :func:`adapter_state_dict` / :func:`merge_lora_` (:func:`merge_model_lora_` for a whole model) save
@@ -24,10 +24,10 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig, Recompute
 from memfine.config.lora import LoRAConfig, check_lora_rank
 from memfine.dispatch import build_routing_index
+from memfine.experts.lora import ExpertLoRA
+from memfine.experts.lora_experts import run_lora_experts
 from memfine.memory.lora import lora_layer_memory
 from memfine.nn.experts import GroupedExperts
-from memfine.ops.fused.lora import ExpertLoRA
-from memfine.ops.fused.lora_experts import run_lora_experts
 from memfine.schedule.chunked import run_chunked
 from memfine.schedule.policy import ChunkPolicy
 

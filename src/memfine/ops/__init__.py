@@ -1,24 +1,22 @@
-"""Expert math: grouped GEMM backends, activations, combine, the fused expert Function."""
+"""Expert math's building blocks: grouped GEMMs, weight gradients, activations, gather/combine.
+
+The expert computation built on them (``run_experts``, the fused Function, split LoRA) is
+:mod:`memfine.experts`; the optional Triton kernels are :mod:`memfine.triton_kernels`.
+"""
 
 from memfine.ops.activations import activation_backward, apply_activation
 from memfine.ops.combine import combine_rows, gather_rows, reduce_rows
-from memfine.ops.experts import autocast_operands, experts_plain, run_experts
-from memfine.ops.fused.function import FusedExpertsFunction
 from memfine.ops.grouped import grouped_mm, grouped_mm_supported, grouped_weight_grad
 from memfine.ops.grouped_function import GroupedMatmulFunction
 
 __all__ = [
-    "FusedExpertsFunction",
     "GroupedMatmulFunction",
     "activation_backward",
     "apply_activation",
-    "autocast_operands",
     "combine_rows",
-    "experts_plain",
     "gather_rows",
     "grouped_mm",
     "grouped_mm_supported",
     "grouped_weight_grad",
     "reduce_rows",
-    "run_experts",
 ]

@@ -232,7 +232,7 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
     if backend == "grouped_mm":
         return _aten_grouped_mm(x_SI.contiguous(), w_EIO, offsets_E1)
     if backend == "triton":
-        from memfine.ops.triton import grouped_mm as triton_grouped_mm
+        from memfine.triton_kernels import grouped_mm as triton_grouped_mm
 
         return triton_grouped_mm(x_SI, w_EIO, offsets_E1)
     out: torch.Tensor = torch.ops.memfine.grouped_mm_loop(x_SI, w_EIO, offsets_E1)

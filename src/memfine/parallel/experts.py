@@ -39,8 +39,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from memfine.config import MoEConfig
-from memfine.ops import run_experts
-from memfine.ops.fused.weight_grads import WeightGradBuffers
+from memfine.experts import run_experts
+from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding
 from memfine.parallel.notify import ChunkDispatch, ExpertCounts, exchange_counts, plan_chunks

@@ -36,7 +36,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from memfine.config import RECOMPUTE_MODES, Recompute
-from memfine.ops.fused.weight_grads import WeightGradBuffers, share_weight_grads
+from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
 
 ChunkFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 """One chunk's expert part: ``(chunk, x_CD, top_k_index_CK, top_k_weights_CK) -> out_CD``.
@@ -91,7 +91,7 @@ def share_chunk_weight_grads(weights: tuple[torch.Tensor, ...], num_chunks: int,
 
     With c > 1, eagerly, and a chunk step that adds its weight gradients into given buffers
     (``in_place``) the chunks get aliases of ``weights`` from
-    :func:`memfine.ops.fused.weight_grads.share_weight_grads` and add their weight gradients
+    :func:`memfine.ops.weight_grads.share_weight_grads` and add their weight gradients
     into one buffer per weight; the weights' own gradient (and every hook on them, e.g. FSDP2's
     reduce-scatter) then arrives once per layer call. Otherwise the weights themselves and
     ``None``. Each experts module says whether its chunk step writes in place
@@ -102,11 +102,11 @@ def share_chunk_weight_grads(weights: tuple[torch.Tensor, ...], num_chunks: int,
             rank's (L, d, G) and (L, n, d).
         num_chunks: c ≥ 1.
         in_place: True when the chunk step hands the buffers on to a backward that adds into
-            them (:func:`memfine.ops.run_experts`' fused path).
+            them (:func:`memfine.experts.run_experts`' fused path).
 
     Returns:
         ``(weights_for_chunks, buffers)``; the chunk step passes ``buffers`` on as
-        ``weight_grads`` of :func:`memfine.ops.run_experts`.
+        ``weight_grads`` of :func:`memfine.experts.run_experts`.
 
     Memory: NOTE(memory): one weight-gradient buffer per weight for all c chunks; the engine
     would otherwise hold a chunk's gradient and the running sum at once (2·(E·d·G + E·n·d)
@@ -129,7 +129,7 @@ def run_chunked(chunk_fn: ChunkFn, x_TD: torch.Tensor, top_k_index: torch.Tensor
     expert-parallel experts (:class:`memfine.parallel.ExpertParallelExperts`, whose step also
     does the chunk's all-to-alls: every rank must then use the same ``num_chunks``, see
     :class:`memfine.schedule.policy.ChunkPolicy`) and the transformers experts backend
-    (:mod:`memfine.integrations.hf.experts`). Every one of the c chunks
+    (:mod:`memfine.hf.experts`). Every one of the c chunks
     runs, empty ones included (c > T, or T = 0 on this rank), so collectives inside ``chunk_fn``
     are issued the same number of times on every rank.
 

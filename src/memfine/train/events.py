@@ -3,7 +3,7 @@
 Legend: L MoE layers, E experts.
 
 A metrics line carries the step's measured peak bytes next to the memory model's prediction
-(:mod:`memfine.artifacts.memory_log`); which steps validate, save and log: the ``*_at`` methods
+(:mod:`memfine.reports.memory_log`); which steps validate, save and log: the ``*_at`` methods
 of :class:`memfine.config.TrainConfig`.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, TypedDict
 import torch
 
 from memfine.artifacts.checkpoint import save_checkpoint, save_sharded_checkpoint
-from memfine.artifacts.evaluation import evaluate
-from memfine.artifacts.metrics import format_expert_load, load_max_over_mean, nats_to_bits
+from memfine.reports.evaluation import evaluate
+from memfine.reports.metrics import format_expert_load, load_max_over_mean, nats_to_bits
 from memfine.train.setup import RunState
 from memfine.train.step import StepRecord
 

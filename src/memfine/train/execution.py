@@ -9,7 +9,7 @@ regions are compiled instead (:meth:`memfine.nn.MoETransformerLM.compile_regions
 ``--autocast bfloat16`` runs the forward and the loss under ``torch.autocast`` with bf16: fp32
 master weights, gradients and optimizer state, bf16 matmuls, an fp32 router
 (:func:`memfine.routing.precision.fp32_routing`) and bf16 x and H saved by the experts
-(:func:`memfine.ops.autocast_operands`). ``--dtype bfloat16`` instead stores bf16 weights.
+(:func:`memfine.experts.autocast_operands`). ``--dtype bfloat16`` instead stores bf16 weights.
 """
 
 from __future__ import annotations

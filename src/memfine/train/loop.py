@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 
 from memfine.artifacts.checkpoint import remove_stale_temporaries
-from memfine.artifacts.evaluation import evaluate, sample_after_validation_prompt
-from memfine.artifacts.metrics import plot_run, report_final
-from memfine.artifacts.outputs import Outputs
 from memfine.artifacts.rundir import check_run_dir, removed_on_failure, run_lock
 from memfine.config import TrainConfig
+from memfine.reports.evaluation import evaluate, sample_after_validation_prompt
+from memfine.reports.metrics import plot_run, report_final
+from memfine.reports.outputs import Outputs
 from memfine.train import events
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run

@@ -30,13 +30,13 @@ from memfine.artifacts.checkpoint import (
 )
 from memfine.artifacts.inference import load_weights
 from memfine.artifacts.lora_base import set_lora_base
-from memfine.artifacts.memory_log import check_fits, num_parameters
-from memfine.artifacts.metrics import MetricsLog
-from memfine.artifacts.outputs import Outputs
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
+from memfine.reports.memory_log import check_fits, num_parameters
+from memfine.reports.metrics import MetricsLog
+from memfine.reports.outputs import Outputs
 from memfine.train.execution import step_forward
 from memfine.train.optim import build_optimizer
 from memfine.train.parallel import ParallelTraining

@@ -5,7 +5,7 @@ Legend: N micro-batches, B batch, Q sequence length, L MoE layers, E experts.
 loss = cross-entropy + ``aux_loss_coef``·load-balancing loss + ``z_loss_coef``·z-loss +
 ``seq_aux_loss_coef``·sequence-wise balance loss (each averaged over layers). The steps that
 write a ``metrics.jsonl`` line (:meth:`memfine.config.TrainConfig.logs_at`) run forward +
-backward under the peak tracker (:func:`memfine.artifacts.memory_log.measured_peak`).
+backward under the peak tracker (:func:`memfine.reports.memory_log.measured_peak`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from memfine.artifacts.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.data import train_batch
+from memfine.reports.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.train.accumulation import MicroOut, micro_batch, routing_prepass
 from memfine.train.setup import RunState
 

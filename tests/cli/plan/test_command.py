@@ -74,7 +74,7 @@ def test_defaults_are_plan_config_defaults() -> None:
     """Every setting flag's default is its PlanConfig field's (no second table of defaults)."""
     import dataclasses
 
-    from memfine.cli._flags import NotGiven
+    from memfine.flags.table import NotGiven
     from memfine.plan.layout import PlanConfig
 
     parser = argparse.ArgumentParser()

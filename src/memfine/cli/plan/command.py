@@ -29,7 +29,9 @@ import sys
 from typing import Any
 
 from memfine._checks import FieldError
-from memfine.cli._flags import (
+from memfine.cli.plan import output
+from memfine.config import RECOMPUTE_MODES
+from memfine.flags.table import (
     Flag,
     NotGiven,
     add_flags,
@@ -41,8 +43,6 @@ from memfine.cli._flags import (
     typed_fields,
     value,
 )
-from memfine.cli.plan import output
-from memfine.config import RECOMPUTE_MODES
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset

@@ -1,0 +1,16 @@
+"""The routed experts' computation: plain or fused, with split LoRA.
+
+- :mod:`memfine.experts.run`: :func:`run_experts` (the one entry point: ``plain`` or ``fused``),
+  the plain path and autocast of the operands.
+- :mod:`memfine.experts.function`: the fused experts Function (MoEBlaze §4): gather +
+  up-projection + activation, then down-projection + weighted combine, saving only x and H; its
+  streamed backward.
+- :mod:`memfine.experts.up_projection`: the up-projection layouts.
+- :mod:`memfine.experts.lora`, :mod:`memfine.experts.lora_experts`: split LoRA on the experts.
+"""
+
+from memfine.experts.function import FusedExpertsFunction, FusedOptions
+from memfine.experts.run import autocast_operands, experts_plain, run_experts
+
+__all__ = ["FusedExpertsFunction", "FusedOptions", "autocast_operands", "experts_plain",
+           "run_experts"]

@@ -1,0 +1,256 @@
+"""How ``memfine train`` resolves its flags into a :class:`memfine.config.TrainConfig`.
+
+The values come from ``--preset`` (or, with ``--resume``, from the checkpoint in ``--out``; with
+``--init-from``, the preset with that checkpoint's model and context length), then ``--config``
+FILE, then the flags given (:mod:`memfine.flags.train_flags`). With ``--init-from`` a flag may
+change the model's settings (chunking, budget, kernels, ``--seq-len``) but not its architecture
+(:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name the flag that caused
+them (:func:`memfine.flags.table.name_flag`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+from pathlib import Path
+from typing import Any
+
+from memfine.artifacts.checkpoint import (
+    CheckpointNotFoundError,
+    find_checkpoint,
+    read_checkpoint,
+)
+from memfine.artifacts.inference import ARCHITECTURE_FIELDS
+from memfine.artifacts.rundir import RUN_FILES
+from memfine.config import TrainConfig
+from memfine.config.lora import LoRAConfig
+from memfine.flags.checkpoint import run_directory
+from memfine.flags.table import (
+    NotGiven,
+    apply_config_file,
+    flag_names,
+    given,
+    name_flag,
+    typed_fields,
+    value,
+)
+from memfine.flags.train_flags import LORA_FLAGS, RUN_FLAGS, SETTING_FLAGS
+from memfine.train import PRESETS, preset
+from memfine.train.setup import RESUMABLE_FIELDS
+
+
+def preset_default(path: str) -> NotGiven:
+    """The presets' value of a config field, for ``--help`` (e.g. ``small: 128, tiny: 64``)."""
+    values = {name: _get(preset(name).to_dict(), path) for name in PRESETS}
+    values = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in values.items()}
+    if len({repr(v) for v in values.values()}) == 1:
+        return NotGiven(text=str(next(iter(values.values()))))
+    return NotGiven(text=", ".join(f"{name}: {v}" for name, v in values.items()))
+
+
+def _set(tree: dict[str, Any], path: str, new: Any) -> None:
+    *parents, leaf = path.split(".")
+    for key in parents:
+        tree = tree[key]
+    tree[leaf] = new
+
+
+def _get(tree: dict[str, Any], path: str) -> Any:
+    """The value at a dotted path; None below a None (``lora.rank`` of a run without LoRA)."""
+    for key in path.split("."):
+        if tree is None:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
+    """Build the run's TrainConfig and output directory from parsed flags.
+
+    Order: the preset (or, with ``--resume``, the checkpoint's config; with ``--init-from``, the
+    preset with that checkpoint's model and ``seq_len``), then ``--config`` FILE, then the flags
+    given.
+
+    Raises:
+        ValueError: one line naming the flag, the value and what is allowed, on an invalid
+            value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
+            run than the checkpoint's; a flag that changes a value resume may not change
+            (naming the flag first); a flag that changes ``--init-from``'s architecture.
+    """
+    if given(args, "config"):
+        apply_config_file(args, value(args, "config"), RUN_FLAGS + SETTING_FLAGS)
+    resume = bool(value(args, "resume"))
+    name = value(args, "preset")
+    out = Path(value(args, "out") or f"runs/{name}")
+    if resume:
+        tree = _checkpoint_of("--out", out, _no_checkpoint_hint(out))["config"]
+        _apply_flags(args, tree, resume=True, out=out)  # a changed flag is named first
+        _check_unchanged_origin(args, tree, out)
+    else:
+        tree, source = _fresh_tree(args, name)
+        _apply_flags(args, tree, resume=False, out=out)
+        _check_source_architecture(args, tree, source)
+    if not resume:
+        _cuda_autocast_default(args, tree)
+    return _build(args, tree), out
+
+
+def _build(args: argparse.Namespace, tree: dict[str, Any]) -> TrainConfig:
+    """TrainConfig of ``tree``; its errors name the flags (:func:`name_flag`)."""
+    if not given(args, "renormalize") and tree["model"]["moe"]["top_k"] == 1:
+        tree["model"]["moe"]["renormalize"] = False
+    try:
+        return TrainConfig.from_dict(tree)
+    except ValueError as err:
+        raise ValueError(name_flag(err, typed_fields(args, SETTING_FLAGS),
+                                   flag_names(SETTING_FLAGS))) from err
+
+
+def _fresh_tree(args: argparse.Namespace, name: str
+                ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """The preset's config with ``--init-from``'s model and context length (not the flags).
+
+    Returns:
+        That config tree, and the ``--init-from`` run's saved config (None without it).
+    """
+    tree = preset(name).to_dict()
+    if not given(args, "init_from"):
+        return tree, None
+    source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
+                            "--init-from takes the --out of a memfine train run that "
+                            "has saved a checkpoint")["config"]
+    tree["model"] = copy.deepcopy(source["model"])  # and its context length:
+    tree["seq_len"] = source["seq_len"]
+    return tree, source
+
+
+def _check_source_architecture(args: argparse.Namespace, tree: dict[str, Any],
+                               source: dict[str, Any] | None) -> None:
+    """Refuse a flag that changes the architecture of ``--init-from``'s model.
+
+    The fine-tune keeps the source model's :data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`
+    (its weights mean nothing in another shape); its chunking, memory budget, kernels, loss
+    coefficients and context length are settings of the new run.
+
+    Raises:
+        ValueError: naming the flag, the source's value and the one given.
+    """
+    if source is None:
+        return
+    fixed = {f"model.{path}" for path in ARCHITECTURE_FIELDS}
+    for flag in SETTING_FLAGS:
+        for path in flag.paths:
+            if path in fixed and given(args, flag.dest) and _get(tree, path) != _get(source, path):
+                raise ValueError(f"{flag.name} {_get(tree, path)!r} cannot change the model of "
+                                 f"--init-from {str(value(args, 'init_from'))!r} (it has "
+                                 f"{_get(source, path)!r}): a fine-tune keeps the source "
+                                 f"model's architecture; drop {flag.name}")
+
+
+def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
+    """Accept ``--preset``/``--init-from`` on ``--resume`` when they start the checkpoint's run.
+
+    The original command repeated with ``--resume`` passes; a preset or source that would start
+    another run is refused, naming the fields that would change.
+    """
+    if not (given(args, "preset") or given(args, "init_from")):
+        return
+    fresh, source = _fresh_tree(args, value(args, "preset"))
+    _apply_flags(args, fresh, resume=False, out=out)
+    _check_source_architecture(args, fresh, source)
+    _cuda_autocast_default(args, fresh)
+    started = _build(args, fresh).to_dict()
+    differ = [path for path in _leaf_paths(saved) if path not in RESUMABLE_FIELDS
+              and path != "lr_decay_steps" and _get(started, path) != _get(saved, path)]
+    if differ:
+        origin = " and ".join(f"--{f.replace('_', '-')}" for f in ("preset", "init_from")
+                              if given(args, f))
+        names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
+        changes = list(dict.fromkeys(f"{names.get(path, path)} {_get(saved, path)!r} -> "
+                                     f"{_get(started, path)!r}" for path in differ))
+        shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
+        raise ValueError(f"{origin} starts another run than the checkpoint in {str(out)!r} "
+                         f"(checkpoint -> {origin}: {shown}"
+                         f"); --resume continues the run as saved: drop {origin} or give the "
+                         f"original one")
+
+
+def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    out = []
+    for key, item in tree.items():
+        path = f"{prefix}{key}"
+        out += _leaf_paths(item, path + ".") if isinstance(item, dict) else [path]
+    return out
+
+
+def _no_checkpoint_hint(out: Path) -> str:
+    """What to do when ``--resume`` finds no checkpoint (``--overwrite`` when files are left)."""
+    left = [name for name in RUN_FILES if (out / name).exists()]
+    if left:
+        return (f"train without --resume first; --out still holds {', '.join(left)}, so "
+                f"add --overwrite to replace them")
+    return "train without --resume first"
+
+
+def _cuda_autocast_default(args: argparse.Namespace, tree: dict[str, Any]) -> None:
+    """On CUDA, bf16 autocast over fp32 master weights unless --autocast or --dtype said else."""
+    if (tree["device"].startswith("cuda") and tree["dtype"] == "float32"
+            and not given(args, "autocast") and not given(args, "dtype")):
+        tree["autocast"] = "bfloat16"
+
+
+def _checkpoint_of(flag: str, run_dir: Path, hint: str) -> dict[str, Any]:
+    """The newest checkpoint payload of ``run_dir``.
+
+    Raises:
+        ValueError: naming ``flag``; with ``hint`` when there is no checkpoint.
+    """
+    try:
+        return read_checkpoint(find_checkpoint(run_dir))
+    except CheckpointNotFoundError as err:
+        raise ValueError(f"{flag}: {err} ({hint})") from err
+    except ValueError as err:
+        raise ValueError(f"{flag}: {err}") from err
+
+
+def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
+                 out: Path) -> None:
+    """Set the given flags' fields in ``tree``; on resume only :data:`RESUMABLE_FIELDS` change.
+
+    Raises:
+        ValueError: naming the flag, on a change resume does not allow or a LoRA flag that
+            cannot apply (:func:`_start_lora`).
+    """
+    _start_lora(args, tree, resume=resume, out=out)
+    for flag in SETTING_FLAGS:
+        if not given(args, flag.dest):
+            continue
+        new = getattr(args, flag.dest)
+        for path in flag.paths:
+            if resume and path not in RESUMABLE_FIELDS and _get(tree, path) != new:
+                raise ValueError(f"{flag.name} cannot change on --resume (the checkpoint in "
+                                 f"{str(out)!r} has {_get(tree, path)!r}, got {new!r})")
+            _set(tree, path, new)
+
+
+def _start_lora(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
+                out: Path) -> None:
+    """Give a fresh run with ``--lora-rank`` the default LoRA config the other flags then set.
+
+    Raises:
+        ValueError: one line naming the flag: a LoRA flag without ``--lora-rank``, ``--lora-rank``
+            without ``--init-from``, or a LoRA flag on ``--resume`` of a run without adapters.
+    """
+    lora_flags = [flag.name for flag in LORA_FLAGS if given(args, flag.dest)]
+    if not lora_flags or tree.get("lora") is not None:
+        return
+    if resume:
+        raise ValueError(f"{lora_flags[0]} cannot change on --resume (the checkpoint in "
+                         f"{str(out)!r} trains every weight, without LoRA adapters)")
+    if not given(args, "lora_rank"):
+        raise ValueError(f"{lora_flags[0]} needs --lora-rank (without it no adapters are "
+                         f"trained)")
+    if not given(args, "init_from"):
+        raise ValueError("--lora-rank needs --init-from RUN: LoRA fine-tunes adapters on the "
+                         "frozen weights of a trained model (the --out of a memfine train run)")
+    tree["lora"] = LoRAConfig().to_dict()

@@ -1,7 +1,0 @@
-"""The allocation timelines that :mod:`memfine.memory.layer` replays, one per code path.
-
-- :mod:`memfine.memory.timeline.experts`: the routed experts (index build, plain and fused
-  forward, the streamed fused backward, chunked recomputation).
-- :mod:`memfine.memory.timeline.layer`: one whole MoE layer (router, experts, combine).
-- :mod:`memfine.memory.timeline.shared`: the shared (always-on) experts.
-"""

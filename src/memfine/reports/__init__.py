@@ -1,0 +1,6 @@
+"""What a training run reports while and after it runs.
+
+Modules: ``metrics`` (``metrics.jsonl``, expert load, plots), ``memory_log`` (measured and
+predicted bytes per step), ``outputs`` (progress bar, TensorBoard, plots), ``evaluation``
+(validation loss, a sample).
+"""

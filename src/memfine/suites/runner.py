@@ -1,0 +1,129 @@
+"""Run suites end to end: tables as points finish, ``bench_<suite>.csv``, PNGs, the run's JSON.
+
+:func:`run_suites` is what ``memfine bench`` and the scripts in ``benchmarks/`` call; a script is
+:func:`script_main` with its suite name (a few flags; the full set is ``memfine bench``'s).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from memfine.bench.options import BenchOptions, Point
+from memfine.bench.output import plot_points, print_point
+from memfine.bench.results import result_rows, write_csv
+from memfine.environment import collect_environment
+from memfine.suites import SUITE_MODULES, select_methods
+from memfine.train.loop import torch_threads
+
+
+def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
+    """Write ``bench_config.json``, then run each suite: tables, ``bench_<suite>.csv``, PNGs.
+
+    Args:
+        opts: the resolved options (``opts.out`` is the output folder; created).
+        device: where the methods run.
+
+    Returns:
+        One ``"<suite> <point> <method>: <error>"`` line per method that raised.
+
+    Side effects: sets torch's intra-op threads to ``opts.threads`` for the run (restored).
+    """
+    with torch_threads(opts.threads):
+        return _run(opts, device)
+
+
+def _run(opts: BenchOptions, device: torch.device) -> list[str]:
+    failures: list[str] = []
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = collect_environment(device)
+    resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
+    print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
+    (out / "bench_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+    for suite in opts.suites:
+        names = select_methods(suite, opts.methods, opts.compile)
+        if not names:
+            print(f"{suite}: skipped: none of --methods belongs to this suite")
+            continue
+        start = time.perf_counter()
+        points: list[Point] = []
+        rows: list[dict[str, str]] = []
+        module = SUITE_MODULES[suite]  # a suite may print and write its own rows (counts)
+        for point in module.run(opts, device, names):
+            getattr(module, "print_point", print_point)(point)
+            points.append(point)
+            failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
+                         for res in point.results if res.error]
+            rows += (module.csv_rows(point, env) if hasattr(module, "csv_rows") else
+                     result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
+                                 x_value=point.x_value, config=point.config, env=env))
+        if not points:
+            continue
+        plots = [] if hasattr(module, "csv_rows") else plot_points(points, out, suite)
+        written = [write_csv(rows, out / f"bench_{suite}.csv"), *plots]
+        print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "
+              + ", ".join(str(p) for p in written))
+    print(f"environment: {env.line()}")
+    return failures
+
+
+def bench_device(choice: str) -> torch.device:
+    """The device of a run: ``cpu``, ``cuda`` (or ``cuda:i``), or ``auto`` (CUDA when present).
+
+    Raises:
+        ValueError: naming ``--device`` for an unknown choice, or CUDA where there is none.
+    """
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(choice)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda[:i] or auto, got {choice!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {choice}: CUDA is not available in this torch build or "
+                         f"machine (torch {torch.__version__})")
+    return device
+
+
+def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int:
+    """A ``benchmarks/`` script: run one suite and write its files to ``out``.
+
+    Flags: ``--repeats``, ``--warmup``, ``--threads`` (default 1), ``--quick``, ``--out``,
+    ``--device`` (default ``cpu``; ``cuda`` times with CUDA events and reads allocator peaks).
+
+    Returns:
+        0, or 1 when a method failed (its error is printed).
+
+    Raises:
+        SystemExit: 2 (argparse usage error) on a bad ``--device``.
+    """
+    parser = argparse.ArgumentParser(description=f"memfine bench --suite {suite}")
+    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
+    parser.add_argument("--out", type=Path, default=out, help="output folder")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu, cuda[:i] or auto (CUDA when present); default cpu")
+    args = parser.parse_args(argv)
+    try:
+        device = bench_device(args.device)
+    except ValueError as err:
+        parser.error(str(err))
+    opts = BenchOptions(suites=(suite,), repeats=1 if args.quick else args.repeats,
+                        warmup=0 if args.quick else args.warmup, threads=args.threads,
+                        quick=args.quick, out=str(args.out), device=device.type)
+    failures = run_suites(opts, device)
+    for failure in failures:
+        print(f"method failed: {failure}", file=sys.stderr)
+    return 1 if failures else 0

@@ -1,0 +1,439 @@
+"""Allocation timeline of memfine's expert path, replayed from the code's own steps.
+
+Each function mirrors one function of memfine (routing-index builders, the fused and plain expert
+paths, the chunk loop and the autograd engine's gradient buffers) as a sequence of
+``alloc``/``free`` events with byte sizes from the config. The running sum is what the live-storage
+tracker sees (tensors created inside the measured region); its maximum is the model's peak.
+Integer arithmetic only: nothing is allocated. :mod:`memfine.timeline.layer` adds the
+router, the losses and the layer driver.
+
+Legend: C tokens of one chunk, K = k, E experts, D = d, N = n, G = 2n (gated) or n, S routed rows
+(S = C·k without sentinels), D_t activation bytes (``dt``), R router bytes (``r``: 4, or 8 for
+float64). Sizes of at most 8 bytes (scalars, ``any``/``max`` results) are left out.
+Reference: our derivation from the code (docs/design.md §5: peak = saved + largest transient).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Literal, overload
+
+from memfine.config import MoEConfig, backward_block_rows
+from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+from memfine.timeline import lora as adapters
+from memfine.timeline.base import Shape, Timeline, WeightGrads
+
+
+def _use_sort_free(moe: MoEConfig, tokens: int) -> bool:
+    if moe.index_builder == "auto":
+        return tokens * moe.num_experts <= SORT_FREE_MAX_CELLS
+    return moe.index_builder == "sort_free"
+
+
+def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
+    """build_routing_index for C tokens and S rows; returns the five int32 arrays."""
+    E, K = s.moe.num_experts, s.moe.top_k
+    if _use_sort_free(s.moe, C):
+        ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
+        valid = tl.alloc("idx.valid", C * K)
+        tl.free(ge, lt)
+        safe = tl.alloc("idx.safe", C * K * 8)
+        dense = tl.alloc("idx.dense_map", C * (E + 1) * 8)
+        tl.free(tl.alloc("idx.ones", C * K * 8))
+        counts = tl.alloc("idx.counts", E * 8)
+        offs64 = tl.alloc("idx.offsets64", (E + 1) * 8)
+        tl.free(tl.alloc("idx.counts_cumsum", E * 8))
+        if C:  # dispatch.index.read_offsets: offsets and the largest cell, one host read
+            tl.free(tl.alloc("idx.host_read", (E + 2) * 8))
+        cum = tl.alloc("idx.cumsum", C * E * 8)
+        sub = tl.alloc("idx.cumsum_minus_1", C * E * 8)
+        tl.free(cum)
+        row_te = tl.alloc("idx.row_TE", C * E * 8)
+        tl.free(sub)
+        clamp = tl.alloc("idx.clamp", C * K * 8)
+        gath = tl.alloc("idx.gather", C * K * 8)
+        tl.free(clamp)
+        row_tk = tl.alloc("idx.row_TK", C * K * 8)
+        tl.free(gath)
+        sentinel = tl.alloc("idx.sentinel", C * K)
+        rank = tl.alloc("idx.sentinel_rank", C * K * 8)
+        perm = tl.alloc("idx.perm", C * K * 8)
+        tl.free(rank)
+        slot = tl.alloc("idx.slot_arange", C * K * 8)
+        eslot = tl.alloc("idx.expert_slot64", C * K * 8)  # scattered over all C·k slots
+        locals_ = [valid, safe, dense, counts, offs64, row_te, row_tk, sentinel, perm, slot,
+                   eslot]
+    else:  # argsort builder (used when C·E > SORT_FREE_MAX_CELLS); sort temporaries approximated
+        ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
+        valid = tl.alloc("idx.valid", C * K)
+        tl.free(ge, lt)
+        key = tl.alloc("idx.key", C * K * 8)
+        values = tl.alloc("idx.sort_values", C * K * 8)
+        order = tl.alloc("idx.order", C * K * 8)
+        tl.free(values)
+        shifted = tl.alloc("idx.shifted_ids", C * K * 8)  # count_per_expert
+        counts = tl.alloc("idx.counts", (E + 2) * 8)
+        tl.free(shifted)
+        offs64 = tl.alloc("idx.offsets64", (E + 1) * 8)
+        tl.free(tl.alloc("idx.counts_cumsum", E * 8))
+        row = tl.alloc("idx.row_of_slot", C * K * 8)
+        tl.free(tl.alloc("idx.arange", C * K * 8))
+        row_tk = tl.alloc("idx.row_TK", C * K * 8)
+        tl.free(row)
+        locals_ = [valid, key, counts, offs64, row_tk, order]
+    fdiv = tl.alloc("idx.floor_div", S * 8)
+    arrays = {"eti": tl.alloc("idx.expert_token_indices", S * 4)}
+    tl.free(fdiv)
+    arrays["offs"] = tl.alloc("idx.expert_token_offsets", (E + 1) * 4)
+    arrays["tei"] = tl.alloc("idx.token_expert_indices", C * K * 4)
+    arrays["tim"] = tl.alloc("idx.token_index_map", C * K * 4)
+    arrays["esi"] = tl.alloc("idx.expert_slot_indices", S * 4)
+    tl.free(*locals_)
+    return arrays
+
+
+def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
+    """apply_activation on H (S, G) → A (S, n) without autograd (gated: act(gate) *= up)."""
+    return tl.alloc(f"{prefix}.A", S * s.moe.intermediate_size * s.dt)
+
+
+def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str]:
+    """ops.fused.rows.RowBlocks.plan, once per pass (forward and backward).
+
+    w_S and, with several blocks, the (n_blocks, E + 1) int32 block offsets (the block starts
+    are transient).
+    """
+    plan = [tl.alloc(f"{phase}.w_S", S * s.dt)]
+    num_blocks = -(-S // rows)
+    if num_blocks > 1:
+        starts = tl.alloc(f"{phase}.block_starts", num_blocks * 4)
+        plan.append(tl.alloc(f"{phase}.block_offsets", num_blocks * (s.moe.num_experts + 1) * 4))
+        tl.free(starts)
+    return plan
+
+
+def block_rows(s: Shape) -> int:
+    """Rows per block of the streamed fused forward and backward (``backward_block_bytes``)."""
+    moe = s.moe
+    return backward_block_rows(moe.backward_block_bytes, moe.hidden_size, moe.intermediate_size,
+                               moe.up_width, s.dt)
+
+
+def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
+                  lora_saved: list[str] | None = None) -> tuple[str, str]:
+    """FusedExpertsFunction.forward streamed over row blocks; returns (H, out).
+
+    ops.fused.rows.forward_rows. Per block of B rows: x rows, the block's H product (copied
+    into H when there are several blocks; with one block it is H), A, Y and w ⊙ Y (out of
+    place), which is added into out in place (``index_add_``). The row plan (w_S, block
+    offsets) lives for the forward. Split-LoRA adapters (a
+    :class:`memfine.timeline.lora.LoRAShape`) run the forward as one block and add their
+    terms; their saved U go to ``lora_saved``.
+    """
+    D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
+    kept = [] if lora_saved is None else lora_saved
+    rows = block_rows(s) if adapters.adapters_of(s) is None else max(S, 1)
+    plan = _row_plan(tl, s, S, rows, "fwd")
+    out = tl.alloc("fwd.out", C * D * s.dt)
+    several = rows < S
+    h = tl.alloc("fwd.H", S * G * s.dt) if several else None
+    for r0 in range(0, S, rows):
+        B = min(S, r0 + rows) - r0
+        xg = tl.alloc("fwd.x_BD", B * D * s.dt)
+        h_block = tl.alloc("fwd.H_block", B * G * s.dt)
+        kept += adapters.forward_term(tl, s, B, "up")
+        tl.free(xg)
+        if several:
+            tl.free(h_block)
+        else:
+            h = h_block
+        a = tl.alloc("fwd.A", B * N * s.dt)
+        y = tl.alloc("fwd.Y", B * D * s.dt)
+        kept += adapters.forward_term(tl, s, B, "down")
+        tl.free(a)
+        weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
+        tl.free(y, weighted)
+    if h is None:  # no rows
+        h = tl.alloc("fwd.H", 0)
+    tl.free(*plan)
+    return h, out
+
+
+def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
+                   shared: dict[str, str] | None = None, *, recomputed: bool = False,
+                   need_weights: bool = True) -> dict[str, str]:
+    """FusedExpertsFunction.backward, streamed over row blocks; frees the chunk's saved tensors.
+
+    ``shared``: the chunk loop's weight-gradient buffers (name → allocation), filled on first
+    use and kept across chunks; ``None``: the Function's own buffers, returned in the result.
+    ``recomputed``: the saved tensors come from a checkpoint's recomputation, which drops each
+    one once unpacked, so token_index_map (unpacked, unused by backward) goes first.
+    ``need_weights=False``: the routing weights need no gradient (shared experts without a
+    gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    Returns the chunk's gradients (``weights``, ``x``, and ``w_up``/``w_down`` when owned).
+    """
+    moe, dt = s.moe, s.dt
+    D, E, K = moe.hidden_size, moe.num_experts, moe.top_k
+    buffers = {} if shared is None else shared
+    grads = {"x": tl.alloc("grad.x_chunk", C * D * dt)}
+    dots = [tl.alloc("bwd.row_dots_S", S * dt)] if need_weights else []
+    if recomputed:
+        tim = next(name for name in saved if name.startswith("idx.token_index_map"))
+        saved = [name for name in saved if name != tim]
+        tl.free(tim)
+    rows = block_rows(s)
+    plan = _row_plan(tl, s, S, rows, "bwd")  # once per backward, as in forward
+    grouped = grouped_weight_grads(s)
+    lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
+    for r0 in range(0, S, rows):
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped, lora_buffers)
+    if need_weights:
+        grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
+        tl.free(tl.alloc("bwd.slot64", S * 8))
+    tl.free(*plan)
+    if shared is None and adapters.adapters_of(s) is None:  # a frozen base has no gradient
+        for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
+                                                             * D)):
+            grads[name] = buffers.get(name) or tl.alloc(f"grad.{name}", size * dt)
+    grads.update(lora_buffers)
+    tl.free(*dots, *saved)
+    return grads
+
+
+def grouped_weight_grads(s: Shape) -> dict[str, bool]:
+    """Per weight, whether the fused backward's weight gradient is one grouped GEMM per block.
+
+    :func:`memfine.ops.weight_grads.uses_grouped_weight_grads`: bf16 (D_t = 2 is read as
+    bf16; fp16 is not modelled), not the ``loop`` backend, and the operands' rows multiples of
+    16 bytes (w_up: x (d) and dH (G); w_down: A (n) and dO (d)); fewer than 1024 experts
+    assumed (CUDA's limit). Otherwise the per-expert ``addmm_`` (no transient).
+    """
+    moe = s.moe
+    if s.dt != 2 or moe.gemm_backend == "loop":
+        return {"w_up": False, "w_down": False}
+
+    def aligned(*widths: int) -> bool:
+        return all(w * s.dt % 16 == 0 for w in widths)
+
+    return {"w_up": aligned(moe.hidden_size, moe.up_width),
+            "w_down": aligned(moe.intermediate_size, moe.hidden_size)}
+
+
+def _weight_grad(tl: Timeline, buffers: dict[str, str], grouped: bool, name: str,
+                 nbytes: int) -> None:
+    """One block's product into the weight-gradient buffer.
+
+    The first product is the buffer; a later grouped one is a transient of its size (the
+    per-expert ``addmm_`` writes in place).
+    """
+    if name not in buffers:
+        buffers[name] = tl.alloc(f"grad.{name}", nbytes)
+    elif grouped:
+        tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
+
+
+def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
+                          grouped: dict[str, bool], lora_buffers: dict[str, str]) -> None:
+    """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order)."""
+    moe, dt = s.moe, s.dt
+    D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
+    grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
+    grad_a = tl.alloc("bwd.dA", B * N * dt)
+    gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated else []  # kept for dH
+    a = activation_forward(tl, s, B, "bwd")
+    adapters.backward_down(tl, s, B, lora_buffers)
+    frozen = adapters.adapters_of(s) is not None  # split LoRA: the base weights are frozen
+    if not frozen:
+        _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
+    tl.free(a, grad_out)
+    grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
+    tl.free(grad_a, *gate)
+    if not frozen:
+        xg = tl.alloc("bwd.x_BD", B * D * dt)
+        _weight_grad(tl, buffers, grouped["w_up"], "w_up", E * D * G * dt)
+        tl.free(xg)
+    lora_dx = adapters.backward_up(tl, s, B, lora_buffers, need_x=True)
+    dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
+    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
+
+
+def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
+    """ops.activations.activation_backward: dH (S, G) from H and dA.
+
+    Gated: f(gate) (unless ``gate_kept``) is a transient; both halves of dH, dA ⊙ up included,
+    are written in place.
+    """
+    N, G = s.moe.intermediate_size, s.moe.up_width
+    if not s.moe.gated:
+        return tl.alloc("bwd.dH", S * N * s.dt)
+    grad_h = tl.alloc("bwd.dH", S * G * s.dt)
+    if not gate_kept:
+        tl.free(tl.alloc("bwd.act_gate", S * N * s.dt))
+    return grad_h
+
+
+def plain_forward(tl: Timeline, s: Shape, C: int, S: int, *, early_stop: bool = False
+                  ) -> tuple[list[str], str | None]:
+    """experts_plain under autograd; returns (its saved tensors, out).
+
+    With ``early_stop`` (a checkpoint's recomputation) it stops once the last saved tensor
+    (the combine weights) exists, as non-reentrant checkpointing does: no product, no output.
+    """
+    moe, dt = s.moe, s.dt
+    D, N, G, K = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.top_k
+    saved = [tl.alloc("plain.eti64", S * 8), tl.alloc("plain.x_SD", S * D * dt)]
+    h = tl.alloc("plain.H", S * G * dt)
+    if moe.gated:
+        saved += [tl.alloc("plain.act_gate", S * N * dt)]
+    saved += [tl.alloc("plain.A", S * N * dt)]
+    if moe.activation != "relu":  # relu keeps its result (A), not its input
+        saved.append(h)
+    y = tl.alloc("plain.Y", S * D * dt)
+    valid = tl.alloc("plain.combine.valid", C * K)
+    clamp = tl.alloc("plain.combine.clamp", C * K * 4)
+    saved.append(tl.alloc("plain.combine.idx64", C * K * 8))
+    tl.free(clamp)
+    saved.append(tl.alloc("plain.combine.rows_TKD", C * K * D * dt))
+    saved.append(tl.alloc("plain.combine.not_valid", C * K))
+    tl.free(valid)
+    saved.append(tl.alloc("plain.combine.ge", C * K))
+    saved.append(tl.alloc("plain.combine.w_TK", C * K * dt))
+    if early_stop:
+        tl.free(y, *([h] if moe.activation == "relu" else []))
+        return saved, None
+    product = tl.alloc("plain.combine.weighted", C * K * D * dt)
+    out = tl.alloc("fwd.out", C * D * dt)
+    tl.free(product, y)
+    if moe.activation == "relu":
+        tl.free(h)
+    return saved, out
+
+
+def plain_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
+                   wg: WeightGrads) -> dict[str, str]:
+    """Autograd backward of experts_plain (engine order as measured); returns its gradients."""
+    moe, dt = s.moe, s.dt
+    D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
+                     moe.top_k)
+    named = {name.split("#")[0]: name for name in saved}
+    full = tl.alloc("pbwd.d_w_full", C * K * D * dt)
+    grad_rows = tl.alloc("pbwd.d_rows", C * K * D * dt)
+    grad_w = tl.alloc("pbwd.d_w", C * K * dt)
+    tl.free(full, named["plain.combine.w_TK"], named["plain.combine.rows_TKD"])
+    grads = {"weights": tl.alloc("grad.top_k_weights", C * K * dt)}
+    tl.free(grad_w, named["plain.combine.ge"])
+    zeros = tl.alloc("pbwd.copyslices_zeros", C * K * D * dt)
+    tl.free(grad_rows)
+    base = tl.alloc("pbwd.copyslices_base", C * K * D * dt)
+    clone = tl.alloc("pbwd.copyslices_clone", C * K * D * dt)
+    tl.free(tl.alloc("pbwd.masked", C * K * D * dt), clone, zeros,
+            named["plain.combine.not_valid"])
+    zeros = tl.alloc("pbwd.index_zeros", S * D * dt)
+    grad_y = tl.alloc("pbwd.dY", S * D * dt)
+    tl.free(zeros, base, named["plain.combine.idx64"])
+    grad_a = tl.alloc("pbwd.dA", S * N * dt)
+    probe = tl.alloc("pbwd.wgrad_probe", N * D * dt)
+    grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
+    relu = moe.activation == "relu"  # relu's own node also keeps A (its result)
+    tl.free(probe, grad_y, *([] if relu else [named["plain.A"]]))
+    wg.add(grads, "w_down")
+    if moe.gated:
+        g1, g2 = tl.alloc("pbwd.d_act", S * N * dt), tl.alloc("pbwd.d_up", S * N * dt)
+        tl.free(grad_a, named["plain.act_gate"])
+        act = tl.alloc("pbwd.d_gate", S * N * dt)
+        tl.free(g2, named["plain.H"])
+        grad_h = tl.alloc("pbwd.dH", S * G * dt)
+        tl.free(act, g1)
+    else:
+        grad_h = tl.alloc("pbwd.dH", S * N * dt)
+        tl.free(named["plain.A"] if relu else named["plain.H"], grad_a)
+    dx_rows = tl.alloc("pbwd.dx_SD", S * D * dt)
+    probe = tl.alloc("pbwd.wgrad_probe", D * G * dt)
+    grads["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
+    tl.free(probe, grad_h, named["plain.x_SD"])
+    wg.add(grads, "w_up")
+    zeros = tl.alloc("pbwd.index_zeros", C * D * dt)
+    grads["x"] = tl.alloc("grad.x_chunk", C * D * dt)
+    tl.free(zeros, dx_rows, named["plain.eti64"], named["idx.expert_token_offsets"])
+    return grads
+
+
+def chunk_tokens(num_tokens: int, num_chunks: int) -> list[int]:
+    """Tokens per chunk as :func:`memfine.schedule.chunked.run_chunked` splits them."""
+    if num_chunks == 1 or num_tokens == 0:
+        return [num_tokens]
+    base, extra = divmod(num_tokens, num_chunks)
+    sizes = [base + 1 if i < extra else base for i in range(num_chunks)]
+    return [c for c in sizes if c > 0]
+
+
+@overload
+def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,
+                    rerun: Literal[False] = False) -> tuple[list[str], str]: ...
+
+
+@overload
+def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,
+                    rerun: bool) -> tuple[list[str], str | None]: ...
+
+
+def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, recompute: bool,
+                    rerun: bool = False) -> tuple[list[str], str | None]:
+    """One chunk: index build, expert path, drop the index object; returns (saved, out).
+
+    ``recompute``: a checkpointed forward (nothing kept); ``rerun``: its recomputation in
+    backward (stops early after the last saved tensor; the output is dropped).
+    """
+    arrays = index_forward(tl, s, C, S)
+    if plain:
+        saved, out = plain_forward(tl, s, C, S, early_stop=rerun)
+        tl.free(arrays["eti"], arrays["tim"], arrays["esi"])
+        saved.append(arrays["offs"])  # saved by both grouped matmuls
+    else:
+        lora_saved: list[str] = []
+        h, out = fused_forward(tl, s, C, S, lora_saved)
+        saved = [h, arrays["eti"], arrays["offs"], arrays["tim"], arrays["esi"], *lora_saved]
+    tl.free(arrays["tei"])
+    if recompute:
+        tl.free(*saved)
+        saved = []
+    if rerun and out is not None:
+        tl.free(out)
+        out = None
+    return saved, out
+
+
+def chunks_backward(tl: Timeline, s: Shape, sizes: list[int], chunk_saved: list[list[str]], *,
+                    ckpt: bool, need_weights: bool = True,
+                    after_first_chunk: Callable[[], None] | None = None
+                    ) -> tuple[list[str], list[str]]:
+    """Backward of every chunk, last chunk first (recomputed first under ``ckpt``).
+
+    ``after_first_chunk`` runs once chunk 0's backward is done (the moment the routing weights
+    saved by every chunk are released).
+
+    Returns:
+        The chunks' routing-weight gradients and their dx buffers, in backward order.
+    """
+    plain, K = s.moe.experts_impl == "plain", s.moe.top_k
+    wg = WeightGrads(tl)
+    # the fused chunks add into one buffer per weight (ops/weight_grads.py): no engine sum
+    shared: dict[str, str] | None = {} if len(sizes) > 1 and not plain else None
+    grads_w, grads_x = [], []
+    for i in reversed(range(len(sizes))):
+        C, saved = sizes[i], chunk_saved[i]
+        if ckpt:
+            saved, _ = experts_forward(tl, s, C, C * K, plain=plain, recompute=False,
+                                       rerun=True)
+        if plain:
+            grads = plain_backward(tl, s, C, C * K, saved, wg)
+        else:
+            grads = fused_backward(tl, s, C, C * K, saved, shared, recomputed=ckpt,
+                                   need_weights=need_weights)
+        if i == 0 and after_first_chunk is not None:
+            after_first_chunk()
+        if "weights" in grads:
+            grads_w.append(grads["weights"])
+        wg.add(grads, *(n for n in grads if n.startswith("lora_")))  # the engine sums chunks
+        grads_x.append(grads["x"])
+    return grads_w, grads_x

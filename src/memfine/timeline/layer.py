@@ -1,0 +1,219 @@
+"""Allocation timeline of one MoELayer forward + backward: router, losses and the layer driver.
+
+The expert path (index builders, fused/plain paths, gradient buffers) is in
+:mod:`memfine.timeline.experts`; this module adds the fp32 router, the load-balancing and z
+losses, and the order in which forward and the autograd engine run them.
+
+Legend: T tokens, K = k, E experts, D = d, D_t activation bytes, R router bytes.
+Reference: our derivation from the code (docs/design.md §2, §5).
+"""
+
+from __future__ import annotations
+
+from memfine.config import MoEConfig
+from memfine.config.lora import LoRAConfig
+from memfine.timeline.experts import (
+    Shape,
+    Timeline,
+    WeightGrads,
+    chunk_tokens,
+    chunks_backward,
+    experts_forward,
+    fused_backward,
+    plain_backward,
+)
+from memfine.timeline.lora import LoRAShape, router_trained
+from memfine.timeline.shared import shared_backward, shared_forward
+
+__all__ = ["Shape", "Timeline", "WeightGrads", "chunk_tokens", "experts_forward",
+           "fused_backward", "plain_backward", "simulate_layer"]
+
+
+def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
+    """TopKRouter.forward + route: logits, scores, top-k, weights, counts."""
+    T, E, D, K, r = s.T, s.moe.num_experts, s.moe.hidden_size, s.moe.top_k, s.r
+    out: dict[str, str] = {}
+    if s.cast:  # x.to(fp32), W.to(fp32): both saved by the matmul
+        out["x32"] = tl.alloc("router.x_fp32", T * D * r)
+        out["w32"] = tl.alloc("router.w_fp32", E * D * r)
+    out["logits"] = tl.alloc("router.logits", T * E * r)
+    if s.cast and not router_trained(s):  # a frozen weight: the matmul does not keep x's copy
+        tl.free(out.pop("x32"))
+    out["scores"] = tl.alloc("router.scores", T * E * r)
+    # selection: where(bias.any(), scores + bias, logits); the bias buffer stays fp32
+    biased = tl.alloc("router.biased_scores", T * E * r)
+    flag = tl.alloc("router.bias_any", 1)
+    select = tl.alloc("router.selection", T * E * r)
+    tl.free(flag)
+    tl.free(biased)
+    # top-k as a stable descending sort (ties → lower expert id), then a (T, k) copy
+    values = tl.alloc("router.sort_values", T * E * r)
+    order = tl.alloc("router.sort_order", T * E * 8)
+    tl.free(values)
+    if K < E:
+        out["index"] = tl.alloc("router.top_k_index", T * K * 8)
+        tl.free(order)
+    else:  # [:, :E].contiguous() is the sort order itself
+        out["index"] = order
+    tl.free(select)
+    out["gathered"] = tl.alloc("router.top_k_scores", T * K * r)
+    weights = out["gathered"]
+    if s.moe.renormalize:
+        out["sum"] = tl.alloc("router.renorm_sum", T * r)
+        weights = out["div"] = tl.alloc("router.renorm_weights", T * K * r)
+    shifted = tl.alloc("router.shifted_ids", T * K * 8)  # count_per_expert
+    out["counts"] = tl.alloc("router.tokens_per_expert", (E + 2) * 8)
+    tl.free(shifted)
+    if s.cast:
+        out["weights"] = tl.alloc("router.weights", T * K * s.dt)
+        if s.moe.renormalize:  # the fp32 quotient is not saved (div keeps its inputs)
+            tl.free(weights)
+            del out["div"]
+        else:  # the gathered scores are not saved by anyone
+            tl.free(weights)
+            del out["gathered"]
+    else:
+        out["weights"] = weights
+    return out
+
+
+def losses_forward(tl: Timeline, s: Shape) -> dict[str, str]:
+    """load_balancing_loss and z_loss on the router logits."""
+    T, E, K, r = s.T, s.moe.num_experts, s.moe.top_k, s.r
+    out = {"probs": tl.alloc("lbl.probs", T * E * r)}
+    p = tl.alloc("lbl.p", E * r)
+    shifted = tl.alloc("lbl.shifted_ids", T * K * 8)  # count_per_expert
+    counts = tl.alloc("lbl.counts", (E + 2) * 8)
+    tl.free(shifted)
+    cast = tl.alloc("lbl.counts_fp32", E * r)
+    tl.free(counts)
+    out["f"] = tl.alloc("lbl.f", E * r)
+    tl.free(cast)
+    product = tl.alloc("lbl.f_times_p", E * r)
+    total = tl.alloc("lbl.sum", 4)
+    tl.free(product)
+    out["lbl"] = tl.alloc("aux.load_balancing_loss", 4)
+    tl.free(total, p)
+    out["lse"] = tl.alloc("z.logsumexp", T * r)
+    square = tl.alloc("z.square", T * r)
+    out["z"] = tl.alloc("aux.z_loss", 4)
+    tl.free(square)
+    return out
+
+
+def losses_backward(tl: Timeline, s: Shape, rt: dict[str, str], ls: dict[str, str]) -> str:
+    """Backward of z_loss then load_balancing_loss; returns the logits' gradient buffer."""
+    T, E, r = s.T, s.moe.num_experts, s.r
+    grad = tl.alloc("zbwd.mean", T * r)
+    p1, p2 = tl.alloc("zbwd.pow", T * r), tl.alloc("zbwd.two_pow", T * r)
+    dlse = tl.alloc("zbwd.dlse", T * r)
+    tl.free(p2, p1, grad)
+    sub, ex = tl.alloc("zbwd.sub", T * E * r), tl.alloc("zbwd.exp", T * E * r)
+    grad_logits = tl.alloc("zbwd.dlogits", T * E * r)
+    tl.free(ex, sub, dlse, rt["logits"], ls["lse"])
+    grad_p = tl.alloc("lbwd.dp", E * r)
+    tl.free(ls["f"])
+    grad_probs = tl.alloc("lbwd.dprobs", T * E * r)
+    tl.free(grad_p)
+    grad_soft = tl.alloc("lbwd.dlogits", T * E * r)
+    tl.free(grad_probs, ls["probs"])
+    acc = tl.alloc("grad.logits", T * E * r)
+    tl.free(grad_logits, grad_soft)
+    return acc
+
+
+def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: str,
+                    grad_logits: str, grad_x_experts: str) -> None:
+    """Backward of the router (renormalisation, gather, scores, matmul) and dx accumulation."""
+    T, E, D, K, r, dt = (s.T, s.moe.num_experts, s.moe.hidden_size, s.moe.top_k, s.r, s.dt)
+    grad = grad_weights
+    if s.cast:  # ToCopyBackward of the final weight cast
+        grad = tl.alloc("rbwd.dweights_fp32", T * K * r)
+        tl.free(grad_weights)
+    if s.moe.renormalize:
+        t1, t2 = tl.alloc("rbwd.div1", T * K * r), tl.alloc("rbwd.div2", T * K * r)
+        t3, t4 = tl.alloc("rbwd.neg", T * K * r), tl.alloc("rbwd.mul", T * K * r)
+        tl.free(t3, t2, t1)
+        d_self, d_sum = tl.alloc("rbwd.dself", T * K * r), tl.alloc("rbwd.dsum", T * r)
+        tl.free(t4, grad, rt["sum"], rt["gathered"])
+        grad = tl.alloc("rbwd.dgathered", T * K * r)
+        tl.free(d_self, d_sum)
+    zeros = tl.alloc("rbwd.gather_zeros", T * E * r)
+    scattered = tl.alloc("rbwd.dscores", T * E * r)
+    tl.free(zeros, grad, rt["index"])
+    grad_scores = tl.alloc("rbwd.dlogits", T * E * r)
+    tl.free(scattered, rt["scores"])
+    acc = tl.alloc("grad.logits", T * E * r)
+    tl.free(grad_logits, grad_scores)
+    trained = router_trained(s)  # a LoRA layer's router is frozen unless trained
+    if trained:
+        tl.alloc("grad.router_weight_fp32" if s.cast else "grad.router_weight", E * D * r)
+    grad_x = tl.alloc("rbwd.dx", T * D * r)
+    tl.free(acc)
+    if s.cast:
+        tl.free(*(rt[n] for n in ("x32", "w32") if n in rt))
+        if trained:
+            tl.alloc("grad.router_weight", E * D * dt)
+            tl.free("grad.router_weight_fp32")
+        cast = tl.alloc("rbwd.dx_cast", T * D * dt)
+        tl.free(grad_x)
+        grad_x = cast
+    tl.alloc("grad.x", T * D * dt)
+    tl.free(grad_x_experts, grad_x)
+
+
+def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
+                   recompute: str = "none", record: bool = True,
+                   keep_aux: bool = True, lora: LoRAConfig | None = None) -> Timeline:
+    """Replay one MoELayer forward + backward (loss gradients given from outside).
+
+    Protocol (what the measurement does): x (T, d) requires grad and exists before; parameters
+    have no ``.grad``; the caller keeps out and MoEAux (``keep_aux=False``: only out and the two
+    losses); backward runs from out and the two losses with gradients that exist before.
+    The timeline marks ``forward`` at the end of forward. ``lora``: the routed experts carry
+    split-LoRA adapters on a frozen base (:class:`memfine.nn.lora.LoRAGroupedExperts`), the
+    router frozen unless ``lora.train_router`` (:mod:`memfine.timeline.lora`).
+    """
+    s = Shape(moe, num_tokens, dtype_bytes) if lora is None else LoRAShape(
+        moe, num_tokens, dtype_bytes, lora)  # split-LoRA adapters on a frozen base
+    T, D, K, dt = s.T, moe.hidden_size, moe.top_k, s.dt
+    plain, ckpt = moe.experts_impl == "plain", recompute != "none"
+    tl = Timeline(record=record)
+    rt = router_forward(tl, s)
+    sizes = chunk_tokens(T, num_chunks)
+    chunk_saved, outs = [], []
+    for C in sizes:
+        saved, out = experts_forward(tl, s, C, C * K, plain=plain, recompute=ckpt)
+        chunk_saved.append(saved)
+        outs.append(out)
+    out = outs[0]
+    if len(outs) > 1:
+        out = tl.alloc("fwd.out_cat", T * D * dt)
+        tl.free(*outs)
+    shared = None
+    if moe.num_shared_experts:
+        shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out)
+    ls = losses_forward(tl, s)
+    weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
+    if not weights_held:
+        tl.free(rt["weights"])
+    if not keep_aux:  # the caller drops MoEAux (tokens_per_expert) after forward
+        tl.free(rt["counts"])
+    tl.mark("forward")
+    grad_logits = losses_backward(tl, s, rt, ls)
+    tl.mark("losses_backward")
+    shared_dx = None if shared is None else shared_backward(tl, moe, shared, ckpt=ckpt)
+    grads_w, grads_x = chunks_backward(
+        tl, s, sizes, chunk_saved, ckpt=ckpt,
+        after_first_chunk=(lambda: tl.free(rt["weights"])) if weights_held else None)
+    grad_w = tl.alloc("grad.top_k_weights_cat", T * K * dt)
+    tl.free(*grads_w)
+    grad_x = tl.alloc("grad.x_cat", T * D * dt)
+    tl.free(*grads_x)
+    if shared_dx is not None:  # the engine sums dx of the shared and routed experts
+        total = tl.alloc("grad.x_experts", T * D * dt)
+        tl.free(shared_dx, grad_x)
+        grad_x = total
+    router_backward(tl, s, rt, grad_w, grad_logits, grad_x)
+    tl.mark("end")
+    return tl

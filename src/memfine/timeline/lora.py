@@ -1,0 +1,130 @@
+"""Allocation timeline of split LoRA in the fused experts: the adapters' tensors and frozen base.
+
+Mirrors :mod:`memfine.experts.lora` (``LoRAForward`` / ``LoRABackward``) as ``alloc``/``free``
+events, called from the fused path's timeline (:mod:`memfine.timeline.experts`) where
+the code calls the adapters, and says what a frozen base changes there: the base weights get no
+gradient buffer (no weight-gradient products), only the adapters do.
+
+Per adapter of one fused call (S routed rows, adapted projection d_in → d_out, rank r):
+- forward: U = x·Aᵀ (S·r, saved for backward), then the product U·Bᵀ (S·d_out, transient,
+  added into H or Y in place);
+- backward, per row block of B rows: the rank-r products (B·r), the adapter's term of dA or dx
+  (B·n or B·d, transient), the row copies that the adapter gradients read (B·r, and the
+  gathered x, B·d, for A_up), and the gradient buffers of A (E·r·d_in) and B (E·d_out·r),
+  allocated on first use and handed to autograd at the end (summed over chunks by the engine).
+
+No dropout is modelled (its mask is a transient of the adapter input's size per block).
+Legend as :mod:`memfine.timeline.experts`; R = r.
+Reference: our derivation from the code (docs/lora.md "Memory").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfine.config.lora import LoRAConfig
+from memfine.timeline.base import Shape, Timeline
+
+
+@dataclass(frozen=True, slots=True)
+class LoRAShape(Shape):
+    """A :class:`Shape` whose routed experts carry split-LoRA adapters on a frozen base."""
+
+    lora: LoRAConfig | None = None
+
+
+def adapters_of(s: Shape) -> LoRAConfig | None:
+    """The adapters of ``s`` (a :class:`LoRAShape`), or None."""
+    return getattr(s, "lora", None)
+
+
+def router_trained(s: Shape) -> bool:
+    """False when the router is frozen (LoRA without ``train_router``): no weight gradient."""
+    lora = adapters_of(s)
+    return lora is None or lora.train_router
+
+
+def _sizes(s: Shape) -> dict[str, tuple[int, int]]:
+    """(d_in, d_out) of each adapted projection."""
+    moe = s.moe
+    out = {"up": (moe.hidden_size, moe.up_width), "down": (moe.intermediate_size,
+                                                         moe.hidden_size)}
+    lora = adapters_of(s)
+    assert lora is not None, "called on a LoRAShape"
+    return {k: v for k, v in out.items() if f"w_{k}" in lora.targets}
+
+
+def forward_term(tl: Timeline, s: Shape, S: int, which: str) -> list[str]:
+    """``LoRAForward.up_`` / ``down_``: U (kept) and the product (added in place, freed).
+
+    Returns:
+        The saved U (empty without that adapter).
+    """
+    lora = adapters_of(s)
+    if lora is None or which not in _sizes(s):
+        return []
+    _, d_out = _sizes(s)[which]
+    u = tl.alloc(f"lora.U_{which}", S * lora.rank * s.dt)
+    tl.free(tl.alloc(f"lora.{which}_product", S * d_out * s.dt))
+    return [u]
+
+
+def _aligned(s: Shape, *widths: int) -> bool:
+    """:func:`memfine.ops.weight_grads.uses_grouped_weight_grads` (bf16, 16-byte rows)."""
+    return s.dt == 2 and s.moe.gemm_backend != "loop" and all(w * s.dt % 16 == 0
+                                                               for w in widths)
+
+
+def _grad(tl: Timeline, s: Shape, buffers: dict[str, str], name: str, widths: tuple[int, int]
+          ) -> None:
+    """One block's adapter-gradient product into its buffer (as ``WeightGradBuffers``)."""
+    nbytes = s.moe.num_experts * widths[0] * widths[1] * s.dt
+    if name not in buffers:
+        buffers[name] = tl.alloc(f"grad.{name}", nbytes)
+    elif _aligned(s, *widths):
+        tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
+
+
+def backward_down(tl: Timeline, s: Shape, B: int, buffers: dict[str, str]) -> None:
+    """``LoRABackward.down_block`` for B rows (dA += s·(dO·B)·A; dB_down, dA_down)."""
+    lora = adapters_of(s)
+    if lora is None or "down" not in _sizes(s):
+        return
+    R, dt, N, D = lora.rank, s.dt, s.moe.intermediate_size, s.moe.hidden_size
+    p = tl.alloc("lora.bwd.P", B * R * dt)
+    tl.free(tl.alloc("lora.bwd.dA_term", B * N * dt))
+    ws = tl.alloc("lora.bwd.w_times_s", B * dt)
+    uw = tl.alloc("lora.bwd.U_down_rows", B * R * dt)
+    tl.free(ws)
+    _grad(tl, s, buffers, "lora_b_down", (D, R))
+    tl.free(uw)
+    tl.free(tl.alloc("lora.bwd.w_times_s", B * dt))  # P ⊙= w·s in place
+    _grad(tl, s, buffers, "lora_a_down", (R, N))
+    tl.free(p)
+
+
+def backward_up(tl: Timeline, s: Shape, B: int, buffers: dict[str, str], need_x: bool
+                ) -> str | None:
+    """``LoRABackward.up_block`` for B rows; returns its dx rows (B, d) or None."""
+    lora = adapters_of(s)
+    if lora is None or "up" not in _sizes(s):
+        return None
+    R, dt, D, G = lora.rank, s.dt, s.moe.hidden_size, s.moe.up_width
+    q = tl.alloc("lora.bwd.Q", B * R * dt)
+    us = tl.alloc("lora.bwd.U_up_rows", B * R * dt)
+    _grad(tl, s, buffers, "lora_b_up", (G, R))
+    tl.free(us)
+    x = tl.alloc("lora.bwd.x_BD", B * D * dt)
+    _grad(tl, s, buffers, "lora_a_up", (R, D))
+    tl.free(x)
+    dx = tl.alloc("lora.bwd.dx_BD", B * D * dt) if need_x else None
+    tl.free(q)
+    return dx
+
+
+def adapter_saved_bytes(lora: LoRAConfig, rows: int, dtype_bytes: int) -> int:
+    """Bytes the adapters add to what one fused call of ``rows`` routed rows saves: U per adapter.
+
+    (S·r·D_t per adapted projection; the adapters themselves are parameters.)
+    """
+    return len(lora.targets) * rows * lora.rank * dtype_bytes

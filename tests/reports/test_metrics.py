@@ -1,0 +1,101 @@
+"""Metrics lines, expert-load statistics and plots (memfine.reports.metrics)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.reports.metrics import (
+    MetricsLog,
+    load_max_over_mean,
+    nats_to_bits,
+    plot_run,
+    read_metrics,
+)
+
+
+@pytest.mark.parametrize(("counts", "expected"), [
+    pytest.param([4, 4, 4, 4], 1.0, id="balanced"),
+    pytest.param([16, 0, 0, 0], 4.0, id="collapsed"),
+    pytest.param([3, 1, 0, 0], 3.0, id="skewed"),
+    pytest.param([0, 0], 0.0, id="nothing_routed"),
+])
+def test_load_max_over_mean(counts: list[int], expected: float) -> None:
+    assert load_max_over_mean(torch.tensor(counts)) == expected
+
+
+def test_nats_to_bits() -> None:
+    assert nats_to_bits(float(torch.log(torch.tensor(2.0, dtype=torch.float64)))) == 1.0
+
+
+def test_resumed_log_drops_lines_after_the_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    log = MetricsLog(path)
+    for step in (1, 2, 3, 4):
+        log.write({"step": step})
+    with path.open("a") as f:
+        f.write('{"step": 5, "trunc')  # a killed run's last line
+    assert [r["step"] for r in read_metrics(path)] == [1, 2, 3, 4]
+    MetricsLog(path, keep_until_step=2).write({"step": 3, "again": True})
+    assert read_metrics(path) == [{"step": 1}, {"step": 2}, {"step": 3, "again": True}]
+
+
+def test_plot_run_writes_pngs(tmp_path: Path) -> None:
+    with (tmp_path / "metrics.jsonl").open("w") as f:
+        for step in range(1, 6):
+            record = {"step": step, "train_loss": 5.0 - step, "num_chunks": [1, step % 2 + 1]}
+            if step % 2 == 0:
+                record["val_loss"] = 4.5 - step
+            f.write(json.dumps(record) + "\n")
+    paths = plot_run(tmp_path)
+    assert [p.name for p in paths] == ["chunks.png", "loss.png"]
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nonfinite_values_are_null_and_flagged(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    log.write({"step": 1, "train_loss": float("nan"), "grad_norm": 2.0,
+               "per_layer": [1.0, float("inf"), float("-inf")]})
+    log.write({"step": 2, "train_loss": 1.5})
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    def bare(constant: str) -> None:
+        pytest.fail(f"bare {constant} in metrics.jsonl")
+
+    strict = [json.loads(line, parse_constant=bare) for line in lines]
+    assert strict == [{"step": 1, "train_loss": None, "grad_norm": 2.0,
+                       "per_layer": [1.0, None, None], "nonfinite": True},
+                      {"step": 2, "train_loss": 1.5}]
+
+
+class _Writer:
+    """Records what a SummaryWriter would be given."""
+
+    def __init__(self) -> None:
+        self.scalars: list[tuple[str, object, int]] = []
+        self.closed = False
+
+    def add_scalar(self, key: str, value: object, step: int) -> None:
+        self.scalars.append((key, value, step))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_tensorboard_gets_the_numeric_scalars_of_each_line(tmp_path: Path) -> None:
+    writer = _Writer()
+    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=writer)
+    log.write({"step": 3, "train_loss": 1.25, "lr": 2e-3, "num_chunks": [1, 2],
+               "peak_bytes": None, "grad_norm": float("inf"), "other": 7.0})
+    log.write({"step": 4, "train_loss": 1.0, "val_loss": 1.5, "tokens_per_s": 100})
+    assert writer.scalars[:2] == [("train_loss", 1.25, 3), ("lr", 2e-3, 3)]
+    assert writer.scalars[2][:2] == ("grad_norm", float("inf"))  # as measured; jsonl says null
+    assert writer.scalars[3:] == [("train_loss", 1.0, 4), ("val_loss", 1.5, 4),
+                                  ("tokens_per_s", 100, 4)]
+    assert read_metrics(tmp_path / "metrics.jsonl")[0]["grad_norm"] is None
+    assert not writer.closed
+    log.close()
+    assert writer.closed

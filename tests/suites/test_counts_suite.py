@@ -1,0 +1,91 @@
+"""The ``counts`` suite: exact counts in the shared CSV schema, independent of d and n."""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfine.bench.options import BenchOptions, LayerShape
+from memfine.config import backward_block_rows
+from memfine.suites import counts
+from memfine.suites.runner import run_suites
+
+TINY = LayerShape(name="tiny", tokens=48, hidden_size=256, intermediate_size=128,
+                  num_experts=16, top_k=4)
+NAMES = ("fused", "fused_one_block", "chunked_c4", "torchtitan_style", "grouped_mm")
+
+
+def _by_name(results: list[counts.Counted]) -> dict[str, counts.Counted]:
+    assert all(r.error is None for r in results), [r.error for r in results]
+    return {r.name: r for r in results}
+
+
+def test_block_bytes_keep_the_real_dims_block_rows() -> None:
+    real = counts.PRESETS["qwen3-30b-a3b"]
+    shape = counts.scaled(real)
+    block = counts.block_bytes_keeping_rows(real, shape)
+    # CUDA's 512 MiB / ((3·2048 + 3·768 + 1536) · 2 bytes) = 26,886 rows at the real dims
+    assert backward_block_rows(block, shape.hidden_size, shape.intermediate_size,
+                               2 * shape.intermediate_size, 2) == 26_886
+
+
+def test_counts_do_not_depend_on_d_and_n_at_equal_block_rows() -> None:
+    # every expert gets rows in every chunk, so the routing (which changes with d) does not
+    # change which (block, expert) pairs the per-expert loops visit
+    real = dataclasses.replace(TINY, tokens=64, num_experts=4, top_k=2)
+    _, _, by8 = counts.count_shape(real, NAMES, dim_scale=8, warmup=False)
+    _, _, by16 = counts.count_shape(real, NAMES, dim_scale=16, warmup=False)
+    a, b = _by_name(by8), _by_name(by16)
+    for name in NAMES:
+        for mode in counts.MODES:
+            pa, pb = a[name].phase(mode), b[name].phase(mode)
+            assert (pa.ops, pa.syncs, len(pa.grouped_mm)) == (pb.ops, pb.syncs,
+                                                              len(pb.grouped_mm)), (name, mode)
+
+
+def test_warm_up_call_does_not_change_the_counts() -> None:
+    warm = _by_name(counts.count_shape(TINY, ("fused", "torchtitan_style"))[2])
+    cold = _by_name(counts.count_shape(TINY, ("fused", "torchtitan_style"), warmup=False)[2])
+    for name in warm:
+        assert warm[name].phase("full").ops == cold[name].phase("full").ops
+
+
+def test_suite_writes_exact_counts_in_the_shared_schema(tmp_path: Path) -> None:
+    methods = ("fused", "torchtitan_style")
+    opts = BenchOptions(suites=("counts",), tokens=32, num_experts=16, methods=methods,
+                        out=str(tmp_path), quick=True)
+    assert run_suites(opts, torch.device("cpu")) == []
+    with (tmp_path / "bench_counts.csv").open() as handle:
+        rows = list(csv.DictReader(handle))
+    assert {r["x_value"] for r in rows} == set(counts.PRESETS)
+    assert {r["method"] for r in rows} == set(methods)
+    assert {r["mode"] for r in rows} == {"fwd", "bwd", "full"}
+    units = {r["metric"]: r["unit"] for r in rows}
+    assert units["non_view_ops"] == "ops" and units["syncs_item"] == "syncs"
+    assert units["grouped_mm_cuda_fast_path_calls"] == "calls"
+    assert all(r["torch_version"] and r["git_sha"] and r["config_json"] for r in rows)
+
+    def value(preset: str, method: str, mode: str, metric: str) -> int:
+        (row,) = [r for r in rows if (r["x_value"], r["method"], r["mode"], r["metric"]) ==
+                  (preset, method, mode, metric)]
+        assert row["p20"] == row["p50"] == row["p80"]
+        return int(row["p50"])
+
+    real = dataclasses.replace(counts.PRESETS["qwen3-30b-a3b"], tokens=32, num_experts=16)
+    expected = _by_name(counts.count_shape(real, methods)[2])
+    for method in methods:
+        for mode in counts.MODES:
+            assert value("qwen3-30b-a3b", method, mode, "non_view_ops") == (
+                expected[method].phase(mode).non_view_ops)
+        assert value("qwen3-30b-a3b", method, "full", "non_view_ops") == (
+            value("qwen3-30b-a3b", method, "fwd", "non_view_ops")
+            + value("qwen3-30b-a3b", method, "bwd", "non_view_ops"))
+
+
+def test_other_devices_are_skipped(capsys: pytest.CaptureFixture[str]) -> None:
+    assert list(counts.run(BenchOptions(suites=("counts",)), torch.device("meta"), NAMES)) == []
+    assert "skipped" in capsys.readouterr().out
