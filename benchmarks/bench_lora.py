@@ -19,7 +19,8 @@ LoRA step minus the adapters' own work.
 Per method: peak bytes of the step (``torch.profiler`` with ``profile_memory=True``, above the
 state before it), saved-for-backward bytes (saved-tensor hooks, parameters left out), the step's
 thread CPU time (``time.thread_time``, methods interleaved per round, p20/p50/p80 over rounds,
-and the median of the per-round ratios to the frozen base), and the loss and the adapter gradients' largest difference from ``peft_eager`` (same adapters).
+and the median of the per-round ratios to the frozen base), and the loss and the adapter
+gradients' largest difference from ``peft_eager`` (same adapters).
 
 Everything runs with one torch thread (``--threads 1``, recorded as ``threads`` in the CSV):
 thread CPU time counts the calling thread only, so with intra-op worker threads it would leave

@@ -11,7 +11,9 @@ Per adapter of one fused call (S routed rows, adapted projection d_in → d_out,
 - backward, per row block of B rows: the rank-r products (B·r), the adapter's term of dA or dx
   (B·n or B·d, transient), the row copies that the adapter gradients read (B·r, and the
   gathered x, B·d, for A_up), and the gradient buffers of A (E·r·d_in) and B (E·d_out·r),
-  allocated on first use and handed to autograd at the end (summed over chunks by the engine).
+  allocated on first use and handed to autograd at the end (summed over chunks by the engine);
+  outside bf16's grouped form B's buffer holds dBᵀ and is handed over as a contiguous copy
+  (:func:`hand_over`).
 
 No dropout is modelled (its mask is a transient of the adapter input's size per block).
 Legend as :mod:`memfine.memory.timeline.experts`; R = r.
@@ -120,6 +122,24 @@ def backward_up(tl: Timeline, s: Shape, B: int, buffers: dict[str, str], need_x:
     dx = tl.alloc("lora.bwd.dx_BD", B * D * dt) if need_x else None
     tl.free(q)
     return dx
+
+
+def hand_over(tl: Timeline, s: Shape, buffers: dict[str, str]) -> None:
+    """``LoRABackward.take_grads``: each per-expert-``addmm_`` dBᵀ buffer becomes a copy.
+
+    In input order (A_up, B_up, A_down, B_down); a B buffer (E·d_out·r) is copied to dB's own
+    layout, then freed; A buffers and bf16's grouped B buffers are handed over as they are.
+    """
+    lora = adapters_of(s)
+    if lora is None:
+        return
+    for which, (_, d_out) in _sizes(s).items():
+        name = f"lora_b_{which}"
+        buffer = buffers.get(name)
+        if buffer is None or _aligned(s, d_out, lora.rank):
+            continue
+        buffers[name] = tl.alloc(f"grad.{name}", s.moe.num_experts * d_out * lora.rank * s.dt)
+        tl.free(buffer)
 
 
 def adapter_saved_bytes(lora: LoRAConfig, rows: int, dtype_bytes: int) -> int:
