@@ -8,7 +8,8 @@ gradient buffer (no weight-gradient products), only the adapters do.
 Per adapter of one fused call (S routed rows, adapted projection d_in → d_out, rank r):
 - forward: U = x·Aᵀ (S·r, saved for backward), then the product U·Bᵀ (S·d_out, transient,
   added into H or Y in place);
-- backward, per row block of B rows: the rank-r products (B·r), the adapter's term of dA or dx
+- backward: a copy of each B with column-major per-expert matrices (E·d_out·r, whole backward);
+  per row block of B rows: the rank-r products (B·r), the adapter's term of dA or dx
   (B·n or B·d, transient), the row copies that the adapter gradients read (B·r, and the
   gathered x, B·d, for A_up), and the gradient buffers of A (E·r·d_in) and B (E·d_out·r),
   allocated on first use and handed to autograd at the end (summed over chunks by the engine);
@@ -85,6 +86,19 @@ def _grad(tl: Timeline, s: Shape, buffers: dict[str, str], name: str, widths: tu
         buffers[name] = tl.alloc(f"grad.{name}", nbytes)
     elif _aligned(s, *widths):
         tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
+
+
+def backward_start(tl: Timeline, s: Shape) -> list[str]:
+    """``LoRABackward``'s copies of each B with column-major (d_out, r) matrices (eager).
+
+    Returns:
+        The copies (E·d_out·r each, in adapter order), freed with the backward's state.
+    """
+    lora = adapters_of(s)
+    if lora is None:
+        return []
+    return [tl.alloc(f"lora.bwd.B_{which}_columns", s.moe.num_experts * d_out * lora.rank * s.dt)
+            for which, (_, d_out) in _sizes(s).items()]
 
 
 def backward_down(tl: Timeline, s: Shape, B: int, buffers: dict[str, str]) -> None:
