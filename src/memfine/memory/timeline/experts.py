@@ -157,7 +157,6 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     moe, dt = s.moe, s.dt
     D, E, K = moe.hidden_size, moe.num_experts, moe.top_k
     buffers = {} if shared is None else shared
-    lora_columns = adapters.backward_start(tl, s)  # LoRABackward, before the outputs
     grads = {"x": tl.alloc("grad.x_chunk", C * D * dt)}
     dots = [tl.alloc("bwd.row_dots_S", S * dt)] if need_weights else []
     if recomputed:
@@ -180,7 +179,7 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
     adapters.hand_over(tl, s, lora_buffers)  # LoRABackward.take_grads, before the state goes
-    tl.free(*plan, *lora_columns)
+    tl.free(*plan)
     if shared is None and adapters.adapters_of(s) is None:  # a frozen base has no gradient
         for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
                                                              * D)):

@@ -20,8 +20,8 @@ accumulated transposed, as dBᵀ[e] += (s·U)ᵀ·dO (a contiguous (E, r, d_out)
 over as one contiguous copy: a product with r output columns is the slow orientation of the
 CPU GEMM (2-4× slower measured at r = 8, d_out 256-512), rank-r output rows the fast one.
 For the same reason the eager backward computes P = dO·B_down and Q = dH·B_up from a copy of
-each B whose per-expert (d_out, r) matrices are column-major (E·d_out·r elements each, held for
-the backward; 2.3× faster measured per block).
+B whose per-expert (d_out, r) matrices are column-major (E·d_out·r elements, made per row block
+and freed after the product; the product measured 2.3× faster per block).
 
 Dropout masks are regenerated, never saved: each row block's mask comes from a generator seeded by
 (seed, adapter, first row), and the forward builds its masks in the same blocks. The seed is a
@@ -184,20 +184,18 @@ class LoRABackward:
         self.u_up = us.pop(0) if spec.has_up else None
         self.u_down = us.pop(0) if spec.has_down else None
         self.weights = tuple(weights)
-        # B with per-expert column-major (d_out, r) matrices for P and Q (module doc)
-        self.b_cols = {name: self._columns(name) for name, present in
-                       (("b_up", spec.has_up), ("b_down", spec.has_down)) if present}
         self.needs = tuple(needs_grad) + (False,) * (len(weights) - len(needs_grad))
         self.grads = WeightGradBuffers()
         # dBᵀ buffers (E, r, d_out) per B slot and their experts not written yet (module doc)
         self.grads_t: dict[int, tuple[torch.Tensor, list[bool]]] = {}
 
-    def _columns(self, name: str) -> torch.Tensor:
+    def _times_b(self, rows_BO: torch.Tensor, name: str, offs_E1: torch.Tensor) -> torch.Tensor:
+        """rows·B[e] (B, r) per expert: P (``b_down``) or Q (``b_up``), unscaled."""
         b_EOR = self.weights[self._slot(name)]
-        if self.bounds is None:  # traced: the weight as it is
-            return b_EOR
-        # NOTE(memory): E·d_out·r elements, freed with the backward
-        return b_EOR.transpose(1, 2).contiguous().transpose(1, 2)
+        if self.bounds is not None:  # eager: B with column-major (d_out, r) matrices (module doc)
+            # NOTE(memory): E·d_out·r transient, freed after the product
+            b_EOR = b_EOR.transpose(1, 2).contiguous().transpose(1, 2)
+        return grouped_mm(rows_BO, b_EOR, offs_E1, self.backend)
 
     @property
     def needs_activation(self) -> bool:
@@ -240,7 +238,7 @@ class LoRABackward:
             return
         s = self.spec.scale
         a_ERN = self.weights[self._slot("a_down")]
-        p_BR = grouped_mm(grad_out_BD, self.b_cols["b_down"], offs_E1, self.backend)
+        p_BR = self._times_b(grad_out_BD, "b_down", offs_E1)
         mask = dropout_mask(self.spec, _DOWN, r0, r1, grad_a_BN.shape[1], grad_a_BN)
         grad_a_BN.add_(_masked(grouped_mm(p_BR, a_ERN, offs_E1, self.backend), mask), alpha=s)
         # dB_down[e] += s·dOᵀ·(w·U), dA_down[e] += s·(w·P)ᵀ·(m ⊙ A): (B, r) products only
@@ -256,7 +254,7 @@ class LoRABackward:
             return None
         s = self.spec.scale
         a_ERD = self.weights[self._slot("a_up")]
-        q_BR = grouped_mm(grad_h_BG, self.b_cols["b_up"], offs_E1, self.backend).mul_(s)
+        q_BR = self._times_b(grad_h_BG, "b_up", offs_E1).mul_(s)
         self._accumulate("b_up", grad_h_BG, self.u_up[r0:r1] * s, r0, offs_E1)
         mask = dropout_mask(self.spec, _UP, r0, r1, self.x_TD.shape[1], self.x_TD)
         if self.needs[self._slot("a_up")]:
