@@ -21,7 +21,7 @@ over as one contiguous copy: a product with r output columns is the slow orienta
 CPU GEMM (2-4× slower measured at r = 8, d_out 256-512), rank-r output rows the fast one.
 For the same reason the eager backward computes P = dO·B_down and Q = dH·B_up from a copy of
 B whose per-expert (d_out, r) matrices are column-major (E·d_out·r elements, made per row block
-and freed after the product; the product measured 2.3× faster per block).
+and freed after the product; the product measured 2.1-2.4× faster per block).
 
 Dropout masks are regenerated, never saved: each row block's mask comes from a generator seeded by
 (seed, adapter, first row), and the forward builds its masks in the same blocks. The seed is a
