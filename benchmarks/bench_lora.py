@@ -18,10 +18,16 @@ LoRA step minus the adapters' own work.
 
 Per method: peak bytes of the step (``torch.profiler`` with ``profile_memory=True``, above the
 state before it), saved-for-backward bytes (saved-tensor hooks, parameters left out), the step's
-thread CPU time (``time.thread_time``, methods interleaved per round, p20/p50/p80 over rounds),
-and the loss and the adapter gradients' largest difference from ``peft_eager`` (same adapters).
+thread CPU time (``time.thread_time``, methods interleaved per round, p20/p50/p80 over rounds,
+and the median of the per-round ratios to the frozen base), and the loss and the adapter
+gradients' largest difference from ``peft_eager`` (same adapters).
 
-Usage: ``python benchmarks/bench_lora.py [--rounds 7] [--out benchmarks/results/lora_cpu.csv]``
+Everything runs with one torch thread (``--threads 1``, recorded as ``threads`` in the CSV):
+thread CPU time counts the calling thread only, so with intra-op worker threads it would leave
+out their work (a different share per method) and the ratios would mean nothing.
+
+Usage: ``python benchmarks/bench_lora.py [--rounds 7] [--threads 1]
+[--out benchmarks/results/lora_cpu.csv]``
 """
 
 from __future__ import annotations
@@ -182,8 +188,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=7, help="timed rounds per method")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (thread CPU time counts one thread: keep 1)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/lora_cpu.csv"))
     args = parser.parse_args(argv)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    torch.set_num_threads(args.threads)  # before any model: every figure at these threads
     rows = []
     for shape in args.shapes.split(","):
         shape_rows = measure(shape, args.rounds)

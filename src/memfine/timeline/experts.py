@@ -190,6 +190,7 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
+    adapters.hand_over(tl, s, lora_buffers)  # LoRABackward.take_grads, before the state goes
     tl.free(*plan)
     if shared is None and adapters.adapters_of(s) is None:  # a frozen base has no gradient
         for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size

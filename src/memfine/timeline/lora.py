@@ -8,10 +8,13 @@ gradient buffer (no weight-gradient products), only the adapters do.
 Per adapter of one fused call (S routed rows, adapted projection d_in → d_out, rank r):
 - forward: U = x·Aᵀ (S·r, saved for backward), then the product U·Bᵀ (S·d_out, transient,
   added into H or Y in place);
-- backward, per row block of B rows: the rank-r products (B·r), the adapter's term of dA or dx
+- backward, per row block of B rows: a copy of B with column-major per-expert matrices
+  (E·d_out·r, transient, before P or Q), the rank-r products (B·r), the adapter's term of dA or dx
   (B·n or B·d, transient), the row copies that the adapter gradients read (B·r, and the
   gathered x, B·d, for A_up), and the gradient buffers of A (E·r·d_in) and B (E·d_out·r),
-  allocated on first use and handed to autograd at the end (summed over chunks by the engine).
+  allocated on first use and handed to autograd at the end (summed over chunks by the engine);
+  outside bf16's grouped form B's buffer holds dBᵀ and is handed over as a contiguous copy
+  (:func:`hand_over`).
 
 No dropout is modelled (its mask is a transient of the adapter input's size per block).
 Legend as :mod:`memfine.timeline.experts`; R = r.
@@ -85,13 +88,23 @@ def _grad(tl: Timeline, s: Shape, buffers: dict[str, str], name: str, widths: tu
         tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
 
 
+def _times_b(tl: Timeline, s: Shape, B: int, d_out: int, name: str) -> str:
+    """``LoRABackward._times_b``: the column-major copy of B (transient), then P or Q (B·r)."""
+    lora = adapters_of(s)
+    assert lora is not None, "called on a LoRAShape"
+    copy = tl.alloc(f"lora.bwd.B_{name}_columns", s.moe.num_experts * d_out * lora.rank * s.dt)
+    out = tl.alloc(f"lora.bwd.{name}", B * lora.rank * s.dt)
+    tl.free(copy)
+    return out
+
+
 def backward_down(tl: Timeline, s: Shape, B: int, buffers: dict[str, str]) -> None:
     """``LoRABackward.down_block`` for B rows (dA += s·(dO·B)·A; dB_down, dA_down)."""
     lora = adapters_of(s)
     if lora is None or "down" not in _sizes(s):
         return
     R, dt, N, D = lora.rank, s.dt, s.moe.intermediate_size, s.moe.hidden_size
-    p = tl.alloc("lora.bwd.P", B * R * dt)
+    p = _times_b(tl, s, B, D, "P")
     tl.free(tl.alloc("lora.bwd.dA_term", B * N * dt))
     ws = tl.alloc("lora.bwd.w_times_s", B * dt)
     uw = tl.alloc("lora.bwd.U_down_rows", B * R * dt)
@@ -110,7 +123,7 @@ def backward_up(tl: Timeline, s: Shape, B: int, buffers: dict[str, str], need_x:
     if lora is None or "up" not in _sizes(s):
         return None
     R, dt, D, G = lora.rank, s.dt, s.moe.hidden_size, s.moe.up_width
-    q = tl.alloc("lora.bwd.Q", B * R * dt)
+    q = _times_b(tl, s, B, G, "Q")
     us = tl.alloc("lora.bwd.U_up_rows", B * R * dt)
     _grad(tl, s, buffers, "lora_b_up", (G, R))
     tl.free(us)
@@ -120,6 +133,24 @@ def backward_up(tl: Timeline, s: Shape, B: int, buffers: dict[str, str], need_x:
     dx = tl.alloc("lora.bwd.dx_BD", B * D * dt) if need_x else None
     tl.free(q)
     return dx
+
+
+def hand_over(tl: Timeline, s: Shape, buffers: dict[str, str]) -> None:
+    """``LoRABackward.take_grads``: each per-expert-``addmm_`` dBᵀ buffer becomes a copy.
+
+    In input order (A_up, B_up, A_down, B_down); a B buffer (E·d_out·r) is copied to dB's own
+    layout, then freed; A buffers and bf16's grouped B buffers are handed over as they are.
+    """
+    lora = adapters_of(s)
+    if lora is None:
+        return
+    for which, (_, d_out) in _sizes(s).items():
+        name = f"lora_b_{which}"
+        buffer = buffers.get(name)
+        if buffer is None or _aligned(s, d_out, lora.rank):
+            continue
+        buffers[name] = tl.alloc(f"grad.{name}", s.moe.num_experts * d_out * lora.rank * s.dt)
+        tl.free(buffer)
 
 
 def adapter_saved_bytes(lora: LoRAConfig, rows: int, dtype_bytes: int) -> int:
