@@ -5,7 +5,7 @@
 - :mod:`memfine.experts.function`: the fused experts Function (MoEBlaze §4): gather +
   up-projection + activation, then down-projection + weighted combine, saving only x and H; its
   streamed backward.
-- :mod:`memfine.experts.up_projection`: the up-projection layouts.
+- :mod:`memfine.ops.up_projection`: the up-projection layouts.
 - :mod:`memfine.experts.lora`, :mod:`memfine.experts.lora_experts`: split LoRA on the experts.
 """
 

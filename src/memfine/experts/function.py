@@ -23,7 +23,6 @@ from memfine.experts.rows import (
     forward_rows,
     row_blocks,
 )
-from memfine.experts.up_projection import up_input_grad
 from memfine.ops.activations import (
     Activation,
     activation_and_gate,
@@ -31,6 +30,7 @@ from memfine.ops.activations import (
 )
 from memfine.ops.combine import scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
+from memfine.ops.up_projection import up_input_grad
 from memfine.ops.weight_grads import WeightGradBuffers
 
 # Activations the Triton up-projection kernel computes in its epilogue.
@@ -114,7 +114,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     ``w_up_second_EDN`` (E, d, n) is None or the up half of a gated
     up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and
     H = [x·w_up | x·w_up_second], exactly as if the two were one concatenated tensor
-    (torchtitan's separate ``w1``/``w3``; :mod:`memfine.experts.up_projection`). With two halves
+    (torchtitan's separate ``w1``/``w3``; :mod:`memfine.ops.up_projection`). With two halves
     the Triton path runs its grouped GEMM per half, not the fused gather-up kernel.
 
     Saved for backward (D_t = bytes per element of x):

@@ -15,8 +15,8 @@ from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
 from memfine.experts.lora import ExpertLoRA
 from memfine.experts.run import autocast_operands, check_expert_inputs
-from memfine.experts.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.activations import Activation
+from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.weight_grads import WeightGradBuffers
 
 

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfine.experts.up_projection import up_project
 from memfine.ops.activations import Activation, apply_activation
 from memfine.ops.grouped import grouped_mm
+from memfine.ops.up_projection import up_project
 
 if TYPE_CHECKING:
     from memfine.experts.lora import LoRAForward

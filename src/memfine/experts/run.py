@@ -13,11 +13,11 @@ import torch
 from memfine.config import backward_block_rows
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions, expert_of_rows
-from memfine.experts.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
+from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.weight_grads import WeightGradBuffers
 
 IMPLS = ("fused", "plain")
@@ -176,7 +176,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         index: the :class:`RoutingIndex` of this routing decision.
         w_up_EDG: (E, d, G) up-projection; gated activations hold [gate | up] halves (G = 2n).
             A gated up-projection may also be given as a (gate, up) pair of (E, d, n) tensors
-            (kept apart, never concatenated; :mod:`memfine.experts.up_projection`).
+            (kept apart, never concatenated; :mod:`memfine.ops.up_projection`).
         w_down_END: (E, n, d) down-projection.
         activation: ``swiglu``, ``geglu``, ``silu``, ``gelu``, ``relu`` or a
             :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).

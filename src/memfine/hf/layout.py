@@ -24,8 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from memfine.config import GatedActivation
-from memfine.experts.up_projection import UpWeights, up_shape
 from memfine.hf.gates import GATE_ATTRIBUTES, match_gate
+from memfine.ops.up_projection import UpWeights, up_shape
 
 ExpertsPath = Literal["fused", "plain"]
 _PLAN_ATTRIBUTE = "_memfine_plan"  # (key, ExpertsPlan) kept on an experts module

@@ -2,7 +2,7 @@
 gradient (each half gets its slice of the concatenated weight's gradient), float64 gradcheck,
 the saved set (no weight copy), and the errors.
 
-Reference: memfine.experts.up_projection; torchtitan's GroupedExperts keeps w1 and w3 apart.
+Reference: memfine.ops.up_projection; torchtitan's GroupedExperts keeps w1 and w3 apart.
 """
 
 from __future__ import annotations
