@@ -21,13 +21,13 @@ import pytest
 import torch
 from ep_harness import free_port
 
-from memfine.artifacts import memory_log
-from memfine.cli import _flags
 from memfine.cli import train as train_cli
 from memfine.cli.bench import _BUDGET_NAMES
 from memfine.cli.main import _path_flag, build_parser, main
+from memfine.flags import threads
 from memfine.flags.budget import flag_words
 from memfine.nn import MoETransformerLM
+from memfine.reports import memory_log
 from memfine.schedule.policy import CONFIG_NAMES, InfeasibleBudgetError
 from memfine.train import preset
 
@@ -279,17 +279,17 @@ def test_a_prompt_that_is_no_utf8_names_the_flag(run_dir: Path,
 
 def test_more_threads_than_cpus_are_lowered_with_a_warning(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr(_flags, "usable_cpus", lambda: 4)
+    monkeypatch.setattr(threads, "usable_cpus", lambda: 4)
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
-    assert _flags.clamp_threads(3) == 3 and capsys.readouterr().err == ""
-    assert _flags.clamp_threads(1000) == 4
+    assert threads.clamp_threads(3) == 3 and capsys.readouterr().err == ""
+    assert threads.clamp_threads(1000) == 4
     assert capsys.readouterr().err == ("warning: --threads 1000 is more than the 4 CPU(s) this "
                                        "process may use; using 4\n")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    assert _flags.clamp_threads(1000) == 1
+    assert threads.clamp_threads(1000) == 1
     assert "shared by 3 local ranks; using 1" in capsys.readouterr().err
     with pytest.raises(ValueError, match="--threads must be >= 1, got 0"):
-        _flags.clamp_threads(0)
+        threads.clamp_threads(0)
 
 
 # -- resume and init-from name the flag that changed -----------------------------------------

@@ -9,16 +9,8 @@ import pytest
 from memfine._checks import FieldError, check_float
 from memfine.cli import bench
 from memfine.cli import train as train_cli
-from memfine.flags.table import (
-    Flag,
-    NotGiven,
-    add_flags,
-    comma_ints,
-    given,
-    name_flag,
-    typed_fields,
-    value,
-)
+from memfine.flags.table import Flag, NotGiven, add_flags, given, name_flag, typed_fields, value
+from memfine.flags.values import comma_ints
 
 
 def _parser(*flags: Flag) -> argparse.ArgumentParser:

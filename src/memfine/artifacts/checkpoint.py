@@ -26,11 +26,9 @@ the process creates (``0o666`` less the umask, e.g. 0644), not the temporary fil
 
 from __future__ import annotations
 
-import errno
 import os
 import random
 import shutil
-import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+
+from memfine.artifacts.atomic import atomic_save
 
 FORMAT = "memfine-checkpoint-v1"
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -117,65 +117,16 @@ def save_checkpoint(path: str | os.PathLike[str], *, step: int, config: dict[str
                "model": model.state_dict() if base is None else trainable_state(model),
                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
                "rng": rng_state(), **({} if base is None else {"base": base})}
-    _atomic_save(payload, path)
+    atomic_save(payload, path)
     for stale in (path.parent / SHARDED_NAME, _old(path.parent / SHARDED_NAME)):
         shutil.rmtree(stale, ignore_errors=True)
-
-
-def _atomic_save(payload: dict[str, Any], path: Path) -> None:
-    """``torch.save`` to a temporary file in ``path``'s directory, fsync, ``os.replace``.
-
-    Raises:
-        OSError: ``ENOSPC`` naming ``path`` and the checkpoint that survived when the disk is
-            full (torch.save's "unexpected pos" included); other write errors as raised.
-    """
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, file_mode())
-        with os.fdopen(fd, "wb") as f:
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as err:
-        Path(tmp).unlink(missing_ok=True)
-        if _out_of_space(err, path.parent):
-            raise OSError(errno.ENOSPC, _no_space_message(path)) from err
-        raise
-
-
-_WRITE_FAILURES = ("unexpected pos", "file write failed")  # torch.save's words for a short write
-_LOW_SPACE_BYTES = 64 * 1024 ** 2
-
-
-def _out_of_space(err: BaseException, directory: Path) -> bool:
-    """Whether a failed save ran out of disk.
-
-    ENOSPC/EDQUOT, or torch.save's short write on a file system with (almost) no space left.
-    """
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EDQUOT)
-    if not isinstance(err, RuntimeError) or not any(w in str(err) for w in _WRITE_FAILURES):
-        return False
-    try:
-        return shutil.disk_usage(directory).free < _LOW_SPACE_BYTES
-    except OSError:
-        return True  # the write stopped short and the disk cannot even be asked
-
-
-def _no_space_message(path: Path) -> str:
-    """Which file could not be written and which checkpoint is left."""
-    survivor = (f"the previous checkpoint {str(path)!r} is intact" if path.is_file()
-                else "no checkpoint was saved")
-    return (f"no space left on the device writing {str(path)!r}; {survivor}; free space "
-            f"and --resume")
 
 
 def remove_stale_temporaries(out_dir: str | os.PathLike[str]) -> list[Path]:
     """Delete the temporary files of saves that were killed (``.checkpoint.pt.*.tmp``).
 
     Call it while holding the run directory's lock (no save of another process is under way).
-    A killed :func:`_atomic_save` leaves a file the size of a checkpoint; no checkpoint ever
+    A killed :func:`atomic_save` leaves a file the size of a checkpoint; no checkpoint ever
     reads it.
 
     Returns:
@@ -188,13 +139,6 @@ def remove_stale_temporaries(out_dir: str | os.PathLike[str]) -> list[Path]:
                 stale.unlink(missing_ok=True)
                 removed.append(stale)
     return removed
-
-
-def file_mode() -> int:
-    """Permissions of a newly created file: ``0o666`` less the process's umask (e.g. 0o644)."""
-    mask = os.umask(0o022)  # reading the umask means setting it; restored at once
-    os.umask(mask)
-    return 0o666 & ~mask
 
 
 def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -278,7 +222,7 @@ def save_sharded_checkpoint(path: str | os.PathLike[str], *, step: int, config: 
     if is_main:
         meta = {"format": FORMAT, "step": step, "config": config,
                 "scheduler": scheduler.state_dict(), "rng": rng_state()}
-        _atomic_save(meta, tmp / META_NAME)
+        atomic_save(meta, tmp / META_NAME)
         old = _old(path)
         shutil.rmtree(old, ignore_errors=True)
         if path.exists():

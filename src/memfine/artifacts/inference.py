@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 
 from memfine._optional import require
+from memfine.artifacts.atomic import file_mode
 from memfine.artifacts.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
-    file_mode,
     find_checkpoint,
     load_model_state,
     read_checkpoint,

@@ -7,7 +7,9 @@ import json
 
 from memfine.artifacts.inference import evaluate_text
 from memfine.flags.checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
-from memfine.flags.table import THREADS_FLAG, Flag, NotGiven, add_flags, text_flag, value
+from memfine.flags.table import Flag, NotGiven, add_flags, value
+from memfine.flags.threads import THREADS_FLAG
+from memfine.flags.values import text_flag
 
 _FLAGS = (
     OUT_FLAG,

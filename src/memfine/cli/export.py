@@ -13,7 +13,8 @@ from memfine.artifacts.adapters import ADAPTERS_NAME, export_adapters, merged
 from memfine.artifacts.inference import export_safetensors
 from memfine.artifacts.rundir import RUN_FILES
 from memfine.flags.checkpoint import OUT_FLAG, load_run_directory, run_directory
-from memfine.flags.table import Flag, NotGiven, add_flags, path_flag, value
+from memfine.flags.table import Flag, NotGiven, add_flags, value
+from memfine.flags.values import path_flag
 
 _FLAGS = (
     OUT_FLAG,

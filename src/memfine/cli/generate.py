@@ -6,7 +6,9 @@ import argparse
 
 from memfine.artifacts.inference import generate_text
 from memfine.flags.checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
-from memfine.flags.table import THREADS_FLAG, Flag, NotGiven, add_flags, finite_float, value
+from memfine.flags.table import Flag, NotGiven, add_flags, value
+from memfine.flags.threads import THREADS_FLAG
+from memfine.flags.values import finite_float
 
 _FLAGS = (
     OUT_FLAG,

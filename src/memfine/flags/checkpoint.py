@@ -14,7 +14,9 @@ import torch
 
 from memfine.artifacts.checkpoint import CheckpointNotFoundError
 from memfine.artifacts.inference import Trained, load_trained
-from memfine.flags.table import Flag, NotGiven, check_device, checked_threads, path_flag, value
+from memfine.flags.table import Flag, NotGiven, value
+from memfine.flags.threads import checked_threads
+from memfine.flags.values import check_device, path_flag
 
 OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", path_flag,
                 default=NotGiven(text="required"))

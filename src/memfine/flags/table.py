@@ -6,13 +6,13 @@ the same name in every subcommand; older spellings stay accepted as hidden alias
 was not given keeps a :class:`NotGiven` default, which is how a given value is told from an
 untouched one (``given``); :func:`value` unwraps either. ``--config FILE`` (TOML) fills the flags
 that were not given (:func:`apply_config_file`).
+
+The value parsers are :mod:`memfine.flags.values`; ``--threads`` is :mod:`memfine.flags.threads`.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import os
 import re
 import sys
 from collections.abc import Callable, Iterable, Mapping
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from memfine._checks import FieldError
-from memfine.units import parse_bytes
+from memfine.flags.values import int64
 
 
 class NotGiven:
@@ -126,145 +126,6 @@ def _shown(got: Any) -> str:
     if isinstance(got, str) and (not got.strip() or got != got.strip()):
         return repr(got)
     return str(got)
-
-
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-
-def int64(text: str) -> int:
-    """An argparse ``type`` for an int flag: an integer within int64, what torch can hold.
-
-    Python ints are unbounded, so ``--seed 100000000000000000000000`` would parse and then fail
-    deep inside torch ("Overflow when unpacking long long"); ``1e23`` is refused as no integer.
-
-    Raises:
-        argparse.ArgumentTypeError: on a non-integer or a value outside int64 (argparse names
-            the flag).
-    """
-    try:
-        got = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if not INT64_MIN <= got <= INT64_MAX:
-        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**63 - 1] (int64), "
-                                         f"got {text}")
-    return got
-
-
-int64.__name__ = "int"  # argparse's "invalid int value" if it ever shows
-
-
-def finite_float(text: str) -> float:
-    """An argparse ``type`` for a float flag: a finite number (no ``inf`` or ``nan``).
-
-    Raises:
-        argparse.ArgumentTypeError: on a non-number, an infinity or a NaN (argparse names the
-            flag).
-    """
-    try:
-        got = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if not math.isfinite(got):
-        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
-    return got
-
-
-finite_float.__name__ = "float"
-
-
-def comma_ints(text: str) -> tuple[int, ...]:
-    """Parse ``"1,2,4,8"`` into ``(1, 2, 4, 8)`` (an argparse ``type``).
-
-    Raises:
-        argparse.ArgumentTypeError: when an item is not an int (argparse names the flag).
-    """
-    try:
-        items = [int(item) for item in str(text).split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
-                                         f"{text!r}") from None
-    return tuple(int64(str(item)) for item in items)
-
-
-def path_flag(text: str) -> Path:
-    """An argparse ``type`` for a path flag (``--out``, ``--init-from``, ``--to``).
-
-    An empty value is refused: ``Path("")`` is the current directory, so ``--out ""`` (an
-    unset shell variable) would scatter a run's files there. A leading ``~`` is the home
-    directory, as in the shell, which does not expand it in ``--out=~/runs/x``.
-
-    Raises:
-        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
-    """
-    if not str(text).strip():
-        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
-                                         "directory give '.')")
-    return Path(text).expanduser()
-
-
-def text_flag(text: str) -> str:
-    """An argparse ``type`` for a text flag that names something (``--data``): not blank.
-
-    An empty value (an unset shell variable) must not fall back to a default or, read as a
-    path, to the current directory.
-
-    Raises:
-        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
-    """
-    if not str(text).strip():
-        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
-    return str(text)
-
-
-def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
-    """An argparse ``type`` for a byte size that names its unit (``512MiB``, ``80GiB``, ``80GB``).
-
-    A bare number is refused (:func:`memfine.units.parse_bytes` with ``require_unit``): on a
-    command line it is meant as MiB or GiB, and reading it as bytes would be a silent wrong
-    answer.
-
-    Args:
-        keyword: a word that stands for None (``"none"``, ``"auto"``; case-insensitive), or None
-            when every value must be a size.
-
-    Returns:
-        The converter: bytes (int > 0), or None for ``keyword``; it raises
-        ``argparse.ArgumentTypeError`` (argparse names the flag, exit status 2).
-    """
-    def convert(text: str) -> int | None:
-        if keyword is not None and str(text).strip().lower() == keyword:
-            return None
-        try:
-            return parse_bytes(text, require_unit=True)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-
-    convert.__name__ = "byte size"  # argparse's "invalid <name> value" if it ever shows
-    return convert
-
-
-def check_device(device: str, flag: str = "--device") -> str:
-    """Refuse a torch device this machine cannot run before anything is loaded or written.
-
-    Returns:
-        ``device`` unchanged.
-
-    Raises:
-        ValueError: naming the flag when ``device`` is not a torch device string, or asks for
-            CUDA where this torch has no CUDA device.
-    """
-    import torch
-
-    try:
-        kind = torch.device(device).type
-    except (RuntimeError, ValueError):
-        raise ValueError(f"{flag} {device!r} is not a torch device; use cpu or cuda[:i]"
-                         ) from None
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"{flag} {device} needs CUDA, and this torch has no CUDA device "
-                         f"(torch {torch.__version__}); use {flag} cpu")
-    return device
 
 
 @dataclass(frozen=True, slots=True)
@@ -400,49 +261,3 @@ def _convert(flag: Flag, text: str, where: str) -> Any:
     if flag.choices is not None and out not in flag.choices:
         raise ValueError(f"{where} must be one of {list(flag.choices)}, got {out!r}")
     return out
-
-
-THREADS_FLAG = Flag("--threads", (), "CPU threads for torch; the small models here gain little "
-                    "from more, and on a CPU shared with other jobs more threads can be many "
-                    "times slower; more than this process's CPUs (shared by the local ranks "
-                    "under torchrun) is lowered to them with a warning", default=NotGiven(1))
-"""``--threads`` of ``memfine train``, ``generate`` and ``eval`` (default 1)."""
-
-
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask, else ``os.cpu_count()``), at least 1."""
-    try:
-        return max(len(os.sched_getaffinity(0)), 1)
-    except AttributeError:  # not on Linux
-        return max(os.cpu_count() or 1, 1)
-
-
-def clamp_threads(threads: int, flag: str = "--threads") -> int:
-    """``threads`` at most this process's share of the CPUs, with a one-line warning if lowered.
-
-    ``torch.set_num_threads`` takes any count and oversubscribes the CPUs, which makes every
-    operator many times slower; torchrun likewise sets ``OMP_NUM_THREADS`` and warns. The share
-    is :func:`usable_cpus` over torchrun's ``LOCAL_WORLD_SIZE`` (the ranks of this host).
-
-    Raises:
-        ValueError: naming ``flag`` when ``threads`` is below 1.
-    """
-    if threads < 1:
-        raise ValueError(f"{flag} must be >= 1, got {threads}")
-    local = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1), 1)
-    share = max(usable_cpus() // local, 1)
-    if threads > share:
-        ranks = f" shared by {local} local ranks" if local > 1 else ""
-        print(f"warning: {flag} {threads} is more than the {share} CPU(s) this process may use"
-              f"{ranks}; using {share}", file=sys.stderr)
-        return share
-    return threads
-
-
-def checked_threads(args: argparse.Namespace) -> int:
-    """The ``--threads`` value, lowered to this process's CPUs (:func:`clamp_threads`).
-
-    Raises:
-        ValueError: naming the flag when it is below 1.
-    """
-    return clamp_threads(int(value(args, "threads")))

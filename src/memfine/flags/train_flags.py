@@ -15,17 +15,9 @@ from typing import get_args
 
 from memfine import config
 from memfine.config.lora import LoRAConfig
-from memfine.flags.table import (
-    THREADS_FLAG,
-    Flag,
-    NotGiven,
-    byte_size,
-    comma_ints,
-    finite_float,
-    int64,
-    path_flag,
-    text_flag,
-)
+from memfine.flags.table import Flag, NotGiven
+from memfine.flags.threads import THREADS_FLAG
+from memfine.flags.values import byte_size, comma_ints, finite_float, int64, path_flag, text_flag
 from memfine.train import DEFAULT_PRESET, PRESETS
 from memfine.train.setup import RESUMABLE_FIELDS
 

@@ -141,7 +141,7 @@ class _Step:
         return saved + norm2[:2], h, None if rerun else norm2[2]
 
     def rope_tables(self) -> list[str]:
-        """nn.model._rope_tables: the (Q, A/2) fp32 cos and sin of one attention forward.
+        """nn.attention._rope_tables: the (Q, A/2) fp32 cos and sin of one attention forward.
 
         The inverse frequencies (A/2) and the positions (Q, int64 then fp32) and their outer
         product are transient; cos and sin are saved by RoPE's multiplies.

@@ -114,7 +114,7 @@ def uses_grouped_weight_grads(x_SI: torch.Tensor, grad_y_SO: torch.Tensor, num_e
     bf16 operands (:data:`GROUPED_WEIGHT_GRAD_DTYPES`) that
     :func:`memfine.ops.grouped.grouped_weight_grad_supported` accepts with E groups, unless the
     ``loop`` backend was chosen. The memory model follows the same rule
-    (:func:`memfine.timeline.experts.grouped_weight_grads`).
+    (:func:`memfine.timeline.fused.grouped_weight_grads`).
     """
     return (backend != "loop" and x_SI.dtype in GROUPED_WEIGHT_GRAD_DTYPES
             and grouped_weight_grad_supported(x_SI, grad_y_SO, num_experts))

@@ -19,9 +19,9 @@ from memfine.timeline.experts import (
     chunk_tokens,
     chunks_backward,
     experts_forward,
-    fused_backward,
     plain_backward,
 )
+from memfine.timeline.fused import fused_backward
 from memfine.timeline.lora import LoRAShape, router_trained
 from memfine.timeline.shared import shared_backward, shared_forward
 

@@ -35,14 +35,13 @@ from memfine.flags.table import (
     Flag,
     NotGiven,
     add_flags,
-    byte_size,
-    comma_ints,
     flag_dest,
     given,
     name_flag,
     typed_fields,
     value,
 )
+from memfine.flags.values import byte_size, comma_ints
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset

@@ -1,0 +1,154 @@
+"""The argparse ``type`` of each kind of flag value.
+
+Kinds: int64 integers, finite floats, int lists, paths, UTF-8 text, byte sizes, devices.
+
+Each raises ``argparse.ArgumentTypeError`` (or ``ValueError``) with a one-line message that
+argparse prefixes with the flag's name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+from memfine.units import parse_bytes
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def int64(text: str) -> int:
+    """An argparse ``type`` for an int flag: an integer within int64, what torch can hold.
+
+    Python ints are unbounded, so ``--seed 100000000000000000000000`` would parse and then fail
+    deep inside torch ("Overflow when unpacking long long"); ``1e23`` is refused as no integer.
+
+    Raises:
+        argparse.ArgumentTypeError: on a non-integer or a value outside int64 (argparse names
+            the flag).
+    """
+    try:
+        got = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not INT64_MIN <= got <= INT64_MAX:
+        raise argparse.ArgumentTypeError(f"expected an integer in [-2**63, 2**63 - 1] (int64), "
+                                         f"got {text}")
+    return got
+
+
+int64.__name__ = "int"  # argparse's "invalid int value" if it ever shows
+
+
+def finite_float(text: str) -> float:
+    """An argparse ``type`` for a float flag: a finite number (no ``inf`` or ``nan``).
+
+    Raises:
+        argparse.ArgumentTypeError: on a non-number, an infinity or a NaN (argparse names the
+            flag).
+    """
+    try:
+        got = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(got):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return got
+
+
+finite_float.__name__ = "float"
+
+
+def comma_ints(text: str) -> tuple[int, ...]:
+    """Parse ``"1,2,4,8"`` into ``(1, 2, 4, 8)`` (an argparse ``type``).
+
+    Raises:
+        argparse.ArgumentTypeError: when an item is not an int (argparse names the flag).
+    """
+    try:
+        items = [int(item) for item in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated ints such as 1,2,4,8, got "
+                                         f"{text!r}") from None
+    return tuple(int64(str(item)) for item in items)
+
+
+def path_flag(text: str) -> Path:
+    """An argparse ``type`` for a path flag (``--out``, ``--init-from``, ``--to``).
+
+    An empty value is refused: ``Path("")`` is the current directory, so ``--out ""`` (an
+    unset shell variable) would scatter a run's files there. A leading ``~`` is the home
+    directory, as in the shell, which does not expand it in ``--out=~/runs/x``.
+
+    Raises:
+        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
+    """
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
+                                         "directory give '.')")
+    return Path(text).expanduser()
+
+
+def text_flag(text: str) -> str:
+    """An argparse ``type`` for a text flag that names something (``--data``): not blank.
+
+    An empty value (an unset shell variable) must not fall back to a default or, read as a
+    path, to the current directory.
+
+    Raises:
+        argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
+    """
+    if not str(text).strip():
+        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
+    return str(text)
+
+
+def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
+    """An argparse ``type`` for a byte size that names its unit (``512MiB``, ``80GiB``, ``80GB``).
+
+    A bare number is refused (:func:`memfine.units.parse_bytes` with ``require_unit``): on a
+    command line it is meant as MiB or GiB, and reading it as bytes would be a silent wrong
+    answer.
+
+    Args:
+        keyword: a word that stands for None (``"none"``, ``"auto"``; case-insensitive), or None
+            when every value must be a size.
+
+    Returns:
+        The converter: bytes (int > 0), or None for ``keyword``; it raises
+        ``argparse.ArgumentTypeError`` (argparse names the flag, exit status 2).
+    """
+    def convert(text: str) -> int | None:
+        if keyword is not None and str(text).strip().lower() == keyword:
+            return None
+        try:
+            return parse_bytes(text, require_unit=True)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = "byte size"  # argparse's "invalid <name> value" if it ever shows
+    return convert
+
+
+def check_device(device: str, flag: str = "--device") -> str:
+    """Refuse a torch device this machine cannot run before anything is loaded or written.
+
+    Returns:
+        ``device`` unchanged.
+
+    Raises:
+        ValueError: naming the flag when ``device`` is not a torch device string, or asks for
+            CUDA where this torch has no CUDA device.
+    """
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, ValueError):
+        raise ValueError(f"{flag} {device!r} is not a torch device; use cpu or cuda[:i]"
+                         ) from None
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{flag} {device} needs CUDA, and this torch has no CUDA device "
+                         f"(torch {torch.__version__}); use {flag} cpu")
+    return device

@@ -1,0 +1,197 @@
+"""Allocation timeline of memfine's fused experts Function, streamed over row blocks.
+
+:func:`fused_forward` and :func:`fused_backward` mirror ``memfine.experts.function`` and
+``memfine.experts.rows`` (the row plan, each block's transients, the weight-gradient buffers);
+:func:`activation_forward` / :func:`activation_backward` the activation's own temporaries, which
+the plain path (:mod:`memfine.timeline.experts`) shares.
+
+Legend as in :mod:`memfine.timeline.experts`.
+Reference: our derivation from the code (docs/design.md §5).
+"""
+
+from __future__ import annotations
+
+from memfine.config import backward_block_rows
+from memfine.timeline import lora as adapters
+from memfine.timeline.base import Shape, Timeline
+
+
+def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
+    """apply_activation on H (S, G) → A (S, n) without autograd (gated: act(gate) *= up)."""
+    return tl.alloc(f"{prefix}.A", S * s.moe.intermediate_size * s.dt)
+
+
+def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str]:
+    """ops.fused.rows.RowBlocks.plan, once per pass (forward and backward).
+
+    w_S and, with several blocks, the (n_blocks, E + 1) int32 block offsets (the block starts
+    are transient).
+    """
+    plan = [tl.alloc(f"{phase}.w_S", S * s.dt)]
+    num_blocks = -(-S // rows)
+    if num_blocks > 1:
+        starts = tl.alloc(f"{phase}.block_starts", num_blocks * 4)
+        plan.append(tl.alloc(f"{phase}.block_offsets", num_blocks * (s.moe.num_experts + 1) * 4))
+        tl.free(starts)
+    return plan
+
+
+def block_rows(s: Shape) -> int:
+    """Rows per block of the streamed fused forward and backward (``backward_block_bytes``)."""
+    moe = s.moe
+    return backward_block_rows(moe.backward_block_bytes, moe.hidden_size, moe.intermediate_size,
+                               moe.up_width, s.dt)
+
+
+def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
+                  lora_saved: list[str] | None = None) -> tuple[str, str]:
+    """FusedExpertsFunction.forward streamed over row blocks; returns (H, out).
+
+    ops.fused.rows.forward_rows. Per block of B rows: x rows, the block's H product (copied
+    into H when there are several blocks; with one block it is H), A, Y and w ⊙ Y (out of
+    place), which is added into out in place (``index_add_``). The row plan (w_S, block
+    offsets) lives for the forward. Split-LoRA adapters (a
+    :class:`memfine.timeline.lora.LoRAShape`) run the forward as one block and add their
+    terms; their saved U go to ``lora_saved``.
+    """
+    D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
+    kept = [] if lora_saved is None else lora_saved
+    rows = block_rows(s) if adapters.adapters_of(s) is None else max(S, 1)
+    plan = _row_plan(tl, s, S, rows, "fwd")
+    out = tl.alloc("fwd.out", C * D * s.dt)
+    several = rows < S
+    h = tl.alloc("fwd.H", S * G * s.dt) if several else None
+    for r0 in range(0, S, rows):
+        B = min(S, r0 + rows) - r0
+        xg = tl.alloc("fwd.x_BD", B * D * s.dt)
+        h_block = tl.alloc("fwd.H_block", B * G * s.dt)
+        kept += adapters.forward_term(tl, s, B, "up")
+        tl.free(xg)
+        if several:
+            tl.free(h_block)
+        else:
+            h = h_block
+        a = tl.alloc("fwd.A", B * N * s.dt)
+        y = tl.alloc("fwd.Y", B * D * s.dt)
+        kept += adapters.forward_term(tl, s, B, "down")
+        tl.free(a)
+        weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
+        tl.free(y, weighted)
+    if h is None:  # no rows
+        h = tl.alloc("fwd.H", 0)
+    tl.free(*plan)
+    return h, out
+
+
+def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
+                   shared: dict[str, str] | None = None, *, recomputed: bool = False,
+                   need_weights: bool = True) -> dict[str, str]:
+    """FusedExpertsFunction.backward, streamed over row blocks; frees the chunk's saved tensors.
+
+    ``shared``: the chunk loop's weight-gradient buffers (name → allocation), filled on first
+    use and kept across chunks; ``None``: the Function's own buffers, returned in the result.
+    ``recomputed``: the saved tensors come from a checkpoint's recomputation, which drops each
+    one once unpacked, so token_index_map (unpacked, unused by backward) goes first.
+    ``need_weights=False``: the routing weights need no gradient (shared experts without a
+    gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    Returns the chunk's gradients (``weights``, ``x``, and ``w_up``/``w_down`` when owned).
+    """
+    moe, dt = s.moe, s.dt
+    D, E, K = moe.hidden_size, moe.num_experts, moe.top_k
+    buffers = {} if shared is None else shared
+    grads = {"x": tl.alloc("grad.x_chunk", C * D * dt)}
+    dots = [tl.alloc("bwd.row_dots_S", S * dt)] if need_weights else []
+    if recomputed:
+        tim = next(name for name in saved if name.startswith("idx.token_index_map"))
+        saved = [name for name in saved if name != tim]
+        tl.free(tim)
+    rows = block_rows(s)
+    plan = _row_plan(tl, s, S, rows, "bwd")  # once per backward, as in forward
+    grouped = grouped_weight_grads(s)
+    lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
+    for r0 in range(0, S, rows):
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped, lora_buffers)
+    if need_weights:
+        grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
+        tl.free(tl.alloc("bwd.slot64", S * 8))
+    adapters.hand_over(tl, s, lora_buffers)  # LoRABackward.take_grads, before the state goes
+    tl.free(*plan)
+    if shared is None and adapters.adapters_of(s) is None:  # a frozen base has no gradient
+        for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
+                                                             * D)):
+            grads[name] = buffers.get(name) or tl.alloc(f"grad.{name}", size * dt)
+    grads.update(lora_buffers)
+    tl.free(*dots, *saved)
+    return grads
+
+
+def grouped_weight_grads(s: Shape) -> dict[str, bool]:
+    """Per weight, whether the fused backward's weight gradient is one grouped GEMM per block.
+
+    :func:`memfine.ops.weight_grads.uses_grouped_weight_grads`: bf16 (D_t = 2 is read as
+    bf16; fp16 is not modelled), not the ``loop`` backend, and the operands' rows multiples of
+    16 bytes (w_up: x (d) and dH (G); w_down: A (n) and dO (d)); fewer than 1024 experts
+    assumed (CUDA's limit). Otherwise the per-expert ``addmm_`` (no transient).
+    """
+    moe = s.moe
+    if s.dt != 2 or moe.gemm_backend == "loop":
+        return {"w_up": False, "w_down": False}
+
+    def aligned(*widths: int) -> bool:
+        return all(w * s.dt % 16 == 0 for w in widths)
+
+    return {"w_up": aligned(moe.hidden_size, moe.up_width),
+            "w_down": aligned(moe.intermediate_size, moe.hidden_size)}
+
+
+def _weight_grad(tl: Timeline, buffers: dict[str, str], grouped: bool, name: str,
+                 nbytes: int) -> None:
+    """One block's product into the weight-gradient buffer.
+
+    The first product is the buffer; a later grouped one is a transient of its size (the
+    per-expert ``addmm_`` writes in place).
+    """
+    if name not in buffers:
+        buffers[name] = tl.alloc(f"grad.{name}", nbytes)
+    elif grouped:
+        tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
+
+
+def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
+                          grouped: dict[str, bool], lora_buffers: dict[str, str]) -> None:
+    """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order)."""
+    moe, dt = s.moe, s.dt
+    D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
+    grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
+    grad_a = tl.alloc("bwd.dA", B * N * dt)
+    gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated else []  # kept for dH
+    a = activation_forward(tl, s, B, "bwd")
+    adapters.backward_down(tl, s, B, lora_buffers)
+    frozen = adapters.adapters_of(s) is not None  # split LoRA: the base weights are frozen
+    if not frozen:
+        _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
+    tl.free(a, grad_out)
+    grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
+    tl.free(grad_a, *gate)
+    if not frozen:
+        xg = tl.alloc("bwd.x_BD", B * D * dt)
+        _weight_grad(tl, buffers, grouped["w_up"], "w_up", E * D * G * dt)
+        tl.free(xg)
+    lora_dx = adapters.backward_up(tl, s, B, lora_buffers, need_x=True)
+    dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
+    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
+
+
+def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
+    """ops.activations.activation_backward: dH (S, G) from H and dA.
+
+    Gated: f(gate) (unless ``gate_kept``) is a transient; both halves of dH, dA ⊙ up included,
+    are written in place.
+    """
+    N, G = s.moe.intermediate_size, s.moe.up_width
+    if not s.moe.gated:
+        return tl.alloc("bwd.dH", S * N * s.dt)
+    grad_h = tl.alloc("bwd.dH", S * G * s.dt)
+    if not gate_kept:
+        tl.free(tl.alloc("bwd.act_gate", S * N * s.dt))
+    return grad_h
