@@ -118,21 +118,28 @@ def test_parse_bytes_unit_error_offers_bare_bytes_only_when_allowed() -> None:
 
 
 def test_the_memory_package_has_no_import_cycle() -> None:
-    """Every import inside memfine.memory (module level or in a function) points one way."""
+    """Every import inside memfine.memory and memfine.timeline (module level or in a function)
+    points one way."""
     import ast
     from pathlib import Path
 
     import memfine.memory
+    import memfine.timeline
 
-    root = Path(memfine.memory.__file__).parent
     graph: dict[str, set[str]] = {}
-    for path in root.rglob("*.py"):
-        name = ".".join(("memfine", *path.relative_to(root.parent).with_suffix("").parts))
-        name = name.removesuffix(".__init__")
-        deps = graph.setdefault(name, set())
+    for package in (memfine.memory, memfine.timeline):
+        root = Path(package.__file__).parent
+        for path in root.rglob("*.py"):
+            name = ".".join(("memfine", *path.relative_to(root.parent).with_suffix("").parts))
+            graph.setdefault(name.removesuffix(".__init__"), set())
+    for name in list(graph):
+        module_path = Path(memfine.memory.__file__).parents[1].joinpath(*name.split(".")[1:])
+        path = module_path.with_suffix(".py") if module_path.with_suffix(".py").exists() \
+            else module_path / "__init__.py"
+        deps = graph[name]
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith(
-                    "memfine.memory"):
+                    ("memfine.memory", "memfine.timeline")):
                 deps.add(node.module)
                 deps.update(f"{node.module}.{a.name}" for a in node.names)
     seen: dict[str, int] = {}

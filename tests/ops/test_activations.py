@@ -35,6 +35,23 @@ def test_gated_width_must_be_even() -> None:
         activation_backward(torch.randn(2, 4), torch.randn(2, 2), "tanh")
 
 
+def test_a_gate_function_without_a_formula_is_refused() -> None:
+    """A gate_fn added to GatedActivation but not to ops/activations.py must not run as SiLU."""
+    import dataclasses
+
+    from memfine.config import GatedActivation
+
+    spec = object.__new__(GatedActivation)  # bypass the config's own check, as a half-done edit
+    for field in dataclasses.fields(GatedActivation):
+        object.__setattr__(spec, field.name, getattr(GatedActivation(), field.name))
+    object.__setattr__(spec, "gate_fn", "relu")
+    h_SG = torch.randn(3, 8, dtype=torch.float64)
+    with pytest.raises(ValueError, match="gate_fn='relu' has no formula"):
+        apply_activation(h_SG, spec)
+    with pytest.raises(ValueError, match="gate_fn='relu' has no formula"):
+        activation_backward(h_SG, torch.randn(3, 4, dtype=torch.float64), spec)
+
+
 def test_combine_selects_out_sentinels() -> None:
     y_SD = torch.tensor([[1.0, 2.0], [float("nan"), 4.0], [5.0, 6.0]])
     map_TK = torch.tensor([[0, -1], [2, 1], [-1, -1]], dtype=torch.int32)

@@ -218,7 +218,8 @@ def memfine_experts_forward(module: nn.Module, hidden_states: torch.Tensor,
     """
     cfg = _module_config(module, config if config is not None else HFExpertsConfig())
     plan = resolve_plan(module, cfg.impl)
-    lora, originals = pending_lora(module), frozenset[str]()
+    originals: frozenset[str] = frozenset()
+    lora = pending_lora(module)
     if lora is None:  # PEFT's own parametrization (plain peft.get_peft_model)
         lora, originals = parametrized_lora(module, plan.path == "fused", plan.reason)
     weights = expert_weights(module, originals)

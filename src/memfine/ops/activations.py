@@ -79,12 +79,24 @@ def _split_gated(h_SG: torch.Tensor, spec: GatedActivation) -> tuple[torch.Tenso
 
 
 def _gate_value(gate_SN: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
-    """f_α(gate) as a new tensor (gate already clamped)."""
+    """f_α(gate) as a new tensor (gate already clamped).
+
+    Raises:
+        ValueError: on a ``gate_fn`` this module has no formula for (a name added to
+            ``GatedActivation`` but not here).
+    """
     if spec.gate_fn == "gelu":
         return F.gelu(gate_SN, approximate="tanh")
+    _check_gate_fn(spec)
     if spec.alpha == 1.0:
         return F.silu(gate_SN)
     return gate_SN * torch.sigmoid(gate_SN * spec.alpha)  # GPT-OSS's order of operations
+
+
+def _check_gate_fn(spec: GatedActivation) -> None:
+    if spec.gate_fn != "silu":
+        raise ValueError(f"GatedActivation.gate_fn={spec.gate_fn!r} has no formula in "
+                         f"memfine.ops.activations (known: 'silu', 'gelu')")
 
 
 def _clamped(gate_SN: torch.Tensor, up_SN: torch.Tensor, spec: GatedActivation
@@ -165,6 +177,7 @@ def _gate_backward(grad_SN: torch.Tensor, gate_SN: torch.Tensor, spec: GatedActi
         torch.ops.aten.gelu_backward.grad_input(grad_SN, gate_SN, approximate="tanh",
                                                 grad_input=out_SN)
         return
+    _check_gate_fn(spec)
     # f_α(g) = silu(α·g) / α, so f_α'(g) = silu'(α·g).
     arg_SN = gate_SN if spec.alpha == 1.0 else gate_SN * spec.alpha
     torch.ops.aten.silu_backward.grad_input(grad_SN, arg_SN, grad_input=out_SN)
