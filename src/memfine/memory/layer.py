@@ -4,8 +4,11 @@ Saved-for-backward bytes are closed-form sums over the tensors memfine's code sa
 routing losses, and the expert path of each execution mode); they equal what saved-tensor hooks
 measure (:class:`memfine.measure.saved.SavedTensorsTracker`) exactly. Peak bytes come from an
 allocation timeline that replays the layer's forward and backward step by step
-(:mod:`memfine.timeline.layer`); they equal what the live-storage tracker
-(:class:`memfine.measure.peak.PeakMemoryTracker`) measures.
+(:mod:`memfine.timeline.layer`); they equal the allocations torch.profiler records
+(:class:`memfine.measure.profiled.ProfiledPeakMemory`). The live-storage tracker
+(:class:`memfine.measure.peak.PeakMemoryTracker`) sees the same except where its dispatch mode
+makes autograd work out of place (the engine's sum of two gradients of one tensor, gather and
+index_select backward): there it holds one buffer more than the program.
 
 Execution modes (as :class:`memfine.nn.MoELayer` runs them):
 

@@ -60,19 +60,18 @@ def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice) -> _Moe:
 
     The layer timeline's caller keeps the layer output to the end, the step frees it at the
     residual sum: ``end`` leaves it out (counted there, it over-predicted the mid model's step
-    by one T·d per finished layer, 1.2%). The step's caller keeps each layer's (T, k) int64
-    top-k index alive to the end of backward (measured with ``torch.profiler``), which the
-    layer timeline frees in the router's backward: ``end`` adds it back.
+    by one T·d per finished layer, 1.2%). Each layer's (T, k) int64 top-k index stays alive to
+    the end of backward (the routing replay's record, held by the graph); the layer timeline
+    keeps it too, so ``end`` includes it.
     """
     rec = "none" if choice.recompute == "none" else "experts"
     tl = layer_memory.moe_layer_timeline(config.moe, T, dt, num_chunks=choice.num_chunks,
                                          recompute=rec)
     out = T * config.moe.hidden_size * dt
-    top_k_index = T * config.moe.top_k * 8
     fwd = tl.marks["forward"]
     bwd = max(tl.phase_peaks["losses_backward"], tl.phase_peaks["end"])
     return _Moe(forward_peak=tl.phase_peaks["forward"], kept=fwd - out,
-                backward_peak=bwd - fwd, end=tl.marks["end"] - out + top_k_index)
+                backward_peak=bwd - fwd, end=tl.marks["end"] - out)
 
 
 class _Step:

@@ -78,11 +78,33 @@ class Timeline:
         self._phase_peak = self.current
 
 
+def cat_chunks(tl: Timeline, parts: list[str], name: str, nbytes: int) -> str:
+    """torch.cat of several chunk results (one new buffer), or the single part itself."""
+    if len(parts) == 1:
+        return parts[0]
+    out = tl.alloc(name, nbytes)
+    tl.free(*parts)
+    return out
+
+
+def engine_sum(tl: Timeline, first: str, incoming: str) -> str:
+    """The autograd engine adds a later gradient of a tensor into the first one, in place.
+
+    ``InputBuffer::accumulate`` with grad mode off reuses the first gradient when the engine
+    holds its only reference (a fresh, dense result of the node that produced it): ``add_``,
+    no new buffer; the incoming gradient is freed. Returns ``first``, now the sum. (Under a
+    ``TorchDispatchMode``, e.g. the live-storage tracker, the engine adds out of place and holds
+    a third buffer for a moment; torch.profiler sees the program as it runs.)
+    """
+    tl.free(incoming)
+    return first
+
+
 class WeightGrads:
     """The autograd engine's input buffers of w_up / w_down while chunks' gradients arrive.
 
-    The first gradient is kept as is; each later one is summed out of place into a new buffer,
-    the old buffer freed, and the incoming gradients freed once the node's outputs are handled.
+    The first gradient is kept as is; each later one is added into it in place
+    (:func:`engine_sum`) and freed once the node's outputs are handled.
     """
 
     def __init__(self, tl: Timeline) -> None:
@@ -94,10 +116,7 @@ class WeightGrads:
         """Accumulate the gradients ``grads[name]`` for ``names``, in order."""
         incoming = []
         for name in names:
-            if name in self.buffer:
-                total = self.tl.alloc(f"grad.{name}_sum", self.tl.live[grads[name]])
-                self.tl.free(self.buffer[name])
-                self.buffer[name] = total
+            if name in self.buffer:  # added in place (engine_sum), freed below
                 incoming.append(grads[name])
             else:
                 self.buffer[name] = grads[name]

@@ -2,8 +2,10 @@
 
 Each function mirrors one function of memfine (routing-index builders, the fused and plain expert
 paths, the chunk loop and the autograd engine's gradient buffers) as a sequence of
-``alloc``/``free`` events with byte sizes from the config. The running sum is what the live-storage
-tracker sees (tensors created inside the measured region); its maximum is the model's peak.
+``alloc``/``free`` events with byte sizes from the config. The running sum is what torch.profiler's
+allocator events show (tensors created inside the measured region); its maximum is the model's
+peak. Autograd adds a later gradient of a tensor into the first one in place
+(:func:`memfine.timeline.base.engine_sum`), as it does without a dispatch mode.
 Integer arithmetic only: nothing is allocated. :mod:`memfine.timeline.layer` adds the
 router, the losses and the layer driver.
 
@@ -151,9 +153,10 @@ def plain_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     clone = tl.alloc("pbwd.copyslices_clone", C * K * D * dt)
     tl.free(tl.alloc("pbwd.masked", C * K * D * dt), clone, zeros,
             named["plain.combine.not_valid"])
-    zeros = tl.alloc("pbwd.index_zeros", S * D * dt)
+    # index_select_backward: zeros, then index_add_ into them (in place; a dispatch mode, as
+    # the live-storage tracker, makes it out of place: one more buffer)
     grad_y = tl.alloc("pbwd.dY", S * D * dt)
-    tl.free(zeros, base, named["plain.combine.idx64"])
+    tl.free(base, named["plain.combine.idx64"])
     grad_a = tl.alloc("pbwd.dA", S * N * dt)
     probe = tl.alloc("pbwd.wgrad_probe", N * D * dt)
     grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
@@ -173,11 +176,12 @@ def plain_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     dx_rows = tl.alloc("pbwd.dx_SD", S * D * dt)
     probe = tl.alloc("pbwd.wgrad_probe", D * G * dt)
     grads["w_up"] = tl.alloc("grad.w_up", E * D * G * dt)
-    tl.free(probe, grad_h, named["plain.x_SD"])
+    # the up-projection's node is the last to hold the offsets: released before its outputs
+    # are handed on
+    tl.free(probe, grad_h, named["plain.x_SD"], named["idx.expert_token_offsets"])
     wg.add(grads, "w_up")
-    zeros = tl.alloc("pbwd.index_zeros", C * D * dt)
-    grads["x"] = tl.alloc("grad.x_chunk", C * D * dt)
-    tl.free(zeros, dx_rows, named["plain.eti64"], named["idx.expert_token_offsets"])
+    grads["x"] = tl.alloc("grad.x_chunk", C * D * dt)  # index_add_ into zeros, as dY
+    tl.free(dx_rows, named["plain.eti64"])
     return grads
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
+from memfine.timeline.base import cat_chunks, engine_sum
 from memfine.timeline.experts import (
     Shape,
     Timeline,
@@ -117,9 +118,7 @@ def losses_backward(tl: Timeline, s: Shape, rt: dict[str, str], ls: dict[str, st
     tl.free(grad_p)
     grad_soft = tl.alloc("lbwd.dlogits", T * E * r)
     tl.free(grad_probs, ls["probs"])
-    acc = tl.alloc("grad.logits", T * E * r)
-    tl.free(grad_logits, grad_soft)
-    return acc
+    return engine_sum(tl, grad_logits, grad_soft)
 
 
 def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: str,
@@ -136,15 +135,13 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
         tl.free(t3, t2, t1)
         d_self, d_sum = tl.alloc("rbwd.dself", T * K * r), tl.alloc("rbwd.dsum", T * r)
         tl.free(t4, grad, rt["sum"], rt["gathered"])
-        grad = tl.alloc("rbwd.dgathered", T * K * r)
-        tl.free(d_self, d_sum)
-    zeros = tl.alloc("rbwd.gather_zeros", T * E * r)
+        grad = engine_sum(tl, d_self, d_sum)  # SumBackward's expand of d_sum, added in place
+    # gather_backward: zeros, then scatter_add_ into them (in place)
     scattered = tl.alloc("rbwd.dscores", T * E * r)
-    tl.free(zeros, grad, rt["index"])
+    tl.free(grad)  # the top-k index stays: the routing replay's record holds it with the graph
     grad_scores = tl.alloc("rbwd.dlogits", T * E * r)
     tl.free(scattered, rt["scores"])
-    acc = tl.alloc("grad.logits", T * E * r)
-    tl.free(grad_logits, grad_scores)
+    acc = engine_sum(tl, grad_logits, grad_scores)
     trained = router_trained(s)  # a LoRA layer's router is frozen unless trained
     if trained:
         tl.alloc("grad.router_weight_fp32" if s.cast else "grad.router_weight", E * D * r)
@@ -158,8 +155,7 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
         cast = tl.alloc("rbwd.dx_cast", T * D * dt)
         tl.free(grad_x)
         grad_x = cast
-    tl.alloc("grad.x", T * D * dt)
-    tl.free(grad_x_experts, grad_x)
+    engine_sum(tl, grad_x_experts, grad_x)  # x's gradient: the experts' one, then the router's
 
 
 def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
@@ -206,14 +202,11 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     grads_w, grads_x = chunks_backward(
         tl, s, sizes, chunk_saved, ckpt=ckpt,
         after_first_chunk=(lambda: tl.free(rt["weights"])) if weights_held else None)
-    grad_w = tl.alloc("grad.top_k_weights_cat", T * K * dt)
-    tl.free(*grads_w)
-    grad_x = tl.alloc("grad.x_cat", T * D * dt)
-    tl.free(*grads_x)
-    if shared_dx is not None:  # the engine sums dx of the shared and routed experts
-        total = tl.alloc("grad.x_experts", T * D * dt)
-        tl.free(shared_dx, grad_x)
-        grad_x = total
+    # SplitWithSizesBackward: one cat per input, and no split (nor cat) with one chunk
+    grad_w = cat_chunks(tl, grads_w, "grad.top_k_weights_cat", T * K * dt)
+    grad_x = cat_chunks(tl, grads_x, "grad.x_cat", T * D * dt)
+    if shared_dx is not None:  # the engine adds the routed experts' dx into the shared ones'
+        grad_x = engine_sum(tl, shared_dx, grad_x)
     router_backward(tl, s, rt, grad_w, grad_logits, grad_x)
     tl.mark("end")
     return tl

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfine.config import MoEConfig
-from memfine.timeline.base import expert_saved
+from memfine.timeline.base import cat_chunks, engine_sum, expert_saved
 from memfine.timeline.experts import (
     Shape,
     Timeline,
@@ -59,15 +59,6 @@ def shared_saved_items(moe: MoEConfig, chunks: list[int], dt: int, *, ckpt: bool
     return items
 
 
-def _cat(tl: Timeline, parts: list[str], name: str, nbytes: int) -> str:
-    """torch.cat of several chunk results (one new buffer), or the single part itself."""
-    if len(parts) == 1:
-        return parts[0]
-    out = tl.alloc(name, nbytes)
-    tl.free(*parts)
-    return out
-
-
 @dataclass(slots=True)
 class SharedState:
     """What the shared experts' forward left for backward (timeline names)."""
@@ -97,7 +88,7 @@ def shared_forward(tl: Timeline, moe: MoEConfig, T: int, dt: int, sizes: list[in
         saved, out = experts_forward(tl, sh, C, C * S, plain=plain, recompute=ckpt)
         state.chunk_saved.append(saved)
         outs.append(out)
-    out = _cat(tl, outs, "shared.out_cat", T * D * dt)
+    out = cat_chunks(tl, outs, "shared.out_cat", T * D * dt)
     if not ckpt:
         tl.free(index)
         if not moe.shared_expert_gate and plain:
@@ -116,9 +107,9 @@ def shared_backward(tl: Timeline, moe: MoEConfig, state: SharedState, *, ckpt: b
                                        need_weights=gate)
     if ckpt:
         tl.free(state.index)
-    grad_x = _cat(tl, grads_x, "shared.grad_x_cat", T * D * dt)
+    grad_x = cat_chunks(tl, grads_x, "shared.grad_x_cat", T * D * dt)
     if gate:
-        grad_w = _cat(tl, grads_w, "shared.grad_w_cat", T * S * dt)
+        grad_w = cat_chunks(tl, grads_w, "shared.grad_w_cat", T * S * dt)
         summed = tl.alloc("shared.grad_gate_sum", T * dt)
         tl.free(grad_w)
         grad_logits = tl.alloc("shared.grad_gate_logits", T * dt)
@@ -126,9 +117,7 @@ def shared_backward(tl: Timeline, moe: MoEConfig, state: SharedState, *, ckpt: b
         tl.alloc("grad.shared_gate", D * dt)
         gate_dx = tl.alloc("shared.gate_dx", T * D * dt)
         tl.free(grad_logits)
-        total = tl.alloc("shared.dx_sum", T * D * dt)
-        tl.free(grad_x, gate_dx)
-        grad_x = total
+        grad_x = engine_sum(tl, grad_x, gate_dx)  # the gate's dx, added in place
     elif not plain or ckpt:
         tl.free(state.weights)
     return grad_x
