@@ -231,3 +231,39 @@ def test_plain_peft_with_chunks_and_recompute_equals_eager() -> None:
                     assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
     finally:
         register()
+
+
+def test_plain_peft_budget_counts_the_adapters() -> None:
+    """Under a memory budget, PEFT's adapters enter MACT's memory model (a LoRA layer's peak)."""
+    from memfine.hf.experts import last_decision
+    from memfine.memory.layer import layer_peak_bytes
+    from memfine.memory.lora import lora_layer_memory
+    from memfine.nn.lora import LoRAChunkPolicy
+
+    ours, ref = _pair("qwen3_moe", split=False)
+    register(memory_budget="64MiB")
+    try:
+        ids = torch.randint(0, 61, (2, 7))
+        out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        assert_close(out.loss, want.loss)
+        experts = [m for m in ours.modules() if type(m).__name__.endswith("Experts")
+                   and hasattr(m, "_memfine_chunk_policy")]
+        assert experts
+        for module in experts:
+            policy = module._memfine_chunk_policy
+            assert isinstance(policy, LoRAChunkPolicy)
+            assert (policy.lora.rank, policy.lora.alpha, policy.lora.targets) == (
+                4, 8.0, ("w_up", "w_down"))
+            decision = last_decision(module)
+            assert decision is not None
+            T = ids.numel()
+            want_peak = lora_layer_memory(policy.moe, policy.lora, T, 4,
+                                          num_chunks=decision.num_chunks,
+                                          recompute=policy.config.resolved_recompute).peak_bytes
+            assert decision.predicted_peak_bytes == want_peak
+            plain = layer_peak_bytes(policy.moe, T, 4, num_chunks=decision.num_chunks,
+                                     recompute=policy.config.resolved_recompute)
+            # a frozen base has no weight gradients, the adapters add their own bytes
+            assert want_peak != plain
+    finally:
+        register()

@@ -27,12 +27,14 @@ import torch
 from torch import nn
 
 from memfine.config import Activation, ChunkConfig, MoEConfig
+from memfine.config.lora import LoRAConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.experts import autocast_operands, run_experts
 from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
 from memfine.experts.run import grouped_up_projection
 from memfine.hf.layout import ExpertsPlan, ExpertWeights
+from memfine.nn.lora import LoRAChunkPolicy
 from memfine.ops import GroupedMatmulFunction, combine_rows, gather_rows
 from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
@@ -166,10 +168,13 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
 
 
 def _policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,
-            chunk: ChunkConfig) -> ChunkPolicy:
+            chunk: ChunkConfig, lora: ExpertLoRA | None = None) -> ChunkPolicy:
     """The module's :class:`ChunkPolicy` for a memory budget.
 
-    The policy is kept on the module, so its over-budget warning is given once.
+    The policy is kept on the module, so its over-budget warning is given once. With split-LoRA
+    adapters (PEFT's, on the fused path) it is a :class:`memfine.nn.lora.LoRAChunkPolicy`:
+    MACT then compares the LoRA layer's peak (the adapters' rank-r intermediates, their
+    gradients, no base weight gradient) with the budget.
     """
     E, D, G, N = weights.shape_EDGN
     # The memory model needs only G and whether A replaces H (relu): any other gated
@@ -180,16 +185,34 @@ def _policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: in
     # k ≤ E_local need not hold under expert parallelism; the memory model is per received row.
     moe = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=min(top_k, E),
                     renormalize=False, activation=activation)
+    adapters = None if lora is None else lora_config(lora)
     cached = getattr(module, _POLICY_ATTRIBUTE, None)
-    if cached is not None and cached.config == chunk and cached.moe == moe:
+    if (cached is not None and cached.config == chunk and cached.moe == moe
+            and getattr(cached, "lora", None) == adapters):
         return cached
-    policy = ChunkPolicy(chunk, moe)
+    policy = ChunkPolicy(chunk, moe) if adapters is None else LoRAChunkPolicy(chunk, moe, adapters)
     setattr(module, _POLICY_ATTRIBUTE, policy)
     return policy
 
 
+def lora_config(lora: ExpertLoRA) -> LoRAConfig:
+    """The :class:`LoRAConfig` the memory model reads from one call's adapters.
+
+    Rank from A's shape, α = s·r, the adapted weights; the router is counted as trained (the
+    transformers backend does not own it, so nothing is assumed frozen).
+    """
+    a = lora.a_up_ERD if lora.a_up_ERD is not None else lora.a_down_ERN
+    assert a is not None, "an ExpertLoRA adapts at least one weight"
+    rank = a.shape[1]
+    targets = tuple(t for t, present in (("w_up", lora.a_up_ERD is not None),
+                                         ("w_down", lora.a_down_ERN is not None)) if present)
+    return LoRAConfig(rank=rank, alpha=lora.scale * rank, dropout=lora.dropout, targets=targets,
+                      train_router=True)
+
+
 def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
-                   x_TD: torch.Tensor, top_k_index: torch.Tensor, chunk: ChunkConfig) -> int:
+                   x_TD: torch.Tensor, top_k_index: torch.Tensor, chunk: ChunkConfig,
+                   lora: ExpertLoRA | None = None) -> int:
     """Chunk count c of this call: ``chunk.num_chunks``, or MemFine Eq. 8-9 from the budget.
 
     Args:
@@ -199,6 +222,7 @@ def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
         x_TD: (T, d) activations (T and the element size enter the memory model).
         top_k_index: (T, k) expert ids; the received rows s″ are the ids in [0, E).
         chunk: the chunk options.
+        lora: this call's split-LoRA adapters (their bytes enter the memory model), or None.
 
     Returns:
         c ≥ 1.
@@ -211,7 +235,7 @@ def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
     recv_rows = 0  # a fixed c reads no count (no host sync)
     if chunk.memory_budget_bytes is not None:
         recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
-    policy = _policy(module, plan, weights, top_k_index.shape[1], chunk)
+    policy = _policy(module, plan, weights, top_k_index.shape[1], chunk, lora)
     return policy.num_chunks(recv_rows, x_TD.shape[0], x_TD.element_size())
 
 
@@ -256,7 +280,7 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
     chunked = chunk.memory_budget_bytes is not None or chunk.num_chunks > 1
     if not chunked:
         return chunk_fn(0, x_TD, top_k_index, top_k_weights)
-    c = num_chunks_for(module, plan, weights, x_TD, top_k_index, chunk)
+    c = num_chunks_for(module, plan, weights, x_TD, top_k_index, chunk, lora)
     if c > 1 and plan.path == "fused" and not torch.compiler.is_compiling():
         # NOTE(memory): one weight-gradient buffer per weight for all c chunks (autograd would
         # otherwise hold a chunk's gradient and the running sum at once).
