@@ -165,17 +165,33 @@ class _Step:
         tl.free(freqs)
         return tables
 
-    def norm_backward(self, prefix: str, saved: list[str], grad_out: str) -> str:
-        """RMSNorm backward: frees its grad_out and saved [rstd, x·rstd] as each node ends."""
-        tl = self.tl
-        tl.free(tl.alloc(f"{prefix}.bwd.dweight", self.T * self.D * self.dt))  # then summed
-        tl.alloc(f"grad.{prefix}.weight", self.D * self.dt)
+    def norm_backward(self, prefix: str, saved: list[str], grad_out: str) -> None:
+        """RMSNorm backward, node by node of the CPU composite (pow, mean, rsqrt, x·rstd, ·weight).
+
+        The weight's multiply makes grad·(x·rstd) (summed to the weight's (D,) gradient) and
+        grad·weight at once, then frees its grad_out and saved x·rstd; x·rstd's multiply makes
+        d·x (summed to (T,)) and d·rstd; rsqrt's and mean's backward make (T,) temporaries and
+        one (T, D); pow's backward holds three (T, D) at once. x's two gradient parts are added
+        in place into the buffer of x's gradient (it already holds the residual's), so nothing
+        new survives but the weight's gradient; the caller frees x.
+        """
+        tl, T, dt = self.tl, self.T, self.dt
+        weight_part = self.td(f"{prefix}.bwd.dweight")
         d_norm = self.td(f"{prefix}.bwd.dnormalized")
-        tl.free(grad_out)
         tl.free(saved[1])
-        grad_x = self.td(f"{prefix}.bwd.dx")
-        tl.free(d_norm, saved[0])
-        return grad_x
+        tl.alloc(f"grad.{prefix}.weight", self.D * dt)
+        tl.free(weight_part, grad_out)
+        rstd_part, x_part = self.td(f"{prefix}.bwd.drstd_full"), self.td(f"{prefix}.bwd.dx")
+        d_rstd = tl.alloc(f"{prefix}.bwd.drstd", T * dt)
+        tl.free(rstd_part, d_norm, x_part)  # x_part: summed into x's gradient
+        cube = tl.alloc(f"{prefix}.bwd.rstd_cube", T * dt)
+        scaled = tl.alloc(f"{prefix}.bwd.rstd_scaled", T * dt)
+        d_mean = tl.alloc(f"{prefix}.bwd.dmean", T * dt)
+        tl.free(cube, scaled, d_rstd, saved[0])
+        d_square = self.td(f"{prefix}.bwd.dsquare")
+        tl.free(d_mean)
+        pow_parts = [self.td(f"{prefix}.bwd.pow.{i}") for i in range(3)]
+        tl.free(d_square, *pow_parts)  # the last one: summed into x's gradient
 
     def attention_backward(self, saved: list[str], h: str, moe_in: str, grad_h: str,
                            grad_moe_in: str) -> str:
@@ -186,7 +202,8 @@ class _Step:
         tl = self.tl
         rstd1, nz1, n1, qkv, cos, sin, rq, rk, out, lse, out_bqd, rstd2, nz2 = saved
         tl.free(moe_in)
-        tl.free(self.norm_backward("bwd.moe_norm", [rstd2, nz2], grad_moe_in), h)
+        self.norm_backward("bwd.moe_norm", [rstd2, nz2], grad_moe_in)
+        tl.free(h)
         grad_y = self.td("bwd.proj.dx")
         tl.alloc("grad.proj.weight", self.D * self.D * self.dt)
         tl.free(out_bqd)
@@ -205,7 +222,7 @@ class _Step:
         grad_n = self.td("bwd.qkv.dx")
         tl.alloc("grad.qkv.weight", 3 * self.D * self.D * self.dt)
         tl.free(grad_qkv, n1)
-        tl.free(self.norm_backward("bwd.attn_norm", [rstd1, nz1], grad_n))
+        self.norm_backward("bwd.attn_norm", [rstd1, nz1], grad_n)
         return grad_h
 
 
