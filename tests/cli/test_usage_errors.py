@@ -59,7 +59,10 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("flag,value", [("--seq-len", "100000000"), ("--num-layers", "100000"),
-                                        ("--hidden-size", "1000000")])
+                                        ("--hidden-size", "1000000"),
+                                        ("--batch-size", "9223372036854775807"),
+                                        ("--grad-accum", "1000000000000"),
+                                        ("--num-experts", "9223372036854775807")])
 def test_huge_sizes_are_refused_before_anything_is_allocated(
         tmp_path: Path, flag: str, value: str, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -350,3 +353,21 @@ def test_bench_budget_errors_name_its_flag() -> None:
                                                                            "--memory-budget, "
                                                                            "add a larger bin to "
                                                                            "the bins")
+
+
+def test_a_byte_size_above_int64_names_its_flag(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    line = _usage_error(["train", *FAST, "--memory-budget", "99999999999999TiB", "--out",
+                         str(tmp_path / "r")], capsys)
+    assert "--memory-budget" in line and "above the largest size" in line
+    line = _usage_error(["plan", "--device-memory", "99999999999999999TiB"], capsys)
+    assert "--device-memory" in line and "above the largest size" in line
+
+
+def test_init_from_into_its_own_directory_is_refused(run_dir: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    before = (run_dir / "checkpoint.pt").read_bytes()
+    line = _usage_error(["train", *FAST, "--init-from", str(run_dir), "--out", str(run_dir),
+                         "--overwrite"], capsys)
+    assert "--init-from and --out are the same directory" in line
+    assert (run_dir / "checkpoint.pt").read_bytes() == before

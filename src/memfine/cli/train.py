@@ -112,15 +112,21 @@ def _check_memory_fits(config: TrainConfig, world: int) -> None:
     import torch
 
     from memfine.reports.memory_log import available_bytes, num_parameters, predicted_run_bytes
-    from memfine.units import DTYPE_BYTES, format_bytes
+    from memfine.units import DTYPE_BYTES
 
     device = torch.device(_rank_device(config.device, world))
     free = available_bytes(device)
     if free is None:
         return
-    params = num_parameters(config)
-    predicted = predicted_run_bytes(config, -(-params // world), _tokens_per_rank(config, world))
     where = f"free on {device}"
+    tokens = _tokens_per_rank(config, world)
+    # the step's N·B token windows (ids and targets, int64) are built before its first micro-batch
+    data = config.grad_accum * tokens * 2 * 8
+    lower = _lower_bound_bytes(config, world) + data
+    if lower > free:  # arithmetic only: sizes too large to even build the model on the meta device
+        raise ValueError(_too_large(config, lower, None, free, where))
+    params = num_parameters(config)
+    predicted = predicted_run_bytes(config, -(-params // world), tokens) + data
     if world > 1:
         predicted = max(predicted, params * DTYPE_BYTES[config.dtype])
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
@@ -129,16 +135,43 @@ def _check_memory_fits(config: TrainConfig, world: int) -> None:
             where = f"share of each of the {local} ranks of this host's free memory"
         where += f" (rank {os.environ.get('RANK', '?')} of {world})"
     if predicted > free:
-        shape = (f"--hidden-size {config.model.moe.hidden_size}, --num-layers "
-                 f"{config.model.num_layers}, --num-experts {config.model.moe.num_experts}, "
-                 f"--intermediate-size {config.model.moe.intermediate_size}, --batch-size "
-                 f"{config.batch_size}, --seq-len {config.seq_len}")
-        raise ValueError(f"the run needs about {format_bytes(predicted)} per step ({params:,} "
-                         f"parameters with their gradients and AdamW state, and the MoE layers' "
-                         f"activations), more than the {format_bytes(free)} {where}; lower "
-                         f"--hidden-size, --num-layers, --num-experts, --intermediate-size, "
-                         f"--batch-size or --seq-len (now {shape}), or set --memory-budget / "
-                         f"--num-chunks")
+        raise ValueError(_too_large(config, predicted, params, free, where))
+
+
+def _lower_bound_bytes(config: TrainConfig, world: int) -> int:
+    """Bytes any run of ``config`` needs at least, from integer arithmetic alone.
+
+    The routed experts' two weight matrices per layer (E·d·n each, sharded over the ranks) and
+    each MoE layer's input kept for backward (T·d). Checked first, so that sizes far beyond the
+    machine are refused before the model is built, even on the meta device, and before the
+    exact memory model replays a step of that size.
+    """
+    from memfine.units import DTYPE_BYTES
+
+    moe, layers = config.model.moe, config.model.num_layers
+    dt = DTYPE_BYTES[config.dtype]
+    experts = layers * moe.num_experts * 2 * moe.hidden_size * moe.intermediate_size
+    inputs = layers * _tokens_per_rank(config, world) * moe.hidden_size
+    return (-(-experts // world) + inputs) * dt
+
+
+def _too_large(config: TrainConfig, needed: int, params: int | None, free: int, where: str) -> str:
+    """The message of a run that does not fit: what it needs, what is free, the flags to lower."""
+    from memfine.units import format_bytes
+
+    moe = config.model.moe
+    shape = (f"--hidden-size {moe.hidden_size}, --num-layers {config.model.num_layers}, "
+             f"--num-experts {moe.num_experts}, --intermediate-size {moe.intermediate_size}, "
+             f"--batch-size {config.batch_size}, --grad-accum {config.grad_accum}, --seq-len "
+             f"{config.seq_len}")
+    what = (f"{params:,} parameters with their gradients and AdamW state, the MoE layers' "
+            f"activations and the step's token windows" if params is not None
+            else "at least: the routed experts' weights, each MoE layer's input and the step's "
+                 "token windows")
+    return (f"the run needs about {format_bytes(needed)} per step ({what}), more than the "
+            f"{format_bytes(free)} {where}; lower --hidden-size, --num-layers, --num-experts, "
+            f"--intermediate-size, --batch-size, --grad-accum or --seq-len (now {shape}), or set "
+            f"--memory-budget / --num-chunks")
 
 
 def _parallel(args: argparse.Namespace, config: TrainConfig, world: int) -> Any:

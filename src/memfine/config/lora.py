@@ -53,9 +53,11 @@ class LoRAConfig(_ConfigBase):
         """
         check_int(self, "rank", 1)
         check_float(self, "alpha", 0.0, lo_open=True)
-        check_float(self, "dropout", 0.0, 1.0)
-        if self.dropout >= 1.0:
-            fail(self, "dropout", "in [0.0, 1.0)", self.dropout)
+        p = self.dropout
+        if (isinstance(p, (int, float)) and not isinstance(p, bool) and p == p
+                and not 0.0 <= p < 1.0):
+            fail(self, "dropout", "in [0.0, 1.0)", p)
+        check_float(self, "dropout", 0.0)
         targets = tuple(self.targets) if isinstance(self.targets, (tuple, list)) else ()
         if not targets or any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(
                 targets):

@@ -116,7 +116,13 @@ def _fresh_tree(args: argparse.Namespace, name: str
     tree = preset(name).to_dict()
     if not given(args, "init_from"):
         return tree, None
-    source = _checkpoint_of("--init-from", run_directory(args, "init_from"),
+    source_dir = run_directory(args, "init_from")
+    out = value(args, "out")
+    if out is not None and Path(out).resolve() == source_dir.resolve():
+        raise ValueError(f"--init-from and --out are the same directory {str(out)!r}: the new run "
+                         f"would replace the checkpoint it starts from (and any LoRA run whose "
+                         f"base it is); give the new run another --out")
+    source = _checkpoint_of("--init-from", source_dir,
                             "--init-from takes the --out of a memfine train run that "
                             "has saved a checkpoint")["config"]
     tree["model"] = copy.deepcopy(source["model"])  # and its context length:

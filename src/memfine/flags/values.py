@@ -123,9 +123,13 @@ def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
         if keyword is not None and str(text).strip().lower() == keyword:
             return None
         try:
-            return parse_bytes(text, require_unit=True)
+            size = parse_bytes(text, require_unit=True)
         except ValueError as err:
             raise argparse.ArgumentTypeError(str(err)) from None
+        if size > INT64_MAX:  # what torch and the configs' integer fields can hold
+            raise argparse.ArgumentTypeError(f"{text!r} is {size} bytes, above the largest "
+                                             f"size {INT64_MAX} (2**63 - 1)")
+        return size
 
     convert.__name__ = "byte size"  # argparse's "invalid <name> value" if it ever shows
     return convert
