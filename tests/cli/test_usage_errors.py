@@ -371,3 +371,12 @@ def test_init_from_into_its_own_directory_is_refused(run_dir: Path,
                          "--overwrite"], capsys)
     assert "--init-from and --out are the same directory" in line
     assert (run_dir / "checkpoint.pt").read_bytes() == before
+
+
+def test_bench_sizes_beyond_the_machine_are_refused_before_any_file(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "b"
+    line = _usage_error(["bench", "--suites", "counts", "--quick", "--num-experts",
+                         "9223372036854775807", "--out", str(out)], capsys)
+    assert line.startswith("memfine bench: error: --num-experts 9223372036854775807: one layer")
+    assert not out.exists()

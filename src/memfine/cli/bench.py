@@ -143,6 +143,36 @@ def _or(args: argparse.Namespace, dest: str, default: int | None) -> int | None:
     return default if got is None else got
 
 
+_SIZE_FLAGS = {"tokens": "--tokens", "hidden_size": "--hidden-size",
+               "intermediate_size": "--intermediate-size", "num_experts": "--num-experts"}
+
+
+def _check_sizes_fit(opts: BenchOptions, device: torch.device) -> None:
+    """Refuse given sizes whose layer cannot exist on ``device``, before anything is written.
+
+    A lower bound from integer arithmetic (a size not given counts as 1): the experts' three
+    fp32 weight matrices (3·E·d·n) and one (T, d) input.
+
+    Raises:
+        ValueError: naming the size flags given, the bytes needed and the bytes free.
+    """
+    from memfine.reports.memory_log import available_bytes
+    from memfine.units import format_bytes
+
+    given = {f: getattr(opts, f) for f in _SIZE_FLAGS if getattr(opts, f) is not None}
+    if not given:
+        return
+    T, D, N, E = (given.get(f, 1) for f in ("tokens", "hidden_size", "intermediate_size",
+                                            "num_experts"))
+    needed = (3 * E * D * N + T * D) * 4
+    free = available_bytes(device)
+    if free is not None and needed > free:
+        flags = ", ".join(f"{_SIZE_FLAGS[f]} {v}" for f, v in given.items())
+        raise ValueError(f"{flags}: one layer of these sizes needs at least "
+                         f"{format_bytes(needed)}, more than the {format_bytes(free)} free on "
+                         f"{device}; lower them")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the selected suites; print tables, write CSV, PNG and JSON.
 
@@ -163,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
                          f"them or choose another --out")
     for suite in opts.suites:
         select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
+    _check_sizes_fit(opts, device)
     failures = run_suites(opts, device)
     for failure in failures:
         print(f"memfine bench: method failed: {flag_words(failure, _BUDGET_NAMES)}",
