@@ -188,8 +188,8 @@ BAD_INPUTS = [
     pytest.param(lambda p: ["--memory-budget", "1KiB"], "--memory-budget 1024 bytes (0.00 MiB) "
                  "cannot be met by any chunk count in --bins 1,2,4,8: one MoE layer call",
                  id="budget_below_the_fixed_bytes"),
-    pytest.param(lambda p: ["--memory-budget", "700KiB"], "--memory-budget 716800 bytes "
-                 "(0.68 MiB) cannot be met by any chunk count in --bins 1,2,4,8:",
+    pytest.param(lambda p: ["--memory-budget", "600KiB"], "--memory-budget 614400 bytes "
+                 "(0.59 MiB) cannot be met by any chunk count in --bins 1,2,4,8:",
                  id="budget_needs_a_larger_bin"),
     pytest.param(lambda p: ["--data", str(p), "--overwrite"], "lies in the data directory",
                  id="out_is_the_data_directory"),

@@ -118,7 +118,8 @@ def _fresh_tree(args: argparse.Namespace, name: str
         return tree, None
     source_dir = run_directory(args, "init_from")
     out = value(args, "out")
-    if out is not None and Path(out).resolve() == source_dir.resolve():
+    if (out is not None and not given(args, "resume")  # --resume's own check names that case
+            and Path(out).resolve() == source_dir.resolve()):
         raise ValueError(f"--init-from and --out are the same directory {str(out)!r}: the new run "
                          f"would replace the checkpoint it starts from (and any LoRA run whose "
                          f"base it is); give the new run another --out")
