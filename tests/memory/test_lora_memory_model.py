@@ -36,6 +36,13 @@ GRID = [
                  id="bf16-router-trained"),
     pytest.param(BF16, 72, 32, 64, 8, 2, True, 4, "experts", {"rank": 8},
                  id="bf16-skewed-c4-r8"),
+    # row blocks of a few rows: the adapters' forward terms are streamed with the blocks
+    pytest.param(F32, 64, 32, 64, 8, 2, False, 1, "none", {"block_bytes": 4096},
+                 id="fp32-row-blocks"),
+    pytest.param(F32, 77, 32, 64, 8, 2, True, 2, "none",
+                 {"block_bytes": 3000, "targets": ("w_up",)}, id="fp32-row-blocks-c2-up-only"),
+    pytest.param(BF16, 72, 32, 64, 8, 2, False, 2, "experts", {"block_bytes": 2048},
+                 id="bf16-row-blocks-c2-experts"),
 ]
 
 
@@ -44,9 +51,11 @@ GRID = [
 def test_lora_layer_model_equals_measurement(dtype: torch.dtype, T: int, d: int, n: int, E: int,
                                              k: int, skewed: bool, c: int, recompute: str,
                                              kw: dict[str, object]) -> None:
+    kw = dict(kw)
     moe = MoEConfig(hidden_size=d, intermediate_size=n, num_experts=E, top_k=k,
                     renormalize=True, skew_hot_experts=k if skewed else 0,
-                    skew_bias=100.0 if skewed else 0.0)
+                    skew_bias=100.0 if skewed else 0.0,
+                    backward_block_bytes=kw.pop("block_bytes", None))  # type: ignore[arg-type]
     lora = LoRAConfig(**{"rank": 4, **kw})  # type: ignore[arg-type]
     measured = measure_layer(moe, T, dtype, c, recompute, lora)
     predicted = lora_layer_memory(moe, lora, T, dtype.itemsize, num_chunks=c,

@@ -206,17 +206,15 @@ class FusedExpertsFunction(torch.autograd.Function):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
-        else:  # streamed over row blocks (split LoRA: one block)
-            # under torch.compile (S data-dependent) and with split LoRA: one block
+        else:  # streamed over row blocks (under torch.compile, S data-dependent: one block)
             traced = torch.compiler.is_compiling()
             blocks = _plan_rows(options, x_TD, weights_TK, expert_token_offsets_E1,
-                                expert_slot_indices_S, traced,
-                                one_block=traced or lora_fwd is not None)
+                                expert_slot_indices_S, traced, one_block=traced)
             h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
                                         expert_token_indices_S, token_index_map_TK, activation,
                                         backend, by_gather=_by_gather(x_TD), lora=lora_fwd)
             del blocks  # NOTE(memory): w_S and the block offsets are rebuilt in backward
-        lora_saved = lora_fwd.to_save(lora_weights) if lora_fwd else ()
+        lora_saved = lora_fwd.to_save(lora_weights, x_TD) if lora_fwd else ()
         # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
         # the biases are parameters (saved by reference, no activation bytes).
         ctx.save_for_backward(x_TD, h_SG, weights_TK, expert_token_indices_S,

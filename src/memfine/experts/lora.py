@@ -135,7 +135,12 @@ def _masked(rows: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 class LoRAForward:
-    """The adapters' forward terms of one fused call; keeps the rank-r intermediates."""
+    """The adapters' forward terms of one fused call, streamed over its row blocks.
+
+    Keeps the rank-r intermediates U (S, r): with one block, each adapter's product is U
+    itself; with several, U is allocated at the first block and each block's rows are copied in
+    (as H in :func:`memfine.experts.rows.forward_rows`).
+    """
 
     def __init__(self, spec: LoRASpec, weights: tuple[torch.Tensor, ...], backend: str) -> None:
         """``weights``: the adapter tensors in :meth:`ExpertLoRA.tensors` order."""
@@ -143,31 +148,53 @@ class LoRAForward:
         it = iter(weights)
         self.up = (next(it), next(it)) if spec.has_up else None
         self.down = (next(it), next(it)) if spec.has_down else None
-        self.saved: list[torch.Tensor] = []
+        self._u: dict[int, torch.Tensor] = {}  # adapter id → U (S, r)
 
-    def _term_(self, out_SO: torch.Tensor, in_SI: torch.Tensor, pair: tuple[torch.Tensor, ...],
-               adapter: int, offsets_E1: torch.Tensor) -> None:
+    def _term_(self, out_BO: torch.Tensor, in_BI: torch.Tensor, pair: tuple[torch.Tensor, ...],
+               adapter: int, offsets_E1: torch.Tensor, r0: int, num_rows: int) -> None:
         a_ERI, b_EOR = pair
-        mask = dropout_mask(self.spec, adapter, 0, in_SI.shape[0], in_SI.shape[1], in_SI)
-        u_SR = grouped_mm(_masked(in_SI, mask), a_ERI.transpose(1, 2), offsets_E1, self.backend)
-        # NOTE(memory): U (S·r elements) is the adapter's only saved activation
-        self.saved.append(u_SR)
-        out_SO.add_(grouped_mm(u_SR, b_EOR.transpose(1, 2), offsets_E1, self.backend),
+        r1 = r0 + in_BI.shape[0]
+        mask = dropout_mask(self.spec, adapter, r0, r1, in_BI.shape[1], in_BI)
+        if r1 - r0 < num_rows and adapter not in self._u:
+            # NOTE(memory): U (S·r elements) is the adapter's only saved activation
+            self._u[adapter] = in_BI.new_empty(num_rows, a_ERI.shape[1])
+        u_BR = grouped_mm(_masked(in_BI, mask), a_ERI.transpose(1, 2), offsets_E1, self.backend)
+        if adapter in self._u:  # several blocks: the block's rows of U (B·r transient)
+            self._u[adapter][r0:r1] = u_BR
+        else:
+            self._u[adapter] = u_BR
+        out_BO.add_(grouped_mm(u_BR, b_EOR.transpose(1, 2), offsets_E1, self.backend),
                     alpha=self.spec.scale)
 
-    def up_(self, h_SG: torch.Tensor, x_SD: torch.Tensor, offsets_E1: torch.Tensor) -> None:
-        """H += s·(drop(x)·A_upᵀ)·B_upᵀ in place (no-op without an up adapter)."""
+    def up_(self, h_BG: torch.Tensor, x_BD: torch.Tensor, offsets_E1: torch.Tensor, r0: int,
+            num_rows: int) -> None:
+        """H rows [r0, r0 + B) += s·(drop(x)·A_upᵀ)·B_upᵀ in place (no-op without an up adapter).
+
+        ``num_rows``: S, the call's routed rows (the block is all of them, or one of several).
+        """
         if self.up is not None:
-            self._term_(h_SG, x_SD, self.up, _UP, offsets_E1)
+            self._term_(h_BG, x_BD, self.up, _UP, offsets_E1, r0, num_rows)
 
-    def down_(self, y_SD: torch.Tensor, a_SN: torch.Tensor, offsets_E1: torch.Tensor) -> None:
-        """Y += s·(drop(A)·A_downᵀ)·B_downᵀ in place (no-op without a down adapter)."""
+    def down_(self, y_BD: torch.Tensor, a_BN: torch.Tensor, offsets_E1: torch.Tensor, r0: int,
+              num_rows: int) -> None:
+        """Y rows += s·(drop(A)·A_downᵀ)·B_downᵀ in place (no-op without a down adapter)."""
         if self.down is not None:
-            self._term_(y_SD, a_SN, self.down, _DOWN, offsets_E1)
+            self._term_(y_BD, a_BN, self.down, _DOWN, offsets_E1, r0, num_rows)
 
-    def to_save(self, weights: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """The tensors the Function saves: U_up, U_down (present ones), then the adapters."""
-        return (*self.saved, *weights)
+    def to_save(self, weights: tuple[torch.Tensor, ...], like: torch.Tensor
+                ) -> tuple[torch.Tensor, ...]:
+        """The tensors the Function saves: U_up, U_down (present ones), then the adapters.
+
+        ``like``: x (T, d), whose dtype and device an empty U takes when there are no rows.
+        """
+        present = [i for i, pair in ((_UP, self.up), (_DOWN, self.down)) if pair is not None]
+        return (*(self._u.get(i, like.new_empty(0, self._rank(i))) for i in present),
+                *weights)
+
+    def _rank(self, adapter: int) -> int:
+        pair = self.up if adapter == _UP else self.down
+        assert pair is not None, "a present adapter"
+        return pair[0].shape[1]
 
 
 class LoRABackward:

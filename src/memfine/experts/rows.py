@@ -155,7 +155,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
     Per block of B rows: x rows gathered (int32 indices as they are), H rows = x·[up_parts]
     (+ bias) written into H, A = act(H rows), Y = A·w_down (+ bias), Y ⊙ w added into out per
     token (:func:`add_token_rows_`). With one block H is the up-projection's own result (no
-    copy). ``lora`` (split adapters, :mod:`memfine.experts.lora`) needs one block.
+    copy). ``lora``: split adapters (:mod:`memfine.experts.lora`), streamed with the blocks.
 
     Args:
         x_TD: (T, d) layer input.
@@ -179,7 +179,6 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
     into H), A (B·n, plus the activation's own temporaries), Y (B·d) and w ⊙ Y (B·d).
     """
     S, (T, D) = token_idx_S.shape[0], x_TD.shape
-    assert lora is None or len(blocks.bounds) == 1, "split LoRA runs the forward as one block"
     out_TD = x_TD.new_zeros(T, D)
     h_SG: torch.Tensor | None = None
     if len(blocks.bounds) > 1:  # NOTE(memory): H (S·G), filled block by block
@@ -190,7 +189,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         x_BD = x_TD.index_select(0, token_B)  # NOTE(memory): B·d, never saved
         h_BG = add_row_bias_(up_project(x_BD, up_parts, offs_E1, backend), b_up_EG, offs_E1)
         if lora is not None:  # split LoRA: H += s·(x·Aᵀ)·Bᵀ
-            lora.up_(h_BG, x_BD, offs_E1)
+            lora.up_(h_BG, x_BD, offs_E1, r0, S)
         del x_BD
         if h_SG is None:
             h_SG = h_BG
@@ -201,7 +200,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         a_BN = apply_activation(h_BG, activation)
         y_BD = grouped_mm(a_BN, w_down_END, offs_E1, backend)
         if lora is not None:
-            lora.down_(y_BD, a_BN, offs_E1)
+            lora.down_(y_BD, a_BN, offs_E1, r0, S)
         del a_BN  # NOTE(memory): A is recomputed from H in backward
         # w ⊙ Y out of place: Y is a GEMM output, which selective activation checkpointing may
         # have cached (a cached tensor must not be mutated)

@@ -51,12 +51,12 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
     into H when there are several blocks; with one block it is H), A, Y and w ⊙ Y (out of
     place), which is added into out in place (``index_add_``). The row plan (w_S, block
     offsets) lives for the forward. Split-LoRA adapters (a
-    :class:`memfine.timeline.lora.LoRAShape`) run the forward as one block and add their
-    terms; their saved U go to ``lora_saved``.
+    :class:`memfine.timeline.lora.LoRAShape`) add their terms per block; their saved U go to
+    ``lora_saved``.
     """
     D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
     kept = [] if lora_saved is None else lora_saved
-    rows = block_rows(s) if adapters.adapters_of(s) is None else max(S, 1)
+    rows = block_rows(s)
     plan = _row_plan(tl, s, S, rows, "fwd")
     out = tl.alloc("fwd.out", C * D * s.dt)
     several = rows < S
@@ -65,7 +65,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
         B = min(S, r0 + rows) - r0
         xg = tl.alloc("fwd.x_BD", B * D * s.dt)
         h_block = tl.alloc("fwd.H_block", B * G * s.dt)
-        kept += adapters.forward_term(tl, s, B, "up")
+        kept += adapters.forward_term(tl, s, B, S, "up", first=r0 == 0)
         tl.free(xg)
         if several:
             tl.free(h_block)
@@ -73,7 +73,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
             h = h_block
         a = tl.alloc("fwd.A", B * N * s.dt)
         y = tl.alloc("fwd.Y", B * D * s.dt)
-        kept += adapters.forward_term(tl, s, B, "down")
+        kept += adapters.forward_term(tl, s, B, S, "down", first=r0 == 0)
         tl.free(a)
         weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
         tl.free(y, weighted)

@@ -6,8 +6,9 @@ the code calls the adapters, and says what a frozen base changes there: the base
 gradient buffer (no weight-gradient products), only the adapters do.
 
 Per adapter of one fused call (S routed rows, adapted projection d_in → d_out, rank r):
-- forward: U = x·Aᵀ (S·r, saved for backward), then the product U·Bᵀ (S·d_out, transient,
-  added into H or Y in place);
+- forward, per row block: U = x·Aᵀ (S·r, saved for backward; with several blocks allocated
+  at the first and filled from a B·r transient per block, freed after the product), and the
+  product U·Bᵀ (B·d_out, transient, added into H or Y in place);
 - backward, per row block of B rows: a copy of B with column-major per-expert matrices
   (E·d_out·r, transient, before P or Q), the rank-r products (B·r), the adapter's term of dA or dx
   (B·n or B·d, transient), the row copies that the adapter gradients read (B·r, and the
@@ -57,19 +58,31 @@ def _sizes(s: Shape) -> dict[str, tuple[int, int]]:
     return {k: v for k, v in out.items() if f"w_{k}" in lora.targets}
 
 
-def forward_term(tl: Timeline, s: Shape, S: int, which: str) -> list[str]:
-    """``LoRAForward.up_`` / ``down_``: U (kept) and the product (added in place, freed).
+def forward_term(tl: Timeline, s: Shape, B: int, S: int, which: str, *, first: bool
+                 ) -> list[str]:
+    """``LoRAForward.up_`` / ``down_`` on a block of B of the call's S rows.
+
+    One block (B = S): U is the block's product (kept). Several: U (S·r) is allocated at the
+    first block, and each block's U rows (B·r) are a transient copied in. Then the product
+    U·Bᵀ (B·d_out, added in place, freed).
 
     Returns:
-        The saved U (empty without that adapter).
+        The saved U when it is allocated here (empty otherwise, and without that adapter).
     """
     lora = adapters_of(s)
     if lora is None or which not in _sizes(s):
         return []
     _, d_out = _sizes(s)[which]
-    u = tl.alloc(f"lora.U_{which}", S * lora.rank * s.dt)
-    tl.free(tl.alloc(f"lora.{which}_product", S * d_out * s.dt))
-    return [u]
+    kept = []
+    if B < S and first:
+        kept.append(tl.alloc(f"lora.U_{which}", S * lora.rank * s.dt))
+    u = tl.alloc(f"lora.U_{which}_block", B * lora.rank * s.dt)
+    tl.free(tl.alloc(f"lora.{which}_product", B * d_out * s.dt))
+    if B < S:
+        tl.free(u)  # the block's rows, freed when the term returns
+    else:
+        kept.append(u)
+    return kept
 
 
 def _aligned(s: Shape, *widths: int) -> bool:
