@@ -66,7 +66,7 @@ def _case(shape: LayerShape, dtype: torch.dtype, chunk: ChunkConfig | str,
     x_TD, grad_TD = layer_inputs(shape, dtype=dtype, device=device, seed=0)
     budget = None
     if chunk == "mact":
-        budget = half_rows_budget(moe, shape.tokens, dtype.itemsize)
+        budget = half_rows_budget(moe, shape.tokens, dtype.itemsize, device.type)
         chunk = ChunkConfig(memory_budget_bytes=budget, recompute="experts")
     assert isinstance(chunk, ChunkConfig)
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import CUDA_BACKWARD_BLOCK_BYTES, ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.schedule import ChunkDecision, ChunkPolicy, InfeasibleBudgetError
 from memfine.units import format_bytes
@@ -193,3 +193,56 @@ def test_token_thresholds_are_cached_and_need_a_budget(monkeypatch: pytest.Monke
     assert ChunkPolicy.registered(policy.key) is policy
     with pytest.raises(ValueError, match="memory_budget_bytes"):
         ChunkPolicy(ChunkConfig(num_chunks=2), MOE).token_limits(DT)
+
+
+def test_config_for_device_resolves_the_default_row_blocks_only() -> None:
+    moe = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
+    assert moe.for_device("cpu") is moe
+    assert moe.for_device("cuda").backward_block_bytes == CUDA_BACKWARD_BLOCK_BYTES
+    assert moe.for_device("cuda") == MoEConfig(hidden_size=64, intermediate_size=128,
+                                               num_experts=8, top_k=2,
+                                               backward_block_bytes=CUDA_BACKWARD_BLOCK_BYTES)
+    fixed = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2,
+                      backward_block_bytes=4096)
+    assert fixed.for_device("cuda") is fixed
+
+
+def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
+    # coarse layer, T 8192 fp32: S·row bytes is ~1 GiB, 16 MiB blocks on the CPU and 512 MiB
+    # on CUDA, whose block transients the CUDA prediction must count
+    moe = MoEConfig(hidden_size=512, intermediate_size=1024, num_experts=16, top_k=4)
+    tokens, dt = 8192, 4
+
+    def peak(config: MoEConfig, c: int) -> int:
+        return layer_memory.layer_peak_bytes(config, tokens, dt, num_chunks=c,
+                                             recompute="experts")
+
+    cpu, cuda = peak(moe, 1), peak(moe.for_device("cuda"), 1)
+    assert cuda > cpu + 200 * 2**20
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=cpu, recompute="experts"), moe)
+    assert policy.layer_peak(tokens, dt, 1) == cpu
+    assert policy.layer_peak(tokens, dt, 1, device_type="cuda") == cuda
+    # the budget that holds c = 1 on the CPU needs c = 4 on CUDA (c = 2 peaks above it there)
+    assert peak(moe.for_device("cuda"), 2) > cpu >= peak(moe.for_device("cuda"), 4)
+    assert policy.num_chunks(tokens * 4, tokens, dt) == 1
+    assert policy.num_chunks(tokens * 4, tokens, dt, device_type="cuda") == 4
+    assert policy.token_limits(dt, "cuda")[0] < tokens <= policy.token_limits(dt)[0]
+
+
+def test_layers_ask_the_policy_for_their_inputs_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from memfine.nn import MoELayer
+
+    seen: list[str] = []
+    real = ChunkPolicy.decide
+
+    def spying(self: ChunkPolicy, *args: object, **kwargs: object) -> ChunkDecision:
+        seen.append(str(kwargs.get("device_type")))
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ChunkPolicy, "decide", spying)
+    moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
+    for chunk in (ChunkConfig(num_chunks=2), ChunkConfig(memory_budget_bytes=2**30)):
+        MoELayer(moe, chunk=chunk)(torch.randn(8, 16))
+    assert seen == ["cpu", "cpu"]

@@ -225,24 +225,26 @@ def layer_inputs(shape: LayerShape, *, dtype: torch.dtype, device: torch.device,
             grad_TD.to(device=device, dtype=dtype))
 
 
-def budget_for_rows(moe: MoEConfig, num_tokens: int, dtype_bytes: int, rows: int) -> int:
+def budget_for_rows(moe: MoEConfig, num_tokens: int, dtype_bytes: int, rows: int,
+                    device_type: str = "cpu") -> int:
     """The MACT budget that holds chunks of ``rows`` received rows at T = ``num_tokens``.
 
-    The exact predicted layer peak (recompute ``experts``) at c = ⌈T·k / rows⌉, so MACT picks
-    that c or a smaller one.
+    The exact predicted layer peak (recompute ``experts``) at c = ⌈T·k / rows⌉ on the
+    activations' ``device_type``, so MACT picks that c or a smaller one.
     """
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
     c = -(-num_tokens * moe.top_k // max(rows, 1))
-    return policy.layer_peak(num_tokens, dtype_bytes, max(c, 1))
+    return policy.layer_peak(num_tokens, dtype_bytes, max(c, 1), device_type=device_type)
 
 
-def half_rows_budget(moe: MoEConfig, num_tokens: int, dtype_bytes: int) -> int:
+def half_rows_budget(moe: MoEConfig, num_tokens: int, dtype_bytes: int,
+                     device_type: str = "cpu") -> int:
     """The automatic budget of the layer and model suites: half the received rows per chunk.
 
-    With balanced routing MACT then picks c = 2.
+    With balanced routing MACT then picks c = 2 (on ``device_type``, the activations').
     """
     return budget_for_rows(moe, num_tokens, dtype_bytes,
-                           max(1, math.ceil(num_tokens * moe.top_k / 2)))
+                           max(1, math.ceil(num_tokens * moe.top_k / 2)), device_type)
 
 
 def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch.Tensor, *,
@@ -255,8 +257,8 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         layer: a :class:`MoELayer` (or a wrapper with the same call signature).
         x_TD: (T, d) input requiring grad.
         grad_TD: (T, d) gradient of the output.
-        modelled: predict with :func:`layer_memory.moe_layer_memory` (the layer's config,
-            recompute mode and the chunk count of its last call).
+        modelled: predict with :func:`layer_memory.moe_layer_memory` (the layer's config on
+            x's device, recompute mode and the chunk count of its last call).
         budget_bytes: the MACT budget, reported as the extra ``budget_bytes``.
         peak: the harness's peak measurement (``profiler`` for a compiled layer).
     """
@@ -282,8 +284,9 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         policy = layer.policy
         assert isinstance(policy, ChunkPolicy), "a modelled layer has a chunk policy"
         recompute = policy.config.resolved_recompute
-        m = layer_memory.moe_layer_memory(config, x_TD.shape[0], x_TD.element_size(),
-                                          num_chunks=state["num_chunks"], recompute=recompute)
+        m = layer_memory.moe_layer_memory(config.for_device(x_TD.device.type), x_TD.shape[0],
+                                          x_TD.element_size(), num_chunks=state["num_chunks"],
+                                          recompute=recompute)
         return {"saved_bytes": m.saved_bytes, "peak_bytes": m.peak_bytes}
 
     def extras() -> dict[str, Extra]:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from memfine._checks import check_choice, check_float, check_int, fail
@@ -171,7 +171,9 @@ class MoEConfig(RouteOptions):
             Qwen3-30B-A3B layer at T 16384). Rows per block set the forward's and the
             backward's transients (the memory model's ``fwd.x_BD``, ``fwd.H_block``,
             ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it reads None
-            as the CPU size) and the block count (each block is one set of kernel launches);
+            as the CPU size: :meth:`for_device` gives another device's, and the chunk policy
+            applies it to the activations' device) and the block count (each block is one
+            set of kernel launches);
             in bf16 each backward block after the first adds one grouped weight-gradient
             product of the buffer's size (E·d·G, E·n·d) as a transient.
     """
@@ -266,6 +268,20 @@ class MoEConfig(RouteOptions):
                          experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
                          index_builder=self.index_builder,
                          backward_block_bytes=self.backward_block_bytes)
+
+    def for_device(self, device_type: str) -> MoEConfig:
+        """This config as a layer on ``device_type`` runs it, for the memory model.
+
+        ``backward_block_bytes=None`` becomes the device's default (:func:`default_block_bytes`);
+        the memory model reads None as the CPU's size, so a prediction for activations on CUDA
+        takes ``config.for_device("cuda")``. A set value, and the CPU, return ``self``.
+
+        Args:
+            device_type: ``torch.device.type`` of the activations (``cpu``, ``cuda``, ...).
+        """
+        if self.backward_block_bytes is not None or device_type == "cpu":
+            return self
+        return replace(self, backward_block_bytes=default_block_bytes(device_type))
 
     @property
     def gated(self) -> bool:

@@ -236,7 +236,8 @@ def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
     if chunk.memory_budget_bytes is not None:
         recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
     policy = _policy(module, plan, weights, top_k_index.shape[1], chunk, lora)
-    return policy.num_chunks(recv_rows, x_TD.shape[0], x_TD.element_size())
+    return policy.num_chunks(recv_rows, x_TD.shape[0], x_TD.element_size(),
+                             device_type=x_TD.device.type)
 
 
 def last_decision(module: nn.Module) -> ChunkDecision | None:

@@ -72,7 +72,7 @@ class ExpertsBudget:
 
 
 def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int,
-                   transport_row_elements: int = 0) -> ExpertsBudget:
+                   transport_row_elements: int = 0, device_type: str = "cpu") -> ExpertsBudget:
     """Evaluate ``policy``'s exact memory model at one step's shapes.
 
     Args:
@@ -83,13 +83,15 @@ def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int
         dtype_bytes: D_t.
         transport_row_elements: elements per received row held outside the experts (the
             received copy of x under expert parallelism: d; 0 otherwise).
+        device_type: the activations' device type (the row blocks the layer runs there).
 
     Raises:
         ValueError: on negative ``tokens`` or ``rows`` (from the memory model).
     """
     def peak(recv_rows: int, num_tokens: int, num_chunks: int) -> int:
         return policy.predicted_peak(recv_rows, num_tokens, dtype_bytes, num_chunks,
-                                     transport_row_elements=transport_row_elements)
+                                     transport_row_elements=transport_row_elements,
+                                     device_type=device_type)
 
     fixed = peak(0, 0, 1)
     bins = policy.config.bins
@@ -98,7 +100,8 @@ def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int
         token_bytes=peak(rows, tokens, 1) - fixed, bins=bins,
         bin_peak_bytes=tuple(peak(rows, tokens, c) for c in bins),
         smallest_feasible_budget_bytes=policy.smallest_feasible_budget(
-            rows, tokens, dtype_bytes, transport_row_elements=transport_row_elements))
+            rows, tokens, dtype_bytes, transport_row_elements=transport_row_elements,
+            device_type=device_type))
 
 
 def budget_chunk_config(chunk: ChunkConfig) -> ChunkConfig:

@@ -249,7 +249,8 @@ class MemfineRoutedExperts(RoutedExperts):
                                                                 SimpleNamespace())
         policy = experts_policy(holder, plan, weights, top_k_index.shape[1],
                                 budget_chunk_config(chunk))
-        budget = experts_budget(policy, top_k_index.shape[0], rows, x_TD.element_size())
+        budget = experts_budget(policy, top_k_index.shape[0], rows, x_TD.element_size(),
+                                device_type=x_TD.device.type)
         if getattr(self, BUDGET_ATTRIBUTE, None) is None:
             _log.info("memfine experts memory model at the first step: %s", budget.describe())
         setattr(self, BUDGET_ATTRIBUTE, budget)

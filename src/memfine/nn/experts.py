@@ -88,7 +88,8 @@ class GroupedExperts(nn.Module):
         if policy.budgeted:
             num_chunks = self.budgeted_num_chunks(x_TD, top_k_index, policy)
         else:
-            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
+            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size(),
+                                           device_type=x_TD.device.type)
         out_TD = self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                               recompute=policy.config.resolved_recompute)
         return out_TD, num_chunks
@@ -115,7 +116,8 @@ class GroupedExperts(nn.Module):
             return traced_num_chunks(policy, x_TD, top_k_index)
         recv = self.received_rows(top_k_index)
         return policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size(),
-                                 transport_row_elements=self.transport_row_elements)
+                                 transport_row_elements=self.transport_row_elements,
+                                 device_type=x_TD.device.type)
 
     def received_rows(self, top_k_index: torch.Tensor) -> int:
         """s″: (token, slot) pairs with an id in [0, E) (one ``.item()`` device sync)."""

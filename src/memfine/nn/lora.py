@@ -47,18 +47,11 @@ class LoRAChunkPolicy(ChunkPolicy):
         super().__init__(chunk, moe)
         self.lora = lora
 
-    def layer_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, *,
-                   recompute: str | None = None) -> int:
-        """The LoRA layer's exact timeline peak at c chunks (cached), bytes."""
-        rec = recompute or self.config.resolved_recompute
-        key = (num_tokens, dtype_bytes, rec, num_chunks)
-        if key not in self._peaks:
-            if len(self._peaks) >= 256:  # varying T: stay small
-                self._peaks.clear()
-            self._peaks[key] = lora_layer_memory(self.moe, self.lora, num_tokens, dtype_bytes,
-                                                 num_chunks=num_chunks,
-                                                 recompute=rec).peak_bytes
-        return self._peaks[key]
+    def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
+                   recompute: str) -> int:
+        """The LoRA layer's exact timeline peak at c chunks (uncached), bytes."""
+        return lora_layer_memory(moe, self.lora, num_tokens, dtype_bytes, num_chunks=num_chunks,
+                                 recompute=recompute).peak_bytes
 
 
 class LoRAGroupedExperts(GroupedExperts):
@@ -132,7 +125,8 @@ class LoRAGroupedExperts(GroupedExperts):
         if policy.budgeted:
             num_chunks = self.budgeted_num_chunks(x_TD, top_k_index, policy)
         else:
-            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size())
+            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size(),
+                                           device_type=x_TD.device.type)
         return self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                             recompute=policy.config.resolved_recompute), num_chunks
 

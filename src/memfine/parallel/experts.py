@@ -180,7 +180,8 @@ class ExpertParallelExperts(nn.Module):
             counts = exchange_counts(top_k_index, E, policy.config.bins, group)
             num_chunks = policy.num_chunks(counts.recv_tokens, x_TD.shape[0],
                                            x_TD.element_size(), agree=self.agree,
-                                           transport_row_elements=self.transport_row_elements)
+                                           transport_row_elements=self.transport_row_elements,
+                                           device_type=x_TD.device.type)
             if num_chunks not in counts.candidates:  # a policy outside its bins: notify again
                 counts = exchange_counts(top_k_index, E, (num_chunks,), group)
             return counts, num_chunks

@@ -164,19 +164,33 @@ class ChunkPolicy:
         return self.config.memory_budget_bytes is not None
 
     def layer_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, *,
-                   recompute: str | None = None) -> int:
-        """The exact timeline peak of one layer call with T tokens at c chunks (cached), bytes."""
+                   recompute: str | None = None, device_type: str = "cpu") -> int:
+        """The exact timeline peak of one layer call with T tokens at c chunks (cached), bytes.
+
+        ``device_type``: the activations' device (:meth:`memfine.config.MoEConfig.for_device`:
+        the row blocks the layer runs there).
+        """
         rec = recompute or self.config.resolved_recompute
-        key = (num_tokens, dtype_bytes, rec, num_chunks)
+        key = (num_tokens, dtype_bytes, rec, num_chunks, device_type)
         peak = self._peaks.get(key)
         if peak is None:
             if len(self._peaks) >= 256:  # varying T (e.g. a last, shorter batch): stay small
                 self._peaks.clear()
-            peak = self._peaks[key] = layer_memory.layer_peak_bytes(
-                self.moe, num_tokens, dtype_bytes, num_chunks=num_chunks, recompute=rec)
+            peak = self._peaks[key] = self.model_peak(self.moe.for_device(device_type),
+                                                      num_tokens, dtype_bytes, num_chunks, rec)
         return peak
 
-    def token_limits(self, dtype_bytes: int) -> tuple[int, ...]:
+    def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
+                   recompute: str) -> int:
+        """The memory model's peak of one layer call (uncached; a subclass's layer kind), bytes.
+
+        :func:`memfine.memory.layer.layer_peak_bytes` of ``moe`` (this policy's config as
+        resolved for the device).
+        """
+        return layer_memory.layer_peak_bytes(moe, num_tokens, dtype_bytes,
+                                             num_chunks=num_chunks, recompute=recompute)
+
+    def token_limits(self, dtype_bytes: int, device_type: str = "cpu") -> tuple[int, ...]:
         """T_max(c) per bin: the most tokens whose predicted layer peak fits the budget (cached).
 
         For each bin c, the largest T with :meth:`layer_peak` (T, D_t, c) ≤ the budget, found by
@@ -186,6 +200,7 @@ class ChunkPolicy:
 
         Args:
             dtype_bytes: D_t.
+            device_type: the activations' device (as :meth:`layer_peak`).
 
         Returns:
             One count per bin, in bin order; -1 where even T = 0 does not fit.
@@ -199,27 +214,28 @@ class ChunkPolicy:
         if budget is None:
             raise ValueError("token_limits needs ChunkConfig.memory_budget_bytes")
         rec = self.config.resolved_recompute
-        key = (dtype_bytes, rec)
+        key = (dtype_bytes, rec, device_type)
         if key not in self._limits:
+            moe = self.moe.for_device(device_type)
+
             def fits(num_tokens: int, num_chunks: int) -> bool:
-                return layer_memory.layer_peak_bytes(self.moe, num_tokens, dtype_bytes,
-                                                     num_chunks=num_chunks,
-                                                     recompute=rec) <= budget
+                return self.model_peak(moe, num_tokens, dtype_bytes, num_chunks, rec) <= budget
 
             self._limits[key] = tuple(largest_fitting(functools.partial(fits, num_chunks=c))
                                       for c in self.config.bins)
         return self._limits[key]
 
-    def row_bytes(self, dtype_bytes: int) -> int:
+    def row_bytes(self, dtype_bytes: int, device_type: str = "cpu") -> int:
         """The timeline's peak bytes per received row of one chunk (its largest slope)."""
-        key = (dtype_bytes, self.config.resolved_recompute)
+        key = (dtype_bytes, self.config.resolved_recompute, device_type)
         if key not in self._row_bytes:
-            self._row_bytes[key] = layer_memory.expert_row_bytes(self.moe, dtype_bytes,
-                                                                 recompute=key[1])
+            self._row_bytes[key] = layer_memory.expert_row_bytes(
+                self.moe.for_device(device_type), dtype_bytes, recompute=key[1])
         return self._row_bytes[key]
 
     def predicted_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int,
-                       num_chunks: int, *, transport_row_elements: int = 0) -> int:
+                       num_chunks: int, *, transport_row_elements: int = 0,
+                       device_type: str = "cpu") -> int:
         """Predicted peak of one layer call at c chunks with s″ received rows, in bytes.
 
         The exact timeline peak for T tokens (S = T·k rows), plus, per chunk, the rows received
@@ -232,24 +248,27 @@ class ChunkPolicy:
             dtype_bytes: D_t.
             num_chunks: c ≥ 1.
             transport_row_elements: elements per received row kept by a transport layer.
+            device_type: the activations' device (as :meth:`layer_peak`).
         """
-        peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks)
+        peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks, device_type=device_type)
         rows = math.ceil(recv_rows / num_chunks)
         extra = max(0, rows - math.ceil(num_tokens / num_chunks) * self.moe.top_k)
         if extra:
-            peak += extra * self.row_bytes(dtype_bytes)
+            peak += extra * self.row_bytes(dtype_bytes, device_type)
         return peak + rows * transport_row_elements * dtype_bytes
 
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
-                                 transport_row_elements: int = 0) -> int:
+                                 transport_row_elements: int = 0, device_type: str = "cpu"
+                                 ) -> int:
         """The least budget that some bin meets: min over the bins of the predicted peak, bytes."""
         return min(self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
-                                       transport_row_elements=transport_row_elements)
+                                       transport_row_elements=transport_row_elements,
+                                       device_type=device_type)
                    for c in self.config.bins)
 
     def decide(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                agree: AgreeNumChunks | None = None,
-               transport_row_elements: int = 0) -> ChunkDecision:
+               transport_row_elements: int = 0, device_type: str = "cpu") -> ChunkDecision:
         """The :class:`ChunkDecision` of one MoE layer call on this rank (also ``last_decision``).
 
         Args:
@@ -263,6 +282,8 @@ class ChunkPolicy:
             transport_row_elements: elements per received row held by the experts' transport
                 (the experts contract's ``transport_row_elements``: d under expert parallelism,
                 0 locally).
+            device_type: the activations' device type (``x.device.type``): the memory model
+                takes the row blocks the layer runs there (:meth:`MoEConfig.for_device`).
 
         Returns:
             Without a budget: ``ChunkConfig.num_chunks``. With one: the smallest bin whose
@@ -289,12 +310,14 @@ class ChunkPolicy:
             c = self.config.num_chunks
             rows = num_tokens * self.moe.top_k
             decision = ChunkDecision(c, rec, rows, self.predicted_peak(
-                rows, num_tokens, dtype_bytes, c, transport_row_elements=extra), None)
+                rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
+                device_type=device_type), None)
             self.last_decision = decision
             return decision
         bins = self.config.bins
         peaks = {c: self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
-                                        transport_row_elements=extra) for c in bins}
+                                        transport_row_elements=extra, device_type=device_type)
+                 for c in bins}
         fits = next((c for c in bins if peaks[c] <= budget), None)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
         local = fits if fits is not None else bins[-1] + 1
@@ -315,7 +338,8 @@ class ChunkPolicy:
         return decision
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
-                   agree: AgreeNumChunks | None = None, transport_row_elements: int = 0) -> int:
+                   agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
+                   device_type: str = "cpu") -> int:
         """C of one MoE layer call: :meth:`decide`'s ``num_chunks`` (arguments and errors as there).
 
         Under ``torch.compile`` tracing with a fixed c nothing is predicted or recorded (the
@@ -324,7 +348,8 @@ class ChunkPolicy:
         if not self.budgeted and _compiling():
             return self.config.num_chunks
         return self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
-                           transport_row_elements=transport_row_elements).num_chunks
+                           transport_row_elements=transport_row_elements,
+                           device_type=device_type).num_chunks
 
     def _over_budget(self, peaks: dict[int, int], recv_rows: int, num_tokens: int,
                      agreed: int, fits: int | None) -> InfeasibleBudgetError:

@@ -8,8 +8,9 @@ s″ ≤ T·k):
 
 1. the thresholds T_max(c), one per bin, the most tokens whose predicted peak fits the budget
    (:meth:`memfine.schedule.ChunkPolicy.token_limits`; MemFine Eq. 8's s′_max in tokens), are
-   computed on host integers from constants only (the policy, named by its int ``key``, and
-   D_t), in :func:`_token_limits`, which Dynamo calls once and folds into a constant;
+   computed on host integers from constants only (the policy, named by its int ``key``, D_t
+   and the device type), in :func:`_token_limits`, which Dynamo calls once and folds into a
+   constant;
 2. c is the first bin with ``T <= T_max(c)`` (MemFine Eq. 9): plain comparisons on the symbolic
    T, which become shape guards, so a graph serves every T of one bin, and a T in another bin
    compiles once more;
@@ -32,9 +33,9 @@ from torch.fx.node import has_side_effect
 from memfine.schedule.policy import ChunkPolicy
 
 
-def _token_limits(policy_key: int, dtype_bytes: int) -> tuple[int, ...]:
-    """T_max(c) per bin of the policy named ``policy_key`` at D_t (host integers, cached)."""
-    return ChunkPolicy.registered(policy_key).token_limits(dtype_bytes)
+def _token_limits(policy_key: int, dtype_bytes: int, device_type: str) -> tuple[int, ...]:
+    """T_max(c) per bin of the policy named ``policy_key`` at D_t on a device type (cached)."""
+    return ChunkPolicy.registered(policy_key).token_limits(dtype_bytes, device_type)
 
 
 # What torch.compiler.assume_constant_result does (it sets this flag and returns the function),
@@ -49,13 +50,15 @@ def _over_budget(top_k_index: torch.Tensor, policy_key: int, num_tokens: int,
                  dtype_bytes: int) -> None:
     """Run the policy's decision for a T above every threshold: raise, or warn and go on.
 
-    ``top_k_index`` only gives the op a device to dispatch on.
+    ``top_k_index`` only gives the op a device to dispatch on (and the memory model its
+    device type).
 
     Raises:
         InfeasibleBudgetError: unless ``allow_over_budget`` (then a warning, once per policy).
     """
     policy = ChunkPolicy.registered(policy_key)
-    policy.decide(num_tokens * policy.moe.top_k, num_tokens, dtype_bytes)
+    policy.decide(num_tokens * policy.moe.top_k, num_tokens, dtype_bytes,
+                  device_type=top_k_index.device.type)
 
 
 @_over_budget.register_fake
@@ -88,7 +91,8 @@ def traced_num_chunks(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torc
     """
     num_tokens, dtype_bytes = x_TD.shape[0], x_TD.element_size()
     bins = policy.config.bins
-    for c, limit in zip(bins, _token_limits(policy.key, dtype_bytes), strict=True):
+    limits = _token_limits(policy.key, dtype_bytes, x_TD.device.type)
+    for c, limit in zip(bins, limits, strict=True):
         if num_tokens <= limit:
             return c
     torch.ops.memfine.over_budget(top_k_index, policy.key, num_tokens, dtype_bytes)
