@@ -110,8 +110,8 @@ def _rank_check(monkeypatch: pytest.MonkeyPatch, *, free: int, params: int, pred
     """Run ``_check_memory_fits`` as rank 1 of 2 with fixed numbers; returns its calls."""
     calls: list[tuple[int, int]] = []
 
-    def predict(config: object, num_parameters: int, num_tokens: int) -> int:
-        calls.append((num_parameters, num_tokens))
+    def predict(config: object, total_parameters: int, num_tokens: int) -> int:
+        calls.append((total_parameters, num_tokens))
         return predicted
 
     monkeypatch.setenv("RANK", "1")
