@@ -305,7 +305,7 @@ def test_resume_names_the_changed_flag_with_both_values(
         line = _usage_error(["train", *FAST, *extra, "--resume", "--max-steps", "2", "--lr",
                              "0.5", "--out", str(run_dir)], capsys)
         assert line.endswith(f"--lr cannot change on --resume (the checkpoint in "
-                             f"{str(run_dir)!r} has {lr!r}, got 0.5)")
+                             f"{str(run_dir)!r} has --lr {lr!r}, got 0.5)")
     line = _usage_error(["train", *FAST, "--preset", "small", "--resume", "--max-steps", "2",
                          "--out", str(run_dir)], capsys)
     assert "--preset starts another run" in line and "--hidden-size 64 -> 128" in line

@@ -100,11 +100,12 @@ CONFIG_FLAGS = (
     Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
          "row block of the fused experts' streamed backward, e.g. 16MiB", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
-         "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
+         "layer; not with --memory-budget, under which MACT chooses c (giving both is an "
+         "error)", aliases=("--moe-chunks",)),
     Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "activation memory budget, "
          "e.g. 512MiB, of each MoE layer call (c chosen per step, MACT) or of the whole step "
-         "(--budget-scope step); 'none' for a fixed c", byte_size("none"),
-         aliases=("--moe-memory-budget",)),
+         "(--budget-scope step); 'none' for a fixed c (--num-chunks); not with --num-chunks",
+         byte_size("none"), aliases=("--moe-memory-budget",)),
     Flag("--budget-scope", ("model.chunk.budget_scope",), "what --memory-budget bounds: "
          "'layer' (each MoE layer's peak) or 'step' (the whole step's activation peak: per "
          "layer no recompute, chunked experts or full block recompute)", str,
