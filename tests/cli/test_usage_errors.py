@@ -242,15 +242,17 @@ def _actions(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                if name != "plan":  # plan has its own flag table
-                    out += [(f"{name} {a.option_strings[0]}", a) for a in sub._actions
-                            if a.option_strings]
+                out += [(f"{name} {a.option_strings[0]}", a) for a in sub._actions
+                        if a.option_strings]
     return out
 
 
 def test_no_flag_parses_with_plain_int_or_float() -> None:
-    plain = [name for name, action in _actions(build_parser()) if action.type in (int, float)]
+    actions = _actions(build_parser())
+    plain = [name for name, action in actions if action.type in (int, float)]
     assert plain == []
+    commands = {name.split()[0] for name, _ in actions}
+    assert commands == {"train", "generate", "eval", "export", "plan", "bench"}
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -261,6 +263,14 @@ def test_no_flag_parses_with_plain_int_or_float() -> None:
     (["train", "--save-every", str(10**30)], "--save-every"),
     (["train", "--bins", f"1,{10**30}"], "--bins"),
     (["bench", "--tokens", str(10**30)], "--tokens"),
+    (["bench", "--hidden-size", "1e23"], "--hidden-size"),
+    (["bench", "--seed", "1.5"], "--seed"),
+    (["plan", "--hidden-size", "1e23"], "--hidden-size"),
+    (["plan", "--num-layers", str(-(10**30))], "--num-layers"),
+    (["plan", "--micro-batch", str(2**63)], "--micro-batch"),
+    (["plan", "--search", "--devices", "1e3"], "--devices"),
+    (["plan", "--top", "5.0"], "--top"),
+    (["plan", "--preset", "qwen3-30b-a3b", "--alpha", "nan"], "--alpha"),
     (["generate", "--temperature", "inf"], "--temperature"),
     (["generate", "--temperature", "nan"], "--temperature"),
     (["train", "--lr", "inf"], "--lr"),
