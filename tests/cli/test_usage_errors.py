@@ -215,7 +215,13 @@ def test_empty_values_are_refused_and_shown(run_dir: Path, tmp_path: Path,
         (["eval", "--out", str(run_dir), "--data", ""], "argument --data: expected a value, "
                                                         "got ''"),
         (["train", *FAST, "--data", " ", *out], "argument --data: expected a value, got ' '"),
-        (["train", *FAST, "--config", "", *out], "argument --config: expected a path, got ''"),
+        (["train", *FAST, "--config", "", *out], "argument --config: expected the path of a "
+                                                 "TOML file of flag values, got '' (see"),
+        (["export", "--out", str(run_dir), "--to", " "], "argument --to: expected the path of "
+                                                         "the safetensors file to write, got ' ' "
+                                                         "(see"),
+        (["train", *FAST, "--out", ""], "argument --out: expected a path, got '' (for the "
+                                        "current directory give '.')"),
         (["train", *FAST, "--device", "", *out], "--device must be 'cpu' or 'cuda[:i]', got ''"),
         (["bench", "--quick", "--out", ""], "argument --out: expected a path, got ''"),
     ]

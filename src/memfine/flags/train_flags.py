@@ -17,7 +17,15 @@ from memfine import config
 from memfine.config.lora import LoRAConfig
 from memfine.flags.table import Flag, NotGiven
 from memfine.flags.threads import THREADS_FLAG
-from memfine.flags.values import byte_size, comma_ints, finite_float, int64, path_flag, text_flag
+from memfine.flags.values import (
+    byte_size,
+    comma_ints,
+    file_flag,
+    finite_float,
+    int64,
+    path_flag,
+    text_flag,
+)
 from memfine.train import DEFAULT_PRESET, PRESETS
 from memfine.train.setup import RESUMABLE_FIELDS
 
@@ -198,7 +206,8 @@ RUN_FLAGS = (
          "LR schedule; give the new --data)", path_flag,
          default=NotGiven(text="none")),
     Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
-         "max_steps = 400); flags given on the command line override it", path_flag,
+         "max_steps = 400); flags given on the command line override it",
+         file_flag("a TOML file of flag values"),
          default=NotGiven(text="none")),
     Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
          "tensorboard package)", action="store_true", default=NotGiven(False)),
