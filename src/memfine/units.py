@@ -71,3 +71,40 @@ def parse_bytes(text: str | int, *, require_unit: bool = False) -> int:
     if value <= 0:
         raise ValueError(f"byte size must be > 0, got {text!r}")
     return value
+
+
+SIZE_LIMIT = 2**63 - 1
+"""The largest byte count memfine accepts: what torch's int64 and the configs' fields hold."""
+
+
+def checked_byte_size(size: object, name: str) -> int:
+    """A byte size given to a Python API: an int number of bytes, or a string with a unit.
+
+    The strings are those of the command line's byte-size flags (``--memory-budget 16GiB``,
+    ``"512MiB"``, ``"80GB"``); a string without a unit (``"16"``) is refused rather than read as
+    16 bytes, as on the command line.
+
+    Args:
+        size: bytes (an ``int``), or a string such as ``"16GiB"``.
+        name: the argument's name, for the message (``"memory_budget"``).
+
+    Returns:
+        Bytes as int, in [1, 2**63 - 1].
+
+    Raises:
+        ValueError: naming ``name``, the value and the allowed forms, on a string without a
+            unit or with an unknown one, a value ≤ 0 or above 2**63 - 1, or another type (a
+            float, a bool).
+    """
+    allowed = (f"an int number of bytes or a string with a unit such as '16GiB' or '512MiB' "
+               f"(units {_UNIT_NAMES}), > 0 and at most 2**63 - 1 bytes")
+    if isinstance(size, bool) or not isinstance(size, (int, str)):
+        raise ValueError(f"{name} must be {allowed}, got {size!r}")
+    try:
+        got = parse_bytes(size, require_unit=True)
+    except ValueError:
+        raise ValueError(f"{name} must be {allowed}, got {size!r}") from None
+    if got > SIZE_LIMIT:
+        bytes_ = f" ({got} bytes)" if isinstance(size, str) else ""
+        raise ValueError(f"{name} must be {allowed}, got {size!r}{bytes_}")
+    return got

@@ -165,7 +165,7 @@ def test_lora_flags_on_resume(base: Path, tuned: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
     for run_dir, args, message in [
             (tuned, ["--lora-rank", "8"], f"--lora-rank cannot change on --resume (the "
-             f"checkpoint in '{tuned}' has 4, got 8)"),
+             f"checkpoint in '{tuned}' has --lora-rank 4, got 8)"),
             (base, ["--lora-rank", "4"], f"--lora-rank cannot change on --resume (the "
              f"checkpoint in '{base}' trains every weight, without LoRA adapters)")]:
         with pytest.raises(SystemExit) as info:

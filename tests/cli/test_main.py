@@ -39,8 +39,8 @@ def test_version_prints_the_installed_version(flag: str,
 @pytest.mark.parametrize(("args", "line"), [
     (["train", "--bogus"], "memfine train: error: unrecognized arguments: --bogus "
                            "(see memfine train --help)"),
-    (["plan", "--top", "x"], "memfine plan: error: argument --top: invalid int value: 'x' "
-                             "(see memfine plan --help)"),
+    (["plan", "--top", "x"], "memfine plan: error: argument --top: expected an integer, got "
+                             "'x' (see memfine plan --help)"),
     ([], "memfine: error: the following arguments are required: COMMAND (see memfine --help)"),
 ])
 def test_usage_errors_are_one_line(args: list[str], line: str,

@@ -110,8 +110,8 @@ def _rank_check(monkeypatch: pytest.MonkeyPatch, *, free: int, params: int, pred
     """Run ``_check_memory_fits`` as rank 1 of 2 with fixed numbers; returns its calls."""
     calls: list[tuple[int, int]] = []
 
-    def predict(config: object, num_parameters: int, num_tokens: int) -> int:
-        calls.append((num_parameters, num_tokens))
+    def predict(config: object, total_parameters: int, num_tokens: int) -> int:
+        calls.append((total_parameters, num_tokens))
         return predicted
 
     monkeypatch.setenv("RANK", "1")
@@ -215,7 +215,13 @@ def test_empty_values_are_refused_and_shown(run_dir: Path, tmp_path: Path,
         (["eval", "--out", str(run_dir), "--data", ""], "argument --data: expected a value, "
                                                         "got ''"),
         (["train", *FAST, "--data", " ", *out], "argument --data: expected a value, got ' '"),
-        (["train", *FAST, "--config", "", *out], "argument --config: expected a path, got ''"),
+        (["train", *FAST, "--config", "", *out], "argument --config: expected the path of a "
+                                                 "TOML file of flag values, got '' (see"),
+        (["export", "--out", str(run_dir), "--to", " "], "argument --to: expected the path of "
+                                                         "the safetensors file to write, got ' ' "
+                                                         "(see"),
+        (["train", *FAST, "--out", ""], "argument --out: expected a path, got '' (for the "
+                                        "current directory give '.')"),
         (["train", *FAST, "--device", "", *out], "--device must be 'cpu' or 'cuda[:i]', got ''"),
         (["bench", "--quick", "--out", ""], "argument --out: expected a path, got ''"),
     ]
@@ -242,15 +248,17 @@ def _actions(parser: argparse.ArgumentParser) -> list[tuple[str, argparse.Action
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for name, sub in action.choices.items():
-                if name != "plan":  # plan has its own flag table
-                    out += [(f"{name} {a.option_strings[0]}", a) for a in sub._actions
-                            if a.option_strings]
+                out += [(f"{name} {a.option_strings[0]}", a) for a in sub._actions
+                        if a.option_strings]
     return out
 
 
 def test_no_flag_parses_with_plain_int_or_float() -> None:
-    plain = [name for name, action in _actions(build_parser()) if action.type in (int, float)]
+    actions = _actions(build_parser())
+    plain = [name for name, action in actions if action.type in (int, float)]
     assert plain == []
+    commands = {name.split()[0] for name, _ in actions}
+    assert commands == {"train", "generate", "eval", "export", "plan", "bench"}
 
 
 @pytest.mark.parametrize("argv,flag", [
@@ -261,6 +269,14 @@ def test_no_flag_parses_with_plain_int_or_float() -> None:
     (["train", "--save-every", str(10**30)], "--save-every"),
     (["train", "--bins", f"1,{10**30}"], "--bins"),
     (["bench", "--tokens", str(10**30)], "--tokens"),
+    (["bench", "--hidden-size", "1e23"], "--hidden-size"),
+    (["bench", "--seed", "1.5"], "--seed"),
+    (["plan", "--hidden-size", "1e23"], "--hidden-size"),
+    (["plan", "--num-layers", str(-(10**30))], "--num-layers"),
+    (["plan", "--micro-batch", str(2**63)], "--micro-batch"),
+    (["plan", "--search", "--devices", "1e3"], "--devices"),
+    (["plan", "--top", "5.0"], "--top"),
+    (["plan", "--preset", "qwen3-30b-a3b", "--alpha", "nan"], "--alpha"),
     (["generate", "--temperature", "inf"], "--temperature"),
     (["generate", "--temperature", "nan"], "--temperature"),
     (["train", "--lr", "inf"], "--lr"),
@@ -305,7 +321,7 @@ def test_resume_names_the_changed_flag_with_both_values(
         line = _usage_error(["train", *FAST, *extra, "--resume", "--max-steps", "2", "--lr",
                              "0.5", "--out", str(run_dir)], capsys)
         assert line.endswith(f"--lr cannot change on --resume (the checkpoint in "
-                             f"{str(run_dir)!r} has {lr!r}, got 0.5)")
+                             f"{str(run_dir)!r} has --lr {lr!r}, got 0.5)")
     line = _usage_error(["train", *FAST, "--preset", "small", "--resume", "--max-steps", "2",
                          "--out", str(run_dir)], capsys)
     assert "--preset starts another run" in line and "--hidden-size 64 -> 128" in line

@@ -50,12 +50,14 @@ def test_comma_ints_names_the_flag_on_bad_input(capsys: pytest.CaptureFixture[st
 def test_old_and_new_train_spellings_give_the_same_config() -> None:
     parser = argparse.ArgumentParser()
     train_cli.add_arguments(parser)
-    new = parser.parse_args(["--num-chunks", "2", "--memory-budget", "1MiB", "--bins", "1,2"])
-    old = parser.parse_args(["--moe-chunks", "2", "--moe-memory-budget", "1MiB",
-                             "--chunk-bins", "1,2"])
+    new = parser.parse_args(["--memory-budget", "1MiB", "--bins", "1,2"])
+    old = parser.parse_args(["--moe-memory-budget", "1MiB", "--chunk-bins", "1,2"])
     assert train_cli.resolve_config(new) == train_cli.resolve_config(old)
     chunk = train_cli.resolve_config(new)[0].model.chunk
-    assert (chunk.num_chunks, chunk.memory_budget_bytes, chunk.bins) == (2, 2**20, (1, 2))
+    assert (chunk.memory_budget_bytes, chunk.bins) == (2**20, (1, 2))
+    new, old = parser.parse_args(["--num-chunks", "2"]), parser.parse_args(["--moe-chunks", "2"])
+    assert train_cli.resolve_config(new) == train_cli.resolve_config(old)
+    assert train_cli.resolve_config(new)[0].model.chunk.num_chunks == 2
 
 
 def test_shared_flags_have_one_name_across_subcommands() -> None:

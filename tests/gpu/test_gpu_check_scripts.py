@@ -8,6 +8,7 @@ script print the line, rather than fail or leave the rows out silently.
 from __future__ import annotations
 
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,20 @@ def test_equality_has_a_skipped_torchtitan_row(tmp_path: Path) -> None:
     (row,) = _rows(out, "equality", "torchtitan")
     assert row[2] == "skipped" and "pip install 'memfine[torchtitan]'" in row[6]
     assert len(_rows(out, "equality", "plain_grouped_mm")) == 3  # the other methods still ran
+
+
+def test_docs_table_lists_the_script_parts_in_order_with_their_timeouts() -> None:
+    """docs/gpu.md's table: the parts ``gpu_check.sh`` runs, in its order, with its timeouts."""
+    script = (SCRIPTS / "gpu_check.sh").read_text()
+    dry_peak, gpu_peak = re.findall(r"PEAK_LIMIT=(\d+)", script)  # the dry-run branch first
+    runs = re.findall(r"^\s*run (\w+) (\S+) ", script, re.MULTILINE)
+    parts = [(part, gpu_peak if limit == '"$PEAK_LIMIT"' else limit) for part, limit in runs]
+    doc = (SCRIPTS.parent / "docs" / "gpu.md").read_text()
+    rows = re.findall(r"^\| (\w+) \| (\d+) s \|(.*)$", doc, re.MULTILINE)
+    assert [(part, limit) for part, limit, _ in rows] == parts
+    peak = next(rest for part, _, rest in rows if part == "peak")
+    assert f"{dry_peak} s" in peak
+    total = sum(int(limit) for _, limit in parts)
+    dry = total - int(dict(parts)["install"]) - int(gpu_peak) + int(dry_peak)
+    assert f"sum to {total} s" in doc and f"({dry} s in all)" in doc
+    assert f"the part timeouts sum to {total} s" in script

@@ -183,3 +183,23 @@ def test_experts_with_sentinels_match_eager(model_type: str, chunking: str) -> N
         assert_close(gw[~is_sentinel], rgw[~is_sentinel], grad=True, msg=f"{name} dw")
         for pname, grad in gp.items():
             assert_close(grad, rgp[pname], grad=True, msg=f"{name} grad {pname}")
+
+
+def test_register_reads_a_memory_budget_as_the_command_line_does() -> None:
+    """A string names its unit ("16GiB"), an int is bytes; "16" is refused, not 16 bytes."""
+    from memfine.integrations.torchtitan import make_options
+
+    for given, expected in (("16GiB", 16 * 2**30), ("512MiB", 512 * 2**20), ("80GB", 80 * 10**9),
+                            (4096, 4096)):
+        fn = mf_hf.register(memory_budget=given)
+        assert fn.memfine_config.chunk.memory_budget_bytes == expected
+        assert make_options(memory_budget=given).chunk.memory_budget_bytes == expected
+    for bad in ("16", "0GiB", "-5MiB", 0, -1, "lots", 1.5, True, 2**63, "9999999999TiB"):
+        with pytest.raises(ValueError) as info:
+            mf_hf.register(memory_budget=bad)
+        assert str(info.value).startswith(
+            "memory_budget must be an int number of bytes or a string with a unit such as "
+            f"'16GiB' or '512MiB' (units B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (any case)), > 0 "
+            f"and at most 2**63 - 1 bytes, got {bad!r}"), bad
+        with pytest.raises(ValueError, match=r"^memory_budget must be"):
+            make_options(memory_budget=bad)

@@ -150,21 +150,25 @@ _SIZE_FLAGS = {"tokens": "--tokens", "hidden_size": "--hidden-size",
 def _check_sizes_fit(opts: BenchOptions, device: torch.device) -> None:
     """Refuse given sizes whose layer cannot exist on ``device``, before anything is written.
 
-    A lower bound from integer arithmetic (a size not given counts as 1): the experts' three
-    fp32 weight matrices (3·E·d·n) and one (T, d) input.
+    A lower bound from integer arithmetic (a size not given counts as 1): one layer's SwiGLU
+    experts' weights (3·E·d·n) and one (T, d) input in ``--dtype``
+    (:func:`memfine.memory.bounds.weights_and_inputs_lower_bound`).
 
     Raises:
         ValueError: naming the size flags given, the bytes needed and the bytes free.
     """
+    from memfine.memory.bounds import weights_and_inputs_lower_bound
     from memfine.reports.memory_log import available_bytes
-    from memfine.units import format_bytes
+    from memfine.units import DTYPE_BYTES, format_bytes
 
     given = {f: getattr(opts, f) for f in _SIZE_FLAGS if getattr(opts, f) is not None}
     if not given:
         return
     T, D, N, E = (given.get(f, 1) for f in ("tokens", "hidden_size", "intermediate_size",
                                             "num_experts"))
-    needed = (3 * E * D * N + T * D) * 4
+    needed = weights_and_inputs_lower_bound(num_layers=1, num_experts=E, hidden_size=D,
+                                            intermediate_size=N, tokens=T,
+                                            dtype_bytes=DTYPE_BYTES[opts.dtype])
     free = available_bytes(device)
     if free is not None and needed > free:
         flags = ", ".join(f"{_SIZE_FLAGS[f]} {v}" for f, v in given.items())

@@ -14,12 +14,12 @@ from memfine.artifacts.inference import export_safetensors
 from memfine.artifacts.rundir import RUN_FILES
 from memfine.flags.checkpoint import OUT_FLAG, load_run_directory, run_directory
 from memfine.flags.table import Flag, NotGiven, add_flags, value
-from memfine.flags.values import path_flag
+from memfine.flags.values import file_flag
 
 _FLAGS = (
     OUT_FLAG,
     Flag("--to", (), "the safetensors file to write (a model's config goes to "
-         "<stem>_config.json beside it)", path_flag,
+         "<stem>_config.json beside it)", file_flag("the safetensors file to write"),
          default=NotGiven(text=f"--out/model.safetensors; --out/{ADAPTERS_NAME} for a LoRA "
                           "run without --merged")),
     Flag("--merged", (), "for a LoRA run (memfine train --lora-rank): write the model with "

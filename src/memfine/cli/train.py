@@ -141,18 +141,20 @@ def _check_memory_fits(config: TrainConfig, world: int) -> None:
 def _lower_bound_bytes(config: TrainConfig, world: int) -> int:
     """Bytes any run of ``config`` needs at least, from integer arithmetic alone.
 
-    The routed experts' two weight matrices per layer (E·d·n each, sharded over the ranks) and
-    each MoE layer's input kept for backward (T·d). Checked first, so that sizes far beyond the
-    machine are refused before the model is built, even on the meta device, and before the
-    exact memory model replays a step of that size.
+    The routed experts' weights of every layer (sharded over the ranks) and each MoE layer's
+    input kept for backward (:func:`memfine.memory.bounds.weights_and_inputs_lower_bound`).
+    Checked first, so that sizes far beyond the machine are refused before the model is built,
+    even on the meta device, and before the exact memory model replays a step of that size.
     """
+    from memfine.memory.bounds import weights_and_inputs_lower_bound
     from memfine.units import DTYPE_BYTES
 
-    moe, layers = config.model.moe, config.model.num_layers
-    dt = DTYPE_BYTES[config.dtype]
-    experts = layers * moe.num_experts * 2 * moe.hidden_size * moe.intermediate_size
-    inputs = layers * _tokens_per_rank(config, world) * moe.hidden_size
-    return (-(-experts // world) + inputs) * dt
+    moe = config.model.moe
+    return weights_and_inputs_lower_bound(
+        num_layers=config.model.num_layers, num_experts=moe.num_experts,
+        hidden_size=moe.hidden_size, intermediate_size=moe.intermediate_size,
+        tokens=_tokens_per_rank(config, world), dtype_bytes=DTYPE_BYTES[config.dtype],
+        gated=moe.gated, shards=world)
 
 
 def _too_large(config: TrainConfig, needed: int, params: int | None, free: int, where: str) -> str:

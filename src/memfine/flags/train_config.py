@@ -37,6 +37,7 @@ from memfine.flags.table import (
 from memfine.flags.train_flags import LORA_FLAGS, RUN_FLAGS, SETTING_FLAGS
 from memfine.train import PRESETS, preset
 from memfine.train.setup import RESUMABLE_FIELDS
+from memfine.units import MiB, format_bytes
 
 
 def preset_default(path: str) -> NotGiven:
@@ -75,7 +76,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
             value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
             run than the checkpoint's; a flag that changes a value resume may not change
-            (naming the flag first); a flag that changes ``--init-from``'s architecture.
+            (naming the flag first); a flag that changes ``--init-from``'s architecture;
+            ``--num-chunks`` given with a memory budget (:func:`_check_one_chunk_setting`).
     """
     if given(args, "config"):
         apply_config_file(args, value(args, "config"), RUN_FLAGS + SETTING_FLAGS)
@@ -92,7 +94,55 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         _check_source_architecture(args, tree, source)
     if not resume:
         _cuda_autocast_default(args, tree)
-    return _build(args, tree), out
+    config = _build(args, tree)
+    _check_one_chunk_setting(args, config, out)
+    return config, out
+
+
+def _check_one_chunk_setting(args: argparse.Namespace, config: TrainConfig, out: Path) -> None:
+    """Refuse ``--num-chunks`` given together with a memory budget, which would override it.
+
+    With a budget MACT chooses c per step and MoE layer (MemFine Eq. 8-9) and a fixed
+    ``--num-chunks`` is not used; a value given on the command line or in ``--config`` must not
+    be dropped silently. Its default is no conflict.
+
+    Raises:
+        ValueError: one line naming both flags, what each does and what to drop.
+    """
+    budget = config.model.chunk.memory_budget_bytes
+    if budget is None or not given(args, "num_chunks"):
+        return
+    chunks = f"--num-chunks {value(args, 'num_chunks')}"
+    does = ("--num-chunks fixes c for every MoE layer call, --memory-budget lets MACT choose c "
+            "per step and layer within the budget")
+    if given(args, "memory_budget"):
+        raise ValueError(f"{chunks} and --memory-budget {_bytes_text(budget)} both set the "
+                         f"chunk count c: {does}; give one of them")
+    source = (f"the checkpoint in --out {str(out)!r}" if value(args, "resume")
+              else f"--init-from {str(value(args, 'init_from'))!r}" if given(args, "init_from")
+              else f"--preset {value(args, 'preset')}")
+    also = "" if value(args, "resume") else ", or add --memory-budget none for a fixed c"
+    raise ValueError(f"{chunks} would not be used: {source} sets --memory-budget "
+                     f"{_bytes_text(budget)} ({does}); drop --num-chunks{also}")
+
+
+def _bytes_text(num_bytes: int) -> str:
+    """Bytes as people read them (``16.00 MiB``); the exact count too below 1 MiB."""
+    return format_bytes(num_bytes, exact=num_bytes < MiB)
+
+
+def _setting_text(path: str, got: Any) -> str:
+    """A config value in a message: ``unset`` for None, a byte field with its unit.
+
+    A byte field is one whose dotted ``path`` ends in ``_bytes`` (``--memory-budget``,
+    ``--backward-block-bytes``); any other value is shown as Python writes it (``0.003``,
+    ``'cpu'``).
+    """
+    if got is None:
+        return "unset"
+    if path.endswith("_bytes") and isinstance(got, int) and not isinstance(got, bool):
+        return _bytes_text(got)
+    return repr(got)
 
 
 def _build(args: argparse.Namespace, tree: dict[str, Any]) -> TrainConfig:
@@ -173,8 +223,10 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
         origin = " and ".join(f"--{f.replace('_', '-')}" for f in ("preset", "init_from")
                               if given(args, f))
         names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
-        changes = list(dict.fromkeys(f"{names.get(path, path)} {_get(saved, path)!r} -> "
-                                     f"{_get(started, path)!r}" for path in differ))
+        changes = list(dict.fromkeys(f"{names.get(path, path)} "
+                                     f"{_setting_text(path, _get(saved, path))} -> "
+                                     f"{_setting_text(path, _get(started, path))}"
+                                     for path in differ))
         shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
         raise ValueError(f"{origin} starts another run than the checkpoint in {str(out)!r} "
                          f"(checkpoint -> {origin}: {shown}"
@@ -236,7 +288,9 @@ def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool
         for path in flag.paths:
             if resume and path not in RESUMABLE_FIELDS and _get(tree, path) != new:
                 raise ValueError(f"{flag.name} cannot change on --resume (the checkpoint in "
-                                 f"{str(out)!r} has {_get(tree, path)!r}, got {new!r})")
+                                 f"{str(out)!r} has {flag.name} "
+                                 f"{_setting_text(path, _get(tree, path))}, got "
+                                 f"{_setting_text(path, new)})")
             _set(tree, path, new)
 
 

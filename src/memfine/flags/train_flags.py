@@ -17,7 +17,15 @@ from memfine import config
 from memfine.config.lora import LoRAConfig
 from memfine.flags.table import Flag, NotGiven
 from memfine.flags.threads import THREADS_FLAG
-from memfine.flags.values import byte_size, comma_ints, finite_float, int64, path_flag, text_flag
+from memfine.flags.values import (
+    byte_size,
+    comma_ints,
+    file_flag,
+    finite_float,
+    int64,
+    path_flag,
+    text_flag,
+)
 from memfine.train import DEFAULT_PRESET, PRESETS
 from memfine.train.setup import RESUMABLE_FIELDS
 
@@ -100,11 +108,12 @@ CONFIG_FLAGS = (
     Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
          "row block of the fused experts' streamed backward, e.g. 16MiB", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
-         "layer (ignored with --memory-budget)", aliases=("--moe-chunks",)),
+         "layer; not with --memory-budget, under which MACT chooses c (giving both is an "
+         "error)", aliases=("--moe-chunks",)),
     Flag("--memory-budget", ("model.chunk.memory_budget_bytes",), "activation memory budget, "
          "e.g. 512MiB, of each MoE layer call (c chosen per step, MACT) or of the whole step "
-         "(--budget-scope step); 'none' for a fixed c", byte_size("none"),
-         aliases=("--moe-memory-budget",)),
+         "(--budget-scope step); 'none' for a fixed c (--num-chunks); not with --num-chunks",
+         byte_size("none"), aliases=("--moe-memory-budget",)),
     Flag("--budget-scope", ("model.chunk.budget_scope",), "what --memory-budget bounds: "
          "'layer' (each MoE layer's peak) or 'step' (the whole step's activation peak: per "
          "layer no recompute, chunked experts or full block recompute)", str,
@@ -197,7 +206,8 @@ RUN_FLAGS = (
          "LR schedule; give the new --data)", path_flag,
          default=NotGiven(text="none")),
     Flag("--config", (), "TOML file of flag values (keys: flag names with underscores, e.g. "
-         "max_steps = 400); flags given on the command line override it", path_flag,
+         "max_steps = 400); flags given on the command line override it",
+         file_flag("a TOML file of flag values"),
          default=NotGiven(text="none")),
     Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
          "tensorboard package)", action="store_true", default=NotGiven(False)),

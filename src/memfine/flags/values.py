@@ -75,7 +75,7 @@ def comma_ints(text: str) -> tuple[int, ...]:
 
 
 def path_flag(text: str) -> Path:
-    """An argparse ``type`` for a path flag (``--out``, ``--init-from``, ``--to``).
+    """An argparse ``type`` for a directory flag (``--out``, ``--init-from``).
 
     An empty value is refused: ``Path("")`` is the current directory, so ``--out ""`` (an
     unset shell variable) would scatter a run's files there. A leading ``~`` is the home
@@ -84,9 +84,32 @@ def path_flag(text: str) -> Path:
     Raises:
         argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
     """
+    return _path(text, "a path", " (for the current directory give '.')")
+
+
+def file_flag(what: str) -> Callable[[str], Path]:
+    """An argparse ``type`` for a flag that names one file (``--config``, ``--to``).
+
+    As :func:`path_flag`, but an empty value's message says which file the flag takes (the
+    current directory is no file).
+
+    Args:
+        what: the file, for the message (``"a TOML file of flag values"``).
+
+    Returns:
+        The converter; it raises ``argparse.ArgumentTypeError`` on an empty or blank value
+        (argparse names the flag).
+    """
+    def convert(text: str) -> Path:
+        return _path(text, f"the path of {what}", "")
+
+    convert.__name__ = "path"
+    return convert
+
+
+def _path(text: str, expected: str, hint: str) -> Path:
     if not str(text).strip():
-        raise argparse.ArgumentTypeError(f"expected a path, got {text!r} (for the current "
-                                         "directory give '.')")
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}{hint}")
     return Path(text).expanduser()
 
 

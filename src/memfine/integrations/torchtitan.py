@@ -126,12 +126,14 @@ def make_options(config: TorchtitanExpertsConfig | None = None, *,
     Args:
         config: base options (default: fused where possible, no chunks, dispatch ``auto``).
         num_chunks: fixed chunk count c per routed-experts block (per-chunk recompute).
-        memory_budget: activation budget of one block, bytes or ``"256MiB"``; c per call from
+        memory_budget: activation budget of one block: an int number of bytes or a string with
+            a unit (``"256MiB"``; not ``"256"``), as
+            :func:`memfine.integrations.transformers.make_config` takes it; c per call from
             MemFine Eq. 8-9 (MACT).
         **overrides: other :class:`TorchtitanExpertsConfig` fields.
 
     Raises:
-        ValueError: on an invalid field value or size string.
+        ValueError: on an invalid field value or size (naming ``memory_budget``).
     """
     base = config if config is not None else TorchtitanExpertsConfig()
     cfg = make_config(base, num_chunks=num_chunks, memory_budget=memory_budget, **overrides)

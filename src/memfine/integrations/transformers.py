@@ -143,21 +143,26 @@ def make_config(config: HFExpertsConfig | None = None, *, num_chunks: int | None
     Args:
         config: base options (default :class:`HFExpertsConfig`).
         num_chunks: fixed chunk count c (sets ``chunk.num_chunks``).
-        memory_budget: bytes, or a size such as ``"256MiB"`` (sets ``chunk.memory_budget_bytes``;
-            c is then chosen per call from the received rows, MemFine Eq. 8-9).
+        memory_budget: an int number of bytes, or a string with a unit as the command line's
+            ``--memory-budget`` takes it (``"256MiB"``, ``"16GiB"``, ``"80GB"``); a string
+            without a unit is refused (:func:`memfine.units.checked_byte_size`). Sets
+            ``chunk.memory_budget_bytes``; c is then chosen per call from the received rows,
+            MemFine Eq. 8-9.
         **overrides: other :class:`HFExpertsConfig` fields (``impl``, ``gemm_backend``, ...).
 
     Raises:
-        ValueError: on an invalid field value or size string.
+        ValueError: on an invalid field value; naming ``memory_budget``, the value and the
+            allowed forms on a size that is not one.
     """
     cfg = config if config is not None else HFExpertsConfig()
     chunk = cfg.chunk
     if num_chunks is not None:
         chunk = dataclasses.replace(chunk, num_chunks=num_chunks)
     if memory_budget is not None:
-        from memfine.units import parse_bytes
+        from memfine.units import checked_byte_size
 
-        chunk = dataclasses.replace(chunk, memory_budget_bytes=parse_bytes(memory_budget))
+        chunk = dataclasses.replace(chunk, memory_budget_bytes=checked_byte_size(
+            memory_budget, "memory_budget"))
     return dataclasses.replace(cfg, chunk=chunk, **overrides)
 
 
@@ -272,7 +277,9 @@ def register(config: HFExpertsConfig | None = None, *, num_chunks: int | None = 
     Args:
         config: options (default :class:`HFExpertsConfig`: fused where possible, no chunks).
         num_chunks: fixed chunk count c per experts block (recompute per chunk).
-        memory_budget: per-block activation budget, bytes or ``"256MiB"``; c from MemFine Eq. 8-9.
+        memory_budget: per-block activation budget: an int number of bytes or a string with a
+            unit (``"256MiB"``, ``"16GiB"``; not ``"16"``), as in :func:`make_config`; c from
+            MemFine Eq. 8-9.
         name: the ``experts_implementation`` name.
         **overrides: other :class:`HFExpertsConfig` fields (``impl``, ``gemm_backend``, ...).
 

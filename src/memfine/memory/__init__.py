@@ -6,6 +6,8 @@
 - :mod:`memfine.memory.step_timeline`: one training step of the language model (embedding,
   attention, norms, every MoE layer's timeline, logits, loss), and :mod:`memfine.memory.step`:
   the per-layer plan (recompute mode, c) that meets a whole-step budget at least recompute.
+- :mod:`memfine.memory.bounds`: a lower bound of a model's bytes (experts' weights, layer
+  inputs) from integer arithmetic, checked by the commands before anything is built.
 
 Whole training layouts (pipeline stages, presets, the layout search) are planned in
 :mod:`memfine.plan`; measured bytes live in :mod:`memfine.measure`; the runtime chunk loop in

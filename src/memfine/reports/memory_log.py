@@ -103,10 +103,6 @@ def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:
     blocks are alike), so nothing is allocated and a huge ``num_layers`` costs no time:
     embedding + norm + L · one block.
     """
-    return _count_parameters(config, trainable_only)
-
-
-def _count_parameters(config: TrainConfig, trainable_only: bool) -> int:
     from memfine.nn.lora import apply_lora
 
     one = dataclasses.replace(config.model, num_layers=1)
@@ -121,10 +117,11 @@ def _count_parameters(config: TrainConfig, trainable_only: bool) -> int:
     return rest + config.model.num_layers * block
 
 
-def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: int) -> int:
+def predicted_run_bytes(config: TrainConfig, total_parameters: int, num_tokens: int) -> int:
     """Predicted bytes of a training step: static memory plus the MoE layers' activations.
 
-    Static: parameters (``num_parameters · D_t``), and the gradients and AdamW's two moments of
+    Static: parameters (``total_parameters · D_t``: the model's, or under torchrun this rank's
+    shard), and the gradients and AdamW's two moments of
     the trained ones (all of them, or under LoRA those of
     ``num_parameters(config, trainable_only=True)``), ``D_t`` bytes per element each.
     Activations: every MoE layer's saved bytes plus one layer's backward peak above its saved
@@ -143,10 +140,10 @@ def predicted_run_bytes(config: TrainConfig, num_parameters: int, num_tokens: in
     peak_above_saved = layer.peak_bytes - layer.saved_bytes
     if chunk.memory_budget_bytes is not None:
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
-    trained = num_parameters
+    trained = total_parameters
     if config.lora is not None:
-        trained = _count_parameters(config, trainable_only=True)
-    static = (num_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
+        trained = num_parameters(config, trainable_only=True)
+    static = (total_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
 
@@ -167,13 +164,13 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_fits(config: TrainConfig, num_parameters: int, num_tokens: int,
+def check_fits(config: TrainConfig, total_parameters: int, num_tokens: int,
                device: torch.device) -> tuple[str, str | None]:
     """Compare the predicted step bytes with the device's free memory.
 
     Args:
         config: the run.
-        num_parameters: parameters of the whole model (all ranks' experts).
+        total_parameters: parameters of the whole model (all ranks' experts).
         num_tokens: T, tokens entering each MoE layer on this process.
         device: where the run computes.
 
@@ -181,7 +178,7 @@ def check_fits(config: TrainConfig, num_parameters: int, num_tokens: int,
         An information line, and a warning line when the prediction exceeds the free memory
         (else None).
     """
-    predicted = predicted_run_bytes(config, num_parameters, num_tokens)
+    predicted = predicted_run_bytes(config, total_parameters, num_tokens)
     free = available_bytes(device)
     line = (f"memory: predicted {format_bytes(predicted)} per step (parameters, gradients, "
             f"AdamW state, MoE layers; attention not modelled); "

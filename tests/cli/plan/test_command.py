@@ -222,7 +222,7 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
     (["--bins", "1,x"], "argument --bins: expected comma-separated ints such as 1,2,4,8, "
      "got '1,x'"),
     (["--alpha", "0"], r"error: --alpha must be in \(0, 1\], got 0.0$"),
-    (["--alpha", "nan"], "error: --alpha must be a finite number, got nan$"),
+    (["--alpha", "nan"], r"error: argument --alpha: expected a finite number, got 'nan' \(see"),
     (["--global-batch", "6"], "error: --global-batch must be a multiple of dp·micro_batch=4, "
      "got 6$"),
     (["--global-batch", "0"], "error: --global-batch must be >= 1, got 0$"),

@@ -41,7 +41,7 @@ from memfine.flags.table import (
     typed_fields,
     value,
 )
-from memfine.flags.values import byte_size, comma_ints
+from memfine.flags.values import byte_size, comma_ints, finite_float, int64
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset
@@ -73,7 +73,7 @@ SKEW_DEFAULT = "1,2,4,8,16,worst"
 SETTING_FLAGS = (
     Flag("--device-memory", ("device_memory_bytes",),
          "device memory M per device, with a unit: 80GiB or 80GB", type=byte_size()),
-    Flag("--alpha", ("alpha",), "usable fraction alpha of device memory", type=float),
+    Flag("--alpha", ("alpha",), "usable fraction alpha of device memory", type=finite_float),
     Flag("--micro-batch", ("micro_batch",), "b, sequences per micro-batch"),
     Flag("--seq-len", ("seq_len",), "s, tokens per sequence"),
     Flag("--global-batch", ("global_batch",),
@@ -129,7 +129,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--hf-config", metavar="PATH", default=_UNSET,
                        help="a transformers config.json, or a model directory holding one")
     for flag, _, text in _SIZE_FLAGS:
-        parser.add_argument(flag, type=int, default=_UNSET, help=f"{text} (overrides the model)")
+        parser.add_argument(flag, type=int64, default=_UNSET,
+                            help=f"{text} (overrides the model)")
     add_flags(parser, [dataclasses.replace(f, help=f"{f.help} (default: the preset's setting, "
                                            "else %(default)s)") for f in SETTING_FLAGS],
               default_for=_default)
@@ -137,8 +138,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep the full optimizer state on every data-parallel rank")
     parser.add_argument("--search", action="store_true",
                         help="plan every valid layout on --devices N and rank those that fit")
-    parser.add_argument("--devices", type=int, default=_UNSET, help="N, devices (--search)")
-    parser.add_argument("--top", type=int, default=5, help="layouts shown by --search")
+    parser.add_argument("--devices", type=int64, default=_UNSET, help="N, devices (--search)")
+    parser.add_argument("--top", type=int64, default=5, help="layouts shown by --search")
     parser.add_argument("--verbose", action="store_true",
                         help="per-stage and per-skew tables, resolved config")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
