@@ -98,3 +98,13 @@ def test_readme_chunking_time_ratios_equal_the_results_file() -> None:
         quoted = [re.search(r"([\d.]+)×", cell).group(1)  # type: ignore[union-attr]
                   for cell in cells.split(" | ")[1:]]
         assert quoted == [ratios[(skew, m)] for m in CHUNKING_COLUMNS], skew
+
+
+def test_readme_model_step_ratios_equal_the_results_file() -> None:
+    ratios = _ratios("model", "fused")
+    text = " ".join(_section("### One MoE layer: memfine fused vs").split())
+    quoted = re.search(r"plain ([\d.]+)× the time and \d+ MiB; fused \+ MACT \(c = 2\) ([\d.]+)× "
+                       r"and \d+ MiB; full recompute ([\d.]+)×", text)
+    assert quoted is not None
+    assert list(quoted.groups()) == [ratios[("small", m)]
+                                     for m in ("plain", "fused_mact", "full_recompute")]
