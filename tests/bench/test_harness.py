@@ -6,10 +6,24 @@ the machine is (no wall-clock assertions).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
-from memfine.bench.harness import Method, interleaved_order, percentiles, run_methods
+from memfine.bench import harness
+from memfine.bench.harness import (
+    GIVEN,
+    THREAD_CPU,
+    WALL,
+    Method,
+    MethodResult,
+    cpu_clock,
+    interleaved_order,
+    percentiles,
+    round_ratios,
+    run_methods,
+)
 from memfine.measure.report import MemoryReport
 
 
@@ -160,3 +174,93 @@ def test_method_rejects_an_unknown_peak_measurement() -> None:
     with pytest.raises(ValueError, match=r"Method.peak must be one of \('tracker', 'profiler'\), "
                                          r"got 'live' \(method 'a'\)"):
         Method(name="a", forward=lambda: None, backward=lambda out: None, peak="live")
+
+
+class ManualClock:
+    """A clock that moves only when a fake method spends time (seconds)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def costly_method(name: str, clock: ManualClock, costs: list[float]) -> Method:
+    """A method whose n-th call spends ``costs[n]`` s: a quarter forward, the rest backward."""
+    calls: list[int] = []
+
+    def forward() -> None:
+        clock.now += costs[len(calls)] / 4
+        calls.append(1)
+
+    def backward(out: None) -> None:
+        clock.now += 3 * costs[len(calls) - 1] / 4
+
+    return Method(name=name, forward=forward, backward=backward)
+
+
+@pytest.mark.parametrize("threads, name, clock", [
+    (1, THREAD_CPU, time.thread_time), (2, WALL, time.perf_counter),
+    (16, WALL, time.perf_counter)], ids=["one_thread", "two_threads", "sixteen_threads"])
+def test_cpu_clock_is_thread_time_at_one_thread_only(threads: int, name: str, clock: object,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpu_clock(threads) == (name, clock)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    assert cpu_clock() == (name, clock)
+
+
+@pytest.mark.parametrize("threads, patched, name", [(1, "thread_time", THREAD_CPU),
+                                                    (2, "perf_counter", WALL)],
+                         ids=["one_thread", "two_threads"])
+def test_run_methods_times_with_the_clock_of_its_threads(threads: int, patched: str, name: str,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a clock, the run reads cpu_clock's at torch's threads and names it per method."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    monkeypatch.setattr(harness.time, patched, FakeClock(0.5))
+
+    def broken() -> None:
+        raise RuntimeError("no kernel")
+
+    ok, bad = run_methods([recording_method("a", []),
+                           Method(name="bad", forward=broken, backward=lambda out: None)],
+                          repeats=2, warmup=0, measure=False)
+    assert ok.clock == name and ok.times_s["full"] == [1.0, 1.0]
+    assert (bad.clock, bad.error) == ("", "RuntimeError: no kernel")  # never timed
+
+
+def test_run_methods_names_a_given_clock() -> None:
+    (fake,) = run_methods([recording_method("a", [])], repeats=1, warmup=0, measure=False,
+                          clock=FakeClock(1.0))
+    (thread,) = run_methods([recording_method("a", [])], repeats=1, warmup=0, measure=False,
+                            clock=time.thread_time)
+    assert (fake.clock, thread.clock) == (GIVEN, THREAD_CPU)
+
+
+def test_round_ratios_are_per_round_not_a_ratio_of_medians() -> None:
+    """Rounds interleave (a, ref), (ref, a), ...; each round's ratio is a's time ÷ ref's."""
+    clock = ManualClock()
+    ref_s = [1.0, 2.0, 4.0, 1.0, 1.0]
+    a_s = [2.0, 2.0, 2.0, 3.0, 1.0]  # per round: 2, 1, 0.5, 3, 1 → median 1
+    a, ref = run_methods([costly_method("a", clock, a_s), costly_method("ref", clock, ref_s)],
+                         repeats=5, warmup=0, measure=False, clock=clock)
+    assert a.times_s["full"] == a_s and ref.times_s["full"] == ref_s
+    assert a.times_s["fwd"] == [0.5, 0.5, 0.5, 0.75, 0.25]
+    p20, p50, p80 = round_ratios(a, ref)
+    assert p50 == 1.0  # the ratio of the medians would be 2 ÷ 1 = 2
+    assert (p20, p80) == pytest.approx((0.9, 2.2), rel=1e-12)  # sorted 0.5 1 1 2 3
+    assert round_ratios(a, ref, "fwd") == round_ratios(a, ref, "full")  # the same quarter
+    assert round_ratios(ref, ref) == (1.0, 1.0, 1.0)
+
+
+def test_round_ratios_use_the_rounds_both_methods_ran() -> None:
+    """A method that raised in round 2 has 2 times: only rounds 0 and 1 are compared."""
+    res, ref = MethodResult(name="a"), MethodResult(name="ref")
+    res.times_s["full"] = [3.0, 6.0]
+    ref.times_s["full"] = [1.0, 2.0, 100.0, 100.0]
+    assert round_ratios(res, ref) == (3.0, 3.0, 3.0)
+    assert round_ratios(ref, res) == pytest.approx((1 / 3,) * 3, rel=1e-15)
+    ref.times_s["full"] = [0.0, 2.0]  # a zero reference time has no ratio
+    assert round_ratios(res, ref) == (3.0, 3.0, 3.0)
+    assert round_ratios(res, MethodResult(name="never_timed")) is None
+    assert round_ratios(MethodResult(name="never_timed"), ref) is None

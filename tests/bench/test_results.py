@@ -6,6 +6,7 @@ Results are built by hand, so every expected value is exact (no wall-clock asser
 from __future__ import annotations
 
 import csv
+import json
 from pathlib import Path
 
 import pytest
@@ -104,3 +105,38 @@ def test_write_csv_extra_columns(tmp_path: Path) -> None:
         reader = csv.DictReader(handle)
         assert tuple(reader.fieldnames or ()) == (*CSV_COLUMNS, "rank")
         assert [r["rank"] for r in reader] == ["0"]
+
+
+def test_rows_time_ratios_to_the_reference_and_the_clock() -> None:
+    """time_ratio_to_<reference>: quantiles of per-round ratios, per mode; the clock in config."""
+    ref = MethodResult(name="fused", clock="thread_cpu")
+    res = MethodResult(name="grouped_mm", clock="thread_cpu")
+    ref.times_s = {"fwd": [0.5, 1.0, 1.0], "bwd": [0.5, 3.0, 3.0], "full": [1.0, 4.0, 4.0]}
+    res.times_s = {"fwd": [1.0, 1.0, 2.0], "bwd": [3.0, 1.0, 6.0], "full": [4.0, 2.0, 8.0]}
+    rows = result_rows([res, ref], benchmark="experts", x_name="shape", x_value="conf3",
+                       config={"tokens": 256}, env=collect_environment(), reference="fused")
+    got = {(r["method"], r["metric"], r["mode"]): r for r in rows}
+    # full per round: 4, 0.5, 2 → median 2, where the ratio of the medians is 4 ÷ 4 = 1
+    full = got[("grouped_mm", "time_ratio_to_fused", "full")]
+    assert (full["unit"], full["p20"], full["p50"], full["p80"]) == ("ratio", "1.1", "2", "3.2")
+    fwd = got[("grouped_mm", "time_ratio_to_fused", "fwd")]  # per round 2, 1, 2
+    assert (fwd["p20"], fwd["p50"], fwd["p80"]) == ("1.4", "2", "2")
+    bwd = got[("grouped_mm", "time_ratio_to_fused", "bwd")]  # per round 6, 1/3, 2
+    assert (bwd["p20"], bwd["p50"], bwd["p80"]) == ("1", "2", "4.4")
+    assert [got[("fused", "time_ratio_to_fused", m)]["p50"] for m in MODES] == ["1"] * 3
+    assert got[("grouped_mm", "time", "full")]["p50"] == "4000"  # ms, the median of 4, 2, 8 s
+    assert all(json.loads(r["config_json"]) == {"clock": "thread_cpu", "tokens": 256}
+               for r in rows)
+
+
+def test_rows_without_a_reference_have_no_ratios() -> None:
+    rows = list(_rows(_result()))
+    assert not [key for key in rows if key.startswith("time_ratio")]
+    env = collect_environment()
+    missing_ref = result_rows([_result()], benchmark="experts", x_name="shape", x_value="c",
+                              config={}, env=env, reference="grouped_mm")
+    assert not [r for r in missing_ref if r["metric"].startswith("time_ratio")]
+    untimed = result_rows([MethodResult(name="fused"), _result()], benchmark="experts",
+                          x_name="shape", x_value="c", config={}, env=env, reference="fused")
+    ratios = {r["mode"]: r["p50"] for r in untimed if r["metric"] == "time_ratio_to_fused"}
+    assert ratios == dict.fromkeys(MODES, NOT_MEASURED)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from memfine._optional import is_available
-from memfine.bench.harness import MethodResult
+from memfine.bench.harness import MODES, MethodResult
 from memfine.bench.options import BenchOptions, resolve_shapes, table1_shape
-from memfine.bench.output import format_plain, table_rows
+from memfine.bench.output import clock_text, format_plain, table_rows
 from memfine.bench.results import CSV_COLUMNS, NOT_MODELLED
 from memfine.cli import bench
 from memfine.cli.main import main
@@ -77,7 +77,11 @@ def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
         assert rows["peak_bytes/full"]["unit"] == "bytes"
         assert rows["tokens_per_s/full"]["unit"] == "tokens/s"
         assert rows["time/full"]["threads"].isdigit()
-        assert json.loads(rows["time/full"]["config_json"])["tokens"] == 64
+        config = json.loads(rows["time/full"]["config_json"])
+        assert (config["tokens"], config["clock"]) == (64, "thread_cpu")  # one thread
+        assert rows["time_ratio_to_fused/full"]["unit"] == "ratio"
+        assert float(rows["time_ratio_to_fused/full"]["p50"]) > 0
+    assert {table["quick/fused"][f"time_ratio_to_fused/{m}"]["p50"] for m in MODES} == {"1"}
     # The memory model is exact on the CPU for the methods it covers.
     for name in ("plain", "grouped_mm", "fused", "fused_mact"):
         rows = table[f"quick/{name}"]
@@ -246,8 +250,26 @@ def test_table_rows_show_missing_and_failed() -> None:
     assert rows[0][1] == "failed: RuntimeError: strides"
     assert rows[1][1] == NOT_MEASURED and rows[1][5] == NOT_MEASURED
     assert rows[1][6] == NOT_MODELLED
+    assert clock_text(point.results) == "no clock"
     text = format_plain("title", ("a", "bb"), [("xxx", "y")])
     assert text.splitlines() == ["title", "a    bb", "xxx  y "]
+
+
+def test_table_ratio_is_the_median_of_per_round_ratios() -> None:
+    from memfine.bench.options import Point
+
+    fused = MethodResult(name="fused", clock="thread_cpu")
+    fused.times_s["full"] = [1.0, 4.0, 4.0]
+    gmm = MethodResult(name="grouped_mm", clock="thread_cpu")
+    gmm.times_s["full"] = [4.0, 2.0, 8.0]  # per round 4, 0.5, 2; p50s 4 ÷ 4 would read 1.00
+    point = Point(suite="experts", x_name="shape", x_value="c", label="c", config={},
+                  results=[fused, gmm], reference="fused")
+    assert [(r[0], r[1], r[3]) for r in table_rows(point)] == [
+        ("fused", "4000.0", "1.00"), ("grouped_mm", "4000.0", "2.00")]
+    assert clock_text(point.results) == "thread CPU time (time.thread_time)"
+    gmm.clock = "wall"
+    assert clock_text(point.results) == ("thread CPU time (time.thread_time), "
+                                         "wall clock (time.perf_counter)")
 
 
 def test_a_failing_method_makes_the_exit_code_non_zero(

@@ -6,11 +6,14 @@ each call creates its gradients as a training step does). :func:`run_methods` ru
 process: warm-up rounds; one memory call per method
 (:func:`memfine.measure.report.measure_memory`, plus a ``torch.profiler`` call on the CPU);
 then timed rounds, each call timed as forward (mode ``fwd``), backward (``bwd``) and the whole
-(``full``), with CUDA events on a GPU and ``time.perf_counter`` on the CPU. Every round calls
-the methods in *interleaved order* (round r starts at method r mod M), so a load change on a
-shared machine hits every method alike. A method that raises is recorded with its error and
-dropped. Predictions (``predict()``, typically :mod:`memfine.memory.layer`) are read after the
-calls, so they may depend on run-time decisions such as MACT's chunk count.
+(``full``), with CUDA events on a GPU and, on the CPU, the clock :func:`cpu_clock` picks:
+the calling thread's CPU time (``time.thread_time``) at one torch intra-op thread, which other
+processes on a shared machine do not inflate, else the wall clock. Every round calls the methods
+in *interleaved order* (round r starts at method r mod M), so a load change on a shared machine
+hits every method alike, and :func:`round_ratios` compares methods round by round. A method that
+raises is recorded with its error and dropped. Predictions (``predict()``, typically
+:mod:`memfine.memory.layer`) are read after the calls, so they may depend on run-time decisions
+such as MACT's chunk count.
 
 Units: seconds inside the harness (milliseconds from :meth:`MethodResult.time_ms`); bytes are
 ints; throughput in tokens/s. The harness takes callables and imports no other memfine layer.
@@ -33,6 +36,19 @@ QUANTILES = (0.2, 0.5, 0.8)
 # Errors a method may raise that the harness records instead of stopping the run (alignment
 # rules of torch._grouped_mm, out-of-memory, a backend missing on this device).
 METHOD_ERRORS = (RuntimeError, ValueError, NotImplementedError, ImportError)
+
+THREAD_CPU = "thread_cpu"
+WALL = "wall"
+CUDA_EVENTS = "cuda_events"
+GIVEN = "given"
+CLOCKS: dict[str, str] = {
+    THREAD_CPU: "thread CPU time (time.thread_time)",
+    WALL: "wall clock (time.perf_counter)",
+    CUDA_EVENTS: "CUDA events",
+    GIVEN: "a clock given to run_methods",
+}
+"""Clock name (:attr:`MethodResult.clock`, the CSV's ``config_json`` ``clock``) → description."""
+_KNOWN: dict[Callable[[], float], str] = {time.thread_time: THREAD_CPU, time.perf_counter: WALL}
 
 Value = int | float | None
 Extra = tuple[Value, str]
@@ -103,6 +119,8 @@ class MethodResult:
         predicted: ``saved_bytes``/``peak_bytes`` → predicted bytes (``None``: not modelled).
         extras: metric → (value, unit).
         error: ``"<Type>: <message>"`` when the method raised (it was then dropped).
+        clock: the name of the clock that timed the calls (a key of :data:`CLOCKS`); "" when
+            no call was timed.
     """
 
     name: str
@@ -113,6 +131,7 @@ class MethodResult:
         default_factory=lambda: {"saved_bytes": None, "peak_bytes": None})
     extras: dict[str, Extra] = field(default_factory=dict)
     error: str | None = None
+    clock: str = ""
 
     def time_ms(self, mode: str = "full") -> tuple[float, float, float] | None:
         """(p20, p50, p80) of ``mode`` in milliseconds; ``None`` when not measured."""
@@ -168,6 +187,45 @@ def _p20_p50_p80(values: Sequence[float]) -> tuple[float, float, float] | None:
     return p20, p50, p80
 
 
+def round_ratios(result: MethodResult, reference: MethodResult, mode: str = "full"
+                 ) -> tuple[float, float, float] | None:
+    """(p20, p50, p80) over the timed rounds of ``result``'s time ÷ ``reference``'s time.
+
+    Each round's ratio divides the two methods' times of that round, so a load change that hits
+    one round hits both of its times; the quantiles are taken over these per-round ratios (not a
+    ratio of the two medians). Rounds line up by index: a method that raises stops recording, so
+    each list of times is a prefix of the rounds, and only the rounds both methods ran count. A
+    round whose reference time is 0 has no ratio and is left out.
+
+    Args:
+        result: the method compared.
+        reference: the baseline (``result`` itself gives 1 in every round).
+        mode: ``fwd``, ``bwd`` or ``full``.
+
+    Returns:
+        The quantiles (:data:`QUANTILES`), or ``None`` when no round has both times.
+    """
+    pairs = zip(result.times_s.get(mode, []), reference.times_s.get(mode, []), strict=False)
+    return _p20_p50_p80([t / base for t, base in pairs if base > 0])
+
+
+def cpu_clock(threads: int | None = None) -> tuple[str, Callable[[], float]]:
+    """The clock of CPU timings at ``threads`` torch intra-op threads: ``(name, clock)``.
+
+    One thread: the calling thread's CPU time (:data:`THREAD_CPU`, ``time.thread_time``), which
+    other processes on a shared machine do not inflate. More threads: the wall clock
+    (:data:`WALL`, ``time.perf_counter``), named as such: thread CPU time counts the calling
+    thread only and would leave out the intra-op workers' share of the work (a share that
+    differs per method), and process CPU time would count the workers' spin-waiting and hide
+    any parallel speed-up.
+
+    Args:
+        threads: the intra-op threads; ``None`` reads ``torch.get_num_threads()``.
+    """
+    threads = torch.get_num_threads() if threads is None else threads
+    return (THREAD_CPU, time.thread_time) if threads == 1 else (WALL, time.perf_counter)
+
+
 def interleaved_order(names: Sequence[str], round_index: int) -> list[str]:
     """The call order of round ``round_index``: start at ``round_index mod M``, wrap around."""
     if not names:
@@ -182,7 +240,9 @@ class _Stopwatch:
     def __init__(self, device: torch.device, clock: Callable[[], float] | None) -> None:
         self.cuda = device.type == "cuda" and clock is None
         self.device = device
-        self.clock = clock or time.perf_counter
+        self.name, self.clock = cpu_clock() if clock is None else (_KNOWN.get(clock, GIVEN), clock)
+        if self.cuda:
+            self.name = CUDA_EVENTS
 
     def start(self) -> Any:
         if self.cuda:
@@ -254,6 +314,7 @@ class _Run:
             for name in interleaved_order(self.live, r):
                 fwd_bwd = self.attempt(name, lambda m: _timed_call(m, self.watch))
                 if record and fwd_bwd is not None:
+                    self.results[name].clock = self.watch.name
                     times = self.results[name].times_s
                     times["fwd"].append(fwd_bwd[0])
                     times["bwd"].append(fwd_bwd[1])
@@ -293,11 +354,14 @@ def run_methods(methods: Sequence[Method], *, repeats: int, warmup: int = 1,
         repeats: timed rounds (≥ 1).
         warmup: untimed rounds first (≥ 0).
         device: device of the work; ``cuda`` devices are timed with CUDA events and measured
-            with the allocator statistics.
+            with the allocator statistics; CPU work with :func:`cpu_clock` at torch's current
+            intra-op threads (thread CPU time at one thread, else the wall clock).
         measure: run the memory measurement calls (off CUDA: one per method under its
             :attr:`Method.peak` measurement, plus one under ``torch.profiler`` for a
             ``tracker`` method; the profiler's peak is the extra ``profiler_peak_bytes``).
-        clock: a clock in seconds replacing ``time.perf_counter`` (and CUDA events); for tests.
+        clock: a clock in seconds replacing :func:`cpu_clock`'s (and CUDA events), recorded
+            under its name in :data:`CLOCKS` (``time.thread_time``, ``time.perf_counter``),
+            else as :data:`GIVEN`; for tests and scripts that fix their clock.
 
     Returns:
         One :class:`MethodResult` per method, in the order given.

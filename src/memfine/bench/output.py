@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from memfine._optional import is_available, pyplot
-from memfine.bench.harness import MethodResult
+from memfine.bench.harness import CLOCKS, MethodResult, round_ratios
 from memfine.bench.options import Point
 from memfine.bench.results import NOT_MODELLED
 from memfine.units import NOT_MEASURED, MiB
@@ -34,7 +34,6 @@ def table_rows(point: Point) -> list[tuple[str, ...]]:
     """One row of strings per method (:data:`HEADERS` order)."""
     by_name = {r.name: r for r in point.results}
     ref = by_name.get(point.reference)
-    ref_time = ref.time_ms() if ref is not None else None
     ref_peak = ref.peak_bytes if ref is not None else None
     rows = []
     for res in point.results:
@@ -45,11 +44,12 @@ def table_rows(point: Point) -> list[tuple[str, ...]]:
         tps = res.tokens_per_s()
         chunks = res.extras.get("num_chunks", (None, ""))[0]
         profiled = res.extras.get("profiler_peak_bytes", (None, ""))[0]
+        per_round = round_ratios(res, ref) if ref is not None else None
         rows.append((
             res.name,
             NOT_MEASURED if t is None else f"{t[1]:.1f}",
             "" if t is None else f"{t[0]:.1f}-{t[2]:.1f}",
-            _ratio(t[1] if t else None, ref_time[1] if ref_time else None),
+            "-" if per_round is None else f"{per_round[1]:.2f}",
             NOT_MEASURED if tps is None else f"{tps[1]:.0f}",
             _mib(res.saved_bytes), _mib(res.predicted.get("saved_bytes"), NOT_MODELLED),
             _mib(res.peak_bytes), _mib(profiled if isinstance(profiled, int) else None),
@@ -86,9 +86,16 @@ def print_point(point: Point) -> None:
         Console(width=160).print(table)
     else:
         print(format_plain(title, HEADERS, rows))
-    print(f"fwd+bwd: p50 over repeats; ÷ ref: against '{point.reference}'; peak: live tracker "
+    print(f"fwd+bwd: p50 over repeats, timed with {clock_text(point.results)}; ÷ ref: median "
+          f"over rounds of the time ÷ '{point.reference}''s in the same round; peak: live tracker "
           "(*_compiled: torch.profiler); profiler: torch.profiler's allocator events; model "
           "MiB: the memory model's prediction; c: chunks")
+
+
+def clock_text(results: Sequence[MethodResult]) -> str:
+    """The clock(s) that timed ``results``, described (:data:`CLOCKS`); "no clock" if none."""
+    names = list(dict.fromkeys(r.clock for r in results if r.clock))
+    return ", ".join(CLOCKS.get(n, n) for n in names) or "no clock"
 
 
 def _save(plt: Any, fig: Any, title: str, path: Path) -> Path:
@@ -148,6 +155,7 @@ def plot_time(plt: Any, points: Sequence[Point], path: Path) -> Path:
 
     _bars(ax, points, names, p50, errors=lambda r: (r.time_ms()[0], r.time_ms()[2]))
     ax.set_ylabel("forward + backward, ms (p50; whiskers p20-p80)")
+    ax.set_title(clock_text([r for p in points for r in p.results]), fontsize=9)
     ax.legend(fontsize=8, ncol=3)
     return _save(plt, fig, f"memfine bench {points[0].suite}: time", path)
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from memfine.bench.harness import MODES, MethodResult, Value
+from memfine.bench.harness import MODES, MethodResult, Value, round_ratios
 from memfine.environment import Environment
 from memfine.environment import collect_environment as collect_environment
 from memfine.units import NOT_MEASURED
@@ -42,10 +42,14 @@ def _ratio(num: int | None, den: int | None) -> float | None:
     return None if num is None or not den else num / den
 
 
-def _metrics(res: MethodResult) -> list[tuple[str, str, str, tuple[Value, ...] | Value]]:
+def _metrics(res: MethodResult, ref: MethodResult | None
+             ) -> list[tuple[str, str, str, tuple[Value, ...] | Value]]:
     """(metric, mode, unit, values) of one result; values a (p20, p50, p80) or one value."""
     rows: list[tuple[str, str, str, tuple[Value, ...] | Value]] = [
         ("time", mode, "ms", res.time_ms(mode)) for mode in MODES]
+    if ref is not None:
+        rows += [(f"time_ratio_to_{ref.name}", mode, "ratio", round_ratios(res, ref, mode))
+                 for mode in MODES]
     rows.append(("tokens_per_s", "full", "tokens/s", res.tokens_per_s()))
     for item, mode in (("saved_bytes", "fwd"), ("peak_bytes", "full")):
         measured = getattr(res, item)
@@ -88,13 +92,19 @@ def csv_row(*, benchmark: str, method: str, mode: str, metric: str, unit: str, x
 
 
 def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str, x_value: object,
-                config: Mapping[str, Any], env: Environment) -> list[dict[str, str]]:
+                config: Mapping[str, Any], env: Environment, reference: str | None = None
+                ) -> list[dict[str, str]]:
     """CSV rows (:data:`CSV_COLUMNS`) of one benchmark point, one row per method and metric.
 
-    Metrics: ``time`` (ms; modes fwd, bwd, full), ``tokens_per_s`` (tokens/s), ``saved_bytes``
+    Metrics: ``time`` (ms; modes fwd, bwd, full), with a reference
+    ``time_ratio_to_<reference>`` (ratio; modes fwd, bwd, full: p20/p50/p80 over the rounds of
+    the method's time ÷ the reference's in the same round,
+    :func:`memfine.bench.harness.round_ratios`), ``tokens_per_s`` (tokens/s), ``saved_bytes``
     and ``peak_bytes`` (bytes), each with ``*_predicted`` (bytes) and
     ``*_predicted_over_measured`` (ratio), then the method's extras. A single value fills p20,
     p50 and p80. Missing values read ``not measured``; missing predictions ``not modelled``.
+    A timed method's rows carry its clock in ``config_json`` (``clock``: a key of
+    :data:`memfine.bench.harness.CLOCKS`).
 
     Args:
         results: from :func:`run_methods`.
@@ -103,13 +113,18 @@ def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str,
         x_value: this point's value.
         config: the point's configuration (shapes, dtype, budget, ...), written as JSON.
         env: from :func:`collect_environment`.
+        reference: the method the time ratios are taken against; ``None`` (or a method not in
+            ``results``) writes no ratio rows.
     """
+    results = list(results)
+    ref = next((r for r in results if r.name == reference), None)
     rows = []
     for res in results:
-        for metric, mode, unit, values in _metrics(res):
+        clocked = {**config, "clock": res.clock} if res.clock else config
+        for metric, mode, unit, values in _metrics(res, ref):
             rows.append(csv_row(benchmark=benchmark, method=res.name, mode=mode,
                                 metric=metric, unit=unit, x_name=x_name, x_value=x_value,
-                                values=values, config=config, env=env,
+                                values=values, config=clocked, env=env,
                                 missing=NOT_MODELLED if "_predicted" in metric else NOT_MEASURED))
     return rows
 
