@@ -18,6 +18,7 @@ from test_function import make_problem
 from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
+    MIN_BLOCK_ROWS,
     ChunkConfig,
     MoEConfig,
     backward_block_rows,
@@ -39,6 +40,19 @@ def _row_bytes(d: int, n: int, G: int, dtype_bytes: int) -> int:
 def test_block_rows_from_bytes() -> None:
     assert backward_block_rows(_row_bytes(8, 4, 8, 4) * 3 + 5, 8, 4, 8, 4) == 3
     assert backward_block_rows(1, 8, 4, 8, 4) == 1  # never 0 rows
+
+
+def test_default_sized_blocks_hold_at_least_min_block_rows() -> None:
+    # d 1024, n 4096 gated fp32: a row is 92 KiB, so 16 MiB alone would give 178 rows
+    d, n = 1024, 4096
+    row = _row_bytes(d, n, 2 * n, 4)
+    assert DEFAULT_BACKWARD_BLOCK_BYTES // row == 178
+    for target in (None, DEFAULT_BACKWARD_BLOCK_BYTES, 64 * 2**20):
+        assert backward_block_rows(target, d, n, 2 * n, 4) == MIN_BLOCK_ROWS
+    assert backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES - 1, d, n, 2 * n, 4) == 178
+    assert backward_block_rows(4 * 2**20, d, n, 2 * n, 4) == 44  # small targets as they are
+    # a layer whose 16 MiB already holds more rows is unchanged (d 512, n 128: 1,928 rows)
+    assert backward_block_rows(None, 512, 128, 256, 4) == 16 * 2**20 // _row_bytes(512, 128, 256, 4)
 
 
 def test_default_block_is_sized_from_the_device() -> None:

@@ -31,6 +31,7 @@ from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
+    MIN_BLOCK_ROWS,
     GatedActivation,
     MoEConfig,
     backward_block_rows,
@@ -41,6 +42,7 @@ from memfine.config.routing import RouteOptions
 __all__ = [
     "CUDA_BACKWARD_BLOCK_BYTES",
     "DEFAULT_BACKWARD_BLOCK_BYTES",
+    "MIN_BLOCK_ROWS",
     "GATED_ACTIVATIONS",
     "MAX_BIN",
     "RECOMPUTE_MODES",

@@ -93,6 +93,17 @@ def default_block_bytes(device_type: str) -> int:
     return DEFAULT_BACKWARD_BLOCK_BYTES if device_type == "cpu" else CUDA_BACKWARD_BLOCK_BYTES
 
 
+MIN_BLOCK_ROWS = 1024
+"""Rows a block of a byte target ≥ :data:`DEFAULT_BACKWARD_BLOCK_BYTES` holds at least.
+
+A block boundary inside an expert's rows splits that expert's products in two, and each piece
+of its weight gradient reads and writes the expert's whole (d, G) and (n, d) matrices: a fixed
+cost per boundary against a block's B rows of work. At wide layers (16 MiB is 178 rows at
+d 1024, n 4096) that cost was 6-8% of the layer's time at the experts suite's small T
+(``benchmarks/profile_experts.py``); 1,024 rows keep it near 1%. Smaller targets (as tests
+use to force many blocks) are taken as they are."""
+
+
 def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_size: int,
                         up_width: int, dtype_bytes: int, device_type: str = "cpu") -> int:
     """Rows per block of the streamed fused forward and backward for a byte target.
@@ -111,14 +122,18 @@ def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_
         device_type: the activations' device type (used when ``block_bytes`` is None).
 
     Returns:
-        ⌊block_bytes / row bytes⌋, at least 1.
+        ⌊block_bytes / row bytes⌋, at least 1, and at least :data:`MIN_BLOCK_ROWS` when the
+        target is :data:`DEFAULT_BACKWARD_BLOCK_BYTES` or more (the defaults of every device).
 
     Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
     """
     if block_bytes is None:
         block_bytes = default_block_bytes(device_type)
     row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
-    return max(1, block_bytes // row_bytes)
+    rows = max(1, block_bytes // row_bytes)
+    if block_bytes >= DEFAULT_BACKWARD_BLOCK_BYTES:
+        rows = max(rows, MIN_BLOCK_ROWS)
+    return rows
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

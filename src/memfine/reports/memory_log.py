@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from memfine.config import TrainConfig
+from memfine.config import MoEConfig, TrainConfig
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
 from memfine.memory.layer import MemoryBreakdown as MoELayerMemory
 from memfine.memory.layer import moe_layer_memory
@@ -43,6 +43,11 @@ ADAM_MOMENTS = 2  # AdamW keeps exp_avg and exp_avg_sq per parameter, in the par
 def _dtype_bytes(config: TrainConfig) -> int:
     """D_t, bytes per element of the run's dtype."""
     return int(getattr(torch, config.dtype).itemsize)
+
+
+def _moe(config: TrainConfig) -> MoEConfig:
+    """The run's MoE config as its device runs it (row blocks, :meth:`MoEConfig.for_device`)."""
+    return config.model.moe.for_device(torch.device(config.device).type)
 
 
 @contextlib.contextmanager
@@ -88,7 +93,7 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
     """
     if num_tokens < num_chunks:
         return None
-    return moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
+    return moe_layer_memory(_moe(config), num_tokens, _dtype_bytes(config),
                             num_chunks=num_chunks,
                             recompute=recompute or config.model.chunk.resolved_recompute
                             ).peak_bytes
@@ -134,8 +139,8 @@ def predicted_run_bytes(config: TrainConfig, total_parameters: int, num_tokens: 
     chunk = config.model.chunk
     c, dt, mode = min(chunk.num_chunks, num_tokens), _dtype_bytes(config), chunk.resolved_recompute
     layer: MoELayerMemory | LoRALayerMemory = (
-        moe_layer_memory(config.model.moe, num_tokens, dt, num_chunks=c, recompute=mode)
-        if config.lora is None else lora_layer_memory(config.model.moe, config.lora, num_tokens,
+        moe_layer_memory(_moe(config), num_tokens, dt, num_chunks=c, recompute=mode)
+        if config.lora is None else lora_layer_memory(_moe(config), config.lora, num_tokens,
                                                       dt, num_chunks=c, recompute=mode))
     peak_above_saved = layer.peak_bytes - layer.saved_bytes
     if chunk.memory_budget_bytes is not None:

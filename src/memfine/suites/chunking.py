@@ -84,7 +84,7 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
     dt = torch.empty((), dtype=dtype).element_size()
     worst_tokens = shape.tokens * opts.skew_levels[-1]
     budget = opts.budget_bytes or budget_for_rows(
-        moe, worst_tokens, dt, math.ceil(worst_tokens * moe.top_k / BINS[-1]))
+        moe, worst_tokens, dt, math.ceil(worst_tokens * moe.top_k / BINS[-1]), device.type)
     base = base_layer(moe, dtype=dtype, device=device, seed=opts.seed)
     chunks = chunk_configs(budget)
     for skew in opts.skew_levels:

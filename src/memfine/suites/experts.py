@@ -187,7 +187,8 @@ def build_methods(shape: LayerShape, opts: BenchOptions, device: torch.device,
     dtype = opts.torch_dtype
     base = base_layer(moe, dtype=dtype, device=device, seed=opts.seed)
     x_TD, grad_TD = layer_inputs(shape, dtype=dtype, device=device, seed=opts.seed)
-    budget = opts.budget_bytes or half_rows_budget(moe, shape.tokens, x_TD.element_size())
+    budget = opts.budget_bytes or half_rows_budget(moe, shape.tokens, x_TD.element_size(),
+                                                   x_TD.device.type)
     setup = ShapeSetup(moe=moe, base=base, budget_bytes=budget)
     methods = []
     for name in names:

@@ -108,7 +108,7 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
     moe = config.moe
     dtype = opts.torch_dtype
     dt = torch.empty((), dtype=dtype).element_size()
-    budget = opts.budget_bytes or half_rows_budget(config.moe, batch * seq, dt)
+    budget = opts.budget_bytes or half_rows_budget(config.moe, batch * seq, dt, device.type)
     gen = torch.Generator().manual_seed(opts.seed + 1)
     data_BQ = torch.randint(0, config.vocab_size, (batch, seq + 1), generator=gen).to(device)
     torch.manual_seed(opts.seed)
