@@ -93,15 +93,17 @@ def default_block_bytes(device_type: str) -> int:
     return DEFAULT_BACKWARD_BLOCK_BYTES if device_type == "cpu" else CUDA_BACKWARD_BLOCK_BYTES
 
 
-MIN_BLOCK_ROWS = 1024
+MIN_BLOCK_ROWS = 512
 """Rows a block of a byte target ≥ :data:`DEFAULT_BACKWARD_BLOCK_BYTES` holds at least.
 
 A block boundary inside an expert's rows splits that expert's products in two, and each piece
 of its weight gradient reads and writes the expert's whole (d, G) and (n, d) matrices: a fixed
-cost per boundary against a block's B rows of work. At wide layers (16 MiB is 178 rows at
-d 1024, n 4096) that cost was 6-8% of the layer's time at the experts suite's small T
-(``benchmarks/profile_experts.py``); 1,024 rows keep it near 1%. Smaller targets (as tests
-use to force many blocks) are taken as they are."""
+cost per boundary against a block's B rows of work. At wide layers 16 MiB holds few rows (178 at
+d 1024, n 4096 in fp32), and the boundaries cost 6-8% of the experts suite's layer time there
+(``benchmarks/profile_experts.py``). 512 rows leave every layer whose 16 MiB holds more rows
+unchanged (the coarse d 512, n 1024 layer: 630) and keep the fused peak below the copies-based
+layers' at the suite's shapes, where 1,024 rows did not. Smaller targets (as tests use to force
+many blocks) are taken as they are."""
 
 
 def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_size: int,
