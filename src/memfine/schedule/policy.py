@@ -142,10 +142,10 @@ class ChunkPolicy:
         self.moe = moe
         self.last_decision: ChunkDecision | None = None
         self._warned = False
-        # (T, D_t, recompute, c) → exact timeline peak; a training step repeats one T.
-        self._peaks: dict[tuple[int, int, str, int], int] = {}
-        self._row_bytes: dict[tuple[int, str], int] = {}
-        self._limits: dict[tuple[int, str], tuple[int, ...]] = {}
+        # (T, D_t, recompute, c, device type) → exact timeline peak; a training step repeats one T.
+        self._peaks: dict[tuple[int, int, str, int, str], int] = {}
+        self._row_bytes: dict[tuple[int, str, str], int] = {}
+        self._limits: dict[tuple[int, str, str], tuple[int, ...]] = {}
         self.key = next(_KEYS)
         _POLICIES[self.key] = self
 
