@@ -198,7 +198,12 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
-    """Fold the adapters into the base weights: W + s·(B·A)ᵀ per expert; a plain module back."""
+    """Fold the adapters into the base weights: W + s·(B·A)ᵀ per expert; a plain module back.
+
+    The merged ``w_up`` / ``w_down`` keep the base weights' ``requires_grad`` (False: frozen, as
+    under the adapters), so merging changes no parameter's trainability; call
+    ``requires_grad_(True)`` on the result to train the merged weights.
+    """
     out = GroupedExperts(experts.config, init_std=experts.init_std, depth=experts.depth)
     out = out.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
     s = experts.lora.scale
@@ -209,6 +214,8 @@ def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
         down += s * torch.einsum("ern,edr->end", experts.lora_a_down, experts.lora_b_down)
     out.w_up.copy_(up)
     out.w_down.copy_(down)
+    out.w_up.requires_grad_(experts.w_up.requires_grad)
+    out.w_down.requires_grad_(experts.w_down.requires_grad)
     return out
 
 
@@ -216,7 +223,8 @@ def merge_model_lora_(model: nn.Module) -> int:
     """Fold every MoE layer's adapters into its base weights, in place (:func:`merge_lora_`).
 
     The layers get plain :class:`GroupedExperts` back, so the model's ``state_dict`` is that of
-    a model without adapters. Returns the number of layers merged.
+    a model without adapters; their weights stay frozen as under the adapters (every other
+    parameter's ``requires_grad`` is left as it is). Returns the number of layers merged.
     """
     from memfine.nn.moe import MoELayer
 
