@@ -76,8 +76,8 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
             value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
             run than the checkpoint's, or ``--init-from`` naming another base run than a LoRA
-            checkpoint's (:func:`_check_same_base`); a flag that changes a value resume may not change
-            (naming the flag first); a flag that changes ``--init-from``'s architecture;
+            checkpoint's (:func:`_check_same_base`); a flag that changes a value resume may not
+            change (naming the flag first); a flag that changes ``--init-from``'s architecture;
             ``--num-chunks`` given with a memory budget (:func:`_check_one_chunk_setting`).
     """
     if given(args, "config"):
