@@ -125,3 +125,24 @@ def test_replaced_adapter_of_another_shape_is_named(name: str, shape: tuple[int,
     with pytest.raises(ValueError) as err:
         layer(torch.randn(6, D))
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("train_attention", [False, True])
+def test_shared_experts_are_frozen_unless_train_attention(train_attention: bool) -> None:
+    """As apply_lora on a model: what is not adapted is frozen unless a flag trains it."""
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K,
+                       num_shared_experts=1, shared_expert_gate=True)
+    lora = LoRAConfig(rank=2, train_attention=train_attention)
+    layer = MoELayer(config, lora=lora)
+    shared = {"shared_experts.experts.w_up", "shared_experts.experts.w_down",
+              "shared_experts.gate"}
+    trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+    assert trainable == {f"experts.lora_{ab}_{w}" for ab in "ab" for w in ("up", "down")} | (
+        shared if train_attention else set())
+    grads = _grads(layer, torch.randn(12, D, requires_grad=True))
+    assert shared <= grads.keys() if train_attention else not shared & grads.keys()
+    model = torch.nn.Sequential(MoELayer(config))
+    apply_lora(model, lora)  # the model level agrees
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"0.{n}" for n in trainable}

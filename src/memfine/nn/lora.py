@@ -181,13 +181,14 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
     for layer in layers:
         layer.experts = lora_experts_from(layer.experts, lora)
     router_ids = {id(p) for m in layers for p in m.router.parameters()}
+    routed_ids = {id(p) for m in layers for p in m.experts.parameters()}
     for name, param in model.named_parameters():
         if name.rsplit(".", 1)[-1].startswith(ADAPTER_PREFIX):
             param.requires_grad_(True)
         elif id(param) in router_ids:
             param.requires_grad_(lora.train_router)
-        else:
-            param.requires_grad_(lora.train_attention and ".experts." not in f".{name}")
+        else:  # the routed experts' base weights stay frozen; shared experts as attention
+            param.requires_grad_(lora.train_attention and id(param) not in routed_ids)
     return len(layers)
 
 
