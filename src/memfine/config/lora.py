@@ -34,7 +34,8 @@ class LoRAConfig(_ConfigBase):
             path never sees dropout); 0 disables it.
         targets: adapted expert weights, a non-empty subset of ``("w_up", "w_down")``.
         train_router: also train the router (the base weights stay frozen otherwise).
-        train_attention: also train attention and norms (language-model training only).
+        train_attention: also train attention, norms, embeddings and shared experts (on a
+            single :class:`memfine.nn.MoELayer`: its shared experts and their gate).
     """
 
     rank: int = 8

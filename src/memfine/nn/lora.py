@@ -164,8 +164,9 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
     """Give every MoE layer of ``model`` expert adapters and freeze the rest as ``lora`` says.
 
     Every parameter is frozen except the adapters, the routers when ``lora.train_router``, and
-    everything outside the experts and routers (attention, norms, embeddings, shared experts)
-    when ``lora.train_attention``.
+    everything outside the routed experts and routers (attention, norms, embeddings, shared
+    experts and their gate) when ``lora.train_attention``; the routed experts' base weights
+    stay frozen.
 
     Returns:
         The number of MoE layers adapted.
