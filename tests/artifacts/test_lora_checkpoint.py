@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.checkpoint import load_checkpoint
+from memfine.artifacts.checkpoint import LoRABaseError, load_checkpoint
 from memfine.artifacts.inference import load_trained
 from memfine.artifacts.lora_base import content_hash
 from memfine.config.lora import LoRAConfig
@@ -82,8 +82,15 @@ def test_resume_continues_and_a_changed_base_is_one_line(runs: tuple[Path, Path]
     state["model"][first] = state["model"][first] + 1
     torch.save(state, tmp_path / "base" / "checkpoint.pt")
     assert content_hash(tmp_path / "base" / "checkpoint.pt") != payload["base"]["sha256"]
-    with pytest.raises(ValueError, match=r"changed since the adapters were trained") as err:
+    now = content_hash(tmp_path / "base" / "checkpoint.pt")
+    message = (f"checkpoint '{tmp_path / 'ft' / 'checkpoint.pt'}': its LoRA base run "
+               f"'{tmp_path / 'base'}' changed since the adapters were trained: the base "
+               f"checkpoint '{tmp_path / 'base' / 'checkpoint.pt'}' had sha256 "
+               f"{payload['base']['sha256'][:12]}…, now {now[:12]}…; restore it, or start a new "
+               f"run with --init-from")
+    with pytest.raises(LoRABaseError) as err:
         _run(_config(max_steps=4, lora=LoRAConfig(rank=2)), tmp_path / "ft", resume=True)
-    assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match=r"changed since the adapters were trained"):
+    assert str(err.value) == message  # the base changed, not the checkpoint's config
+    with pytest.raises(LoRABaseError) as err:
         load_trained(tmp_path / "ft")
+    assert str(err.value) == message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -106,7 +107,8 @@ def test_export_writes_the_adapters_and_the_merged_model(
 
     with safe_open(str(tmp_path / "adapters.safetensors"), framework="pt") as f:
         assert all(".lora_" in key for key in f.keys())  # noqa: SIM118 (not a dict)
-        assert len(list(f.keys())) == 8
+        names = list(f.keys())  # noqa: SIM118 (not a dict)
+    assert len(names) == 8 and "blocks.0.moe.experts.lora_a_up" in names
     assert main(["export", "--out", str(tuned), "--merged",
                  "--to", str(tmp_path / "merged.safetensors")]) == 0
     merged = load_safetensors(tmp_path / "merged.safetensors")
@@ -145,6 +147,9 @@ BAD = [
     pytest.param(lambda b: ["--lora-rank", "2", "--lora-targets", "w_gate", "--init-from",
                             str(b)], "--lora-targets must be a non-empty subset of ('w_up', "
                  "'w_down'), got w_gate", id="unknown_target"),
+    pytest.param(lambda b: ["--lora-rank", "2", "--lora-targets", "w_up,w_up", "--init-from",
+                            str(b)], "--lora-targets must be a subset of ('w_up', 'w_down') "
+                 "without duplicates, got w_up,w_up$", id="duplicate_target"),
 ]
 
 
@@ -157,7 +162,9 @@ def test_bad_lora_input_is_one_line_exit_2(base: Path, tmp_path: Path,
         main(["train", *FAST, "--out", str(out), *make_args(base)])
     assert info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith(f"memfine train: error: {message}") and "\n" not in err
+    if message.endswith("$"):  # the whole message
+        assert err == f"memfine train: error: {message[:-1]}"
+    assert err.startswith(f"memfine train: error: {message.rstrip('$')}") and "\n" not in err
     assert not out.exists()
 
 
@@ -172,6 +179,41 @@ def test_lora_flags_on_resume(base: Path, tuned: Path,
             main(["train", "--resume", "--out", str(run_dir), "--max-steps", "9", *args])
         assert info.value.code == 2
         assert capsys.readouterr().err.strip() == f"memfine train: error: {message}"
+
+
+def test_resume_refuses_another_init_from(base: Path, tuned: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """--resume keeps the checkpoint's frozen base: another --init-from run is a usage error."""
+    other, again = tmp_path / "other", tmp_path / "again"
+    shutil.copytree(base, other)  # another base run directory
+    assert main(["train", "--resume", "--max-steps", "4", "--out", str(other), "--no-progress",
+                 "--threads", "1"]) == 0  # ... with other weights
+    with pytest.raises(SystemExit) as info:
+        main(["train", *FAST, *LORA, "--resume", "--max-steps", "9", "--init-from", str(other),
+              "--out", str(tuned)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"memfine train: error: --init-from cannot change on --resume (the checkpoint in "
+        f"'{tuned}' has --init-from '{base.resolve()}', the frozen base of its LoRA adapters, "
+        f"got '{other.resolve()}')")
+    # the original command repeated with --resume passes (the same directory, spelled otherwise)
+    shutil.copytree(tuned, again)
+    assert main(["train", *FAST, *LORA, "--resume", "--max-steps", "5", "--init-from",
+                 str(base / ".." / base.name), "--out", str(again)]) == 0
+    assert load_checkpoint(again / "checkpoint.pt")["step"] == 5
+
+
+def test_resume_with_another_preset_and_init_from_names_both(
+        base: Path, tuned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["train", *LORA, "--resume", "--preset", "small", "--init-from", str(base),
+              "--max-steps", "9", "--out", str(tuned)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"memfine train: error: --preset and --init-from start another run "
+                          f"than the checkpoint in '{tuned}' (checkpoint -> --preset and "
+                          f"--init-from: ")
+    assert err.endswith("drop --preset and --init-from or give the original ones")
 
 
 def test_export_merged_needs_a_lora_run(base: Path, capsys: pytest.CaptureFixture[str]) -> None:

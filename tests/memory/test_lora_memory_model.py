@@ -1,7 +1,8 @@
 """The LoRA MoE layer's memory model against measurement: saved bytes and peaks exact.
 
 Protocol and measurement as tests/memory/test_layer.py (``measure_layer``). The layer is
-MoELayer(lora=...): frozen base and router (unless trained), per-expert adapters, split LoRA.
+MoELayer(lora=...): frozen base, router (unless trained) and shared experts (unless
+``train_attention``), per-expert adapters, split LoRA.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ GRID = [
                  {"block_bytes": 3000, "targets": ("w_up",)}, id="fp32-row-blocks-c2-up-only"),
     pytest.param(BF16, 72, 32, 64, 8, 2, False, 2, "experts", {"block_bytes": 2048},
                  id="bf16-row-blocks-c2-experts"),
+    # shared experts: frozen (no weight gradients, A not recomputed without a gate) unless
+    # train_attention
+    pytest.param(F32, 64, 32, 64, 8, 2, False, 1, "none", {"shared": 1}, id="fp32-shared"),
+    pytest.param(F32, 64, 32, 64, 8, 2, True, 2, "experts", {"shared": 1, "gate": True},
+                 id="fp32-shared-gate-c2-experts"),
+    pytest.param(BF16, 32, 16, 16, 8, 2, False, 1, "none", {"shared": 1, "gate": True},
+                 id="bf16-shared-gate"),
+    pytest.param(F32, 64, 32, 64, 8, 2, False, 1, "none",
+                 {"shared": 1, "gate": True, "train_attention": True},
+                 id="fp32-shared-gate-trained"),
 ]
 
 
@@ -55,7 +66,9 @@ def test_lora_layer_model_equals_measurement(dtype: torch.dtype, T: int, d: int,
     moe = MoEConfig(hidden_size=d, intermediate_size=n, num_experts=E, top_k=k,
                     renormalize=True, skew_hot_experts=k if skewed else 0,
                     skew_bias=100.0 if skewed else 0.0,
-                    backward_block_bytes=kw.pop("block_bytes", None))  # type: ignore[arg-type]
+                    backward_block_bytes=kw.pop("block_bytes", None),  # type: ignore[arg-type]
+                    num_shared_experts=kw.pop("shared", 0),  # type: ignore[arg-type]
+                    shared_expert_gate=kw.pop("gate", False))  # type: ignore[arg-type]
     lora = LoRAConfig(**{"rank": 4, **kw})  # type: ignore[arg-type]
     measured = measure_layer(moe, T, dtype, c, recompute, lora)
     predicted = lora_layer_memory(moe, lora, T, dtype.itemsize, num_chunks=c,

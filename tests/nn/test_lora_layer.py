@@ -8,7 +8,7 @@ import torch
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.nn import MoELayer
-from memfine.nn.lora import LoRAGroupedExperts, apply_lora, merge_lora_
+from memfine.nn.lora import LoRAGroupedExperts, apply_lora, merge_lora_, merge_model_lora_
 from memfine.reference import reference_experts
 from tolerances import assert_chunked_close, assert_close
 
@@ -89,3 +89,60 @@ def test_bad_config_is_one_line_error(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message) as err:
         MoELayer(config, lora=LoRAConfig(**kwargs))
     assert "\n" not in str(err.value)
+
+
+def test_merging_keeps_the_base_weights_frozen() -> None:
+    """After merge_model_lora_ nothing is trainable that was frozen under the adapters."""
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
+    model = torch.nn.Sequential(MoELayer(config))
+    apply_lora(model, LoRAConfig(rank=2, train_router=True))
+    assert merge_model_lora_(model) == 1
+    assert type(model[0].experts).__name__ == "GroupedExperts"
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable == {"0.router.weight"}  # the trained router stays trained, w_* frozen
+    experts = _layer().experts
+    experts.w_up.requires_grad_(True)  # a trainable base stays trainable
+    merged = merge_lora_(experts)
+    assert merged.w_up.requires_grad and not merged.w_down.requires_grad
+
+
+@pytest.mark.parametrize(("name", "shape", "message"), [
+    ("lora_a_up", (E, 1, D), "ExpertLoRA.a_up (4, 1, 16) has rank 1 while b_up (4, 24, 3) has "
+     "rank 3: A (E, r, d_in) and B (E, d_out, r) of one adapter must have the same r"),
+    ("lora_b_down", (E, D, 2), "ExpertLoRA.a_down (4, 3, 12) has rank 3 while b_down "
+     "(4, 16, 2) has rank 2: A (E, r, d_in) and B (E, d_out, r) of one adapter must have the "
+     "same r"),
+    ("lora_a_up", (E, 3, D + 1), "ExpertLoRA.a_up must be (E, r, d_in)=(4, r, 16), got "
+     "(4, 3, 17)"),
+    ("lora_b_up", (E, 2 * N + 1, 3), "ExpertLoRA.b_up must be (E, d_out, r)=(4, 24, r), got "
+     "(4, 25, 3)"),
+])
+def test_replaced_adapter_of_another_shape_is_named(name: str, shape: tuple[int, ...],
+                                                    message: str) -> None:
+    layer = _layer()
+    setattr(layer.experts, name, torch.nn.Parameter(torch.zeros(shape)))
+    with pytest.raises(ValueError) as err:
+        layer(torch.randn(6, D))
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("train_attention", [False, True])
+def test_shared_experts_are_frozen_unless_train_attention(train_attention: bool) -> None:
+    """As apply_lora on a model: what is not adapted is frozen unless a flag trains it."""
+    torch.manual_seed(0)
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K,
+                       num_shared_experts=1, shared_expert_gate=True)
+    lora = LoRAConfig(rank=2, train_attention=train_attention)
+    layer = MoELayer(config, lora=lora)
+    shared = {"shared_experts.experts.w_up", "shared_experts.experts.w_down",
+              "shared_experts.gate"}
+    trainable = {n for n, p in layer.named_parameters() if p.requires_grad}
+    assert trainable == {f"experts.lora_{ab}_{w}" for ab in "ab" for w in ("up", "down")} | (
+        shared if train_attention else set())
+    grads = _grads(layer, torch.randn(12, D, requires_grad=True))
+    assert shared <= grads.keys() if train_attention else not shared & grads.keys()
+    model = torch.nn.Sequential(MoELayer(config))
+    apply_lora(model, lora)  # the model level agrees
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        f"0.{n}" for n in trainable}

@@ -34,7 +34,7 @@ def export_adapters(trained: Trained, path: str | os.PathLike[str]) -> list[Path
     """Write the trained parameters of a LoRA run to ``path`` (safetensors), atomically.
 
     Tensors: every parameter the run trained, under its name in the model
-    (``layers.0.moe.experts.lora_a_up`` (E, r, d), ``..lora_b_up`` (E, G, r), ``..lora_a_down``
+    (``blocks.0.moe.experts.lora_a_up`` (E, r, d), ``..lora_b_up`` (E, G, r), ``..lora_a_down``
     (E, r, n), ``..lora_b_down`` (E, d, r); router or attention weights when trained).
     Metadata: ``format`` (``memfine-adapters-v1``), ``lora_config`` and ``model_config`` (JSON),
     ``dtype``, ``step``.

@@ -61,6 +61,14 @@ class CheckpointNotFoundError(ValueError):
     """
 
 
+class LoRABaseError(ValueError):
+    """A LoRA checkpoint's frozen base run is gone, changed or does not fit (a ``ValueError``).
+
+    Raised by :func:`memfine.artifacts.lora_base.load_base_`; loading names the LoRA checkpoint
+    in front of its message instead of calling the checkpoint one that does not fit its config.
+    """
+
+
 def rng_state() -> dict[str, Any]:
     """The RNG states a training run depends on.
 
@@ -325,12 +333,15 @@ def restore(payload: dict[str, Any], model: torch.nn.Module,
         The checkpoint's completed steps.
 
     Raises:
-        ValueError: naming the checkpoint when the states do not fit the model.
+        ValueError: naming the checkpoint when the states do not fit the model;
+            :class:`LoRABaseError` naming it when its LoRA base run is gone or changed.
     """
     try:
         load_states(payload, model, optimizer, sharded=sharded)
         scheduler.load_state_dict(payload["scheduler"])
         set_rng_state(payload["rng"])
+    except LoRABaseError as err:
+        raise LoRABaseError(f"checkpoint {payload['path']!r}: {err}") from err
     except (RuntimeError, KeyError, TypeError, ValueError) as err:
         raise ValueError(f"checkpoint {payload['path']!r} does not match its config "
                          f"({type(err).__name__}: {str(err).splitlines()[0]})") from err

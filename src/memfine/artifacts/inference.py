@@ -26,6 +26,7 @@ from memfine.artifacts.atomic import file_mode
 from memfine.artifacts.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
+    LoRABaseError,
     find_checkpoint,
     load_model_state,
     read_checkpoint,
@@ -89,7 +90,8 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
 
     Raises:
         ValueError: naming the path when the checkpoint is missing, corrupt, or does not fit
-            its own config.
+            its own config; :class:`memfine.artifacts.checkpoint.LoRABaseError` naming it when
+            its LoRA base run is gone or changed.
     """
     path = Path(run_dir) / CHECKPOINT_NAME
     if (Path(run_dir) / SHARDED_NAME).is_dir():
@@ -99,6 +101,8 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     model = language_model(config)
     try:
         load_model_state(payload, model)
+    except LoRABaseError as err:
+        raise LoRABaseError(f"checkpoint {str(path)!r}: {err}") from err
     except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(f"checkpoint {str(path)!r} does not match its config "
                          f"({str(err).splitlines()[0]})") from err

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from memfine.artifacts.checkpoint import find_checkpoint
+from memfine.artifacts.checkpoint import LoRABaseError, find_checkpoint
 
 BASE_ATTRIBUTE = "_memfine_lora_base"
 _HASH_CHUNK = 1 << 20
@@ -91,30 +91,33 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
         model: the LoRA model (its adapters are loaded afterwards from the checkpoint).
 
     Raises:
-        ValueError: one line when the base checkpoint is gone or its content changed (naming the
-            path and both hashes), or when its weights do not fit.
+        LoRABaseError: one line when the base checkpoint is gone or its content changed (naming
+            the base run, its checkpoint and both hashes), or when its weights do not fit.
     """
     from memfine.artifacts.inference import language_model, load_weights
     from memfine.config import TrainConfig
 
     path = Path(reference["checkpoint"])
     if not path.exists():
-        raise ValueError(f"the LoRA base checkpoint {str(path)!r} is gone; this run's "
-                         f"checkpoint holds only the adapters (restore the base run)")
+        raise LoRABaseError(f"the LoRA base checkpoint {str(path)!r} is gone; this run's "
+                            f"checkpoint holds only the adapters (restore the base run)")
     now = content_hash(path)
     if now != reference["sha256"]:
-        raise ValueError(f"the LoRA base checkpoint {str(path)!r} changed since the adapters "
-                         f"were trained (sha256 {reference['sha256'][:12]}… now {now[:12]}…); "
-                         f"restore it, or start a new run with --init-from")
+        raise LoRABaseError(f"its LoRA base run {reference['run_dir']!r} changed since the "
+                            f"adapters were trained: the base checkpoint {str(path)!r} had "
+                            f"sha256 {reference['sha256'][:12]}…, now {now[:12]}…; restore it, "
+                            f"or start a new run with --init-from")
     if find_checkpoint(reference["run_dir"]).resolve() != path.resolve():
-        raise ValueError(f"the LoRA base run {reference['run_dir']!r} has a newer checkpoint "
-                         f"than {str(path)!r}, which the adapters were trained on; restore it")
+        raise LoRABaseError(f"the LoRA base run {reference['run_dir']!r} has a newer checkpoint "
+                            f"than {str(path)!r}, which the adapters were trained on; restore "
+                            f"it")
     base_config = dataclasses.replace(TrainConfig.from_dict(config), lora=None)
     plain = language_model(base_config)
     load_weights(plain, base_config.model, reference["run_dir"])
     missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or not set(missing) <= trained:
-        raise ValueError(f"the LoRA base {str(path)!r} does not fit the model (missing "
-                         f"{sorted(set(missing) - trained)[:3]}, unexpected {unexpected[:3]})")
+        raise LoRABaseError(f"the LoRA base {str(path)!r} does not fit the model (missing "
+                            f"{sorted(set(missing) - trained)[:3]}, unexpected "
+                            f"{unexpected[:3]})")
     setattr(model, BASE_ATTRIBUTE, dict(reference))

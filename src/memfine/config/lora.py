@@ -34,7 +34,8 @@ class LoRAConfig(_ConfigBase):
             path never sees dropout); 0 disables it.
         targets: adapted expert weights, a non-empty subset of ``("w_up", "w_down")``.
         train_router: also train the router (the base weights stay frozen otherwise).
-        train_attention: also train attention and norms (language-model training only).
+        train_attention: also train attention, norms, embeddings and shared experts (on a
+            single :class:`memfine.nn.MoELayer`: its shared experts and their gate).
     """
 
     rank: int = 8
@@ -59,9 +60,11 @@ class LoRAConfig(_ConfigBase):
             fail(self, "dropout", "in [0.0, 1.0)", p)
         check_float(self, "dropout", 0.0)
         targets = tuple(self.targets) if isinstance(self.targets, (tuple, list)) else ()
-        if not targets or any(t not in LORA_TARGETS for t in targets) or len(set(targets)) != len(
-                targets):
+        if not targets or any(t not in LORA_TARGETS for t in targets):
             fail(self, "targets", f"a non-empty subset of {LORA_TARGETS}", self.targets)
+        if len(set(targets)) != len(targets):
+            fail(self, "targets", f"a subset of {LORA_TARGETS} without duplicates",
+                 self.targets)
         object.__setattr__(self, "targets", targets)
         for name in ("train_router", "train_attention"):
             if not isinstance(getattr(self, name), bool):

@@ -25,8 +25,9 @@ def check_lora_inputs(lora: ExpertLoRA, w_up_EDG: UpWeights, w_down_END: torch.T
 
     Raises:
         ValueError: when an A is given without its B (or the reverse), no adapter is given, a
-            shape is not (E, r, d_in) / (E, d_out, r), the ranks differ, the rank exceeds
-            min(d_in, d_out), or an adapter's dtype is not the base weight's dtype.
+            shape is not (E, r, d_in) / (E, d_out, r), A's rank differs from B's (naming
+            both), the rank exceeds min(d_in, d_out), or an adapter's dtype is not the base
+            weight's dtype.
     """
     E, D, G = up_shape(w_up_EDG)
     N = w_down_END.shape[1]
@@ -40,13 +41,17 @@ def check_lora_inputs(lora: ExpertLoRA, w_up_EDG: UpWeights, w_down_END: torch.T
             raise ValueError(f"ExpertLoRA.a_{name} and b_{name} must both be given or both None")
         if a is None or b is None:
             continue
-        r = a.shape[1] if a.dim() == 3 else -1
-        if a.dim() != 3 or tuple(a.shape) != (E, r, d_in):
+        if a.dim() != 3 or (a.shape[0], a.shape[2]) != (E, d_in):
             raise ValueError(f"ExpertLoRA.a_{name} must be (E, r, d_in)=({E}, r, {d_in}), "
                              f"got {tuple(a.shape)}")
-        if tuple(b.shape) != (E, d_out, r):
-            raise ValueError(f"ExpertLoRA.b_{name} must be (E, d_out, r)=({E}, {d_out}, {r}), "
+        if b.dim() != 3 or (b.shape[0], b.shape[1]) != (E, d_out):
+            raise ValueError(f"ExpertLoRA.b_{name} must be (E, d_out, r)=({E}, {d_out}, r), "
                              f"got {tuple(b.shape)}")
+        r = a.shape[1]
+        if b.shape[2] != r:
+            raise ValueError(f"ExpertLoRA.a_{name} {tuple(a.shape)} has rank {r} while "
+                             f"b_{name} {tuple(b.shape)} has rank {b.shape[2]}: A (E, r, d_in) "
+                             f"and B (E, d_out, r) of one adapter must have the same r")
         check_lora_rank(r, d_in, d_out, f"LoRA rank of w_{name}")
         for t, which in ((a, "a"), (b, "b")):
             if t.dtype != base_dtype:

@@ -67,10 +67,18 @@ def typed_fields(args: argparse.Namespace, flags: Iterable[Flag]
     """Config field → (flag, value as parsed) of each flag in ``flags`` that was given.
 
     The field is the last part of each of the flag's :attr:`Flag.paths`; the input of
-    :func:`name_flag`.
+    :func:`name_flag`. A list that one argument's ``type`` parsed (a comma-separated flag such
+    as ``--lora-targets w_up,w_up``, no ``nargs``) is given back as typed: ``"w_up,w_up"``.
     """
-    return {path.rpartition(".")[2]: (flag.name, getattr(args, flag.dest))
+    return {path.rpartition(".")[2]: (flag.name, _as_typed(flag, getattr(args, flag.dest)))
             for flag in flags if given(args, flag.dest) for path in flag.paths}
+
+
+def _as_typed(flag: Flag, got: Any) -> Any:
+    """A comma-separated flag's parsed list as its one argument was typed (``1,2,4``)."""
+    if flag.nargs is None and isinstance(got, (list, tuple)):
+        return ",".join(map(str, got))
+    return got
 
 
 def flag_names(flags: Iterable[Flag]) -> dict[str, str]:

@@ -75,8 +75,9 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     Raises:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
             value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
-            run than the checkpoint's; a flag that changes a value resume may not change
-            (naming the flag first); a flag that changes ``--init-from``'s architecture;
+            run than the checkpoint's, or ``--init-from`` naming another base run than a LoRA
+            checkpoint's (:func:`_check_same_base`); a flag that changes a value resume may not
+            change (naming the flag first); a flag that changes ``--init-from``'s architecture;
             ``--num-chunks`` given with a memory budget (:func:`_check_one_chunk_setting`).
     """
     if given(args, "config"):
@@ -85,8 +86,10 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
     name = value(args, "preset")
     out = Path(value(args, "out") or f"runs/{name}")
     if resume:
-        tree = _checkpoint_of("--out", out, _no_checkpoint_hint(out))["config"]
+        payload = _checkpoint_of("--out", out, _no_checkpoint_hint(out))
+        tree = payload["config"]
         _apply_flags(args, tree, resume=True, out=out)  # a changed flag is named first
+        _check_same_base(args, payload.get("base"), out)
         _check_unchanged_origin(args, tree, out)
     else:
         tree, source = _fresh_tree(args, name)
@@ -204,6 +207,26 @@ def _check_source_architecture(args: argparse.Namespace, tree: dict[str, Any],
                                  f"model's architecture; drop {flag.name}")
 
 
+def _check_same_base(args: argparse.Namespace, base: dict[str, str] | None, out: Path) -> None:
+    """Refuse ``--init-from`` on ``--resume`` of a LoRA run whose frozen base is another run.
+
+    A LoRA checkpoint records the run its adapters were trained on (``base``,
+    :mod:`memfine.artifacts.lora_base`); resume keeps that base, so another directory given to
+    ``--init-from`` would be ignored. The paths are compared resolved; the same directory with
+    changed weights is refused when the base is loaded (its hash no longer matches).
+
+    Raises:
+        ValueError: naming ``--init-from``, the checkpoint's base run and the given one.
+    """
+    if base is None or not given(args, "init_from"):
+        return
+    got = run_directory(args, "init_from").resolve()
+    if got != Path(base["run_dir"]).resolve():
+        raise ValueError(f"--init-from cannot change on --resume (the checkpoint in "
+                         f"{str(out)!r} has --init-from {base['run_dir']!r}, the frozen base "
+                         f"of its LoRA adapters, got {str(got)!r})")
+
+
 def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
     """Accept ``--preset``/``--init-from`` on ``--resume`` when they start the checkpoint's run.
 
@@ -220,18 +243,19 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
     differ = [path for path in _leaf_paths(saved) if path not in RESUMABLE_FIELDS
               and path != "lr_decay_steps" and _get(started, path) != _get(saved, path)]
     if differ:
-        origin = " and ".join(f"--{f.replace('_', '-')}" for f in ("preset", "init_from")
-                              if given(args, f))
+        flags = [f"--{f.replace('_', '-')}" for f in ("preset", "init_from") if given(args, f)]
+        origin = " and ".join(flags)
+        start, ones = ("starts", "one") if len(flags) == 1 else ("start", "ones")
         names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
         changes = list(dict.fromkeys(f"{names.get(path, path)} "
                                      f"{_setting_text(path, _get(saved, path))} -> "
                                      f"{_setting_text(path, _get(started, path))}"
                                      for path in differ))
         shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
-        raise ValueError(f"{origin} starts another run than the checkpoint in {str(out)!r} "
+        raise ValueError(f"{origin} {start} another run than the checkpoint in {str(out)!r} "
                          f"(checkpoint -> {origin}: {shown}"
                          f"); --resume continues the run as saved: drop {origin} or give the "
-                         f"original one")
+                         f"original {ones}")
 
 
 def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:

@@ -164,8 +164,9 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
     """Give every MoE layer of ``model`` expert adapters and freeze the rest as ``lora`` says.
 
     Every parameter is frozen except the adapters, the routers when ``lora.train_router``, and
-    everything outside the experts and routers (attention, norms, embeddings, shared experts)
-    when ``lora.train_attention``.
+    everything outside the routed experts and routers (attention, norms, embeddings, shared
+    experts and their gate) when ``lora.train_attention``; the routed experts' base weights
+    stay frozen.
 
     Returns:
         The number of MoE layers adapted.
@@ -181,13 +182,14 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
     for layer in layers:
         layer.experts = lora_experts_from(layer.experts, lora)
     router_ids = {id(p) for m in layers for p in m.router.parameters()}
+    routed_ids = {id(p) for m in layers for p in m.experts.parameters()}
     for name, param in model.named_parameters():
         if name.rsplit(".", 1)[-1].startswith(ADAPTER_PREFIX):
             param.requires_grad_(True)
         elif id(param) in router_ids:
             param.requires_grad_(lora.train_router)
-        else:
-            param.requires_grad_(lora.train_attention and ".experts." not in f".{name}")
+        else:  # the routed experts' base weights stay frozen; shared experts as attention
+            param.requires_grad_(lora.train_attention and id(param) not in routed_ids)
     return len(layers)
 
 
@@ -198,7 +200,12 @@ def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @torch.no_grad()
 def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
-    """Fold the adapters into the base weights: W + s·(B·A)ᵀ per expert; a plain module back."""
+    """Fold the adapters into the base weights: W + s·(B·A)ᵀ per expert; a plain module back.
+
+    The merged ``w_up`` / ``w_down`` keep the base weights' ``requires_grad`` (False: frozen, as
+    under the adapters), so merging changes no parameter's trainability; call
+    ``requires_grad_(True)`` on the result to train the merged weights.
+    """
     out = GroupedExperts(experts.config, init_std=experts.init_std, depth=experts.depth)
     out = out.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
     s = experts.lora.scale
@@ -209,6 +216,8 @@ def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
         down += s * torch.einsum("ern,edr->end", experts.lora_a_down, experts.lora_b_down)
     out.w_up.copy_(up)
     out.w_down.copy_(down)
+    out.w_up.requires_grad_(experts.w_up.requires_grad)
+    out.w_down.requires_grad_(experts.w_down.requires_grad)
     return out
 
 
@@ -216,7 +225,8 @@ def merge_model_lora_(model: nn.Module) -> int:
     """Fold every MoE layer's adapters into its base weights, in place (:func:`merge_lora_`).
 
     The layers get plain :class:`GroupedExperts` back, so the model's ``state_dict`` is that of
-    a model without adapters. Returns the number of layers merged.
+    a model without adapters; their weights stay frozen as under the adapters (every other
+    parameter's ``requires_grad`` is left as it is). Returns the number of layers merged.
     """
     from memfine.nn.moe import MoELayer
 

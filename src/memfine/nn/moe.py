@@ -80,7 +80,8 @@ class MoELayer(nn.Module):
             ``config``.
         lora: optional :class:`LoRAConfig`: frozen expert weights with per-expert adapters
             (:class:`memfine.nn.lora.LoRAGroupedExperts`, split LoRA); the router is frozen
-            unless ``lora.train_router``.
+            unless ``lora.train_router``, the shared experts (and their gate) unless
+            ``lora.train_attention``, as :func:`memfine.nn.lora.apply_lora` freezes them.
 
     Routing options of ``config`` (capacity, group limit, scaling, jitter) go to the router;
     shared experts (``num_shared_experts``) run on the same chunked path and are added to the
@@ -118,6 +119,8 @@ class MoELayer(nn.Module):
             self.router.requires_grad_(lora.train_router)
         self.shared_experts = (SharedExperts(config, depth=depth)
                                if config.num_shared_experts else None)
+        if lora is not None and self.shared_experts is not None:  # not adapted: frozen
+            self.shared_experts.requires_grad_(lora.train_attention)
         if config.skew_hot_experts:
             with torch.no_grad():
                 self.router.selection_bias[: config.skew_hot_experts] = config.skew_bias

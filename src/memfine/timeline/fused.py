@@ -110,13 +110,14 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     grouped = grouped_weight_grads(s)
     lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
     for r0 in range(0, S, rows):
-        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped, lora_buffers)
+        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped, lora_buffers,
+                              need_weights)
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
     adapters.hand_over(tl, s, lora_buffers)  # LoRABackward.take_grads, before the state goes
     tl.free(*plan)
-    if shared is None and adapters.adapters_of(s) is None:  # a frozen base has no gradient
+    if shared is None and not adapters.base_frozen(s):  # a frozen base has no gradient
         for name, size in (("w_up", E * D * moe.up_width), ("w_down", E * moe.intermediate_size
                                                              * D)):
             grads[name] = buffers.get(name) or tl.alloc(f"grad.{name}", size * dt)
@@ -158,19 +159,27 @@ def _weight_grad(tl: Timeline, buffers: dict[str, str], grouped: bool, name: str
 
 
 def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
-                          grouped: dict[str, bool], lora_buffers: dict[str, str]) -> None:
-    """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order)."""
+                          grouped: dict[str, bool], lora_buffers: dict[str, str],
+                          need_weights: bool = True) -> None:
+    """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order).
+
+    A (and a gated activation's f(gate), kept for dH) is recomputed only when something reads
+    it: the routing-weight dots, W_down's gradient, or a down adapter's (as the code's
+    ``need_a``); frozen experts whose routing weights need no gradient skip it.
+    """
     moe, dt = s.moe, s.dt
     D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
+    frozen = adapters.base_frozen(s)  # split LoRA or frozen shared experts: no base gradient
+    lora = adapters.adapters_of(s)
+    need_a = need_weights or not frozen or (lora is not None and "w_down" in lora.targets)
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
     grad_a = tl.alloc("bwd.dA", B * N * dt)
-    gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated else []  # kept for dH
-    a = activation_forward(tl, s, B, "bwd")
+    gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated and need_a else []  # for dH
+    a = [activation_forward(tl, s, B, "bwd")] if need_a else []
     adapters.backward_down(tl, s, B, lora_buffers)
-    frozen = adapters.adapters_of(s) is not None  # split LoRA: the base weights are frozen
     if not frozen:
         _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
-    tl.free(a, grad_out)
+    tl.free(*a, grad_out)
     grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
     tl.free(grad_a, *gate)
     if not frozen:

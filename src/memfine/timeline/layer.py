@@ -168,7 +168,8 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     losses); backward runs from out and the two losses with gradients that exist before.
     The timeline marks ``forward`` at the end of forward. ``lora``: the routed experts carry
     split-LoRA adapters on a frozen base (:class:`memfine.nn.lora.LoRAGroupedExperts`), the
-    router frozen unless ``lora.train_router`` (:mod:`memfine.timeline.lora`).
+    router frozen unless ``lora.train_router`` and the shared experts unless
+    ``lora.train_attention`` (:mod:`memfine.timeline.lora`).
     """
     s = Shape(moe, num_tokens, dtype_bytes) if lora is None else LoRAShape(
         moe, num_tokens, dtype_bytes, lora)  # split-LoRA adapters on a frozen base
@@ -188,7 +189,8 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
         tl.free(*outs)
     shared = None
     if moe.num_shared_experts:
-        shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out)
+        shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out,
+                                   frozen=lora is not None and not lora.train_attention)
     ls = losses_forward(tl, s)
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
     if not weights_held:

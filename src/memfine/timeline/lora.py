@@ -32,7 +32,12 @@ from memfine.timeline.base import Shape, Timeline
 
 @dataclass(frozen=True, slots=True)
 class LoRAShape(Shape):
-    """A :class:`Shape` whose routed experts carry split-LoRA adapters on a frozen base."""
+    """A :class:`Shape` whose experts' base weights are frozen, with split-LoRA adapters or not.
+
+    Attributes:
+        lora: the adapters of the routed experts, or None: frozen experts without adapters
+            (the shared experts of a LoRA layer, :func:`memfine.timeline.shared.shared_forward`).
+    """
 
     lora: LoRAConfig | None = None
 
@@ -40,6 +45,11 @@ class LoRAShape(Shape):
 def adapters_of(s: Shape) -> LoRAConfig | None:
     """The adapters of ``s`` (a :class:`LoRAShape`), or None."""
     return getattr(s, "lora", None)
+
+
+def base_frozen(s: Shape) -> bool:
+    """True when the experts' ``w_up``/``w_down`` get no gradient (any :class:`LoRAShape`)."""
+    return isinstance(s, LoRAShape)
 
 
 def router_trained(s: Shape) -> bool:

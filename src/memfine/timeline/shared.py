@@ -21,6 +21,7 @@ from memfine.timeline.experts import (
     chunks_backward,
     experts_forward,
 )
+from memfine.timeline.lora import LoRAShape, base_frozen
 
 
 def shared_saved_items(moe: MoEConfig, chunks: list[int], dt: int, *, ckpt: bool,
@@ -71,9 +72,15 @@ class SharedState:
 
 
 def shared_forward(tl: Timeline, moe: MoEConfig, T: int, dt: int, sizes: list[int], *,
-                   ckpt: bool, routed_out: str) -> tuple[SharedState, str]:
-    """SharedExperts.forward and the sum with the routed output; returns (state, out)."""
-    sh = Shape(moe.shared_experts_config(), T, dt)
+                   ckpt: bool, routed_out: str, frozen: bool = False
+                   ) -> tuple[SharedState, str]:
+    """SharedExperts.forward and the sum with the routed output; returns (state, out).
+
+    ``frozen``: the shared experts and their gate are frozen (a LoRA layer without
+    ``train_attention``): no weight gradients in backward (:func:`shared_backward`).
+    """
+    sh = (LoRAShape(moe.shared_experts_config(), T, dt) if frozen
+          else Shape(moe.shared_experts_config(), T, dt))
     S, D, plain = sh.moe.num_experts, moe.hidden_size, moe.experts_impl == "plain"
     index = tl.alloc("shared.index", S * 8)
     if moe.shared_expert_gate:
@@ -114,7 +121,8 @@ def shared_backward(tl: Timeline, moe: MoEConfig, state: SharedState, *, ckpt: b
         tl.free(grad_w)
         grad_logits = tl.alloc("shared.grad_gate_logits", T * dt)
         tl.free(summed, state.weights)
-        tl.alloc("grad.shared_gate", D * dt)
+        if not base_frozen(sh):  # a frozen gate has no weight gradient
+            tl.alloc("grad.shared_gate", D * dt)
         gate_dx = tl.alloc("shared.gate_dx", T * D * dt)
         tl.free(grad_logits)
         grad_x = engine_sum(tl, grad_x, gate_dx)  # the gate's dx, added in place
