@@ -94,3 +94,12 @@ def test_resume_continues_and_a_changed_base_is_one_line(runs: tuple[Path, Path]
     with pytest.raises(LoRABaseError) as err:
         load_trained(tmp_path / "ft")
     assert str(err.value) == message
+    # a base checkpoint replaced by an empty directory is named as such, not hashed as empty
+    (tmp_path / "base" / "checkpoint.pt").unlink()
+    (tmp_path / "base" / "checkpoint.pt").mkdir()
+    with pytest.raises(LoRABaseError) as err:
+        load_trained(tmp_path / "ft")
+    assert str(err.value) == (
+        f"checkpoint '{tmp_path / 'ft' / 'checkpoint.pt'}': the LoRA base checkpoint "
+        f"'{tmp_path / 'base' / 'checkpoint.pt'}' is now an empty directory; this run's "
+        f"checkpoint holds only the adapters (restore the base run)")

@@ -175,3 +175,23 @@ def test_train_checks_its_flags_before_the_run_directory(
     (tmp_path / "config.json").write_text("{}")  # an earlier run's file
     line = _usage_error(["train", "--threads", "0", "--out", str(tmp_path)], capsys)
     assert line == "memfine train: error: --threads must be >= 1, got 0"
+
+
+def test_train_whose_reader_leaves_stops_with_sigpipe_status_and_says_so(tmp_path: Path) -> None:
+    # `memfine train ... | head -2`: the run cannot finish, so exit 141 (128 + SIGPIPE), not 0
+    corpus = str(Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memfine", "train", "--preset", "tiny", "--data", corpus,
+         "--no-progress", "--threads", "1", "--max-steps", "200", "--log-every", "1",
+         "--eval-batches", "1", "--sample-tokens", "0", "--out", str(tmp_path / "run")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None and proc.stderr is not None
+    first = proc.stdout.readline()
+    proc.stdout.close()  # the reader leaves after one line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141, err
+    assert first.startswith("data:")
+    assert err.strip().splitlines()[-1] == (
+        "memfine train: stopped: its standard output was closed (e.g. by `head`); the run is "
+        "not finished (--resume continues from its last checkpoint, if it wrote one)")

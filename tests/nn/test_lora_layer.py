@@ -91,6 +91,22 @@ def test_bad_config_is_one_line_error(kwargs: dict, message: str) -> None:
     assert "\n" not in str(err.value)
 
 
+def test_merge_lora_names_the_function_for_a_layer_or_model() -> None:
+    config = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
+    for wrong in (MoELayer(config), MoELayer(config).experts):
+        with pytest.raises(TypeError, match=f"merge_lora_ takes a LoRAGroupedExperts module, "
+                                            f"got {type(wrong).__name__}; merge a whole model "
+                                            f"or layer with merge_model_lora_"):
+            merge_lora_(wrong)  # type: ignore[arg-type]
+
+
+def test_targets_in_any_order_are_one_config() -> None:
+    # a run made with --lora-targets w_up,w_down resumes with w_down,w_up: the same adapters
+    assert LoRAConfig(targets=("w_down", "w_up")) == LoRAConfig(targets=("w_up", "w_down"))
+    assert LoRAConfig(targets=["w_down", "w_up"]).targets == ("w_up", "w_down")
+    assert LoRAConfig.from_dict(LoRAConfig(targets=("w_down",)).to_dict()).targets == ("w_down",)
+
+
 def test_merging_keeps_the_base_weights_frozen() -> None:
     """After merge_model_lora_ nothing is trainable that was frozen under the adapters."""
     torch.manual_seed(0)

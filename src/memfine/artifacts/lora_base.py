@@ -98,8 +98,9 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
     from memfine.config import TrainConfig
 
     path = Path(reference["checkpoint"])
-    if not path.exists():
-        raise LoRABaseError(f"the LoRA base checkpoint {str(path)!r} is gone; this run's "
+    if not path.exists() or (path.is_dir() and not any(p.is_file() for p in path.rglob("*"))):
+        what = "is gone" if not path.exists() else "is now an empty directory"
+        raise LoRABaseError(f"the LoRA base checkpoint {str(path)!r} {what}; this run's "
                             f"checkpoint holds only the adapters (restore the base run)")
     now = content_hash(path)
     if now != reference["sha256"]:

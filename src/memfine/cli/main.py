@@ -112,6 +112,31 @@ def _path_flag(args: argparse.Namespace, err: OSError) -> str | None:
     return None
 
 
+_SIGPIPE_EXIT = 141
+"""128 + SIGPIPE: the exit status of a Unix program whose reader closed its standard output."""
+
+
+def _stdout_closed(command: str) -> int:
+    """Exit status when standard output's reader went away mid-command (``BrokenPipeError``).
+
+    A printing command (``plan``, ``eval``, ...) has nothing left to do: 0, silently. ``train``
+    stops with its run unfinished (the last checkpoint stays), so it says so on standard error
+    and returns 141, as a Unix program killed by SIGPIPE would. Standard output is pointed at
+    the null device first, so the interpreter's final flush cannot fail again.
+    """
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    if command != "train":
+        return 0
+    print("memfine train: stopped: its standard output was closed (e.g. by `head`); the run is "
+          "not finished (--resume continues from its last checkpoint, if it wrote one)",
+          file=sys.stderr)
+    return _SIGPIPE_EXIT
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments and run the chosen subcommand; returns the exit code."""
     # kineto (torch.profiler's backend, used by memfine bench) prints "USDT:" trace lines at
@@ -130,9 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         if "pip install" not in str(err):
             raise
         parser.exit(2, f"memfine {args.command}: error: {_first_line(err)}\n")
-    except BrokenPipeError:  # e.g. `memfine plan | head -1`: the reader left; not an error
-        sys.stderr.close()
-        return 0
+    except BrokenPipeError:  # e.g. `memfine plan | head -1`: the reader left
+        return _stdout_closed(args.command)
     except (OSError, RuntimeError) as err:  # files, devices, backends: one line, no traceback
         flag = _path_flag(args, err) if isinstance(err, _PATH_ERRORS) else None
         if flag is not None and isinstance(err, OSError):  # a path typed: a usage error

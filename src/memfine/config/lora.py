@@ -32,7 +32,8 @@ class LoRAConfig(_ConfigBase):
         alpha: α > 0; the update is scaled by s = α / r.
         dropout: probability in [0, 1) of dropping an element of the adapter's input (the base
             path never sees dropout); 0 disables it.
-        targets: adapted expert weights, a non-empty subset of ``("w_up", "w_down")``.
+        targets: adapted expert weights, a non-empty subset of ``("w_up", "w_down")``, kept in
+            that order whatever order it is given in.
         train_router: also train the router (the base weights stay frozen otherwise).
         train_attention: also train attention, norms, embeddings and shared experts (on a
             single :class:`memfine.nn.MoELayer`: its shared experts and their gate).
@@ -65,7 +66,8 @@ class LoRAConfig(_ConfigBase):
         if len(set(targets)) != len(targets):
             fail(self, "targets", f"a subset of {LORA_TARGETS} without duplicates",
                  self.targets)
-        object.__setattr__(self, "targets", targets)
+        # one order (LORA_TARGETS'), so "w_down,w_up" is the same config as "w_up,w_down"
+        object.__setattr__(self, "targets", tuple(t for t in LORA_TARGETS if t in targets))
         for name in ("train_router", "train_attention"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool", getattr(self, name))

@@ -69,9 +69,11 @@ class GatedActivation(_ConfigBase):
 
 DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
 """Byte target of one row block of the fused forward and backward on the CPU (16 MiB): of 4, 8,
-16, 32, 64 MiB and one block, the size whose slower shape is least slow, within 1% of the
-fastest at both shapes measured (one thread, thread CPU time, interleaved; one block 1.09× and
-1.27× its time; ``benchmarks/bench_block_bytes.py``, ``benchmarks/results/block_bytes_cpu.csv``)."""
+16, 32, 64 MiB and one block, the size whose slower shape is least slow in the last run (T 4096,
+one thread, thread CPU time, interleaved, medians of per-round ratios): within 0.4% of the
+fastest (32 MiB) at the coarse layer and 2.1% slower than the fastest (8 MiB) at the
+fine-grained one; one block is 1.12× and 1.41× its time (``benchmarks/bench_block_bytes.py``,
+``benchmarks/results/block_bytes_cpu.csv``)."""
 
 CUDA_BACKWARD_BLOCK_BYTES = 512 * 2**20
 """Byte target of one row block on CUDA (and any other accelerator): 512 MiB, five blocks at

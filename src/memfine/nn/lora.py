@@ -205,7 +205,15 @@ def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
     The merged ``w_up`` / ``w_down`` keep the base weights' ``requires_grad`` (False: frozen, as
     under the adapters), so merging changes no parameter's trainability; call
     ``requires_grad_(True)`` on the result to train the merged weights.
+
+    Raises:
+        TypeError: when ``experts`` is not a :class:`LoRAGroupedExperts` (a whole model or layer
+            is merged with :func:`merge_model_lora_`).
     """
+    if not isinstance(experts, LoRAGroupedExperts):
+        raise TypeError(f"merge_lora_ takes a LoRAGroupedExperts module, got "
+                        f"{type(experts).__name__}; merge a whole model or layer with "
+                        f"merge_model_lora_")
     out = GroupedExperts(experts.config, init_std=experts.init_std, depth=experts.depth)
     out = out.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
     s = experts.lora.scale
