@@ -221,3 +221,21 @@ def test_export_merged_needs_a_lora_run(base: Path, capsys: pytest.CaptureFixtur
         main(["export", "--out", str(base), "--merged"])
     assert info.value.code == 2
     assert "--merged needs a LoRA run (trained with --lora-rank)" in capsys.readouterr().err
+
+
+def test_resume_compares_lora_flags_as_the_flags_take_them(tuned: Path, tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(tuned, run)
+    resume = ["train", "--resume", "--out", str(run), "--max-steps", "5", "--no-progress",
+              "--threads", "1"]
+    assert main([*resume, "--lora-targets", "w_down,w_up"]) == 0  # the same set: no change
+    for args, shown in [(["--lora-targets", "w_up"], "--lora-targets w_up,w_down, got w_up"),
+                        (["--lora-train-router"], "--lora-train-router off, got on")]:
+        with pytest.raises(SystemExit) as info:
+            main([*resume, *args])
+        assert info.value.code == 2
+        assert capsys.readouterr().err.strip() == (
+            f"memfine train: error: {args[0]} cannot change on --resume (the checkpoint in "
+            f"'{run}' has {shown})")

@@ -138,13 +138,18 @@ def _setting_text(path: str, got: Any) -> str:
     """A config value in a message: ``unset`` for None, a byte field with its unit.
 
     A byte field is one whose dotted ``path`` ends in ``_bytes`` (``--memory-budget``,
-    ``--backward-block-bytes``); any other value is shown as Python writes it (``0.003``,
+    ``--backward-block-bytes``); a switch is ``on`` or ``off``, a list comma-separated as the
+    flag takes it (``w_up,w_down``); any other value is shown as Python writes it (``0.003``,
     ``'cpu'``).
     """
     if got is None:
         return "unset"
-    if path.endswith("_bytes") and isinstance(got, int) and not isinstance(got, bool):
+    if isinstance(got, bool):
+        return "on" if got else "off"
+    if path.endswith("_bytes") and isinstance(got, int):
         return _bytes_text(got)
+    if isinstance(got, (list, tuple)):
+        return ",".join(str(item) for item in got)
     return repr(got)
 
 

@@ -14,7 +14,7 @@ import argparse
 from typing import get_args
 
 from memfine import config
-from memfine.config.lora import LoRAConfig
+from memfine.config.lora import LORA_TARGETS, LoRAConfig
 from memfine.flags.table import Flag, NotGiven
 from memfine.flags.threads import THREADS_FLAG
 from memfine.flags.values import (
@@ -171,6 +171,15 @@ def _names(text: str) -> list[str]:
     return [item.strip() for item in str(text).split(",") if item.strip()]
 
 
+def _targets(text: str) -> list[str]:
+    """``--lora-targets``: the names in LoRAConfig's order (``w_down,w_up`` is ``w_up,w_down``).
+
+    Unknown names and duplicates stay, for the config's check to name them.
+    """
+    order = {name: i for i, name in enumerate(LORA_TARGETS)}
+    return sorted(_names(text), key=lambda name: order.get(name, len(order)))
+
+
 _LORA_DEFAULTS = LoRAConfig()
 LORA_FLAGS = (
     Flag("--lora-rank", ("lora.rank",), "fine-tune LoRA adapters of rank r on the routed "
@@ -181,7 +190,7 @@ LORA_FLAGS = (
     Flag("--lora-dropout", ("lora.dropout",), "dropout probability on the adapters' input (the "
          "base path sees none)", finite_float, default=NotGiven(text=str(_LORA_DEFAULTS.dropout))),
     Flag("--lora-targets", ("lora.targets",), "adapted expert weights, comma-separated: w_up "
-         "(gate/up projection), w_down", _names,
+         "(gate/up projection), w_down", _targets,
          default=NotGiven(text=",".join(_LORA_DEFAULTS.targets))),
     Flag("--lora-train-router", ("lora.train_router",), "with --lora-rank, also train the "
          "routers (frozen otherwise)", action="store_true", default=NotGiven(text="False")),
