@@ -213,7 +213,22 @@ def test_resume_with_another_preset_and_init_from_names_both(
     assert err.startswith(f"memfine train: error: --preset and --init-from start another run "
                           f"than the checkpoint in '{tuned}' (checkpoint -> --preset and "
                           f"--init-from: ")
-    assert err.endswith("drop --preset and --init-from or give the original ones")
+    assert err.endswith("drop --preset and --init-from, or give the original ones and the "
+                        "original command's flags for the fields above")
+
+
+def test_resume_with_the_original_preset_names_a_missing_lora_flag(
+        tuned: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the run was made with --preset tiny --lora-rank 4 ...; --lora-rank left out on resume
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", *FAST, "--max-steps", "9", "--out", str(tuned)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"memfine train: error: --preset starts another run than the "
+                          f"checkpoint in '{tuned}' (checkpoint -> --preset: --lr 0.01 -> 0.003, "
+                          f"--warmup-steps 1 -> 10, --lora-rank 4 -> unset, "), err
+    assert err.endswith("drop --preset, or give the original one and the original command's "
+                        "flags for the fields above")
 
 
 def test_export_merged_needs_a_lora_run(base: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -251,7 +251,8 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
         flags = [f"--{f.replace('_', '-')}" for f in ("preset", "init_from") if given(args, f)]
         origin = " and ".join(flags)
         start, ones = ("starts", "one") if len(flags) == 1 else ("start", "ones")
-        names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
+        names = {path: flag.name for flag in (*SETTING_FLAGS, *LORA_FLAGS)
+                 for path in flag.paths}
         changes = list(dict.fromkeys(f"{names.get(path, path)} "
                                      f"{_setting_text(path, _get(saved, path))} -> "
                                      f"{_setting_text(path, _get(started, path))}"
@@ -259,8 +260,9 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
         shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
         raise ValueError(f"{origin} {start} another run than the checkpoint in {str(out)!r} "
                          f"(checkpoint -> {origin}: {shown}"
-                         f"); --resume continues the run as saved: drop {origin} or give the "
-                         f"original {ones}")
+                         f"); --resume continues the run as saved: drop {origin}, or give the "
+                         f"original {ones} and the original command's flags for the fields "
+                         f"above")
 
 
 def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
