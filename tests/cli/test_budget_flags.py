@@ -6,6 +6,7 @@ messages show byte sizes with their unit and an unset value as ``unset``.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -112,3 +113,13 @@ def test_resume_from_another_origin_shows_the_budget_with_its_unit(
     line = _usage_error(["train", *FAST, "--init-from", str(plain_run), "--resume",
                          "--max-steps", "2", "--out", str(budget_run)], capsys)
     assert "--init-from: --memory-budget 16.00 MiB -> unset); --resume continues" in line
+
+
+def test_resume_names_every_changed_flag(plain_run: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = TrainConfig.from_dict(json.loads((plain_run / "config.json").read_text()))
+    line = _usage_error(["train", *RESUME, "--lr", "0.5", "--seq-len", "16", "--out",
+                         str(plain_run)], capsys)
+    assert line.endswith(f"--seq-len and --lr cannot change on --resume (the checkpoint in "
+                         f"{str(plain_run)!r} has --seq-len {tiny.seq_len!r}, got 16; --lr "
+                         f"{tiny.lr!r}, got 0.5)")

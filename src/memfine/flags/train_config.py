@@ -308,21 +308,26 @@ def _apply_flags(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool
     """Set the given flags' fields in ``tree``; on resume only :data:`RESUMABLE_FIELDS` change.
 
     Raises:
-        ValueError: naming the flag, on a change resume does not allow or a LoRA flag that
-            cannot apply (:func:`_start_lora`).
+        ValueError: naming every flag that changes where resume does not allow it (one line),
+            or a LoRA flag that cannot apply (:func:`_start_lora`).
     """
     _start_lora(args, tree, resume=resume, out=out)
+    changed: dict[str, str] = {}  # flag → "old, got new"
     for flag in SETTING_FLAGS:
         if not given(args, flag.dest):
             continue
         new = getattr(args, flag.dest)
         for path in flag.paths:
             if resume and path not in RESUMABLE_FIELDS and _get(tree, path) != new:
-                raise ValueError(f"{flag.name} cannot change on --resume (the checkpoint in "
-                                 f"{str(out)!r} has {flag.name} "
-                                 f"{_setting_text(path, _get(tree, path))}, got "
-                                 f"{_setting_text(path, new)})")
+                changed.setdefault(flag.name, f"{_setting_text(path, _get(tree, path))}, got "
+                                              f"{_setting_text(path, new)}")
             _set(tree, path, new)
+    if changed:
+        names = list(changed)
+        flags = names[0] if len(names) == 1 else ", ".join(names[:-1]) + f" and {names[-1]}"
+        shown = "; ".join(f"{name} {text}" for name, text in changed.items())
+        raise ValueError(f"{flags} cannot change on --resume (the checkpoint in {str(out)!r} "
+                         f"has {shown})")
 
 
 def _start_lora(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
