@@ -11,7 +11,8 @@ that belong to no config: preset, run directory, resume, mesh). ``--moe-chunks``
 from __future__ import annotations
 
 import argparse
-from typing import get_args
+from collections.abc import Callable
+from typing import TypeVar, get_args
 
 from memfine import config
 from memfine.config.lora import LORA_TARGETS, LoRAConfig
@@ -29,25 +30,28 @@ from memfine.flags.values import (
 from memfine.train import DEFAULT_PRESET, PRESETS
 from memfine.train.setup import RESUMABLE_FIELDS
 
+T = TypeVar("T")
 
-def _optional_float(text: str) -> float | None:
-    try:
-        return None if text.lower() == "none" else finite_float(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected a finite number or 'none', got {text!r}"
-                                         ) from None
+
+def _none_or(parse: Callable[[str], T], what: str) -> Callable[[str], T | None]:
+    """A flag type: ``none`` (any case) for None, else ``parse``'s value; ``what`` names it."""
+    def convert(text: str) -> T | None:
+        try:
+            return None if text.lower() == "none" else parse(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"expected {what} or 'none', got {text!r}"
+                                             ) from None
+
+    convert.__name__ = parse.__name__  # argparse's "invalid <name> value" if it ever shows
+    return convert
 
 
 def _autocast_dtype(text: str) -> str:
     return "bfloat16" if text == "bf16" else text
 
 
-def _optional_int(text: str) -> int | None:
-    try:
-        return None if text.lower() == "none" else int64(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected an int64 integer or 'none', got {text!r}"
-                                         ) from None
+_optional_float = _none_or(finite_float, "a finite number")
+_optional_int = _none_or(int64, "an int64 integer")
 
 
 CONFIG_FLAGS = (
