@@ -188,8 +188,8 @@ class LoRAForward:
         ``like``: x (T, d), whose dtype and device an empty U takes when there are no rows.
         """
         present = [i for i, pair in ((_UP, self.up), (_DOWN, self.down)) if pair is not None]
-        return (*(self._u.get(i, like.new_empty(0, self._rank(i))) for i in present),
-                *weights)
+        return (*(self._u[i] if i in self._u else like.new_empty(0, self._rank(i))
+                  for i in present), *weights)
 
     def _rank(self, adapter: int) -> int:
         pair = self.up if adapter == _UP else self.down
