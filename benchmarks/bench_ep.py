@@ -89,10 +89,10 @@ def _measure(module: ExpertParallelExperts, x_TD: torch.Tensor, idx_TK: torch.Te
     for p in (x_TD, w_TK, module.w_up, module.w_down):
         p.grad = None
     with PeakMemoryTracker("cpu") as tracker:
-        out, c = module.run(x_TD, idx_TK, w_TK, policy)
+        out, plan = module.run(x_TD, idx_TK, w_TK, policy)
         out.backward(grad_TD)
         del out
-    return tracker.peak_bytes, c
+    return tracker.peak_bytes, plan.num_chunks
 
 
 def _worker(rank: int, ep_size: int, port: int, args: argparse.Namespace, out: str) -> None:

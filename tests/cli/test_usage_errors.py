@@ -28,7 +28,7 @@ from memfine.flags import threads
 from memfine.flags.budget import flag_words
 from memfine.nn import MoETransformerLM
 from memfine.reports import memory_log
-from memfine.schedule.policy import CONFIG_NAMES, InfeasibleBudgetError
+from memfine.schedule.decision import CONFIG_NAMES, InfeasibleBudgetError
 from memfine.train import preset
 
 CORPUS = str(Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt")

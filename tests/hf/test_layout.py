@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from tolerances import assert_close
+from tolerances import assert_chunked_close, assert_close
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "
                                    "(pip install 'memfine[hf]')")
@@ -19,6 +19,7 @@ from memfine.config import ChunkConfig, GatedActivation  # noqa: E402
 from memfine.hf import experts as hf_experts  # noqa: E402
 from memfine.integrations import transformers as mf_hf  # noqa: E402
 from memfine.measure.saved import SavedTensorsTracker  # noqa: E402
+from memfine.schedule import policy as policy_module  # noqa: E402
 
 
 def _eager(experts, x, idx, w):
@@ -252,3 +253,37 @@ def test_budget_of_an_ungated_relu2_module_is_that_of_silu() -> None:
                                            idx, chunk)
     assert experts._memfine_chunk_policy.moe.activation == "silu"
     assert c == c_silu == 8
+
+
+def test_a_budget_runs_its_row_blocks_on_the_fused_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A budget met at c = 1 only with smaller row blocks runs c = 1 with those blocks (a ladder
+    of 64, 16 and 4 rows stands in for the device's MiB sizes) and equals the unbudgeted call."""
+    (experts,) = tiny_experts("qwen3_moe")
+    weights, plan = mf_hf.expert_weights(experts), mf_hf.plan_experts(experts)
+    assert plan.path == "fused"
+    E, D, G, N = weights.shape_EDGN
+    x_TD, idx, w = _case(T=64, d=D, E=E)
+    ladder = tuple(rows * (3 * D + 3 * N + G) * 4 for rows in (64, 16, 4))
+    monkeypatch.setattr(policy_module, "budget_block_ladder",
+                        lambda block, device: ladder if block is None else (block,))
+    probe = hf_experts._policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
+                               ChunkConfig(memory_budget_bytes=1))
+    peaks = [probe.layer_peak(64, 4, 1, block_bytes=b) for b in ladder]
+    assert peaks[0] > peaks[-1]
+    blocks: list[object] = []
+    real = hf_experts.run_experts
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        blocks.append(kwargs.get("backward_block_bytes"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(hf_experts, "run_experts", spy)
+    got = mf_hf.run_module(experts, plan, weights, x_TD, idx, w,
+                           chunk=ChunkConfig(memory_budget_bytes=peaks[-1]))
+    decision = hf_experts.last_decision(experts)
+    assert decision is not None and decision.num_chunks == 1
+    want_block = next(b for b, p in zip(ladder, peaks, strict=True) if p <= peaks[-1])
+    assert decision.block_bytes == want_block != ladder[0]
+    assert set(blocks) == {want_block}
+    want = mf_hf.run_module(experts, plan, weights, x_TD, idx, w, chunk=ChunkConfig())
+    assert_chunked_close(got, want, "out")

@@ -37,6 +37,7 @@ from memfine.parallel import (
 from memfine.parallel import collectives as collectives_mod
 from memfine.parallel import experts as experts_mod
 from memfine.parallel.training import DistributedTraining
+from memfine.schedule import policy as policy_mod
 from memfine.schedule.policy import ChunkPolicy
 from tolerances import CHUNKED_ATOL, assert_close
 
@@ -96,14 +97,14 @@ def _case(ctx: ParallelContext, tokens: list[int], E: int, routing: Routing, *,
     module = ExpertParallelExperts.from_full(w_up, w_down, _moe(E), ctx)
     policy = policy or ChunkPolicy(ChunkConfig(num_chunks=num_chunks, recompute=recompute),
                                    _moe(E))
-    out, c = module.run(x_l, idx[start:stop], w_l, policy)
+    out, plan = module.run(x_l, idx[start:stop], w_l, policy)
     (out * grad_out[start:stop]).sum().backward()
     got = {"out": out, "x": x_l.grad, "w": w_l.grad, "w_up": _local(module.w_up.grad),
            "w_down": _local(module.w_down.grad)}
     want = {"out": ref[start:stop], "x": leaves[0].grad[start:stop],
             "w": leaves[1].grad[start:stop], "w_up": leaves[2].grad[local.start:local.stop],
             "w_down": leaves[3].grad[local.start:local.stop]}
-    return got, want, c
+    return got, want, plan.num_chunks
 
 
 def _equals_single_process(ctx: ParallelContext, tokens: list[int], E: int, routing: Routing,
@@ -236,6 +237,44 @@ def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     return c
 
 
+def _budget_row_blocks(ctx: ParallelContext, tokens: list[int], E: int) -> list[int]:
+    """A budget the hot rank meets at c = 1 only with smaller row blocks: every rank runs
+    c = 1, the hot rank its largest fitting block (a ladder of 8, 4, 2 rows stands in for the
+    device's sizes), and the results equal the single process."""
+    moe = _moe(E)
+    row = (3 * D + 3 * N + 2 * N) * 4
+    ladder = (8 * row, 4 * row, 2 * row)
+    real, run = policy_mod.budget_block_ladder, experts_mod.run_experts
+    policy_mod.budget_block_ladder = lambda block, device: ladder if block is None else (block,)
+    blocks: list[object] = []
+
+    def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
+        blocks.append(kwargs.get("backward_block_bytes"))
+        return run(*args, **kwargs)
+
+    experts_mod.run_experts = spy
+    try:
+        probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
+        T, rows_hot, transport = tokens[ctx.rank], sum(tokens) * K, D
+
+        def hot(block: int) -> int:
+            return probe.predicted_peak(rows_hot, T, 4, 1, transport_row_elements=transport,
+                                        block_bytes=block)
+
+        budget = hot(ladder[-1])
+        assert hot(ladder[0]) > budget
+        policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute="experts"), moe)
+        got, want, c = _case(ctx, tokens, E, _to_rank0, policy=policy)
+    finally:
+        policy_mod.budget_block_ladder, experts_mod.run_experts = real, run
+    for name in got:
+        assert_close(got[name], want[name], msg=name)
+    decision = policy.last_decision
+    assert decision is not None and decision.num_chunks == c
+    assert blocks and set(blocks) == {decision.block_bytes}, blocks  # the rank's own blocks
+    return [c, ladder.index(decision.block_bytes)]
+
+
 def _chunk_count_mismatch(ctx: ParallelContext, E: int) -> None:
     """Ranks asked for different fixed c: every rank raises (none waits for a missing chunk)."""
     g = torch.Generator().manual_seed(0)
@@ -341,6 +380,7 @@ def _two_ranks(rank: int, world_size: int) -> dict[str, Any]:
         "chunked_peak_not_above_unchunked": lambda: _chunked_peak_not_above_unchunked(ctx),
         "recompute_reuses_counts": lambda: _recompute_reuses_counts(ctx, E),
         "budget_same_c_on_every_rank": lambda: _budget_agreement(ctx, even, E),
+        "budget_shrinks_row_blocks": lambda: _budget_row_blocks(ctx, even, E),
         "chunk_count_mismatch": lambda: _chunk_count_mismatch(ctx, E),
         "lm_step_equals_single_process": lambda: _lm_step_equals_single_process(
             ctx, ChunkConfig(num_chunks=2, recompute="experts")),
@@ -358,7 +398,8 @@ TWO_RANK_SCENARIOS = ["all_to_all_moves_rows_and_grads", "balanced", "one_rank_r
                       "padding_sentinels", "c_greater_than_T", "chunked_equals_unchunked",
                       "chunked_peak_not_above_unchunked",
                       "recompute_reuses_counts",
-                      "budget_same_c_on_every_rank", "chunk_count_mismatch",
+                      "budget_same_c_on_every_rank", "budget_shrinks_row_blocks",
+                      "chunk_count_mismatch",
                       "lm_step_equals_single_process", "lm_step_dp_shard_2",
                       "aux_over_global_tokens", "aux_over_global_tokens_with_capacity",
                       "timeout_is_an_error"]
@@ -374,6 +415,9 @@ def test_two_ranks(two_rank_results: list[dict[str, Any]], scenario: str) -> Non
     values = check_outcome(two_rank_results, scenario)
     if scenario == "budget_same_c_on_every_rank":
         assert values == [4, 4]
+    if scenario == "budget_shrinks_row_blocks":  # [c, block index in the ladder] per rank
+        assert values[0][0] == values[1][0] == 1
+        assert values[0][1] > 0 and values[1][1] == 0  # the idle rank keeps the largest block
     if scenario == "aux_over_global_tokens":
         assert values[0] == values[1]  # every rank reports the global value
 

@@ -10,17 +10,23 @@ single-layer figures of the budget tests from an independent reading of the time
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 
 import pytest
 
 from memfine.config import CUDA_BACKWARD_BLOCK_BYTES, ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.schedule import ChunkDecision, ChunkPolicy, InfeasibleBudgetError
+from memfine.schedule import policy as policy_module
 from memfine.units import format_bytes
 
-MOE = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
-T, DT = 2048, 4
 MIB = 2**20
+# One row-block size: the tests of the bins below see c alone (the block ladder of a config left
+# at backward_block_bytes=None has its own tests at the end).
+BLOCK = 16 * MIB
+MOE = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2,
+                backward_block_bytes=BLOCK)
+T, DT = 2048, 4
 
 
 def _peak(c: int, recompute: str = "experts", moe: MoEConfig = MOE, tokens: int = T) -> int:
@@ -36,7 +42,8 @@ def test_fixed_num_chunks_ignores_the_rows_and_records_the_prediction() -> None:
     policy = ChunkPolicy(ChunkConfig(num_chunks=3), MOE)
     assert not policy.budgeted
     assert [policy.num_chunks(r, T, DT) for r in (0, 10, 10**9)] == [3, 3, 3]
-    assert policy.last_decision == ChunkDecision(3, "experts", T * MOE.top_k, _peak(3), None)
+    assert policy.last_decision == ChunkDecision(3, "experts", T * MOE.top_k, _peak(3), None,
+                                                 BLOCK)
 
 
 @pytest.mark.parametrize("recompute", ["none", "experts", "full"])
@@ -47,7 +54,8 @@ def test_budget_at_a_bins_peak_picks_the_smallest_bin_that_fits(recompute: str, 
     want = min(b for b in peaks if peaks[b] <= peaks[c])
     policy = _budgeted(peaks[c], recompute=recompute)
     decision = policy.decide(T * MOE.top_k, T, DT)
-    assert decision == ChunkDecision(want, recompute, T * MOE.top_k, peaks[want], peaks[c])
+    assert decision == ChunkDecision(want, recompute, T * MOE.top_k, peaks[want], peaks[c],
+                                     BLOCK)
     assert policy.last_decision == decision
     if want > 1:  # one byte less than the chosen bin's peak needs a larger bin (or fails)
         smaller = [b for b in peaks if b < want]
@@ -158,28 +166,34 @@ def test_negative_counts_are_refused() -> None:
 
 @pytest.mark.parametrize("recompute", ["none", "experts"])
 @pytest.mark.parametrize("dtype_bytes", [2, 4])
-def test_token_thresholds_choose_as_the_decision_for_every_token_count(recompute: str,
-                                                                       dtype_bytes: int
-                                                                       ) -> None:
-    """The compiled rule (first bin with T ≤ T_max(c)) is ``decide``'s choice at every T with
-    s″ = T·k (dropless) and with fewer rows (capacity drops), and T_max(c) is the largest T
-    whose peak fits (T_max + 1 does not)."""
+def test_token_thresholds_choose_as_the_decision_for_every_token_count(
+        recompute: str, dtype_bytes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled rule (first (c, block) candidate with T ≤ T_max) is ``decide``'s choice at
+    every T with s″ = T·k (dropless) and with fewer rows (capacity drops), and T_max is the
+    largest T whose peak fits (T_max + 1 does not). A ladder of 16, 8 and 4 rows per block
+    makes the row blocks matter at these sizes."""
+    row = (3 * 16 + 3 * 32 + 64) * dtype_bytes
     moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
     budget = 45_000 if dtype_bytes == 4 else 30_000
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute=recompute), moe)
+    ladder = (16 * row, 8 * row, 4 * row)
+    monkeypatch.setattr(policy_module, "budget_block_ladder", lambda block, device: ladder)
+    assert policy.candidates() == tuple((c, b) for c in (1, 2, 4, 8) for b in ladder)
     limits = policy.token_limits(dtype_bytes)
-    for c, limit in zip(policy.config.bins, limits, strict=True):
+    for (c, block), limit in zip(policy.candidates(), limits, strict=True):
         assert limit >= 0
-        assert policy.layer_peak(limit, dtype_bytes, c) <= budget
-        assert policy.layer_peak(limit + 1, dtype_bytes, c) > budget
+        assert policy.layer_peak(limit, dtype_bytes, c, block_bytes=block) <= budget
+        assert policy.layer_peak(limit + 1, dtype_bytes, c, block_bytes=block) > budget
     chosen = set()
     for tokens in range(max(limits) + 1):
-        rule = next(c for c, limit in zip(policy.config.bins, limits, strict=True)
+        rule = next(cand for cand, limit in zip(policy.candidates(), limits, strict=True)
                     if tokens <= limit)
         chosen.add(rule)
         for rows in {tokens * moe.top_k, tokens}:
-            assert policy.decide(rows, tokens, dtype_bytes).num_chunks == rule, (tokens, rows)
-    assert len(chosen) >= (3 if recompute == "experts" else 1), chosen
+            decision = policy.decide(rows, tokens, dtype_bytes)
+            assert (decision.num_chunks, decision.block_bytes) == rule, (tokens, rows)
+    assert len({c for c, _ in chosen}) >= (3 if recompute == "experts" else 1), chosen
+    assert len({b for _, b in chosen}) >= 2, chosen
     with pytest.raises(InfeasibleBudgetError):
         policy.decide((max(limits) + 1) * moe.top_k, max(limits) + 1, dtype_bytes)
 
@@ -222,11 +236,19 @@ def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=cpu, recompute="experts"), moe)
     assert policy.layer_peak(tokens, dt, 1) == cpu
     assert policy.layer_peak(tokens, dt, 1, device_type="cuda") == cuda
-    # the budget that holds c = 1 on the CPU needs c = 4 on CUDA (c = 2 peaks above it there)
-    assert peak(moe.for_device("cuda"), 2) > cpu >= peak(moe.for_device("cuda"), 4)
+    # the budget that holds c = 1 on the CPU is above every CUDA block size at c = 1 and needs
+    # c = 2 there, with the largest block of the ladder that fits (512, 256, 128 MiB)
+    mib = 2**20
+    cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b * mib), c)
+                  for c in (1, 2) for b in (512, 256, 128)}
+    assert min(cuda_peaks[1, b] for b in (512, 256, 128)) > cpu
+    want = next(b for b in (512, 256, 128) if cuda_peaks[2, b] <= cpu)
     assert policy.num_chunks(tokens * 4, tokens, dt) == 1
-    assert policy.num_chunks(tokens * 4, tokens, dt, device_type="cuda") == 4
-    assert policy.token_limits(dt, "cuda")[0] < tokens <= policy.token_limits(dt)[0]
+    assert policy.decide(tokens * 4, tokens, dt).block_bytes == 16 * mib
+    decision = policy.decide(tokens * 4, tokens, dt, device_type="cuda")
+    assert (decision.num_chunks, decision.block_bytes) == (2, want * mib)
+    assert decision.predicted_peak_bytes == cuda_peaks[2, want]
+    assert max(policy.token_limits(dt, "cuda")[:3]) < tokens <= policy.token_limits(dt)[0]
 
 
 def test_layers_ask_the_policy_for_their_inputs_device(monkeypatch: pytest.MonkeyPatch) -> None:

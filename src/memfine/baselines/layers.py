@@ -47,7 +47,7 @@ from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.nn import GroupedExperts, MoELayer
 from memfine.ops.activations import apply_activation
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 from memfine.units import format_bytes
 
 
@@ -88,10 +88,10 @@ class ExpertLoopExperts(GroupedExperts):
     """Experts run as a Python loop over experts (transformers ``eager`` style)."""
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+            policy: ChunkPolicy) -> tuple[torch.Tensor, ChunkPlan]:
         """:func:`expert_loop` over the expert weights; one chunk (the policy is not asked)."""
         return expert_loop(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
-                           self.config.activation), 1
+                           self.config.activation), ChunkPlan(1)
 
 
 class ExpertLoopMoELayer(MoELayer):

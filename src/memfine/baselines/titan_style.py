@@ -33,7 +33,7 @@ from memfine.baselines.layers import sharing
 from memfine.config import MoEConfig
 from memfine.nn import GroupedExperts, MoELayer
 from memfine.ops.activations import apply_activation
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 
 def titan_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
@@ -68,11 +68,11 @@ class TitanStyleExperts(GroupedExperts):
     """Routed experts computed by :func:`titan_experts` (one chunk; the policy is not asked)."""
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+            policy: ChunkPolicy) -> tuple[torch.Tensor, ChunkPlan]:
         """Torchtitan's recipe on this module's weights and activation."""
         out_TD = titan_experts(x_TD, top_k_index, top_k_weights, self.w_up, self.w_down,
                                activation=self.config.activation)
-        return out_TD, 1
+        return out_TD, ChunkPlan(1)
 
 
 def titan_style_layer(base: MoELayer, moe: MoEConfig) -> MoELayer:
@@ -117,7 +117,7 @@ class TorchtitanExperts(GroupedExperts):
     """Routed experts computed by torchtitan's own ``RoutedExperts`` on this module's weights."""
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
+            policy: ChunkPolicy) -> tuple[torch.Tensor, ChunkPlan]:
         """Torchtitan's dispatch → ``GroupedExperts`` → combine; one chunk (no policy asked).
 
         The expert counts are torchtitan ``MoE.forward``'s (a (T, E) one-hot routing map summed
@@ -142,7 +142,7 @@ class TorchtitanExperts(GroupedExperts):
         args: tuple[Any, ...] = (x_TD.view(1, T, D), top_k_weights.view(1, T, K),
                                  top_k_index.view(1, T, K), counts_E)
         out = torch.func.functional_call(_routed_experts(E, K, D, N), params, args)
-        return out.view(T, D), 1
+        return out.view(T, D), ChunkPlan(1)
 
 
 def torchtitan_layer(base: MoELayer, moe: MoEConfig) -> MoELayer:

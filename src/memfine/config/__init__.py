@@ -29,17 +29,20 @@ from memfine.config.base import (
 )
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
+    BUDGET_BLOCK_DIVISORS,
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
     MIN_BLOCK_ROWS,
     GatedActivation,
     MoEConfig,
     backward_block_rows,
+    budget_block_ladder,
     default_block_bytes,
 )
 from memfine.config.routing import RouteOptions
 
 __all__ = [
+    "BUDGET_BLOCK_DIVISORS",
     "CUDA_BACKWARD_BLOCK_BYTES",
     "DEFAULT_BACKWARD_BLOCK_BYTES",
     "MIN_BLOCK_ROWS",
@@ -64,5 +67,6 @@ __all__ = [
     "TrainConfig",
     "_ConfigBase",
     "backward_block_rows",
+    "budget_block_ladder",
     "default_block_bytes",
 ]

@@ -95,6 +95,38 @@ def default_block_bytes(device_type: str) -> int:
     return DEFAULT_BACKWARD_BLOCK_BYTES if device_type == "cpu" else CUDA_BACKWARD_BLOCK_BYTES
 
 
+BUDGET_BLOCK_DIVISORS = (1, 2, 4)
+"""The row-block byte targets a memory budget may run, as divisors of the device's default.
+
+Under a memory budget (MACT) with ``backward_block_bytes=None`` the chunk policy tries, per
+chunk count c, the default block and then half and a quarter of it, and runs the largest that
+fits (:func:`budget_block_ladder`), before it takes a larger c: on the CPU a quarter block
+(4 MiB) was within 4% of the default's time at both suite shapes
+(``benchmarks/results/block_bytes_cpu.csv``), while a second chunk recomputes the experts'
+forward. Smaller blocks would trade kernel launches (CUDA) and weight-gradient passes for
+bytes that chunking frees at a known cost."""
+
+
+def budget_block_ladder(block_bytes: int | None, device_type: str) -> tuple[int, ...]:
+    """The row-block byte targets a budgeted layer may run, largest first (bytes).
+
+    Args:
+        block_bytes: ``MoEConfig.backward_block_bytes``: a set value is the only target.
+        device_type: the activations' device type (None's default, :func:`default_block_bytes`).
+
+    Returns:
+        ``(block_bytes,)`` when set; else the device default divided by each of
+        :data:`BUDGET_BLOCK_DIVISORS` (16, 8 and 4 MiB on the CPU; 512, 256 and 128 MiB on
+        CUDA).
+
+    Reference: MoEBlaze §4.2 (row tiles); MemFine §4.2 (MACT's budget); our ladder.
+    """
+    if block_bytes is not None:
+        return (block_bytes,)
+    default = default_block_bytes(device_type)
+    return tuple(default // divisor for divisor in BUDGET_BLOCK_DIVISORS)
+
+
 MIN_BLOCK_ROWS = 512
 """Rows a block of a byte target ≥ :data:`DEFAULT_BACKWARD_BLOCK_BYTES` holds at least.
 

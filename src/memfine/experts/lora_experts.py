@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, backward_block_rows
+from memfine.config import backward_block_rows
 from memfine.config.lora import check_lora_rank
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
@@ -64,7 +64,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
                      activation: Activation = "swiglu", backend: str = "auto",
                      b_up_EG: torch.Tensor | None = None, b_down_ED: torch.Tensor | None = None,
                      seed: int = 0,
-                     backward_block_bytes: int | None = DEFAULT_BACKWARD_BLOCK_BYTES,
+                     backward_block_bytes: int | None = None,
                      weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Routed experts with per-expert LoRA adapters, computed split (never W + s·B·A).
 

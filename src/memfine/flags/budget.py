@@ -30,12 +30,8 @@ from typing import TextIO
 from memfine.config import TrainConfig
 from memfine.memory.step import StepPlanner
 from memfine.routing import max_routed_rows
-from memfine.schedule.policy import (
-    CONFIG_NAMES,
-    FLAG_NAMES,
-    ChunkPolicy,
-    InfeasibleBudgetError,
-)
+from memfine.schedule.decision import CONFIG_NAMES, FLAG_NAMES, InfeasibleBudgetError
+from memfine.schedule.policy import ChunkPolicy
 from memfine.units import DTYPE_BYTES
 
 

@@ -38,7 +38,7 @@ from memfine.nn.lora import LoRAChunkPolicy
 from memfine.ops import GroupedMatmulFunction, combine_rows, gather_rows
 from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
-from memfine.schedule.policy import ChunkDecision, ChunkPolicy
+from memfine.schedule.policy import ChunkDecision, ChunkPlan, ChunkPolicy
 
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
 _RowsFn = Callable[[torch.Tensor], torch.Tensor]  # a module's activation or norm, row-wise
@@ -124,7 +124,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
                        top_k_weights: torch.Tensor, *, backend: str = "auto",
                        index_builder: IndexBuilder = "auto",
                        weight_grads: WeightGradBuffers | None = None,
-                       lora: ExpertLoRA | None = None) -> torch.Tensor:
+                       lora: ExpertLoRA | None = None,
+                       block_bytes: int | None = None) -> torch.Tensor:
     """Route-free expert part of one chunk: build the index, run the planned path.
 
     Args:
@@ -141,6 +142,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
             and ``w_down`` (:func:`memfine.ops.weight_grads.share_weight_grads`), or None.
         lora: fused path: PEFT's adapters of this module as :class:`ExpertLoRA` (split LoRA,
             :func:`memfine.experts.lora_experts.run_lora_experts`), or None.
+        block_bytes: fused path: the row-block byte target (a budget's choice), or None for
+            the device default.
 
     Returns:
         (T, d) in x's dtype.
@@ -158,11 +161,11 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
             return run_lora_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                                     lora, activation=plan.activation, backend=backend,
                                     b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
-                                    weight_grads=weight_grads)
+                                    backward_block_bytes=block_bytes, weight_grads=weight_grads)
         return run_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                            activation=plan.activation, impl="fused", backend=backend,
                            b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
-                           weight_grads=weight_grads)
+                           backward_block_bytes=block_bytes, weight_grads=weight_grads)
     return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index,
                                 autocast_weights(x_TD, weights), backend)
 
@@ -213,7 +216,14 @@ def lora_config(lora: ExpertLoRA) -> LoRAConfig:
 def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
                    x_TD: torch.Tensor, top_k_index: torch.Tensor, chunk: ChunkConfig,
                    lora: ExpertLoRA | None = None) -> int:
-    """Chunk count c of this call: ``chunk.num_chunks``, or MemFine Eq. 8-9 from the budget.
+    """Chunk count c of this call: :func:`chunk_plan_for`'s (arguments and errors as there)."""
+    return chunk_plan_for(module, plan, weights, x_TD, top_k_index, chunk, lora).num_chunks
+
+
+def chunk_plan_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
+                   x_TD: torch.Tensor, top_k_index: torch.Tensor, chunk: ChunkConfig,
+                   lora: ExpertLoRA | None = None) -> ChunkPlan:
+    """C and row blocks of this call: ``chunk.num_chunks``, or MemFine Eq. 8-9 from the budget.
 
     Args:
         module: the experts module, or any object that keeps the budget's :class:`ChunkPolicy`.
@@ -225,7 +235,8 @@ def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
         lora: this call's split-LoRA adapters (their bytes enter the memory model), or None.
 
     Returns:
-        c ≥ 1.
+        The :class:`ChunkPlan`: c ≥ 1, and under a budget the row-block byte target
+        (:meth:`memfine.schedule.ChunkPolicy.decide`).
 
     Raises:
         ValueError: when the budget cannot be met and ``chunk.allow_over_budget`` is False
@@ -236,8 +247,8 @@ def num_chunks_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
     if chunk.memory_budget_bytes is not None:
         recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
     policy = _policy(module, plan, weights, top_k_index.shape[1], chunk, lora)
-    return policy.num_chunks(recv_rows, x_TD.shape[0], x_TD.element_size(),
-                             device_type=x_TD.device.type)
+    return policy.plan(recv_rows, x_TD.shape[0], x_TD.element_size(),
+                       device_type=x_TD.device.type)
 
 
 def last_decision(module: nn.Module) -> ChunkDecision | None:
@@ -270,18 +281,19 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
     half (``w_up_second_EDN``) and the biases get their gradients summed by autograd. ``lora``
     (PEFT's adapters, fused path only) adds U (S_c·r) per adapter to what a chunk saves.
     """
-    buffers = None
+    buffers, block_bytes = None, None
 
     def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         return run_module_experts(module, plan, weights, x_CD, top_k_index_CK,
                                   top_k_weights_CK, backend=backend, index_builder=index_builder,
-                                  weight_grads=buffers, lora=lora)
+                                  weight_grads=buffers, lora=lora, block_bytes=block_bytes)
 
     chunked = chunk.memory_budget_bytes is not None or chunk.num_chunks > 1
     if not chunked:
         return chunk_fn(0, x_TD, top_k_index, top_k_weights)
-    c = num_chunks_for(module, plan, weights, x_TD, top_k_index, chunk, lora)
+    chunk_plan = chunk_plan_for(module, plan, weights, x_TD, top_k_index, chunk, lora)
+    c, block_bytes = chunk_plan.num_chunks, chunk_plan.block_bytes
     if c > 1 and plan.path == "fused" and not torch.compiler.is_compiling():
         # NOTE(memory): one weight-gradient buffer per weight for all c chunks (autograd would
         # otherwise hold a chunk's gradient and the running sum at once).

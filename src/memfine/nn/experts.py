@@ -4,11 +4,12 @@ The experts contract, shared with the expert-parallel experts
 (:class:`memfine.parallel.ExpertParallelExperts`), so that sharding a model only swaps the
 ``experts`` submodule of each :class:`memfine.nn.MoELayer`:
 
-- ``run(x_TD, top_k_index, top_k_weights, policy) -> (out_TD, num_chunks)``: ask the chunk policy
-  for c from the rows these experts receive (s″), then hand the module's own chunk step to the one
-  chunk loop (:func:`memfine.schedule.chunked.run_chunked`). The step is where dispatch happens:
-  here :meth:`GroupedExperts.run_chunk` builds the chunk's routing index and runs the fused
-  experts; the expert-parallel step also moves the chunk's rows between ranks;
+- ``run(x_TD, top_k_index, top_k_weights, policy) -> (out_TD, plan)``: ask the chunk policy for
+  a :class:`memfine.schedule.ChunkPlan` (c, and under a budget the fused row blocks) from the rows
+  these experts receive (s″), then hand the module's own chunk step to the one chunk loop
+  (:func:`memfine.schedule.chunked.run_chunked`). The step is where dispatch happens: here
+  :meth:`GroupedExperts.run_chunk` builds the chunk's routing index and runs the fused experts;
+  the expert-parallel step also moves the chunk's rows between ranks;
 - ``global_counts(counts)``: per-rank counts summed over every rank of the global batch (the
   identity on one process), for the aux losses (docs/design.md §2);
 - ``transport_row_elements``: elements per received row that the experts' transport keeps beside
@@ -32,8 +33,8 @@ from memfine.dispatch import build_routing_index
 from memfine.experts import autocast_operands, run_experts
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
-from memfine.schedule.policy import ChunkPolicy
-from memfine.schedule.traced import traced_num_chunks
+from memfine.schedule.policy import ChunkPlan, ChunkPolicy
+from memfine.schedule.traced import traced_plan
 
 
 class GroupedExperts(nn.Module):
@@ -66,8 +67,8 @@ class GroupedExperts(nn.Module):
         nn.init.normal_(self.w_down, std=self.init_std / math.sqrt(2 * self.depth))
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
-        """Run the experts on routed tokens in the c chunks ``policy`` chooses.
+            policy: ChunkPolicy) -> tuple[torch.Tensor, ChunkPlan]:
+        """Run the experts on routed tokens in the c chunks (and row blocks) ``policy`` chooses.
 
         Args:
             x_TD: (T, d) activations.
@@ -77,7 +78,8 @@ class GroupedExperts(nn.Module):
                 (token, slot) pairs, its recompute mode).
 
         Returns:
-            ``(out_TD, num_chunks)``: (T, d) combined output and the c used.
+            ``(out_TD, plan)``: (T, d) combined output and the :class:`ChunkPlan` it ran (c,
+            and the row-block byte target a budget chose, or None for the config's).
 
         Raises:
             ValueError: from the policy when a budget cannot be met, or on shape mismatches.
@@ -85,39 +87,37 @@ class GroupedExperts(nn.Module):
         Memory: see :meth:`forward` for each recompute mode.
         Reference: MemFine Eq. 8-9, §4.
         """
-        if policy.budgeted:
-            num_chunks = self.budgeted_num_chunks(x_TD, top_k_index, policy)
-        else:
-            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size(),
-                                           device_type=x_TD.device.type)
-        out_TD = self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                              recompute=policy.config.resolved_recompute)
-        return out_TD, num_chunks
+        plan = self.plan(x_TD, top_k_index, policy)
+        out_TD = self.forward(x_TD, top_k_index, top_k_weights, num_chunks=plan.num_chunks,
+                              recompute=policy.config.resolved_recompute,
+                              block_bytes=plan.block_bytes)
+        return out_TD, plan
 
-    def budgeted_num_chunks(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
-                            policy: ChunkPolicy) -> int:
-        """MACT's c for this call: s″ from ``top_k_index``, then the policy (MemFine Eq. 8-9).
+    def plan(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, policy: ChunkPolicy
+             ) -> ChunkPlan:
+        """This call's c and row blocks: the policy's (MemFine Eq. 8-9 under a budget).
 
-        Eagerly s″ is read with one ``.item()`` and the policy predicts each bin's peak
-        (:meth:`memfine.schedule.ChunkPolicy.decide`, recorded as ``last_decision``). While
-        ``torch.compile`` traces, c comes from the policy's token thresholds compared with the
-        symbolic T (:func:`memfine.schedule.traced.traced_num_chunks`, planned from s″ ≤ T·k,
-        the same c on one process): no graph break, one graph per bin in use, nothing recorded
-        (docs/compile.md).
-
-        Returns:
-            c ≥ 1.
+        Under a budget s″ is read eagerly with one ``.item()`` and the policy predicts each
+        (c, block) candidate's peak (:meth:`memfine.schedule.ChunkPolicy.decide`, recorded as
+        ``last_decision``). While ``torch.compile`` traces, the plan comes from the policy's
+        token thresholds compared with the symbolic T (:func:`memfine.schedule.traced.
+        traced_plan`, planned from s″ ≤ T·k, the same choice on one process): no graph break,
+        one graph per candidate in use, nothing recorded (docs/compile.md). A fixed c reads no
+        count.
 
         Raises:
             ValueError: from the policy when the budget cannot be met (under compile, when the
                 compiled call runs).
         """
+        if not policy.budgeted:
+            return policy.plan(0, x_TD.shape[0], x_TD.element_size(),
+                               device_type=x_TD.device.type)
         if torch.compiler.is_compiling():
-            return traced_num_chunks(policy, x_TD, top_k_index)
+            return traced_plan(policy, x_TD, top_k_index)
         recv = self.received_rows(top_k_index)
-        return policy.num_chunks(recv, x_TD.shape[0], x_TD.element_size(),
-                                 transport_row_elements=self.transport_row_elements,
-                                 device_type=x_TD.device.type)
+        return policy.plan(recv, x_TD.shape[0], x_TD.element_size(),
+                           transport_row_elements=self.transport_row_elements,
+                           device_type=x_TD.device.type)
 
     def received_rows(self, top_k_index: torch.Tensor) -> int:
         """s″: (token, slot) pairs with an id in [0, E) (one ``.item()`` device sync)."""
@@ -137,7 +137,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,
-                recompute: Recompute = "none") -> torch.Tensor:
+                recompute: Recompute = "none", block_bytes: int | None = None) -> torch.Tensor:
         """Routed experts over c token chunks: dispatch → experts → combine per chunk.
 
         Args:
@@ -147,6 +147,8 @@ class GroupedExperts(nn.Module):
             num_chunks: c ≥ 1 contiguous token chunks (c > T allowed).
             recompute: ``none``, or ``experts``/``full`` to checkpoint every chunk
                 (:mod:`memfine.schedule.chunked` says what each mode keeps).
+            block_bytes: the fused path's row-block byte target (a budget's choice, as
+                :meth:`run` passes it), or None for ``config.backward_block_bytes``.
 
         Returns:
             (T, d) combined expert output in x's dtype (the autocast dtype inside
@@ -173,19 +175,22 @@ class GroupedExperts(nn.Module):
         x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, self.w_up, self.w_down)
         weights, buffers = share_chunk_weight_grads(
             (w_up_EDG, w_down_END), num_chunks, in_place=self.config.experts_impl == "fused")
-        step = functools.partial(self.run_chunk, weights, buffers)
+        if block_bytes is None:
+            block_bytes = self.config.backward_block_bytes
+        step = functools.partial(self.run_chunk, weights, buffers, block_bytes)
         return run_chunked(step, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                            recompute=recompute)
 
     def run_chunk(self, weights: tuple[torch.Tensor, ...], weight_grads: WeightGradBuffers | None,
-                  chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
-                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+                  block_bytes: int | None, chunk: int, x_CD: torch.Tensor,
+                  top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         """One chunk's dispatch → experts → combine (the chunk step of :meth:`forward`).
 
         Args:
             weights: ``(w_up_EDG, w_down_END)`` of this call (autocast, or the chunk loop's
                 aliases from :func:`memfine.schedule.chunked.share_chunk_weight_grads`).
             weight_grads: the chunk loop's shared weight-gradient buffers, or ``None``.
+            block_bytes: the fused path's row-block byte target (None: the device default).
             chunk: the chunk's index in [0, c) (not needed on one process).
             x_CD: (C, d) the chunk's activations.
             top_k_index_CK: (C, k) int64 expert ids of the chunk.
@@ -203,5 +208,5 @@ class GroupedExperts(nn.Module):
         return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,
                            activation=self.config.activation, impl=self.config.experts_impl,
                            backend=self.config.gemm_backend,
-                           backward_block_bytes=self.config.backward_block_bytes,
+                           backward_block_bytes=block_bytes,
                            weight_grads=weight_grads)

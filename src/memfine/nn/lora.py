@@ -112,31 +112,22 @@ class LoRAGroupedExperts(GroupedExperts):
                           scale=self.lora.scale,
                           dropout=self.lora.dropout if self.training else 0.0)
 
-    def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
-        """As :meth:`GroupedExperts.run`, with the adapters; returns ``(out_TD, num_chunks)``.
+    def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *, num_chunks: int = 1,
+                recompute: Recompute = "none", block_bytes: int | None = None) -> torch.Tensor:
+        """Run the experts with adapters on routed tokens in c chunks (as the base class).
 
-        The dropout seed is drawn here, once per call and outside every recomputed region, so
-        a chunk's recompute draws the same masks.
+        :meth:`GroupedExperts.run` calls it with the policy's plan. The dropout seed is drawn
+        here, once per call and outside every recomputed region, so a chunk's recompute draws
+        the same masks.
 
         Memory: per chunk, what the fused path saves plus U (S_c·r) per adapter; with recompute
         ``experts``/``full`` only x and the routing survive forward.
         """
-        if policy.budgeted:
-            num_chunks = self.budgeted_num_chunks(x_TD, top_k_index, policy)
-        else:
-            num_chunks = policy.num_chunks(0, x_TD.shape[0], x_TD.element_size(),
-                                           device_type=x_TD.device.type)
-        return self.forward(x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
-                            recompute=policy.config.resolved_recompute), num_chunks
-
-    def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor, *, num_chunks: int = 1,
-                recompute: Recompute = "none") -> torch.Tensor:
-        """Run the experts with adapters on routed tokens in c chunks (as the base class)."""
         lora = self.adapters()
         seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
         moe = self.config
+        block = moe.backward_block_bytes if block_bytes is None else block_bytes
 
         def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                      top_k_weights_CK: torch.Tensor) -> torch.Tensor:
@@ -144,7 +135,7 @@ class LoRAGroupedExperts(GroupedExperts):
             return run_lora_experts(x_CD, top_k_weights_CK, index, self.w_up, self.w_down, lora,
                                     activation=moe.activation, backend=moe.gemm_backend,
                                     seed=seed + chunk,
-                                    backward_block_bytes=moe.backward_block_bytes)
+                                    backward_block_bytes=block)
 
         return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                            recompute=recompute if torch.is_grad_enabled() else "none")

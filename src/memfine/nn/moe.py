@@ -163,14 +163,15 @@ class MoELayer(nn.Module):
             raise ValueError(f"step_selection_counts must be (E + 1,)=({E + 1},), got "
                              f"{tuple(step_selection_counts.shape)}")
         routing = self.router(x_TD, mask_T)
-        out_TD, num_chunks = self.experts.run(x_TD, routing.top_k_index, routing.top_k_weights,
-                                              self.policy)
+        out_TD, plan = self.experts.run(x_TD, routing.top_k_index, routing.top_k_weights,
+                                        self.policy)
+        num_chunks = plan.num_chunks
         if not torch.compiler.is_compiling():  # the policy's record of this call (host ints)
             self._last_decision = self.policy.last_decision
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(
                 x_TD, mask_T, num_chunks=num_chunks,
-                recompute=self.policy.config.resolved_recompute)
+                recompute=self.policy.config.resolved_recompute, block_bytes=plan.block_bytes)
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
         aux = self._aux(routing, mask_T, seq_len, step_selection_counts)
         # Not a view: FSDP2 (and any autograd hook on the output) warns that an in-place op on a

@@ -44,7 +44,8 @@ class SharedExperts(nn.Module):
                      if moe.shared_expert_gate else None)
 
     def forward(self, x_TD: torch.Tensor, valid_mask_T: torch.Tensor | None = None, *,
-                num_chunks: int = 1, recompute: Recompute = "none") -> torch.Tensor:
+                num_chunks: int = 1, recompute: Recompute = "none",
+                block_bytes: int | None = None) -> torch.Tensor:
         """Σ_s g_t·Expert_s(x_t) for every token t.
 
         Args:
@@ -52,6 +53,8 @@ class SharedExperts(nn.Module):
             valid_mask_T: optional (T,) bool; padding tokens get sentinel slots (no rows).
             num_chunks: c, as for the routed experts.
             recompute: ``none``, ``experts`` or ``full``, as for the routed experts.
+            block_bytes: the fused row-block byte target, as for the routed experts (None: the
+                config's).
 
         Returns:
             (T, d) in x's dtype.
@@ -70,4 +73,4 @@ class SharedExperts(nn.Module):
         else:
             weights_TK = F.linear(x_TD, self.gate.to(x_TD.dtype)).sigmoid().expand(T, S)
         return self.experts(x_TD, index_TK, weights_TK, num_chunks=num_chunks,
-                            recompute=recompute)
+                            recompute=recompute, block_bytes=block_bytes)

@@ -10,7 +10,8 @@ names, same ``run``/``global_counts`` contract, so sharding a model only swaps e
 1. notify: exchange per-expert counts for each chunk of every candidate chunk count
    (:func:`exchange_counts`, one all-to-all of ints);
 2. the layer's policy picks c from the received rows s″ and agrees on it through this module's
-   ``agree``: ONE all-reduce MAX over ``ep`` per budgeted call, so every rank runs the same c;
+   ``agree``: ONE all-reduce MAX over ``ep`` per budgeted call, so every rank runs the same c
+   (the fused row blocks, also a budget's choice, stay local to the rank);
 3. the one chunk loop (:func:`memfine.schedule.chunked.run_chunked`, per-chunk checkpointing
    unless recompute is ``none``) calls this module's chunk step (``_run_chunk`` →
    :func:`ep_chunk_forward`) with the chunk's index, which picks the chunk's frozen plan: gather
@@ -31,6 +32,7 @@ Reference: MemFine §4 (arXiv 2511.21431); MoEBlaze §4-§5; docs/design.md §4.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -46,7 +48,7 @@ from memfine.parallel.mesh import ParallelContext, check_expert_sharding
 from memfine.parallel.notify import ChunkDispatch, ExpertCounts, exchange_counts, plan_chunks
 from memfine.parallel.rows import combine_returned_rows, dispatch_rows
 from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 
 def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: torch.Tensor,
@@ -62,7 +64,8 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
         w_down_LND: (L, n, d) this rank's down-projections.
         plan: the chunk's frozen :class:`ChunkDispatch`.
         group: the ``ep`` process group.
-        config: the layer's :class:`MoEConfig` (activation, experts_impl, gemm_backend).
+        config: the layer's :class:`MoEConfig` (activation, experts_impl, gemm_backend,
+            backward_block_bytes).
         weight_grads: the chunk loop's shared weight-gradient buffers (fused path, c > 1), or
             ``None``: the fused backward adds this chunk's weight gradients into them.
 
@@ -88,6 +91,7 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
     # weight gradient ⟨dO·w_downᵀ, A⟩ needs no saved expert output (MoEBlaze §5).
     y_SD = run_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, activation=config.activation,
                        impl=config.experts_impl, backend=config.gemm_backend,
+                       backward_block_bytes=config.backward_block_bytes,
                        weight_grads=weight_grads)
     y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group, check=False)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
@@ -173,25 +177,25 @@ class ExpertParallelExperts(nn.Module):
         return out.to(counts.device)
 
     def _choose(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, policy: ChunkPolicy
-                ) -> tuple[ExpertCounts, int]:
-        """Notify, then the chunk count: the policy's (agreed over ``ep``) or the fixed one."""
+                ) -> tuple[ExpertCounts, ChunkPlan]:
+        """Notify, then the plan: the policy's (c agreed over ``ep``) or the fixed c."""
         E, group = self.config.num_experts, self.context.ep_group
         if policy.budgeted:
             counts = exchange_counts(top_k_index, E, policy.config.bins, group)
-            num_chunks = policy.num_chunks(counts.recv_tokens, x_TD.shape[0],
-                                           x_TD.element_size(), agree=self.agree,
-                                           transport_row_elements=self.transport_row_elements,
-                                           device_type=x_TD.device.type)
-            if num_chunks not in counts.candidates:  # a policy outside its bins: notify again
-                counts = exchange_counts(top_k_index, E, (num_chunks,), group)
-            return counts, num_chunks
+            plan = policy.plan(counts.recv_tokens, x_TD.shape[0], x_TD.element_size(),
+                               agree=self.agree,
+                               transport_row_elements=self.transport_row_elements,
+                               device_type=x_TD.device.type)
+            if plan.num_chunks not in counts.candidates:  # a policy outside its bins: again
+                counts = exchange_counts(top_k_index, E, (plan.num_chunks,), group)
+            return counts, plan
         num_chunks = policy.config.num_chunks
         agree_num_chunks(num_chunks, group, require_equal=True)
-        return exchange_counts(top_k_index, E, (num_chunks,), group), num_chunks
+        return exchange_counts(top_k_index, E, (num_chunks,), group), ChunkPlan(num_chunks)
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
-            policy: ChunkPolicy) -> tuple[torch.Tensor, int]:
-        """Run the EP experts on this rank's routed tokens; returns ``(out_TD, num_chunks)``.
+            policy: ChunkPolicy) -> tuple[torch.Tensor, ChunkPlan]:
+        """Run the EP experts on this rank's routed tokens; returns ``(out_TD, plan)``.
 
         Args:
             x_TD: (T, d) activations of this rank (T may differ between ranks, may be 0).
@@ -201,7 +205,8 @@ class ExpertParallelExperts(nn.Module):
                 from s″ agreed with one all-reduce MAX over ``ep``) and its recompute mode.
 
         Returns:
-            (T, d) output equal to the single-process experts on these tokens, and the c used.
+            (T, d) output equal to the single-process experts on these tokens, and the
+            :class:`ChunkPlan` it ran (c, and the row blocks a budget chose).
 
         Raises:
             ValueError: on shape mismatches, fixed chunk counts that differ between ranks, or
@@ -218,17 +223,20 @@ class ExpertParallelExperts(nn.Module):
         their weight gradients into one buffer per local weight, as the local loop does.
         """
         self._check_inputs(x_TD, top_k_index, top_k_weights)
-        counts, num_chunks = self._choose(x_TD, top_k_index, policy)
+        counts, plan = self._choose(x_TD, top_k_index, policy)
+        num_chunks = plan.num_chunks
         plans = plan_chunks(top_k_index, counts, num_chunks, self.config.index_builder)
+        config = (self.config if plan.block_bytes is None else
+                  dataclasses.replace(self.config, backward_block_bytes=plan.block_bytes))
         # NOTE(memory): the local weights once per call; their aliases stay valid in recompute
         # (FSDP2 re-gathers into the same storage before backward), and the chunks share one
         # weight-gradient buffer per weight (L·d·G + L·n·d elements, not twice that).
         weights, buffers = share_chunk_weight_grads(
             self.local_weights(), num_chunks, in_place=self.config.experts_impl == "fused")
-        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers)
+        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers, config)
         out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                              recompute=policy.config.resolved_recompute)
-        return out_TD, num_chunks
+        return out_TD, plan
 
     def _check_inputs(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                       top_k_weights: torch.Tensor) -> None:
@@ -242,9 +250,10 @@ class ExpertParallelExperts(nn.Module):
                              f"{tuple(top_k_weights.shape)}")
 
     def _run_chunk(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
-                   buffers: WeightGradBuffers | None, chunk: int, x_CD: torch.Tensor,
-                   top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
-        """The chunk function of the loop: chunk ``chunk``'s frozen plan, local weights, buffers."""
+                   buffers: WeightGradBuffers | None, config: MoEConfig, chunk: int,
+                   x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
+                   top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+        """The loop's chunk function: the chunk's frozen plan, weights, buffers, call config."""
         w_up_LDG, w_down_LND = weights
         return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
-                                self.context.ep_group, self.config, buffers)
+                                self.context.ep_group, config, buffers)

@@ -5,16 +5,18 @@ Reference: MemFine (arXiv 2511.21431) §4, Eq. 8-9; docs/design.md §4.
 """
 
 from memfine.schedule.chunked import chunk_sizes, run_chunked
-from memfine.schedule.policy import (
+from memfine.schedule.decision import (
     AgreeNumChunks,
     ChunkDecision,
-    ChunkPolicy,
+    ChunkPlan,
     InfeasibleBudgetError,
 )
+from memfine.schedule.policy import ChunkPolicy
 
 __all__ = [
     "AgreeNumChunks",
     "ChunkDecision",
+    "ChunkPlan",
     "ChunkPolicy",
     "InfeasibleBudgetError",
     "chunk_sizes",

@@ -18,6 +18,15 @@ Expert parallelism: every rank of an EP group must run the same number of chunks
 issues its own all-to-all). The expert-parallel experts pass their agreement (an all-reduce MAX
 over the ``ep`` group) as the ``agree`` argument of each decision; one process needs none.
 
+Row blocks: with ``MoEConfig.backward_block_bytes=None`` a budgeted decision also picks the
+fused path's row-block byte target, per bin from the device default down to a quarter of it
+(:func:`memfine.config.budget_block_ladder`): the candidates are (c, block) pairs, c first, so a
+call that fits the budget with smaller blocks runs unchunked rather than recomputing a chunk,
+and a smaller c is always preferred (a quarter block costs a few percent, a chunk a recomputed
+forward). A set ``backward_block_bytes`` is the only block. The block is local to the rank (the
+all-to-alls are per chunk), so only c is agreed over the expert-parallel group; the block is then
+the largest that fits at the agreed c.
+
 Every decision is recorded as a :class:`ChunkDecision` (``last_decision``), which
 :class:`memfine.nn.MoELayer`, the transformers backend and the torchtitan converter expose.
 
@@ -25,8 +34,10 @@ Under ``torch.compile`` (:mod:`memfine.schedule.traced`) T is a symbolic size an
 host number, so the decision is read from thresholds instead: :meth:`ChunkPolicy.token_limits`
 gives per bin c the most tokens T_max(c) whose exact predicted peak fits the budget (MemFine
 Eq. 8's s′_max, here in tokens with s″ = T·k rows), a function of the budget, the sizes, D_t,
-the bins and the recompute mode only, and c is the first bin with T ≤ T_max(c) (Eq. 9). On one
-process the prediction is the same for every s″ ≤ T·k, so this is the eager choice.
+the bins and the recompute mode only, and c is the first bin with T ≤ T_max(c) (Eq. 9); with
+the block ladder, one threshold per (c, block) candidate, and the first candidate that T is
+within. On one process the prediction is the same for every s″ ≤ T·k, so this is the eager
+choice.
 
 Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4; docs/style.md §7.
 """
@@ -38,78 +49,19 @@ import itertools
 import math
 import warnings
 import weakref
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import replace
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import ChunkConfig, MoEConfig, budget_block_ladder
 from memfine.memory import layer as layer_memory
 from memfine.memory.planner import largest_fitting
+from memfine.schedule.decision import (
+    CONFIG_NAMES,
+    AgreeNumChunks,
+    ChunkDecision,
+    ChunkPlan,
+    InfeasibleBudgetError,
+)
 from memfine.units import format_bytes
-
-AgreeNumChunks = Callable[[int], int]
-"""``agree(c_local) -> c_group``: the group's maximum of every rank's local choice.
-
-Called once per budget-driven decision (per step and MoE layer, in forward only, never during
-recompute), on every rank of the group in the same order. Its argument is the local chunk count:
-a configured bin, or a value above the largest bin when this rank cannot meet its budget (so that
-all ranks reach the same verdict). It must return the maximum over the group (an all-reduce MAX).
-"""
-
-CONFIG_NAMES = {"budget": "ChunkConfig.memory_budget_bytes", "bins": "ChunkConfig.bins",
-                "allow": "ChunkConfig.allow_over_budget"}
-"""How the over-budget message names the three settings (the library's field names)."""
-
-FLAG_NAMES = {"budget": "--memory-budget", "bins": "--bins", "allow": "--allow-over-budget"}
-"""The same settings as ``memfine train`` flags (used by the command line's messages)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkDecision:
-    """What one MoE layer call ran with: chunk count, recompute mode and the prediction.
-
-    Attributes:
-        num_chunks: c, token chunks of the expert part.
-        recompute: ``none``, ``experts`` or ``full``.
-        tokens: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
-            is read (no host sync), and this is the routed slots T·k, an upper bound.
-        predicted_peak_bytes: the memory model's peak of the layer's forward + backward at this
-            c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
-        budget_bytes: the budget the choice was made against; None for a fixed c.
-    """
-
-    num_chunks: int
-    recompute: str
-    tokens: int
-    predicted_peak_bytes: int
-    budget_bytes: int | None
-
-
-class InfeasibleBudgetError(ValueError):
-    """A memory budget that no chunk count in the bins meets (a ``ValueError``).
-
-    Attributes:
-        budget_bytes: the budget given.
-        smallest_feasible_bytes: the least budget some bin meets (for this T and s″).
-        bins: the bins tried.
-        reason: why, in words (without the setting names).
-    """
-
-    def __init__(self, budget_bytes: int, smallest_feasible_bytes: int, bins: tuple[int, ...],
-                 reason: str, names: dict[str, str] | None = None) -> None:
-        """Keep the numbers; the message names the settings by ``names`` (default fields)."""
-        self.budget_bytes, self.smallest_feasible_bytes = budget_bytes, smallest_feasible_bytes
-        self.bins, self.reason = bins, reason
-        super().__init__(self.message(names or CONFIG_NAMES))
-
-    def message(self, names: dict[str, str]) -> str:
-        """One line naming the settings as ``names`` spells them (fields or flags)."""
-        return (f"{names['budget']} {format_bytes(self.budget_bytes, exact=True)} cannot be met "
-                f"by any chunk count in {names['bins']} {','.join(map(str, self.bins))}: "
-                f"{self.reason}; the smallest feasible budget is "
-                f"{format_bytes(self.smallest_feasible_bytes, exact=True)}; raise "
-                f"{names['budget']}, add a larger bin to {names['bins']}, or set "
-                f"{names['allow']} to run with the largest bin")
-
 
 _KEYS = itertools.count()
 _POLICIES: weakref.WeakValueDictionary[int, ChunkPolicy] = weakref.WeakValueDictionary()
@@ -142,8 +94,8 @@ class ChunkPolicy:
         self.moe = moe
         self.last_decision: ChunkDecision | None = None
         self._warned = False
-        # (T, D_t, recompute, c, device type) → exact timeline peak; a training step repeats one T.
-        self._peaks: dict[tuple[int, int, str, int, str], int] = {}
+        # (T, D_t, recompute, c, block bytes) → exact timeline peak; a step repeats one T.
+        self._peaks: dict[tuple[int, int, str, int, int], int] = {}
         self._row_bytes: dict[tuple[int, str, str], int] = {}
         self._limits: dict[tuple[int, str, str], tuple[int, ...]] = {}
         self.key = next(_KEYS)
@@ -163,47 +115,66 @@ class ChunkPolicy:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
+    def candidates(self, device_type: str = "cpu") -> tuple[tuple[int, int], ...]:
+        """The (c, row-block bytes) pairs a budgeted decision tries, in order of preference.
+
+        Every bin c in order, and per bin the row-block byte targets of
+        :func:`memfine.config.budget_block_ladder`, largest first: the first pair whose
+        predicted peak fits the budget is the choice. With a fixed c: that c at the config's
+        block.
+        """
+        ladder = budget_block_ladder(self.moe.backward_block_bytes, device_type)
+        if not self.budgeted:
+            return ((self.config.num_chunks, ladder[0]),)
+        return tuple((c, block) for c in self.config.bins for block in ladder)
+
     def layer_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, *,
-                   recompute: str | None = None, device_type: str = "cpu") -> int:
+                   recompute: str | None = None, device_type: str = "cpu",
+                   block_bytes: int | None = None) -> int:
         """The exact timeline peak of one layer call with T tokens at c chunks (cached), bytes.
 
         ``device_type``: the activations' device (:meth:`memfine.config.MoEConfig.for_device`:
-        the row blocks the layer runs there).
+        the row blocks the layer runs there). ``block_bytes``: the row-block byte target (None:
+        the config's, or the device default).
         """
         rec = recompute or self.config.resolved_recompute
-        key = (num_tokens, dtype_bytes, rec, num_chunks, device_type)
+        block = block_bytes or budget_block_ladder(self.moe.backward_block_bytes, device_type)[0]
+        key = (num_tokens, dtype_bytes, rec, num_chunks, block)
         peak = self._peaks.get(key)
         if peak is None:
             if len(self._peaks) >= 256:  # varying T (e.g. a last, shorter batch): stay small
                 self._peaks.clear()
-            peak = self._peaks[key] = self.model_peak(self.moe.for_device(device_type),
-                                                      num_tokens, dtype_bytes, num_chunks, rec)
+            moe = replace(self.moe, backward_block_bytes=block)
+            peak = self._peaks[key] = self.model_peak(moe, num_tokens, dtype_bytes, num_chunks,
+                                                      rec)
         return peak
 
     def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
                    recompute: str) -> int:
         """The memory model's peak of one layer call (uncached; a subclass's layer kind), bytes.
 
-        :func:`memfine.memory.layer.layer_peak_bytes` of ``moe`` (this policy's config as
-        resolved for the device).
+        :func:`memfine.memory.layer.layer_peak_bytes` of ``moe`` (this policy's config with the
+        row blocks of the call).
         """
         return layer_memory.layer_peak_bytes(moe, num_tokens, dtype_bytes,
                                              num_chunks=num_chunks, recompute=recompute)
 
     def token_limits(self, dtype_bytes: int, device_type: str = "cpu") -> tuple[int, ...]:
-        """T_max(c) per bin: the most tokens whose predicted layer peak fits the budget (cached).
+        """T_max per candidate: the most tokens whose predicted layer peak fits the budget (cached).
 
-        For each bin c, the largest T with :meth:`layer_peak` (T, D_t, c) ≤ the budget, found by
-        :func:`memfine.memory.planner.largest_fitting` on host integers (the exact model's peak
-        grows with T; a test proves it over a grid). With s″ ≤ T·k rows and no transport rows
-        (one process) the first bin with T ≤ T_max(c) is :meth:`decide`'s choice for every T.
+        For each (c, block) of :meth:`candidates`, the largest T with :meth:`layer_peak`
+        (T, D_t, c, block) ≤ the budget, found by :func:`memfine.memory.planner.largest_fitting`
+        on host integers (the exact model's peak grows with T; a test proves it over a grid).
+        With s″ ≤ T·k rows and no transport rows (one process) the first candidate with
+        T ≤ T_max is :meth:`decide`'s choice for every T.
 
         Args:
             dtype_bytes: D_t.
             device_type: the activations' device (as :meth:`layer_peak`).
 
         Returns:
-            One count per bin, in bin order; -1 where even T = 0 does not fit.
+            One count per candidate, in :meth:`candidates`' order; -1 where even T = 0 does not
+            fit.
 
         Raises:
             ValueError: without a budget.
@@ -213,16 +184,16 @@ class ChunkPolicy:
         budget = self.config.memory_budget_bytes
         if budget is None:
             raise ValueError("token_limits needs ChunkConfig.memory_budget_bytes")
-        rec = self.config.resolved_recompute
-        key = (dtype_bytes, rec, device_type)
+        key = (dtype_bytes, self.config.resolved_recompute, device_type)
         if key not in self._limits:
-            moe = self.moe.for_device(device_type)
 
-            def fits(num_tokens: int, num_chunks: int) -> bool:
-                return self.model_peak(moe, num_tokens, dtype_bytes, num_chunks, rec) <= budget
+            def fits(num_tokens: int, num_chunks: int, block: int) -> bool:
+                return self.layer_peak(num_tokens, dtype_bytes, num_chunks,
+                                       device_type=device_type, block_bytes=block) <= budget
 
-            self._limits[key] = tuple(largest_fitting(functools.partial(fits, num_chunks=c))
-                                      for c in self.config.bins)
+            self._limits[key] = tuple(
+                largest_fitting(functools.partial(fits, num_chunks=c, block=block))
+                for c, block in self.candidates(device_type))
         return self._limits[key]
 
     def row_bytes(self, dtype_bytes: int, device_type: str = "cpu") -> int:
@@ -235,7 +206,7 @@ class ChunkPolicy:
 
     def predicted_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int,
                        num_chunks: int, *, transport_row_elements: int = 0,
-                       device_type: str = "cpu") -> int:
+                       device_type: str = "cpu", block_bytes: int | None = None) -> int:
         """Predicted peak of one layer call at c chunks with s″ received rows, in bytes.
 
         The exact timeline peak for T tokens (S = T·k rows), plus, per chunk, the rows received
@@ -249,8 +220,10 @@ class ChunkPolicy:
             num_chunks: c ≥ 1.
             transport_row_elements: elements per received row kept by a transport layer.
             device_type: the activations' device (as :meth:`layer_peak`).
+            block_bytes: the row-block byte target (None: the config's or the device default).
         """
-        peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks, device_type=device_type)
+        peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks, device_type=device_type,
+                               block_bytes=block_bytes)
         rows = math.ceil(recv_rows / num_chunks)
         extra = max(0, rows - math.ceil(num_tokens / num_chunks) * self.moe.top_k)
         if extra:
@@ -260,11 +233,16 @@ class ChunkPolicy:
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                                  transport_row_elements: int = 0, device_type: str = "cpu"
                                  ) -> int:
-        """The least budget that some bin meets: min over the bins of the predicted peak, bytes."""
+        """The least budget that some candidate meets: the least predicted peak, bytes.
+
+        Over every (c, block) of :meth:`candidates` of a budgeted policy (every bin at the
+        config's block without a budget).
+        """
+        ladder = budget_block_ladder(self.moe.backward_block_bytes, device_type)
         return min(self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
                                        transport_row_elements=transport_row_elements,
-                                       device_type=device_type)
-                   for c in self.config.bins)
+                                       device_type=device_type, block_bytes=block)
+                   for c in self.config.bins for block in ladder)
 
     def decide(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                agree: AgreeNumChunks | None = None,
@@ -286,14 +264,16 @@ class ChunkPolicy:
                 takes the row blocks the layer runs there (:meth:`MoEConfig.for_device`).
 
         Returns:
-            Without a budget: ``ChunkConfig.num_chunks``. With one: the smallest bin whose
-            predicted peak is within the budget, agreed over the group (the largest bin when
-            over budget and ``allow_over_budget``).
+            Without a budget: ``ChunkConfig.num_chunks`` at the config's row blocks. With one:
+            the first (c, block) of :meth:`candidates` whose predicted peak is within the
+            budget, c agreed over the group and then the largest block that fits at that c
+            (the largest bin at its smallest-peak block when over budget and
+            ``allow_over_budget``).
 
         Raises:
             ValueError: if recv_rows or num_tokens is negative.
-            InfeasibleBudgetError: if no bin meets the budget (on this or another rank of the
-                group) and ``allow_over_budget`` is False; one line naming the ChunkConfig
+            InfeasibleBudgetError: if no candidate meets the budget (on this or another rank of
+                the group) and ``allow_over_budget`` is False; one line naming the ChunkConfig
                 fields and the smallest feasible budget.
 
         Side effects: calls ``agree`` once (budget mode only); warns once per policy object
@@ -306,19 +286,21 @@ class ChunkPolicy:
                              f"{num_tokens}")
         rec, budget, extra = (self.config.resolved_recompute, self.config.memory_budget_bytes,
                               transport_row_elements)
+        candidates = self.candidates(device_type)
         if budget is None:
-            c = self.config.num_chunks
+            c, block = candidates[0]
             rows = num_tokens * self.moe.top_k
             decision = ChunkDecision(c, rec, rows, self.predicted_peak(
                 rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
-                device_type=device_type), None)
+                device_type=device_type, block_bytes=block), None, block)
             self.last_decision = decision
             return decision
         bins = self.config.bins
-        peaks = {c: self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
-                                        transport_row_elements=extra, device_type=device_type)
-                 for c in bins}
-        fits = next((c for c in bins if peaks[c] <= budget), None)
+        peaks = {(c, block): self.predicted_peak(
+                     recv_rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
+                     device_type=device_type, block_bytes=block)
+                 for c, block in candidates}
+        fits = next((c for c, block in candidates if peaks[c, block] <= budget), None)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
         local = fits if fits is not None else bins[-1] + 1
         agreed = int(agree(local)) if agree is not None else local
@@ -333,37 +315,54 @@ class ChunkPolicy:
                 warnings.warn(f"{err.message(CONFIG_NAMES)}; using the largest bin "
                               f"c={bins[-1]} (allow_over_budget)", UserWarning, stacklevel=2)
             c = bins[-1]
-        decision = ChunkDecision(c, rec, recv_rows, peaks[c], budget)
+        at_c = [(peak, key[1]) for key, peak in peaks.items() if key[0] == c]
+        block = next((blk for peak, blk in at_c if peak <= budget), min(at_c)[1])
+        decision = ChunkDecision(c, rec, recv_rows, peaks[c, block], budget, block)
         self.last_decision = decision
         return decision
+
+    def plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+             agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
+             device_type: str = "cpu") -> ChunkPlan:
+        """The :class:`ChunkPlan` of one MoE layer call: :meth:`decide`'s c and row blocks.
+
+        Arguments and errors as :meth:`decide`. Without a budget the plan's ``block_bytes`` is
+        None (the layer's config); under ``torch.compile`` tracing with a fixed c nothing is
+        predicted or recorded (the count is the config's; the memory model runs on host
+        integers only).
+        """
+        if not self.budgeted:
+            if not _compiling():
+                self.decide(recv_rows, num_tokens, dtype_bytes,
+                            transport_row_elements=transport_row_elements,
+                            device_type=device_type)
+            return ChunkPlan(self.config.num_chunks)
+        decision = self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
+                               transport_row_elements=transport_row_elements,
+                               device_type=device_type)
+        return ChunkPlan(decision.num_chunks, decision.block_bytes)
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                    agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
                    device_type: str = "cpu") -> int:
-        """C of one MoE layer call: :meth:`decide`'s ``num_chunks`` (arguments and errors as there).
+        """C of one MoE layer call: :meth:`plan`'s ``num_chunks`` (arguments, errors as there)."""
+        return self.plan(recv_rows, num_tokens, dtype_bytes, agree=agree,
+                         transport_row_elements=transport_row_elements,
+                         device_type=device_type).num_chunks
 
-        Under ``torch.compile`` tracing with a fixed c nothing is predicted or recorded (the
-        count is the config's; the memory model runs on host integers only).
-        """
-        if not self.budgeted and _compiling():
-            return self.config.num_chunks
-        return self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
-                           transport_row_elements=transport_row_elements,
-                           device_type=device_type).num_chunks
-
-    def _over_budget(self, peaks: dict[int, int], recv_rows: int, num_tokens: int,
+    def _over_budget(self, peaks: dict[tuple[int, int], int], recv_rows: int, num_tokens: int,
                      agreed: int, fits: int | None) -> InfeasibleBudgetError:
-        """The error of a budget no bin meets: why, and the smallest feasible budget."""
+        """The error of a budget no candidate meets: why, and the smallest feasible budget."""
         bins, budget = self.config.bins, self.config.memory_budget_bytes
         assert budget is not None
-        best = min(peaks, key=lambda c: (peaks[c], c))
+        best = min(peaks, key=lambda key: (peaks[key], key))
         if fits is not None:
             reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
                       f"bin {bins[-1]}")
         else:
             reason = (f"with T={num_tokens} tokens and s''={recv_rows} received rows the "
                       f"predicted layer peak is {format_bytes(peaks[best], exact=True)} at "
-                      f"best (c={best})")
+                      f"best (c={best[0]}, {format_bytes(best[1], exact=True)} row blocks)")
         return InfeasibleBudgetError(budget, peaks[best], bins, reason)
 
 

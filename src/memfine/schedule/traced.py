@@ -1,19 +1,21 @@
-"""MACT's chunk count while ``torch.compile`` traces a budgeted layer, without a graph break.
+"""MACT's chunk count and row blocks while ``torch.compile`` traces a budgeted layer, unbroken.
 
 Eagerly the policy reads s″ (one host number) and T and predicts each bin's peak
 (:meth:`memfine.schedule.ChunkPolicy.decide`). While tracing, T is a symbolic size (after the
-first recompile) and s″ is a device value, so :func:`traced_num_chunks` plans from the bound
+first recompile) and s″ is a device value, so :func:`traced_plan` plans from the bound
 s″ ≤ T·k instead, which is exact on one process (the policy's prediction is the same for every
 s″ ≤ T·k):
 
-1. the thresholds T_max(c), one per bin, the most tokens whose predicted peak fits the budget
+1. the thresholds T_max, one per (c, row block) candidate
+   (:meth:`memfine.schedule.ChunkPolicy.candidates`: each bin, with the row-block ladder when
+   ``backward_block_bytes`` is None), the most tokens whose predicted peak fits the budget
    (:meth:`memfine.schedule.ChunkPolicy.token_limits`; MemFine Eq. 8's s′_max in tokens), are
    computed on host integers from constants only (the policy, named by its int ``key``, D_t
    and the device type), in :func:`_token_limits`, which Dynamo calls once and folds into a
    constant;
-2. c is the first bin with ``T <= T_max(c)`` (MemFine Eq. 9): plain comparisons on the symbolic
-   T, which become shape guards, so a graph serves every T of one bin, and a T in another bin
-   compiles once more;
+2. (c, block) is the first candidate with ``T <= T_max`` (MemFine Eq. 9): plain comparisons on
+   the symbolic T, which become shape guards, so a graph serves every T of one candidate, and a
+   T in another candidate compiles once more;
 3. a T above every threshold cannot be met: the graph calls ``memfine::over_budget``, which
    runs the policy's own decision on the concrete T when the graph runs, so it raises the
    one-line :class:`memfine.schedule.InfeasibleBudgetError` (or, with ``allow_over_budget``,
@@ -30,11 +32,11 @@ from __future__ import annotations
 import torch
 from torch.fx.node import has_side_effect
 
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 
 def _token_limits(policy_key: int, dtype_bytes: int, device_type: str) -> tuple[int, ...]:
-    """T_max(c) per bin of the policy named ``policy_key`` at D_t on a device type (cached)."""
+    """T_max per candidate of the policy named ``policy_key`` at D_t on a device (cached)."""
     return ChunkPolicy.registered(policy_key).token_limits(dtype_bytes, device_type)
 
 
@@ -72,9 +74,9 @@ def _over_budget_fake(top_k_index: torch.Tensor, policy_key: int, num_tokens: in
 has_side_effect(torch.ops.memfine.over_budget.default)
 
 
-def traced_num_chunks(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torch.Tensor
-                      ) -> int:
-    """The chunk count c of a budgeted call while ``torch.compile`` traces it.
+def traced_plan(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torch.Tensor
+                ) -> ChunkPlan:
+    """The chunk count c and row blocks of a budgeted call while ``torch.compile`` traces it.
 
     Args:
         policy: the layer's budgeted :class:`ChunkPolicy` (local experts: no transport rows).
@@ -83,17 +85,17 @@ def traced_num_chunks(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torc
             device).
 
     Returns:
-        The first bin c with T ≤ T_max(c); the largest bin when T exceeds every threshold
-        (the compiled call then raises :class:`memfine.schedule.InfeasibleBudgetError` unless
-        ``allow_over_budget``).
+        The first candidate (c, block) with T ≤ T_max; when T exceeds every threshold, the
+        largest bin at the smallest block (the compiled call then raises
+        :class:`memfine.schedule.InfeasibleBudgetError` unless ``allow_over_budget``).
 
     Reference: MemFine Eq. 8-9 (s′_max and the binned chunk count), with s″ = T·k.
     """
     num_tokens, dtype_bytes = x_TD.shape[0], x_TD.element_size()
-    bins = policy.config.bins
+    candidates = policy.candidates(x_TD.device.type)
     limits = _token_limits(policy.key, dtype_bytes, x_TD.device.type)
-    for c, limit in zip(bins, limits, strict=True):
+    for (c, block), limit in zip(candidates, limits, strict=True):
         if num_tokens <= limit:
-            return c
+            return ChunkPlan(c, block)
     torch.ops.memfine.over_budget(top_k_index, policy.key, num_tokens, dtype_bytes)
-    return bins[-1]
+    return ChunkPlan(*candidates[-1])

@@ -1,0 +1,214 @@
+"""A memory budget shrinks the fused row blocks before it adds chunks (the block ladder).
+
+With ``backward_block_bytes=None`` a budgeted :class:`ChunkPolicy` tries every bin c with the
+device default row block, half and a quarter of it, and the layer runs the first (c, block) whose
+predicted peak fits. Small ladders (64, 32 and 16 rows) stand in for the device's MiB sizes so
+that the blocks matter at test sizes; expected choices come from the layer timeline
+(:func:`memfine.memory.layer.layer_peak_bytes`, equal to ``torch.profiler``), and the layer's
+measured peak and results are held against the decision and an unbudgeted run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import memfine.experts.run as run_module
+from memfine.config import (
+    CUDA_BACKWARD_BLOCK_BYTES,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
+    ChunkConfig,
+    MoEConfig,
+    budget_block_ladder,
+)
+from memfine.measure import measure_backward
+from memfine.memory.layer import layer_peak_bytes
+from memfine.nn import MoELayer
+from memfine.schedule import ChunkPolicy, InfeasibleBudgetError
+from memfine.schedule import policy as policy_module
+from memfine.units import format_bytes
+from tolerances import assert_chunked_close
+
+D, N, E, K, T = 32, 64, 8, 2, 96
+MOE = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
+ROW = (3 * D + 3 * N + 2 * N) * 4  # fp32 bytes of one block row
+LADDER = (64 * ROW, 32 * ROW, 16 * ROW)  # S = T·k = 192 rows: 3, 6 and 12 blocks
+
+
+@pytest.fixture(autouse=True)
+def small_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ladder of a config left at None is LADDER; a set block stays the only one."""
+    monkeypatch.setattr(policy_module, "budget_block_ladder",
+                        lambda block, device: LADDER if block is None else (block,))
+
+
+def _peak(c: int, block: int, moe: MoEConfig = MOE) -> int:
+    return layer_peak_bytes(dataclasses.replace(moe, backward_block_bytes=block), T, 4,
+                            num_chunks=c, recompute="experts")
+
+
+def test_the_ladder_is_the_device_default_halved_twice() -> None:
+    mib = 2**20
+    assert 16 * mib == DEFAULT_BACKWARD_BLOCK_BYTES
+    assert budget_block_ladder(None, "cpu") == (16 * mib, 8 * mib, 4 * mib)
+    assert budget_block_ladder(None, "cuda") == tuple(CUDA_BACKWARD_BLOCK_BYTES // q
+                                                      for q in (1, 2, 4))
+    assert budget_block_ladder(12_345, "cuda") == (12_345,)
+
+
+def _run(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    out, _ = layer(x)
+    out.backward(grad)
+    assert x.grad is not None and layer.experts.w_up.grad is not None
+    assert layer.experts.w_down.grad is not None
+    return out.detach(), x.grad, layer.experts.w_up.grad, layer.experts.w_down.grad
+
+
+def test_a_budget_between_block_sizes_runs_unchunked_with_smaller_blocks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    peaks = {b: _peak(1, b) for b in LADDER}
+    budget = peaks[LADDER[-1]]
+    assert peaks[LADDER[0]] > budget  # the default block needs chunks at this budget
+    want = next(b for b in LADDER if peaks[b] <= budget)
+    blocks: list[int | None] = []
+    real = run_module.run_experts
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        blocks.append(kwargs.get("backward_block_bytes"))  # type: ignore[arg-type]
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("memfine.nn.experts.run_experts", spy)
+    torch.manual_seed(0)
+    layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=budget))
+    ref = MoELayer(MOE, chunk=ChunkConfig(num_chunks=1, recompute="none"))
+    ref.load_state_dict(layer.state_dict())
+    x = torch.randn(T, D)
+    grad = torch.randn(T, D)
+    got = _run(layer, x.clone().requires_grad_(), grad)
+    decision = layer.last_decision
+    assert decision is not None
+    assert (decision.num_chunks, decision.block_bytes) == (1, want)
+    assert decision.predicted_peak_bytes == peaks[want] <= budget
+    assert set(blocks) == {want}  # every (re)computation ran the chosen block
+    blocks.clear()
+    expected = _run(ref, x.clone().requires_grad_(), grad)
+    assert set(blocks) == {None}
+    names = ("out", "x.grad", "w_up.grad", "w_down.grad")
+    for name, a, b in zip(names, got, expected, strict=True):  # blocks split the row sums
+        assert_chunked_close(a, b, name)
+
+
+def test_the_profiled_peak_of_the_chosen_blocks_is_the_prediction() -> None:
+    budget = _peak(1, LADDER[1])
+    torch.manual_seed(1)
+    layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=budget))
+    x = torch.randn(T, D, requires_grad=True)
+    grads = [torch.randn(T, D), torch.tensor(0.01), torch.tensor(0.001)]
+    kept: list[object] = []
+
+    def forward() -> list[torch.Tensor]:
+        out, aux = layer(x)
+        kept[:] = [aux]
+        return [out, aux.load_balancing_loss, aux.z_loss]
+
+    measured = measure_backward(forward, grads, exclude=layer.parameters(), peak="profiler")
+    decision = layer.last_decision
+    assert decision is not None and decision.block_bytes == LADDER[1]
+    assert measured.peak_bytes == decision.predicted_peak_bytes
+
+
+def test_shared_experts_run_the_routed_experts_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    moe = dataclasses.replace(MOE, num_shared_experts=1)
+    budget = _peak(1, LADDER[-1], moe)
+    assert _peak(1, LADDER[0], moe) > budget
+    blocks: list[object] = []
+    real = run_module.run_experts
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        blocks.append(kwargs.get("backward_block_bytes"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr("memfine.nn.experts.run_experts", spy)
+    layer = MoELayer(moe, chunk=ChunkConfig(memory_budget_bytes=budget))
+    out, _ = layer(torch.randn(T, D))
+    decision = layer.last_decision
+    assert decision is not None and decision.num_chunks == 1
+    assert decision.block_bytes != LADDER[0]
+    assert blocks == [decision.block_bytes] * 2  # routed, then shared
+
+
+def test_a_set_block_is_never_shrunk() -> None:
+    fixed = dataclasses.replace(MOE, backward_block_bytes=LADDER[0])
+    budget = _peak(1, LADDER[-1])
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget), fixed)
+    assert policy.candidates() == tuple((c, LADDER[0]) for c in (1, 2, 4, 8))
+    decision = policy.decide(T * K, T, 4)
+    assert decision.num_chunks > 1 and decision.block_bytes == LADDER[0]
+    want = next(c for c in (1, 2, 4, 8) if _peak(c, LADDER[0]) <= budget)
+    assert decision.num_chunks == want
+
+
+def test_a_smaller_chunk_count_wins_over_a_larger_block() -> None:
+    """Candidates are c first: c = 1 at the smallest block before c = 2 at the default."""
+    budget = _peak(1, LADDER[-1])
+    assert _peak(2, LADDER[0]) <= budget or _peak(4, LADDER[0]) <= budget
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget), MOE)
+    assert policy.candidates()[:4] == ((1, LADDER[0]), (1, LADDER[1]), (1, LADDER[2]),
+                                       (2, LADDER[0]))
+    assert policy.decide(T * K, T, 4).num_chunks == 1
+
+
+def test_an_agreed_larger_c_takes_the_largest_block_that_fits_there() -> None:
+    budget = _peak(1, LADDER[-1])
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget), MOE)
+    seen: list[int] = []
+    decision = policy.decide(T * K, T, 4, agree=lambda c: seen.append(c) or 4)  # type: ignore[func-returns-value]
+    assert seen == [1] and decision.num_chunks == 4
+    want = next(b for b in LADDER if _peak(4, b) <= budget)
+    assert decision.block_bytes == want
+    assert decision.predicted_peak_bytes == _peak(4, want)
+
+
+def test_infeasible_budget_names_the_least_peak_over_every_block() -> None:
+    need = min(_peak(c, b) for c in (1, 2, 4, 8) for b in LADDER)
+    best = min(((c, b) for c in (1, 2, 4, 8) for b in LADDER),
+               key=lambda cb: (_peak(*cb), cb))
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=need - 1), MOE)
+    assert policy.smallest_feasible_budget(T * K, T, 4) == need
+    with pytest.raises(InfeasibleBudgetError) as info:
+        policy.decide(T * K, T, 4)
+    assert info.value.smallest_feasible_bytes == need
+    assert (f"at best (c={best[0]}, {format_bytes(best[1], exact=True)} row blocks)"
+            in str(info.value))
+    with pytest.warns(UserWarning, match="using the largest bin c=8"):
+        over = ChunkPolicy(ChunkConfig(memory_budget_bytes=need - 1, allow_over_budget=True),
+                           MOE).decide(T * K, T, 4)
+    at8 = {b: _peak(8, b) for b in LADDER}
+    assert (over.num_chunks, over.block_bytes) == (8, min(LADDER, key=lambda b: (at8[b], b)))
+
+
+def test_a_lora_layer_runs_the_budgets_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from memfine.config.lora import LoRAConfig
+    from memfine.nn import lora as lora_module
+
+    lora = LoRAConfig(rank=4, alpha=8.0)
+    probe = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=1), lora=lora).policy
+    peaks = [probe.layer_peak(T, 4, 1, block_bytes=b) for b in LADDER]
+    assert peaks[0] > peaks[-1]
+    blocks: list[object] = []
+    real = lora_module.run_lora_experts
+
+    def spy(*args: object, **kwargs: object) -> torch.Tensor:
+        blocks.append(kwargs.get("backward_block_bytes"))
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(lora_module, "run_lora_experts", spy)
+    layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=peaks[-1]), lora=lora)
+    out, _ = layer(torch.randn(T, D))
+    out.sum().backward()
+    decision = layer.last_decision
+    want = next(b for b, p in zip(LADDER, peaks, strict=True) if p <= peaks[-1])
+    assert decision is not None and (decision.num_chunks, decision.block_bytes) == (1, want)
+    assert set(blocks) == {want} and want != LADDER[0]
