@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from memfine.units import parse_bytes
+from memfine.units import INT64_MAX, parse_bytes
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN = -INT64_MAX - 1
 
 
 def int64(text: str) -> int:
