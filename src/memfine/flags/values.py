@@ -41,6 +41,27 @@ def int64(text: str) -> int:
 int64.__name__ = "int"  # argparse's "invalid int value" if it ever shows
 
 
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an int flag with a lower bound (``--repeats``, ``--threads``).
+
+    Args:
+        low: the smallest value allowed.
+
+    Returns:
+        The converter: an :func:`int64` integer ``>= low``; it raises
+        ``argparse.ArgumentTypeError`` on a non-integer, a value outside int64 or below ``low``
+        (argparse names the flag, exit status 2).
+    """
+    def convert(text: str) -> int:
+        got = int64(text)
+        if got < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
+        return got
+
+    convert.__name__ = "int"
+    return convert
+
+
 def finite_float(text: str) -> float:
     """An argparse ``type`` for a float flag: a finite number (no ``inf`` or ``nan``).
 
