@@ -73,8 +73,9 @@ def parse_bytes(text: str | int, *, require_unit: bool = False) -> int:
     return value
 
 
-SIZE_LIMIT = 2**63 - 1
-"""The largest byte count memfine accepts: what torch's int64 and the configs' fields hold."""
+INT64_MAX = 2**63 - 1
+"""The largest int64: the largest integer flag value and byte count memfine accepts (what
+torch's int64 and the configs' integer fields hold)."""
 
 
 def checked_byte_size(size: object, name: str) -> int:
@@ -104,7 +105,7 @@ def checked_byte_size(size: object, name: str) -> int:
         got = parse_bytes(size, require_unit=True)
     except ValueError:
         raise ValueError(f"{name} must be {allowed}, got {size!r}") from None
-    if got > SIZE_LIMIT:
+    if got > INT64_MAX:
         bytes_ = f" ({got} bytes)" if isinstance(size, str) else ""
         raise ValueError(f"{name} must be {allowed}, got {size!r}{bytes_}")
     return got

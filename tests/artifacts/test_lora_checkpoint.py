@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from memfine.artifacts.checkpoint import LoRABaseError, load_checkpoint
-from memfine.artifacts.inference import load_trained
+from memfine.artifacts.inference import language_model, load_trained, load_weights
 from memfine.artifacts.lora_base import content_hash
 from memfine.config.lora import LoRAConfig
 from memfine.nn import MoETransformerLM
@@ -59,30 +61,41 @@ def test_checkpoint_holds_trained_state_and_the_base_reference(runs: tuple[Path,
         assert torch.equal(whole[name], tensor), name
 
 
-def test_resume_continues_and_a_changed_base_is_one_line(runs: tuple[Path, Path],
-                                                         tmp_path: Path) -> None:
-    base, ft = runs
-    # a copy of both runs, the LoRA one pointing at the copied base
-    import shutil
+def _copy_runs(runs: tuple[Path, Path], tmp_path: Path) -> dict[str, Any]:
+    """Copy both runs into ``tmp_path``, the LoRA one pointing at the copied base.
 
-    shutil.copytree(base, tmp_path / "base")
-    shutil.copytree(ft, tmp_path / "ft")
+    Returns:
+        The copied LoRA checkpoint's payload.
+    """
+    for run in runs:
+        shutil.copytree(run, tmp_path / run.name)
     payload = load_checkpoint(tmp_path / "ft" / "checkpoint.pt")
     payload["base"] = {"run_dir": str(tmp_path / "base"),
                        "checkpoint": str(tmp_path / "base" / "checkpoint.pt"),
                        "sha256": payload["base"]["sha256"]}
     torch.save(payload, tmp_path / "ft" / "checkpoint.pt")
+    return payload
+
+
+def _change_weights(run: Path) -> str:
+    """Add 1 to the first tensor of ``run``'s checkpoint; its new content hash."""
+    state = load_checkpoint(run / "checkpoint.pt")
+    first = next(iter(state["model"]))
+    state["model"][first] = state["model"][first] + 1
+    torch.save(state, run / "checkpoint.pt")
+    return content_hash(run / "checkpoint.pt")
+
+
+def test_resume_continues_and_a_changed_base_is_one_line(runs: tuple[Path, Path],
+                                                         tmp_path: Path) -> None:
+    payload = _copy_runs(runs, tmp_path)
     config = _config(max_steps=3, lora=LoRAConfig(rank=2))
     resumed = _run(config, tmp_path / "ft", resume=True)
     assert len(resumed.train_losses) == 1
     assert load_checkpoint(tmp_path / "ft" / "checkpoint.pt")["base"] == payload["base"]
     # the base's checkpoint changes: resume and loading refuse in one line
-    state = load_checkpoint(tmp_path / "base" / "checkpoint.pt")
-    first = next(iter(state["model"]))
-    state["model"][first] = state["model"][first] + 1
-    torch.save(state, tmp_path / "base" / "checkpoint.pt")
-    assert content_hash(tmp_path / "base" / "checkpoint.pt") != payload["base"]["sha256"]
-    now = content_hash(tmp_path / "base" / "checkpoint.pt")
+    now = _change_weights(tmp_path / "base")
+    assert now != payload["base"]["sha256"]
     message = (f"checkpoint '{tmp_path / 'ft' / 'checkpoint.pt'}': its LoRA base run "
                f"'{tmp_path / 'base'}' changed since the adapters were trained: the base "
                f"checkpoint '{tmp_path / 'base' / 'checkpoint.pt'}' had sha256 "
@@ -103,3 +116,31 @@ def test_resume_continues_and_a_changed_base_is_one_line(runs: tuple[Path, Path]
         f"checkpoint '{tmp_path / 'ft' / 'checkpoint.pt'}': the LoRA base checkpoint "
         f"'{tmp_path / 'base' / 'checkpoint.pt'}' is now an empty directory; this run's "
         f"checkpoint holds only the adapters (restore the base run)")
+
+
+def test_stacked_adapters_name_the_checkpoint_whose_base_changed(runs: tuple[Path, Path],
+                                                                  tmp_path: Path) -> None:
+    """LoRA on a LoRA run (``stacked`` on ``ft`` on ``base``): ``base`` changes.
+
+    The message says that ``stacked``'s base is ``ft``, a LoRA run whose own base changed, and
+    names that base's checkpoint and hashes, not ``stacked`` as the run whose base changed.
+    """
+    payload = _copy_runs(runs, tmp_path)
+    ft, stacked = tmp_path / "ft", tmp_path / "stacked"
+    config = _config(lora=LoRAConfig(rank=2))
+    _run(config, stacked, init_from=ft)
+    load_trained(stacked)  # the unchanged chain loads
+    now = _change_weights(tmp_path / "base")
+    changed = (f"its LoRA base run '{tmp_path / 'base'}' changed since the adapters were "
+               f"trained: the base checkpoint '{tmp_path / 'base' / 'checkpoint.pt'}' had "
+               f"sha256 {payload['base']['sha256'][:12]}…, now {now[:12]}…; restore it, or start "
+               f"a new run with --init-from")
+    with pytest.raises(LoRABaseError) as err:
+        load_trained(stacked)
+    assert str(err.value) == (f"checkpoint '{stacked / 'checkpoint.pt'}': its LoRA base run "
+                              f"'{ft.resolve()}' is a LoRA run too; checkpoint "
+                              f"'{ft.resolve() / 'checkpoint.pt'}': {changed}")
+    # --init-from the LoRA run: the message names the checkpoint whose base changed
+    with pytest.raises(LoRABaseError) as err:
+        load_weights(language_model(_config()), config.model, ft)
+    assert str(err.value) == f"checkpoint '{ft / 'checkpoint.pt'}': {changed}"

@@ -150,6 +150,10 @@ BAD = [
     pytest.param(lambda b: ["--lora-rank", "2", "--lora-targets", "w_up,w_up", "--init-from",
                             str(b)], "--lora-targets must be a subset of ('w_up', 'w_down') "
                  "without duplicates, got w_up,w_up$", id="duplicate_target"),
+    *(pytest.param(lambda b, v=v: ["--lora-rank", "2", "--lora-targets", v, "--init-from",
+                                   str(b)], f"argument --lora-targets: expected a non-empty "
+                   f"comma-separated subset of w_up, w_down, got {v!r} (", id=f"no_target{i}")
+      for i, v in enumerate([",", "", " , ,"])),
 ]
 
 

@@ -19,6 +19,7 @@ def test_script_main_runs_one_suite_with_its_flags(monkeypatch: pytest.MonkeyPat
     seen: list[tuple[BenchOptions, torch.device]] = []
     monkeypatch.setattr(runner, "run_suites", lambda opts, device: seen.append((opts, device))
                         or ["experts 1 fused: boom"])
+    monkeypatch.setattr("memfine.flags.threads.usable_cpus", lambda: 4)
     assert runner.script_main("experts", tmp_path, ["--quick"]) == 1  # a failed method
     assert runner.script_main("chunking", tmp_path, ["--repeats", "3", "--threads", "2",
                                                      "--out", str(tmp_path / "x")]) == 1
@@ -28,6 +29,39 @@ def test_script_main_runs_one_suite_with_its_flags(monkeypatch: pytest.MonkeyPat
         ("experts",), 1, 0, 1, True, str(tmp_path))
     assert (full.suites, full.repeats, full.warmup, full.threads, full.out) == (
         ("chunking",), 3, 1, 2, str(tmp_path / "x"))
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--repeats", "0"], "argument --repeats: expected an integer >= 1, got 0"),
+    (["--repeats", "-3"], "argument --repeats: expected an integer >= 1, got -3"),
+    (["--warmup", "-1"], "argument --warmup: expected an integer >= 0, got -1"),
+    (["--threads", "0"], "argument --threads: expected an integer >= 1, got 0"),
+    (["--threads", "-2"], "argument --threads: expected an integer >= 1, got -2"),
+    (["--repeats", "1e3"], "argument --repeats: expected an integer, got '1e3'"),
+    *(([flag, str(10**20)], f"argument {flag}: expected an integer in [-2**63, 2**63 - 1] "
+       f"(int64), got {10**20}") for flag in ("--repeats", "--warmup", "--threads")),
+])
+def test_script_main_refuses_counts_out_of_range_naming_the_flag(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path,
+        argv: list[str], message: str) -> None:
+    monkeypatch.setattr(runner, "run_suites", lambda opts, device: pytest.fail("ran"))
+    with pytest.raises(SystemExit) as info:
+        runner.script_main("experts", tmp_path, argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {message}")
+
+
+def test_script_main_lowers_threads_to_the_cpus(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    seen: list[BenchOptions] = []
+    monkeypatch.setattr(runner, "run_suites", lambda opts, device: seen.append(opts) or [])
+    monkeypatch.setattr("memfine.flags.threads.usable_cpus", lambda: 2)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert runner.script_main("experts", tmp_path, ["--threads", str(2**40)]) == 0
+    assert seen[0].threads == 2
+    assert (f"warning: --threads {2**40} is more than the 2 CPU(s) this process may use; "
+            f"using 2") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("script", sorted(p.name for p in BENCHMARKS.glob("*.py")))

@@ -126,9 +126,12 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
 
     Raises:
         ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
-            another model (the message lists the fields that differ).
+            another model (the message lists the fields that differ);
+            :class:`memfine.artifacts.checkpoint.LoRABaseError` naming the checkpoint when it
+            holds LoRA adapters whose base run is gone or changed.
     """
-    payload = read_checkpoint(find_checkpoint(run_dir))
+    path = find_checkpoint(run_dir)
+    payload = read_checkpoint(path)
     source = TrainConfig.from_dict(payload["config"])
     differ = architecture_differences(source.model, model_config)
     if differ:
@@ -140,7 +143,10 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
             load_model_state(payload, model)
             return
         adapted = language_model(source)  # a LoRA run: its adapters merged into the base
-        load_model_state(payload, adapted)
+        try:
+            load_model_state(payload, adapted)
+        except LoRABaseError as err:  # "its LoRA base ...": the checkpoint it speaks of
+            raise LoRABaseError(f"checkpoint {str(path)!r}: {err}") from err
         merge_model_lora_(adapted)
         model.load_state_dict(adapted.state_dict())
 

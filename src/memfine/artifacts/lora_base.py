@@ -92,7 +92,10 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
 
     Raises:
         LoRABaseError: one line when the base checkpoint is gone or its content changed (naming
-            the base run, its checkpoint and both hashes), or when its weights do not fit.
+            the base run, its checkpoint and both hashes), or when its weights do not fit. When
+            the base is itself a LoRA run (stacked adapters), a change below it is named where
+            it happened: ``its LoRA base run 'A' is a LoRA run too; checkpoint
+            'A/checkpoint.pt': its LoRA base run 'R' changed ...``.
     """
     from memfine.artifacts.inference import language_model, load_weights
     from memfine.config import TrainConfig
@@ -114,7 +117,11 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
                             f"it")
     base_config = dataclasses.replace(TrainConfig.from_dict(config), lora=None)
     plain = language_model(base_config)
-    load_weights(plain, base_config.model, reference["run_dir"])
+    try:
+        load_weights(plain, base_config.model, reference["run_dir"])
+    except LoRABaseError as err:  # stacked adapters: the base's own base is gone or changed
+        raise LoRABaseError(f"its LoRA base run {reference['run_dir']!r} is a LoRA run too; "
+                            f"{err}") from err
     missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or not set(missing) <= trained:

@@ -179,9 +179,17 @@ def _targets(text: str) -> list[str]:
     """``--lora-targets``: the names in LoRAConfig's order (``w_down,w_up`` is ``w_up,w_down``).
 
     Unknown names and duplicates stay, for the config's check to name them.
+
+    Raises:
+        argparse.ArgumentTypeError: on a value without a name (``''``, ``','``); argparse
+            names the flag.
     """
+    names = _names(text)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected a non-empty comma-separated subset of "
+                                         f"{', '.join(LORA_TARGETS)}, got {text!r}")
     order = {name: i for i, name in enumerate(LORA_TARGETS)}
-    return sorted(_names(text), key=lambda name: order.get(name, len(order)))
+    return sorted(names, key=lambda name: order.get(name, len(order)))
 
 
 _LORA_DEFAULTS = LoRAConfig()

@@ -13,9 +13,9 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from memfine.units import parse_bytes
+from memfine.units import INT64_MAX, parse_bytes
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT64_MIN = -INT64_MAX - 1
 
 
 def int64(text: str) -> int:
@@ -39,6 +39,27 @@ def int64(text: str) -> int:
 
 
 int64.__name__ = "int"  # argparse's "invalid int value" if it ever shows
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an int flag with a lower bound (``--repeats``, ``--threads``).
+
+    Args:
+        low: the smallest value allowed.
+
+    Returns:
+        The converter: an :func:`int64` integer ``>= low``; it raises
+        ``argparse.ArgumentTypeError`` on a non-integer, a value outside int64 or below ``low``
+        (argparse names the flag, exit status 2).
+    """
+    def convert(text: str) -> int:
+        got = int64(text)
+        if got < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text}")
+        return got
+
+    convert.__name__ = "int"
+    return convert
 
 
 def finite_float(text: str) -> float:

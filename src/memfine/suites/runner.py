@@ -21,6 +21,8 @@ from memfine.bench.options import BenchOptions, Point
 from memfine.bench.output import plot_points, print_point
 from memfine.bench.results import result_rows, write_csv
 from memfine.environment import collect_environment
+from memfine.flags.threads import clamp_threads
+from memfine.flags.values import int_at_least
 from memfine.suites import SUITE_MODULES, select_methods
 from memfine.train.loop import torch_threads
 
@@ -113,12 +115,18 @@ def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int
         0, or 1 when a method failed (its error is printed).
 
     Raises:
-        SystemExit: 2 (argparse usage error) on a bad ``--device``.
+        SystemExit: 2 (argparse usage error) naming the flag on a bad ``--device``, or a
+            ``--repeats`` or ``--threads`` below 1, a ``--warmup`` below 0, or a value that is
+            no integer or outside int64.
     """
     parser = argparse.ArgumentParser(description=f"memfine bench --suite {suite}")
-    parser.add_argument("--repeats", type=int, default=5, help="timed rounds per method")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--repeats", type=int_at_least(1), default=5,
+                        help="timed rounds per method, >= 1")
+    parser.add_argument("--warmup", type=int_at_least(0), default=1,
+                        help="untimed rounds first, >= 0")
+    parser.add_argument("--threads", type=int_at_least(1), default=1,
+                        help="torch intra-op threads, >= 1; more than this process's CPUs is "
+                             "lowered to them with a warning")
     parser.add_argument("--quick", action="store_true", help="tiny shapes, one round")
     parser.add_argument("--out", type=Path, default=out, help="output folder")
     parser.add_argument("--device", default="cpu",
@@ -129,7 +137,8 @@ def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int
     except ValueError as err:
         parser.error(str(err))
     opts = BenchOptions(suites=(suite,), repeats=1 if args.quick else args.repeats,
-                        warmup=0 if args.quick else args.warmup, threads=args.threads,
+                        warmup=0 if args.quick else args.warmup,
+                        threads=clamp_threads(args.threads),
                         quick=args.quick, out=str(args.out), device=device.type)
     failures = run_suites(opts, device)
     for failure in failures:

@@ -55,9 +55,10 @@ def _activate(v, ACT: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features,
-               BM: tl.constexpr, GATHER: tl.constexpr):
-    # This program's rows; an idle tile (start == end of its expert) gets an empty K loop.
+def _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features, out_features,
+          BM: tl.constexpr, BN: tl.constexpr, GATHER: tl.constexpr):
+    # This program's rows and output columns; an idle tile (start == end of its expert) gets
+    # an empty K loop.
     pid_m = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     start = tl.load(tile_start_ptr + pid_m).to(tl.int64)
@@ -69,7 +70,18 @@ def _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_featur
     else:
         src = offs_m
     k_stop = in_features * (start < end).to(tl.int32)  # idle tiles of the fixed grid: no work
-    return e, offs_m, mask_m, src, k_stop
+    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+    return e, offs_m, mask_m, src, k_stop, offs_n, offs_n < out_features
+
+
+@triton.jit
+def _row_tile(x_ptr, src, mask_m, k0, in_features, stride_xs, stride_xi, BK: tl.constexpr):
+    # The (BM, BK) tile of rows src, columns k0 .. k0 + BK of x, and its column offsets and mask.
+    offs_k = k0 + tl.arange(0, BK)
+    mask_k = offs_k < in_features
+    a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    return a, offs_k, mask_k
 
 
 @triton.jit
@@ -79,16 +91,13 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, scale_ptr, tile_expert
                          GATHER: tl.constexpr, SCALE: tl.constexpr, UPCAST: tl.constexpr,
                          IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                          BK: tl.constexpr):
-    e, offs_m, mask_m, src, k_stop = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr,
-                                                rows_ptr, in_features, BM, GATHER)
-    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-    mask_n = offs_n < out_features
+    e, offs_m, mask_m, src, k_stop, offs_n, mask_n = _tile(
+        tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features, out_features, BM,
+        BN, GATHER)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, k_stop, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mask_k = offs_k < in_features
-        a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a, offs_k, mask_k = _row_tile(x_ptr, src, mask_m, k0, in_features, stride_xs, stride_xi,
+                                      BK)
         b = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wi
                     + offs_n[None, :] * stride_wo,
                     mask=mask_k[:, None] & mask_n[None, :], other=0.0)
@@ -105,17 +114,13 @@ def _gather_up_kernel(x_ptr, w_ptr, h_ptr, a_ptr, rows_ptr, tile_expert_ptr, til
                       stride_wo, stride_hs, stride_hg, stride_as, stride_an, GATED: tl.constexpr,
                       ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    e, offs_m, mask_m, src, k_stop = _tile_rows(tile_expert_ptr, tile_start_ptr, offsets_ptr,
-                                                rows_ptr, in_features, BM, True)
-    offs_n = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
-    mask_n = offs_n < N
+    e, offs_m, mask_m, src, k_stop, offs_n, mask_n = _tile(
+        tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features, N, BM, BN, True)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
     for k0 in range(0, k_stop, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        mask_k = offs_k < in_features
-        a = tl.load(x_ptr + src[:, None] * stride_xs + offs_k[None, :] * stride_xi,
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        a, offs_k, mask_k = _row_tile(x_ptr, src, mask_m, k0, in_features, stride_xs, stride_xi,
+                                      BK)
         w_tile = w_ptr + e * stride_we + offs_k[:, None] * stride_wi + offs_n[None, :] * stride_wo
         mask_w = mask_k[:, None] & mask_n[None, :]
         acc = _dot(a, tl.load(w_tile, mask=mask_w, other=0.0), acc, UPCAST, IEEE)
