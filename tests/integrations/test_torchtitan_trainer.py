@@ -30,6 +30,7 @@ from torchtitan_trainer import (  # noqa: E402
     small_runs,
 )
 
+from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES  # noqa: E402
 from tolerances import LOSS_ATOL  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,8 @@ def test_every_block_reports_its_chunk_decision(results: dict, name: str) -> Non
         assert block.endswith("moe.routed_experts")
         assert d == {"num_chunks": c, "recompute": "none" if c == 1 else "experts",
                      "tokens": T * K, "budget_bytes": budget,
-                     "predicted_peak_bytes": small_peak(c, **chunk)}
+                     "predicted_peak_bytes": small_peak(c, **chunk),
+                     "block_bytes": DEFAULT_BACKWARD_BLOCK_BYTES}  # all rows fit one block
 
 
 def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dict) -> None:
@@ -80,6 +82,10 @@ def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dic
     fixed = policy.predicted_peak(0, 0, SMALL_DTYPE_BYTES, 1)
     peaks = [policy.predicted_peak(rows, T, SMALL_DTYPE_BYTES, c) for c in bins]
     assert 0 < fixed < peaks[0] and peaks[1] < peaks[0]
+    least, least_peak = policy.least_memory_plan(rows, T, SMALL_DTYPE_BYTES)
+    assert least_peak == policy.smallest_feasible_budget(rows, T, SMALL_DTYPE_BYTES)
+    assert least_peak == min(policy.predicted_peak(rows, T, SMALL_DTYPE_BYTES, c, block_bytes=b)
+                             for c in bins for b in (16 << 20, 8 << 20, 4 << 20))
     budgets = results["c1"]["budgets"]
     assert len(budgets) == SMALL_LAYERS
     for budget in budgets.values():
@@ -87,5 +93,5 @@ def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dic
             "tokens": T, "rows": rows, "dtype_bytes": SMALL_DTYPE_BYTES,
             "fixed_bytes": fixed, "token_bytes": peaks[0] - fixed, "bins": list(bins),
             "bin_peak_bytes": peaks,
-            "smallest_feasible_budget_bytes": policy.smallest_feasible_budget(
-                rows, T, SMALL_DTYPE_BYTES)}
+            "smallest_feasible_budget_bytes": least_peak,
+            "least_memory_bin": least.num_chunks, "least_memory_block_bytes": least.block_bytes}

@@ -100,11 +100,12 @@ BUDGET_BLOCK_DIVISORS = (1, 2, 4)
 
 Under a memory budget (MACT) with ``backward_block_bytes=None`` the chunk policy tries, per
 chunk count c, the default block and then half and a quarter of it, and runs the largest that
-fits (:func:`budget_block_ladder`), before it takes a larger c: on the CPU a quarter block
-(4 MiB) was within 4% of the default's time at both suite shapes
-(``benchmarks/results/block_bytes_cpu.csv``), while a second chunk recomputes the experts'
-forward. Smaller blocks would trade kernel launches (CUDA) and weight-gradient passes for
-bytes that chunking frees at a known cost."""
+fits (:func:`budget_block_ladder`), before it takes a larger c: a smaller block only splits the
+grouped GEMMs further (on the CPU a quarter block, 4 MiB, was within 4% of the default's time
+at both suite shapes, ``benchmarks/results/block_bytes_cpu.csv``), while every chunk adds its
+own routing index, chunk loop step and, under expert parallelism, its own all-to-alls (a budget
+recomputes the experts at every c). Still smaller blocks would trade kernel launches (CUDA) and
+weight-gradient passes for bytes that chunking frees."""
 
 
 def budget_block_ladder(block_bytes: int | None, device_type: str) -> tuple[int, ...]:

@@ -39,11 +39,15 @@ class ExpertsBudget:
         token_bytes: the predicted peak at c = 1 minus ``fixed_bytes``: what scales with the
             tokens (chunks shrink the part one chunk holds at a time).
         bins: the chunk counts a budget may choose (``ChunkConfig.bins``).
-        bin_peak_bytes: the predicted peak of the block at each bin, in the order of ``bins``
+        bin_peak_bytes: the predicted peak of the block at each bin, in the order of ``bins``,
+            at the device's default row blocks
             (:meth:`memfine.schedule.ChunkPolicy.predicted_peak`).
-        smallest_feasible_budget_bytes: the least ``memory_budget`` some bin meets
-            (:meth:`memfine.schedule.ChunkPolicy.smallest_feasible_budget`; smaller ones are
-            refused).
+        smallest_feasible_budget_bytes: the least ``memory_budget`` some bin meets, at the
+            row blocks a budget may run (:meth:`memfine.schedule.ChunkPolicy.
+            smallest_feasible_budget`; smaller ones are refused).
+        least_memory_bin: the c of that least peak.
+        least_memory_block_bytes: its row-block byte target (the device default, half or a
+            quarter of it: :func:`memfine.config.budget_block_ladder`).
     """
 
     tokens: int
@@ -54,11 +58,8 @@ class ExpertsBudget:
     bins: tuple[int, ...]
     bin_peak_bytes: tuple[int, ...]
     smallest_feasible_budget_bytes: int
-
-    @property
-    def least_memory_bin(self) -> int:
-        """The bin whose peak is the smallest feasible budget (the smallest such bin)."""
-        return min(zip(self.bin_peak_bytes, self.bins, strict=True))[1]
+    least_memory_bin: int
+    least_memory_block_bytes: int
 
     def describe(self) -> str:
         """One line: T, s″, the two parts, each bin's peak and the smallest feasible budget."""
@@ -68,7 +69,8 @@ class ExpertsBudget:
                 f"{format_bytes(self.fixed_bytes)} fixed + {format_bytes(self.token_bytes)} "
                 f"scaling with the tokens (c=1); predicted peak {peaks}; smallest feasible "
                 f"memory_budget {format_bytes(self.smallest_feasible_budget_bytes, exact=True)} "
-                f"(c={self.least_memory_bin})")
+                f"(c={self.least_memory_bin}, "
+                f"{format_bytes(self.least_memory_block_bytes)} row blocks)")
 
 
 def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int,
@@ -95,13 +97,16 @@ def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int
 
     fixed = peak(0, 0, 1)
     bins = policy.config.bins
+    least, least_peak = policy.least_memory_plan(
+        rows, tokens, dtype_bytes, transport_row_elements=transport_row_elements,
+        device_type=device_type)
+    assert least.block_bytes is not None
     return ExpertsBudget(
         tokens=tokens, rows=rows, dtype_bytes=dtype_bytes, fixed_bytes=fixed,
         token_bytes=peak(rows, tokens, 1) - fixed, bins=bins,
         bin_peak_bytes=tuple(peak(rows, tokens, c) for c in bins),
-        smallest_feasible_budget_bytes=policy.smallest_feasible_budget(
-            rows, tokens, dtype_bytes, transport_row_elements=transport_row_elements,
-            device_type=device_type))
+        smallest_feasible_budget_bytes=least_peak, least_memory_bin=least.num_chunks,
+        least_memory_block_bytes=least.block_bytes)
 
 
 def budget_chunk_config(chunk: ChunkConfig) -> ChunkConfig:

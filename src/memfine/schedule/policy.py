@@ -21,11 +21,12 @@ over the ``ep`` group) as the ``agree`` argument of each decision; one process n
 Row blocks: with ``MoEConfig.backward_block_bytes=None`` a budgeted decision also picks the
 fused path's row-block byte target, per bin from the device default down to a quarter of it
 (:func:`memfine.config.budget_block_ladder`): the candidates are (c, block) pairs, c first, so a
-call that fits the budget with smaller blocks runs unchunked rather than recomputing a chunk,
-and a smaller c is always preferred (a quarter block costs a few percent, a chunk a recomputed
-forward). A set ``backward_block_bytes`` is the only block. The block is local to the rank (the
-all-to-alls are per chunk), so only c is agreed over the expert-parallel group; the block is then
-the largest that fits at the agreed c.
+call that fits the budget with smaller blocks runs in fewer chunks, and a smaller c is always
+preferred (a quarter block costs a few percent; a chunk its own routing index and, under expert
+parallelism, its own all-to-alls: :data:`memfine.config.BUDGET_BLOCK_DIVISORS`). A set
+``backward_block_bytes`` is the only block. The block is local to the rank (the all-to-alls are
+per chunk), so only c is agreed over the expert-parallel group; the block is then the largest
+that fits at the agreed c.
 
 Every decision is recorded as a :class:`ChunkDecision` (``last_decision``), which
 :class:`memfine.nn.MoELayer`, the transformers backend and the torchtitan converter expose.
@@ -230,19 +231,32 @@ class ChunkPolicy:
             peak += extra * self.row_bytes(dtype_bytes, device_type)
         return peak + rows * transport_row_elements * dtype_bytes
 
+    def least_memory_plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
+                          transport_row_elements: int = 0, device_type: str = "cpu"
+                          ) -> tuple[ChunkPlan, int]:
+        """The (c, block) with the least predicted peak, and that peak in bytes.
+
+        Over every bin and every block of :func:`memfine.config.budget_block_ladder` (the
+        candidates of a budget); ties go to the smaller c, then the smaller block.
+        """
+        ladder = budget_block_ladder(self.moe.backward_block_bytes, device_type)
+        peak, c, block = min(
+            (self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
+                                 transport_row_elements=transport_row_elements,
+                                 device_type=device_type, block_bytes=block), c, block)
+            for c in self.config.bins for block in ladder)
+        return ChunkPlan(c, block), peak
+
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                                  transport_row_elements: int = 0, device_type: str = "cpu"
                                  ) -> int:
         """The least budget that some candidate meets: the least predicted peak, bytes.
 
-        Over every (c, block) of :meth:`candidates` of a budgeted policy (every bin at the
-        config's block without a budget).
+        :meth:`least_memory_plan`'s peak (every bin and row block a budget may run).
         """
-        ladder = budget_block_ladder(self.moe.backward_block_bytes, device_type)
-        return min(self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
-                                       transport_row_elements=transport_row_elements,
-                                       device_type=device_type, block_bytes=block)
-                   for c in self.config.bins for block in ladder)
+        return self.least_memory_plan(recv_rows, num_tokens, dtype_bytes,
+                                      transport_row_elements=transport_row_elements,
+                                      device_type=device_type)[1]
 
     def decide(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                agree: AgreeNumChunks | None = None,
