@@ -114,7 +114,7 @@ def run(args: argparse.Namespace) -> list[dict[str, str]]:
         label = (f"{shape.label()} fp32, {torch.get_num_threads()} thread(s); x + H floor "
                  f"{format_bytes(shape.floor_bytes(4))}")
         point = Point(suite=BENCHMARK, x_name="config", x_value=shape.name, label=label,
-                      config={**shape.to_dict(), "rounds": args.reps, "warmup": args.warmup},
+                      config={**shape.to_dict(), "warmup": args.warmup},
                       results=results, reference=hf.REFERENCE)
         print_point(point)
         rows += point_rows(point, env, failed=False)

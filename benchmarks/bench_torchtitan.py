@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> list[dict[str, str]]:
     for name in args.configs:
         shape = CONFIGS[name]
         config = {**asdict(shape), "torchtitan_version": version("torchtitan"),
-                  "rounds": args.reps, "warmup": args.warmup}
+                  "warmup": args.warmup}
         results = bench_config(shape, list(args.providers), args.reps, args.warmup)
         label = (f"{shape.model} MoE block, T {shape.tokens}, d {shape.dim}, n {shape.hidden}, "
                  f"E {shape.num_experts}, k {shape.top_k}, {shape.dtype}, "

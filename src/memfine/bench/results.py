@@ -106,7 +106,7 @@ def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str,
     ``*_predicted_over_measured`` (ratio), then the method's extras. A single value fills p20,
     p50 and p80. Missing values read ``not measured``; missing predictions ``not modelled``.
     A timed method's rows carry its clock in ``config_json`` (``clock``: a key of
-    :data:`memfine.bench.harness.CLOCKS`).
+    :data:`memfine.bench.harness.CLOCKS`) and the number of its timed rounds (``rounds``).
 
     Args:
         results: from :func:`run_methods`.
@@ -122,7 +122,8 @@ def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str,
     ref = next((r for r in results if r.name == reference), None)
     rows = []
     for res in results:
-        clocked = {**config, "clock": res.clock} if res.clock else config
+        clocked = ({**config, "clock": res.clock, "rounds": len(res.times_s["full"])}
+                   if res.clock else config)
         for metric, mode, unit, values in _metrics(res, ref):
             rows.append(csv_row(benchmark=benchmark, method=res.name, mode=mode,
                                 metric=metric, unit=unit, x_name=x_name, x_value=x_value,
@@ -135,7 +136,8 @@ def point_rows(point: Point, env: Environment, *, failed: bool = True) -> list[d
     """CSV rows of one :class:`Point` (:func:`result_rows`), with the machine's load recorded.
 
     ``config_json`` is the point's config plus ``load_average_1min`` (the machine's 1-minute
-    load average now, as the point finishes) and each timed method's ``clock``; the time ratios
+    load average now, as the point finishes) and each timed method's ``clock`` and ``rounds``;
+    the time ratios
     are taken against ``point.reference`` (``time_ratio_to_<reference>`` rows).
 
     Args:

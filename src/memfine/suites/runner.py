@@ -28,8 +28,8 @@ def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
     """Write ``bench_config.json``, then run each suite: tables, ``bench_<suite>.csv``, PNGs.
 
     Each point's CSV rows carry, in ``config_json``, the clock that timed each method
-    (``clock``) and the 1-minute load average when the point finished
-    (``load_average_1min``), plus ``time_ratio_to_<reference>`` rows: per-round ratios to
+    (``clock``), its timed rounds (``rounds``) and the 1-minute load average when the point
+    finished (``load_average_1min``), plus ``time_ratio_to_<reference>`` rows: per-round ratios to
     the point's reference method (:func:`memfine.bench.results.point_rows`).
 
     Args:
