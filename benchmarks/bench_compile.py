@@ -6,7 +6,12 @@ of ``--block-rows`` rows, eager and compiled (``*_blocks``; under compile the ba
 block by default) and compiled with the traced row blocks (``compiled_fp32_streamed``,
 ``memfine.experts.function.STREAM_UNDER_COMPILE`` on); then c = 2 chunks with per-chunk
 recompute, eager and compiled (``*_c2``). Each: forward + backward of the layer, median of
-``--repeats`` after two warm-up calls (the first compiled call compiles); ``saved_bytes``: the
+``--repeats`` after two warm-up calls (the first compiled call compiles), timed with
+:func:`memfine.bench.harness.cpu_clock`: the calling thread's CPU time (``time.thread_time``) at
+one torch intra-op thread (``--threads 1``, the default; inductor's CPU kernels then run on the
+calling thread too), else the wall clock, named in the CSV's ``clock`` column. The variants are
+timed one after another, not interleaved: each compiled variant needs Dynamo's caches reset
+before it (the row-block flag is read while tracing). ``saved_bytes``: the
 bytes saved for backward by one forward (saved-tensor hooks, parameters left out; a compiled
 graph's saved tensors pass through the hooks where its autograd Function saves them);
 ``peak_bytes``: the peak live bytes of one forward + backward from ``torch.profiler``'s allocator
@@ -14,7 +19,7 @@ events (the live-storage tracker cannot see inductor's buffers). The machine's 1
 average at the start and the end is written as ``load_average`` rows (provider ``machine``).
 Writes benchmarks/results/compile_cpu.csv (one row per method and metric, units and versions).
 
-    python benchmarks/bench_compile.py [--tokens 512] [--repeats 5] [--threads 1]
+    python benchmarks/bench_compile.py [--tokens 512] [--repeats 5] [--threads 1] [--out PATH]
 """
 
 from __future__ import annotations
@@ -25,7 +30,6 @@ import datetime
 import os
 import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -33,6 +37,7 @@ from pathlib import Path
 import torch
 
 import memfine
+from memfine.bench.harness import cpu_clock
 from memfine.config import ChunkConfig, MoEConfig, backward_block_rows
 from memfine.experts import function as fused_function
 from memfine.measure import SavedTensorsTracker, profiled_peak_bytes
@@ -41,7 +46,7 @@ from memfine.nn import MoELayer
 OUT = Path(__file__).parent / "results" / "compile_cpu.csv"
 D, N, E, K = 128, 256, 8, 2
 COLUMNS = ["benchmark", "provider", "metric", "unit", "value", "ratio_to_eager_fp32", "tokens",
-           "config", "torch", "memfine", "threads", "git_sha", "utc"]
+           "config", "torch", "memfine", "threads", "clock", "git_sha", "utc"]
 METRICS = (("fwd_bwd_s", "s"), ("saved_bytes", "bytes"), ("peak_bytes", "bytes"))
 
 
@@ -59,18 +64,18 @@ def _region(autocast: bool) -> AbstractContextManager:
 
 
 def _measure(fn: Callable, layer: MoELayer, x: torch.Tensor, grad: torch.Tensor,
-             repeats: int, autocast: bool) -> dict[str, float]:
-    """Median fwd+bwd seconds, saved bytes of one forward, profiler peak of one fwd+bwd."""
+             repeats: int, autocast: bool, clock: Callable[[], float]) -> dict[str, float]:
+    """Median fwd+bwd seconds (``clock``), saved bytes of one forward, profiler peak of one."""
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
         for _ in range(2):
             with _region(autocast):
                 _step(fn, layer, x, grad)
         times = []
         for _ in range(repeats):
-            t0 = time.perf_counter()
+            t0 = clock()
             with _region(autocast):
                 _step(fn, layer, x, grad)
-            times.append(time.perf_counter() - t0)
+            times.append(clock() - t0)
         with _region(autocast), SavedTensorsTracker(exclude=layer.parameters()) as saved:
             fn(x)
         with _region(autocast):
@@ -113,10 +118,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=OUT, help="CSV path")
     parser.add_argument("--block-rows", type=int, default=256,
                         help="rows per block of the *_blocks rows' streamed backward")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    clock_name, clock = cpu_clock(args.threads)
     load_start = _load()
     x = torch.randn(args.tokens, D, generator=torch.Generator().manual_seed(1),
                     requires_grad=True)
@@ -127,22 +134,23 @@ def main() -> None:
         torch.manual_seed(0)
         layer = MoELayer(moe, chunk=chunk)
         fn = torch.compile(layer) if compiled else layer
-        rows[name] = (_measure(fn, layer, x, grad, args.repeats, autocast),
+        rows[name] = (_measure(fn, layer, x, grad, args.repeats, autocast, clock),
                       _config_text(moe, chunk))
         torch._dynamo.reset()
     fused_function.STREAM_UNDER_COMPILE = False
-    _write(rows, args, load_start, _load())
+    _write(rows, args, load_start, _load(), clock_name)
 
 
 def _write(rows: dict[str, tuple[dict[str, float], str]], args: argparse.Namespace,
-           load_start: float, load_end: float) -> None:
+           load_start: float, load_end: float, clock: str) -> None:
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, check=False).stdout.strip()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    tail = [torch.__version__, getattr(memfine, "__version__", ""), args.threads, sha, stamp]
+    tail = [torch.__version__, getattr(memfine, "__version__", ""), args.threads, clock, sha,
+            stamp]
     base = rows["eager_fp32"][0]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    with OUT.open("w", newline="") as f:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with args.out.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(COLUMNS)
         for name, (row, config) in rows.items():
@@ -158,7 +166,7 @@ def _write(rows: dict[str, tuple[dict[str, float], str]], args: argparse.Namespa
             w.writerow(["compile_layer", "machine", f"load_average_1m_{when}", "processes",
                         f"{value:.2f}", "", args.tokens, "", *tail])
     print(f"load average (1 min) {load_start:.2f} at the start, {load_end:.2f} at the end")
-    print(f"wrote {OUT}")
+    print(f"wrote {args.out}")
 
 
 if __name__ == "__main__":
