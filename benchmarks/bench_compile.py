@@ -146,8 +146,7 @@ def _write(rows: dict[str, tuple[dict[str, float], str]], args: argparse.Namespa
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, check=False).stdout.strip()
     stamp = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    tail = [torch.__version__, getattr(memfine, "__version__", ""), args.threads, clock, sha,
-            stamp]
+    tail = [torch.__version__, getattr(memfine, "__version__", ""), args.threads, sha, stamp]
     base = rows["eager_fp32"][0]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with args.out.open("w", newline="") as f:
@@ -156,7 +155,8 @@ def _write(rows: dict[str, tuple[dict[str, float], str]], args: argparse.Namespa
         for name, (row, config) in rows.items():
             for metric, unit in METRICS:
                 w.writerow(["compile_layer", name, metric, unit, f"{row[metric]:.6g}",
-                            f"{row[metric] / base[metric]:.4f}", args.tokens, config, *tail])
+                            f"{row[metric] / base[metric]:.4f}", args.tokens, config, *tail[:3],
+                            clock if metric == "fwd_bwd_s" else "", *tail[3:]])
             print(f"{name:22s} {row['fwd_bwd_s'] * 1e3:9.2f} ms "
                   f"({row['fwd_bwd_s'] / base['fwd_bwd_s']:.3f}x)  saved "
                   f"{row['saved_bytes']:,.0f} B ({row['saved_bytes'] / base['saved_bytes']:.3f}x)"
@@ -164,7 +164,7 @@ def _write(rows: dict[str, tuple[dict[str, float], str]], args: argparse.Namespa
                   f"({row['peak_bytes'] / base['peak_bytes']:.3f}x)  {config}")
         for when, value in (("start", load_start), ("end", load_end)):
             w.writerow(["compile_layer", "machine", f"load_average_1m_{when}", "processes",
-                        f"{value:.2f}", "", args.tokens, "", *tail])
+                        f"{value:.2f}", "", args.tokens, "", *tail[:3], "", *tail[3:]])
     print(f"load average (1 min) {load_start:.2f} at the start, {load_end:.2f} at the end")
     print(f"wrote {args.out}")
 
