@@ -239,3 +239,24 @@ def test_torchtitan_doc_table_equals_the_results_file() -> None:
         expected = _spread(ratios[key], ".2f", "–")
         assert ratio == ("1.00" if key[1] == "torchtitan" else expected), key
         assert over_floor == f"{float(floor[key]['p50']):.3f}", key
+
+
+COMPILE_ROWS = {  # docs/compile.md's table: recipe → provider of compile_cpu.csv
+    "eager": "eager_fp32", "`torch.compile` (inductor)": "compiled_fp32",
+    "eager, `torch.autocast` bf16, fp32 master weights": "eager_autocast_bf16",
+    "eager, backward in blocks of 256 rows": "eager_fp32_blocks",
+    "compiled, the same block setting (one block under compile)": "compiled_fp32_blocks",
+    "compiled, traced blocks of 256 rows (`STREAM_UNDER_COMPILE`)": "compiled_fp32_streamed",
+    "eager, c = 2 with per-chunk recompute": "eager_fp32_c2",
+    "compiled, c = 2 with per-chunk recompute": "compiled_fp32_c2"}
+
+
+def test_compile_doc_times_equal_the_results_file() -> None:
+    timed = {r["provider"]: r for r in _rows("compile_cpu.csv") if r["metric"] == "fwd_bwd_s"}
+    assert {(r["clock"], r["rounds"]) for r in timed.values()} == {("thread_cpu", "5")}
+    rows = _table(_doc("compile.md", "`python benchmarks/bench_compile.py`"))
+    assert [recipe for recipe, *_ in rows] == list(COMPILE_ROWS)
+    for recipe, time_ms, ratio, _, _ in rows:
+        row = timed[COMPILE_ROWS[recipe]]
+        assert time_ms == f"{1e3 * float(row['value']):.1f} ms", recipe
+        assert ratio == ("1" if recipe == "eager" else f"{float(row['ratio_to_eager_fp32']):.3f}")
