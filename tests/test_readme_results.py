@@ -145,11 +145,17 @@ def _spread(row: dict[str, str], fmt: str, dash: str) -> str:
     return f"{p50} ({p20}{dash}{p80})"
 
 
-def _timed_with_thread_cpu(name: str, rounds: int) -> None:
-    """Every time row of results file ``name`` is thread CPU time over ``rounds`` rounds."""
+def _timed_section(doc: str, start: str, name: str) -> tuple[str, str]:
+    """(section, rounds) of docs/``doc`` from ``start`` (:func:`_doc`), once every time row of
+    results file ``name`` is checked to be thread CPU time over the rounds the section quotes."""
+    section = _doc(doc, start)
+    rounds = re.search(r"(?:of|over) the (\d+) (?:per-round ratios|rounds)",
+                       " ".join(section.split()))
+    assert rounds is not None
     configs = [json.loads(r["config_json"]) for r in _rows(name) if r["metric"] == "time"]
     assert configs
-    assert {(c["clock"], c["rounds"]) for c in configs} == {("thread_cpu", rounds)}
+    assert {(c["clock"], c["rounds"]) for c in configs} == {("thread_cpu", int(rounds.group(1)))}
+    return section, rounds.group(1)
 
 
 HF_METHODS = {"eager": "hf_eager", "grouped_mm": "hf_grouped_mm", "memfine": "memfine",
@@ -158,10 +164,7 @@ HF_METHODS = {"eager": "hf_eager", "grouped_mm": "hf_grouped_mm", "memfine": "me
 
 def test_hf_doc_experts_table_equals_the_results_file() -> None:
     name = "hf_experts_cpu.csv"
-    section = _doc("hf.md", "`python benchmarks/bench_hf.py --reps")
-    rounds = re.search(r"median\s+of the (\d+) per-round ratios", section)
-    assert rounds is not None
-    _timed_with_thread_cpu(name, int(rounds.group(1)))
+    section, _ = _timed_section("hf.md", "`python benchmarks/bench_hf.py --reps", name)
     times, ratios = _values(name, "time"), _values(name, "time_ratio_to_memfine")
     floor = _values(name, "saved_over_floor")
     rows = _table(section)
@@ -182,10 +185,8 @@ def _quoted(cell: str, value: str) -> str:
 
 def test_hf_doc_suite_table_and_readme_equal_the_results_file() -> None:
     name = "bench_hf.csv"
-    section = _doc("hf.md", "`memfine bench --suite hf --threads 1 --repeats")
-    rounds = re.search(r"median of the (\d+) per-round ratios", section)
-    assert rounds is not None
-    _timed_with_thread_cpu(name, int(rounds.group(1)))
+    section, rounds = _timed_section("hf.md", "`memfine bench --suite hf --threads 1 --repeats",
+                                     name)
     ratios, floor = _values(name, "time_ratio_to_memfine"), _values(name, "saved_over_floor")
     rows = _table(section)
     assert len(rows) == 4
@@ -209,7 +210,7 @@ def test_hf_doc_suite_table_and_readme_equal_the_results_file() -> None:
 
     expected = [*span("saved_over_floor", "memfine", ".4f"),
                 *span("saved_over_floor", "hf_eager", ".2f"),
-                *span("saved_over_floor", "hf_grouped_mm", ".2f"), rounds.group(1),
+                *span("saved_over_floor", "hf_grouped_mm", ".2f"), rounds,
                 *span("time_ratio_to_memfine", "hf_grouped_mm", ".2f"),
                 *span("time_ratio_to_memfine", "hf_eager", ".2f")]
     assert list(quoted.groups()) == expected
@@ -224,10 +225,8 @@ TORCHTITAN_METHODS = {"torchtitan": "torchtitan", "memfine": "memfine",
 
 def test_torchtitan_doc_table_equals_the_results_file() -> None:
     name = "torchtitan_cpu.csv"
-    section = _doc("torchtitan.md", "`python benchmarks/bench_torchtitan.py --reps")
-    rounds = re.search(r"median over the (\d+) rounds", " ".join(section.split()))
-    assert rounds is not None
-    _timed_with_thread_cpu(name, int(rounds.group(1)))
+    section, _ = _timed_section("torchtitan.md", "`python benchmarks/bench_torchtitan.py --reps",
+                                name)
     times, ratios = _values(name, "time"), _values(name, "time_ratio_to_torchtitan")
     floor = _values(name, "routed_saved_over_floor")
     rows = _table(section)
