@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from memfine.bench.harness import percentiles
+from memfine.bench.harness import THREAD_CPU, percentiles
 from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.nn import MoETransformerLM
 from memfine.train.accumulation import step_selection_counts
@@ -70,7 +70,7 @@ def main() -> None:
             times["micro_batches"].append((t2 - t1) * 1e3)
             times["step"].append((t2 - t0) * 1e3)
     config_json = {"preset": "small", "grad_accum": args.grad_accum, "batch": B, "seq_len": Q,
-                   "dtype": "float32", "threads": 1, "clock": "thread",
+                   "dtype": "float32", "threads": 1, "clock": THREAD_CPU,
                    "load_average_1min_start": round(load, 2), "aux_loss_coef": moe.aux_loss_coef}
     rows = []
     for name, values in times.items():

@@ -19,8 +19,9 @@ LoRA step minus the adapters' own work.
 Per method: peak bytes of the step (``torch.profiler`` with ``profile_memory=True``, above the
 state before it), saved-for-backward bytes (saved-tensor hooks, parameters left out), the step's
 thread CPU time (``time.thread_time``, methods interleaved per round, p20/p50/p80 over rounds,
-and the median of the per-round ratios to the frozen base), and the loss and the adapter
-gradients' largest difference from ``peft_eager`` (same adapters).
+and the median of the per-round ratios to the frozen base; ``config_json`` names the clock,
+``"clock": "thread_cpu"``, the rounds and the 1-minute load average at the start of the shape),
+and the loss and the adapter gradients' largest difference from ``peft_eager`` (same adapters).
 
 Everything runs with one torch thread (``--threads 1``, recorded as ``threads`` in the CSV):
 thread CPU time counts the calling thread only, so with intra-op worker threads it would leave
@@ -34,12 +35,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import time
 from pathlib import Path
 
 import torch
 
-from memfine.bench.harness import percentiles
+from memfine.bench.harness import THREAD_CPU, percentiles
 from memfine.bench.results import csv_row, write_csv
 from memfine.environment import collect_environment
 from memfine.integrations.transformers import register
@@ -116,7 +118,8 @@ def measure(shape_name: str, rounds: int) -> list[dict[str, str]]:
     ids = torch.randint(0, 256, (shape[4] // 256, 256))
     env = collect_environment()
     config = dict(zip(("d", "n", "E", "k", "tokens"), shape, strict=True), rank=8, alpha=16,
-                  dtype="float32", threads=torch.get_num_threads())
+                  dtype="float32", threads=torch.get_num_threads(), clock=THREAD_CPU,
+                  rounds=rounds, load_average_1min_start=round(os.getloadavg()[0], 2))
     rows, losses, grads = [], {}, {}
     for name, model in ms.items():
         losses[name] = step(model, ids)  # warm-up, and the values compared below

@@ -15,6 +15,10 @@ Output: the table on stdout; ``benchmarks/results/memory_model_cpu.csv`` (docs/s
 ``saved_bytes``/``peak_bytes`` measured, ``*_predicted`` and ``*_predicted_over_measured``;
 ``x_name`` = ``config``, ``method`` = the mode) and a PNG of predicted against measured bytes.
 
+The run uses one torch intra-op thread, so the CSV's ``time`` rows (one call per method, no
+warm-up: a by-product of the memory calls, not a speed comparison) are the calling thread's CPU
+time, named in ``config_json`` as ``"clock": "thread_cpu"``.
+
 Usage: ``python benchmarks/bench_memory_model.py [--out benchmarks/results/memory_model_cpu.csv]``
 Legend: T tokens, D = d, N = n, E experts, K = k.
 """
@@ -99,6 +103,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/memory_model_cpu.csv",
                         help="CSV path (the PNG goes next to it)")
     args = parser.parse_args()
+    torch.set_num_threads(1)  # the times (a by-product) are then thread CPU time
     torch.manual_seed(0)
     env = collect_environment("cpu")
     rows, points = [], []

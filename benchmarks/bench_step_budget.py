@@ -8,9 +8,10 @@ at 5 budgets evenly from full recompute's measured step peak (c = 1) to no recom
 Per method: the step's peak measured by ``torch.profiler`` (:class:`memfine.measure.profiled.
 ProfiledPeakMemory`; the step's protocol: parameters without ``.grad``, loss = CE + aux losses)
 next to the step timeline's prediction, and the step's time: thread CPU time
-(``time.thread_time``), every method once per round in one process, interleaved, the median over
-rounds of the ratio to full recompute (c = 1) in the same round; one intra-op thread, so the
-thread's CPU time is the whole step's.
+(``time.thread_time``; the CSV's ``clock`` column), every method once per round in one process,
+interleaved (the order rotates every round), the median over rounds of the ratio to full
+recompute (c = 1) in the same round; one intra-op thread, so the thread's CPU time is the whole
+step's. The machine's 1-minute load average at the end is the ``load_average_1min`` column.
 
 Output: ``benchmarks/results/step_budget_cpu.csv`` (one row per method; units in the column
 names; the environment in the last columns).
@@ -23,12 +24,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
 
+from memfine.bench.harness import THREAD_CPU, interleaved_order
 from memfine.config import ModelConfig, MoEConfig
 from memfine.environment import collect_environment
 from memfine.measure.profiled import ProfiledPeakMemory
@@ -101,10 +104,10 @@ def main() -> None:
         measure(name, plan)
     methods = {**fixed, **{name: plan for name, (_, plan) in plans.items()}}
     ratios: dict[str, list[float]] = {name: [] for name in methods}
-    for _ in range(args.rounds):
+    for r in range(args.rounds):
         times = {}
-        for name, plan in methods.items():
-            model.apply_plan(plan)
+        for name in interleaved_order(list(methods), r):
+            model.apply_plan(methods[name])
             start = time.thread_time()
             _step(model, ids)
             times[name] = time.thread_time() - start
@@ -126,7 +129,9 @@ def main() -> None:
             "time_over_full_recompute": f"{ratio[name]:.4f}",
             "fastest_fitting_fixed": best,
             "time_over_fastest_fitting_fixed": f"{ratio[name] / ratio[best]:.4f}" if best else "",
-            "rounds": args.rounds, "tokens": B * Q, "device": env.device, "cpu": env.cpu_model,
+            "clock": THREAD_CPU, "rounds": args.rounds,
+            "load_average_1min": round(os.getloadavg()[0], 2),
+            "tokens": B * Q, "device": env.device, "cpu": env.cpu_model,
             "threads": env.threads, "torch": env.torch_version, "memfine": env.memfine_version,
             "git_sha": env.git_sha, "utc": env.utc_timestamp})
         print(f"{name:22s} {_name(plan):16s} pred {plan.predicted_peak_bytes / MIB:8.2f} MiB "

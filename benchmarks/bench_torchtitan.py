@@ -11,16 +11,25 @@ input and incoming gradient by:
 - ``memfine_mact``: with a memory budget (MACT picks c per call; the budget is printed).
 Router, shared experts and routed scaling are torchtitan's in every method.
 
+Methods run interleaved in one process (the order rotates per round) and are timed with the
+calling thread's CPU time (``time.thread_time``) at one torch intra-op thread (``--threads 1``, the
+default), which other processes on a shared machine do not inflate; with more threads the
+harness times with the wall clock and the CSV says so (:func:`memfine.bench.harness.cpu_clock`).
+
 Metrics (CSV, docs/style.md §6 columns, :mod:`memfine.bench.results`): ``time`` ms p20/p50/p80
-(modes ``fwd``, ``bwd``, ``full``), ``tokens_per_s``, ``saved_bytes`` and ``peak_bytes`` of the
-whole block (bytes), plus extras: ``routed_saved_bytes`` (bytes saved by the routed-experts part
-alone, router run outside the tracker), ``routed_saved_over_floor`` (ratio to the x + H floor
-(T·d + 2·T·k·n)·D_t of docs/design.md §5) and ``num_chunks`` (c; MACT's choice for its budget).
+(modes ``fwd``, ``bwd``, ``full``), ``time_ratio_to_torchtitan`` (p20/p50/p80 over the rounds of
+the method's time ÷ torchtitan's in the same round), ``tokens_per_s``, ``saved_bytes`` and
+``peak_bytes`` of the whole block (bytes), plus extras: ``routed_saved_bytes`` (bytes saved by
+the routed-experts part alone, router run outside the tracker), ``routed_saved_over_floor``
+(ratio to the x + H floor (T·d + 2·T·k·n)·D_t of docs/design.md §5) and ``num_chunks`` (c;
+MACT's choice for its budget). ``config_json`` holds the ``clock``, the ``rounds`` and
+``load_average_1min`` (the machine's 1-minute load average when the config finished).
 Parameters are fp32 or bf16. torchtitan's ``GroupedExperts`` casts to bf16 for its GEMMs whatever
 the parameters' dtype, while memfine computes in the parameters' dtype, so with fp32 parameters
 the two run GEMMs of different precision (and different speed on a CPU).
 
-Usage: ``python benchmarks/bench_torchtitan.py [--configs ...] [--reps 5] [--out PATH]``.
+Usage: ``python benchmarks/bench_torchtitan.py [--configs ...] [--reps 5] [--threads 1]
+[--out PATH]``.
 Legend: T tokens, K top-k slots, E experts, D = d, N = n.
 """
 
@@ -43,8 +52,9 @@ from memfine.baselines.layers import add_ratios  # noqa: E402
 from memfine.bench.harness import Method, MethodResult, run_methods  # noqa: E402
 from memfine.bench.options import Point  # noqa: E402
 from memfine.bench.output import print_point  # noqa: E402
-from memfine.bench.results import collect_environment, result_rows, write_csv  # noqa: E402
+from memfine.bench.results import collect_environment, point_rows, write_csv  # noqa: E402
 from memfine.integrations.torchtitan import convert_model  # noqa: E402
+from memfine.train.loop import torch_threads  # noqa: E402
 from memfine.units import format_bytes  # noqa: E402
 
 BENCHMARK = "torchtitan_moe"
@@ -81,6 +91,7 @@ CONFIGS = {s.name: s for s in (
           hidden=128, num_experts=16, top_k=4, budget="10MiB"),
 )}
 PROVIDERS = ("torchtitan", "memfine", "memfine_c4", "memfine_mact")
+REFERENCE = "torchtitan"  # the time ratios' reference
 
 
 def _num_chunks(moe: torch.nn.Module, x: torch.Tensor) -> int | None:
@@ -141,6 +152,28 @@ def bench_config(shape: Shape, providers: list[str], reps: int, warmup: int
     return results
 
 
+def run(args: argparse.Namespace) -> list[dict[str, str]]:
+    """Run every config of ``args``: print each table, return the CSV rows."""
+    env, rows = collect_environment("cpu"), []
+    for name in args.configs:
+        shape = CONFIGS[name]
+        config = {**asdict(shape), "torchtitan_version": version("torchtitan"),
+                  "warmup": args.warmup}
+        results = bench_config(shape, list(args.providers), args.reps, args.warmup)
+        label = (f"{shape.model} MoE block, T {shape.tokens}, d {shape.dim}, n {shape.hidden}, "
+                 f"E {shape.num_experts}, k {shape.top_k}, {shape.dtype}, "
+                 f"{torch.get_num_threads()} thread(s); x + H floor "
+                 f"{format_bytes(shape.floor_bytes())}; MACT budget {shape.budget}")
+        point = Point(suite=BENCHMARK, x_name="config", x_value=name, label=label,
+                      config=config, results=results, reference=REFERENCE)
+        print_point(point)
+        for res in results:
+            if res.error is not None:
+                print(f"{res.name} failed: {res.error}")
+        rows += point_rows(point, env, failed=False)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; print the tables and write the CSV."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -148,26 +181,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per provider")
     parser.add_argument("--warmup", type=int, default=1, help="untimed repetitions first")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1: thread CPU time; more: the wall clock)")
     parser.add_argument("--out", type=Path, default=RESULTS / "torchtitan_cpu.csv")
     args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    env, rows = collect_environment("cpu"), []
-    for name in args.configs:
-        shape = CONFIGS[name]
-        config = {**asdict(shape), "torchtitan_version": version("torchtitan")}
-        results = bench_config(shape, list(args.providers), args.reps, args.warmup)
-        label = (f"{shape.model} MoE block, T {shape.tokens}, d {shape.dim}, n {shape.hidden}, "
-                 f"E {shape.num_experts}, k {shape.top_k}, {shape.dtype}, "
-                 f"{torch.get_num_threads()} thread(s); x + H floor "
-                 f"{format_bytes(shape.floor_bytes())}; MACT budget {shape.budget}")
-        print_point(Point(suite=BENCHMARK, x_name="config", x_value=name, label=label,
-                          config=config, results=results, reference="torchtitan"))
-        for res in results:
-            if res.error is not None:
-                print(f"{res.name} failed: {res.error}")
-        rows += result_rows([r for r in results if r.error is None], benchmark=BENCHMARK,
-                            x_name="config", x_value=name, config=config, env=env)
+    if args.threads < 1:
+        parser.error(f"--threads must be >= 1, got {args.threads}")
+    with torch_threads(args.threads):
+        rows = run(args)
     write_csv(rows, args.out)
     print(f"wrote {args.out}")
     return 0

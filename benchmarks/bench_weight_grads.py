@@ -1,7 +1,9 @@
 """Expert weight gradients of the streamed fused backward: per-expert ``addmm_`` vs grouped GEMM.
 
-Times, on the CPU with one thread (thread CPU time, the two methods interleaved, medians of
-per-round ratios), dW[e] = X_eᵀ·dH_e over the S = T·k expert-grouped rows streamed in row blocks:
+Times, on the CPU with one thread (thread CPU time, the ``clock`` column; the two methods
+interleaved, the first alternating per round; medians of per-round ratios; the 1-minute load
+average after each configuration in ``load_average_1min``), dW[e] = X_eᵀ·dH_e over the
+S = T·k expert-grouped rows streamed in row blocks:
 
 - ``addmm_loop``: per block, one ``addmm_`` per expert present into one buffer
   (:func:`memfine.ops.weight_grads.accumulate_grouped_weight_grad_`);
@@ -11,20 +13,24 @@ per-round ratios), dW[e] = X_eᵀ·dH_e over the S = T·k expert-grouped rows st
 Shapes: the coarse d 512, n 1024, E 16, k 4 and the fine-grained d 512, n 128, E 64, k 8, T 4096,
 fp32 and bf16, block bytes 16 MiB (the default), 64 MiB and one block.
 Output: ``benchmarks/results/weight_grads_cpu.csv`` (ms per call, ratio grouped ÷ loop).
-Usage: ``nice python benchmarks/bench_weight_grads.py``.
+Usage: ``nice python benchmarks/bench_weight_grads.py [--out PATH]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import csv
+import os
 import statistics
 import subprocess
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 import memfine
+from memfine.bench.harness import THREAD_CPU, interleaved_order
 from memfine.config import backward_block_rows
 from memfine.ops.weight_grads import accumulate_grouped_weight_grad_
 
@@ -69,6 +75,9 @@ def _grouped(x: torch.Tensor, dh: torch.Tensor, offsets: torch.Tensor, rows: int
 
 def main() -> None:
     """Time both methods at every shape, dtype and block size; write the CSV."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=OUT, help="CSV path")
+    out = parser.parse_args().out
     torch.set_num_threads(1)
     sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
                          text=True, check=False).stdout.strip()
@@ -80,28 +89,29 @@ def main() -> None:
             for block_bytes in (16 * 2**20, 64 * 2**20, 2**62):
                 rows = backward_block_rows(block_bytes, d, n, 2 * n, dt)
                 _loop(x, dh, bounds, rows), _grouped(x, dh, offsets, rows)  # warm-up
-                loop_s, grouped_s, ratios = [], [], []
-                for _ in range(ROUNDS):
-                    t0 = time.thread_time()
-                    _loop(x, dh, bounds, rows)
-                    t1 = time.thread_time()
-                    _grouped(x, dh, offsets, rows)
-                    t2 = time.thread_time()
-                    loop_s.append(t1 - t0)
-                    grouped_s.append(t2 - t1)
-                    ratios.append((t2 - t1) / (t1 - t0))
+                calls = {"loop": partial(_loop, x, dh, bounds, rows),
+                         "grouped": partial(_grouped, x, dh, offsets, rows)}
+                seconds: dict[str, list[float]] = {"loop": [], "grouped": []}
+                for r in range(ROUNDS):
+                    for name in interleaved_order(list(calls), r):
+                        t0 = time.thread_time()
+                        calls[name]()
+                        seconds[name].append(time.thread_time() - t0)
+                loop_s, grouped_s = seconds["loop"], seconds["grouped"]
+                ratios = [g / lo for g, lo in zip(grouped_s, loop_s, strict=True)]
                 row = {"d": d, "n": n, "E": E, "k": k, "T": T, "dtype": str(dtype),
                        "block_bytes": block_bytes, "blocks": -(-T * k // rows),
                        "addmm_loop_ms": round(statistics.median(loop_s) * 1e3, 2),
                        "grouped_mm_ms": round(statistics.median(grouped_s) * 1e3, 2),
                        "ratio_grouped_over_loop": round(statistics.median(ratios), 3),
-                       "threads": 1, "timer": "thread_time", "rounds": ROUNDS,
+                       "threads": 1, "clock": THREAD_CPU, "rounds": ROUNDS,
+                       "load_average_1min": round(os.getloadavg()[0], 2),
                        "torch": torch.__version__, "memfine": memfine.__version__,
                        "git_sha": sha}
                 print(row, flush=True)
                 rows_out.append(row)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    with OUT.open("w", newline="") as f:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows_out[0]))
         writer.writeheader()
         writer.writerows(rows_out)

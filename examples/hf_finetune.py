@@ -4,7 +4,9 @@ A small random Qwen3-MoE (or GPT-OSS, ``--model gpt_oss``) language model is bui
 (no download) and trained with ``transformers.Trainer`` on real text (Python's
 ``pydoc_data/topics.py``, byte-level: vocabulary 256), with gradient checkpointing and bf16
 autocast on the CPU, once per experts implementation, from the same initial weights and on the
-same batches. Per implementation the script records the time of each step, the peak live bytes
+same batches. Per implementation the script records the time of each step (the calling thread's
+CPU time, ``time.thread_time``, at one torch thread, ``--threads 1``; the wall clock at more
+threads; named in the CSV's ``config_json`` as ``clock``), the peak live bytes
 of one step (memfine's CPU storage tracker) and of the next (``torch.profiler`` with
 ``profile_memory=True``), the bytes saved for backward outside the checkpointed layers, and
 writes them as CSV rows (docs/style.md §6 schema).
@@ -25,11 +27,12 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from memfine.bench.harness import cpu_clock
 from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.data import VOCAB_SIZE, ByteCorpus
 from memfine.integrations.transformers import register
@@ -79,8 +82,8 @@ class ByteWindows(torch.utils.data.Dataset):
         return {"input_ids": window, "labels": window}
 
 
-def step_stats_callback(measure_step: int) -> Any:
-    """A TrainerCallback timing every step and measuring memory on two steps.
+def step_stats_callback(measure_step: int, clock: Callable[[], float]) -> Any:
+    """A TrainerCallback timing every step with ``clock`` (seconds), measuring memory on two.
 
     Step ``measure_step`` runs under memfine's storage tracker (peak live bytes) and a
     saved-tensor tracker; step ``measure_step + 1`` under ``torch.profiler`` with
@@ -107,10 +110,10 @@ def step_stats_callback(measure_step: int) -> Any:
                 self._trackers = (ProfiledPeakMemory(),)
             for tracker in self._trackers:
                 tracker.__enter__()
-            self._t0 = time.perf_counter()
+            self._t0 = clock()
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-            elapsed_ms = 1e3 * (time.perf_counter() - self._t0)
+            elapsed_ms = 1e3 * (clock() - self._t0)
             if not self._trackers:
                 self.step_ms.append(elapsed_ms)
                 return
@@ -133,7 +136,7 @@ def train(model_type: str, impl: str, dataset: ByteWindows, args: argparse.Names
 
     model = build_model(model_type, args)
     model.set_experts_implementation(impl)
-    stats = step_stats_callback(measure_step=1)
+    stats = step_stats_callback(measure_step=1, clock=cpu_clock()[1])
     with tempfile.TemporaryDirectory() as out_dir:
         training_args = TrainingArguments(
             output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
@@ -221,7 +224,7 @@ def main() -> None:
     config = {k: v for k, v in vars(args).items() if k not in ("csv", "models", "impls")}
     config.update(bf16_autocast=True, gradient_checkpointing=True, trainer="transformers.Trainer",
                   transformers_version=transformers.__version__, measured_step=1,
-                  profiled_step=2)
+                  profiled_step=2, clock=cpu_clock()[0])
     logs, rows = {}, []
     for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
         for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:

@@ -1,5 +1,6 @@
-"""The README's figures equal the committed results files: the training table (written by `make
-results`) and the time ratios of the experts and chunking tables (`memfine bench`)."""
+"""The README's and docs' figures equal the committed results files: the training table (written
+by `make results`), the time ratios of the experts and chunking tables (`memfine bench`), and the
+transformers and torchtitan tables of docs/hf.md and docs/torchtitan.md (`benchmarks/`)."""
 
 from __future__ import annotations
 
@@ -61,12 +62,21 @@ EXPERTS_ROWS = {  # the README's experts table: row label start → method
 CHUNKING_COLUMNS = ("fixed_c8", "mact", "no_recompute")  # after full recompute's column
 
 
+def _rows(name: str) -> list[dict[str, str]]:
+    with (ROOT / "benchmarks" / "results" / name).open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _values(name: str, metric: str, mode: str = "full") -> dict[tuple[str, str], dict[str, str]]:
+    """(x_value, method) → the row of ``metric`` (and ``mode``) in results file ``name``."""
+    return {(r["x_value"], r["method"]): r for r in _rows(name)
+            if r["metric"] == metric and r["mode"] == mode}
+
+
 def _ratios(suite: str, reference: str) -> dict[tuple[str, str], str]:
     """(x_value, method) → the CSV's median per-round time ratio to ``reference``, as quoted."""
-    with (ROOT / "benchmarks" / "results" / f"bench_{suite}.csv").open() as handle:
-        return {(r["x_value"], r["method"]): f"{float(r['p50']):.2f}"
-                for r in csv.DictReader(handle)
-                if r["metric"] == f"time_ratio_to_{reference}" and r["mode"] == "full"}
+    return {key: f"{float(r['p50']):.2f}"
+            for key, r in _values(f"bench_{suite}.csv", f"time_ratio_to_{reference}").items()}
 
 
 def _section(title: str) -> str:
@@ -108,3 +118,144 @@ def test_readme_model_step_ratios_equal_the_results_file() -> None:
     assert quoted is not None
     assert list(quoted.groups()) == [ratios[("small", m)]
                                      for m in ("plain", "fused_mact", "full_recompute")]
+
+
+def _doc(name: str, start: str) -> str:
+    """docs/``name`` from ``start`` to the end of the first table after it."""
+    text = (ROOT / "docs" / name).read_text(encoding="utf-8")
+    begin = text.index(start)
+    table = text.index("\n|", begin)
+    return text[begin:text.index("\n\n", table)]
+
+
+def _table(section: str) -> list[list[str]]:
+    """The cells of a markdown table's body rows; an empty first cell repeats the row above's."""
+    rows: list[list[str]] = []
+    for line in section.splitlines():
+        if not line.startswith("| ") or line.startswith("|---"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows.append(cells if cells[0] or not rows else [rows[-1][0], *cells[1:]])
+    return rows[1:]  # the header row left out
+
+
+def _spread(row: dict[str, str], fmt: str, dash: str) -> str:
+    """``p50 (p20<dash>p80)`` of a CSV row, each formatted with ``fmt``."""
+    p20, p50, p80 = (format(float(row[q]), fmt) for q in ("p20", "p50", "p80"))
+    return f"{p50} ({p20}{dash}{p80})"
+
+
+def _timed_section(doc: str, start: str, name: str) -> tuple[str, str]:
+    """(section, rounds) of docs/``doc`` from ``start`` (:func:`_doc`), once every time row of
+    results file ``name`` is checked to be thread CPU time over the rounds the section quotes."""
+    section = _doc(doc, start)
+    rounds = re.search(r"(?:of|over) the (\d+) (?:per-round ratios|rounds)",
+                       " ".join(section.split()))
+    assert rounds is not None
+    configs = [json.loads(r["config_json"]) for r in _rows(name) if r["metric"] == "time"]
+    assert configs
+    assert {(c["clock"], c["rounds"]) for c in configs} == {("thread_cpu", int(rounds.group(1)))}
+    return section, rounds.group(1)
+
+
+HF_METHODS = {"eager": "hf_eager", "grouped_mm": "hf_grouped_mm", "memfine": "memfine",
+              "memfine, 4 chunks": "memfine_c4"}
+
+
+def test_hf_doc_experts_table_equals_the_results_file() -> None:
+    name = "hf_experts_cpu.csv"
+    section, _ = _timed_section("hf.md", "`python benchmarks/bench_hf.py --reps", name)
+    times, ratios = _values(name, "time"), _values(name, "time_ratio_to_memfine")
+    floor = _values(name, "saved_over_floor")
+    rows = _table(section)
+    assert len(rows) == len(times) == 8
+    for config, method, time_ms, ratio, _, over_floor in rows:
+        key = (config.split(":")[0], HF_METHODS[method])
+        assert time_ms == f"{float(times[key]['p50']):.1f} ms", key
+        expected = _spread(ratios[key], ".2f", "-")
+        assert ratio == ("1.00" if key[1] == "memfine" else expected), key
+        assert over_floor == f"{float(floor[key]['p50']):.2f}", key
+
+
+def _quoted(cell: str, value: str) -> str:
+    """``value`` (a CSV number) with as many decimals as ``cell`` quotes."""
+    decimals = len(cell.split(".")[1]) if "." in cell else 0
+    return f"{float(value):.{decimals}f}"
+
+
+def test_hf_doc_suite_table_and_readme_equal_the_results_file() -> None:
+    name = "bench_hf.csv"
+    section, rounds = _timed_section("hf.md", "`memfine bench --suite hf --threads 1 --repeats",
+                                     name)
+    ratios, floor = _values(name, "time_ratio_to_memfine"), _values(name, "saved_over_floor")
+    rows = _table(section)
+    assert len(rows) == 4
+    for module, conf, *cells in rows:
+        x = f"conf{conf}" + ("-gpt_oss" if module == "GptOssExperts" else "")
+        for method, cell in zip(HF_METHODS.values(), cells, strict=True):
+            saved, _, time = cell.partition(", ")
+            assert saved == _quoted(saved, floor[(x, method)]["p50"]), (x, method)
+            if method != "memfine":
+                assert time == f"{float(ratios[(x, method)]['p50']):.2f}× time", (x, method)
+    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    quoted = re.search(r"memfine saves ([\d.]+)–([\d.]+) × the x \+ H floor .*? `eager` saves "
+                       r"([\d.]+)–([\d.]+)× and `grouped_mm` ([\d.]+)–([\d.]+)×; .*? medians of "
+                       r"(\d+) per-round ratios\) `grouped_mm` takes ([\d.]+)–([\d.]+)× memfine's "
+                       r"time and `eager` ([\d.]+)–([\d.]+)×", text)
+    assert quoted is not None
+
+    def span(metric: str, method: str, fmt: str) -> list[str]:
+        values = [float(r["p50"]) for (_, m), r in _values(name, metric).items() if m == method]
+        return [format(min(values), fmt), format(max(values), fmt)]
+
+    expected = [*span("saved_over_floor", "memfine", ".4f"),
+                *span("saved_over_floor", "hf_eager", ".2f"),
+                *span("saved_over_floor", "hf_grouped_mm", ".2f"), rounds,
+                *span("time_ratio_to_memfine", "hf_grouped_mm", ".2f"),
+                *span("time_ratio_to_memfine", "hf_eager", ".2f")]
+    assert list(quoted.groups()) == expected
+
+
+TORCHTITAN_CONFIGS = {"qwen3, fp32": "qwen3_fp32", "qwen3, bf16": "qwen3_bf16",
+                      "deepseek_v3 (sigmoid, scaled, 2 shared), fp32": "deepseek_v3_fp32",
+                      "gpt_oss, bf16": "gpt_oss_bf16"}
+TORCHTITAN_METHODS = {"torchtitan": "torchtitan", "memfine": "memfine",
+                      "memfine, c = 4": "memfine_c4", "memfine, MACT": "memfine_mact"}
+
+
+def test_torchtitan_doc_table_equals_the_results_file() -> None:
+    name = "torchtitan_cpu.csv"
+    section, _ = _timed_section("torchtitan.md", "`python benchmarks/bench_torchtitan.py --reps",
+                                name)
+    times, ratios = _values(name, "time"), _values(name, "time_ratio_to_torchtitan")
+    floor = _values(name, "routed_saved_over_floor")
+    rows = _table(section)
+    assert len(rows) == len(times) == 16
+    for config, method, _, time_ms, ratio, _, _, over_floor, _ in rows:
+        key = (TORCHTITAN_CONFIGS[config], TORCHTITAN_METHODS[method])
+        p20, p50, p80 = (float(times[key][q]) for q in ("p20", "p50", "p80"))
+        assert time_ms == f"{p50:.1f} ms ({p20:.0f}–{p80:.0f})", key
+        expected = _spread(ratios[key], ".2f", "–")
+        assert ratio == ("1.00" if key[1] == "torchtitan" else expected), key
+        assert over_floor == f"{float(floor[key]['p50']):.3f}", key
+
+
+COMPILE_ROWS = {  # docs/compile.md's table: recipe → provider of compile_cpu.csv
+    "eager": "eager_fp32", "`torch.compile` (inductor)": "compiled_fp32",
+    "eager, `torch.autocast` bf16, fp32 master weights": "eager_autocast_bf16",
+    "eager, backward in blocks of 256 rows": "eager_fp32_blocks",
+    "compiled, the same block setting (one block under compile)": "compiled_fp32_blocks",
+    "compiled, traced blocks of 256 rows (`STREAM_UNDER_COMPILE`)": "compiled_fp32_streamed",
+    "eager, c = 2 with per-chunk recompute": "eager_fp32_c2",
+    "compiled, c = 2 with per-chunk recompute": "compiled_fp32_c2"}
+
+
+def test_compile_doc_times_equal_the_results_file() -> None:
+    timed = {r["provider"]: r for r in _rows("compile_cpu.csv") if r["metric"] == "fwd_bwd_s"}
+    assert {(r["clock"], r["rounds"]) for r in timed.values()} == {("thread_cpu", "5")}
+    rows = _table(_doc("compile.md", "`python benchmarks/bench_compile.py`"))
+    assert [recipe for recipe, *_ in rows] == list(COMPILE_ROWS)
+    for recipe, time_ms, ratio, _, _ in rows:
+        row = timed[COMPILE_ROWS[recipe]]
+        assert time_ms == f"{1e3 * float(row['value']):.1f} ms", recipe
+        assert ratio == ("1" if recipe == "eager" else f"{float(row['ratio_to_eager_fp32']):.3f}")

@@ -108,7 +108,7 @@ def test_write_csv_extra_columns(tmp_path: Path) -> None:
 
 
 def test_rows_time_ratios_to_the_reference_and_the_clock() -> None:
-    """time_ratio_to_<reference>: quantiles of per-round ratios, per mode; the clock in config."""
+    """time_ratio_to_<reference>: per-round ratio quantiles per mode; clock, rounds in config."""
     ref = MethodResult(name="fused", clock="thread_cpu")
     res = MethodResult(name="grouped_mm", clock="thread_cpu")
     ref.times_s = {"fwd": [0.5, 1.0, 1.0], "bwd": [0.5, 3.0, 3.0], "full": [1.0, 4.0, 4.0]}
@@ -125,7 +125,7 @@ def test_rows_time_ratios_to_the_reference_and_the_clock() -> None:
     assert (bwd["p20"], bwd["p50"], bwd["p80"]) == ("1", "2", "4.4")
     assert [got[("fused", "time_ratio_to_fused", m)]["p50"] for m in MODES] == ["1"] * 3
     assert got[("grouped_mm", "time", "full")]["p50"] == "4000"  # ms, the median of 4, 2, 8 s
-    assert all(json.loads(r["config_json"]) == {"clock": "thread_cpu", "tokens": 256}
+    assert all(json.loads(r["config_json"]) == {"clock": "thread_cpu", "rounds": 3, "tokens": 256}
                for r in rows)
 
 

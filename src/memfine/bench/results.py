@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from memfine.bench.harness import MODES, MethodResult, Value, round_ratios
+from memfine.bench.options import Point
 from memfine.environment import Environment
 from memfine.environment import collect_environment as collect_environment
 from memfine.units import NOT_MEASURED
@@ -104,7 +106,7 @@ def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str,
     ``*_predicted_over_measured`` (ratio), then the method's extras. A single value fills p20,
     p50 and p80. Missing values read ``not measured``; missing predictions ``not modelled``.
     A timed method's rows carry its clock in ``config_json`` (``clock``: a key of
-    :data:`memfine.bench.harness.CLOCKS`).
+    :data:`memfine.bench.harness.CLOCKS`) and the number of its timed rounds (``rounds``).
 
     Args:
         results: from :func:`run_methods`.
@@ -120,13 +122,34 @@ def result_rows(results: Iterable[MethodResult], *, benchmark: str, x_name: str,
     ref = next((r for r in results if r.name == reference), None)
     rows = []
     for res in results:
-        clocked = {**config, "clock": res.clock} if res.clock else config
+        clocked = ({**config, "clock": res.clock, "rounds": len(res.times_s["full"])}
+                   if res.clock else config)
         for metric, mode, unit, values in _metrics(res, ref):
             rows.append(csv_row(benchmark=benchmark, method=res.name, mode=mode,
                                 metric=metric, unit=unit, x_name=x_name, x_value=x_value,
                                 values=values, config=clocked, env=env,
                                 missing=NOT_MODELLED if "_predicted" in metric else NOT_MEASURED))
     return rows
+
+
+def point_rows(point: Point, env: Environment, *, failed: bool = True) -> list[dict[str, str]]:
+    """CSV rows of one :class:`Point` (:func:`result_rows`), with the machine's load recorded.
+
+    ``config_json`` is the point's config plus ``load_average_1min`` (the machine's 1-minute
+    load average now, as the point finishes) and each timed method's ``clock`` and ``rounds``;
+    the time ratios
+    are taken against ``point.reference`` (``time_ratio_to_<reference>`` rows).
+
+    Args:
+        point: the point (its suite is the CSV's ``benchmark``).
+        env: from :func:`collect_environment`.
+        failed: write the rows of methods that raised (their values read ``not measured``);
+            ``False`` leaves them out.
+    """
+    config = {**point.config, "load_average_1min": round(os.getloadavg()[0], 2)}
+    results = [r for r in point.results if failed or r.error is None]
+    return result_rows(results, benchmark=point.suite, x_name=point.x_name,
+                       x_value=point.x_value, config=config, env=env, reference=point.reference)
 
 
 def write_csv(rows: Iterable[Mapping[str, str]], path: str | Path,

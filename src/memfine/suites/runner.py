@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -19,7 +18,7 @@ import torch
 
 from memfine.bench.options import BenchOptions, Point
 from memfine.bench.output import plot_points, print_point
-from memfine.bench.results import result_rows, write_csv
+from memfine.bench.results import point_rows, write_csv
 from memfine.environment import collect_environment
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import int_at_least
@@ -31,9 +30,9 @@ def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
     """Write ``bench_config.json``, then run each suite: tables, ``bench_<suite>.csv``, PNGs.
 
     Each point's CSV rows carry, in ``config_json``, the clock that timed each method
-    (``clock``) and the 1-minute load average when the point finished
-    (``load_average_1min``), plus ``time_ratio_to_<reference>`` rows: per-round ratios to
-    the point's reference method (:func:`memfine.bench.results.result_rows`).
+    (``clock``), its timed rounds (``rounds``) and the 1-minute load average when the point
+    finished (``load_average_1min``), plus ``time_ratio_to_<reference>`` rows: per-round ratios to
+    the point's reference method (:func:`memfine.bench.results.point_rows`).
 
     Args:
         opts: the resolved options (``opts.out`` is the output folder; created).
@@ -70,11 +69,8 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
             points.append(point)
             failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
                          for res in point.results if res.error]
-            config = {**point.config, "load_average_1min": round(os.getloadavg()[0], 2)}
             rows += (module.csv_rows(point, env) if hasattr(module, "csv_rows") else
-                     result_rows(point.results, benchmark=point.suite, x_name=point.x_name,
-                                 x_value=point.x_value, config=config, env=env,
-                                 reference=point.reference))
+                     point_rows(point, env))
         if not points:
             continue
         plots = [] if hasattr(module, "csv_rows") else plot_points(points, out, suite)
