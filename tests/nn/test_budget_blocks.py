@@ -212,3 +212,20 @@ def test_a_lora_layer_runs_the_budgets_blocks(monkeypatch: pytest.MonkeyPatch) -
     want = next(b for b, p in zip(LADDER, peaks, strict=True) if p <= peaks[-1])
     assert decision is not None and (decision.num_chunks, decision.block_bytes) == (1, want)
     assert set(blocks) == {want} and want != LADDER[0]
+
+
+def test_the_bench_prediction_follows_the_budgets_blocks() -> None:
+    """The suites' memory prediction of a budgeted layer takes the row blocks its call ran."""
+    from memfine.baselines.layers import layer_method
+    from memfine.bench.harness import run_methods
+
+    budget = _peak(1, LADDER[1])
+    torch.manual_seed(2)
+    layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=budget))
+    x = torch.randn(T, D, requires_grad=True)
+    method = layer_method("mact", layer, x, torch.randn(T, D), budget_bytes=budget,
+                          peak="profiler")
+    (res,) = run_methods([method], repeats=1, warmup=0)
+    assert res.error is None and res.memory is not None
+    assert res.extras["block_bytes"] == (LADDER[1], "bytes")
+    assert res.predicted["peak_bytes"] == res.memory.peak_bytes == _peak(1, LADDER[1])

@@ -258,17 +258,19 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         x_TD: (T, d) input requiring grad.
         grad_TD: (T, d) gradient of the output.
         modelled: predict with :func:`layer_memory.moe_layer_memory` (the layer's config on
-            x's device, recompute mode and the chunk count of its last call).
+            x's device, recompute mode, and the chunk count and row blocks of its last call).
         budget_bytes: the MACT budget, reported as the extra ``budget_bytes``.
         peak: the harness's peak measurement (``profiler`` for a compiled layer).
     """
     one = torch.ones((), device=x_TD.device)
-    state = {"num_chunks": 1}
+    state: dict[str, int | None] = {"num_chunks": 1, "block_bytes": None}
     config: MoEConfig = layer.config  # type: ignore[assignment]
 
     def forward() -> Any:
         out, aux = layer(x_TD)
         state["num_chunks"] = aux.num_chunks
+        decision = getattr(layer, "last_decision", None)  # None: compiled, or not a MoELayer
+        state["block_bytes"] = None if decision is None else decision.block_bytes
         return out, aux
 
     def backward(res: Any) -> None:
@@ -284,13 +286,18 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         policy = layer.policy
         assert isinstance(policy, ChunkPolicy), "a modelled layer has a chunk policy"
         recompute = policy.config.resolved_recompute
-        m = layer_memory.moe_layer_memory(config.for_device(x_TD.device.type), x_TD.shape[0],
-                                          x_TD.element_size(), num_chunks=state["num_chunks"],
+        moe = config.for_device(x_TD.device.type)
+        if state["block_bytes"] is not None:  # the row blocks the call ran (a budget's choice)
+            moe = dataclasses.replace(moe, backward_block_bytes=state["block_bytes"])
+        m = layer_memory.moe_layer_memory(moe, x_TD.shape[0], x_TD.element_size(),
+                                          num_chunks=state["num_chunks"] or 1,
                                           recompute=recompute)
         return {"saved_bytes": m.saved_bytes, "peak_bytes": m.peak_bytes}
 
     def extras() -> dict[str, Extra]:
-        out: dict[str, Extra] = {"num_chunks": (state["num_chunks"], "chunks")}
+        out: dict[str, Extra] = {"num_chunks": (state["num_chunks"] or 1, "chunks")}
+        if state["block_bytes"] is not None:
+            out["block_bytes"] = (state["block_bytes"], "bytes")
         if budget_bytes is not None:
             out["budget_bytes"] = (budget_bytes, "bytes")
         return out
