@@ -20,12 +20,16 @@ from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
+    ModelConfig,
     MoEConfig,
+    TrainConfig,
     budget_block_ladder,
 )
 from memfine.measure import measure_backward
 from memfine.memory.layer import layer_peak_bytes
 from memfine.nn import MoELayer
+from memfine.nn.moe import MoEAux
+from memfine.reports.memory_log import predicted_moe_layer_peak
 from memfine.schedule import ChunkPolicy, InfeasibleBudgetError
 from memfine.schedule import policy as policy_module
 from memfine.units import format_bytes
@@ -117,6 +121,14 @@ def test_the_profiled_peak_of_the_chosen_blocks_is_the_prediction() -> None:
     decision = layer.last_decision
     assert decision is not None and decision.block_bytes == LADDER[1]
     assert measured.peak_bytes == decision.predicted_peak_bytes
+    aux = kept[0]
+    assert isinstance(aux, MoEAux) and aux.block_bytes == LADDER[1]  # what the train log reads
+    config = TrainConfig(model=ModelConfig(vocab_size=16, num_layers=1,
+                                           num_heads=2, moe=MOE,
+                                           chunk=ChunkConfig(memory_budget_bytes=budget)),
+                         dtype="float32")
+    assert predicted_moe_layer_peak(config, T, 1, "experts", block_bytes=LADDER[1]) == (
+        measured.peak_bytes)
 
 
 def test_shared_experts_run_the_routed_experts_blocks(monkeypatch: pytest.MonkeyPatch) -> None:

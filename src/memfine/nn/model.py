@@ -290,8 +290,8 @@ class MoETransformerLM(nn.Module):
             plan_key = (plan, tokens)
             if plan_key not in self._replanned:
                 self._replanned[plan_key] = step_layer_policies(
-                    self._modelled_config(), plan, budget, tokens,
-                    self.embed.weight.element_size(), transport)
+                    self.config, plan, budget, tokens, self.embed.weight.element_size(),
+                    transport, self.embed.weight.device.type)
             for block, choice, policy in zip(blocks, plan.choices,
                                              self._replanned[plan_key], strict=True):
                 block.recompute, block.moe.policy = choice.recompute, policy

@@ -36,6 +36,8 @@ class MoEAux:
         tokens_per_expert: (E,) int64 assignments per expert this call (kept pairs only).
         num_chunks: chunk count c used for the expert part (1 when unchunked).
         recompute: the recompute mode the call ran with (``none``, ``experts`` or ``full``).
+        block_bytes: the fused row-block byte target a budget chose for the call (bytes); None
+            when it ran the config's (``backward_block_bytes`` or the device default).
         sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
             ``seq_aux_loss_coef`` is 0 (not computed).
         dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
@@ -53,6 +55,7 @@ class MoEAux:
     tokens_per_expert: torch.Tensor
     num_chunks: int = 1
     recompute: str = "none"
+    block_bytes: int | None = None
     sequence_balance_loss: torch.Tensor | None = None
     dropped_pairs: torch.Tensor | None = None
     selection_counts: torch.Tensor | None = None
@@ -180,7 +183,8 @@ class MoELayer(nn.Module):
         # clone) and without autograd view tracking (its backward is a reshape).
         out = torch.ops.aten._unsafe_view(out_TD, x.shape)
         return out, dataclasses.replace(aux, num_chunks=num_chunks,
-                                        recompute=self.policy.config.resolved_recompute)
+                                        recompute=self.policy.config.resolved_recompute,
+                                        block_bytes=plan.block_bytes)
 
     @property
     def last_decision(self) -> ChunkDecision | None:

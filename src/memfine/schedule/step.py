@@ -33,7 +33,8 @@ from memfine.schedule.policy import ChunkPolicy
 
 def step_layer_policies(config: ModelConfig, plan: StepPlan, budget_bytes: int,
                         num_tokens: int, dtype_bytes: int,
-                        transport_row_elements: Sequence[int]) -> list[ChunkPolicy]:
+                        transport_row_elements: Sequence[int], device_type: str = "cpu"
+                        ) -> list[ChunkPolicy]:
     """One budgeted policy per layer of ``plan`` that re-decides c from each call's s″.
 
     Args:
@@ -44,6 +45,9 @@ def step_layer_policies(config: ModelConfig, plan: StepPlan, budget_bytes: int,
         dtype_bytes: D_t.
         transport_row_elements: per layer, the experts' transport elements per received row
             (d under expert parallelism, 0 on one process).
+        device_type: the activations' device type (the row blocks the plan's peaks assume: the
+            device default of a config left at ``backward_block_bytes=None``, which the layer
+            policies may then shrink for rows beyond T·k).
 
     Returns:
         Policies in layer order; each runs the plan's c while s″ ≤ T·k.
@@ -64,7 +68,8 @@ def step_layer_policies(config: ModelConfig, plan: StepPlan, budget_bytes: int,
         own = ChunkPolicy(ChunkConfig(num_chunks=choice.num_chunks, recompute=choice.recompute),
                           config.moe).predicted_peak(rows, num_tokens, dtype_bytes,
                                                      choice.num_chunks,
-                                                     transport_row_elements=transport)
+                                                     transport_row_elements=transport,
+                                                     device_type=device_type)
         bins = tuple(b for b in config.chunk.bins if b >= choice.num_chunks)
         policies.append(ChunkPolicy(ChunkConfig(
             memory_budget_bytes=own + slack, bins=bins, recompute=choice.recompute,

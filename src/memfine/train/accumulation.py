@@ -34,8 +34,8 @@ from memfine.train.execution import autocast_region
 from memfine.train.setup import RunState
 
 # What one micro-batch returns: (3,) [CE, LBL, z-loss], (L, E) counts, c per layer, drops,
-# recompute mode per layer.
-MicroOut = tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[str]]
+# recompute mode per layer, row-block bytes a budget chose per layer.
+MicroOut = tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[str], list[int | None]]
 
 
 def needs_step_counts(config: TrainConfig) -> bool:
@@ -120,8 +120,9 @@ def micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro
 
     Returns:
         (3,) detached [cross-entropy, load-balancing loss, z-loss] of this rank, the (L, E)
-        tokens per expert of this rank, the chunk count c per layer and the pairs dropped by
-        capacity per layer (0 when dropless).
+        tokens per expert of this rank, the chunk count c per layer, the pairs dropped by
+        capacity per layer (0 when dropless), the recompute mode per layer and the row-block
+        bytes a budget chose per layer (None: the config's).
     """
     moe = run.config.model.moe
     x_BQ, y_BQ = run.parallel.shard_batch(x_BQ, y_BQ)
@@ -136,4 +137,4 @@ def micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro
     losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
     dropped = [int(a.dropped_pairs or 0) for a in out.aux]
     return (losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped,
-            [a.recompute for a in out.aux])
+            [a.recompute for a in out.aux], [a.block_bytes for a in out.aux])

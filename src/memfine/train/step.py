@@ -108,8 +108,8 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
         else torch.tensor([out[3] for out in outs]).sum(0).tolist(),
         peak_bytes=None if tracker is None else tracker.peak_bytes,
         peak_bytes_predicted=None if tracker is None else [
-            predicted_moe_layer_peak(config, local_tokens, c, r)
-            for c, r in zip(num_chunks, outs[-1][4], strict=True)])
+            predicted_moe_layer_peak(config, local_tokens, c, r, block_bytes=b)
+            for c, r, b in zip(num_chunks, outs[-1][4], outs[-1][5], strict=True)])
 
 
 def _update(run: RunState, step_index: int) -> tuple[float, float]:
