@@ -8,6 +8,7 @@ import types
 import pytest
 import torch
 
+from spies import record_kwarg
 from tolerances import assert_chunked_close, assert_close
 
 transformers = pytest.importorskip("transformers", reason="transformers is not installed "
@@ -270,14 +271,7 @@ def test_a_budget_runs_its_row_blocks_on_the_fused_path(monkeypatch: pytest.Monk
                                ChunkConfig(memory_budget_bytes=1))
     peaks = [probe.layer_peak(64, 4, 1, block_bytes=b) for b in ladder]
     assert peaks[0] > peaks[-1]
-    blocks: list[object] = []
-    real = hf_experts.run_experts
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        blocks.append(kwargs.get("backward_block_bytes"))
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(hf_experts, "run_experts", spy)
+    blocks = record_kwarg(monkeypatch, hf_experts, "run_experts", "backward_block_bytes")
     got = mf_hf.run_module(experts, plan, weights, x_TD, idx, w,
                            chunk=ChunkConfig(memory_budget_bytes=peaks[-1]))
     decision = hf_experts.last_decision(experts)

@@ -15,7 +15,7 @@ import dataclasses
 import pytest
 import torch
 
-import memfine.experts.run as run_module
+import memfine.nn.experts as experts_module
 from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
@@ -33,6 +33,7 @@ from memfine.reports.memory_log import predicted_moe_layer_peak
 from memfine.schedule import ChunkPolicy, InfeasibleBudgetError
 from memfine.schedule import policy as policy_module
 from memfine.units import format_bytes
+from spies import record_kwarg
 from tolerances import assert_chunked_close
 
 D, N, E, K, T = 32, 64, 8, 2, 96
@@ -76,14 +77,7 @@ def test_a_budget_between_block_sizes_runs_unchunked_with_smaller_blocks(
     budget = peaks[LADDER[-1]]
     assert peaks[LADDER[0]] > budget  # the default block needs chunks at this budget
     want = next(b for b in LADDER if peaks[b] <= budget)
-    blocks: list[int | None] = []
-    real = run_module.run_experts
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        blocks.append(kwargs.get("backward_block_bytes"))  # type: ignore[arg-type]
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr("memfine.nn.experts.run_experts", spy)
+    blocks = record_kwarg(monkeypatch, experts_module, "run_experts", "backward_block_bytes")
     torch.manual_seed(0)
     layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=budget))
     ref = MoELayer(MOE, chunk=ChunkConfig(num_chunks=1, recompute="none"))
@@ -135,14 +129,7 @@ def test_shared_experts_run_the_routed_experts_blocks(monkeypatch: pytest.Monkey
     moe = dataclasses.replace(MOE, num_shared_experts=1)
     budget = _peak(1, LADDER[-1], moe)
     assert _peak(1, LADDER[0], moe) > budget
-    blocks: list[object] = []
-    real = run_module.run_experts
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        blocks.append(kwargs.get("backward_block_bytes"))
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr("memfine.nn.experts.run_experts", spy)
+    blocks = record_kwarg(monkeypatch, experts_module, "run_experts", "backward_block_bytes")
     layer = MoELayer(moe, chunk=ChunkConfig(memory_budget_bytes=budget))
     out, _ = layer(torch.randn(T, D))
     decision = layer.last_decision
@@ -209,14 +196,7 @@ def test_a_lora_layer_runs_the_budgets_blocks(monkeypatch: pytest.MonkeyPatch) -
     probe = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=1), lora=lora).policy
     peaks = [probe.layer_peak(T, 4, 1, block_bytes=b) for b in LADDER]
     assert peaks[0] > peaks[-1]
-    blocks: list[object] = []
-    real = lora_module.run_lora_experts
-
-    def spy(*args: object, **kwargs: object) -> torch.Tensor:
-        blocks.append(kwargs.get("backward_block_bytes"))
-        return real(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(lora_module, "run_lora_experts", spy)
+    blocks = record_kwarg(monkeypatch, lora_module, "run_lora_experts", "backward_block_bytes")
     layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=peaks[-1]), lora=lora)
     out, _ = layer(torch.randn(T, D))
     out.sum().backward()
