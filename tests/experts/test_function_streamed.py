@@ -47,9 +47,10 @@ def test_default_sized_blocks_hold_at_least_min_block_rows() -> None:
     d, n = 1024, 4096
     row = _row_bytes(d, n, 2 * n, 4)
     assert DEFAULT_BACKWARD_BLOCK_BYTES // row == 178
-    for target in (None, DEFAULT_BACKWARD_BLOCK_BYTES, 32 * 2**20):
+    for target in (None, DEFAULT_BACKWARD_BLOCK_BYTES):
         assert backward_block_rows(target, d, n, 2 * n, 4) == MIN_BLOCK_ROWS
-    assert backward_block_rows(64 * 2**20, d, n, 2 * n, 4) == 712  # more than the floor
+    assert backward_block_rows(32 * 2**20, d, n, 2 * n, 4) == 356  # a set target as it is
+    assert backward_block_rows(64 * 2**20, d, n, 2 * n, 4) == 712
     assert backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES - 1, d, n, 2 * n, 4) == 178
     assert backward_block_rows(4 * 2**20, d, n, 2 * n, 4) == 44  # small targets as they are
     # a layer whose 16 MiB already holds more rows is unchanged (d 512, n 128: 1,928 rows)

@@ -266,7 +266,7 @@ def test_a_budget_runs_its_row_blocks_on_the_fused_path(monkeypatch: pytest.Monk
     x_TD, idx, w = _case(T=64, d=D, E=E)
     ladder = tuple(rows * (3 * D + 3 * N + G) * 4 for rows in (64, 16, 4))
     monkeypatch.setattr(policy_module, "budget_block_ladder",
-                        lambda block, device: ladder if block is None else (block,))
+                        lambda block, device, row: ladder if block is None else (block,))
     probe = hf_experts._policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
                                ChunkConfig(memory_budget_bytes=1))
     peaks = [probe.layer_peak(64, 4, 1, block_bytes=b) for b in ladder]

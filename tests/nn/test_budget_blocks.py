@@ -19,10 +19,13 @@ import memfine.nn.experts as experts_module
 from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
+    MIN_BLOCK_ROWS,
     ChunkConfig,
     ModelConfig,
     MoEConfig,
     TrainConfig,
+    backward_block_rows,
+    block_row_bytes,
     budget_block_ladder,
 )
 from memfine.measure import measure_backward
@@ -46,7 +49,7 @@ LADDER = (64 * ROW, 32 * ROW, 16 * ROW)  # S = T·k = 192 rows: 3, 6 and 12 bloc
 def small_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
     """The ladder of a config left at None is LADDER; a set block stays the only one."""
     monkeypatch.setattr(policy_module, "budget_block_ladder",
-                        lambda block, device: LADDER if block is None else (block,))
+                        lambda block, device, row: LADDER if block is None else (block,))
 
 
 def _peak(c: int, block: int, moe: MoEConfig = MOE) -> int:
@@ -54,13 +57,26 @@ def _peak(c: int, block: int, moe: MoEConfig = MOE) -> int:
                             num_chunks=c, recompute="experts")
 
 
-def test_the_ladder_is_the_device_default_halved_twice() -> None:
+def test_the_ladder_halves_the_default_blocks_rows_twice() -> None:
     mib = 2**20
     assert 16 * mib == DEFAULT_BACKWARD_BLOCK_BYTES
-    assert budget_block_ladder(None, "cpu") == (16 * mib, 8 * mib, 4 * mib)
-    assert budget_block_ladder(None, "cuda") == tuple(CUDA_BACKWARD_BLOCK_BYTES // q
-                                                      for q in (1, 2, 4))
-    assert budget_block_ladder(12_345, "cuda") == (12_345,)
+    narrow = block_row_bytes(512, 128, 256, 4)  # 16 MiB holds 1,928 rows
+    rows = DEFAULT_BACKWARD_BLOCK_BYTES // narrow
+    assert budget_block_ladder(None, "cpu", narrow) == (
+        16 * mib, rows // 2 * narrow, rows // 4 * narrow)
+    assert budget_block_ladder(4096, "cpu", narrow) == (4096,)
+    # d 1024, n 4096 fp32: 16 MiB holds 178 rows, raised to MIN_BLOCK_ROWS for the default,
+    # so the ladder halves those 512 rows, and its targets run the rows they name
+    wide = block_row_bytes(1024, 4096, 8192, 4)
+    assert DEFAULT_BACKWARD_BLOCK_BYTES // wide == 178
+    ladder = budget_block_ladder(None, "cpu", wide)
+    assert ladder == (16 * mib, 256 * wide, 128 * wide)
+    assert [backward_block_rows(b, 1024, 4096, 8192, 4) for b in ladder] == [
+        MIN_BLOCK_ROWS, 256, 128]
+    qwen3 = block_row_bytes(2048, 768, 1536, 2)
+    cuda_rows = CUDA_BACKWARD_BLOCK_BYTES // qwen3
+    assert budget_block_ladder(None, "cuda", qwen3) == (
+        CUDA_BACKWARD_BLOCK_BYTES, cuda_rows // 2 * qwen3, cuda_rows // 4 * qwen3)
 
 
 def _run(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -245,7 +245,8 @@ def _budget_row_blocks(ctx: ParallelContext, tokens: list[int], E: int) -> list[
     row = (3 * D + 3 * N + 2 * N) * 4
     ladder = (8 * row, 4 * row, 2 * row)
     real, run = policy_mod.budget_block_ladder, experts_mod.run_experts
-    policy_mod.budget_block_ladder = lambda block, device: ladder if block is None else (block,)
+    policy_mod.budget_block_ladder = lambda block, device, row: (ladder if block is None
+                                                                 else (block,))
     blocks: list[object] = []
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:

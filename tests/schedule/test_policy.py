@@ -14,7 +14,12 @@ from dataclasses import replace
 
 import pytest
 
-from memfine.config import CUDA_BACKWARD_BLOCK_BYTES, ChunkConfig, MoEConfig
+from memfine.config import (
+    CUDA_BACKWARD_BLOCK_BYTES,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
+    ChunkConfig,
+    MoEConfig,
+)
 from memfine.memory import layer as layer_memory
 from memfine.schedule import ChunkDecision, ChunkPolicy, InfeasibleBudgetError
 from memfine.schedule import policy as policy_module
@@ -177,7 +182,7 @@ def test_token_thresholds_choose_as_the_decision_for_every_token_count(
     budget = 45_000 if dtype_bytes == 4 else 30_000
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute=recompute), moe)
     ladder = (16 * row, 8 * row, 4 * row)
-    monkeypatch.setattr(policy_module, "budget_block_ladder", lambda block, device: ladder)
+    monkeypatch.setattr(policy_module, "budget_block_ladder", lambda block, device, row: ladder)
     assert policy.candidates() == tuple((c, b) for c in (1, 2, 4, 8) for b in ladder)
     limits = policy.token_limits(dtype_bytes)
     for (c, block), limit in zip(policy.candidates(), limits, strict=True):
@@ -237,16 +242,20 @@ def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
     assert policy.layer_peak(tokens, dt, 1) == cpu
     assert policy.layer_peak(tokens, dt, 1, device_type="cuda") == cuda
     # the budget that holds c = 1 on the CPU is above every CUDA block size at c = 1 and needs
-    # c = 2 there, with the largest block of the ladder that fits (512, 256, 128 MiB)
-    mib = 2**20
-    cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b * mib), c)
-                  for c in (1, 2) for b in (512, 256, 128)}
-    assert min(cuda_peaks[1, b] for b in (512, 256, 128)) > cpu
-    want = next(b for b in (512, 256, 128) if cuda_peaks[2, b] <= cpu)
+    # c = 2 there, with the largest block of the ladder that fits (512 MiB, then half and a
+    # quarter of its rows)
+    row = (3 * 512 + 3 * 1024 + 2048) * dt
+    rows = CUDA_BACKWARD_BLOCK_BYTES // row
+    blocks = (CUDA_BACKWARD_BLOCK_BYTES, rows // 2 * row, rows // 4 * row)
+    assert policy.ladder("cuda", dt) == blocks
+    cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b), c)
+                  for c in (1, 2) for b in blocks}
+    assert min(cuda_peaks[1, b] for b in blocks) > cpu
+    want = next(b for b in blocks if cuda_peaks[2, b] <= cpu)
     assert policy.num_chunks(tokens * 4, tokens, dt) == 1
-    assert policy.decide(tokens * 4, tokens, dt).block_bytes == 16 * mib
+    assert policy.decide(tokens * 4, tokens, dt).block_bytes == DEFAULT_BACKWARD_BLOCK_BYTES
     decision = policy.decide(tokens * 4, tokens, dt, device_type="cuda")
-    assert (decision.num_chunks, decision.block_bytes) == (2, want * mib)
+    assert (decision.num_chunks, decision.block_bytes) == (2, want)
     assert decision.predicted_peak_bytes == cuda_peaks[2, want]
     assert max(policy.token_limits(dt, "cuda")[:3]) < tokens <= policy.token_limits(dt)[0]
 

@@ -36,6 +36,7 @@ from memfine.config.moe import (
     GatedActivation,
     MoEConfig,
     backward_block_rows,
+    block_row_bytes,
     budget_block_ladder,
     default_block_bytes,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "TrainConfig",
     "_ConfigBase",
     "backward_block_rows",
+    "block_row_bytes",
     "budget_block_ladder",
     "default_block_bytes",
 ]

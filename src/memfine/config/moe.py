@@ -96,40 +96,58 @@ def default_block_bytes(device_type: str) -> int:
 
 
 BUDGET_BLOCK_DIVISORS = (1, 2, 4)
-"""The row-block byte targets a memory budget may run, as divisors of the device's default.
+"""The row blocks a memory budget may run, as divisors of the rows of the device's default.
 
 Under a memory budget (MACT) with ``backward_block_bytes=None`` the chunk policy tries, per
-chunk count c, the default block and then half and a quarter of it, and runs the largest that
-fits (:func:`budget_block_ladder`), before it takes a larger c: a smaller block only splits the
-grouped GEMMs further (on the CPU a quarter block, 4 MiB, was within 4% of the default's time
+chunk count c, the default block and then half and a quarter of its rows, and runs the largest
+that fits (:func:`budget_block_ladder`), before it takes a larger c: a smaller block only splits
+the grouped GEMMs further (on the CPU a 4 MiB block was within 4% of the 16 MiB default's time
 at both suite shapes, ``benchmarks/results/block_bytes_cpu.csv``), while every chunk adds its
 own routing index, chunk loop step and, under expert parallelism, its own all-to-alls (a budget
 recomputes the experts at every c). Still smaller blocks would trade kernel launches (CUDA) and
 weight-gradient passes for bytes that chunking frees."""
 
 
-def budget_block_ladder(block_bytes: int | None, device_type: str) -> tuple[int, ...]:
+def budget_block_ladder(block_bytes: int | None, device_type: str, row_bytes: int
+                        ) -> tuple[int, ...]:
     """The row-block byte targets a budgeted layer may run, largest first (bytes).
 
     Args:
         block_bytes: ``MoEConfig.backward_block_bytes``: a set value is the only target.
         device_type: the activations' device type (None's default, :func:`default_block_bytes`).
+        row_bytes: bytes of one block row, (3·d + 3·n + G)·D_t (:func:`block_row_bytes`).
 
     Returns:
-        ``(block_bytes,)`` when set; else the device default divided by each of
-        :data:`BUDGET_BLOCK_DIVISORS` (16, 8 and 4 MiB on the CPU; 512, 256 and 128 MiB on
-        CUDA).
+        ``(block_bytes,)`` when set; else the device default, then targets of half and a
+        quarter of its rows (:data:`BUDGET_BLOCK_DIVISORS`; 16, 8 and 4 MiB on the CPU and
+        512, 256 and 128 MiB on CUDA where the default holds at least
+        :data:`MIN_BLOCK_ROWS` rows; at a wider layer, halves of those 512 rows).
 
     Reference: MoEBlaze §4.2 (row tiles); MemFine §4.2 (MACT's budget); our ladder.
     """
     if block_bytes is not None:
         return (block_bytes,)
     default = default_block_bytes(device_type)
-    return tuple(default // divisor for divisor in BUDGET_BLOCK_DIVISORS)
+    rows = _rows(default, row_bytes)
+    return (default, *(max(1, rows // q) * row_bytes for q in BUDGET_BLOCK_DIVISORS[1:]))
+
+
+def block_row_bytes(hidden_size: int, intermediate_size: int, up_width: int,
+                    dtype_bytes: int) -> int:
+    """Bytes of one row of a streamed block: (3·d + 3·n + G)·D_t (:func:`backward_block_rows`)."""
+    return (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
+
+
+def _rows(block_bytes: int, row_bytes: int) -> int:
+    """Rows of a byte target: at least one, and :data:`MIN_BLOCK_ROWS` for a device default."""
+    rows = max(1, block_bytes // row_bytes)
+    if block_bytes in (DEFAULT_BACKWARD_BLOCK_BYTES, CUDA_BACKWARD_BLOCK_BYTES):
+        rows = max(rows, MIN_BLOCK_ROWS)
+    return rows
 
 
 MIN_BLOCK_ROWS = 512
-"""Rows a block of a byte target ≥ :data:`DEFAULT_BACKWARD_BLOCK_BYTES` holds at least.
+"""Rows a block of a device's default byte target (16 MiB, 512 MiB) holds at least.
 
 A block boundary inside an expert's rows splits that expert's products in two, and each piece
 of its weight gradient reads and writes the expert's whole (d, G) and (n, d) matrices: a fixed
@@ -137,8 +155,9 @@ cost per boundary against a block's B rows of work. At wide layers 16 MiB holds 
 d 1024, n 4096 in fp32), and the boundaries cost 6-8% of the experts suite's layer time there
 (``benchmarks/profile_experts.py``). 512 rows leave every layer whose 16 MiB holds more rows
 unchanged (the coarse d 512, n 1024 layer: 630) and keep the fused peak below the copies-based
-layers' at the suite's shapes, where 1,024 rows did not. Smaller targets (as tests use to force
-many blocks) are taken as they are."""
+layers' at the suite's shapes, where 1,024 rows did not. Other targets (a set
+``backward_block_bytes``, a budget's smaller blocks, the tests' tiny blocks) are taken as they
+are."""
 
 
 def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_size: int,
@@ -160,17 +179,15 @@ def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_
 
     Returns:
         ⌊block_bytes / row bytes⌋, at least 1, and at least :data:`MIN_BLOCK_ROWS` when the
-        target is :data:`DEFAULT_BACKWARD_BLOCK_BYTES` or more (the defaults of every device).
+        target is a device's default (:data:`DEFAULT_BACKWARD_BLOCK_BYTES`,
+        :data:`CUDA_BACKWARD_BLOCK_BYTES`).
 
     Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
     """
     if block_bytes is None:
         block_bytes = default_block_bytes(device_type)
-    row_bytes = (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
-    rows = max(1, block_bytes // row_bytes)
-    if block_bytes >= DEFAULT_BACKWARD_BLOCK_BYTES:
-        rows = max(rows, MIN_BLOCK_ROWS)
-    return rows
+    return _rows(block_bytes, block_row_bytes(hidden_size, intermediate_size, up_width,
+                                              dtype_bytes))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)

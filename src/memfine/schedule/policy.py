@@ -52,7 +52,7 @@ import warnings
 import weakref
 from dataclasses import replace
 
-from memfine.config import ChunkConfig, MoEConfig, budget_block_ladder
+from memfine.config import ChunkConfig, MoEConfig, block_row_bytes, budget_block_ladder
 from memfine.memory import layer as layer_memory
 from memfine.memory.planner import largest_fitting
 from memfine.schedule.decision import (
@@ -116,7 +116,18 @@ class ChunkPolicy:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
-    def candidates(self, device_type: str = "cpu") -> tuple[tuple[int, int], ...]:
+    def ladder(self, device_type: str = "cpu", dtype_bytes: int = 4) -> tuple[int, ...]:
+        """The row-block byte targets of this policy's layer, largest first (bytes).
+
+        :func:`memfine.config.budget_block_ladder` at the layer's row bytes in D_t; only the
+        config's block when ``backward_block_bytes`` is set.
+        """
+        moe = self.moe
+        return budget_block_ladder(moe.backward_block_bytes, device_type, block_row_bytes(
+            moe.hidden_size, moe.intermediate_size, moe.up_width, dtype_bytes))
+
+    def candidates(self, device_type: str = "cpu", dtype_bytes: int = 4
+                   ) -> tuple[tuple[int, int], ...]:
         """The (c, row-block bytes) pairs a budgeted decision tries, in order of preference.
 
         Every bin c in order, and per bin the row-block byte targets of
@@ -124,7 +135,7 @@ class ChunkPolicy:
         predicted peak fits the budget is the choice. With a fixed c: that c at the config's
         block.
         """
-        ladder = budget_block_ladder(self.moe.backward_block_bytes, device_type)
+        ladder = self.ladder(device_type, dtype_bytes)
         if not self.budgeted:
             return ((self.config.num_chunks, ladder[0]),)
         return tuple((c, block) for c in self.config.bins for block in ladder)
@@ -139,7 +150,7 @@ class ChunkPolicy:
         the config's, or the device default).
         """
         rec = recompute or self.config.resolved_recompute
-        block = block_bytes or budget_block_ladder(self.moe.backward_block_bytes, device_type)[0]
+        block = block_bytes or self.ladder(device_type, dtype_bytes)[0]
         key = (num_tokens, dtype_bytes, rec, num_chunks, block)
         peak = self._peaks.get(key)
         if peak is None:
@@ -194,7 +205,7 @@ class ChunkPolicy:
 
             self._limits[key] = tuple(
                 largest_fitting(functools.partial(fits, num_chunks=c, block=block))
-                for c, block in self.candidates(device_type))
+                for c, block in self.candidates(device_type, dtype_bytes))
         return self._limits[key]
 
     def row_bytes(self, dtype_bytes: int, device_type: str = "cpu") -> int:
@@ -239,7 +250,7 @@ class ChunkPolicy:
         Over every bin and every block of :func:`memfine.config.budget_block_ladder` (the
         candidates of a budget); ties go to the smaller c, then the smaller block.
         """
-        ladder = budget_block_ladder(self.moe.backward_block_bytes, device_type)
+        ladder = self.ladder(device_type, dtype_bytes)
         peak, c, block = min(
             (self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
                                  transport_row_elements=transport_row_elements,
@@ -300,7 +311,7 @@ class ChunkPolicy:
                              f"{num_tokens}")
         rec, budget, extra = (self.config.resolved_recompute, self.config.memory_budget_bytes,
                               transport_row_elements)
-        candidates = self.candidates(device_type)
+        candidates = self.candidates(device_type, dtype_bytes)
         if budget is None:
             c, block = candidates[0]
             rows = num_tokens * self.moe.top_k

@@ -92,7 +92,7 @@ def traced_plan(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torch.Tens
     Reference: MemFine Eq. 8-9 (s′_max and the binned chunk count), with s″ = T·k.
     """
     num_tokens, dtype_bytes = x_TD.shape[0], x_TD.element_size()
-    candidates = policy.candidates(x_TD.device.type)
+    candidates = policy.candidates(x_TD.device.type, dtype_bytes)
     limits = _token_limits(policy.key, dtype_bytes, x_TD.device.type)
     for (c, block), limit in zip(candidates, limits, strict=True):
         if num_tokens <= limit:
