@@ -19,7 +19,7 @@ issues its own all-to-all). The expert-parallel experts pass their agreement (an
 over the ``ep`` group) as the ``agree`` argument of each decision; one process needs none.
 
 Row blocks: with ``MoEConfig.backward_block_bytes=None`` a budgeted decision also picks the
-fused path's row-block byte target, per bin from the device default down to a quarter of it
+fused path's row-block byte target, per bin from the device default down to a quarter of its rows
 (:func:`memfine.config.budget_block_ladder`): the candidates are (c, block) pairs, c first, so a
 call that fits the budget with smaller blocks runs in fewer chunks, and a smaller c is always
 preferred (a quarter block costs a few percent; a chunk its own routing index and, under expert
