@@ -113,7 +113,7 @@ def test_readme_chunking_time_ratios_equal_the_results_file() -> None:
 def test_readme_model_step_ratios_equal_the_results_file() -> None:
     ratios = _ratios("model", "fused")
     text = " ".join(_section("### One MoE layer: memfine fused vs").split())
-    quoted = re.search(r"plain ([\d.]+)× the time and \d+ MiB; fused \+ MACT \(c = 2\) ([\d.]+)× "
+    quoted = re.search(r"plain ([\d.]+)× the time and \d+ MiB; fused \+ MACT ([\d.]+)× "
                        r"and \d+ MiB; full recompute ([\d.]+)×", text)
     assert quoted is not None
     assert list(quoted.groups()) == [ratios[("small", m)]
