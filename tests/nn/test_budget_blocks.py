@@ -62,21 +62,28 @@ def test_the_ladder_halves_the_default_blocks_rows_twice() -> None:
     assert 16 * mib == DEFAULT_BACKWARD_BLOCK_BYTES
     narrow = block_row_bytes(512, 128, 256, 4)  # 16 MiB holds 1,928 rows
     rows = DEFAULT_BACKWARD_BLOCK_BYTES // narrow
-    assert budget_block_ladder(None, "cpu", narrow) == (
-        16 * mib, rows // 2 * narrow, rows // 4 * narrow)
+    assert [backward_block_rows(b, 512, 128, 256, 4)
+            for b in budget_block_ladder(None, "cpu", narrow)] == [rows, rows // 2, rows // 4]
     assert budget_block_ladder(4096, "cpu", narrow) == (4096,)
     # d 1024, n 4096 fp32: 16 MiB holds 178 rows, raised to MIN_BLOCK_ROWS for the default,
     # so the ladder halves those 512 rows, and its targets run the rows they name
     wide = block_row_bytes(1024, 4096, 8192, 4)
     assert DEFAULT_BACKWARD_BLOCK_BYTES // wide == 178
     ladder = budget_block_ladder(None, "cpu", wide)
-    assert ladder == (16 * mib, 256 * wide, 128 * wide)
+    assert ladder[0] == 16 * mib
     assert [backward_block_rows(b, 1024, 4096, 8192, 4) for b in ladder] == [
         MIN_BLOCK_ROWS, 256, 128]
+    # rows of exactly 64 KiB and 128 KiB: a rung of 256 or 128 rows would be 16 MiB, the
+    # CPU default, which MIN_BLOCK_ROWS raises to 512 rows; the rungs never name a default
+    for d in (2048, 4096):
+        ladder = budget_block_ladder(None, "cpu", block_row_bytes(d, d, 2 * d, 4))
+        assert DEFAULT_BACKWARD_BLOCK_BYTES not in ladder[1:]
+        assert [backward_block_rows(b, d, d, 2 * d, 4) for b in ladder] == [512, 256, 128]
     qwen3 = block_row_bytes(2048, 768, 1536, 2)
     cuda_rows = CUDA_BACKWARD_BLOCK_BYTES // qwen3
-    assert budget_block_ladder(None, "cuda", qwen3) == (
-        CUDA_BACKWARD_BLOCK_BYTES, cuda_rows // 2 * qwen3, cuda_rows // 4 * qwen3)
+    assert [backward_block_rows(b, 2048, 768, 1536, 2)
+            for b in budget_block_ladder(None, "cuda", qwen3)] == [
+        cuda_rows, cuda_rows // 2, cuda_rows // 4]
 
 
 def _run(layer: MoELayer, x: torch.Tensor, grad: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -10,6 +10,7 @@ that puts a tensor on ``cuda`` fails here, which is what the device-selection ch
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import pytest
@@ -18,6 +19,12 @@ import torch
 os.environ.pop("TRITON_INTERPRET", None)
 torch.cuda.is_available = lambda: True  # type: ignore[assignment]
 torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
+
+# torch.distributed.checkpoint's file writer overlaps its copies on a CUDA stream whenever CUDA
+# is available; the tensors here are on the CPU and there is no stream, so it copies serially.
+_dcp_fs = importlib.import_module("torch.distributed.checkpoint.filesystem")
+_dcp_fs._OverlappingCpuLoader = (  # type: ignore[attr-defined]
+    lambda resolve_fun, **_: _dcp_fs._SerialCpuLoader(resolve_fun))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -246,7 +246,7 @@ def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
     # quarter of its rows)
     row = (3 * 512 + 3 * 1024 + 2048) * dt
     rows = CUDA_BACKWARD_BLOCK_BYTES // row
-    blocks = (CUDA_BACKWARD_BLOCK_BYTES, rows // 2 * row, rows // 4 * row)
+    blocks = (CUDA_BACKWARD_BLOCK_BYTES, rows // 2 * row + row - 1, rows // 4 * row + row - 1)
     assert policy.ladder("cuda", dt) == blocks
     cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b), c)
                   for c in (1, 2) for b in blocks}

@@ -119,9 +119,11 @@ def budget_block_ladder(block_bytes: int | None, device_type: str, row_bytes: in
 
     Returns:
         ``(block_bytes,)`` when set; else the device default, then targets of half and a
-        quarter of its rows (:data:`BUDGET_BLOCK_DIVISORS`; 16, 8 and 4 MiB on the CPU and
-        512, 256 and 128 MiB on CUDA where the default holds at least
-        :data:`MIN_BLOCK_ROWS` rows; at a wider layer, halves of those 512 rows).
+        quarter of its rows (:data:`BUDGET_BLOCK_DIVISORS`; about 16, 8 and 4 MiB on the CPU
+        and 512, 256 and 128 MiB on CUDA; at a layer whose default is raised to
+        :data:`MIN_BLOCK_ROWS`, 256 and 128 rows). A smaller target is its rows' bytes plus
+        ``row_bytes - 1``: it names exactly those rows and is never a device default (which
+        :data:`MIN_BLOCK_ROWS` would raise), row bytes being even.
 
     Reference: MoEBlaze §4.2 (row tiles); MemFine §4.2 (MACT's budget); our ladder.
     """
@@ -129,7 +131,8 @@ def budget_block_ladder(block_bytes: int | None, device_type: str, row_bytes: in
         return (block_bytes,)
     default = default_block_bytes(device_type)
     rows = _rows(default, row_bytes)
-    return (default, *(max(1, rows // q) * row_bytes for q in BUDGET_BLOCK_DIVISORS[1:]))
+    return (default, *(max(1, rows // q) * row_bytes + row_bytes - 1
+                       for q in BUDGET_BLOCK_DIVISORS[1:]))
 
 
 def block_row_bytes(hidden_size: int, intermediate_size: int, up_width: int,

@@ -10,7 +10,12 @@
 """
 
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
-from memfine.experts.run import autocast_operands, experts_plain, run_experts
+from memfine.experts.run import (
+    autocast_operands,
+    compute_element_size,
+    experts_plain,
+    run_experts,
+)
 
-__all__ = ["FusedExpertsFunction", "FusedOptions", "autocast_operands", "experts_plain",
-           "run_experts"]
+__all__ = ["FusedExpertsFunction", "FusedOptions", "autocast_operands", "compute_element_size",
+           "experts_plain", "run_experts"]

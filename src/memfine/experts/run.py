@@ -74,6 +74,21 @@ def check_expert_inputs(x_TD: torch.Tensor, top_k_weights: torch.Tensor,
                              f"got {bias.dtype}")
 
 
+def compute_element_size(x_TD: torch.Tensor) -> int:
+    """D_t of the expert path for activations ``x_TD``: bytes per element it computes in.
+
+    Under ``torch.autocast`` on x's device, the autocast dtype's size for floating x other
+    than float64 (:func:`autocast_operands` casts to it); otherwise x's own element size. The
+    chunk policy sizes its memory model and row blocks with it.
+    """
+    device_type = x_TD.device.type
+    if (x_TD.is_floating_point() and x_TD.dtype != torch.float64
+            and torch.amp.is_autocast_available(device_type)
+            and torch.is_autocast_enabled(device_type)):
+        return torch.get_autocast_dtype(device_type).itemsize
+    return x_TD.element_size()
+
+
 def autocast_operands(x_TD: torch.Tensor, *operands: torch.Tensor | None
                       ) -> tuple[Any, ...]:
     """Cast x and the expert weights to the autocast dtype when autocast is on for their device.

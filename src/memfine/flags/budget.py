@@ -122,7 +122,9 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
             return
         rows = max_routed_rows(T, moe.num_experts, moe.top_k, moe.capacity_factor,
                                moe.min_capacity)
-        need = ChunkPolicy(chunk, moe).smallest_feasible_budget(rows, T, dtype_bytes)
+        compute_bytes = DTYPE_BYTES[config.autocast] if config.autocast != "none" else dtype_bytes
+        need = ChunkPolicy(chunk, moe).smallest_feasible_budget(  # as the layers decide
+            rows, T, compute_bytes, device_type=config.device.split(":")[0])
         where = (f"one MoE layer call (T={T} tokens = --batch-size {config.batch_size} x "
                  f"--seq-len {config.seq_len}, s''={rows} rows, {config.dtype}) at its best bin")
     if budget >= need:

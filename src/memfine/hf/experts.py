@@ -29,7 +29,7 @@ from torch import nn
 from memfine.config import Activation, ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
-from memfine.experts import autocast_operands, run_experts
+from memfine.experts import autocast_operands, compute_element_size, run_experts
 from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
 from memfine.experts.run import grouped_up_projection
@@ -247,7 +247,7 @@ def chunk_plan_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
     if chunk.memory_budget_bytes is not None:
         recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
     policy = _policy(module, plan, weights, top_k_index.shape[1], chunk, lora)
-    return policy.plan(recv_rows, x_TD.shape[0], x_TD.element_size(),
+    return policy.plan(recv_rows, x_TD.shape[0], compute_element_size(x_TD),
                        device_type=x_TD.device.type)
 
 

@@ -38,6 +38,7 @@ from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts, swiglu
 from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
+from memfine.experts import compute_element_size
 from memfine.hf.experts import _policy as experts_policy
 from memfine.hf.experts import last_decision, num_chunks_for, run_module
 from memfine.hf.layout import ExpertsPlan, ExpertWeights
@@ -249,7 +250,7 @@ class MemfineRoutedExperts(RoutedExperts):
                                                                 SimpleNamespace())
         policy = experts_policy(holder, plan, weights, top_k_index.shape[1],
                                 budget_chunk_config(chunk))
-        budget = experts_budget(policy, top_k_index.shape[0], rows, x_TD.element_size(),
+        budget = experts_budget(policy, top_k_index.shape[0], rows, compute_element_size(x_TD),
                                 device_type=x_TD.device.type)
         if getattr(self, BUDGET_ATTRIBUTE, None) is None:
             _log.info("memfine experts memory model at the first step: %s", budget.describe())

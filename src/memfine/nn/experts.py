@@ -30,7 +30,7 @@ from torch import nn
 
 from memfine.config import MoEConfig, Recompute
 from memfine.dispatch import build_routing_index
-from memfine.experts import autocast_operands, run_experts
+from memfine.experts import autocast_operands, compute_element_size, run_experts
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
 from memfine.schedule.policy import ChunkPlan, ChunkPolicy
@@ -110,12 +110,12 @@ class GroupedExperts(nn.Module):
                 compiled call runs).
         """
         if not policy.budgeted:
-            return policy.plan(0, x_TD.shape[0], x_TD.element_size(),
+            return policy.plan(0, x_TD.shape[0], compute_element_size(x_TD),
                                device_type=x_TD.device.type)
         if torch.compiler.is_compiling():
             return traced_plan(policy, x_TD, top_k_index)
         recv = self.received_rows(top_k_index)
-        return policy.plan(recv, x_TD.shape[0], x_TD.element_size(),
+        return policy.plan(recv, x_TD.shape[0], compute_element_size(x_TD),
                            transport_row_elements=self.transport_row_elements,
                            device_type=x_TD.device.type)
 

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from memfine.config import MoEConfig
-from memfine.experts import run_experts
+from memfine.experts import compute_element_size, run_experts
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding
@@ -182,7 +182,7 @@ class ExpertParallelExperts(nn.Module):
         E, group = self.config.num_experts, self.context.ep_group
         if policy.budgeted:
             counts = exchange_counts(top_k_index, E, policy.config.bins, group)
-            plan = policy.plan(counts.recv_tokens, x_TD.shape[0], x_TD.element_size(),
+            plan = policy.plan(counts.recv_tokens, x_TD.shape[0], compute_element_size(x_TD),
                                agree=self.agree,
                                transport_row_elements=self.transport_row_elements,
                                device_type=x_TD.device.type)

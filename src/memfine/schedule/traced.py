@@ -13,9 +13,10 @@ s″ ≤ T·k):
    computed on host integers from constants only (the policy, named by its int ``key``, D_t
    and the device type), in :func:`_token_limits`, which Dynamo calls once and folds into a
    constant;
-2. (c, block) is the first candidate with ``T <= T_max`` (MemFine Eq. 9): plain comparisons on
-   the symbolic T, which become shape guards, so a graph serves every T of one candidate, and a
-   T in another candidate compiles once more;
+2. c is the first bin with ``T <= T_max`` at the default row block (MemFine Eq. 9; a traced
+   fused call runs as one block, so the eager ladder's smaller blocks are not planned): plain
+   comparisons on the symbolic T, which become shape guards, so a graph serves every T of one
+   bin, and a T in another bin compiles once more;
 3. a T above every threshold cannot be met: the graph calls ``memfine::over_budget``, which
    runs the policy's own decision on the concrete T when the graph runs, so it raises the
    one-line :class:`memfine.schedule.InfeasibleBudgetError` (or, with ``allow_over_budget``,
@@ -32,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.fx.node import has_side_effect
 
+from memfine.experts.run import compute_element_size
 from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 
@@ -85,17 +87,20 @@ def traced_plan(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torch.Tens
             device).
 
     Returns:
-        The first candidate (c, block) with T ≤ T_max; when T exceeds every threshold, the
-        largest bin at the smallest block (the compiled call then raises
+        The first bin c whose threshold at the default row block T is within (a traced fused
+        call runs as one block, so the ladder's smaller blocks are not planned here); when T
+        exceeds every such threshold, the largest bin (the compiled call then raises
         :class:`memfine.schedule.InfeasibleBudgetError` unless ``allow_over_budget``).
 
     Reference: MemFine Eq. 8-9 (s′_max and the binned chunk count), with s″ = T·k.
     """
-    num_tokens, dtype_bytes = x_TD.shape[0], x_TD.element_size()
+    num_tokens, dtype_bytes = x_TD.shape[0], compute_element_size(x_TD)
     candidates = policy.candidates(x_TD.device.type, dtype_bytes)
     limits = _token_limits(policy.key, dtype_bytes, x_TD.device.type)
+    default = candidates[0][1]
     for (c, block), limit in zip(candidates, limits, strict=True):
-        if num_tokens <= limit:
+        # a traced fused call runs as one block: a smaller block would change nothing there
+        if block == default and num_tokens <= limit:
             return ChunkPlan(c, block)
     torch.ops.memfine.over_budget(top_k_index, policy.key, num_tokens, dtype_bytes)
-    return ChunkPlan(*candidates[-1])
+    return ChunkPlan(policy.config.bins[-1], default)
