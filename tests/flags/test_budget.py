@@ -101,3 +101,33 @@ def test_allow_over_budget_is_not_refused(tmp_path: Path,
     err = capsys.readouterr().err
     assert err.count("using the largest bin c=8 (--allow-over-budget)") == 1
     assert read_metrics(tmp_path / "metrics.jsonl")[0]["num_chunks"] == [8, 8]
+
+
+@pytest.mark.parametrize(("device", "autocast"), [("cpu", "none"), ("cuda", "none"),
+                                                  ("cpu", "bfloat16")])
+def test_the_check_takes_the_runs_device_and_compute_dtype(device: str, autocast: str) -> None:
+    """The up-front check is the layers' own rule: their device's row blocks, and under bf16
+    autocast bf16 activations (D_t = 2), so a budget between the devices' least peaks is
+    refused for the device that cannot meet it."""
+    from memfine.config import ChunkConfig, ModelConfig, MoEConfig, TrainConfig
+    from memfine.flags.budget import check_memory_budget
+    from memfine.schedule import ChunkPolicy
+
+    moe = MoEConfig(hidden_size=512, intermediate_size=1024, num_experts=8, top_k=2)
+    B, Q = 8, 128
+
+    def config(budget: int) -> TrainConfig:
+        model = ModelConfig(num_heads=4, moe=moe, chunk=ChunkConfig(memory_budget_bytes=budget))
+        return TrainConfig(model=model, batch_size=B, seq_len=Q, device=device,
+                           autocast=autocast)  # type: ignore[arg-type]
+
+    dtype_bytes = 2 if autocast == "bfloat16" else 4
+    probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1), moe)
+    need = probe.smallest_feasible_budget(B * Q * 2, B * Q, dtype_bytes,
+                                          device_type=device)
+    assert need != probe.smallest_feasible_budget(B * Q * 2, B * Q, 4,
+                                                  device_type="cuda" if device == "cpu"
+                                                  else "cpu")
+    check_memory_budget(config(need))  # the least peak itself is feasible
+    with pytest.raises(ValueError, match="--memory-budget"):
+        check_memory_budget(config(need - 1))

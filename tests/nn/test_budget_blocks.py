@@ -244,3 +244,16 @@ def test_the_bench_prediction_follows_the_budgets_blocks() -> None:
     assert res.error is None and res.memory is not None
     assert res.extras["block_bytes"] == (LADDER[1], "bytes")
     assert res.predicted["peak_bytes"] == res.memory.peak_bytes == _peak(1, LADDER[1])
+
+
+def test_under_autocast_the_policy_counts_the_compute_dtype() -> None:
+    """fp32 activations under bf16 autocast: the experts compute (and keep H) in bf16, so the
+    policy predicts with D_t = 2, not x's 4 (the weights' bf16 copies are not modelled)."""
+    layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=2**40))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        layer(torch.randn(T, D))
+    decision = layer.last_decision
+    assert decision is not None and decision.num_chunks == 1
+    want = layer.policy.predicted_peak(T * K, T, 2, 1, block_bytes=decision.block_bytes)
+    assert decision.predicted_peak_bytes == want != layer.policy.predicted_peak(
+        T * K, T, 4, 1, block_bytes=decision.block_bytes)

@@ -111,8 +111,8 @@ CONFIG_FLAGS = (
          get_args(config.IndexBuilder)),
     Flag("--backward-block-bytes", ("model.moe.backward_block_bytes",), "byte target of one "
          "row block of the fused experts' streamed forward and backward, e.g. 16MiB; unset: "
-         "the device's (16MiB on the CPU, 512MiB on CUDA), which --memory-budget may halve "
-         "twice before it adds chunks", byte_size()),
+         "the device's (16MiB on the CPU, 512MiB on CUDA), whose rows a layer-scope "
+         "--memory-budget may halve twice before it adds chunks", byte_size()),
     Flag("--num-chunks", ("model.chunk.num_chunks",), "fixed token chunk count c per MoE "
          "layer; not with --memory-budget, under which MACT chooses c (giving both is an "
          "error)", aliases=("--moe-chunks",)),
