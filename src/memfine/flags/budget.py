@@ -32,7 +32,7 @@ from memfine.memory.step import StepPlanner
 from memfine.routing import max_routed_rows
 from memfine.schedule.decision import CONFIG_NAMES, FLAG_NAMES, InfeasibleBudgetError
 from memfine.schedule.policy import ChunkPolicy
-from memfine.units import DTYPE_BYTES
+from memfine.units import DTYPE_BYTES, format_bytes
 
 
 def flag_message(err: InfeasibleBudgetError) -> str:
@@ -123,10 +123,11 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
         rows = max_routed_rows(T, moe.num_experts, moe.top_k, moe.capacity_factor,
                                moe.min_capacity)
         compute_bytes = DTYPE_BYTES[config.autocast] if config.autocast != "none" else dtype_bytes
-        need = ChunkPolicy(chunk, moe).smallest_feasible_budget(  # as the layers decide
+        least, need = ChunkPolicy(chunk, moe).least_memory_plan(  # as the layers decide
             rows, T, compute_bytes, device_type=config.device.split(":")[0])
         where = (f"one MoE layer call (T={T} tokens = --batch-size {config.batch_size} x "
-                 f"--seq-len {config.seq_len}, s''={rows} rows, {config.dtype}) at its best bin")
+                 f"--seq-len {config.seq_len}, s''={rows} rows, {config.dtype}) at its best bin "
+                 f"(c={least.num_chunks}, {format_bytes(least.block_bytes)} row blocks)")
     if budget >= need:
         return
     err = InfeasibleBudgetError(budget, need, chunk.bins, f"{where} needs more (or lower "
