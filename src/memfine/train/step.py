@@ -44,6 +44,8 @@ class StepRecord:
             backward at the step's c (None where not measured or not modelled).
         dropped_pairs: (token, slot) pairs dropped by expert capacity per layer on this rank
             (None when dropless).
+        block_bytes: the fused row-block byte target a memory budget chose per MoE layer
+            (None for a layer that ran its config's).
     """
 
     step: int
@@ -59,6 +61,7 @@ class StepRecord:
     peak_bytes_predicted: list[int | None] | None = None
     dropped_pairs: list[int] | None = None
     recompute: tuple[str, ...] = ()
+    block_bytes: tuple[int | None, ...] = ()
 
 
 def run_step(run: RunState, step_index: int) -> StepRecord:
@@ -103,6 +106,7 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     return StepRecord(
         step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm, load_balancing_loss=lbl,
         z_loss=z, num_chunks=num_chunks, recompute=tuple(outs[-1][4]),
+        block_bytes=tuple(outs[-1][5]),
         tokens_per_expert_LE=load_LE, seconds=dt,
         dropped_pairs=None if config.model.moe.dropless
         else torch.tensor([out[3] for out in outs]).sum(0).tolist(),
