@@ -101,9 +101,8 @@ class GroupedExperts(nn.Module):
         (c, block) candidate's peak (:meth:`memfine.schedule.ChunkPolicy.decide`, recorded as
         ``last_decision``). While ``torch.compile`` traces, the plan comes from the policy's
         token thresholds compared with the symbolic T (:func:`memfine.schedule.traced.
-        traced_plan`, planned from s″ ≤ T·k, the same choice on one process): no graph break,
-        one graph per candidate in use, nothing recorded (docs/compile.md). A fixed c reads no
-        count.
+        traced_plan`, planned from s″ ≤ T·k at the default row block): no graph break, one
+        graph per bin in use, nothing recorded (docs/compile.md). A fixed c reads no count.
 
         Raises:
             ValueError: from the policy when the budget cannot be met (under compile, when the

@@ -35,10 +35,10 @@ Under ``torch.compile`` (:mod:`memfine.schedule.traced`) T is a symbolic size an
 host number, so the decision is read from thresholds instead: :meth:`ChunkPolicy.token_limits`
 gives per bin c the most tokens T_max(c) whose exact predicted peak fits the budget (MemFine
 Eq. 8's s′_max, here in tokens with s″ = T·k rows), a function of the budget, the sizes, D_t,
-the bins and the recompute mode only, and c is the first bin with T ≤ T_max(c) (Eq. 9); with
-the block ladder, one threshold per (c, block) candidate, and the first candidate that T is
-within. On one process the prediction is the same for every s″ ≤ T·k, so this is the eager
-choice.
+the bins and the recompute mode only, and c is the first bin with T ≤ T_max(c) (Eq. 9), at the
+default row block (a traced fused call runs as one block, so the ladder's smaller blocks are not
+planned there). On one process the prediction is the same for every s″ ≤ T·k, so where the
+default block fits this is the eager choice.
 
 Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4; docs/style.md §7.
 """
@@ -52,7 +52,13 @@ import warnings
 import weakref
 from dataclasses import replace
 
-from memfine.config import ChunkConfig, MoEConfig, block_row_bytes, budget_block_ladder
+from memfine.config import (
+    ChunkConfig,
+    MoEConfig,
+    block_row_bytes,
+    budget_block_ladder,
+    default_block_bytes,
+)
 from memfine.memory import layer as layer_memory
 from memfine.memory.planner import largest_fitting
 from memfine.schedule.decision import (
@@ -98,7 +104,7 @@ class ChunkPolicy:
         # (T, D_t, recompute, c, block bytes) → exact timeline peak; a step repeats one T.
         self._peaks: dict[tuple[int, int, str, int, int], int] = {}
         self._row_bytes: dict[tuple[int, str, str], int] = {}
-        self._limits: dict[tuple[int, str, str], tuple[int, ...]] = {}
+        self._limits: dict[tuple[int, str, str, bool], tuple[int, ...]] = {}
         self.key = next(_KEYS)
         _POLICIES[self.key] = self
 
@@ -150,7 +156,7 @@ class ChunkPolicy:
         the config's, or the device default).
         """
         rec = recompute or self.config.resolved_recompute
-        block = block_bytes or self.ladder(device_type, dtype_bytes)[0]
+        block = block_bytes or self.moe.backward_block_bytes or default_block_bytes(device_type)
         key = (num_tokens, dtype_bytes, rec, num_chunks, block)
         peak = self._peaks.get(key)
         if peak is None:
@@ -171,7 +177,8 @@ class ChunkPolicy:
         return layer_memory.layer_peak_bytes(moe, num_tokens, dtype_bytes,
                                              num_chunks=num_chunks, recompute=recompute)
 
-    def token_limits(self, dtype_bytes: int, device_type: str = "cpu") -> tuple[int, ...]:
+    def token_limits(self, dtype_bytes: int, device_type: str = "cpu", *,
+                     all_blocks: bool = True) -> tuple[int, ...]:
         """T_max per candidate: the most tokens whose predicted layer peak fits the budget (cached).
 
         For each (c, block) of :meth:`candidates`, the largest T with :meth:`layer_peak`
@@ -183,10 +190,12 @@ class ChunkPolicy:
         Args:
             dtype_bytes: D_t.
             device_type: the activations' device (as :meth:`layer_peak`).
+            all_blocks: False: each bin at the default row block only, one count per bin (what
+                a compiled call plans: :func:`memfine.schedule.traced.traced_plan`).
 
         Returns:
-            One count per candidate, in :meth:`candidates`' order; -1 where even T = 0 does not
-            fit.
+            One count per candidate, in :meth:`candidates`' order (per bin without
+            ``all_blocks``); -1 where even T = 0 does not fit.
 
         Raises:
             ValueError: without a budget.
@@ -196,16 +205,19 @@ class ChunkPolicy:
         budget = self.config.memory_budget_bytes
         if budget is None:
             raise ValueError("token_limits needs ChunkConfig.memory_budget_bytes")
-        key = (dtype_bytes, self.config.resolved_recompute, device_type)
+        key = (dtype_bytes, self.config.resolved_recompute, device_type, all_blocks)
         if key not in self._limits:
 
             def fits(num_tokens: int, num_chunks: int, block: int) -> bool:
                 return self.layer_peak(num_tokens, dtype_bytes, num_chunks,
                                        device_type=device_type, block_bytes=block) <= budget
 
+            candidates = self.candidates(device_type, dtype_bytes)
+            if not all_blocks:
+                candidates = tuple((c, b) for c, b in candidates if b == candidates[0][1])
             self._limits[key] = tuple(
                 largest_fitting(functools.partial(fits, num_chunks=c, block=block))
-                for c, block in self.candidates(device_type, dtype_bytes))
+                for c, block in candidates)
         return self._limits[key]
 
     def row_bytes(self, dtype_bytes: int, device_type: str = "cpu") -> int:

@@ -6,17 +6,16 @@ first recompile) and s″ is a device value, so :func:`traced_plan` plans from t
 s″ ≤ T·k instead, which is exact on one process (the policy's prediction is the same for every
 s″ ≤ T·k):
 
-1. the thresholds T_max, one per (c, row block) candidate
-   (:meth:`memfine.schedule.ChunkPolicy.candidates`: each bin, with the row-block ladder when
-   ``backward_block_bytes`` is None), the most tokens whose predicted peak fits the budget
+1. the thresholds T_max(c), one per bin at the default row block (a traced fused call runs as
+   one block, so the eager ladder's smaller blocks are not planned), the most tokens whose
+   predicted peak fits the budget
    (:meth:`memfine.schedule.ChunkPolicy.token_limits`; MemFine Eq. 8's s′_max in tokens), are
    computed on host integers from constants only (the policy, named by its int ``key``, D_t
    and the device type), in :func:`_token_limits`, which Dynamo calls once and folds into a
    constant;
-2. c is the first bin with ``T <= T_max`` at the default row block (MemFine Eq. 9; a traced
-   fused call runs as one block, so the eager ladder's smaller blocks are not planned): plain
-   comparisons on the symbolic T, which become shape guards, so a graph serves every T of one
-   bin, and a T in another bin compiles once more;
+2. c is the first bin with ``T <= T_max(c)`` (MemFine Eq. 9): plain comparisons on the
+   symbolic T, which become shape guards, so a graph serves every T of one bin, and a T in
+   another bin compiles once more;
 3. a T above every threshold cannot be met: the graph calls ``memfine::over_budget``, which
    runs the policy's own decision on the concrete T when the graph runs, so it raises the
    one-line :class:`memfine.schedule.InfeasibleBudgetError` (or, with ``allow_over_budget``,
@@ -38,8 +37,9 @@ from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 
 def _token_limits(policy_key: int, dtype_bytes: int, device_type: str) -> tuple[int, ...]:
-    """T_max per candidate of the policy named ``policy_key`` at D_t on a device (cached)."""
-    return ChunkPolicy.registered(policy_key).token_limits(dtype_bytes, device_type)
+    """T_max(c) per bin, at the default row block, of the policy named ``policy_key`` (cached)."""
+    return ChunkPolicy.registered(policy_key).token_limits(dtype_bytes, device_type,
+                                                           all_blocks=False)
 
 
 # What torch.compiler.assume_constant_result does (it sets this flag and returns the function),
@@ -95,12 +95,11 @@ def traced_plan(policy: ChunkPolicy, x_TD: torch.Tensor, top_k_index: torch.Tens
     Reference: MemFine Eq. 8-9 (s′_max and the binned chunk count), with s″ = T·k.
     """
     num_tokens, dtype_bytes = x_TD.shape[0], compute_element_size(x_TD)
-    candidates = policy.candidates(x_TD.device.type, dtype_bytes)
+    default = policy.ladder(x_TD.device.type, dtype_bytes)[0]
+    bins = policy.config.bins
     limits = _token_limits(policy.key, dtype_bytes, x_TD.device.type)
-    default = candidates[0][1]
-    for (c, block), limit in zip(candidates, limits, strict=True):
-        # a traced fused call runs as one block: a smaller block would change nothing there
-        if block == default and num_tokens <= limit:
-            return ChunkPlan(c, block)
+    for c, limit in zip(bins, limits, strict=True):
+        if num_tokens <= limit:
+            return ChunkPlan(c, default)
     torch.ops.memfine.over_budget(top_k_index, policy.key, num_tokens, dtype_bytes)
-    return ChunkPlan(policy.config.bins[-1], default)
+    return ChunkPlan(bins[-1], default)
