@@ -222,14 +222,19 @@ def save_sharded_checkpoint(path: str | os.PathLike[str], *, step: int, config: 
     if is_main:
         shutil.rmtree(tmp, ignore_errors=True)  # a save killed before
     barrier()
+    from memfine.artifacts.lora_base import BASE_ATTRIBUTE
+
+    base = getattr(model, BASE_ATTRIBUTE, None)  # a LoRA run: the frozen base is not repeated
     model_state, optim_state = get_state_dict(model, optimizer)
     with warnings.catch_warnings():  # without a process group DCP writes one process's shards
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp)
+        dcp.save({"model": model_state if base is None else _trained(model_state, model),
+                  "optimizer": optim_state}, checkpoint_id=tmp)
     barrier()  # every shard is on disk
     if is_main:
         meta = {"format": FORMAT, "step": step, "config": config,
-                "scheduler": scheduler.state_dict(), "rng": rng_state()}
+                "scheduler": scheduler.state_dict(), "rng": rng_state(),
+                **({} if base is None else {"base": base})}
         atomic_save(meta, tmp / META_NAME)
         old = _old(path)
         shutil.rmtree(old, ignore_errors=True)
@@ -296,22 +301,27 @@ def load_states(payload: dict[str, Any], model: torch.nn.Module,
     Side effects: with a DCP payload, every rank reads the shards it needs (a collective when
     sharded).
     """
+    lora = "base" in payload
+    if lora and not sharded:  # a sharded model got its frozen base before sharding
+        _load_lora_base(payload, model)
     if "sharded_path" in payload:
         model_state, optim_state = get_state_dict(model, optimizer)
+        if lora:
+            model_state = _trained(model_state, model)
         with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model_state, "optimizer": optim_state},
                      checkpoint_id=payload["sharded_path"])
         set_state_dict(model, optimizer, model_state_dict=model_state,
-                       optim_state_dict=optim_state)
+                       optim_state_dict=optim_state, options=StateDictOptions(strict=not lora))
     elif not sharded:
-        _load_model(payload, model)
+        _load_model(payload, model, base_loaded=True)
         optimizer.load_state_dict(payload["optimizer"])
     else:  # one file of full tensors into a sharded model: every rank keeps its shards
         set_state_dict(model, optimizer, model_state_dict=payload["model"],
                        optim_state_dict=_named_optimizer_state(payload["optimizer"], model,
                                                                optimizer),
-                       options=StateDictOptions(full_state_dict=True))
+                       options=StateDictOptions(full_state_dict=True, strict=not lora))
 
 
 def restore(payload: dict[str, Any], model: torch.nn.Module,
@@ -361,14 +371,31 @@ def load_model_state(payload: dict[str, Any], model: torch.nn.Module) -> None:
     if "sharded_path" not in payload:
         _load_model(payload, model)
         return
-    state = model.state_dict()
+    lora = "base" in payload
+    if lora:  # adapter-only: the frozen base first, then the trained tensors from DCP
+        _load_lora_base(payload, model)
+    state = model.state_dict() if not lora else _trained(model.state_dict(), model)
     with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load({"model": state}, checkpoint_id=payload["sharded_path"])
-    model.load_state_dict(state)
+    model.load_state_dict(state, strict=not lora)
 
 
-def _load_model(payload: dict[str, Any], model: torch.nn.Module) -> None:
+def _trained(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``state`` (keyed by parameter name) without the frozen parameters of ``model``."""
+    frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
+    return {k: v for k, v in state.items() if k not in frozen}
+
+
+def _load_lora_base(payload: dict[str, Any], model: torch.nn.Module) -> None:
+    """Load the frozen base of a LoRA payload (either form) into a whole model."""
+    from memfine.artifacts.lora_base import load_base_
+
+    load_base_(payload["base"], payload["config"], model)
+
+
+def _load_model(payload: dict[str, Any], model: torch.nn.Module, *,
+                base_loaded: bool = False) -> None:
     """The model state of a one-file payload; a LoRA one's frozen base from its ``base`` first.
 
     Raises:
@@ -377,9 +404,8 @@ def _load_model(payload: dict[str, Any], model: torch.nn.Module) -> None:
     if "base" not in payload:
         model.load_state_dict(payload["model"])
         return
-    from memfine.artifacts.lora_base import load_base_
-
-    load_base_(payload["base"], payload["config"], model)
+    if not base_loaded:
+        _load_lora_base(payload, model)
     unexpected = model.load_state_dict(payload["model"], strict=False).unexpected_keys
     if unexpected:
         raise RuntimeError(f"unexpected keys in the adapter state: {unexpected[:3]}")

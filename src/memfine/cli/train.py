@@ -182,9 +182,8 @@ def _parallel(args: argparse.Namespace, config: TrainConfig, world: int) -> Any:
     ``world``: torchrun's ``WORLD_SIZE`` (1 on one process).
 
     Raises:
-        ValueError: on a size < 1, a world size that is not dp_shard × ep, mesh flags
-            without torchrun, or LoRA adapters on more than one process — before any process
-            group exists.
+        ValueError: on a size < 1, a world size that is not dp_shard × ep, or mesh flags
+            without torchrun — before any process group exists.
     """
     ep = int(value(args, "ep"))
     if ep < 1:
@@ -192,9 +191,6 @@ def _parallel(args: argparse.Namespace, config: TrainConfig, world: int) -> Any:
     dp_shard = value(args, "dp_shard") if given(args, "dp_shard") else max(world // ep, 1)
     if world == 1 and ep == 1 and dp_shard == 1:
         return None
-    if config.lora is not None:
-        raise ValueError("--lora-rank runs on one process: LoRA fine-tuning is not built for "
-                         "torchrun, --ep or --dp-shard yet")
     from memfine.parallel.mesh import check_expert_sharding, check_layout
     from memfine.parallel.training import DistributedTraining
 

@@ -42,6 +42,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from memfine.config import MoEConfig
 from memfine.experts import compute_element_size, run_experts
+from memfine.experts.lora import ExpertLoRA
+from memfine.experts.lora_experts import run_lora_experts
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding
@@ -54,7 +56,8 @@ from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: torch.Tensor,
                      w_down_LND: torch.Tensor, plan: ChunkDispatch,
                      group: dist.ProcessGroup, config: MoEConfig,
-                     weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
+                     weight_grads: WeightGradBuffers | None = None, *,
+                     lora: ExpertLoRA | None = None, seed: int = 0) -> torch.Tensor:
     """Dispatch → local experts → combine for one chunk of tokens.
 
     Args:
@@ -68,6 +71,9 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
             backward_block_bytes).
         weight_grads: the chunk loop's shared weight-gradient buffers (fused path, c > 1), or
             ``None``: the fused backward adds this chunk's weight gradients into them.
+        lora: this rank's (L, ...) split-LoRA adapters
+            (:func:`memfine.experts.lora_experts.run_lora_experts`), or None.
+        seed: the adapters' dropout seed for this chunk (unused without dropout).
 
     Returns:
         (T_c, d) combined output in x's dtype.
@@ -89,10 +95,16 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
     del x_MD, w_M  # NOTE(memory): the sent copies are transient (M·d·D_t bytes not kept)
     # Weights are applied on the expert side: the fused path saves only x_SD and H, and its
     # weight gradient ⟨dO·w_downᵀ, A⟩ needs no saved expert output (MoEBlaze §5).
-    y_SD = run_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, activation=config.activation,
-                       impl=config.experts_impl, backend=config.gemm_backend,
-                       backward_block_bytes=config.backward_block_bytes,
-                       weight_grads=weight_grads)
+    if lora is None:
+        y_SD = run_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, activation=config.activation,
+                           impl=config.experts_impl, backend=config.gemm_backend,
+                           backward_block_bytes=config.backward_block_bytes,
+                           weight_grads=weight_grads)
+    else:  # dropout masks follow the received rows (memfine.parallel.lora_experts)
+        y_SD = run_lora_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, lora,
+                                activation=config.activation, backend=config.gemm_backend,
+                                seed=seed, backward_block_bytes=config.backward_block_bytes,
+                                weight_grads=weight_grads)
     y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group, check=False)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
 
@@ -153,13 +165,14 @@ class ExpertParallelExperts(nn.Module):
 
     def local_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(w_up_LDG, w_down_LND)``, views whose gradients carry ``grad_scale``."""
-        out = []
-        for weight in (self.w_up, self.w_down):
-            local = weight.to_local() if isinstance(weight, DTensor) else weight
-            if self.grad_scale != 1.0 and local.requires_grad:
-                local.register_hook(functools.partial(torch.mul, other=self.grad_scale))
-            out.append(local)
-        return out[0], out[1]
+        return self.local(self.w_up), self.local(self.w_down)
+
+    def local(self, weight: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a (DTensor) parameter; its gradient carries ``grad_scale``."""
+        local = weight.to_local() if isinstance(weight, DTensor) else weight
+        if self.grad_scale != 1.0 and local.requires_grad:
+            local.register_hook(functools.partial(torch.mul, other=self.grad_scale))
+        return local
 
     def global_counts(self, counts: torch.Tensor) -> torch.Tensor:
         """Per-rank counts summed over every rank of the global batch (all W ranks).
@@ -233,7 +246,7 @@ class ExpertParallelExperts(nn.Module):
         # weight-gradient buffer per weight (L·d·G + L·n·d elements, not twice that).
         weights, buffers = share_chunk_weight_grads(
             self.local_weights(), num_chunks, in_place=self.config.experts_impl == "fused")
-        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers, config)
+        chunk_fn = self._chunk_fn(plans, weights, buffers, config)
         out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                              recompute=policy.config.resolved_recompute)
         return out_TD, plan
@@ -248,6 +261,12 @@ class ExpertParallelExperts(nn.Module):
             raise ValueError(f"expected hidden_states (T, d={D}), top_k_index and top_k_weights "
                              f"(T, k); got {tuple(x_TD.shape)}, {tuple(top_k_index.shape)}, "
                              f"{tuple(top_k_weights.shape)}")
+
+    def _chunk_fn(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
+                  buffers: WeightGradBuffers | None, config: MoEConfig
+                  ) -> functools.partial[torch.Tensor]:
+        """The chunk step of one call (everything but the chunk bound)."""
+        return functools.partial(self._run_chunk, plans, weights, buffers, config)
 
     def _run_chunk(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
                    buffers: WeightGradBuffers | None, config: MoEConfig, chunk: int,

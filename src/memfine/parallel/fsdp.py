@@ -1,7 +1,8 @@
 """Sharding a built model over the (dp_shard, ep) mesh with FSDP2, and gradient-norm clipping.
 
 :func:`shard_model` swaps every MoE layer's ``experts`` for :class:`ExpertParallelExperts`
-(experts E/ep per rank over ``ep``), then applies ``fully_shard``: to the experts over
+(experts E/ep per rank over ``ep``; ``ExpertParallelLoRAExperts`` for experts with LoRA
+adapters, frozen base and adapters alike), then applies ``fully_shard``: to the experts over
 ``dp_shard``, to each transformer block and to the root over the flattened ``dp`` mesh (all W
 ranks). FSDP2 reduce-scatters the gradients; nothing is all-reduced by hand.
 
@@ -28,7 +29,9 @@ from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forwar
 from torch.distributed.tensor import DTensor
 
 from memfine.config import MoEConfig
+from memfine.config.lora import LoRAConfig
 from memfine.parallel.experts import ExpertParallelExperts
+from memfine.parallel.lora_experts import ExpertParallelLoRAExperts
 from memfine.parallel.mesh import ParallelContext
 
 
@@ -50,6 +53,18 @@ def _fully_shard(module: nn.Module, mesh: DeviceMesh) -> FSDPModule:
     return module
 
 
+def _expert_parallel(full: nn.Module, context: ParallelContext) -> ExpertParallelExperts:
+    """This rank's experts of a whole experts module (with its LoRA adapters when it has them)."""
+    if isinstance(getattr(full, "lora", None), LoRAConfig):  # memfine.nn.lora.LoRAGroupedExperts
+        return ExpertParallelLoRAExperts.from_lora_experts(full, context,
+                                                           grad_scale=1.0 / context.ep_size)
+    w_up, w_down, config = full.w_up, full.w_down, full.config
+    assert isinstance(w_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
+    assert isinstance(config, MoEConfig)
+    return ExpertParallelExperts.from_full(w_up, w_down, config, context,
+                                           grad_scale=1.0 / context.ep_size)
+
+
 def shard_model(model: nn.Module, context: ParallelContext) -> int:
     """Shard a built model in place: experts over ``ep`` and ``dp_shard``, the rest over ``dp``.
 
@@ -65,19 +80,17 @@ def shard_model(model: nn.Module, context: ParallelContext) -> int:
         ValueError: if an MoE layer's num_experts is not divisible by ep.
 
     Side effects: replaces ``layer.experts`` of every MoE layer (nothing else of the layer
-    changes); turns the experts, the blocks and the root into FSDP2 modules (parameters become
-    DTensors; the experts' ``run`` is registered as an FSDP forward method).
+    changes; experts with LoRA adapters become :class:`ExpertParallelLoRAExperts`, frozen base
+    and trained adapters both sharded); turns the experts, the blocks and the root into FSDP2
+    modules (parameters become DTensors; the experts' ``run`` is registered as an FSDP forward
+    method).
     """
     layers = [m for m in model.modules() if _is_moe_layer(m)
               and not isinstance(m.experts, ExpertParallelExperts)]
     for layer in layers:
         full = layer.experts
         assert isinstance(full, nn.Module)  # _is_moe_layer checked it and its weights
-        w_up, w_down, config = full.w_up, full.w_down, full.config
-        assert isinstance(w_up, torch.Tensor) and isinstance(w_down, torch.Tensor)
-        assert isinstance(config, MoEConfig)
-        experts = ExpertParallelExperts.from_full(w_up, w_down, config, context,
-                                                  grad_scale=1.0 / context.ep_size)
+        experts = _expert_parallel(full, context)
         layer.experts = experts
         _fully_shard(experts, context.expert_dp_mesh)
         register_fsdp_forward_method(experts, "run")

@@ -24,12 +24,13 @@ import torch
 from memfine.artifacts.checkpoint import (
     CHECKPOINT_NAME,
     SHARDED_NAME,
+    LoRABaseError,
     find_checkpoint,
     read_checkpoint,
     restore,
 )
 from memfine.artifacts.inference import load_weights
-from memfine.artifacts.lora_base import set_lora_base
+from memfine.artifacts.lora_base import load_base_, set_lora_base
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
@@ -150,7 +151,8 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                          "frozen weights of a trained model (--init-from RUN)")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
-    model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
+    model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from,
+                                              resume_from=payload)
     start = (restore(payload, model, optimizer, scheduler, sharded=parallel.sharded)
              if payload else 0)
     if resume and start >= config.max_steps:
@@ -244,7 +246,8 @@ def load_data(config: TrainConfig) -> tuple[ByteCorpus, float]:
 
 
 def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.device, *,
-                init_from: Path | None = None) -> tuple[
+                init_from: Path | None = None, resume_from: dict[str, Any] | None = None
+                ) -> tuple[
                     MoETransformerLM, torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
     """Seed, build the model on ``device`` in ``config.dtype``, prepare it, build the optimizer.
 
@@ -252,10 +255,14 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     must equal ``config.model``), loaded into the whole model before the parallel hooks shard it.
     With ``config.lora`` every MoE layer then gets expert adapters (:func:`memfine.nn.lora.
     apply_lora`, drawn from the seeded generator) and the optimizer holds the trainable
-    parameters only; the frozen ones get no gradient buffer.
+    parameters only; the frozen ones get no gradient buffer. A sharded run resuming a LoRA
+    checkpoint (``resume_from``, either form) loads its frozen base into the whole model here,
+    before sharding; the adapters follow in :func:`memfine.artifacts.checkpoint.restore`.
 
     Raises:
-        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model.
+        ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model;
+            :class:`memfine.artifacts.checkpoint.LoRABaseError` naming the checkpoint when the
+            base of ``resume_from`` is gone or changed.
     """
     torch.manual_seed(config.seed)
     random.seed(config.seed)
@@ -266,6 +273,11 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
         apply_lora(model, config.lora)
         if init_from is not None:  # the checkpoints then hold the adapters, not the base
             set_lora_base(model, init_from)
+        if resume_from is not None and "base" in resume_from and parallel.sharded:
+            try:
+                load_base_(resume_from["base"], resume_from["config"], model)
+            except LoRABaseError as err:
+                raise LoRABaseError(f"checkpoint {resume_from['path']!r}: {err}") from err
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)
     parallel.prepare_model(model)
     optimizer, scheduler = build_optimizer(model, config)
