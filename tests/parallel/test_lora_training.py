@@ -1,0 +1,116 @@
+"""``torchrun ... -m memfine train --lora-rank r --init-from RUN``: LoRA on ranks = one process.
+
+The frozen base is sharded like any weight (experts over ``ep``, FSDP2 over the data dims), the
+adapters with it; each rank trains on its rows of every global batch. Per-step losses and
+gradient norms must equal the one-process LoRA run, the checkpoint is a DCP directory holding
+only what training changes (adapters, buffers, AdamW state) plus the base's reference, and it
+resumes at another layout — two ranks → one process — into the straight run's losses and
+adapters. One chain runs by default; the other layouts are marked slow.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from test_training import COMMON, RUN_TIMEOUT_S, _metrics, _train
+
+from memfine.artifacts.inference import load_trained
+from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
+
+pytestmark = pytest.mark.distributed
+
+LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--warmup-steps", "1")
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 3-step one-process base run (the frozen weights)."""
+    out = tmp_path_factory.mktemp("base") / "run"
+    _train(out.parent, out, (1, 1), "--max-steps", "3")
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-process LoRA run of STEPS steps on ``base``."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    _train(out.parent, out, (1, 1), *LORA, "--init-from", str(base), "--max-steps", str(STEPS))
+    return out
+
+
+def _assert_same_lora_run(got: Path, want: Path) -> None:
+    for key in ("train_loss", "grad_norm", "load_balancing_loss", "z_loss"):
+        torch.testing.assert_close(_metrics(got, key), _metrics(want, key),
+                                   atol=DISTRIBUTED_LOSS_ATOL, rtol=0, msg=key)
+    want_params = load_trained(want).model.state_dict()  # the base read from the base run
+    got_params = load_trained(got).model.state_dict()
+    assert got_params.keys() == want_params.keys()
+    for name, value in got_params.items():
+        torch.testing.assert_close(value, want_params[name], atol=DISTRIBUTED_PARAM_ATOL, rtol=0,
+                                   msg=name)
+
+
+def _dcp_model_keys(run_dir: Path) -> set[str]:
+    metadata = dcp.FileSystemReader(run_dir / "checkpoint.dcp").read_metadata()
+    return {k.removeprefix("model.") for k in metadata.state_dict_metadata
+            if k.startswith("model.")}
+
+
+def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path: Path, base: Path,
+                                                       straight: Path) -> None:
+    """Steps 1-3 at (dp_shard, ep) = (1, 2) under torchrun, then --resume on one process: the
+    losses and adapters equal the straight one-process run; the DCP checkpoint is adapter-only;
+    resuming it with other adapter targets is one usage-error line that writes nothing."""
+    out = tmp_path / "run"
+    _train(tmp_path, out, (1, 2), *LORA, "--init-from", str(base), "--max-steps", "3")
+    keys = _dcp_model_keys(out)
+    assert keys == {f"blocks.{i}.moe.{name}" for i in range(2) for name in (
+        "experts.lora_a_up", "experts.lora_b_up", "experts.lora_a_down", "experts.lora_b_down",
+        "router.selection_bias")}, sorted(keys)
+    meta = torch.load(out / "checkpoint.dcp" / "meta.pt", weights_only=True)
+    assert meta["base"]["checkpoint"] == str((base / "checkpoint.pt").resolve())
+    torch.testing.assert_close(_metrics(out, "train_loss"), _metrics(straight, "train_loss")[:3],
+                               atol=DISTRIBUTED_LOSS_ATOL, rtol=0)
+
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    proc = subprocess.run([sys.executable, "-m", "memfine", *COMMON, "--resume", "--max-steps",
+                           str(STEPS), "--lora-targets", "w_up", "--ep", "2", "--out", str(out)],
+                          env={**os.environ, "WORLD_SIZE": "2"}, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == (
+        f"memfine train: error: --lora-targets cannot change on --resume (the checkpoint in "
+        f"'{out}' has --lora-targets w_up,w_down, got w_up)")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    _train(tmp_path, out, (1, 1), "--resume", "--max-steps", str(STEPS))
+    assert len(_metrics(out, "train_loss")) == STEPS
+    _assert_same_lora_run(out, straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [pytest.param((2, 1), id="dp2_ep1"),
+                                    pytest.param((1, 2), id="dp1_ep2")])
+def test_lora_layout_matches_one_process(tmp_path: Path, base: Path, straight: Path,
+                                         layout: tuple[int, int]) -> None:
+    out = tmp_path / "run"
+    _train(tmp_path, out, layout, *LORA, "--init-from", str(base), "--max-steps", str(STEPS))
+    assert not (out / "checkpoint.pt").exists()
+    _assert_same_lora_run(out, straight)
+
+
+@pytest.mark.slow
+def test_lora_resume_one_process_to_ranks(tmp_path: Path, base: Path, straight: Path) -> None:
+    """A one-file LoRA checkpoint resumes at (1, 2), whose DCP checkpoint resumes at (2, 1)."""
+    out = tmp_path / "run"
+    _train(tmp_path, out, (1, 1), *LORA, "--init-from", str(base), "--max-steps", "2")
+    _train(tmp_path, out, (1, 2), "--resume", "--max-steps", "4")
+    _train(tmp_path, out, (2, 1), "--resume", "--max-steps", str(STEPS))
+    _assert_same_lora_run(out, straight)
