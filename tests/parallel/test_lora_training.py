@@ -20,7 +20,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_training import COMMON, RUN_TIMEOUT_S, _metrics, _train
 
+from memfine.artifacts.adapters import load_adapters
 from memfine.artifacts.inference import load_trained
+from memfine.cli.main import main
 from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 
 pytestmark = pytest.mark.distributed
@@ -100,10 +102,18 @@ def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path: Path, base: Pat
                                     pytest.param((1, 2), id="dp1_ep2")])
 def test_lora_layout_matches_one_process(tmp_path: Path, base: Path, straight: Path,
                                          layout: tuple[int, int]) -> None:
+    """A straight run on 2 ranks; ``memfine export`` reads its adapter-only DCP checkpoint."""
     out = tmp_path / "run"
     _train(tmp_path, out, layout, *LORA, "--init-from", str(base), "--max-steps", str(STEPS))
     assert not (out / "checkpoint.pt").exists()
     _assert_same_lora_run(out, straight)
+    assert main(["export", "--out", str(out), "--to", str(tmp_path / "a.safetensors")]) == 0
+    model = load_trained(base).model
+    load_adapters(model, tmp_path / "a.safetensors")
+    want = load_trained(straight).model.state_dict()
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(value, want[name], atol=DISTRIBUTED_PARAM_ATOL, rtol=0,
+                                   msg=name)
 
 
 @pytest.mark.slow
