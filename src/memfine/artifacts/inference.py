@@ -31,6 +31,7 @@ from memfine.artifacts.checkpoint import (
     load_model_state,
     read_checkpoint,
 )
+from memfine.artifacts.finite import check_finite_model
 from memfine.config import ModelConfig, TrainConfig
 from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
@@ -89,9 +90,11 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     run) is there too (:func:`memfine.artifacts.checkpoint.find_checkpoint`).
 
     Raises:
-        ValueError: naming the path when the checkpoint is missing, corrupt, or does not fit
-            its own config; :class:`memfine.artifacts.checkpoint.LoRABaseError` naming it when
-            its LoRA base run is gone or changed.
+        ValueError: naming the path when the checkpoint is missing, corrupt, does not fit
+            its own config or holds NaN/±inf weights
+            (:func:`memfine.artifacts.finite.check_finite_model`);
+            :class:`memfine.artifacts.checkpoint.LoRABaseError` naming it when its LoRA base
+            run is gone or changed.
     """
     path = Path(run_dir) / CHECKPOINT_NAME
     if (Path(run_dir) / SHARDED_NAME).is_dir():
@@ -106,6 +109,7 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(f"checkpoint {str(path)!r} does not match its config "
                          f"({str(err).splitlines()[0]})") from err
+    check_finite_model(model, str(path))
     model = model.to(device=torch.device(device), dtype=getattr(torch, config.dtype)).eval()
     return Trained(model=model, config=config, step=int(payload["step"]))
 
@@ -126,7 +130,8 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
 
     Raises:
         ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
-            another model (the message lists the fields that differ);
+            another model (the message lists the fields that differ), or holds NaN/±inf
+            weights;
             :class:`memfine.artifacts.checkpoint.LoRABaseError` naming the checkpoint when it
             holds LoRA adapters whose base run is gone or changed.
     """
@@ -141,12 +146,14 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
     with torch.no_grad():
         if source.lora is None:
             load_model_state(payload, model)
+            check_finite_model(model, str(path))
             return
         adapted = language_model(source)  # a LoRA run: its adapters merged into the base
         try:
             load_model_state(payload, adapted)
         except LoRABaseError as err:  # "its LoRA base ...": the checkpoint it speaks of
             raise LoRABaseError(f"checkpoint {str(path)!r}: {err}") from err
+        check_finite_model(adapted, str(path))
         merge_model_lora_(adapted)
         model.load_state_dict(adapted.state_dict())
 
@@ -273,13 +280,26 @@ def load_safetensors(path: str | os.PathLike[str]) -> MoETransformerLM:
 
 
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    """Call ``write(tmp_name)`` and rename the result to ``path`` (0644 like other files)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Call ``write(tmp_name)`` and rename the result to ``path`` (0644 like other files).
+
+    Raises:
+        OSError: naming ``path`` (not the temporary file, which is removed) when the folder
+            cannot be written or the write fails (a full disk, a file-size limit).
+    """
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot create a file in {str(path.parent)!r} "
+                                 f"({err.strerror})", str(path)) from err
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(err.errno, f"writing {str(path)!r} failed ({err.strerror or err}); "
+                                 f"nothing was written there", str(path)) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -95,13 +95,25 @@ def _check_writable(out_dir: Path) -> None:
     existing = next((p for p in (target, *target.parents) if p.is_dir()), None)
     if existing is None:
         return
-    try:
-        with tempfile.TemporaryFile(dir=existing, prefix=".memfine-write-test."):
-            pass
-    except OSError as err:
+    err = write_error(existing)
+    if err is not None:
         where = "" if existing == target else f" (its parent {str(existing)!r} exists)"
         raise ValueError(f"--out {str(out_dir)!r} is not writable{where}: "
                          f"{err.strerror or err}; choose a directory you can write") from err
+
+
+def write_error(directory: Path) -> OSError | None:
+    """Why no file can be created in ``directory`` (an existing folder), or None when one can.
+
+    Creates and deletes a temporary file there: ``os.access`` says yes to root on a folder
+    without write permission and says nothing about a read-only mount.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".memfine-write-test."):
+            pass
+    except OSError as err:
+        return err
+    return None
 
 
 def _pid_alive(pid: int) -> bool:

@@ -8,7 +8,6 @@ finishes the current step, saves a checkpoint and returns (:mod:`memfine.train.s
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from memfine.reports.evaluation import evaluate, sample_after_validation_prompt
 from memfine.reports.metrics import plot_run, report_final
 from memfine.reports.outputs import Outputs
 from memfine.train import events
+from memfine.train.divergence import check_finite
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run
 from memfine.train.step import run_step
@@ -98,8 +98,11 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     Raises:
         ValueError: on bad data, an ``out_dir`` holding another run's files (without
             ``resume``/``overwrite``) or used by a live run, a missing/corrupt checkpoint or a
-            config that does not match it, ``threads < 1``, or a non-finite training loss. A
-            run that fails before its first checkpoint removes the files it created.
+            config that does not match it, or ``threads < 1``;
+            :class:`memfine.train.divergence.DivergedError` (a ValueError) when a step's loss,
+            gradient norm, validation loss or weights are not finite (no checkpoint is written
+            from it). A run that fails before its first checkpoint removes the files it
+            created.
         ImportError: naming the extra, before anything is written, when ``plot`` or
             ``tensorboard`` lacks its package.
     """
@@ -189,17 +192,14 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
     """Final validation (if none ran), sample, ``summary.json``/``sample.txt``, plots.
 
     Raises:
-        ValueError: when the final validation loss is not finite (the last update diverged;
-            no text can be sampled from the model).
+        DivergedError: when the final validation loss is not finite (the last update
+            diverged; no text can be sampled from the model).
     """
     events.close(run)
     val_loss = run.val_loss
     if val_loss is None:  # resumed at (or past) max_steps: nothing ran
         val_loss = evaluate(run.model, run.val_data, run.device)
-    if not math.isfinite(val_loss):
-        raise ValueError(f"training diverged: validation loss {val_loss} after step {run.step} "
-                         f"(the last updates made the weights non-finite); lower --lr or "
-                         f"--grad-clip")
+    check_finite(run, run.step, "the final validation loss", val_loss)
     sample = sample_after_validation_prompt(run.model, run.corpus, run.config, run.device,
                                             temperature=SAMPLE_TEMPERATURE)
     result = _result(run, val_loss=val_loss, sample=sample)

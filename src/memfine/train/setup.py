@@ -71,6 +71,8 @@ class RunState:
         losses: cross-entropy of each step run by this call, nats/byte.
         val_loss: the latest validation loss, nats/byte (None before the first evaluation).
         consistent: False while an optimizer update is half applied (no checkpoint then).
+        saved_step: the step of the last checkpoint this run saved or resumed from (None
+            before any).
         run_time: seconds spent in this call's steps.
         log_time: seconds of the steps since the last ``metrics.jsonl`` line.
         log_steps: steps since the last ``metrics.jsonl`` line.
@@ -99,6 +101,7 @@ class RunState:
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
     consistent: bool = True
+    saved_step: int | None = None
     run_time: float = 0.0
     log_time: float = 0.0
     log_steps: int = 0
@@ -171,6 +174,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     unigram=unigram, device=device, model=model, optimizer=optimizer,
                     scheduler=scheduler, start=start, val_data=val_data, log=log,
                     bar=bar, t_start=t_start, step=start,
+                    saved_step=start if payload else None,
                     forward=step_forward(model, config, sharded=parallel.sharded))
 
 
