@@ -83,11 +83,14 @@ class Trained:
     step: int
 
 
-def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Trained:
+def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu", *,
+                 base: bool = True) -> Trained:
     """Rebuild the model of ``run_dir``'s checkpoint on ``device``.
 
     ``checkpoint.pt``, or the newest checkpoint when a sharded ``checkpoint.dcp/`` (a torchrun
-    run) is there too (:func:`memfine.artifacts.checkpoint.find_checkpoint`).
+    run) is there too (:func:`memfine.artifacts.checkpoint.find_checkpoint`). ``base=False``
+    skips a LoRA run's frozen base (its weights stay as initialised): the trained tensors alone,
+    for exporting the adapters, which never depend on the base.
 
     Raises:
         ValueError: naming the path when the checkpoint is missing, corrupt, does not fit
@@ -103,7 +106,7 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     config = TrainConfig.from_dict(payload["config"])
     model = language_model(config)
     try:
-        load_model_state(payload, model)
+        load_model_state(payload, model, base=base)
     except LoRABaseError as err:
         raise LoRABaseError(f"checkpoint {str(path)!r}: {err}") from err
     except (RuntimeError, KeyError, ValueError) as err:
@@ -135,12 +138,27 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
             :class:`memfine.artifacts.checkpoint.LoRABaseError` naming the checkpoint when it
             holds LoRA adapters whose base run is gone or changed.
     """
-    path = find_checkpoint(run_dir)
+    load_checkpoint_weights(model, model_config, find_checkpoint(run_dir),
+                            name=f"--init-from {str(run_dir)!r}")
+
+
+def load_checkpoint_weights(model: MoETransformerLM, model_config: ModelConfig,
+                            path: str | os.PathLike[str], *, name: str | None = None) -> None:
+    """Load the weights of the checkpoint ``path`` (a file or DCP directory) into ``model``.
+
+    As :func:`load_weights`, for one checkpoint rather than a run directory's newest (e.g. the
+    base a LoRA run keeps, :mod:`memfine.artifacts.lora_base`); ``name`` is what messages call
+    it (default: ``checkpoint 'path'``).
+
+    Raises:
+        ValueError, LoRABaseError: as :func:`load_weights`.
+    """
+    path = Path(path)
     payload = read_checkpoint(path)
     source = TrainConfig.from_dict(payload["config"])
     differ = architecture_differences(source.model, model_config)
     if differ:
-        raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in "
+        raise ValueError(f"{name or f'checkpoint {str(path)!r}'}: its model differs in "
                          f"{', '.join(f'{p} ({a!r} there, {b!r} here)' for p, a, b in differ)}; "
                          f"the model's architecture must be the checkpoint's")
     with torch.no_grad():

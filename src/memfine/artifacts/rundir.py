@@ -18,11 +18,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfine.artifacts.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
+from memfine.artifacts.checkpoint import BASE_COPY_NAME, CHECKPOINT_NAME, SHARDED_NAME
 from memfine.data import BUILTIN_CORPORA
 
 RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
-             "sample.txt", "loss.png", "chunks.png", "tensorboard")
+             "sample.txt", "loss.png", "chunks.png", "tensorboard", BASE_COPY_NAME)
 LOCK_NAME = ".memfine.lock"
 
 

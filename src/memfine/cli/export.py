@@ -46,8 +46,9 @@ def run(args: argparse.Namespace) -> int:
     out = run_directory(args)
     if value(args, "to") is not None:
         _check_folder(Path(value(args, "to")))  # before the checkpoint is read
-    trained = load_run_directory(out)
-    lora, merge = trained.config.lora is not None, bool(value(args, "merged"))
+    merge = bool(value(args, "merged"))
+    trained = load_run_directory(out, base=merge)  # the adapters alone never need the base
+    lora = trained.config.lora is not None
     if merge and not lora:
         raise ValueError("--merged needs a LoRA run (trained with --lora-rank); this run "
                          "trained every weight: export it without --merged")

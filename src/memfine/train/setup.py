@@ -29,7 +29,7 @@ from memfine.artifacts.checkpoint import (
     restore,
 )
 from memfine.artifacts.inference import load_weights
-from memfine.artifacts.lora_base import set_lora_base
+from memfine.artifacts.lora_base import BASE_ATTRIBUTE, keep_base_copy, set_lora_base
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
@@ -153,7 +153,9 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                          "frozen weights of a trained model (--init-from RUN)")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
-    model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from)
+    # on resume the checkpoint holds every weight (a LoRA one: its kept base), not init_from
+    model, optimizer, scheduler = build_model(config, parallel, device,
+                                              init_from=None if resume else init_from)
     start = (restore(payload, model, optimizer, scheduler, sharded=parallel.sharded)
              if payload else 0)
     if resume and start >= config.max_steps:
@@ -163,6 +165,8 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     print(f"config:\n{config_text}")
     if parallel.is_main:
         (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+        if "copy" not in getattr(model, BASE_ATTRIBUTE, {"copy": None}):
+            keep_base_copy(model, out_dir)  # a LoRA run keeps the base bytes it trains on
     _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     if config.lora is not None:
         print(lora_summary(model, config))
