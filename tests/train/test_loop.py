@@ -306,3 +306,19 @@ def test_capacity_drops_are_logged(tmp_path: Path) -> None:
         kept = torch.tensor(rec["tokens_per_expert"])
         assert bool((kept <= capacity).all())
         assert (kept.sum(-1) + torch.tensor(rec["dropped_pairs"])).tolist() == [T * k] * 2
+
+
+def test_the_output_names_config_json_and_ends_with_where_everything_went(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = _run(_config(max_steps=2), tmp_path / "run")
+    lines = capsys.readouterr().out.splitlines()
+    assert f"config: {tmp_path / 'run' / 'config.json'} (every setting of the run)" in lines
+    assert not any(line.startswith(("{", '  "')) for line in lines)  # no JSON dump
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert lines[-1] == (
+        f"done: final validation loss {result.final_val_loss:.4f} nats/byte = "
+        f"{result.final_val_loss / math.log(2):.4f} bits/byte, "
+        f"{abs(summary['percent_below_unigram']):.1f}% "
+        f"{'below' if summary['percent_below_unigram'] >= 0 else 'above'} the unigram baseline; "
+        f"everything is in {tmp_path / 'run'}/: checkpoint.pt, config.json, metrics.jsonl, "
+        f"sample.txt, summary.json")

@@ -204,9 +204,18 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
                                             temperature=SAMPLE_TEMPERATURE)
     result = _result(run, val_loss=val_loss, sample=sample)
     if run.parallel.is_main:
-        report_final(run.out_dir, step=result.step, val_loss=val_loss, unigram=run.unigram,
-                     tokens_per_s=result.tokens_per_s, wall_s=result.wall_s, sample=sample,
-                     temperature=SAMPLE_TEMPERATURE)
-    if plot and run.parallel.is_main:
-        print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
+        headline = report_final(run.out_dir, step=result.step, val_loss=val_loss,
+                                unigram=run.unigram, tokens_per_s=result.tokens_per_s,
+                                wall_s=result.wall_s, sample=sample,
+                                temperature=SAMPLE_TEMPERATURE)
+        if plot:
+            print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
+        print(f"done: {headline}; everything is in {run.out_dir}/: "
+              f"{', '.join(_written(run.out_dir))}")
     return result
+
+
+def _written(out_dir: Path) -> list[str]:
+    """The run files in ``out_dir``, folders marked with a slash (no lock, no temporaries)."""
+    return [p.name + ("/" if p.is_dir() else "") for p in sorted(out_dir.iterdir())
+            if not p.name.startswith(".")]

@@ -162,7 +162,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
     config_text = json.dumps(config.to_dict(), indent=2)  # written once all of it checked out
-    print(f"config:\n{config_text}")
+    print(f"config: {out_dir / 'config.json'} (every setting of the run)")
     if parallel.is_main:
         (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
         if "copy" not in getattr(model, BASE_ATTRIBUTE, {"copy": None}):
