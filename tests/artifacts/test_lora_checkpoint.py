@@ -213,3 +213,27 @@ def test_the_base_is_copied_where_no_hard_link_can_be_made(
     torch.save(payload, kept)
     with pytest.raises(LoRABaseError, match=r"the kept copy .*lora_base.* changed"):
         load_trained(ft)
+
+
+def test_a_sharded_base_is_kept_file_by_file(tmp_path: Path) -> None:
+    """A torchrun run's ``checkpoint.dcp/`` as the base: every file of it is kept."""
+    from memfine.artifacts.checkpoint import SHARDED_NAME, save_sharded_checkpoint
+    from memfine.train.optim import build_optimizer
+
+    base, ft = tmp_path / "base", tmp_path / "ft"
+    _run(_config(), base)
+    trained = load_trained(base)
+    model = trained.model.train()
+    optimizer, scheduler = build_optimizer(model, trained.config)
+    save_sharded_checkpoint(base / SHARDED_NAME, step=trained.step,
+                            config=trained.config.to_dict(), model=model, optimizer=optimizer,
+                            scheduler=scheduler, is_main=True, barrier=lambda: None)
+    assert not (base / "checkpoint.pt").exists()
+    _run(_config(lora=LoRAConfig(rank=2)), ft, init_from=base)
+    sha = content_hash(base / SHARDED_NAME)
+    kept = ft / "lora_base" / f"{sha[:16]}.dcp"
+    assert kept.is_dir() and content_hash(kept) == sha
+    before = _state(ft)
+    shutil.rmtree(base)
+    assert all(torch.equal(_state(ft)[k], v) for k, v in before.items())
+    assert all(torch.equal(before[k], v) for k, v in trained.model.state_dict().items())
