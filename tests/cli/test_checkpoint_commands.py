@@ -274,6 +274,20 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(
     assert not (nan_run / "model.safetensors").exists()
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "def "], ["eval"]])
+def test_finite_weights_whose_outputs_overflow_are_one_line(
+        run_dir: Path, tmp_path: Path, command: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    huge = tmp_path / "huge"
+    shutil.copytree(run_dir, huge)
+    payload = torch.load(huge / "checkpoint.pt", weights_only=True)
+    payload["model"]["norm.weight"].fill_(3e38)  # finite; the logits overflow to inf
+    torch.save(payload, huge / "checkpoint.pt")
+    err = _one_line_error(capsys, [command[0], "--out", str(huge), *command[1:]])
+    assert "of the checkpoint of step 4" in err or "the checkpoint of step 4 gives" in err
+    assert "its weights are finite but its outputs overflow" in err
+
+
 @pytest.fixture
 def read_only_folder(tmp_path: Path) -> Iterator[Path]:
     """A folder no file can be created in: one without write permission, or (root ignores

@@ -13,6 +13,7 @@ in ``model_config.json`` beside it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -198,7 +199,8 @@ def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperat
 
     Raises:
         ValueError: when ``prompt`` is empty, ``max_new_bytes`` is outside
-            [0, :data:`MAX_NEW_BYTES`] or ``temperature < 0`` (0 is greedy decoding).
+            [0, :data:`MAX_NEW_BYTES`] or ``temperature < 0`` (0 is greedy decoding), or the
+            model's probabilities are not finite (outputs that overflow).
     """
     if not prompt:
         raise ValueError("--prompt must hold at least one character, got ''")
@@ -209,8 +211,16 @@ def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperat
     device = next(trained.model.parameters()).device
     prompt_1Q = encode(prompt)[None].to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    ids = trained.model.generate(prompt_1Q, max_new_bytes, temperature=temperature,
-                                 generator=gen)
+    try:
+        ids = trained.model.generate(prompt_1Q, max_new_bytes, temperature=temperature,
+                                     generator=gen)
+    except RuntimeError as err:  # torch.multinomial on NaN/inf probabilities
+        if "probability tensor" not in str(err):
+            raise
+        raise ValueError(f"the checkpoint of step {trained.step} gives non-finite "
+                         f"probabilities: its weights are finite but its outputs overflow (the "
+                         f"run was diverging); use an earlier checkpoint or train with a lower "
+                         f"--lr") from err
     return decode(ids[0, prompt_1Q.shape[1]:].cpu())
 
 
@@ -238,7 +248,8 @@ def evaluate_text(trained: Trained, data: str | None = None) -> Evaluation:
     run's own data it repeats the training's final validation.
 
     Raises:
-        ValueError: on a missing, empty, binary or too short text (naming the path).
+        ValueError: on a missing, empty, binary or too short text (naming the path), or a
+            non-finite loss (outputs that overflow).
     """
     config = trained.config
     corpus = ByteCorpus.load(data if data is not None else config.data,
@@ -248,6 +259,10 @@ def evaluate_text(trained: Trained, data: str | None = None) -> Evaluation:
     device = next(trained.model.parameters()).device
     loss = evaluate(trained.model, batches, device)
     trained.model.eval()
+    if not math.isfinite(loss):
+        raise ValueError(f"the validation loss of the checkpoint of step {trained.step} is "
+                         f"{loss}: its weights are finite but its outputs overflow (the run was "
+                         f"diverging); use an earlier checkpoint or train with a lower --lr")
     return Evaluation(val_loss=loss, bits_per_byte=nats_to_bits(loss),
                       unigram_entropy=unigram_entropy(corpus.val_ids),
                       description=corpus.description)
