@@ -9,7 +9,7 @@ import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -259,15 +259,22 @@ def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     return err
 
 
+def _damaged_copy(run_dir: Path, copy: Path, name: str,
+                  damage: Callable[[torch.Tensor], object]) -> Path:
+    """``run_dir`` copied to ``copy``, ``damage`` applied in place to weight ``name``."""
+    shutil.copytree(run_dir, copy)
+    payload = torch.load(copy / "checkpoint.pt", weights_only=True)
+    damage(payload["model"][name])
+    torch.save(payload, copy / "checkpoint.pt")
+    return copy
+
+
 @pytest.mark.parametrize("command", [["generate", "--prompt", "def "], ["eval"], ["export"]])
 def test_a_checkpoint_with_non_finite_weights_is_refused(
         run_dir: Path, tmp_path: Path, command: list[str],
         capsys: pytest.CaptureFixture[str]) -> None:
-    nan_run = tmp_path / "nan"
-    shutil.copytree(run_dir, nan_run)
-    payload = torch.load(nan_run / "checkpoint.pt", weights_only=True)
-    payload["model"]["blocks.0.moe.experts.w_down"][0, 0, 0] = float("nan")
-    torch.save(payload, nan_run / "checkpoint.pt")
+    nan_run = _damaged_copy(run_dir, tmp_path / "nan", "blocks.0.moe.experts.w_down",
+                            lambda w: w.view(-1)[0].fill_(float("nan")))
     err = _one_line_error(capsys, [command[0], "--out", str(nan_run), *command[1:]])
     assert f"checkpoint '{nan_run / 'checkpoint.pt'}' holds non-finite weights (1 of " in err
     assert "blocks.0.moe.experts.w_down" in err
@@ -278,11 +285,8 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(
 def test_finite_weights_whose_outputs_overflow_are_one_line(
         run_dir: Path, tmp_path: Path, command: list[str],
         capsys: pytest.CaptureFixture[str]) -> None:
-    huge = tmp_path / "huge"
-    shutil.copytree(run_dir, huge)
-    payload = torch.load(huge / "checkpoint.pt", weights_only=True)
-    payload["model"]["norm.weight"].fill_(3e38)  # finite; the logits overflow to inf
-    torch.save(payload, huge / "checkpoint.pt")
+    huge = _damaged_copy(run_dir, tmp_path / "huge", "norm.weight",  # finite; logits overflow
+                         lambda w: w.fill_(3e38))
     err = _one_line_error(capsys, [command[0], "--out", str(huge), *command[1:]])
     assert "of the checkpoint of step 4" in err or "the checkpoint of step 4 gives" in err
     assert "its weights are finite but its outputs overflow" in err
