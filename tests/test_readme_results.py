@@ -35,6 +35,18 @@ def test_readme_training_table_equals_the_results_file() -> None:
     assert below is not None and below.group(1) == f"{summary['percent_below_unigram']:.1f}"
 
 
+def test_readme_run_time_and_load_equal_the_results_file() -> None:
+    results = json.loads(RESULTS.read_text())
+    summary, environment = results["summary"], results["environment"]
+    text = " ".join(_training_section().split())
+    quoted = re.search(r"load average ([\d.]+) at the end\) and took (\d+) s inside the "
+                       r"training run \(([\d,]+) tokens/s\)", text)
+    assert quoted is not None
+    assert list(quoted.groups()) == [f"{environment['load_average_1min']:.1f}",
+                                     f"{summary['wall_s']:.0f}", f"{summary['tokens_per_s']:,.0f}"]
+    assert f"{environment['utc_timestamp'][:10]}:" in text
+
+
 def test_results_file_is_consistent() -> None:
     results = json.loads(RESULTS.read_text())
     summary = results["summary"]

@@ -31,7 +31,8 @@ def require(name: str) -> ModuleType:
     try:
         return importlib.import_module(name)
     except ModuleNotFoundError as err:
-        extra = _EXTRAS.get(name, name)
+        top = name.split(".")[0]  # safetensors.torch: the package safetensors
+        extra = _EXTRAS.get(top, top)
         raise ImportError(f"{name} is required for this feature: pip install 'memfine[{extra}]'"
                           ) from err
 

@@ -210,7 +210,7 @@ def unigram_entropy(ids: torch.Tensor) -> float:
         raise ValueError("unigram_entropy needs at least one token, got 0")
     counts = torch.bincount(ids.reshape(-1), minlength=VOCAB_SIZE).double()
     p = counts[counts > 0] / counts.sum()
-    return float(-(p * p.log()).sum())
+    return max(0.0, float(-(p * p.log()).sum()))  # one byte: 0.0, not -0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -197,8 +197,11 @@ def test_disk_full_names_the_file_and_the_surviving_checkpoint(
                                    f"checkpoint '{path}' is intact; free space and --resume")
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
-    with pytest.raises(OSError, match="no checkpoint was saved"):
+    with pytest.raises(OSError) as info:
         _save(tmp_path / "other.pt", 1)
+    assert info.value.strerror.endswith(  # no checkpoint: nothing to --resume
+        f"no checkpoint was saved, so a training run removes the files it created in "
+        f"'{tmp_path}'; free space and run the same command again")
 
 
 def test_short_write_with_space_left_is_not_called_disk_full(
@@ -237,3 +240,32 @@ def test_corrupt_message_drops_the_weights_only_advice(tmp_path: Path) -> None:
     assert message == (f"checkpoint '{path}' is corrupt or truncated (UnpicklingError: it holds "
                        "Python objects that a memfine checkpoint never holds)")
     assert "weights_only" not in message
+
+
+def test_a_save_stopped_by_the_file_size_limit_is_one_line(tmp_path: Path) -> None:
+    """``ulimit -f``: Python ignores SIGXFSZ, so torch.save's write stops short with "unexpected
+    pos"; the error names the limit, the file and what is left, not torch's words."""
+    import errno
+    import resource
+
+    from memfine.artifacts.atomic import atomic_save
+
+    path = tmp_path / "checkpoint.pt"
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, hard))
+    try:
+        with pytest.raises(OSError) as info:
+            atomic_save({"w": torch.zeros(100_000)}, path)
+        atomic_save({"w": torch.zeros(10)}, path)  # a small file fits
+        with pytest.raises(OSError) as kept:
+            atomic_save({"w": torch.zeros(100_000)}, path)
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert info.value.errno == errno.EFBIG
+    assert info.value.strerror == (
+        f"the file-size limit (ulimit -f: 100,000 bytes) stopped writing '{path}'; no checkpoint "
+        f"was saved, so a training run removes the files it created in '{tmp_path}'; raise the "
+        f"limit (ulimit -f unlimited) and run the same command again")
+    assert kept.value.strerror.endswith(f"the previous checkpoint '{path}' is intact; raise the "
+                                        f"limit (ulimit -f unlimited) and --resume")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]

@@ -22,7 +22,10 @@ from memfine.artifacts.rundir import (
 @pytest.mark.parametrize("name", RUN_FILES)
 def test_any_run_file_stops_a_new_run(tmp_path: Path, name: str) -> None:
     (tmp_path / name).write_text("the user's own file")
-    with pytest.raises(ValueError, match=rf"already holds {name}; pass --resume .* --overwrite"):
+    if name != CHECKPOINT_NAME:
+        (tmp_path / CHECKPOINT_NAME).write_text("a checkpoint to resume")
+    with pytest.raises(ValueError, match=rf"already holds (.*, )?{name}(, .*)?; pass --resume "
+                                         rf".* --overwrite"):
         check_run_dir(tmp_path, data="pydoc", resume=False, overwrite=False)
     check_run_dir(tmp_path, data="pydoc", resume=False, overwrite=True)
     check_run_dir(tmp_path, data="pydoc", resume=True, overwrite=False)
@@ -128,3 +131,34 @@ def test_success_keeps_everything(tmp_path: Path) -> None:
         (tmp_path / "new").mkdir()
         (tmp_path / "new" / "config.json").write_text("{}")
     assert (tmp_path / "new" / "config.json").exists()
+
+
+@pytest.mark.parametrize(("resume", "overwrite"), [(False, False), (False, True), (True, False)])
+def test_a_live_run_is_named_whatever_the_flags(tmp_path: Path, resume: bool,
+                                                overwrite: bool) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / CHECKPOINT_NAME).write_text("x")
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / LOCK_NAME).write_text(f"{sleeper.pid}\n")
+        with pytest.raises(ValueError, match=rf"in use by a running memfine train "
+                                             rf"\(pid {sleeper.pid}"):
+            check_run_dir(tmp_path, data="pydoc", resume=resume, overwrite=overwrite)
+        check_run_dir(tmp_path, data="pydoc", resume=resume, overwrite=not resume,
+                      check_lock=False)
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+
+
+def test_a_run_killed_before_its_first_checkpoint_advises_overwrite(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "metrics.jsonl").write_text("")
+    (tmp_path / LOCK_NAME).write_text("999999999\n")  # its process is gone
+    with pytest.raises(ValueError) as info:
+        check_run_dir(tmp_path, data="pydoc", resume=False, overwrite=False)
+    assert str(info.value) == (f"--out {str(tmp_path)!r} already holds config.json, "
+                               f"metrics.jsonl but no checkpoint (a run stopped before its "
+                               f"first save): pass --overwrite to replace them, or choose "
+                               f"another --out")
+    check_run_dir(tmp_path, data="pydoc", resume=False, overwrite=True)  # the advice works

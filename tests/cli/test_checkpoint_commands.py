@@ -1,10 +1,15 @@
-"""``memfine generate``, ``memfine eval``, ``memfine export`` on a trained run; ``--config`` and
-``--init-from`` of ``memfine train`` (memfine.cli.generate, evaluate, export, train)."""
+"""``memfine generate``, ``memfine eval``, ``memfine export`` on a trained run, and what they refuse
+in one line (non-finite weights, an unwritable ``--to`` folder, a missing optional package);
+``--config`` and ``--init-from`` of ``memfine train`` (memfine.cli.generate, evaluate, export,
+train)."""
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -242,3 +247,85 @@ def test_a_fifo_as_a_config_file_is_refused_without_blocking(
              else [*command, str(fifo)])
     assert info.value.code == 2
     assert "is not a regular file" in capsys.readouterr().err
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    return err
+
+
+def _damaged_copy(run_dir: Path, copy: Path, name: str,
+                  damage: Callable[[torch.Tensor], object]) -> Path:
+    """``run_dir`` copied to ``copy``, ``damage`` applied in place to weight ``name``."""
+    shutil.copytree(run_dir, copy)
+    payload = torch.load(copy / "checkpoint.pt", weights_only=True)
+    damage(payload["model"][name])
+    torch.save(payload, copy / "checkpoint.pt")
+    return copy
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "def "], ["eval"], ["export"]])
+def test_a_checkpoint_with_non_finite_weights_is_refused(
+        run_dir: Path, tmp_path: Path, command: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    nan_run = _damaged_copy(run_dir, tmp_path / "nan", "blocks.0.moe.experts.w_down",
+                            lambda w: w.view(-1)[0].fill_(float("nan")))
+    err = _one_line_error(capsys, [command[0], "--out", str(nan_run), *command[1:]])
+    assert f"checkpoint '{nan_run / 'checkpoint.pt'}' holds non-finite weights (1 of " in err
+    assert "blocks.0.moe.experts.w_down" in err
+    assert not (nan_run / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("command", [["generate", "--prompt", "def "], ["eval"]])
+def test_finite_weights_whose_outputs_overflow_are_one_line(
+        run_dir: Path, tmp_path: Path, command: list[str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    huge = _damaged_copy(run_dir, tmp_path / "huge", "norm.weight",  # finite; logits overflow
+                         lambda w: w.fill_(3e38))
+    err = _one_line_error(capsys, [command[0], "--out", str(huge), *command[1:]])
+    assert "of the checkpoint of step 4" in err or "the checkpoint of step 4 gives" in err
+    assert "its weights are finite but its outputs overflow" in err
+
+
+@pytest.fixture
+def read_only_folder(tmp_path: Path) -> Iterator[Path]:
+    """A folder no file can be created in: one without write permission, or (root ignores
+    permissions) sysfs, where nobody can create files."""
+    if os.geteuid() == 0:
+        if not Path("/sys/kernel").is_dir():
+            pytest.skip("running as root without sysfs: no folder refuses a new file")
+        yield Path("/sys")
+        return
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    folder.chmod(0o555)
+    yield folder
+    folder.chmod(0o755)
+
+
+def test_export_to_a_read_only_folder_names_the_folder(
+        run_dir: Path, read_only_folder: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    before = sorted(read_only_folder.iterdir())
+    err = _one_line_error(capsys, ["export", "--out", str(run_dir), "--to",
+                                   str(read_only_folder / "m.safetensors")])
+    assert f"the folder '{read_only_folder}' is not writable" in err and ".tmp" not in err
+    assert sorted(read_only_folder.iterdir()) == before
+
+
+def test_export_without_safetensors_names_an_extra_that_exists(
+        run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for name in ("safetensors", "safetensors.torch"):
+        monkeypatch.setitem(sys.modules, name, None)  # import fails as when not installed
+    err = _one_line_error(capsys, ["export", "--out", str(run_dir), "--to",
+                                   str(tmp_path / "m.safetensors")])
+    assert "pip install 'memfine[train]'" in err
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
+    assert any(dep.startswith("safetensors")
+               for dep in pyproject["project"]["optional-dependencies"]["train"])

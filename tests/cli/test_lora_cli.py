@@ -258,3 +258,41 @@ def test_resume_compares_lora_flags_as_the_flags_take_them(tuned: Path, tmp_path
         assert capsys.readouterr().err.strip() == (
             f"memfine train: error: {args[0]} cannot change on --resume (the checkpoint in "
             f"'{run}' has {shown})")
+
+
+def test_a_lora_run_stays_usable_after_its_base_run_resumes_and_is_deleted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base, tuned = tmp_path / "base", tmp_path / "tuned"
+    assert main(["train", *FAST, "--max-steps", "2", "--out", str(base)]) == 0
+    assert main(["train", *FAST, *LORA, "--max-steps", "2", "--init-from", str(base),
+                 "--out", str(tuned)]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--out", str(tuned), "--json"]) == 0
+    before = json.loads(capsys.readouterr().out)
+    assert main(["train", *FAST, "--max-steps", "3", "--resume", "--out", str(base)]) == 0
+    for step in ("resumed", "deleted"):
+        capsys.readouterr()
+        assert main(["eval", "--out", str(tuned), "--json"]) == 0, step
+        assert json.loads(capsys.readouterr().out) == before, step  # the same base, bitwise
+        assert main(["generate", "--out", str(tuned), "--prompt", "def ",
+                     "--max-new-bytes", "8"]) == 0, step
+        assert main(["export", "--out", str(tuned), "--overwrite"]) == 0, step
+        assert main(["export", "--out", str(tuned), "--merged", "--overwrite"]) == 0, step
+        shutil.rmtree(base, ignore_errors=True)
+    assert main(["train", "--resume", "--max-steps", "3", "--out", str(tuned),
+                 "--no-progress", "--threads", "1"]) == 0
+    assert load_checkpoint(tuned / "checkpoint.pt")["step"] == 3
+    # the original command repeated, naming the deleted base run
+    assert main(["train", *FAST, *LORA, "--max-steps", "4", "--init-from", str(base),
+                 "--resume", "--out", str(tuned)]) == 0
+
+
+def test_exporting_adapters_never_reads_the_base(
+        tuned: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_base(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the base was loaded")
+
+    monkeypatch.setattr("memfine.artifacts.lora_base.load_base_", no_base)
+    target = tmp_path / "adapters.safetensors"
+    assert main(["export", "--out", str(tuned), "--to", str(target)]) == 0
+    assert target.is_file()

@@ -99,3 +99,33 @@ def test_tensorboard_gets_the_numeric_scalars_of_each_line(tmp_path: Path) -> No
     assert not writer.closed
     log.close()
     assert writer.closed
+
+
+def test_a_one_byte_corpus_reports_a_zero_baseline_without_a_percentage(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from memfine.data import encode, unigram_entropy
+    from memfine.reports.metrics import report_final
+
+    unigram = unigram_entropy(encode(b"x" * 1000))
+    assert f"{unigram:.4f}" == "0.0000"  # not -0.0000
+    headline = report_final(tmp_path, step=2, val_loss=4.36, unigram=unigram, tokens_per_s=1.0,
+                            wall_s=1.0, sample="", temperature=0.8)
+    out = capsys.readouterr().out
+    assert "% below" not in out and "% above" not in out
+    assert "one byte repeated (unigram entropy 0): the loss is 4.3600 nats/byte above" in out
+    assert headline.endswith("above the unigram baseline of 0 (one byte repeated)")
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["percent_below_unigram"] is None
+    assert summary["unigram_entropy_nats_per_byte"] == 0.0
+    assert str(summary["unigram_entropy_nats_per_byte"]) == "0.0"
+
+
+@pytest.mark.parametrize(("val_loss", "words"), [(1.0, "50.0% below"), (3.0, "50.0% above")])
+def test_the_headline_compares_with_the_unigram_baseline(
+        tmp_path: Path, val_loss: float, words: str) -> None:
+    from memfine.reports.metrics import report_final
+
+    headline = report_final(tmp_path, step=1, val_loss=val_loss, unigram=2.0, tokens_per_s=1.0,
+                            wall_s=1.0, sample="", temperature=0.8)
+    assert headline == (f"final validation loss {val_loss:.4f} nats/byte = "
+                        f"{nats_to_bits(val_loss):.4f} bits/byte, {words} the unigram baseline")

@@ -121,16 +121,57 @@ def test_divergence_is_a_value_error(tmp_path: Path, monkeypatch: pytest.MonkeyP
             return out
 
     monkeypatch.setattr("memfine.train.setup.MoETransformerLM", NaNFromStep2)
-    with pytest.raises(ValueError, match=r"training diverged at step 2: train loss nan; .*"
-                                         r"no checkpoint was saved before it"):
+    with pytest.raises(ValueError, match=r"training diverged at step 2: the training loss is "
+                                         r"nan; no checkpoint was saved before it"):
         _run(_config(), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing saved: the run's files are removed
     NaNFromStep2.calls = 0
-    with pytest.raises(ValueError, match=r"diverged at step 2: .*run/checkpoint.pt keeps the "
-                                         r"last saved step"):
+    with pytest.raises(ValueError, match=r"diverged at step 2: .*run/checkpoint.pt keeps step "
+                                         r"1, the last good one"):
         _run(_config(save_every=1), tmp_path / "run")
     assert load_checkpoint(tmp_path / "run" / "checkpoint.pt")["step"] == 1
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+def _finite(path: Path) -> bool:
+    return all(torch.isfinite(t).all() for t in load_checkpoint(path)["model"].values()
+               if t.is_floating_point())
+
+
+def test_a_diverging_step_never_replaces_the_last_good_checkpoint(tmp_path: Path) -> None:
+    # lr 1e30: step 1 saves finite (huge) weights; step 2's gradient norm is NaN
+    cfg = _config(max_steps=4, eval_every=1, lr=1e30, warmup_steps=0)
+    with pytest.raises(ValueError, match=r"^training diverged at step 2: the gradient norm is "
+                                         r"nan; no checkpoint is written from it; .*run/"
+                                         r"checkpoint.pt keeps step 1, the last good one"):
+        _run(cfg, tmp_path / "run")
+    path = tmp_path / "run" / "checkpoint.pt"
+    assert load_checkpoint(path)["step"] == 1 and _finite(path)
+
+
+def test_a_run_diverging_before_a_good_checkpoint_removes_its_files(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"diverged at step 2: .*no checkpoint was saved before "
+                                         r"it .*files this run created are removed"):
+        _run(_config(max_steps=2, lr=1e30, warmup_steps=0), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
+
+
+def test_non_finite_weights_after_a_finite_step_are_never_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # an update that overflows a weight although the step's loss and gradient norm were finite:
+    # the save's check of the weights stops the run
+    step = torch.optim.AdamW.step
+
+    def overflowing_step(self: torch.optim.AdamW, *args: object, **kwargs: object) -> object:
+        out = step(self, *args, **kwargs)
+        self.param_groups[0]["params"][0].data[0, 0] = math.inf
+        return out
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", overflowing_step)
+    with pytest.raises(ValueError, match=r"diverged at step 1: 1 of \d+ weight tensors are "
+                                         r"not finite .*no checkpoint was saved"):
+        _run(_config(max_steps=2, save_every=1, eval_every=100), tmp_path / "run")
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(("fail_at", "left"), [
@@ -159,9 +200,10 @@ def test_a_bad_data_path_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_a_diverged_last_update_is_an_error_not_a_sampling_failure(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"training diverged: validation loss nan after step 2 "
-                                         r".*lower --lr"):
-        _run(_config(max_steps=2, lr=1e30, warmup_steps=0, grad_clip=0.0), tmp_path / "run")
+    with pytest.raises(ValueError, match=r"training diverged at step 2: the gradient norm is "
+                                         r"nan; .*lower --lr"):
+        _run(_config(max_steps=2, lr=1e30, warmup_steps=0, grad_clip=0.0, eval_every=100),
+             tmp_path / "run")
 
 
 def test_save_every_sets_the_checkpoint_steps(tmp_path: Path) -> None:
@@ -264,3 +306,19 @@ def test_capacity_drops_are_logged(tmp_path: Path) -> None:
         kept = torch.tensor(rec["tokens_per_expert"])
         assert bool((kept <= capacity).all())
         assert (kept.sum(-1) + torch.tensor(rec["dropped_pairs"])).tolist() == [T * k] * 2
+
+
+def test_the_output_names_config_json_and_ends_with_where_everything_went(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result = _run(_config(max_steps=2), tmp_path / "run")
+    lines = capsys.readouterr().out.splitlines()
+    assert f"config: {tmp_path / 'run' / 'config.json'} (every setting of the run)" in lines
+    assert not any(line.startswith(("{", '  "')) for line in lines)  # no JSON dump
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert lines[-1] == (
+        f"done: final validation loss {result.final_val_loss:.4f} nats/byte = "
+        f"{result.final_val_loss / math.log(2):.4f} bits/byte, "
+        f"{abs(summary['percent_below_unigram']):.1f}% "
+        f"{'below' if summary['percent_below_unigram'] >= 0 else 'above'} the unigram baseline; "
+        f"everything is in {tmp_path / 'run'}/: checkpoint.pt, config.json, metrics.jsonl, "
+        f"sample.txt, summary.json")

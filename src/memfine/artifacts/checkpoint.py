@@ -47,6 +47,7 @@ from memfine.artifacts.atomic import atomic_save
 FORMAT = "memfine-checkpoint-v1"
 CHECKPOINT_NAME = "checkpoint.pt"
 SHARDED_NAME = "checkpoint.dcp"
+BASE_COPY_NAME = "lora_base"  # a LoRA run's folder of its frozen base checkpoints
 META_NAME = "meta.pt"
 _KEYS = ("format", "step", "config", "model", "optimizer", "scheduler", "rng")
 _META_KEYS = ("format", "step", "config", "scheduler", "rng")
@@ -153,7 +154,8 @@ def load_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read and check a checkpoint written by :func:`save_checkpoint` (tensors on CPU).
 
     Returns:
-        The payload dict (keys ``format, step, config, model, optimizer, scheduler, rng``).
+        The payload dict (keys ``format, step, config, model, optimizer, scheduler, rng``, and
+        ``path``: where it was read).
 
     Raises:
         CheckpointNotFoundError: naming the path, when the file is missing.
@@ -176,6 +178,7 @@ def _read(path: Path, keys: tuple[str, ...]) -> dict[str, Any]:
     missing = [k for k in keys if k not in payload]
     if missing:
         raise ValueError(f"checkpoint {str(path)!r} lacks {missing}")
+    payload["path"] = str(path)
     return payload
 
 
@@ -281,7 +284,8 @@ def read_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     path = Path(path)
     if path.is_dir():
-        return {**_read(path / META_NAME, _META_KEYS), "sharded_path": str(path)}
+        return {**_read(path / META_NAME, _META_KEYS), "sharded_path": str(path),
+                "path": str(path)}
     return load_checkpoint(path)
 
 
@@ -315,7 +319,7 @@ def load_states(payload: dict[str, Any], model: torch.nn.Module,
         set_state_dict(model, optimizer, model_state_dict=model_state,
                        optim_state_dict=optim_state, options=StateDictOptions(strict=not lora))
     elif not sharded:
-        _load_model(payload, model, base_loaded=True)
+        _load_model(payload, model, base=False)
         optimizer.load_state_dict(payload["optimizer"])
     else:  # one file of full tensors into a sharded model: every rank keeps its shards
         set_state_dict(model, optimizer, model_state_dict=payload["model"],
@@ -358,21 +362,24 @@ def restore(payload: dict[str, Any], model: torch.nn.Module,
     return int(payload["step"])
 
 
-def load_model_state(payload: dict[str, Any], model: torch.nn.Module) -> None:
+def load_model_state(payload: dict[str, Any], model: torch.nn.Module, *,
+                     base: bool = True) -> None:
     """Load only a checkpoint's model state into a whole (unsharded) model, either form.
 
     Args:
         payload: from :func:`read_checkpoint`.
         model: the whole model (e.g. before the parallel hooks shard it).
+        base: for a LoRA checkpoint, also load its frozen base (False: the trained state
+            alone).
 
     Raises:
         RuntimeError, KeyError, ValueError: when the state does not fit the model.
     """
     if "sharded_path" not in payload:
-        _load_model(payload, model)
+        _load_model(payload, model, base=base)
         return
     lora = "base" in payload
-    if lora:  # adapter-only: the frozen base first, then the trained tensors from DCP
+    if lora and base:  # adapter-only: the frozen base first, then the trained tensors from DCP
         _load_lora_base(payload, model)
     state = model.state_dict() if not lora else _trained(model.state_dict(), model)
     with warnings.catch_warnings():  # one process reading a sharded checkpoint is intended
@@ -388,15 +395,22 @@ def _trained(state: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
 
 
 def _load_lora_base(payload: dict[str, Any], model: torch.nn.Module) -> None:
-    """Load the frozen base of a LoRA payload (either form) into a whole model."""
+    """Load the frozen base of a LoRA payload (either form) into a whole model.
+
+    The base bytes the run kept beside its checkpoint (``lora_base/``) come first; else the base
+    run's own checkpoint, checked by its SHA-256.
+    """
     from memfine.artifacts.lora_base import load_base_
 
-    load_base_(payload["base"], payload["config"], model)
+    where = Path(payload["path"]).parent if "path" in payload else None
+    load_base_(payload["base"], payload["config"], model, where=where)
 
 
-def _load_model(payload: dict[str, Any], model: torch.nn.Module, *,
-                base_loaded: bool = False) -> None:
+def _load_model(payload: dict[str, Any], model: torch.nn.Module, *, base: bool = True) -> None:
     """The model state of a one-file payload; a LoRA one's frozen base from its ``base`` first.
+
+    ``base=False`` loads a LoRA payload's trained state alone (the frozen weights stay as
+    built): enough to export the adapters, which never depend on the base.
 
     Raises:
         RuntimeError, ValueError: when the state does not fit, or the base changed or is gone.
@@ -404,7 +418,7 @@ def _load_model(payload: dict[str, Any], model: torch.nn.Module, *,
     if "base" not in payload:
         model.load_state_dict(payload["model"])
         return
-    if not base_loaded:
+    if base:
         _load_lora_base(payload, model)
     unexpected = model.load_state_dict(payload["model"], strict=False).unexpected_keys
     if unexpected:

@@ -13,6 +13,7 @@ in ``model_config.json`` beside it.
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from memfine.artifacts.checkpoint import (
     load_model_state,
     read_checkpoint,
 )
+from memfine.artifacts.finite import check_finite_model
 from memfine.config import ModelConfig, TrainConfig
 from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
@@ -82,16 +84,21 @@ class Trained:
     step: int
 
 
-def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Trained:
+def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu", *,
+                 base: bool = True) -> Trained:
     """Rebuild the model of ``run_dir``'s checkpoint on ``device``.
 
     ``checkpoint.pt``, or the newest checkpoint when a sharded ``checkpoint.dcp/`` (a torchrun
-    run) is there too (:func:`memfine.artifacts.checkpoint.find_checkpoint`).
+    run) is there too (:func:`memfine.artifacts.checkpoint.find_checkpoint`). ``base=False``
+    skips a LoRA run's frozen base (its weights stay as initialised): the trained tensors alone,
+    for exporting the adapters, which never depend on the base.
 
     Raises:
-        ValueError: naming the path when the checkpoint is missing, corrupt, or does not fit
-            its own config; :class:`memfine.artifacts.checkpoint.LoRABaseError` naming it when
-            its LoRA base run is gone or changed.
+        ValueError: naming the path when the checkpoint is missing, corrupt, does not fit
+            its own config or holds NaN/±inf weights
+            (:func:`memfine.artifacts.finite.check_finite_model`);
+            :class:`memfine.artifacts.checkpoint.LoRABaseError` naming it when its LoRA base
+            run is gone or changed.
     """
     path = Path(run_dir) / CHECKPOINT_NAME
     if (Path(run_dir) / SHARDED_NAME).is_dir():
@@ -100,12 +107,13 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu") -> Traine
     config = TrainConfig.from_dict(payload["config"])
     model = language_model(config)
     try:
-        load_model_state(payload, model)
+        load_model_state(payload, model, base=base)
     except LoRABaseError as err:
         raise LoRABaseError(f"checkpoint {str(path)!r}: {err}") from err
     except (RuntimeError, KeyError, ValueError) as err:
         raise ValueError(f"checkpoint {str(path)!r} does not match its config "
                          f"({str(err).splitlines()[0]})") from err
+    check_finite_model(model, str(path))
     model = model.to(device=torch.device(device), dtype=getattr(torch, config.dtype)).eval()
     return Trained(model=model, config=config, step=int(payload["step"]))
 
@@ -126,27 +134,45 @@ def load_weights(model: MoETransformerLM, model_config: ModelConfig,
 
     Raises:
         ValueError: naming ``run_dir`` when its checkpoint is missing or corrupt, or holds
-            another model (the message lists the fields that differ);
+            another model (the message lists the fields that differ), or holds NaN/±inf
+            weights;
             :class:`memfine.artifacts.checkpoint.LoRABaseError` naming the checkpoint when it
             holds LoRA adapters whose base run is gone or changed.
     """
-    path = find_checkpoint(run_dir)
+    load_checkpoint_weights(model, model_config, find_checkpoint(run_dir),
+                            name=f"--init-from {str(run_dir)!r}")
+
+
+def load_checkpoint_weights(model: MoETransformerLM, model_config: ModelConfig,
+                            path: str | os.PathLike[str], *, name: str | None = None) -> None:
+    """Load the weights of the checkpoint ``path`` (a file or DCP directory) into ``model``.
+
+    As :func:`load_weights`, for one checkpoint rather than a run directory's newest (e.g. the
+    base a LoRA run keeps, :mod:`memfine.artifacts.lora_base`); ``name`` is what messages call
+    it (default: ``checkpoint 'path'``).
+
+    Raises:
+        ValueError, LoRABaseError: as :func:`load_weights`.
+    """
+    path = Path(path)
     payload = read_checkpoint(path)
     source = TrainConfig.from_dict(payload["config"])
     differ = architecture_differences(source.model, model_config)
     if differ:
-        raise ValueError(f"--init-from {str(run_dir)!r}: its model differs in "
+        raise ValueError(f"{name or f'checkpoint {str(path)!r}'}: its model differs in "
                          f"{', '.join(f'{p} ({a!r} there, {b!r} here)' for p, a, b in differ)}; "
                          f"the model's architecture must be the checkpoint's")
     with torch.no_grad():
         if source.lora is None:
             load_model_state(payload, model)
+            check_finite_model(model, str(path))
             return
         adapted = language_model(source)  # a LoRA run: its adapters merged into the base
         try:
             load_model_state(payload, adapted)
         except LoRABaseError as err:  # "its LoRA base ...": the checkpoint it speaks of
             raise LoRABaseError(f"checkpoint {str(path)!r}: {err}") from err
+        check_finite_model(adapted, str(path))
         merge_model_lora_(adapted)
         model.load_state_dict(adapted.state_dict())
 
@@ -173,7 +199,8 @@ def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperat
 
     Raises:
         ValueError: when ``prompt`` is empty, ``max_new_bytes`` is outside
-            [0, :data:`MAX_NEW_BYTES`] or ``temperature < 0`` (0 is greedy decoding).
+            [0, :data:`MAX_NEW_BYTES`] or ``temperature < 0`` (0 is greedy decoding), or the
+            model's probabilities are not finite (outputs that overflow).
     """
     if not prompt:
         raise ValueError("--prompt must hold at least one character, got ''")
@@ -184,8 +211,16 @@ def generate_text(trained: Trained, prompt: str, *, max_new_bytes: int, temperat
     device = next(trained.model.parameters()).device
     prompt_1Q = encode(prompt)[None].to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    ids = trained.model.generate(prompt_1Q, max_new_bytes, temperature=temperature,
-                                 generator=gen)
+    try:
+        ids = trained.model.generate(prompt_1Q, max_new_bytes, temperature=temperature,
+                                     generator=gen)
+    except RuntimeError as err:  # torch.multinomial on NaN/inf probabilities
+        if "probability tensor" not in str(err):
+            raise
+        raise ValueError(f"the checkpoint of step {trained.step} gives non-finite "
+                         f"probabilities: its weights are finite but its outputs overflow (the "
+                         f"run was diverging); use an earlier checkpoint or train with a lower "
+                         f"--lr") from err
     return decode(ids[0, prompt_1Q.shape[1]:].cpu())
 
 
@@ -213,7 +248,8 @@ def evaluate_text(trained: Trained, data: str | None = None) -> Evaluation:
     run's own data it repeats the training's final validation.
 
     Raises:
-        ValueError: on a missing, empty, binary or too short text (naming the path).
+        ValueError: on a missing, empty, binary or too short text (naming the path), or a
+            non-finite loss (outputs that overflow).
     """
     config = trained.config
     corpus = ByteCorpus.load(data if data is not None else config.data,
@@ -223,6 +259,10 @@ def evaluate_text(trained: Trained, data: str | None = None) -> Evaluation:
     device = next(trained.model.parameters()).device
     loss = evaluate(trained.model, batches, device)
     trained.model.eval()
+    if not math.isfinite(loss):
+        raise ValueError(f"the validation loss of the checkpoint of step {trained.step} is "
+                         f"{loss}: its weights are finite but its outputs overflow (the run was "
+                         f"diverging); use an earlier checkpoint or train with a lower --lr")
     return Evaluation(val_loss=loss, bits_per_byte=nats_to_bits(loss),
                       unigram_entropy=unigram_entropy(corpus.val_ids),
                       description=corpus.description)
@@ -273,13 +313,26 @@ def load_safetensors(path: str | os.PathLike[str]) -> MoETransformerLM:
 
 
 def atomic_write(path: Path, write: Callable[[str], object]) -> None:
-    """Call ``write(tmp_name)`` and rename the result to ``path`` (0644 like other files)."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    """Call ``write(tmp_name)`` and rename the result to ``path`` (0644 like other files).
+
+    Raises:
+        OSError: naming ``path`` (not the temporary file, which is removed) when the folder
+            cannot be written or the write fails (a full disk, a file-size limit).
+    """
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as err:
+        raise OSError(err.errno, f"cannot create a file in {str(path.parent)!r} "
+                                 f"({err.strerror})", str(path)) from err
     os.close(fd)
     try:
         write(tmp)
         os.chmod(tmp, file_mode())
         os.replace(tmp, path)
+    except OSError as err:
+        Path(tmp).unlink(missing_ok=True)
+        raise OSError(err.errno, f"writing {str(path)!r} failed ({err.strerror or err}); "
+                                 f"nothing was written there", str(path)) from err
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

@@ -18,11 +18,11 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from memfine.artifacts.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
+from memfine.artifacts.checkpoint import BASE_COPY_NAME, CHECKPOINT_NAME, SHARDED_NAME
 from memfine.data import BUILTIN_CORPORA
 
 RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
-             "sample.txt", "loss.png", "chunks.png", "tensorboard")
+             "sample.txt", "loss.png", "chunks.png", "tensorboard", BASE_COPY_NAME)
 LOCK_NAME = ".memfine.lock"
 
 
@@ -39,7 +39,8 @@ def file_on_path(path: Path) -> Path | None:
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
 
 
-def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) -> None:
+def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool,
+                  check_lock: bool = True) -> None:
     """Refuse an output directory that would replace files or write into the training data.
 
     Args:
@@ -47,11 +48,14 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
         data: ``TrainConfig.data`` (a built-in corpus name or a path).
         resume: the run continues the checkpoint in ``out_dir``.
         overwrite: the user asked to replace an earlier run's files.
+        check_lock: refuse a directory whose lock a live process holds (False on the ranks of
+            a torchrun job other than the main one: the main rank's lock is no other run).
 
     Raises:
         ValueError: when ``resume`` and ``overwrite`` are both set, when nothing can be written
-            in ``out_dir`` (a read-only or full file system, no permission), when ``out_dir`` is
-            a file or
+            in ``out_dir`` (a read-only or full file system, no permission), when a live run
+            holds its lock (naming the pid, whatever ``resume``/``overwrite`` say), when
+            ``out_dir`` is a file or
             lies under a file, equals or lies inside the data directory (when
             ``data`` is a directory), or
             holds run files and neither ``resume`` nor ``overwrite`` is set.
@@ -73,13 +77,32 @@ def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool) ->
                              f"{str(data_dir)!r}: run files there would become training text of "
                              f"the next run; choose an --out outside it")
     _check_writable(out_dir)
+    holder = _live_holder(out_dir / LOCK_NAME) if check_lock else None
+    if holder is not None:  # named first, with or without --resume/--overwrite
+        raise ValueError(_in_use(out_dir, holder))
     if resume or overwrite:
         return
     present = [name for name in RUN_FILES if (out_dir / name).exists()]
+    if present and not {CHECKPOINT_NAME, SHARDED_NAME} & set(present):
+        raise ValueError(f"--out {str(out_dir)!r} already holds {', '.join(present)} but no "
+                         f"checkpoint (a run stopped before its first save): pass --overwrite "
+                         f"to replace them, or choose another --out")
     if present:
         raise ValueError(f"--out {str(out_dir)!r} already holds {', '.join(present)}; pass "
                          f"--resume to continue that run, --overwrite to replace it, or choose "
                          f"another --out")
+
+
+def _live_holder(lock: Path) -> int | None:
+    """The pid in the lock file ``lock`` when it is another process that is alive, else None."""
+    pid = _read_pid(lock) if lock.exists() else None
+    return pid if pid is not None and pid != os.getpid() and _pid_alive(pid) else None
+
+
+def _in_use(out_dir: Path, pid: int) -> str:
+    return (f"--out {str(out_dir)!r} is in use by a running memfine train (pid {pid}, lock file "
+            f"{str(out_dir / LOCK_NAME)!r}); wait for it to finish, stop it, or choose another "
+            f"--out")
 
 
 def _check_writable(out_dir: Path) -> None:
@@ -95,13 +118,25 @@ def _check_writable(out_dir: Path) -> None:
     existing = next((p for p in (target, *target.parents) if p.is_dir()), None)
     if existing is None:
         return
-    try:
-        with tempfile.TemporaryFile(dir=existing, prefix=".memfine-write-test."):
-            pass
-    except OSError as err:
+    err = write_error(existing)
+    if err is not None:
         where = "" if existing == target else f" (its parent {str(existing)!r} exists)"
         raise ValueError(f"--out {str(out_dir)!r} is not writable{where}: "
                          f"{err.strerror or err}; choose a directory you can write") from err
+
+
+def write_error(directory: Path) -> OSError | None:
+    """Why no file can be created in ``directory`` (an existing folder), or None when one can.
+
+    Creates and deletes a temporary file there: ``os.access`` says yes to root on a folder
+    without write permission and says nothing about a read-only mount.
+    """
+    try:
+        with tempfile.TemporaryFile(dir=directory, prefix=".memfine-write-test."):
+            pass
+    except OSError as err:
+        return err
+    return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -137,11 +172,9 @@ def run_lock(out_dir: Path) -> Iterator[Path]:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             break
         except FileExistsError:
-            pid = _read_pid(path)
-            if pid is not None and pid != os.getpid() and _pid_alive(pid):
-                raise ValueError(f"--out {str(out_dir)!r} is in use by a running memfine train "
-                                 f"(pid {pid}, lock file {str(path)!r}); wait for it to finish, "
-                                 f"stop it, or choose another --out") from None
+            pid = _live_holder(path)
+            if pid is not None:
+                raise ValueError(_in_use(out_dir, pid)) from None
             path.unlink(missing_ok=True)  # left by a process that is gone: take it over
     else:
         raise ValueError(f"cannot take the lock {str(path)!r}; remove it if no run is using "

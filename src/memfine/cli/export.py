@@ -11,7 +11,7 @@ from pathlib import Path
 
 from memfine.artifacts.adapters import ADAPTERS_NAME, export_adapters, merged
 from memfine.artifacts.inference import export_safetensors
-from memfine.artifacts.rundir import RUN_FILES
+from memfine.artifacts.rundir import RUN_FILES, write_error
 from memfine.flags.checkpoint import OUT_FLAG, load_run_directory, run_directory
 from memfine.flags.table import Flag, NotGiven, add_flags, value
 from memfine.flags.values import file_flag
@@ -41,13 +41,14 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt,
             ``--merged`` is given for a run without adapters, the target's folder does not
-            exist, or the target exists without ``--overwrite``.
+            exist or is not writable, or the target exists without ``--overwrite``.
     """
     out = run_directory(args)
     if value(args, "to") is not None:
         _check_folder(Path(value(args, "to")))  # before the checkpoint is read
-    trained = load_run_directory(out)
-    lora, merge = trained.config.lora is not None, bool(value(args, "merged"))
+    merge = bool(value(args, "merged"))
+    trained = load_run_directory(out, base=merge)  # the adapters alone never need the base
+    lora = trained.config.lora is not None
     if merge and not lora:
         raise ValueError("--merged needs a LoRA run (trained with --lora-rank); this run "
                          "trained every weight: export it without --merged")
@@ -86,10 +87,17 @@ def _check_targets(paths: list[Path], out: Path) -> None:
 
 
 def _check_folder(target: Path) -> None:
-    """Raise ValueError naming ``--to`` when ``target``'s folder is missing or no folder."""
+    """Raise ValueError naming ``--to`` when ``target``'s folder is missing, or unwritable.
+
+    Unwritable: no folder, a read-only mount, no permission.
+    """
     if target.parent.exists() and not target.parent.is_dir():
         raise ValueError(f"--to {str(target)!r}: {str(target.parent)!r} is not a folder; "
                          f"choose another --to")
     if not target.parent.is_dir():
         raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} does not "
                          f"exist; create it or choose another --to")
+    err = write_error(target.parent)
+    if err is not None:
+        raise ValueError(f"--to {str(target)!r}: the folder {str(target.parent)!r} is not "
+                         f"writable ({err.strerror or err}); choose another --to") from err

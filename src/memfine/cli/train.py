@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     _check_num_chunks(config, world)
     check_memory_budget(config, world)
     _check_memory_fits(config, world)
-    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite)
+    check_run_dir(out, data=config.data, resume=resume, overwrite=overwrite,
+                  check_lock=os.environ.get("RANK", "0") == "0")  # rank 0 takes the lock
     parallel = _parallel(args, config, world)
     finished = False
     try:

@@ -57,15 +57,18 @@ def load_run(args: argparse.Namespace) -> Trained:
     return load_run_directory(out, device=check_device(value(args, "device")))
 
 
-def load_run_directory(out: Path, device: str = "cpu") -> Trained:
+def load_run_directory(out: Path, device: str = "cpu", *, base: bool = True) -> Trained:
     """The model of the checkpoint in the run directory ``out`` (``--out``), on ``device``.
+
+    ``base=False``: a LoRA run's trained tensors without its frozen base
+    (:func:`memfine.artifacts.inference.load_trained`).
 
     Raises:
         ValueError: naming the path when the checkpoint is missing (with the ``memfine train``
             command that writes one) or corrupt.
     """
     try:
-        return load_trained(out, device=device)
+        return load_trained(out, device=device, base=base)
     except CheckpointNotFoundError as err:
         raise ValueError(f"--out: {err} (train into it first: memfine train --out "
                          f"{shlex.quote(str(out))})") from err

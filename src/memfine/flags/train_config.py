@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from memfine.artifacts.checkpoint import (
+    BASE_COPY_NAME,
     CheckpointNotFoundError,
     find_checkpoint,
     read_checkpoint,
@@ -90,7 +91,7 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         tree = payload["config"]
         _apply_flags(args, tree, resume=True, out=out)  # a changed flag is named first
         _check_same_base(args, payload.get("base"), out)
-        _check_unchanged_origin(args, tree, out)
+        _check_unchanged_origin(args, tree, out, kept=_kept_base(payload, out))
     else:
         tree, source = _fresh_tree(args, name)
         _apply_flags(args, tree, resume=False, out=out)
@@ -164,9 +165,19 @@ def _build(args: argparse.Namespace, tree: dict[str, Any]) -> TrainConfig:
                                    flag_names(SETTING_FLAGS))) from err
 
 
-def _fresh_tree(args: argparse.Namespace, name: str
+def _kept_base(payload: dict[str, Any], out: Path) -> Path | None:
+    """The base checkpoint a LoRA run in ``out`` keeps (``lora_base/``), or None."""
+    name = (payload.get("base") or {}).get("copy")
+    kept = None if name is None else out / BASE_COPY_NAME / name
+    return kept if kept is not None and kept.exists() else None
+
+
+def _fresh_tree(args: argparse.Namespace, name: str, kept: Path | None = None
                 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The preset's config with ``--init-from``'s model and context length (not the flags).
+
+    ``kept``: on resume of a LoRA run, the base checkpoint it keeps, read instead of the
+    ``--init-from`` directory (which may have moved on or be gone).
 
     Returns:
         That config tree, and the ``--init-from`` run's saved config (None without it).
@@ -174,6 +185,11 @@ def _fresh_tree(args: argparse.Namespace, name: str
     tree = preset(name).to_dict()
     if not given(args, "init_from"):
         return tree, None
+    if kept is not None:
+        source = read_checkpoint(kept)["config"]
+        tree["model"] = copy.deepcopy(source["model"])
+        tree["seq_len"] = source["seq_len"]
+        return tree, source
     source_dir = run_directory(args, "init_from")
     out = value(args, "out")
     if (out is not None and not given(args, "resume")  # --resume's own check names that case
@@ -225,22 +241,24 @@ def _check_same_base(args: argparse.Namespace, base: dict[str, str] | None, out:
     """
     if base is None or not given(args, "init_from"):
         return
-    got = run_directory(args, "init_from").resolve()
+    got = Path(value(args, "init_from")).resolve()  # a base run since deleted is still named
     if got != Path(base["run_dir"]).resolve():
         raise ValueError(f"--init-from cannot change on --resume (the checkpoint in "
                          f"{str(out)!r} has --init-from {base['run_dir']!r}, the frozen base "
                          f"of its LoRA adapters, got {str(got)!r})")
 
 
-def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out: Path) -> None:
+def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out: Path, *,
+                            kept: Path | None = None) -> None:
     """Accept ``--preset``/``--init-from`` on ``--resume`` when they start the checkpoint's run.
 
     The original command repeated with ``--resume`` passes; a preset or source that would start
-    another run is refused, naming the fields that would change.
+    another run is refused, naming the fields that would change. ``kept``: a LoRA run's kept
+    base checkpoint, which stands for ``--init-from`` (:func:`_fresh_tree`).
     """
     if not (given(args, "preset") or given(args, "init_from")):
         return
-    fresh, source = _fresh_tree(args, value(args, "preset"))
+    fresh, source = _fresh_tree(args, value(args, "preset"), kept)
     _apply_flags(args, fresh, resume=False, out=out)
     _check_source_architecture(args, fresh, source)
     _cuda_autocast_default(args, fresh)

@@ -168,7 +168,7 @@ def plot_run(out_dir: str | os.PathLike[str]) -> list[Path]:
 
 
 def report_final(out_dir: str | os.PathLike[str], *, step: int, val_loss: float, unigram: float,
-                 tokens_per_s: float, wall_s: float, sample: str, temperature: float) -> None:
+                 tokens_per_s: float, wall_s: float, sample: str, temperature: float) -> str:
     """Print the end-of-run numbers; write ``summary.json`` and ``sample.txt``.
 
     Args:
@@ -180,10 +180,12 @@ def report_final(out_dir: str | os.PathLike[str], *, step: int, val_loss: float,
         wall_s: run time, seconds.
         sample: generated text ("" when skipped).
         temperature: sampling temperature of ``sample``.
+
+    Returns:
+        The headline: the final validation loss and how it compares with the unigram baseline.
     """
     out_dir = Path(out_dir)
-    below = 100.0 * (1.0 - val_loss / unigram) if unigram > 0 else 0.0
-    relation = f"{below:.1f}% below" if below >= 0 else f"{-below:.1f}% above"
+    below = percent_below_unigram(val_loss, unigram)
     summary = {"step": step, "final_val_loss_nats_per_byte": val_loss,
                "final_val_loss_bits_per_byte": nats_to_bits(val_loss),
                "unigram_entropy_nats_per_byte": unigram,
@@ -197,5 +199,25 @@ def report_final(out_dir: str | os.PathLike[str], *, step: int, val_loss: float,
           f"{nats_to_bits(val_loss):.4f} bits/byte")
     print(f"unigram (byte-frequency) entropy of the validation split: {unigram:.4f} nats/byte = "
           f"{nats_to_bits(unigram):.4f} bits/byte")
-    print(f"validation loss is {relation} the unigram baseline; "
-          f"{step} steps, {tokens_per_s:,.0f} tokens/s, {wall_s:.0f} s")
+    if below is None:
+        relation = (f"the validation split is one byte repeated (unigram entropy 0): the loss "
+                    f"is {val_loss:.4f} nats/byte above that baseline, and no percentage of 0 "
+                    f"is given (summary.json: percent_below_unigram null)")
+    else:
+        relation = (f"validation loss is {below:.1f}% below the unigram baseline" if below >= 0
+                    else f"validation loss is {-below:.1f}% above the unigram baseline")
+    print(f"{relation}; {step} steps, {tokens_per_s:,.0f} tokens/s, {wall_s:.0f} s")
+    compared = ("above the unigram baseline of 0 (one byte repeated)" if below is None
+                else f"{abs(below):.1f}% {'below' if below >= 0 else 'above'} the unigram baseline")
+    return (f"final validation loss {val_loss:.4f} nats/byte = {nats_to_bits(val_loss):.4f} "
+            f"bits/byte, {compared}")
+
+
+def percent_below_unigram(val_loss: float, unigram: float) -> float | None:
+    """How far the validation loss is below the unigram entropy, in % of that entropy.
+
+    Returns:
+        ``100·(1 − val_loss/unigram)`` (negative: above), or None when ``unigram`` is 0 (a
+        validation split of one repeated byte: no percentage of 0 means anything).
+    """
+    return 100.0 * (1.0 - val_loss / unigram) if unigram > 0 else None

@@ -16,13 +16,19 @@ import torch
 from memfine.artifacts.checkpoint import save_checkpoint, save_sharded_checkpoint
 from memfine.reports.evaluation import evaluate
 from memfine.reports.metrics import format_expert_load, load_max_over_mean, nats_to_bits
+from memfine.train.divergence import check_finite, check_finite_weights
 from memfine.train.setup import RunState
 from memfine.train.step import StepRecord
 
 
 def validate(run: RunState, record: StepRecord) -> None:
-    """Validate; print the loss and the expert load since the last evaluation."""
+    """Validate; print the loss and the expert load since the last evaluation.
+
+    Raises:
+        DivergedError: when the validation loss is not finite.
+    """
     run.val_loss = evaluate(run.model, run.val_data, run.device)
+    check_finite(run, record.step, "the validation loss", run.val_loss)  # before any save
     assert run.load_eval_LE is not None, "a step ran since the last evaluation"
     run.say(f"step {record.step}: train {record.train_loss:.4f}, validation {run.val_loss:.4f} "
             f"nats/byte ({nats_to_bits(run.val_loss):.3f} bits/byte); expert load:\n"
@@ -41,7 +47,13 @@ class _CheckpointArgs(TypedDict):
 
 
 def save(run: RunState) -> None:
-    """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank)."""
+    """Save ``run.step``: ``checkpoint.pt`` on one process, else a DCP directory (every rank).
+
+    Raises:
+        DivergedError: when a weight is not finite; nothing is written, the last checkpoint
+            stays.
+    """
+    check_finite_weights(run)
     parallel = run.parallel
     args: _CheckpointArgs = {"step": run.step, "config": run.config.to_dict(), "model": run.model,
             "optimizer": run.optimizer, "scheduler": run.scheduler}
@@ -50,6 +62,7 @@ def save(run: RunState) -> None:
                                 barrier=parallel.barrier, **args)
     else:
         save_checkpoint(run.ckpt_path, **args)
+    run.saved_step = run.step
 
 
 def write_metrics(run: RunState, record: StepRecord, *, is_eval: bool) -> None:

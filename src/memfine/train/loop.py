@@ -8,7 +8,6 @@ finishes the current step, saves a checkpoint and returns (:mod:`memfine.train.s
 from __future__ import annotations
 
 import contextlib
-import math
 import signal
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from memfine.reports.evaluation import evaluate, sample_after_validation_prompt
 from memfine.reports.metrics import plot_run, report_final
 from memfine.reports.outputs import Outputs
 from memfine.train import events
+from memfine.train.divergence import check_finite
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run
 from memfine.train.step import run_step
@@ -98,8 +98,11 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
     Raises:
         ValueError: on bad data, an ``out_dir`` holding another run's files (without
             ``resume``/``overwrite``) or used by a live run, a missing/corrupt checkpoint or a
-            config that does not match it, ``threads < 1``, or a non-finite training loss. A
-            run that fails before its first checkpoint removes the files it created.
+            config that does not match it, or ``threads < 1``;
+            :class:`memfine.train.divergence.DivergedError` (a ValueError) when a step's loss,
+            gradient norm, validation loss or weights are not finite (no checkpoint is written
+            from it). A run that fails before its first checkpoint removes the files it
+            created.
         ImportError: naming the extra, before anything is written, when ``plot`` or
             ``tensorboard`` lacks its package.
     """
@@ -189,24 +192,30 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
     """Final validation (if none ran), sample, ``summary.json``/``sample.txt``, plots.
 
     Raises:
-        ValueError: when the final validation loss is not finite (the last update diverged;
-            no text can be sampled from the model).
+        DivergedError: when the final validation loss is not finite (the last update
+            diverged; no text can be sampled from the model).
     """
     events.close(run)
     val_loss = run.val_loss
     if val_loss is None:  # resumed at (or past) max_steps: nothing ran
         val_loss = evaluate(run.model, run.val_data, run.device)
-    if not math.isfinite(val_loss):
-        raise ValueError(f"training diverged: validation loss {val_loss} after step {run.step} "
-                         f"(the last updates made the weights non-finite); lower --lr or "
-                         f"--grad-clip")
+    check_finite(run, run.step, "the final validation loss", val_loss)
     sample = sample_after_validation_prompt(run.model, run.corpus, run.config, run.device,
                                             temperature=SAMPLE_TEMPERATURE)
     result = _result(run, val_loss=val_loss, sample=sample)
     if run.parallel.is_main:
-        report_final(run.out_dir, step=result.step, val_loss=val_loss, unigram=run.unigram,
-                     tokens_per_s=result.tokens_per_s, wall_s=result.wall_s, sample=sample,
-                     temperature=SAMPLE_TEMPERATURE)
-    if plot and run.parallel.is_main:
-        print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
+        headline = report_final(run.out_dir, step=result.step, val_loss=val_loss,
+                                unigram=run.unigram, tokens_per_s=result.tokens_per_s,
+                                wall_s=result.wall_s, sample=sample,
+                                temperature=SAMPLE_TEMPERATURE)
+        if plot:
+            print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
+        print(f"done: {headline}; everything is in {run.out_dir}/: "
+              f"{', '.join(_written(run.out_dir))}")
     return result
+
+
+def _written(out_dir: Path) -> list[str]:
+    """The run files in ``out_dir``, folders marked with a slash (no lock, no temporaries)."""
+    return [p.name + ("/" if p.is_dir() else "") for p in sorted(out_dir.iterdir())
+            if not p.name.startswith(".")]

@@ -30,7 +30,7 @@ from memfine.artifacts.checkpoint import (
     restore,
 )
 from memfine.artifacts.inference import load_weights
-from memfine.artifacts.lora_base import load_base_, set_lora_base
+from memfine.artifacts.lora_base import BASE_ATTRIBUTE, keep_base_copy, load_base_, set_lora_base
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
@@ -72,6 +72,8 @@ class RunState:
         losses: cross-entropy of each step run by this call, nats/byte.
         val_loss: the latest validation loss, nats/byte (None before the first evaluation).
         consistent: False while an optimizer update is half applied (no checkpoint then).
+        saved_step: the step of the last checkpoint this run saved or resumed from (None
+            before any).
         run_time: seconds spent in this call's steps.
         log_time: seconds of the steps since the last ``metrics.jsonl`` line.
         log_steps: steps since the last ``metrics.jsonl`` line.
@@ -100,6 +102,7 @@ class RunState:
     losses: list[float] = field(default_factory=list)
     val_loss: float | None = None
     consistent: bool = True
+    saved_step: int | None = None
     run_time: float = 0.0
     log_time: float = 0.0
     log_steps: int = 0
@@ -151,7 +154,9 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                          "frozen weights of a trained model (--init-from RUN)")
     corpus, unigram = load_data(config)
     device = torch.device(config.device)
-    model, optimizer, scheduler = build_model(config, parallel, device, init_from=init_from,
+    # on resume the checkpoint holds every weight (a LoRA one: its kept base), not init_from
+    model, optimizer, scheduler = build_model(config, parallel, device,
+                                              init_from=None if resume else init_from,
                                               resume_from=payload)
     start = (restore(payload, model, optimizer, scheduler, sharded=parallel.sharded)
              if payload else 0)
@@ -159,9 +164,11 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
     config_text = json.dumps(config.to_dict(), indent=2)  # written once all of it checked out
-    print(f"config:\n{config_text}")
+    print(f"config: {out_dir / 'config.json'} (every setting of the run)")
     if parallel.is_main:
         (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
+        if "copy" not in getattr(model, BASE_ATTRIBUTE, {"copy": None}):
+            keep_base_copy(model, out_dir)  # a LoRA run keeps the base bytes it trains on
     _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     if config.lora is not None:
         print(lora_summary(model, config))
@@ -173,6 +180,7 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     unigram=unigram, device=device, model=model, optimizer=optimizer,
                     scheduler=scheduler, start=start, val_data=val_data, log=log,
                     bar=bar, t_start=t_start, step=start,
+                    saved_step=start if payload else None,
                     forward=step_forward(model, config, sharded=parallel.sharded))
 
 
@@ -275,7 +283,8 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
             set_lora_base(model, init_from)
         if resume_from is not None and "base" in resume_from and parallel.sharded:
             try:
-                load_base_(resume_from["base"], resume_from["config"], model)
+                load_base_(resume_from["base"], resume_from["config"], model,
+                           where=Path(resume_from["path"]).parent)
             except LoRABaseError as err:
                 raise LoRABaseError(f"checkpoint {resume_from['path']!r}: {err}") from err
     parallel.check(num_experts=config.model.moe.num_experts, batch_size=config.batch_size)

@@ -19,6 +19,7 @@ import torch
 from memfine.data import train_batch
 from memfine.reports.memory_log import measured_peak, predicted_moe_layer_peak
 from memfine.train.accumulation import MicroOut, micro_batch, routing_prepass
+from memfine.train.divergence import check_finite
 from memfine.train.setup import RunState
 
 
@@ -75,7 +76,8 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     schedule and the aux-loss-free bias update from the step's global expert counts.
 
     Raises:
-        ValueError: when the training loss is not finite (divergence).
+        DivergedError: when the training loss or the gradient norm is not finite; the update
+            is then not applied (:mod:`memfine.train.divergence`).
     """
     config, parallel = run.config, run.parallel
     t0 = time.perf_counter()
@@ -91,15 +93,14 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
             parallel.set_gradient_sync(run.model, m == N - 1)
             outs.append(micro_batch(run, x_NBQ[m * B:(m + 1) * B], y_NBQ[m * B:(m + 1) * B],
                                     N, step_counts))
+    # CE, LBL, z-loss: mean over the micro-batches, then over the ranks
+    ce, lbl, z = parallel.mean(torch.stack([out[0] for out in outs]).mean(0)).tolist()
+    check_finite(run, step_index + 1, "the training loss", ce)  # before any update
     grad_norm, lr = _update(run, step_index)
     dt = time.perf_counter() - t0
     run.run_time, run.log_time, run.log_steps = (run.run_time + dt, run.log_time + dt,
                                                  run.log_steps + 1)
-    # CE, LBL, z-loss: mean over the micro-batches, then over the ranks
-    ce, lbl, z = parallel.mean(torch.stack([out[0] for out in outs]).mean(0)).tolist()
     run.losses.append(ce)
-    if not math.isfinite(ce):
-        _diverged(run)
     load_LE = _count_load(run, outs)
     num_chunks = outs[-1][2]
     local_tokens = parallel.shard_batch(x_NBQ[:B])[0].numel()  # one micro-batch on this rank
@@ -120,16 +121,20 @@ def _update(run: RunState, step_index: int) -> tuple[float, float]:
     """Clip, AdamW step, LR schedule; returns (gradient norm before clipping, the step's LR).
 
     ``run.consistent`` is False while the update is half applied (no checkpoint then).
+
+    Raises:
+        DivergedError: when the gradient norm is not finite (before AdamW touches a weight).
     """
     config = run.config
     grad_norm = run.parallel.clip_grad_norm_(
-        run.model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf)
+        run.model.parameters(), config.grad_clip if config.grad_clip > 0 else math.inf).item()
+    check_finite(run, step_index + 1, "the gradient norm", grad_norm)  # the weights untouched
     lr = float(run.scheduler.get_last_lr()[0])  # a float LR: the stubs allow a tensor too
     run.consistent = False
     run.optimizer.step()
     run.scheduler.step()
     run.step, run.consistent = step_index + 1, True
-    return grad_norm.item(), lr
+    return grad_norm, lr
 
 
 def _count_load(run: RunState, outs: list[MicroOut]) -> torch.Tensor:
@@ -146,12 +151,3 @@ def _count_load(run: RunState, outs: list[MicroOut]) -> torch.Tensor:
     run.load_log_LE = load_LE if run.load_log_LE is None else run.load_log_LE + load_LE
     run.load_eval_LE = load_LE if run.load_eval_LE is None else run.load_eval_LE + load_LE
     return load_LE
-
-
-def _diverged(run: RunState) -> None:
-    """Raise the divergence error, naming the checkpoint to go back to when there is one."""
-    saved = run.ckpt_path.exists()
-    where = (f"{run.ckpt_path} keeps the last saved step" if saved
-             else "no checkpoint was saved before it (see --save-every)")
-    raise ValueError(f"training diverged at step {run.step}: train loss {run.losses[-1]}; lower "
-                     f"--lr or --grad-clip ({where})")
