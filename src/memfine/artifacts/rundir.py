@@ -22,7 +22,7 @@ from memfine.artifacts.checkpoint import CHECKPOINT_NAME, SHARDED_NAME
 from memfine.data import BUILTIN_CORPORA
 
 RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
-             "sample.txt", "loss.png", "chunks.png", "tensorboard")
+             "sample.txt", "loss.png", "chunks.png", "tensorboard", "wandb")
 LOCK_NAME = ".memfine.lock"
 
 
