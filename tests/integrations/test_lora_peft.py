@@ -233,6 +233,34 @@ def test_plain_peft_with_chunks_and_recompute_equals_eager() -> None:
         register()
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_plain_peft_under_gradient_checkpointing_equals_eager(reentrant: bool) -> None:
+    """HF gradient checkpointing (TRL's SFTTrainer default): the wrappers converted during the
+    first forward keep PEFT's path for its recompute in backward, which must save what that
+    forward saved; from the second step on the forward and its recompute both split."""
+    ours, ref = _pair("qwen3_moe", split=False)
+    for model in (ours, ref):
+        model.train()
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        if reentrant:
+            model.enable_input_require_grads()
+    ids = torch.randint(0, 61, (2, 7))
+    for step in range(3):
+        ours.zero_grad()
+        ref.zero_grad()
+        out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        assert_close(out.loss, want.loss)
+        out.loss.backward()
+        want.loss.backward()
+        theirs = dict(ref.named_parameters())
+        adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
+        assert adapters
+        for name, p in adapters:
+            assert_close(p.grad, theirs[name].grad, grad=True, msg=f"step {step}: {name}")
+    assert all(type(m).__name__ == "MemfineParamWrapper" for m in ours.modules()
+               if isinstance(m, peft.tuners.lora.layer.ParamWrapper))
+
+
 def test_plain_peft_budget_counts_the_adapters() -> None:
     """Under a memory budget, PEFT's adapters enter MACT's memory model (a LoRA layer's peak)."""
     from memfine.hf.experts import last_decision
