@@ -212,23 +212,29 @@ def test_memfine_param_wrapper_pickles_by_name() -> None:
     assert pickle.loads(pickle.dumps(cls)) is cls
 
 
+def _steps_equal(ours: torch.nn.Module, ref: torch.nn.Module, steps: int) -> None:
+    """Forward + backward ``steps`` times (no optimizer): loss and adapter gradients equal."""
+    ids = torch.randint(0, 61, (2, 7))
+    for step in range(steps):
+        ours.zero_grad()
+        ref.zero_grad()
+        out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        assert_close(out.loss, want.loss)
+        out.loss.backward()
+        want.loss.backward()
+        theirs = dict(ref.named_parameters())
+        adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
+        assert adapters
+        for name, p in adapters:
+            assert_close(p.grad, theirs[name].grad, grad=True, msg=f"step {step}: {name}")
+
+
 def test_plain_peft_with_chunks_and_recompute_equals_eager() -> None:
     """Two token chunks under recompute: the adapters found at call time serve the recompute."""
     ours, ref = _pair("qwen3_moe", split=False)
     register(num_chunks=2)
     try:
-        ids = torch.randint(0, 61, (2, 7))
-        for _ in range(2):  # PEFT's parametrization, then the converted wrappers
-            ours.zero_grad()
-            ref.zero_grad()
-            out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-            assert_close(out.loss, want.loss)
-            out.loss.backward()
-            want.loss.backward()
-            theirs = dict(ref.named_parameters())
-            for name, p in ours.named_parameters():
-                if "lora_" in name:
-                    assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
+        _steps_equal(ours, ref, 2)  # PEFT's parametrization, then the converted wrappers
     finally:
         register()
 
@@ -244,19 +250,7 @@ def test_plain_peft_under_gradient_checkpointing_equals_eager(reentrant: bool) -
         model.gradient_checkpointing_enable({"use_reentrant": reentrant})
         if reentrant:
             model.enable_input_require_grads()
-    ids = torch.randint(0, 61, (2, 7))
-    for step in range(3):
-        ours.zero_grad()
-        ref.zero_grad()
-        out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-        assert_close(out.loss, want.loss)
-        out.loss.backward()
-        want.loss.backward()
-        theirs = dict(ref.named_parameters())
-        adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
-        assert adapters
-        for name, p in adapters:
-            assert_close(p.grad, theirs[name].grad, grad=True, msg=f"step {step}: {name}")
+    _steps_equal(ours, ref, 3)
     assert all(type(m).__name__ == "MemfineParamWrapper" for m in ours.modules()
                if isinstance(m, peft.tuners.lora.layer.ParamWrapper))
 
