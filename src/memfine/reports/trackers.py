@@ -8,9 +8,11 @@ line's ``step``. Each tracker runs without a network or an account by default:
   resume the steps after the checkpoint are purged;
 - ``trackio``: trackio's local store (a SQLite database under ``TRACKIO_DIR``, by default in the
   Hugging Face cache; ``trackio show`` opens the dashboard), project ``memfine``, run named after
-  ``out_dir``;
+  ``out_dir`` (``resume="allow"``: a resumed run, or another run into a directory of the same
+  name, continues that trackio run);
 - ``wandb``: offline mode (``WANDB_MODE=offline`` unless the environment sets another mode), the
-  run's files under ``out_dir/wandb`` (``wandb sync`` uploads them later), project ``memfine``.
+  run's files under ``out_dir/wandb`` (``wandb sync`` uploads them later), project ``memfine``;
+  a resumed run is a new wandb run whose steps start after the checkpoint's.
 
 :func:`check_tracker` imports the package before the run writes anything: a missing package is
 one ``ImportError`` line naming the extra (``pip install 'memfine[wandb]'``).
