@@ -44,11 +44,15 @@ _MiB = 1 << 20
 DEFAULT_CSV = "runs/hf_finetune/hf_finetune_cpu.csv"  # git-ignored; results are committed by --csv
 
 
-def build_model(model_type: str, args: argparse.Namespace) -> torch.nn.Module:
-    """A small fp32 MoE language model over bytes, initialised from ``args.seed``."""
+def build_model(model_type: str, args: argparse.Namespace,
+                vocab_size: int = VOCAB_SIZE) -> torch.nn.Module:
+    """A small fp32 MoE language model (``qwen3_moe``, ``gpt_oss``, ``mixtral``) from a config.
+
+    Initialised from ``args.seed``; ``args`` gives d, n, E, k, the layers and the sequence length.
+    """
     import transformers
 
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=args.hidden_size,
+    common = dict(vocab_size=vocab_size, hidden_size=args.hidden_size,
                   num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=args.hidden_size // 4, max_position_embeddings=args.seq_len,
                   num_experts_per_tok=args.top_k, use_cache=False, tie_word_embeddings=True)
@@ -58,6 +62,11 @@ def build_model(model_type: str, args: argparse.Namespace) -> torch.nn.Module:
             num_local_experts=args.num_experts, sliding_window=args.seq_len // 2,
             layer_types=["sliding_attention", "full_attention"] * (args.layers // 2))
         cls = transformers.GptOssForCausalLM
+    elif model_type == "mixtral":
+        config = transformers.MixtralConfig(
+            **common, intermediate_size=args.moe_intermediate_size,
+            num_local_experts=args.num_experts)
+        cls = transformers.MixtralForCausalLM
     else:
         config = transformers.Qwen3MoeConfig(
             **common, intermediate_size=args.hidden_size,

@@ -2,8 +2,9 @@
 
 Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
 ``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``; tqdm,
-matplotlib, safetensors (and tomli on Python 3.10) → ``memfine[train]``; tensorboard →
-``memfine[tensorboard]``.
+matplotlib, safetensors (and tomli on Python 3.10) → ``memfine[train]``; tensorboard, trackio,
+wandb → ``memfine[tensorboard]``, ``memfine[trackio]``, ``memfine[wandb]``; trl →
+``memfine[trl]``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from types import ModuleType
 
 _EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
            "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard",
-           "torchtitan": "torchtitan"}
+           "trackio": "trackio", "wandb": "wandb", "trl": "trl", "torchtitan": "torchtitan"}
 
 
 def is_available(name: str) -> bool:

@@ -44,7 +44,7 @@ TRAIN_FLAGS = sorted([
     "--renormalize", "--resume", "--routed-scaling-factor", "--router-jitter-eps",
     "--sample-tokens", "--save-every", "--score-func", "--seed", "--seq-aux-loss-coef",
     "--seq-len", "--shared-expert-gate", "--shared-intermediate-size", "--skew-bias",
-    "--skew-hot-experts", "--tensorboard", "--threads", "--top-k", "--topk-group",
+    "--skew-hot-experts", "--tensorboard", "--threads", "--top-k", "--topk-group", "--tracker",
     "--val-fraction", "--warmup-steps", "--weight-decay", "--z-loss-coef", "-h",
 ])
 

@@ -7,6 +7,7 @@ the split path never builds the dense update; PEFT's save/load and merge_and_unl
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -104,6 +105,20 @@ def _large_saved(model: torch.nn.Module, run) -> tuple[list[tuple[int, ...]], ob
     return found, out
 
 
+def _backward_equal(ours: torch.nn.Module, ref: torch.nn.Module, out: Any, want: Any,
+                    where: str) -> None:
+    """Equal losses; back-propagate both; every adapter gradient of ``ours`` equals ``ref``'s."""
+    assert_close(out.loss, want.loss)
+    out.loss.backward()
+    want.loss.backward()
+    theirs = dict(ref.named_parameters())
+    adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
+    assert adapters
+    for name, p in adapters:
+        assert p.grad is not None, f"{where}: {name}"
+        assert_close(p.grad, theirs[name].grad, grad=True, msg=f"{where}: {name}")
+
+
 @pytest.mark.parametrize("model_type", PLAIN_PEFT_MODELS)
 def test_plain_peft_runs_split_lora(model_type: str, monkeypatch) -> None:
     """PEFT's get_peft_model alone: loss and adapter gradients equal PEFT on eager, and the
@@ -130,15 +145,7 @@ def test_plain_peft_runs_split_lora(model_type: str, monkeypatch) -> None:
         assert all(type(m).__name__ == "MemfineParamWrapper" for m in wrappers)
         want = ref(input_ids=ids, labels=ids)
         assert_close(out.logits, want.logits)
-        assert_close(out.loss, want.loss)
-        out.loss.backward()
-        want.loss.backward()
-        theirs = dict(ref.named_parameters())
-        adapters = [(n, p) for n, p in ours.named_parameters() if "lora_" in n]
-        assert adapters
-        for name, p in adapters:
-            assert p.grad is not None, name
-            assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
+        _backward_equal(ours, ref, out, want, f"step {step}")
 
 
 def test_plain_peft_dense_parametrized_weights_are_never_read(monkeypatch) -> None:
@@ -212,25 +219,40 @@ def test_memfine_param_wrapper_pickles_by_name() -> None:
     assert pickle.loads(pickle.dumps(cls)) is cls
 
 
+def _steps_equal(ours: torch.nn.Module, ref: torch.nn.Module, steps: int) -> None:
+    """Forward + backward ``steps`` times (no optimizer): loss and adapter gradients equal."""
+    ids = torch.randint(0, 61, (2, 7))
+    for step in range(steps):
+        ours.zero_grad()
+        ref.zero_grad()
+        out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
+        _backward_equal(ours, ref, out, want, f"step {step}")
+
+
 def test_plain_peft_with_chunks_and_recompute_equals_eager() -> None:
     """Two token chunks under recompute: the adapters found at call time serve the recompute."""
     ours, ref = _pair("qwen3_moe", split=False)
     register(num_chunks=2)
     try:
-        ids = torch.randint(0, 61, (2, 7))
-        for _ in range(2):  # PEFT's parametrization, then the converted wrappers
-            ours.zero_grad()
-            ref.zero_grad()
-            out, want = ours(input_ids=ids, labels=ids), ref(input_ids=ids, labels=ids)
-            assert_close(out.loss, want.loss)
-            out.loss.backward()
-            want.loss.backward()
-            theirs = dict(ref.named_parameters())
-            for name, p in ours.named_parameters():
-                if "lora_" in name:
-                    assert_close(p.grad, theirs[name].grad, grad=True, msg=name)
+        _steps_equal(ours, ref, 2)  # PEFT's parametrization, then the converted wrappers
     finally:
         register()
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_plain_peft_under_gradient_checkpointing_equals_eager(reentrant: bool) -> None:
+    """HF gradient checkpointing (TRL's SFTTrainer default): the wrappers converted during the
+    first forward keep PEFT's path for its recompute in backward, which must save what that
+    forward saved; from the second step on the forward and its recompute both split."""
+    ours, ref = _pair("qwen3_moe", split=False)
+    for model in (ours, ref):
+        model.train()
+        model.gradient_checkpointing_enable({"use_reentrant": reentrant})
+        if reentrant:
+            model.enable_input_require_grads()
+    _steps_equal(ours, ref, 3)
+    assert all(type(m).__name__ == "MemfineParamWrapper" for m in ours.modules()
+               if isinstance(m, peft.tuners.lora.layer.ParamWrapper))
 
 
 def test_plain_peft_budget_counts_the_adapters() -> None:

@@ -72,22 +72,22 @@ def test_nonfinite_values_are_null_and_flagged(tmp_path: Path) -> None:
 
 
 class _Writer:
-    """Records what a SummaryWriter would be given."""
+    """Records what a tracker is given."""
 
     def __init__(self) -> None:
         self.scalars: list[tuple[str, object, int]] = []
         self.closed = False
 
-    def add_scalar(self, key: str, value: object, step: int) -> None:
-        self.scalars.append((key, value, step))
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self.scalars += [(key, value, step) for key, value in scalars.items()]
 
     def close(self) -> None:
         self.closed = True
 
 
-def test_tensorboard_gets_the_numeric_scalars_of_each_line(tmp_path: Path) -> None:
+def test_tracker_gets_the_numeric_scalars_of_each_line(tmp_path: Path) -> None:
     writer = _Writer()
-    log = MetricsLog(tmp_path / "metrics.jsonl", tensorboard=writer)
+    log = MetricsLog(tmp_path / "metrics.jsonl", tracker=writer)
     log.write({"step": 3, "train_loss": 1.25, "lr": 2e-3, "num_chunks": [1, 2],
                "peak_bytes": None, "grad_norm": float("inf"), "other": 7.0})
     log.write({"step": 4, "train_loss": 1.0, "val_loss": 1.5, "tokens_per_s": 100})

@@ -22,7 +22,7 @@ from memfine.artifacts.checkpoint import BASE_COPY_NAME, CHECKPOINT_NAME, SHARDE
 from memfine.data import BUILTIN_CORPORA
 
 RUN_FILES = ("config.json", "metrics.jsonl", CHECKPOINT_NAME, SHARDED_NAME, "summary.json",
-             "sample.txt", "loss.png", "chunks.png", "tensorboard", BASE_COPY_NAME)
+             "sample.txt", "loss.png", "chunks.png", "tensorboard", "wandb", BASE_COPY_NAME)
 LOCK_NAME = ".memfine.lock"
 
 

@@ -20,6 +20,7 @@ from memfine.flags.threads import checked_threads
 from memfine.flags.train_config import preset_default, resolve_config
 from memfine.flags.train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.flags.values import check_device
+from memfine.reports.trackers import check_tracker
 from memfine.schedule.policy import InfeasibleBudgetError
 from memfine.train import train
 from memfine.train.determinism import deterministic_mode
@@ -44,6 +45,9 @@ def run(args: argparse.Namespace) -> int:
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
     check_device(config.device)  # the flags first, then the directory
     threads = checked_threads(args)
+    tracker = _tracker(args)
+    if tracker is not None:
+        check_tracker(tracker)  # a missing package: one line, before anything is written
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_num_chunks(config, world)
     check_memory_budget(config, world)
@@ -57,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             result = train(config, out, resume=resume, overwrite=overwrite,
                            progress=not value(args, "no_progress"),
                            plot=bool(value(args, "plot")),
-                           tensorboard=bool(value(args, "tensorboard")),
+                           tracker=tracker,
                            init_from=value(args, "init_from"), parallel=parallel,
                            threads=threads)
         finished = True
@@ -67,6 +71,22 @@ def run(args: argparse.Namespace) -> int:
         if parallel is not None:
             parallel.close(barrier=finished)
     return 0 if result.stop_signal is None else 128 + result.stop_signal
+
+
+def _tracker(args: argparse.Namespace) -> str | None:
+    """``--tracker``, with the deprecated ``--tensorboard`` as ``--tracker tensorboard``.
+
+    Raises:
+        ValueError: ``--tensorboard`` with another ``--tracker``.
+    """
+    tracker = value(args, "tracker")
+    if value(args, "tensorboard"):
+        if tracker not in (None, "tensorboard"):
+            raise ValueError(f"--tensorboard is --tracker tensorboard, which conflicts with "
+                             f"--tracker {tracker}: give only --tracker")
+        print("note: --tensorboard is deprecated; use --tracker tensorboard")
+        tracker = "tensorboard"
+    return tracker
 
 
 def _tokens_per_rank(config: TrainConfig, world: int) -> int:

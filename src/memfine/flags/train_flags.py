@@ -27,6 +27,7 @@ from memfine.flags.values import (
     path_flag,
     text_flag,
 )
+from memfine.reports.trackers import TRACKERS
 from memfine.train import DEFAULT_PRESET, PRESETS
 from memfine.train.setup import RESUMABLE_FIELDS
 
@@ -232,8 +233,13 @@ RUN_FLAGS = (
          "max_steps = 400); flags given on the command line override it",
          file_flag("a TOML file of flag values"),
          default=NotGiven(text="none")),
-    Flag("--tensorboard", (), "also write the logged scalars to --out/tensorboard (needs the "
-         "tensorboard package)", action="store_true", default=NotGiven(False)),
+    Flag("--tracker", (), "also send the logged scalars to an experiment tracker: "
+         "'tensorboard' (--out/tensorboard), 'trackio' (its local store) or 'wandb' (offline "
+         "mode unless WANDB_MODE says otherwise, files in --out/wandb); needs the package "
+         "(pip install 'memfine[NAME]'); metrics.jsonl is written either way", str,
+         choices=TRACKERS, default=NotGiven(text="none")),
+    Flag("--tensorboard", (), "deprecated: the same as --tracker tensorboard",
+         action="store_true", default=NotGiven(False)),
     Flag("--plot", (), "write chunks.png (chunk count, layer x step) and loss.png to --out",
          action="store_true", default=NotGiven(False)),
     Flag("--no-progress", (), "hide the progress bar", action="store_true",

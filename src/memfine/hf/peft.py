@@ -53,6 +53,10 @@ _UP_NAMES = ("gate_up_proj", "up_proj")
 _DOWN_NAMES = ("down_proj",)
 _PEFT_LAYER = "peft.tuners.lora.layer"
 _STACK_DEPTH = 64  # frames searched for the PEFT wrappers of a call
+# Set on a wrapper converted during a forward: it splits from the next forward on, and until
+# then runs PEFT's path, so that an activation-checkpoint recompute of the converting forward
+# (in backward) saves what that forward saved.
+_SPLIT_FROM_NEXT_FORWARD = "_memfine_split_from_next_forward"
 
 Adapters = tuple[torch.Tensor, torch.Tensor, float]  # A (E, r, d_in), B (E, d_out, r), s
 
@@ -166,8 +170,10 @@ def convert_callers(module: nn.Module) -> int:
     """Make the PEFT ``ParamWrapper`` frames on the call stack whose base is ``module`` split.
 
     The wrappers that are running ``module`` now (nested, one per adapted weight) become
-    :class:`MemfineParamWrapper` for later calls; the running call is not affected. Nothing
-    happens while ``torch.compile`` traces. Returns the number converted.
+    :class:`MemfineParamWrapper` for later forwards; the running call is not affected, nor a
+    recompute of it in backward (activation checkpointing: a recompute must save what the
+    forward saved, so a converted wrapper keeps PEFT's path until a forward starts outside
+    backward). Nothing happens while ``torch.compile`` traces. Returns the number converted.
     """
     layer = sys.modules.get(_PEFT_LAYER)
     if layer is None or torch.compiler.is_compiling():
@@ -181,6 +187,7 @@ def convert_callers(module: nn.Module) -> int:
         if (type(obj) is layer.ParamWrapper and obj.parameter_name in (*_UP_NAMES, *_DOWN_NAMES)
                 and obj.get_base_layer() is module):
             obj.__class__ = cls
+            obj.__dict__[_SPLIT_FROM_NEXT_FORWARD] = True
             converted += 1
         frame = frame.f_back
     return converted
@@ -224,6 +231,10 @@ def wrapper_class() -> type:
             active = [a for a in self.active_adapters if a in self.lora_A]
             which = ("up" if self.parameter_name in _UP_NAMES
                      else "down" if self.parameter_name in _DOWN_NAMES else None)
+            if self.__dict__.get(_SPLIT_FROM_NEXT_FORWARD):
+                if torch._C._current_graph_task_id() != -1:  # a recompute, in backward
+                    return super().forward(x, *args, **kwargs)
+                del self.__dict__[_SPLIT_FROM_NEXT_FORWARD]
             if (which is None or len(active) != 1 or self.disable_adapters or self.merged
                     or kwargs.get("adapter_names") is not None or not runs_memfine_fused(base)):
                 return super().forward(x, *args, **kwargs)

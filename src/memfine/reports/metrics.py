@@ -25,7 +25,7 @@ import torch
 from memfine._optional import require
 
 METRICS_NAME = "metrics.jsonl"
-TENSORBOARD_SCALARS = ("train_loss", "val_loss", "lr", "tokens_per_s", "load_balancing_loss",
+TRACKER_SCALARS = ("train_loss", "val_loss", "lr", "tokens_per_s", "load_balancing_loss",
                        "z_loss", "grad_norm", "peak_bytes")
 
 
@@ -58,21 +58,22 @@ def nats_to_bits(nats: float) -> float:
 
 
 class MetricsLog:
-    """Append-only writer of ``metrics.jsonl`` (one flushed line per record), and TensorBoard.
+    """Append-only writer of ``metrics.jsonl`` (one flushed line per record), and a tracker.
 
     Args:
         path: the jsonl file.
         keep_until_step: on resume, lines with ``step`` above this are dropped first (they were
             logged after the checkpoint and will be logged again). ``None`` starts a new file.
-        tensorboard: a ``torch.utils.tensorboard.SummaryWriter`` that also gets each record's
-            numbers of :data:`TENSORBOARD_SCALARS` at its ``step``, or None.
+        tracker: a :class:`memfine.reports.trackers.Tracker` (TensorBoard, trackio, wandb) that
+            also gets each record's numbers of :data:`TRACKER_SCALARS` at its ``step`` (as
+            measured: a non-finite number stays one), or None.
     """
 
     def __init__(self, path: str | os.PathLike[str], *, keep_until_step: int | None = None,
-                 tensorboard: Any = None) -> None:
+                 tracker: Any = None) -> None:
         """Create (or, on resume, trim) the file."""
         self.path = Path(path)
-        self.tensorboard = tensorboard
+        self.tracker = tracker
         kept = []
         if keep_until_step is not None and self.path.exists():
             kept = [r for r in read_metrics(self.path) if r.get("step", 0) <= keep_until_step]
@@ -86,15 +87,16 @@ class MetricsLog:
             clean["nonfinite"] = True
         with self.path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(clean, allow_nan=False) + "\n")
-        if self.tensorboard is not None:
-            for key in TENSORBOARD_SCALARS:
-                if isinstance(record.get(key), (int, float)):
-                    self.tensorboard.add_scalar(key, record[key], record["step"])
+        if self.tracker is not None:
+            scalars = {key: record[key] for key in TRACKER_SCALARS
+                       if isinstance(record.get(key), (int, float))}
+            if scalars:
+                self.tracker.log(scalars, record["step"])
 
     def close(self) -> None:
-        """Close the TensorBoard writer, if any (the jsonl file is closed after every line)."""
-        if self.tensorboard is not None:
-            self.tensorboard.close()
+        """Close the tracker, if any (the jsonl file is closed after every line)."""
+        if self.tracker is not None:
+            self.tracker.close()
 
 
 def _finite_or_null(value: Any) -> tuple[Any, bool]:

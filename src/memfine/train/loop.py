@@ -63,7 +63,8 @@ class TrainResult:
 
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
           overwrite: bool = False, progress: bool = True, plot: bool = False,
-          tensorboard: bool = False, init_from: str | Path | None = None,
+          tensorboard: bool = False, tracker: str | None = None,
+          init_from: str | Path | None = None,
           on_step: Callable[[int], None] | None = None,
           parallel: ParallelTraining | None = None, threads: int | None = None) -> TrainResult:
     """Train the byte-level MoE language model of ``config`` on its corpus.
@@ -78,8 +79,10 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         overwrite: replace the files of an earlier run in ``out_dir``.
         progress: show a tqdm progress bar (loss, tokens/s) when tqdm is installed.
         plot: write ``chunks.png`` and ``loss.png`` at the end (needs matplotlib).
-        tensorboard: also write the logged scalars to ``out_dir/tensorboard`` (needs
-            tensorboard).
+        tensorboard: the same as ``tracker="tensorboard"`` (kept for older callers).
+        tracker: also send the logged scalars to ``tensorboard`` (``out_dir/tensorboard``),
+            ``trackio`` (its local store) or ``wandb`` (offline, ``out_dir/wandb``)
+            (:mod:`memfine.reports.trackers`); ``metrics.jsonl`` is written either way.
         init_from: a run directory whose checkpoint's weights start this run (fine-tuning on
             new data: fresh optimizer and schedule); its model config must equal
             ``config.model``.
@@ -103,11 +106,15 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
             gradient norm, validation loss or weights are not finite (no checkpoint is written
             from it). A run that fails before its first checkpoint removes the files it
             created.
-        ImportError: naming the extra, before anything is written, when ``plot`` or
-            ``tensorboard`` lacks its package.
+        ImportError: naming the extra, before anything is written, when ``plot`` or the
+            tracker lacks its package.
     """
     parallel = parallel if parallel is not None else SingleProcess()
-    outputs = Outputs(progress=progress, tensorboard=tensorboard, plot=plot).check()
+    if tensorboard and tracker not in (None, "tensorboard"):
+        raise ValueError(f"tensorboard=True asks for the tensorboard tracker, tracker is "
+                         f"{tracker!r}: give one of them")
+    tracker = "tensorboard" if tensorboard else tracker
+    outputs = Outputs(progress=progress, tracker=tracker, plot=plot).check()
     out_dir, source = Path(out_dir), None if init_from is None else Path(init_from)
     with torch_threads(threads), contextlib.ExitStack() as directory:
         if parallel.is_main:  # the main rank checks, locks and writes the directory
