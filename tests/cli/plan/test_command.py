@@ -293,7 +293,7 @@ def test_every_preset_plans_its_setting(preset: str, capsys: pytest.CaptureFixtu
     plan = json.loads(out)
     assert code == 0 and plan["config"]["model"]["name"] == preset
     # memfine-paper-I: no measured static memory in the paper's Table 4 for model I, and our
-    # Eq. 1 reading exceeds the measured static of model II by 18 GiB (README); all others fit.
+    # Eq. 1 reading exceeds the measured static of model II by 18 GiB (docs/results.md); all others fit.
     assert plan["fits"] == (preset != "memfine-paper-I")
 
 
