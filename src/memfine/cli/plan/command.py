@@ -252,9 +252,6 @@ def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
         min(x, cfg.worst_skew) for x in skews))), sources
 
 
-_PARALLEL = ("t", "p", "e", "dp", "cp", "v")
-
-
 def _check_mixed_layout(values: dict[str, Any], sources: dict[str, str], model: str) -> None:
     """Refuse parallel sizes given by flags beside a preset's other sizes (not 1) kept silently.
 
@@ -262,8 +259,9 @@ def _check_mixed_layout(values: dict[str, Any], sources: dict[str, str], model: 
         ValueError: naming the flags given, the preset's sizes kept and the device count the mix
             would answer for.
     """
-    given_ = [f for f in _PARALLEL if sources[f] == "flag"]
-    kept = [f for f in _PARALLEL if sources[f] in ("published", "assumed") and values[f] != 1]
+    sizes = ("t", "p", "e", "dp", "cp", "v")
+    given_ = [f for f in sizes if sources[f] == "flag"]
+    kept = [f for f in sizes if sources[f] in ("published", "assumed") and values[f] != 1]
     if given_ and kept:
         devices = values["t"] * values["p"] * values["dp"] * values["cp"]
         raise ValueError(
