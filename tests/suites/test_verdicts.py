@@ -49,7 +49,7 @@ def test_a_point_where_the_subject_peaks_above_a_peer_gets_a_note() -> None:
     lines = verdict_lines("experts", [quick])
     assert lines[0].startswith("verdict experts: fused: 1.06× the lowest peer's peak at 1.00×")
     assert "fused's peak 0.69 MiB is above plain's 0.65 MiB" in lines[1]
-    assert "weight gradients" in lines[1] and "22% of its peak" in lines[1]
+    assert "weight gradients" in lines[1] and "22% of its peak" in lines[1] and "dH" in lines[1]
 
 
 def test_a_suite_without_a_verdict_or_without_results_prints_nothing() -> None:

@@ -18,12 +18,11 @@ from memfine.bench.harness import MethodResult, round_ratios
 from memfine.bench.options import Point
 from memfine.units import MiB
 
-_SMALL_SHAPE = ("at this shape the weight gradients, which every method allocates, dominate the "
-                "peak (what {subject} saves for backward is {share:.0%} of its peak), and "
-                "{subject}'s backward holds both expert weight-gradient buffers and one row "
-                "block's dH at once, where {peer}'s autograd frees its saved copies as it goes; "
-                "the saving grows with the tokens (docs/results.md, \"Peak memory when "
-                "activations dominate\")")
+_SMALL_SHAPE = ("at this small shape the peak is mostly the weight gradients every method "
+                "allocates (what {subject} saves for backward is {share:.0%} of its peak), and "
+                "{subject}'s backward keeps its saved H alive next to the row block's dH, where "
+                "{peer}'s autograd has freed its saved copies by its peak; the saving grows "
+                "with the tokens (docs/results.md, \"Peak memory when activations dominate\")")
 VERDICTS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "experts": ("fused", ("plain", "expert_loop", "grouped_mm", "torchtitan"), _SMALL_SHAPE),
     "model": ("fused", ("plain",), _SMALL_SHAPE),
