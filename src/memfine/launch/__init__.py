@@ -5,6 +5,11 @@
   torchtitan has a config of.
 """
 
-from memfine.launch.commands import launch_lines, memfine_train_command, torchtitan_command
+from memfine.launch.commands import (
+    launch_commands,
+    launch_lines,
+    memfine_train_command,
+    torchtitan_command,
+)
 
-__all__ = ["launch_lines", "memfine_train_command", "torchtitan_command"]
+__all__ = ["launch_commands", "launch_lines", "memfine_train_command", "torchtitan_command"]

@@ -86,6 +86,11 @@ def torchtitan_command(plan: Plan) -> str | None:
             f"memfine.integrations.torchtitan_configs --config {name} " + " ".join(flags))
 
 
+def launch_commands(plan: Plan) -> dict[str, str | None]:
+    """``{"memfine_train": ..., "torchtitan": ...}``: each command, or None where none applies."""
+    return {"memfine_train": memfine_train_command(plan), "torchtitan": torchtitan_command(plan)}
+
+
 def launch_lines(plan: Plan) -> list[str]:
     """The ``run it`` lines printed under a plan (a note when no command applies)."""
     lines = []

@@ -4,6 +4,7 @@ refused, and a note on GB against GiB."""
 
 from __future__ import annotations
 
+import json
 import shlex
 from pathlib import Path
 
@@ -46,6 +47,9 @@ def test_a_data_and_expert_parallel_plan_prints_a_memfine_train_command_that_par
     assert [args.hidden_size, args.num_experts, args.top_k, args.num_layers] == [
         m.hidden_size, m.num_experts, m.top_k, m.num_layers]
     assert args.batch_size == 8 and args.grad_accum == 1024 // 8  # dp·b per micro-batch
+    data = json.loads(_run(["--preset", "olmoe-1b-7b", "--json"], capsys)[1])
+    assert data["commands"]["memfine_train"] == line.strip()
+    assert data["commands"]["torchtitan"] is None  # no torchtitan config of OLMoE
 
 
 def test_the_qwen3_plan_prints_torchtitans_command_with_every_parallel_degree() -> None:

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from typing import Any
 
-from memfine.launch import launch_lines
+from memfine.launch import launch_commands, launch_lines
 from memfine.plan.layout import PlanConfig
 from memfine.plan.search import RANK_RULE, Candidate, SearchResult, layout_cost, parallel_kinds
 from memfine.plan.stage import Plan, SkewPlan, StagePlan, plan_layout
@@ -103,7 +103,8 @@ def plan_json(plan: Plan, sources: dict[str, str]) -> dict[str, Any]:
     data.update(fits=plan.fits, peak_bytes=plan.peak_bytes, limiting_stage=st.rank,
                 limiting_skew=sk.skew, min_device_memory_bytes=plan.min_device_memory_bytes,
                 devices=plan.config.devices, sources=sources, answer=answer(plan),
-                cost=dataclasses.asdict(layout_cost(plan.config)))
+                cost=dataclasses.asdict(layout_cost(plan.config)),
+                commands=launch_commands(plan) if plan.fits else None)
     return data
 
 
