@@ -39,7 +39,8 @@ def test_verdict_names_the_lowest_peers_peak_and_the_time_against_it() -> None:
                              _result("plain", 4.0, [1.0, 1.0, 1.0])])
     lines = verdict_lines("experts", [conf1, conf2])
     assert lines[0].startswith("verdict experts: fused: 0.50–0.75× the lowest peer's peak at "
-                               "0.80–0.90× its time (2 points;")
+                               "0.80–0.90× its time (median of per-round ratios, ")
+    assert lines[0].endswith("; 2 points, peers plain, expert_loop, grouped_mm, torchtitan")
     assert len(lines) == 1  # no point reverses it
 
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from memfine.bench.harness import MethodResult, round_ratios
 from memfine.bench.options import Point
+from memfine.bench.output import clock_text
 from memfine.units import MiB
 
 _SMALL_SHAPE = ("at this small shape the peak is mostly the weight gradients every method "
@@ -81,9 +82,10 @@ def verdict_lines(suite: str, points: Sequence[Point]) -> list[str]:
                          + reason)
     if not peaks:
         return []
-    at = f" at {_span(times)} its time" if times else ""
-    return [f"verdict {suite}: {subject}: {_span(peaks)} the lowest peer's peak{at} "
-            f"({len(peaks)} point{'s' if len(peaks) > 1 else ''}; peers: {', '.join(peers)})",
+    clock = clock_text([r for p in points for r in p.results])
+    at = f" at {_span(times)} its time (median of per-round ratios, {clock})" if times else ""
+    return [f"verdict {suite}: {subject}: {_span(peaks)} the lowest peer's peak{at}; "
+            f"{len(peaks)} point{'s' if len(peaks) > 1 else ''}, peers {', '.join(peers)}",
             *notes]
 
 
