@@ -4,6 +4,8 @@ point reverses it, unique table headers, a legend for the counts tables, integer
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -86,3 +88,28 @@ def test_help_has_no_rest_markup(command: str | None, capsys: pytest.CaptureFixt
     text = capsys.readouterr().out
     for markup in ("``", ":func:", ":class:", ":mod:", ":data:", ":meth:"):
         assert markup not in text, (command, markup)
+
+
+class _Counted:
+    """A counts-suite result: ``phase("full")`` gives its ops, syncs and grouped_mm calls."""
+
+    def __init__(self, name: str, ops: int, syncs: int, fast: int, calls: int) -> None:
+        self.name, self.error = name, None
+        self._full = SimpleNamespace(non_view_ops=ops, host_syncs=syncs, grouped_mm=[
+            SimpleNamespace(fast_path=i < fast) for i in range(calls)])
+
+    def phase(self, mode: str) -> SimpleNamespace:
+        assert mode == "full"
+        return self._full
+
+
+def test_counts_verdict_is_one_line_over_the_presets() -> None:
+    points = [Point(suite="counts", x_name="preset", x_value=name, label=name, config={},
+                    results=[_Counted("fused", ops, 1, 6, 6),
+                             _Counted("torchtitan_style", 100, 0, 6, 6)],
+                    reference="torchtitan_style")
+              for name, ops in (("qwen3-30b-a3b", 136), ("deepseek-v3", 170))]
+    lines = verdict_lines("counts", points)
+    assert lines == [f"legend: {COUNTS_LEGEND}",
+                     "verdict counts: fused: 1.36–1.70× torchtitan_style's ops, 1 host syncs "
+                     "against 0, 6 of 6 grouped_mm calls on CUDA's fast path; 2 points"]

@@ -90,17 +90,27 @@ def verdict_lines(suite: str, points: Sequence[Point]) -> list[str]:
 
 
 def _counts_lines(points: Sequence[Point]) -> list[str]:
-    """``fused: 1.36× torchtitan_style's ops, 1 host sync, 6 of 6 grouped_mm on the fast path``."""
-    lines = [f"legend: {COUNTS_LEGEND}"]
+    """The legend, then ``fused: 1.36× torchtitan_style's ops, 1 host sync against 0, ...``."""
+    ratios, syncs, ref_syncs, fast, calls = [], [], [], [], []
     for point in points:
         by_name: dict[str, Any] = {r.name: r for r in point.results if r.error is None}
         own, ref = by_name.get("fused"), by_name.get(point.reference)
         if own is None or ref is None:
             continue
         full, ref_full = own.phase("full"), ref.phase("full")
-        fast = sum(g.fast_path for g in full.grouped_mm)
-        lines.append(f"verdict counts {point.x_value}: fused: "
-                     f"{full.non_view_ops / ref_full.non_view_ops:.2f}× {point.reference}'s ops, "
-                     f"{full.host_syncs} host sync(s) against {ref_full.host_syncs}, {fast} of "
-                     f"{len(full.grouped_mm)} grouped_mm calls on CUDA's fast path")
+        ratios.append(full.non_view_ops / ref_full.non_view_ops)
+        syncs.append(full.host_syncs)
+        ref_syncs.append(ref_full.host_syncs)
+        fast.append(sum(g.fast_path for g in full.grouped_mm))
+        calls.append(len(full.grouped_mm))
+    lines = [f"legend: {COUNTS_LEGEND}"]
+    if ratios:
+        lines.append(f"verdict counts: fused: {_span(ratios)} {points[0].reference}'s ops, "
+                     f"{_ints(syncs)} host syncs against {_ints(ref_syncs)}, {_ints(fast)} of "
+                     f"{_ints(calls)} grouped_mm calls on CUDA's fast path; {len(ratios)} "
+                     f"point{'s' if len(ratios) > 1 else ''}")
     return lines
+
+
+def _ints(values: Sequence[int]) -> str:
+    return str(min(values)) if min(values) == max(values) else f"{min(values)}–{max(values)}"
