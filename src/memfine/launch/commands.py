@@ -74,14 +74,17 @@ def torchtitan_command(plan: Plan) -> str | None:
              f"--training.local_batch_size {local}", f"--training.seq_len {cfg.seq_len}"]
     if cfg.p > 1:
         flags.append(f"--parallelism.pipeline_parallel_microbatch_size {cfg.micro_batch}")
+    if cfg.p > 1 or cfg.e > 1:  # torchtitan's CUDA graphs take neither (its config check says)
+        flags.append("--training.disable_cuda_graphs")
     if cfg.global_batch is not None:
         flags.append(f"--training.global_batch_size {cfg.global_batch}")
-    flags.append("activation-checkpoint:full" if cfg.recompute == "full"
-                 else "activation-checkpoint:none")
     chunks = _chunks(plan)
     if cfg.recompute != "none" and chunks is not None and chunks > 1:
         flags.append("--override.imports 'memfine.integrations.torchtitan_modules."
                      f"memfine_experts={{\"num_chunks\": {chunks}}}'")
+    # a subcommand: the flags after it would be its own, so it comes last
+    flags.append("activation-checkpoint:full" if cfg.recompute == "full"
+                 else "activation-checkpoint:none")
     return (f"{_torchrun(cfg.devices)} -m torchtitan.train --module "
             f"memfine.integrations.torchtitan_configs --config {name} " + " ".join(flags))
 

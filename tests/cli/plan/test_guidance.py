@@ -102,3 +102,31 @@ def test_device_memory_in_gb_gets_a_gib_note(capsys: pytest.CaptureFixture[str])
     assert "74.51 GiB" in out
     _, _, err = _run(["--preset", "olmoe-1b-7b", "--device-memory", "80GiB"], capsys)
     assert "GB is" not in err
+
+
+@pytest.mark.parametrize(("recompute", "p", "gib"), [("full", 2, 80), ("experts", 1, 79)])
+def test_the_torchtitan_command_parses_with_torchtitans_own_config_manager(
+        recompute: str, p: int, gib: int) -> None:
+    """torchtitan's ConfigManager reads every flag (its own checks included: CUDA graphs off
+    under pipeline and expert parallelism); at 79 GiB MACT needs c = 2, passed as an override."""
+    pytest.importorskip("torchtitan")
+    from torchtitan.config import ConfigManager
+
+    cfg = PlanConfig(model=PRESETS["qwen3-30b-a3b"], t=2, e=8, dp=4, p=p, recompute=recompute,
+                     global_batch=1024, skews=(8.0,), device_memory_bytes=gib << 30)
+    plan = plan_layout(cfg)
+    line = torchtitan_command(plan)
+    assert plan.fits and line is not None
+    words = shlex.split(line)
+    config = ConfigManager().parse_args(words[words.index("torchtitan.train") + 1:])
+    assert (config.parallelism.tensor_parallel_degree, config.parallelism.pipeline_parallel_degree,
+            config.parallelism.expert_parallel_degree,
+            config.parallelism.data_parallel_shard_degree) == (2, p, 8, 4)
+    assert config.training.global_batch_size == 1024 and config.training.seq_len == 4096
+    assert type(config.activation_checkpoint).__qualname__ == (
+        "FullAC.Config" if recompute == "full" else "NoneType")
+    chunks = plan.limiting[1].num_chunks
+    assert chunks is not None
+    expected = ([("memfine.integrations.torchtitan_modules.memfine_experts",
+                  {"num_chunks": chunks})] if recompute != "none" and chunks > 1 else [])
+    assert config.override.imports == expected
