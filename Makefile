@@ -19,7 +19,7 @@ install: $(STAMP)
 train: $(STAMP)
 	$(PY) -m memfine train $(ARGS)
 
-# The README's training table is copied from benchmarks/results/train_small.json, which this
+# docs/results.md's training table is copied from benchmarks/results/train_small.json, which this
 # target writes: the `make train` run (preset small) into runs/results-small, then the summary.
 results: $(STAMP)
 	$(PY) -m memfine train --out runs/results-small --overwrite --no-progress $(ARGS)

@@ -165,7 +165,7 @@ def measure(shape_name: str, rounds: int) -> list[dict[str, str]]:
 
 
 def table(rows: list[dict[str, str]]) -> str:
-    """The markdown table of README / docs/lora.md from the CSV rows (MiB = 2^20 bytes)."""
+    """The markdown table of docs/lora.md from the CSV rows (MiB = 2^20 bytes)."""
     def get(shape: str, method: str, metric: str) -> float:
         return next(float(r["p50"]) for r in rows if (r["x_value"], r["method"], r["metric"])
                     == (shape, method, metric))

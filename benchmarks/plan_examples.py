@@ -1,4 +1,4 @@
-"""The README's ``memfine plan`` examples and its comparison with DeepSpeed's ZeRO estimator.
+"""docs/results.md's ``memfine plan`` examples and its comparison with DeepSpeed's ZeRO estimator.
 
 Writes ``benchmarks/results/plan_examples.json`` (bytes as ints) with:
 

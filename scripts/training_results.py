@@ -1,4 +1,4 @@
-"""Collect a finished ``memfine train`` run into the JSON the README's training table quotes.
+"""Collect a finished ``memfine train`` run into the JSON docs/results.md's training table quotes.
 
 Usage: ``python scripts/training_results.py RUN_DIR OUT_JSON`` (``make results`` runs the
 ``small`` preset into ``runs/results-small`` and then this script). The JSON holds the run's

@@ -42,6 +42,8 @@ ALLOWED: dict[str, set[str]] = {
     "memory": {"timeline", "dispatch"} | BASE,
     # whole training layouts: pipeline stages, presets, the layout search (prediction only)
     "plan": {"memory"} | BASE,
+    # the commands that run a planned layout (memfine train, torchtitan's trainer)
+    "launch": {"plan"} | BASE,
     "parallel": {"ops", "experts", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "experts", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,
@@ -65,7 +67,7 @@ ALLOWED: dict[str, set[str]] = {
     # the suites measure every layer of the package (never against the reference); the
     # benchmark scripts parse their flags with the flags' value parsers
     "suites": ALL_BELOW_NN | {"nn", "hf", "integrations", "train", "data", "artifacts",
-                              "reports", "plan", "bench", "baselines", "flags"},
+                              "reports", "plan", "launch", "bench", "baselines", "flags"},
     # the flag tables of the commands and how they resolve into configs
     "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "reports", "plan"},
     "cli": {"*"},

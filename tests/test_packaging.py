@@ -36,3 +36,9 @@ def test_changelog_has_a_section_for_this_version() -> None:
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     released = re.findall(r"^## \[(\d+\.\d+\.\d+)\]", text, re.M)
     assert memfine.__version__ in released, released
+
+
+def test_metadata_names_authors_and_project_urls() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    assert project["authors"] and all(a.get("name") for a in project["authors"])
+    assert project["urls"] and all(u.startswith("https://") for u in project["urls"].values())

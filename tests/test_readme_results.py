@@ -1,6 +1,7 @@
-"""The README's and docs' figures equal the committed results files: the training table (written
-by `make results`), the time ratios of the experts and chunking tables (`memfine bench`), and the
-transformers and torchtitan tables of docs/hf.md and docs/torchtitan.md (`benchmarks/`)."""
+"""The docs' figures equal the committed results files: docs/results.md's training table (written
+by `make results`) and the time ratios of its experts, model-step and chunking tables
+(`memfine bench`), and the transformers, torchtitan and compile tables of docs/hf.md,
+docs/torchtitan.md and docs/compile.md (`benchmarks/`)."""
 
 from __future__ import annotations
 
@@ -12,19 +13,26 @@ from pathlib import Path
 
 ROOT = Path(__file__).parents[1]
 RESULTS = ROOT / "benchmarks" / "results" / "train_small.json"
+RESULTS_DOC = ROOT / "docs" / "results.md"
+
+
+def _section(title: str) -> str:
+    """docs/results.md's section whose heading starts with ``title``, to the next heading."""
+    text = RESULTS_DOC.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}")
+    end = text.find("\n## ", start + 1)
+    return text[start:end if end > 0 else len(text)]
 
 
 def _training_section() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index("## Training results")
-    return text[start:text.index("\n## ", start + 1)]
+    return _section("Training")
 
 
-def test_readme_training_table_equals_the_results_file() -> None:
+def test_training_table_equals_the_results_file() -> None:
     summary = json.loads(RESULTS.read_text())["summary"]
     section = _training_section()
     row = re.search(r"\| final validation loss \| ([\d.]+) \| ([\d.]+) \|", section)
-    assert row is not None, "the README's training table has no final validation loss row"
+    assert row is not None, "docs/results.md's training table has no final validation loss row"
     assert row.group(1) == f"{summary['final_val_loss_nats_per_byte']:.4f}"
     assert row.group(2) == f"{summary['final_val_loss_bits_per_byte']:.4f}"
     unigram = re.search(r"\| unigram [^|]*\| ([\d.]+) \| ([\d.]+) \|", section)
@@ -56,7 +64,7 @@ def test_results_file_is_consistent() -> None:
     assert results["val_loss_by_step"][str(summary["step"])] == nats
 
 
-def test_readme_validation_curve_equals_the_results_file() -> None:
+def test_validation_curve_equals_the_results_file() -> None:
     by_step = json.loads(RESULTS.read_text())["val_loss_by_step"]
     quoted = re.search(r"Validation loss along the run:\s+(.*?)\.\s", _training_section(),
                         flags=re.S)
@@ -67,7 +75,7 @@ def test_readme_validation_curve_equals_the_results_file() -> None:
         assert value == f"{by_step[step]:.3f}"
 
 
-EXPERTS_ROWS = {  # the README's experts table: row label start → method
+EXPERTS_ROWS = {  # docs/results.md's experts table: row label start → method
     "plain PyTorch": "plain", "`torch._grouped_mm` over": "grouped_mm",
     "torchtitan's own": "torchtitan", "per-expert loop": "expert_loop",
     "full-layer recompute": "full_recompute", "memfine fused + MACT": "fused_mact"}
@@ -91,15 +99,9 @@ def _ratios(suite: str, reference: str) -> dict[tuple[str, str], str]:
             for key, r in _values(f"bench_{suite}.csv", f"time_ratio_to_{reference}").items()}
 
 
-def _section(title: str) -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    start = text.index(title)
-    return text[start:text.index("\n### ", start + 1)]
-
-
-def test_readme_experts_time_ratios_equal_the_results_file() -> None:
+def test_experts_time_ratios_equal_the_results_file() -> None:
     ratios = _ratios("experts", "fused")
-    section = _section("### One MoE layer: memfine fused vs")
+    section = _section("One MoE layer: memfine fused vs")
     for label, method in EXPERTS_ROWS.items():
         row = next(line for line in section.splitlines() if line.startswith(f"| {label}"))
         quoted = re.findall(r"([\d.]+)×", row.split("|")[3])
@@ -111,9 +113,9 @@ def test_readme_experts_time_ratios_equal_the_results_file() -> None:
                                            for c in (1, 2, 3, 5)]
 
 
-def test_readme_chunking_time_ratios_equal_the_results_file() -> None:
+def test_chunking_time_ratios_equal_the_results_file() -> None:
     ratios = _ratios("chunking", "full_recompute")
-    section = _section("### MemFine: chunking under routing skew")
+    section = _section("MemFine: chunking under routing skew")
     rows = re.findall(r"^\| (\d) \| (.*) \|$", section, flags=re.M)
     assert [skew for skew, _ in rows] == ["1", "2", "4", "8"]
     for skew, cells in rows:
@@ -122,9 +124,9 @@ def test_readme_chunking_time_ratios_equal_the_results_file() -> None:
         assert quoted == [ratios[(skew, m)] for m in CHUNKING_COLUMNS], skew
 
 
-def test_readme_model_step_ratios_equal_the_results_file() -> None:
+def test_model_step_ratios_equal_the_results_file() -> None:
     ratios = _ratios("model", "fused")
-    text = " ".join(_section("### One MoE layer: memfine fused vs").split())
+    text = " ".join(_section("A training step of the small model").split())
     quoted = re.search(r"plain ([\d.]+)× the time and \d+ MiB; fused \+ MACT ([\d.]+)× "
                        r"and \d+ MiB; full recompute ([\d.]+)×", text)
     assert quoted is not None
@@ -195,7 +197,7 @@ def _quoted(cell: str, value: str) -> str:
     return f"{float(value):.{decimals}f}"
 
 
-def test_hf_doc_suite_table_and_readme_equal_the_results_file() -> None:
+def test_hf_doc_suite_table_and_summary_equal_the_results_file() -> None:
     name = "bench_hf.csv"
     section, rounds = _timed_section("hf.md", "`memfine bench --suite hf --threads 1 --repeats",
                                      name)
@@ -209,7 +211,7 @@ def test_hf_doc_suite_table_and_readme_equal_the_results_file() -> None:
             assert saved == _quoted(saved, floor[(x, method)]["p50"]), (x, method)
             if method != "memfine":
                 assert time == f"{float(ratios[(x, method)]['p50']):.2f}× time", (x, method)
-    text = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    text = " ".join((ROOT / "docs" / "hf.md").read_text(encoding="utf-8").split())
     quoted = re.search(r"memfine saves ([\d.]+)–([\d.]+) × the x \+ H floor .*? `eager` saves "
                        r"([\d.]+)–([\d.]+)× and `grouped_mm` ([\d.]+)–([\d.]+)×; .*? medians of "
                        r"(\d+) per-round ratios\) `grouped_mm` takes ([\d.]+)–([\d.]+)× memfine's "

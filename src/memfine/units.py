@@ -109,3 +109,16 @@ def checked_byte_size(size: object, name: str) -> int:
         bytes_ = f" ({got} bytes)" if isinstance(size, str) else ""
         raise ValueError(f"{name} must be {allowed}, got {size!r}{bytes_}")
     return got
+
+
+def decimal_gb_note(size: int, flag: str) -> str | None:
+    """A note for a size given in GB (10^9 bytes) where a GPU's "GB" means GiB, else None.
+
+    A card sold as "80GB" (A100, H100) carries 80 GiB of memory: 85.9e9 bytes, of which
+    nvidia-smi shows 81,559 MiB (79.6 GiB) on an H100. ``80GB`` is 74.51 GiB.
+    """
+    if size % 10**9 or not size % 2**20:
+        return None
+    return (f"{flag} {size // 10**9}GB is {size:,} bytes = {size / 2**30:.2f} GiB; a card sold "
+            "as \"80GB\" (A100, H100) has 80 GiB (85.9e9 bytes; nvidia-smi shows 81,559 MiB = "
+            f"79.6 GiB on an H100), so give {flag} 80GiB for it")

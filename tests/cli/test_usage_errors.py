@@ -25,10 +25,10 @@ from memfine.cli import train as train_cli
 from memfine.cli.bench import _BUDGET_NAMES
 from memfine.cli.main import _path_flag, build_parser, main
 from memfine.flags import threads
-from memfine.flags.budget import flag_words
 from memfine.nn import MoETransformerLM
 from memfine.reports import memory_log
 from memfine.schedule.decision import CONFIG_NAMES, InfeasibleBudgetError
+from memfine.schedule.wording import flag_words
 from memfine.train import preset
 
 CORPUS = str(Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt")

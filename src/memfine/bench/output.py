@@ -18,8 +18,9 @@ from memfine.bench.options import Point
 from memfine.bench.results import NOT_MODELLED
 from memfine.units import NOT_MEASURED, MiB
 
-HEADERS = ("method", "fwd+bwd ms", "p20-p80 ms", "÷ ref", "tokens/s", "saved MiB", "model MiB",
-           "peak MiB", "profiler MiB", "model MiB", "peak ÷ ref", "c")
+HEADERS = ("method", "fwd+bwd ms", "p20-p80 ms", "÷ ref", "tokens/s", "saved MiB",
+           "model saved MiB", "peak MiB", "profiler MiB", "model peak MiB", "peak ÷ ref", "c")
+"""The terminal table's columns; each header names one column."""
 
 
 def _mib(value: int | None, missing: str = NOT_MEASURED) -> str:
@@ -89,7 +90,7 @@ def print_point(point: Point) -> None:
     print(f"fwd+bwd: p50 over repeats, timed with {clock_text(point.results)}; ÷ ref: median "
           f"over rounds of the time ÷ '{point.reference}''s in the same round; peak: live tracker "
           "(*_compiled: torch.profiler); profiler: torch.profiler's allocator events; model "
-          "MiB: the memory model's prediction; c: chunks")
+          "saved / peak MiB: the memory model's prediction; c: chunks")
 
 
 def clock_text(results: Sequence[MethodResult]) -> str:

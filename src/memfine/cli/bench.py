@@ -26,10 +26,10 @@ import torch
 from memfine.artifacts.rundir import file_on_path
 from memfine.bench import SUITES, BenchOptions
 from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
-from memfine.flags.budget import flag_words
 from memfine.flags.table import Flag, NotGiven, add_flags, name_flag, typed_fields, value
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import byte_size, comma_ints, int64, path_flag
+from memfine.schedule.wording import flag_words
 from memfine.suites import select_methods
 from memfine.suites.runner import run_suites
 

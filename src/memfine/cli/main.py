@@ -66,7 +66,7 @@ def version() -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the top-level parser with one sub-parser per available subcommand."""
-    parser = _Parser(prog="memfine", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="memfine", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("-V", "--version", action="version", version=f"memfine {version()}")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():

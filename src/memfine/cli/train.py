@@ -14,7 +14,7 @@ from typing import Any
 
 from memfine.artifacts.rundir import check_run_dir
 from memfine.config import TrainConfig
-from memfine.flags.budget import budget_warnings_in_flags, check_memory_budget, flag_message
+from memfine.flags.budget import check_memory_budget
 from memfine.flags.table import add_flags, given, value
 from memfine.flags.threads import checked_threads
 from memfine.flags.train_config import preset_default, resolve_config
@@ -22,6 +22,7 @@ from memfine.flags.train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.flags.values import check_device
 from memfine.reports.trackers import check_tracker
 from memfine.schedule.policy import InfeasibleBudgetError
+from memfine.schedule.wording import budget_warnings_in_flags, flag_message
 from memfine.train import train
 from memfine.train.determinism import deterministic_mode
 

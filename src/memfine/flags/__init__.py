@@ -3,6 +3,6 @@
 Modules: ``table`` (the one flag-table pattern: :class:`~memfine.flags.table.Flag`, parsing,
 one-line usage errors), ``train_flags`` (``memfine train``'s table), ``train_config`` (flags,
 ``--config`` TOML, ``--resume`` and ``--init-from`` resolved into a ``TrainConfig``), ``budget``
-(memory-budget errors in the flags' names), ``checkpoint`` (the run-directory flags of
-``generate`` / ``eval`` / ``export``).
+(a ``--memory-budget`` that no plan meets, refused before the run), ``checkpoint`` (the
+run-directory flags of ``generate`` / ``eval`` / ``export``).
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import MappingProxyType
+from typing import Any
 
 from memfine._checks import check_int, lookup
 from memfine.config import MoEConfig, ScoreFunc
@@ -213,7 +214,7 @@ def _assumed(recompute: str, *, t: int, e: int, dp: int, cp: int = 1) -> RunSett
     One pipeline stage, global batch 1,024 sequences of 4,096 tokens; every value assumed.
     """
     return _setting(
-        "no published training layout in our notes; every value assumed: the first layout of "
+        "no published training layout in our notes; every value assumed: a layout that fits in "
         f"`memfine plan --search --devices {t * dp * cp} --device-memory 80GiB --global-batch "
         "1024`",
         device_memory="80GiB", recompute=recompute, t=t, p=1, e=e, dp=dp, cp=cp,
@@ -240,6 +241,31 @@ PRESETS: MappingProxyType[str, ModelPreset] = MappingProxyType({
         "memfine-paper-II", 8, "MemFine Table 3 model II: DeepSeek-V3 cut to 8 layers",
         _paper_setting(p=1, static_memory="39.5GiB")),
 })
+
+
+_REQUIRED_SIZES = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "num_layers",
+                   "num_heads")
+
+
+def custom_model(sizes: dict[str, Any]) -> ModelPreset:
+    """A model from explicit sizes (``memfine plan``'s size flags).
+
+    GQA attention, no dense or shared layers and a vocabulary of 32,000 unless given.
+
+    Raises:
+        ValueError: naming the size flags missing.
+    """
+    missing = [f for f in _REQUIRED_SIZES if f not in sizes]
+    if missing:
+        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
+        raise ValueError(f"give --preset, --hf-config or the model sizes; missing {flags}")
+    d, heads = sizes["hidden_size"], sizes["num_heads"]
+    kv = sizes.get("num_kv_heads", heads)
+    hd = sizes.get("head_dim", d // heads if heads > 0 else 0)
+    full = {"num_dense_layers": 0, "dense_intermediate_size": 0, "num_shared_experts": 0,
+            "shared_intermediate_size": 0, "vocab_size": 32000, "num_kv_heads": kv,
+            "head_dim": hd, "attention_params": 2 * d * heads * hd + 2 * d * kv * hd, **sizes}
+    return ModelPreset(name="custom", tied_embeddings=False, source="explicit sizes", **full)
 
 
 def get_preset(name: str) -> ModelPreset:

@@ -11,8 +11,9 @@ Cost (lower is better), relative time per step on the same devices, communicatio
 forward under ``full``, the routed experts' forward under ``experts``, 0 under ``none``
 (forward FLOPs per token: 2 per parameter of the layer's matmuls plus causal attention
 2·s·a·h_d; training = 3 × forward). (m + p − 1)/m is the 1F1B schedule's time over its ideal,
-bubble fraction (p − 1)/(m + p − 1), with m = global batch / (dp·b) micro-batches. Ties go to
-smaller t, then smaller cp, then fewer bins, then the smaller peak.
+bubble fraction (p − 1)/(m + p − 1), with m = global batch / (dp·b) micro-batches.
+:data:`RANK_RULE` breaks ties. Layouts that differ only in bins no stage uses (the same c
+everywhere, so the same plan) are merged into the one with fewer bins.
 
 Reference: MemFine Eq. 1-3, 8, 9; Narayanan et al., "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (2021), §2.2 (1F1B bubble) and §3.5 (FLOPs, recomputation).
@@ -35,6 +36,9 @@ CONTEXT_PARALLEL = (1, 2)
 MICRO_BATCHES = (1, 2, 4)
 BINS = ((1, 2, 4, 8), (1, 2, 4, 8, 16))
 MAX_DEVICES_FACTOR = 1 << 12  # the smallest-N search stops at N · 4096
+RANK_RULE = ("ranked by relative time to 3 decimals; ties: fewest kinds of parallelism "
+             "(t, p, e, dp, cp above 1), then least peak memory")
+"""How :func:`search` orders the layouts that fit (printed with them)."""
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -65,8 +69,9 @@ class SearchResult:
     """The layouts on N devices that fit, ranked, and what would fit when none does.
 
     Attributes:
-        fitting: the layouts that fit, best first.
+        fitting: the layouts that fit, best first (:data:`RANK_RULE`), merged.
         considered: how many valid layouts were planned.
+        merged: layouts left out of ``fitting`` as the same plan with more (unused) bins.
         smallest_device_memory_bytes: when none fits, the least M_device that fits some layout
             on these N devices (else ``None``).
         smallest_devices: when none fits, the least N·2^j (j ≥ 1) on which some layout fits in
@@ -76,6 +81,7 @@ class SearchResult:
 
     fitting: tuple[Candidate, ...]
     considered: int
+    merged: int
     smallest_device_memory_bytes: int | None
     smallest_devices: int | None
 
@@ -190,9 +196,32 @@ def nearest_valid_devices(base: PlanConfig, devices: int) -> tuple[int | None, i
     return (counts[i - 1] if i else None), (counts[j] if j < len(counts) else None)
 
 
-def _rank_key(c: Candidate) -> tuple[float, int, int, int, int]:
+def parallel_kinds(cfg: PlanConfig) -> int:
+    """How many of t, p, e, dp, cp are above 1 (the kinds of parallelism a layout uses)."""
+    return sum(size > 1 for size in (cfg.t, cfg.p, cfg.e, cfg.dp, cfg.cp))
+
+
+def _rank_key(c: Candidate) -> tuple[float, int, int, int, int, int]:
+    """:data:`RANK_RULE`, then smaller t, cp and fewer bins (a total order)."""
     cfg = c.plan.config
-    return (round(c.cost.relative_time, 9), cfg.t, cfg.cp, len(cfg.bins), c.plan.peak_bytes)
+    return (round(c.cost.relative_time, 3), parallel_kinds(cfg), c.plan.peak_bytes, cfg.t,
+            cfg.cp, len(cfg.bins))
+
+
+def _same_plan(c: Candidate) -> tuple[object, ...]:
+    """A layout without its bins, and the c each stage runs at each skew."""
+    cfg = c.plan.config
+    chunks = tuple(sk.num_chunks for st in c.plan.stages for sk in st.skews)
+    return (cfg.t, cfg.p, cfg.e, cfg.dp, cfg.cp, cfg.micro_batch, cfg.recompute, chunks,
+            c.plan.peak_bytes)
+
+
+def _merged(fitting: list[Candidate]) -> list[Candidate]:
+    """``fitting`` without the layouts whose extra bins no stage uses (fewer bins kept)."""
+    kept: dict[tuple[object, ...], Candidate] = {}
+    for c in sorted(fitting, key=lambda c: len(c.plan.config.bins)):
+        kept.setdefault(_same_plan(c), c)
+    return sorted(kept.values(), key=_rank_key)
 
 
 def smallest_devices(base: PlanConfig, devices: int) -> int | None:
@@ -209,6 +238,20 @@ def smallest_devices(base: PlanConfig, devices: int) -> int | None:
                 return n
         n *= 2
     return None
+
+
+def no_layout_message(cfg: PlanConfig, devices: int) -> str:
+    """Why no layout exists on ``devices`` and which device counts have one (flag names)."""
+    m = cfg.model
+    below, above = nearest_valid_devices(cfg, devices)
+    near = " or ".join(str(n) for n in (below, above) if n is not None)
+    if above is None and below is not None:
+        near += ", the most devices that have a layout"
+    batch = (f", and dp·b dividing the global batch {cfg.global_batch} (--global-batch)"
+             if cfg.global_batch is not None else "")
+    return (f"no valid layout on {devices} devices: a layout needs N = t·p·dp·cp with t in "
+            f"{{1, 2, 4, 8}} dividing the {m.num_heads} heads, cp in {{1, 2}} dividing "
+            f"s/2 = {cfg.seq_len // 2}, p <= L = {m.num_layers}{batch}; try --devices {near}")
 
 
 def check_devices(devices: object) -> None:
@@ -245,8 +288,8 @@ def search(base: PlanConfig, devices: int) -> SearchResult:
         elif not fitting:
             need = plan.min_device_memory_bytes
             least = need if least is None else min(least, need)
-    fitting.sort(key=_rank_key)
+    ranked = _merged(fitting)
     return SearchResult(
-        fitting=tuple(fitting), considered=considered,
+        fitting=tuple(ranked), considered=considered, merged=len(fitting) - len(ranked),
         smallest_device_memory_bytes=None if fitting else least,
         smallest_devices=None if fitting else smallest_devices(base, devices))

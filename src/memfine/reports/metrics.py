@@ -123,6 +123,28 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
     return records
 
 
+def chunks_figure(plt: Any, steps: list[int], chunks_LS: torch.Tensor) -> Any:
+    """The ``chunks.png`` figure: c per layer (rows) and step (columns), integer axes.
+
+    Steps, layers and chunk counts are integers, so every axis and the colour bar tick at
+    integers only (``MaxNLocator(integer=True)``).
+    """
+    MaxNLocator = require("matplotlib.ticker").MaxNLocator  # noqa: N806 (a class)
+    fig, ax = plt.subplots(figsize=(8, 3))
+    image = ax.imshow(chunks_LS.numpy(), aspect="auto", interpolation="nearest", origin="lower",
+                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, chunks_LS.shape[0] - 0.5))
+    ax.set_xlabel("step")
+    ax.set_ylabel("layer")
+    ax.set_title("MoE chunk count c per layer")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_locator(MaxNLocator(integer=True))
+    bar = fig.colorbar(image, ax=ax, label="num_chunks")
+    bar.locator = MaxNLocator(integer=True)
+    bar.update_ticks()
+    fig.tight_layout()
+    return fig
+
+
 def plot_run(out_dir: str | os.PathLike[str]) -> list[Path]:
     """Write ``chunks.png`` (num_chunks heatmap, layer × step) and ``loss.png`` from the metrics.
 
@@ -142,14 +164,7 @@ def plot_run(out_dir: str | os.PathLike[str]) -> list[Path]:
     steps = [r["step"] for r in records]
     chunks_LS = torch.tensor([r["num_chunks"] for r in records], dtype=torch.float64).T
 
-    fig, ax = plt.subplots(figsize=(8, 3))
-    image = ax.imshow(chunks_LS.numpy(), aspect="auto", interpolation="nearest", origin="lower",
-                      extent=(steps[0] - 0.5, steps[-1] + 0.5, -0.5, chunks_LS.shape[0] - 0.5))
-    ax.set_xlabel("step")
-    ax.set_ylabel("layer")
-    ax.set_title("MoE chunk count c per layer")
-    fig.colorbar(image, ax=ax, label="num_chunks")
-    fig.tight_layout()
+    fig = chunks_figure(plt, steps, chunks_LS)
     chunks_png = out_dir / "chunks.png"
     fig.savefig(chunks_png, dpi=120)
     plt.close(fig)

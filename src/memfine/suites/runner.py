@@ -23,6 +23,7 @@ from memfine.environment import collect_environment
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import int_at_least
 from memfine.suites import SUITE_MODULES, select_methods
+from memfine.suites.verdicts import verdict_lines
 from memfine.train.loop import torch_threads
 
 
@@ -73,6 +74,7 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
                      point_rows(point, env))
         if not points:
             continue
+        print("\n".join(verdict_lines(suite, points)))
         plots = [] if hasattr(module, "csv_rows") else plot_points(points, out, suite)
         written = [write_csv(rows, out / f"bench_{suite}.csv"), *plots]
         print(f"{suite}: {time.perf_counter() - start:.1f} s; wrote "

@@ -14,10 +14,12 @@ deepseek_v3, mixtral, olmoe, gpt_oss) or the size flags (which override either).
 from the flags, then from the preset's setting (its publisher's layout where published; each
 field is marked published or assumed), then from the defaults shown here. --search plans every
 valid layout on --devices N and ranks the ones that fit at the worst skew by recompute FLOPs and
-the 1F1B pipeline bubble (see memfine.plan.search). Byte sizes need a unit: 80GiB, 80GB (10^9),
-512MiB. Output: a one-line answer first; --verbose adds the per-stage and per-skew tables;
---json prints everything as one JSON object. Exit status 0 when a plan was produced (fits or
-not; the JSON says "fits"), 2 for bad input.
+the 1F1B pipeline bubble; ties go to the layout with the fewest kinds of parallelism, then the
+least memory (see memfine.plan.search). Under the answer: the torchrun command that runs the
+layout. Byte sizes need a unit: 80GiB, 80GB (10^9: a card's "80GB" is 80GiB), 512MiB.
+Output: a one-line answer first; --verbose adds the per-stage and per-skew tables (of the first
+layout under --search); --json prints everything as one JSON object. Exit status 0 when a
+plan was produced (fits or not; the JSON says "fits"), 2 for bad input.
 """
 
 from __future__ import annotations
@@ -44,9 +46,9 @@ from memfine.flags.table import (
 from memfine.flags.values import byte_size, comma_ints, finite_float, int64
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, PlanConfig
-from memfine.plan.presets import PRESETS, ModelPreset
-from memfine.plan.search import check_devices, nearest_valid_devices, search
-from memfine.units import DTYPE_BYTES, format_bytes, parse_bytes
+from memfine.plan.presets import PRESETS, ModelPreset, custom_model
+from memfine.plan.search import check_devices, no_layout_message, search
+from memfine.units import DTYPE_BYTES, decimal_gb_note, format_bytes, parse_bytes
 
 # (flag, ModelPreset field, help) for the model sizes.
 _SIZE_FLAGS = (
@@ -105,8 +107,6 @@ _SETTING_KEYS = {"device_memory_bytes": "device_memory", "static_bytes": "static
                  "skews": "skew"}
 _BYTE_FIELDS = ("device_memory_bytes", "static_bytes")
 _UNSET = argparse.SUPPRESS  # a model flag not given leaves no attribute: the model's own value
-_REQUIRED_SIZES = ("hidden_size", "moe_intermediate_size", "num_experts", "top_k", "num_layers",
-                   "num_heads")
 
 
 def _default(flag: Flag) -> NotGiven:
@@ -157,17 +157,7 @@ def _model(args: argparse.Namespace) -> ModelPreset:
         base = None
     if base is not None:
         return dataclasses.replace(base, **given) if given else base
-    missing = [f for f in _REQUIRED_SIZES if f not in given]
-    if missing:
-        flags = ", ".join("--" + f.replace("_", "-") for f in missing)
-        raise ValueError(f"give --preset, --hf-config or the model sizes; missing {flags}")
-    d, heads = given["hidden_size"], given["num_heads"]
-    kv = given.get("num_kv_heads", heads)
-    hd = given.get("head_dim", d // heads if heads > 0 else 0)
-    sizes = {"num_dense_layers": 0, "dense_intermediate_size": 0, "num_shared_experts": 0,
-             "shared_intermediate_size": 0, "vocab_size": 32000, "num_kv_heads": kv,
-             "head_dim": hd, "attention_params": 2 * d * heads * hd + 2 * d * kv * hd, **given}
-    return ModelPreset(name="custom", tied_embeddings=False, source="explicit sizes", **sizes)
+    return custom_model(given)
 
 
 _SEARCHED = ("t", "p", "e", "dp", "cp", "v", "micro_batch", "recompute", "bins")
@@ -244,6 +234,7 @@ def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
     skew_text = str(values.pop("skews"))
     cfg = PlanConfig(model=model, distributed_optimizer=not args.no_distributed_optimizer,
                      **values)
+    _check_mixed_layout(values, sources, model.name)  # once each size is valid
     skews = []
     for item in skew_text.split(","):
         try:
@@ -261,6 +252,26 @@ def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
         min(x, cfg.worst_skew) for x in skews))), sources
 
 
+def _check_mixed_layout(values: dict[str, Any], sources: dict[str, str], model: str) -> None:
+    """Refuse parallel sizes given by flags beside a preset's other sizes (not 1) kept silently.
+
+    Raises:
+        ValueError: naming the flags given, the preset's sizes kept and the device count the mix
+            would answer for.
+    """
+    sizes = ("t", "p", "e", "dp", "cp", "v")
+    given_ = [f for f in sizes if sources[f] == "flag"]
+    kept = [f for f in sizes if sources[f] in ("published", "assumed") and values[f] != 1]
+    if given_ and kept:
+        devices = values["t"] * values["p"] * values["dp"] * values["cp"]
+        raise ValueError(
+            " ".join(f"{_FLAG_OF[f]} {values[f]}" for f in given_) + f" mix with {model}'s "
+            + ", ".join(f"{sources[f]} {_FLAG_OF[f]} {values[f]}" for f in kept)
+            + f": that layout is {devices} devices (t·p·dp·cp); give "
+            + " ".join(f"{_FLAG_OF[f]}" for f in kept) + " too (1 for none), or use --search "
+            "--devices N")
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``memfine plan``; 0 when a plan was produced (fits or not)."""
     if args.top < 1:
@@ -270,25 +281,16 @@ def run(args: argparse.Namespace) -> int:
     if args.search != hasattr(args, "devices"):
         raise ValueError("--search and --devices N go together")
     cfg, sources = resolve(args)
+    hint = (decimal_gb_note(cfg.device_memory_bytes, "--device-memory")
+            if sources["device_memory"] == "flag" else None)
+    if hint is not None:
+        print(f"memfine plan: {hint}", file=sys.stderr)
     if args.search:
         result = search(cfg, args.devices)
         if not result.considered:
-            raise ValueError(_no_layout(cfg, args.devices))
-        output.print_search(result, cfg, args.devices, top=args.top, as_json=args.json)
+            raise ValueError(no_layout_message(cfg, args.devices))
+        output.print_search(result, cfg, args.devices, top=args.top, as_json=args.json,
+                            verbose=args.verbose)
     else:
         output.print_plan(cfg, sources, verbose=args.verbose, as_json=args.json)
     return 0
-
-
-def _no_layout(cfg: PlanConfig, devices: int) -> str:
-    """Why no layout exists on ``devices`` and which device counts have one."""
-    m = cfg.model
-    below, above = nearest_valid_devices(cfg, devices)
-    near = " or ".join(str(n) for n in (below, above) if n is not None)
-    if above is None and below is not None:
-        near += ", the most devices that have a layout"
-    batch = (f", and dp·b dividing the global batch {cfg.global_batch} (--global-batch)"
-             if cfg.global_batch is not None else "")
-    return (f"no valid layout on {devices} devices: a layout needs N = t·p·dp·cp with t in "
-            f"{{1, 2, 4, 8}} dividing the {m.num_heads} heads, cp in {{1, 2}} dividing "
-            f"s/2 = {cfg.seq_len // 2}, p <= L = {m.num_layers}{batch}; try --devices {near}")

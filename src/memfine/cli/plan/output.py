@@ -10,12 +10,15 @@ import dataclasses
 import json
 from typing import Any
 
+from memfine.launch import launch_commands, launch_lines
 from memfine.plan.layout import PlanConfig
-from memfine.plan.search import Candidate, SearchResult, layout_cost
+from memfine.plan.search import RANK_RULE, Candidate, SearchResult, layout_cost, parallel_kinds
 from memfine.plan.stage import Plan, SkewPlan, StagePlan, plan_layout
 from memfine.units import format_bytes
 
 _FB = format_bytes
+VERBOSE_SKEWS = (1.0, 2.0, 4.0, 8.0, 16.0)
+"""Skews of the chosen layout's tables under ``--search --verbose`` (capped at its worst)."""
 
 
 def _opt(value: int | None) -> str:
@@ -100,7 +103,8 @@ def plan_json(plan: Plan, sources: dict[str, str]) -> dict[str, Any]:
     data.update(fits=plan.fits, peak_bytes=plan.peak_bytes, limiting_stage=st.rank,
                 limiting_skew=sk.skew, min_device_memory_bytes=plan.min_device_memory_bytes,
                 devices=plan.config.devices, sources=sources, answer=answer(plan),
-                cost=dataclasses.asdict(layout_cost(plan.config)))
+                cost=dataclasses.asdict(layout_cost(plan.config)),
+                commands=launch_commands(plan) if plan.fits else None)
     return data
 
 
@@ -123,14 +127,21 @@ def print_plan(cfg: PlanConfig, sources: dict[str, str], *, verbose: bool,
               + (f" ({setting.note})" if setting is not None else ""))
     if verbose:
         print("config: " + json.dumps(dataclasses.asdict(cfg)))
-        print("\n".join(stage_tables(plan)))
-        for st in plan.stages:
-            for sk in st.skews:
-                if not sk.fits:
-                    print("does not fit: " + _why(st, sk, cfg))
+        _print_tables(plan)
     else:
         print("  (--verbose: every stage and skew; --json: everything)")
+    if plan.fits:
+        print("\n".join(launch_lines(plan)))
     return plan
+
+
+def _print_tables(plan: Plan) -> None:
+    """The per-stage and per-skew tables, and why each row that does not fit does not."""
+    print("\n".join(stage_tables(plan)))
+    for st in plan.stages:
+        for sk in st.skews:
+            if not sk.fits:
+                print("does not fit: " + _why(st, sk, plan.config))
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:
@@ -143,8 +154,12 @@ def _candidate_json(c: Candidate) -> dict[str, Any]:
 
 
 def print_search(result: SearchResult, base: PlanConfig, devices: int, *, top: int,
-                 as_json: bool) -> None:
-    """The ranked layouts that fit on ``devices`` (a table of the ``top`` first), or the JSON."""
+                 as_json: bool, verbose: bool = False) -> None:
+    """The ranked layouts that fit on ``devices`` (a table of the ``top`` first), or the JSON.
+
+    Under the table: the rule that ranked them, the commands that run the first, and with
+    ``verbose`` its per-stage and per-skew tables at :data:`VERBOSE_SKEWS` and the worst skew.
+    """
     head = (f"{base.model.name} on {devices} × {_FB(base.device_memory_bytes)} "
             f"(alpha={base.alpha:g}, {base.dtype}, s={base.seq_len}, global batch "
             f"{base.global_batch or 'unset: m = 4p'})")
@@ -152,7 +167,7 @@ def print_search(result: SearchResult, base: PlanConfig, devices: int, *, top: i
         print(json.dumps({
             "model": dataclasses.asdict(base.model), "devices": devices,
             "device_memory_bytes": base.device_memory_bytes, "considered": result.considered,
-            "fits": bool(result.fitting),
+            "fits": bool(result.fitting), "merged": result.merged, "rank_rule": RANK_RULE,
             "smallest_device_memory_bytes": result.smallest_device_memory_bytes,
             "smallest_devices": result.smallest_devices,
             "layouts": [_candidate_json(c) for c in result.fitting]}, indent=2))
@@ -167,16 +182,26 @@ def print_search(result: SearchResult, base: PlanConfig, devices: int, *, top: i
                  "b=1)" if more is not None else "; no device count up to N·4096 fits"))
         return
     best = result.fitting[0]
+    merged = (f" ({result.merged} more differ only in bins no stage uses)"
+              if result.merged else "")
     print(f"{head}: {len(result.fitting)} of {result.considered} layouts fit at the worst "
-          f"skew; best: {layout_text(best.plan.config)}, peak {_FB(best.plan.peak_bytes)}, "
-          f"relative time {best.cost.relative_time:.3f}")
+          f"skew{merged}; best: {layout_text(best.plan.config)}, peak "
+          f"{_FB(best.plan.peak_bytes)}, relative time {best.cost.relative_time:.3f}")
     print(f"  {'#':>2} {'layout':<57} {'peak':>10} {'c':>2} {'recomp':>6} {'bubble':>6} "
-          f"{'time':>6}")
+          f"{'time':>6} {'kinds':>5}")
     for i, c in enumerate(result.fitting[:top], 1):
         sk = c.plan.limiting[1]
         print(f"  {i:>2} {layout_text(c.plan.config, dtype=False):<57} "
               f"{_FB(c.plan.peak_bytes):>10} "
               f"{_opt(sk.num_chunks):>2} {c.cost.recompute_fraction:>6.1%} "
-              f"{c.cost.bubble_fraction:>6.1%} {c.cost.relative_time:>6.3f}")
-    print("  time = (1 + recompute FLOPs share)·(m + p - 1)/m, communication not modelled; "
-          "--json lists every layout that fits")
+              f"{c.cost.bubble_fraction:>6.1%} {c.cost.relative_time:>6.3f} "
+              f"{parallel_kinds(c.plan.config):>5}")
+    print(f"  {RANK_RULE}; time = (1 + recompute FLOPs share)·(m + p - 1)/m, communication "
+          "not modelled; --json lists every layout that fits")
+    if verbose:
+        worst = best.plan.config.worst_skew
+        chosen = dataclasses.replace(best.plan.config, skews=tuple(sorted(
+            {min(x, worst) for x in (*VERBOSE_SKEWS, worst)})))
+        print(f"#1 {layout_text(chosen)}:")
+        _print_tables(plan_layout(chosen))
+    print("\n".join(launch_lines(best.plan)))
