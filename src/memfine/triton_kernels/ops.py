@@ -37,8 +37,10 @@ def _tile(device: torch.device) -> dict[str, int]:
     return dict(_CPU_TILE if device.type == "cpu" else _GPU_TILE)
 
 
-def _precision(x: torch.Tensor) -> dict[str, bool]:
-    return {"UPCAST": x.device.type == "cpu", "IEEE": x.dtype == torch.float32}
+def _precision(x: torch.Tensor, in_features: int) -> dict[str, int]:
+    interpreted = x.device.type == "cpu"  # the interpreter (kernels module docstring)
+    return {"UPCAST": interpreted, "IEEE": x.dtype == torch.float32,
+            "K_FIXED": in_features if interpreted else 0}
 
 
 def tile_schedule(offsets_E1: torch.Tensor, block_rows: int, num_rows: int
@@ -87,7 +89,8 @@ def _gemm(x: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor, out_SO
             scale_S if scale_S is not None else x, tile_expert, tile_start, offsets_E1,
             in_features, out_features, x.stride(0), x.stride(1), *w_EIO.stride(),
             *out_SO.stride(),
-            GATHER=rows_S is not None, SCALE=scale_S is not None, **_precision(x), **tile)
+            GATHER=rows_S is not None, SCALE=scale_S is not None, **_precision(x, in_features),
+            **tile)
     return out_SO
 
 
@@ -139,7 +142,7 @@ def gather_up(x_TD: torch.Tensor, w_up_EDG: torch.Tensor, expert_token_indices_S
         kernels._gather_up_kernel[grid](
             x_TD, w_up_EDG, h_SG, a_SN, expert_token_indices_S, tile_expert, tile_start,
             offsets_E1, D, N, x_TD.stride(0), x_TD.stride(1), *w_up_EDG.stride(), *h_SG.stride(),
-            *a_SN.stride(), GATED=gated, ACT=_ACT[activation], **_precision(x_TD), **tile)
+            *a_SN.stride(), GATED=gated, ACT=_ACT[activation], **_precision(x_TD, D), **tile)
     return h_SG, a_SN
 
 
