@@ -13,7 +13,7 @@ the CPU dry run. Each row has the gap in bytes and relative to the measured peak
 it is within the CUDA tolerance the gpu tests assert (``CUDA_PEAK_RTOL``,
 ``CUDA_PEAK_ATOL_BYTES`` in tests/tolerances.py): the file a first GPU run writes is the
 measurement that tolerance is set from. Writes OUT_CSV (one row per case) and appends one row
-per case to scripts/gpu_check.sh's SUMMARY_CSV.
+per case to SUMMARY_CSV (rows of scripts/gpu_check.py's summary, no header).
 """
 
 from __future__ import annotations
@@ -107,14 +107,15 @@ def main() -> int:
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = []
-    for shape, dtype, chunk in CASES:
-        rows.append(_case(TINY[shape.name] if args.tiny else shape, dtype, chunk, device))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    with args.out_csv.open("w", newline="") as f:
+    with args.out_csv.open("w", newline="") as f:  # row by row: a stopped run keeps its cases
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows(rows)
+        for shape, dtype, chunk in CASES:
+            rows.append(_case(TINY[shape.name] if args.tiny else shape, dtype, chunk, device))
+            writer.writerow(rows[-1])
+            f.flush()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     tolerance = f"tolerance max({CUDA_PEAK_RTOL:g}·measured, {CUDA_PEAK_ATOL_BYTES} B)"
     with args.summary_csv.open("a", newline="") as f:
         for row in rows:
@@ -124,7 +125,7 @@ def main() -> int:
                                     row.get("gap_over_measured", ""), "ratio",
                                     f"measured {row.get('measured_peak_bytes', '')} B, predicted "
                                     f"{row.get('predicted_peak_bytes', '')} B; {tolerance}; "
-                                    f"{args.out_csv}"])
+                                    f"{args.out_csv.name}"])
     for row in rows:
         print(row["case"], row.get("measured_peak_bytes"), row.get("predicted_peak_bytes"),
               row.get("gap_over_measured"), row["error"])
