@@ -114,7 +114,8 @@ def commands(dry: bool, work: Path, py: str) -> dict[str, list[str]]:
     return {"evidence": [*ev, "--methods", "fused", "fused_one_block", "torchtitan_style",
                          "hf_grouped_mm"],
             "evidence_triton": [*ev, "--methods", "fused", "triton"],
-            "peak": peak, "gpu_tests": [*tests, "tests/measure/test_peak.py"],
+            "peak": peak, "gpu_tests": [*tests, "tests/measure/test_peak.py", "-k",
+                                        "not compiled and not evidence"],
             "train": [*train, "--max-steps", "50", "--eval-every", "50", "--out",
                       str(work / "train")],
             "compile": [*train, "--compile", "--max-steps", "20", "--eval-every", "20", "--out",
@@ -347,7 +348,9 @@ def main(argv: list[str]) -> int:
     share = budgets(args.budget)
     print(f"gpu_check: budget {args.budget} s = start-up {STARTUP_S} s + "
           + ", ".join(f"{p.name} {share[p.name]} s" for p in PARTS)
-          + f"; results in {args.out}", flush=True)
+          + f"; results in {args.out}"
+          + ("\n(dry run: every part on the CPU at tiny shapes)" if args.dry_run else ""),
+          flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="gpu_check_"))
     runner = Runner(args.out, work, env)

@@ -47,7 +47,7 @@ import torch
 from memfine.baselines.layers import base_layer, layer_inputs, layer_method, sharing
 from memfine.baselines.titan_style import titan_style_layer
 from memfine.bench.harness import Method, run_methods
-from memfine.bench.options import LayerShape
+from memfine.bench.options import BenchOptions, LayerShape
 from memfine.suites import counts, hf
 from memfine.suites.experts import moe_config
 
@@ -78,10 +78,19 @@ def _unavailable(name: str) -> str | None:
     return None
 
 
-def build(shape: LayerShape, names: tuple[str, ...], device: torch.device) -> list[Method]:
-    """The runnable methods of ``names`` at ``shape`` (bf16, shared weights and input)."""
+def build(shape: LayerShape, names: tuple[str, ...], device: torch.device,
+          weights: dict[str, Any]) -> list[Method]:
+    """The runnable methods of ``names`` at ``shape`` (bf16, shared weights and input).
+
+    ``weights`` keeps the layer and the HF experts module across T (they do not depend on it);
+    both are initialised on ``device`` (seconds, not minutes, at the Qwen3 layer's 0.6 B
+    expert parameters).
+    """
     moe = moe_config(shape)
-    base = base_layer(moe, dtype=DTYPE, device=device, seed=0)
+    if "base" not in weights:
+        with torch.device(device):
+            weights["base"] = base_layer(moe, dtype=DTYPE, device=device, seed=0)
+    base = weights["base"]
     x_TD, grad_TD = layer_inputs(shape, dtype=DTYPE, device=device, seed=0)
     one_block = dataclasses.replace(moe, backward_block_bytes=counts.ONE_BLOCK_BYTES)
     makers: dict[str, Callable[[], Any]] = {
@@ -95,7 +104,12 @@ def build(shape: LayerShape, names: tuple[str, ...], device: torch.device) -> li
             methods.append(layer_method(name, makers[name](), x_TD, grad_TD,
                                         modelled=name != "torchtitan_style"))
         elif name == "hf_grouped_mm":
-            methods += counts.hf_methods(shape, (name,), seed=0, device=device)
+            opts = BenchOptions(suites=("hf",), dtype="bfloat16", seed=0)
+            if "hf" not in weights:
+                with torch.device(device):
+                    weights["hf"] = hf.make_experts(shape, opts, device)
+            methods += hf.build_methods(weights["hf"], hf.make_inputs(shape, opts, device),
+                                        (name,))
     return methods
 
 
@@ -221,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     repeats = repeats if args.repeats is None else args.repeats
     warmup = warmup if args.warmup is None else args.warmup
     base, tokens = (DRY, DRY_TOKENS) if args.dry_run else (QWEN3, TOKENS)
+    weights: dict[str, Any] = {}
     for T in args.tokens or tokens:
         shape = dataclasses.replace(base, tokens=T)
         rows = Rows(args.csv, shape, device)
@@ -232,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 rows.add(name, "method", "", "", reason)
         fused_out = None
-        for method in build(shape, tuple(names), device):
+        for method in build(shape, tuple(names), device, weights):
             start = time.perf_counter()
             out = measure(method, rows, repeats=repeats, warmup=warmup, fused_out=fused_out)
             if method.name == "fused":
