@@ -94,7 +94,7 @@ def commands(dry: bool, work: Path, py: str) -> dict[str, list[str]]:
     ev = [py, f"{s}/gpu_check_evidence.py", str(work / EVIDENCE)]
     peak = [py, f"{s}/gpu_check_peak.py", str(work / PEAK), str(work / "peak_rows.csv"),
             "--device", "cpu" if dry else "cuda"]
-    tests = [py, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-m", "gpu", "-o",
+    tests = [py, "-m", "pytest", "-p", "no:cacheprovider", "-v", "-m", "gpu", "-o",
              "addopts=", "--junitxml", str(work / "gpu_tests.xml"), "tests/gpu"]
     train = [py, "-m", "memfine", "train", "--device", "cpu" if dry else "cuda", "--no-progress",
              "--sample-tokens", "0", "--overwrite", "--log-every", "1"]
