@@ -110,7 +110,7 @@ def test_budget_by_construction_and_docs_table() -> None:
     doc = (ROOT / "docs" / "gpu.md").read_text()
     rows = re.findall(r"^\| `(\w+)` \| (\d+) s \|", doc, re.MULTILINE)
     assert rows == [(p.name, str(share[p.name])) for p in gpu_check.PARTS]
-    command = re.search(r"```bash\n(scripts/gpu_check\.sh[^`]*)```", doc)
+    command = re.search(r"```bash\n(bash scripts/gpu_check\.sh --out \"\$OUT\"\n)```", doc)
     assert command is not None and len(command.group(1)) < 2000
 
 
