@@ -8,12 +8,12 @@ measured by the benchmark harness (``memfine.bench.harness.run_methods``: on CUD
 the call and left out; on the CPU the live-storage tracker, plus torch.profiler's peak) against
 :func:`memfine.memory.layer.moe_layer_memory` at the chunk count the layer ran. The cases are
 those of ``tests/gpu/test_cuda_layer.py`` (d 512, n 384, E 16, k 4, T 4096) and the
-Qwen3-30B-A3B layer (d 2048, n 768, E 128, k 8, T 16384) in bf16; ``--tiny`` shrinks both for
-the CPU dry run. Each row has the gap in bytes and relative to the measured peak, and whether
-it is within the CUDA tolerance the gpu tests assert (``CUDA_PEAK_RTOL``,
+Qwen3-30B-A3B layer (d 2048, n 768, E 128, k 8, T 16384) in bf16; ``--tiny`` shrinks both and
+runs every other case (the CPU dry run). Each row has the gap in bytes and relative to the
+measured peak, and whether it is within the CUDA tolerance the gpu tests assert (``CUDA_PEAK_RTOL``,
 ``CUDA_PEAK_ATOL_BYTES`` in tests/tolerances.py): the file a first GPU run writes is the
 measurement that tolerance is set from. Writes OUT_CSV (one row per case) and appends one row
-per case to scripts/gpu_check.sh's SUMMARY_CSV.
+per case to SUMMARY_CSV (rows of scripts/gpu_check.py's summary, no header).
 """
 
 from __future__ import annotations
@@ -103,18 +103,20 @@ def main() -> int:
     parser.add_argument("out_csv", type=Path)
     parser.add_argument("summary_csv", type=Path)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--tiny", action="store_true", help="small shapes (CPU dry run)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="small shapes, every other case (the CPU dry run)")
     args = parser.parse_args()
     device = torch.device(args.device)
     rows = []
-    for shape, dtype, chunk in CASES:
-        rows.append(_case(TINY[shape.name] if args.tiny else shape, dtype, chunk, device))
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    with args.out_csv.open("w", newline="") as f:
+    with args.out_csv.open("w", newline="") as f:  # row by row: a stopped run keeps its cases
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
-        writer.writerows(rows)
+        for shape, dtype, chunk in CASES[::2] if args.tiny else CASES:
+            rows.append(_case(TINY[shape.name] if args.tiny else shape, dtype, chunk, device))
+            writer.writerow(rows[-1])
+            f.flush()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     tolerance = f"tolerance max({CUDA_PEAK_RTOL:g}·measured, {CUDA_PEAK_ATOL_BYTES} B)"
     with args.summary_csv.open("a", newline="") as f:
         for row in rows:
@@ -124,7 +126,7 @@ def main() -> int:
                                     row.get("gap_over_measured", ""), "ratio",
                                     f"measured {row.get('measured_peak_bytes', '')} B, predicted "
                                     f"{row.get('predicted_peak_bytes', '')} B; {tolerance}; "
-                                    f"{args.out_csv}"])
+                                    f"{args.out_csv.name}"])
     for row in rows:
         print(row["case"], row.get("measured_peak_bytes"), row.get("predicted_peak_bytes"),
               row.get("gap_over_measured"), row["error"])

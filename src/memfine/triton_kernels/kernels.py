@@ -14,7 +14,11 @@ D = d, N = n. Tensors are addressed through explicit strides; all accumulation i
 Addresses: every row, token and expert index is int64 before it meets a stride, so offsets
 past 2³¹ elements (T·d ≥ 2³¹ in the combine, S·G in H) address correctly.
 UPCAST converts tile operands to fp32 before ``tl.dot`` (the CPU interpreter computes bf16 dots
-wrongly); IEEE asks for exact fp32 dots (no TF32) when the inputs are fp32.
+wrongly); IEEE asks for exact fp32 dots (no TF32) when the inputs are fp32. K_FIXED > 0 (the
+interpreter) runs every tile's K loop to that constant (``in_features``) and lets the row mask
+idle a spare tile; the combine's slot count K is a constant too: Triton 3.6's interpreter holds
+every scalar argument and loaded scalar as a 1-element array, which numpy >= 2.4 refuses to turn
+into a ``range`` bound.
 Reference: MoEBlaze §4 (gather-fused GEMM, epilogue activation, per-token combine).
 """
 
@@ -57,8 +61,8 @@ def _activate(v, ACT: tl.constexpr):
 @triton.jit
 def _tile(tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features, out_features,
           BM: tl.constexpr, BN: tl.constexpr, GATHER: tl.constexpr):
-    # This program's rows and output columns; an idle tile (start == end of its expert) gets
-    # an empty K loop.
+    # This program's rows and output columns, and the K loop's bound: 0 for an idle tile
+    # (start == end of its expert).
     pid_m = tl.program_id(0)
     e = tl.load(tile_expert_ptr + pid_m).to(tl.int64)
     start = tl.load(tile_start_ptr + pid_m).to(tl.int64)
@@ -89,13 +93,15 @@ def _grouped_gemm_kernel(x_ptr, w_ptr, out_ptr, rows_ptr, scale_ptr, tile_expert
                          tile_start_ptr, offsets_ptr, in_features, out_features, stride_xs,
                          stride_xi, stride_we, stride_wi, stride_wo, stride_os, stride_oo,
                          GATHER: tl.constexpr, SCALE: tl.constexpr, UPCAST: tl.constexpr,
-                         IEEE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                         BK: tl.constexpr):
+                         IEEE: tl.constexpr, K_FIXED: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BK: tl.constexpr):
     e, offs_m, mask_m, src, k_stop, offs_n, mask_n = _tile(
         tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features, out_features, BM,
         BN, GATHER)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_stop, BK):
+    # K_FIXED (the interpreter): a constant bound, used in place (a constant assigned to a name
+    # becomes a 1-element array there), idle tiles masked row by row
+    for k0 in range(0, K_FIXED if K_FIXED > 0 else k_stop, BK):
         a, offs_k, mask_k = _row_tile(x_ptr, src, mask_m, k0, in_features, stride_xs, stride_xi,
                                       BK)
         b = tl.load(w_ptr + e * stride_we + offs_k[:, None] * stride_wi
@@ -113,12 +119,15 @@ def _gather_up_kernel(x_ptr, w_ptr, h_ptr, a_ptr, rows_ptr, tile_expert_ptr, til
                       offsets_ptr, in_features, N, stride_xs, stride_xi, stride_we, stride_wi,
                       stride_wo, stride_hs, stride_hg, stride_as, stride_an, GATED: tl.constexpr,
                       ACT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                      K_FIXED: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                      BK: tl.constexpr):
     e, offs_m, mask_m, src, k_stop, offs_n, mask_n = _tile(
         tile_expert_ptr, tile_start_ptr, offsets_ptr, rows_ptr, in_features, N, BM, BN, True)
     acc = tl.zeros((BM, BN), dtype=tl.float32)
     acc_up = tl.zeros((BM, BN), dtype=tl.float32)
-    for k0 in range(0, k_stop, BK):
+    # K_FIXED (the interpreter): a constant bound, used in place (a constant assigned to a name
+    # becomes a 1-element array there), idle tiles masked row by row
+    for k0 in range(0, K_FIXED if K_FIXED > 0 else k_stop, BK):
         a, offs_k, mask_k = _row_tile(x_ptr, src, mask_m, k0, in_features, stride_xs, stride_xi,
                                       BK)
         w_tile = w_ptr + e * stride_we + offs_k[:, None] * stride_wi + offs_n[None, :] * stride_wo
@@ -141,8 +150,9 @@ def _gather_up_kernel(x_ptr, w_ptr, h_ptr, a_ptr, rows_ptr, tile_expert_ptr, til
 
 
 @triton.jit
-def _combine_kernel(rows_ptr, map_ptr, out_ptr, T, D, K, stride_rs, stride_rd, stride_mt,
-                    stride_mk, stride_ot, stride_od, BT: tl.constexpr, BD: tl.constexpr):
+def _combine_kernel(rows_ptr, map_ptr, out_ptr, T, D, K: tl.constexpr, stride_rs, stride_rd,
+                    stride_mt, stride_mk, stride_ot, stride_od, BT: tl.constexpr,
+                    BD: tl.constexpr):
     offs_t = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
     offs_d = tl.program_id(1).to(tl.int64) * BD + tl.arange(0, BD)
     mask_t = offs_t < T

@@ -11,7 +11,9 @@ Reference: MoEBlaze §4; docs/style.md §9 (launchers as custom ops with fake im
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -19,8 +21,25 @@ from memfine._optional import require
 
 _ACT = {"silu": 0, "gelu": 1, "relu": 2, "swiglu": 0, "geglu": 1}
 _GATED = ("swiglu", "geglu")
-_GPU_TILE = {"BM": 64, "BN": 64, "BK": 32}
+GPU_BLOCK_M = 64
+"""Rows per tile on CUDA, every config: the tile schedule (:func:`tile_schedule`) is built for
+it before the launch, so the autotuner varies the other block sizes."""
+GPU_CONFIGS: tuple[dict[str, int], ...] = (
+    {"BN": 64, "BK": 32, "num_warps": 4, "num_stages": 3},
+    {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+    {"BN": 128, "BK": 32, "num_warps": 4, "num_stages": 4},
+    {"BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3},
+    {"BN": 128, "BK": 64, "num_warps": 8, "num_stages": 4},
+    {"BN": 256, "BK": 64, "num_warps": 8, "num_stages": 3},
+)
+"""Autotune configs of the grouped GEMM and gather-up kernels on CUDA (BM = GPU_BLOCK_M): output
+columns BN, K step BK, warps, and software-pipelined K stages. Their shared memory and stages per
+architecture, compiled ahead of time on the CPU: benchmarks/results/triton_configs_aot.csv
+(``benchmarks/triton_configs.py``); a config over a device's shared memory is dropped by the
+autotuner when it fails to launch."""
 _CPU_TILE = {"BM": 16, "BN": 16, "BK": 16}  # interpreter: tl.dot needs every block dim ≥ 16
+_TUNE_KEYS = {"_grouped_gemm_kernel": ["in_features", "out_features", "GATHER", "SCALE", "IEEE"],
+              "_gather_up_kernel": ["in_features", "N", "GATED", "ACT", "IEEE"]}
 
 
 def _kernels(device: torch.device) -> ModuleType:
@@ -33,12 +52,39 @@ def _kernels(device: torch.device) -> ModuleType:
     return kernels
 
 
-def _tile(device: torch.device) -> dict[str, int]:
-    return dict(_CPU_TILE if device.type == "cpu" else _GPU_TILE)
+@functools.cache
+def _tuned(name: str) -> Any:
+    """The kernel ``name`` under ``triton.autotune`` over :data:`GPU_CONFIGS` (CUDA only)."""
+    triton = require("triton")
+    from memfine.triton_kernels import kernels
+
+    configs = [triton.Config({"BM": GPU_BLOCK_M, "BN": c["BN"], "BK": c["BK"]},
+                             num_warps=c["num_warps"], num_stages=c["num_stages"])
+               for c in GPU_CONFIGS]
+    return triton.autotune(configs=configs, key=_TUNE_KEYS[name])(getattr(kernels, name))
 
 
-def _precision(x: torch.Tensor) -> dict[str, bool]:
-    return {"UPCAST": x.device.type == "cpu", "IEEE": x.dtype == torch.float32}
+def _launch(name: str, device: torch.device, num_tiles: int, cols: int,
+            *args: Any, **flags: Any) -> None:
+    """Launch kernel ``name``: autotuned on CUDA, the interpreter's small tiles on the CPU.
+
+    The grid is (``num_tiles`` row tiles of the schedule, ⌈cols / BN⌉ column tiles).
+    """
+    if device.type == "cpu":
+        grid = (num_tiles, -(-cols // _CPU_TILE["BN"]))
+        getattr(_kernels(device), name)[grid](*args, **flags, **_CPU_TILE)
+        return
+    _tuned(name)[lambda meta: (num_tiles, -(-cols // meta["BN"]))](*args, **flags)
+
+
+def _block_rows(device: torch.device) -> int:
+    return _CPU_TILE["BM"] if device.type == "cpu" else GPU_BLOCK_M
+
+
+def _precision(x: torch.Tensor, in_features: int) -> dict[str, int]:
+    interpreted = x.device.type == "cpu"  # the interpreter (kernels module docstring)
+    return {"UPCAST": interpreted, "IEEE": x.dtype == torch.float32,
+            "K_FIXED": in_features if interpreted else 0}
 
 
 def tile_schedule(offsets_E1: torch.Tensor, block_rows: int, num_rows: int
@@ -77,17 +123,16 @@ def tile_schedule(offsets_E1: torch.Tensor, block_rows: int, num_rows: int
 
 def _gemm(x: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor, out_SO: torch.Tensor,
           rows_S: torch.Tensor | None, scale_S: torch.Tensor | None) -> torch.Tensor:
-    kernels, tile = _kernels(x.device), _tile(x.device)
+    _kernels(x.device)
     in_features, out_features = w_EIO.shape[1], w_EIO.shape[2]
-    tile_expert, tile_start = tile_schedule(offsets_E1, tile["BM"], out_SO.shape[0])
+    tile_expert, tile_start = tile_schedule(offsets_E1, _block_rows(x.device), out_SO.shape[0])
     if tile_expert.numel() and out_features:
-        grid = (tile_expert.numel(), -(-out_features // tile["BN"]))
-        kernels._grouped_gemm_kernel[grid](
-            x, w_EIO, out_SO, rows_S if rows_S is not None else offsets_E1,
-            scale_S if scale_S is not None else x, tile_expert, tile_start, offsets_E1,
-            in_features, out_features, x.stride(0), x.stride(1), *w_EIO.stride(),
-            *out_SO.stride(),
-            GATHER=rows_S is not None, SCALE=scale_S is not None, **_precision(x), **tile)
+        _launch("_grouped_gemm_kernel", x.device, tile_expert.numel(), out_features,
+                x, w_EIO, out_SO, rows_S if rows_S is not None else offsets_E1,
+                scale_S if scale_S is not None else x, tile_expert, tile_start, offsets_E1,
+                in_features, out_features, x.stride(0), x.stride(1), *w_EIO.stride(),
+                *out_SO.stride(), GATHER=rows_S is not None, SCALE=scale_S is not None,
+                **_precision(x, in_features))
     return out_SO
 
 
@@ -128,18 +173,18 @@ def gather_up(x_TD: torch.Tensor, w_up_EDG: torch.Tensor, expert_token_indices_S
     Returns:
         ``(h_SG, a_SN)`` new tensors in x's dtype: H (to save) and A = act(H) (transient).
     """
-    kernels, tile = _kernels(x_TD.device), _tile(x_TD.device)
+    _kernels(x_TD.device)
     S, (_, D, G) = expert_token_indices_S.shape[0], w_up_EDG.shape
     gated = activation in _GATED
     N = G // 2 if gated else G
     h_SG, a_SN = x_TD.new_empty(S, G), x_TD.new_empty(S, N)
-    tile_expert, tile_start = tile_schedule(offsets_E1, tile["BM"], S)
+    tile_expert, tile_start = tile_schedule(offsets_E1, _block_rows(x_TD.device), S)
     if tile_expert.numel() and N:
-        grid = (tile_expert.numel(), -(-N // tile["BN"]))
-        kernels._gather_up_kernel[grid](
-            x_TD, w_up_EDG, h_SG, a_SN, expert_token_indices_S, tile_expert, tile_start,
-            offsets_E1, D, N, x_TD.stride(0), x_TD.stride(1), *w_up_EDG.stride(), *h_SG.stride(),
-            *a_SN.stride(), GATED=gated, ACT=_ACT[activation], **_precision(x_TD), **tile)
+        _launch("_gather_up_kernel", x_TD.device, tile_expert.numel(), N,
+                x_TD, w_up_EDG, h_SG, a_SN, expert_token_indices_S, tile_expert, tile_start,
+                offsets_E1, D, N, x_TD.stride(0), x_TD.stride(1), *w_up_EDG.stride(),
+                *h_SG.stride(), *a_SN.stride(), GATED=gated, ACT=_ACT[activation],
+                **_precision(x_TD, D))
     return h_SG, a_SN
 
 
