@@ -209,7 +209,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         else:  # streamed over row blocks (under torch.compile, S data-dependent: one block)
             traced = torch.compiler.is_compiling()
             blocks = _plan_rows(options, x_TD, weights_TK, expert_token_offsets_E1,
-                                expert_slot_indices_S, traced, one_block=traced)
+                                expert_slot_indices_S, traced, one_block=traced,
+                                host=_sliced(options, options.host_offsets, b_up_EG, b_down_ED))
             h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
                                         expert_token_indices_S, token_index_map_TK, activation,
                                         backend, by_gather=_by_gather(x_TD), lora=lora_fwd)
@@ -234,7 +235,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         """
         st = _BackwardState(ctx, grad_out_TD)
         st.blocks = _plan_rows(ctx.options, st.x_TD, st.weights_TK, st.offsets_E1, st.slot_S,
-                               st.bounds is None)
+                               st.bounds is None,
+                               host=_sliced(ctx.options, st.bounds, st.b_up_EG, st.b_down_ED))
         for b, (r0, r1) in enumerate(st.blocks.bounds):
             _backward_block(st, b, r0, r1)
         grad_weights = None
@@ -254,20 +256,31 @@ class FusedExpertsFunction(torch.autograd.Function):
         return grads[:len(ctx.needs_input_grad)]
 
 
+def _sliced(options: FusedOptions, bounds: Any, b_up: torch.Tensor | None,
+            b_down: torch.Tensor | None) -> list[int] | None:
+    """Host offsets when each block's GEMMs take only its experts' weights (no bias, no LoRA)."""
+    if bounds is None or options.lora is not None or b_up is not None or b_down is not None:
+        return None
+    return list(bounds)
+
+
 def _plan_rows(options: FusedOptions, x_TD: torch.Tensor, weights_TK: torch.Tensor,
                offsets_E1: torch.Tensor, slot_S: torch.Tensor, traced: bool, *,
-               one_block: bool = False) -> RowBlocks:
+               one_block: bool = False, host: list[int] | None = None) -> RowBlocks:
     """The row blocks of one pass (forward or backward) and their bookkeeping, built once.
 
     Blocks of ``options.block_rows`` rows (:func:`memfine.experts.rows.row_blocks`; under
     torch.compile one block unless :data:`STREAM_UNDER_COMPILE`); ``one_block``: all S rows.
     The forward and the backward build the same blocks (nothing is kept between them).
+    ``host``: the host offsets with which a block's GEMMs take only its experts
+    (:meth:`memfine.experts.rows.RowBlocks.experts_of`).
     """
     S = slot_S.shape[0]
     block_rows = 2**62 if one_block else max(1, options.block_rows)
     bounds = row_blocks(S, weights_TK.numel(), block_rows, traced,
                         STREAM_UNDER_COMPILE and not one_block)
-    return RowBlocks.plan(bounds, block_rows, offsets_E1, weights_TK, slot_S, not traced)
+    return RowBlocks.plan(bounds, block_rows, offsets_E1, weights_TK, slot_S, not traced,
+                          None if traced else host)
 
 
 def _by_gather(x_TD: torch.Tensor) -> bool:
@@ -332,12 +345,15 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     E = st.w_up_EDG.shape[0]
     assert st.blocks is not None, "the blocks are planned before they run"
     offs_E1 = st.blocks.offsets_of(b, r0, r1, st.h_SG.shape[0])
+    # the block's experts only (several blocks, no bias, no LoRA: else all E)
+    held_offs, held = st.blocks.experts_of(b, r0, r1, st.h_SG.shape[0])
     token_B = st.token_idx_S[r0:r1]
     h_BG = st.h_SG[r0:r1]
     w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d
     grad_out_BD = st.grad_out_TD.index_select(0, token_B)
-    grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
+    grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END[held].transpose(1, 2), held_offs,
+                           st.backend)
     # NOTE(memory): A and f(gate) recomputed from H for this block only (transients B·n each)
     need_a = st.need_w or st.need_down or (st.lora is not None and st.lora.needs_activation)
     a_BN, gate_BN = activation_and_gate(h_BG, st.act) if need_a else (None, None)
@@ -350,7 +366,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
         grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
         if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
             assert a_BN is not None, "A is recomputed when w_down needs a gradient"
-            st.grads.accumulate_(1, st.w_down_END, a_BN, grad_out_BD, st.bounds, r0, offs_E1,
+            st.grads.write_block_(1, st.w_down_END, a_BN, grad_out_BD, st.bounds, r0, offs_E1,
                                  st.backend)
         if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
             st.grad_b_down += grouped_row_sums(grad_out_BD, offs_E1, E)
@@ -372,14 +388,15 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
         for slot, part, needed in zip((0, 2), st.parts, st.need_up, strict=False):
             width = part.shape[2]
             if needed:
-                st.grads.accumulate_(slot, part, x_BD, grad_h_BG[:, col:col + width],
+                st.grads.write_block_(slot, part, x_BD, grad_h_BG[:, col:col + width],
                                      st.bounds, r0, offs_E1, st.backend)
             col += width
         del x_BD
     lora_dx_BD = (None if st.lora is None
                   else st.lora.up_block(r0, r1, offs_E1, grad_h_BG, st.grad_x_TD is not None))
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t
-        grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
+        grad_x_BD = up_input_grad(grad_h_BG, tuple(p[held] for p in st.parts), held_offs,
+                                  st.backend)
         if lora_dx_BD is not None:
             grad_x_BD.add_(lora_dx_BD)
         add_token_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0,
