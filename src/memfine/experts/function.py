@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from memfine.experts.lora import LoRABackward, LoRAForward, LoRASpec
+from memfine.experts.quant import QuantizedBase
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
@@ -83,6 +84,9 @@ class FusedOptions:
         host_offsets: the E + 1 expert_token_offsets as Python ints, read once in the forward
             (:attr:`memfine.dispatch.RoutingIndex.host_offsets`), so the backward makes no host
             read; None: the backward reads them once itself (eager) or runs the traced path.
+        quant: a frozen 4-bit base (:class:`memfine.experts.quant.QuantizedBase`) read in place
+            of the w_up / w_down inputs (passed as None), each row block dequantising its
+            experts; None: the inputs are the weights.
     """
 
     activation: Activation
@@ -91,6 +95,7 @@ class FusedOptions:
     weight_grads: WeightGradBuffers | None = None
     host_offsets: tuple[int, ...] | None = None
     lora: LoRASpec | None = None
+    quant: QuantizedBase | None = None
 
 
 # The expert parameters, in the order FusedExpertsFunction takes them after the index arrays
@@ -193,6 +198,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         Arguments, saved tensors and their bytes are described on the class.
         """
         w_up_EDG, w_down_END, b_up_EG, b_down_ED, w_up_second_EDN = params[:len(PARAMS)]
+        if options.quant is not None:  # 4-bit base: w[held] dequantises a block's experts
+            w_up_EDG, w_down_END = options.quant.weights()
         # the adapter tensors, never None (only the biases and the second up half may be)
         lora_weights = cast(tuple[torch.Tensor, ...], params[len(PARAMS):])
         lora_fwd = (None if options.lora is None
@@ -202,7 +209,7 @@ class FusedExpertsFunction(torch.autograd.Function):
         activation, backend = options.activation, options.backend
         no_bias = b_up_EG is None and b_down_ED is None
         if (backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS
-                and len(parts) == 1 and lora_fwd is None):
+                and len(parts) == 1 and lora_fwd is None and options.quant is None):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
@@ -258,8 +265,10 @@ class FusedExpertsFunction(torch.autograd.Function):
 
 def _sliced(options: FusedOptions, bounds: Any, b_up: torch.Tensor | None,
             b_down: torch.Tensor | None) -> list[int] | None:
-    """Host offsets when each block's GEMMs take only its experts' weights (no bias, no LoRA)."""
-    if bounds is None or options.lora is not None or b_up is not None or b_down is not None:
+    """Host offsets when each block's GEMMs take only its experts' weights (no bias; no LoRA
+    unless the base is 4-bit)."""
+    if (bounds is None or (options.lora is not None and options.quant is None)
+            or b_up is not None or b_down is not None):
         return None
     return list(bounds)
 
@@ -297,6 +306,8 @@ class _BackwardState:
         (self.x_TD, self.h_SG, self.weights_TK, self.token_idx_S, self.offsets_E1, map_TK,
          self.slot_S, self.w_up_EDG, self.w_down_END, self.b_up_EG, self.b_down_ED,
          second) = saved[:n_base]
+        if ctx.options.quant is not None:  # the frozen 4-bit base (no gradient)
+            self.w_up_EDG, self.w_down_END = ctx.options.quant.weights()
         # NOTE(memory): token_index_map is held only by the gather form of dx (off the CPU);
         # a checkpoint's recomputed copy is then freed as soon as it is unpacked (T·k·4 bytes)
         self.map_TK = (map_TK if map_TK.device.type != "cpu" or DX_BY_GATHER_ON_CPU else None)

@@ -209,8 +209,10 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         x_BD = x_TD.index_select(0, token_B)  # NOTE(memory): B·d, never saved
         h_BG = add_row_bias_(up_project(x_BD, tuple(p[held] for p in up_parts), offs_E1,
                                         backend), b_up_EG, offs_E1)
+        # the adapters take all E experts' offsets (offs_E1 may be the block's experts only)
+        lora_offs = offs_E1 if lora is None else blocks.offsets_of(b, r0, r1, S)
         if lora is not None:  # split LoRA: H += s·(x·Aᵀ)·Bᵀ
-            lora.up_(h_BG, x_BD, offs_E1, r0, S)
+            lora.up_(h_BG, x_BD, lora_offs, r0, S)
         del x_BD
         if h_SG is None:
             h_SG = h_BG
@@ -221,7 +223,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         a_BN = apply_activation(h_BG, activation)
         y_BD = grouped_mm(a_BN, w_down_END[held], offs_E1, backend)
         if lora is not None:
-            lora.down_(y_BD, a_BN, offs_E1, r0, S)
+            lora.down_(y_BD, a_BN, lora_offs, r0, S)
         del a_BN  # NOTE(memory): A is recomputed from H in backward
         # w ⊙ Y out of place: Y is a GEMM output, which selective activation checkpointing may
         # have cached (a cached tensor must not be mutated)
