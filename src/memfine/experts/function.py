@@ -265,8 +265,10 @@ class FusedExpertsFunction(torch.autograd.Function):
 
 def _sliced(options: FusedOptions, bounds: Any, b_up: torch.Tensor | None,
             b_down: torch.Tensor | None) -> list[int] | None:
-    """Host offsets when each block's GEMMs take only its experts' weights (no bias; no LoRA
-    unless the base is 4-bit)."""
+    """Host offsets when each block's GEMMs take only its experts' weights.
+
+    Not with a bias, nor with LoRA unless the base is 4-bit.
+    """
     if (bounds is None or (options.lora is not None and options.quant is None)
             or b_up is not None or b_down is not None):
         return None

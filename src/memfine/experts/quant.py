@@ -131,8 +131,11 @@ class NF4Experts:
         return self.dequantize(e0, e1)
 
     def as_weight(self) -> torch.Tensor:
-        """This object typed as the weight tensor the fused Function reads (``w[held]``,
-        ``w.shape``): it stands in for the frozen full-precision weight, never differentiated."""
+        """This object typed as the weight tensor the fused Function reads.
+
+        It answers ``w[held]`` and ``w.shape`` for the frozen full-precision weight, which is
+        never differentiated.
+        """
         return cast(torch.Tensor, self)
 
 
@@ -158,8 +161,10 @@ class QuantizedBase:
         return self.up.nbytes + self.down.nbytes
 
     def stand_ins(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w_up, w_down) as empty ``meta`` tensors of the weights' shapes and dtype (no bytes),
-        for the shape and dtype checks of the fused path."""
+        """(w_up, w_down) as empty ``meta`` tensors of the weights' shapes and dtype.
+
+        They hold no bytes; the fused path's shape and dtype checks read them.
+        """
         return (torch.empty(self.up.shape, dtype=self.up.dtype, device="meta"),
                 torch.empty(self.down.shape, dtype=self.down.dtype, device="meta"))
 
