@@ -3,7 +3,7 @@
 Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
 ``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``; tqdm,
 matplotlib, safetensors (and tomli on Python 3.10) → ``memfine[train]``; tensorboard →
-``memfine[tensorboard]``.
+``memfine[tensorboard]``; bitsandbytes → ``memfine[qlora]``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from types import ModuleType
 
 _EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
            "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard",
-           "torchtitan": "torchtitan"}
+           "torchtitan": "torchtitan", "bitsandbytes": "qlora"}
 
 
 def is_available(name: str) -> bool:

@@ -30,9 +30,7 @@ from typing import Any, cast
 import torch
 
 from memfine._optional import require
-
-QUANT_TYPES = ("nf4",)
-BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' block-wise sizes
+from memfine.config.lora import QUANT_BLOCK_SIZES
 
 
 def _functional() -> Any:
@@ -51,8 +49,8 @@ def check_quantisable(name: str, shape: tuple[int, ...], block_size: int,
             ``LoRAConfig.base_quant='nf4' needs w_up's d·G = 24 (per expert) divisible by the
             block size 64, got 24 % 64 = 24``.
     """
-    if block_size not in BLOCK_SIZES:
-        raise ValueError(f"LoRAConfig.base_quant_block_size must be one of {BLOCK_SIZES}, got "
+    if block_size not in QUANT_BLOCK_SIZES:
+        raise ValueError(f"LoRAConfig.base_quant_block_size must be one of {QUANT_BLOCK_SIZES}, got "
                          f"{block_size!r}")
     dims = "d·G" if name == "w_up" else "n·d"
     per = shape[1] * shape[2]
