@@ -50,8 +50,8 @@ def check_quantisable(name: str, shape: tuple[int, ...], block_size: int,
             block size 64, got 24 % 64 = 24``.
     """
     if block_size not in QUANT_BLOCK_SIZES:
-        raise ValueError(f"LoRAConfig.base_quant_block_size must be one of {QUANT_BLOCK_SIZES}, got "
-                         f"{block_size!r}")
+        raise ValueError(f"LoRAConfig.base_quant_block_size must be one of "
+                         f"{QUANT_BLOCK_SIZES}, got {block_size!r}")
     dims = "d·G" if name == "w_up" else "n·d"
     per = shape[1] * shape[2]
     if per % block_size:
@@ -170,8 +170,3 @@ class QuantizedBase:
         """(w_up, w_down) as the fused Function reads them (:meth:`NF4Experts.as_weight`)."""
         return self.up.as_weight(), self.down.as_weight()
 
-
-def resident_bytes(shape: tuple[int, int, int], block_size: int = 64) -> int:
-    """Resident bytes of an (E, I, O) weight held NF4: E·I·O / 2 + 4·E·I·O / block_size."""
-    numel = shape[0] * shape[1] * shape[2]
-    return numel // 2 + 4 * (numel // block_size)

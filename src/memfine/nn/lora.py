@@ -104,7 +104,7 @@ class LoRAGroupedExperts(GroupedExperts):
         self.w_up.requires_grad_(False)
         self.w_down.requires_grad_(False)
         self.reset_adapters()
-        self.quant_dtype: torch.dtype | None = None  # set by quantize_base_
+        self.quantized = False  # the base is NF4 buffers (quantize_base_)
         if lora.base_quant is not None and quantize:
             self.quantize_base_()
 
@@ -113,33 +113,36 @@ class LoRAGroupedExperts(GroupedExperts):
         """Replace the frozen ``w_up`` / ``w_down`` by NF4 codes and absmax (deterministic).
 
         The buffers ``w_up_nf4_codes`` / ``w_up_nf4_absmax`` (and ``w_down_``'s) and the 16 NF4
-        levels ``nf4_code`` are non-persistent; they dequantise to the weights' dtype at
-        quantisation time. Memory: (E·d·G + E·n·d) / 2 + 4·(E·d·G + E·n·d) / block_size + 64
+        levels ``nf4_code`` are non-persistent; the fp32 absmax and levels are held as their
+        int32 bits, so ``module.to(dtype)`` leaves them exact. The base dequantises to the
+        adapters' dtype. Memory: (E·d·G + E·n·d) / 2 + 4·(E·d·G + E·n·d) / block_size + 64
         bytes resident instead of (E·d·G + E·n·d)·D_t.
 
         Raises:
             ValueError: when d·G or n·d is not a multiple of the block size (nothing changed).
         """
         quant = QuantizedBase.quantize(self.w_up, self.w_down, self.lora.base_quant_block_size)
-        self.quant_dtype = self.w_up.dtype
         del self.w_up, self.w_down
         for name, nf4 in (("w_up", quant.up), ("w_down", quant.down)):
             self.register_buffer(f"{name}_nf4_codes", nf4.codes, persistent=False)
-            self.register_buffer(f"{name}_nf4_absmax", nf4.absmax, persistent=False)
-        self.register_buffer("nf4_code", quant.up.code, persistent=False)
+            self.register_buffer(f"{name}_nf4_absmax", nf4.absmax.float().view(torch.int32),
+                                 persistent=False)
+        self.register_buffer("nf4_code", quant.up.code.float().view(torch.int32),
+                             persistent=False)
+        self.quantized = True
 
     def quantized_base(self) -> QuantizedBase | None:
-        """The 4-bit base over the current buffers (after any ``.to(device)``), or None."""
-        if self.quant_dtype is None:
+        """The 4-bit base over the current buffers (after any ``.to()``), or None."""
+        if not self.quantized:
             return None
         moe, size = self.config, self.lora.base_quant_block_size
         E, D, N, G = (moe.num_experts, moe.hidden_size, moe.intermediate_size, moe.up_width)
+        dtype = next(p for n, p in self.named_parameters() if n.startswith("lora_")).dtype
 
         def weight(name: str, shape: tuple[int, int, int]) -> NF4Experts:
-            assert self.quant_dtype is not None
             return NF4Experts(getattr(self, f"{name}_nf4_codes"),
-                              getattr(self, f"{name}_nf4_absmax").float(),
-                              self.nf4_code.float(), torch.Size(shape), self.quant_dtype, size)
+                              getattr(self, f"{name}_nf4_absmax").view(torch.float32),
+                              self.nf4_code.view(torch.float32), torch.Size(shape), dtype, size)
         return QuantizedBase(weight("w_up", (E, D, G)), weight("w_down", (E, N, D)))
 
     def reset_adapters(self) -> None:
@@ -261,7 +264,7 @@ def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
         raise TypeError(f"merge_lora_ takes a LoRAGroupedExperts module, got "
                         f"{type(experts).__name__}; merge a whole model or layer with "
                         f"merge_model_lora_")
-    if experts.quant_dtype is not None:
+    if experts.quantized:
         raise ValueError(f"LoRAConfig.base_quant={experts.lora.base_quant!r} cannot be merged: "
                          f"the adapters were trained on the 4-bit base, whose full-precision "
                          f"weights are gone; merge onto the base run's weights with "

@@ -14,6 +14,7 @@ from __future__ import annotations
 from memfine.config import backward_block_rows
 from memfine.timeline import lora as adapters
 from memfine.timeline.base import Shape, Timeline
+from memfine.timeline.quant import dequantize
 
 
 def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
@@ -64,7 +65,9 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
     for r0 in range(0, S, rows):
         B = min(S, r0 + rows) - r0
         xg = tl.alloc("fwd.x_BD", B * D * s.dt)
+        deq = dequantize(tl, s, "w_up", (r0, r0 + B, S))  # a 4-bit base's block experts
         h_block = tl.alloc("fwd.H_block", B * G * s.dt)
+        tl.free(*deq)
         kept += adapters.forward_term(tl, s, B, S, "up", first=r0 == 0)
         tl.free(xg)
         if several:
@@ -72,7 +75,9 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
         else:
             h = h_block
         a = tl.alloc("fwd.A", B * N * s.dt)
+        deq = dequantize(tl, s, "w_down", (r0, r0 + B, S))
         y = tl.alloc("fwd.Y", B * D * s.dt)
+        tl.free(*deq)
         kept += adapters.forward_term(tl, s, B, S, "down", first=r0 == 0)
         tl.free(a)
         weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
@@ -201,7 +206,9 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
     lora = adapters.adapters_of(s)
     need_a = need_weights or not frozen or (lora is not None and "w_down" in lora.targets)
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
+    deq = dequantize(tl, s, "w_down", block)  # a 4-bit base's block experts
     grad_a = tl.alloc("bwd.dA", B * N * dt)
+    tl.free(*deq)
     gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated and need_a else []  # for dH
     a = [activation_forward(tl, s, B, "bwd")] if need_a else []
     adapters.backward_down(tl, s, B, lora_buffers)
@@ -215,7 +222,9 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
         _weight_grad(tl, s, buffers, grouped["w_up"], "w_up", (D, G), block)
         tl.free(xg)
     lora_dx = adapters.backward_up(tl, s, B, lora_buffers, need_x=True)
+    deq = dequantize(tl, s, "w_up", block)
     dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
+    tl.free(*deq)
     tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
 
 
