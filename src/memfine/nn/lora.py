@@ -138,11 +138,12 @@ class LoRAGroupedExperts(GroupedExperts):
         moe, size = self.config, self.lora.base_quant_block_size
         E, D, N, G = (moe.num_experts, moe.hidden_size, moe.intermediate_size, moe.up_width)
         dtype = next(p for n, p in self.named_parameters() if n.startswith("lora_")).dtype
+        code = self.get_buffer("nf4_code").view(torch.float32)
 
         def weight(name: str, shape: tuple[int, int, int]) -> NF4Experts:
-            return NF4Experts(getattr(self, f"{name}_nf4_codes"),
-                              getattr(self, f"{name}_nf4_absmax").view(torch.float32),
-                              self.nf4_code.view(torch.float32), torch.Size(shape), dtype, size)
+            return NF4Experts(self.get_buffer(f"{name}_nf4_codes"),
+                              self.get_buffer(f"{name}_nf4_absmax").view(torch.float32),
+                              code, torch.Size(shape), dtype, size)
         return QuantizedBase(weight("w_up", (E, D, G)), weight("w_down", (E, N, D)))
 
     def reset_adapters(self) -> None:
