@@ -16,7 +16,6 @@ Reference: our derivation from the code (docs/lora.md "QLoRA").
 
 from __future__ import annotations
 
-from memfine.ops.weight_grads import block_window
 from memfine.timeline.base import Shape, Timeline
 from memfine.timeline.lora import adapters_of
 
@@ -39,7 +38,8 @@ def dequantize(tl: Timeline, s: Shape, which: str, block: tuple[int, int, int]) 
     moe = s.moe
     r0, r1, S = block
     E = moe.num_experts
-    held = E if r0 == 0 and r1 >= S else block_window(E, r1 - r0, S)
+    # ops.weight_grads.block_window: ⌈E·B/S⌉ + 2, at most E
+    held = E if r0 == 0 and r1 >= S else min(E, -(-E * (r1 - r0) // S) + 2)
     per = (moe.hidden_size * moe.up_width if which == "w_up"
            else moe.intermediate_size * moe.hidden_size)
     return [tl.alloc(f"{which}_dequantized", held * per * s.dt)]
