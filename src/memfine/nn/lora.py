@@ -131,6 +131,19 @@ class LoRAGroupedExperts(GroupedExperts):
                              persistent=False)
         self.quantized = True
 
+    @torch.no_grad()
+    def load_base_(self, w_up_EDG: torch.Tensor, w_down_END: torch.Tensor) -> None:
+        """Quantise a base's weights into this module's 4-bit buffers.
+
+        The codes equal :meth:`quantize_base_`'s on the same weights (deterministic).
+        """
+        device = self.get_buffer("nf4_code").device
+        quant = QuantizedBase.quantize(w_up_EDG.to(device), w_down_END.to(device),
+                                       self.lora.base_quant_block_size)
+        for name, nf4 in (("w_up", quant.up), ("w_down", quant.down)):
+            self.get_buffer(f"{name}_nf4_codes").copy_(nf4.codes)
+            self.get_buffer(f"{name}_nf4_absmax").copy_(nf4.absmax.float().view(torch.int32))
+
     def quantized_base(self) -> QuantizedBase | None:
         """The 4-bit base over the current buffers (after any ``.to()``), or None."""
         if not self.quantized:
@@ -242,6 +255,24 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
         else:  # the routed experts' base weights stay frozen; shared experts as attention
             param.requires_grad_(lora.train_attention and id(param) not in routed_ids)
     return len(layers)
+
+
+def load_quantized_bases_(model: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """Quantise the base weights in ``state`` into ``model``'s 4-bit LoRA experts.
+
+    For every :class:`LoRAGroupedExperts` of ``model`` holding a 4-bit base, its
+    ``<prefix>w_up`` / ``<prefix>w_down`` in ``state`` (a plain model's state dict) are
+    quantised into its buffers (:meth:`LoRAGroupedExperts.load_base_`). Returns the keys used,
+    which the caller leaves out of ``load_state_dict``.
+    """
+    used: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoRAGroupedExperts) and module.quantized:
+            keys = (f"{prefix}.w_up", f"{prefix}.w_down")
+            if all(k in state for k in keys):
+                module.load_base_(state[keys[0]], state[keys[1]])
+                used.update(keys)
+    return used
 
 
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
