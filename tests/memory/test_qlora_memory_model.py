@@ -13,7 +13,7 @@ from test_layer import measure_layer
 
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
-from memfine.memory.lora import lora_layer_memory
+from memfine.memory.lora import lora_layer_memory, quantized_base_bytes
 from memfine.nn import MoELayer
 from memfine.timeline.quant import resident_bytes
 
@@ -67,8 +67,10 @@ def test_row_blocks_are_bounded_by_the_model() -> None:
 @pytest.mark.parametrize("dtype", [F32, BF16])
 def test_resident_bytes_equal_the_buffers(dtype: torch.dtype) -> None:
     moe = MoEConfig(hidden_size=32, intermediate_size=64, num_experts=8, top_k=2)
-    layer = MoELayer(moe, lora=LoRAConfig(rank=4, base_quant="nf4")).to(dtype)
+    lora = LoRAConfig(rank=4, base_quant="nf4")
+    layer = MoELayer(moe, lora=lora).to(dtype)
     held = sum(b.nbytes for b in layer.experts.buffers())
-    assert held == resident_bytes(8, 32, 64, moe.up_width)
+    assert held == resident_bytes(8, 32, 64, moe.up_width) == quantized_base_bytes(moe, lora)
+    assert not any(n in ("w_up", "w_down") for n, _ in layer.experts.named_parameters())
     bf16 = 8 * 32 * (moe.up_width + 64) * 2
     assert held <= 0.3 * bf16
