@@ -90,3 +90,19 @@ def test_base_quant_needs_lora_rank(base: Path, tmp_path: Path,
     assert "--lora-base-quant needs --lora-rank" in capsys.readouterr().err
 
 
+
+
+def test_missing_bitsandbytes_is_one_line_exit_2(base: Path, tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    import memfine.flags.train_config as train_config
+
+    monkeypatch.setattr(train_config, "is_available", lambda name: name != "bitsandbytes")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        main(["train", *FAST, *QUANT, "--init-from", str(base), "--out", str(out)])
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip() == ("memfine train: error: --lora-base-quant nf4 "
+                                               "needs bitsandbytes: pip install "
+                                               "'memfine[qlora]'")
+    assert not out.exists()
