@@ -4,7 +4,7 @@ Extras: ``triton`` → ``pip install memfine[triton]``; ``transformers`` →
 ``pip install memfine[hf]``; ``torchtitan`` → ``pip install memfine[torchtitan]``; tqdm,
 matplotlib, safetensors (and tomli on Python 3.10) → ``memfine[train]``; tensorboard, trackio,
 wandb → ``memfine[tensorboard]``, ``memfine[trackio]``, ``memfine[wandb]``; trl →
-``memfine[trl]``.
+``memfine[trl]``; bitsandbytes → ``memfine[qlora]``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,8 @@ from types import ModuleType
 
 _EXTRAS = {"triton": "triton", "transformers": "hf", "tqdm": "train", "matplotlib": "train",
            "safetensors": "train", "tomli": "train", "tensorboard": "tensorboard",
-           "trackio": "trackio", "wandb": "wandb", "trl": "trl", "torchtitan": "torchtitan"}
+           "trackio": "trackio", "wandb": "wandb", "trl": "trl", "torchtitan": "torchtitan",
+           "bitsandbytes": "qlora"}
 
 
 def is_available(name: str) -> bool:

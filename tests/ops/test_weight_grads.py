@@ -8,6 +8,7 @@ import torch
 from memfine.dispatch import build_routing_index
 from memfine.experts import run_experts
 from memfine.ops import grouped_weight_grad
+from memfine.ops.weight_grads import block_window
 from tolerances import assert_close
 
 
@@ -79,18 +80,91 @@ def test_bf16_grouped_weight_grads_equal_the_per_expert_loop(transposed: bool,
         assert torch.equal(got[-1], torch.zeros_like(got[-1]))
 
 
-def test_bf16_weight_grad_calls_do_not_depend_on_the_expert_count() -> None:
-    """Per block one 2-D × 2-D ``_grouped_mm`` per weight, in the layout CUDA's kernel takes
-    with empty groups (column-major A, row-major B), whatever E is."""
+def test_bf16_weight_grad_calls_cover_only_the_blocks_experts() -> None:
+    """Per weight, the first block's one 2-D × 2-D ``_grouped_mm`` over all E experts is the
+    gradient buffer itself; every later block's products hold W = ⌈E·B/S⌉ + 2 experts (never
+    E: no E-sized transient), in the layout CUDA's kernel takes (column-major A, row-major B);
+    experts cut by a block edge add fp32 products."""
     from memfine.measure.ops_count import OpCounter
 
     row_bytes = (3 * 16 + 3 * 8 + 16) * 2
-    counts = []
     for E in (8, 32):
         with OpCounter() as counter:
             _bf16_layer_grads(E, 10 * row_bytes)
         calls = [c for c in counter.total().grouped_mm if c.layout == "2d-2d"]
-        assert len(calls) == 2 * 5 and all(c.fast_path for c in calls)
-        assert any(c.empty_groups for c in calls)
-        counts.append(counter.total().ops["aten.addmm_.default"])
-    assert counts == [0, 0]
+        assert calls and all(c.fast_path for c in calls)
+        # S = 48 rows: four blocks of B = 10 rows and one of 8
+        windows = {block_window(E, 10, 48), block_window(E, 8, 48)}
+        assert max(windows) < E
+        assert sorted(c.groups for c in calls if c.groups == E) == [E, E]  # the buffers
+        assert {c.groups for c in calls if c.groups != E} <= windows
+        assert counter.total().ops["aten.mm.default"] > 0  # the spanning experts' fp32 sums
+
+
+def _blocked_weight_grad(x_SI: torch.Tensor, dy_SO: torch.Tensor, bounds: list[int],
+                         block_rows: int, like: torch.Tensor, backend: str) -> torch.Tensor:
+    """WeightGradBuffers.write_block_ over row blocks of ``block_rows`` (the fused backward's
+    calls), handed over with ``take``."""
+    from memfine.ops.weight_grads import WeightGradBuffers
+
+    buffers, S = WeightGradBuffers(), x_SI.shape[0]
+    offsets = torch.tensor(bounds, dtype=torch.int32)
+    for r0 in range(0, S, block_rows):
+        r1 = min(S, r0 + block_rows)
+        block_offsets = (offsets - r0).clamp(0, r1 - r0).to(torch.int32)
+        buffers.write_block_(0, like, x_SI[r0:r1], dy_SO[r0:r1], bounds, r0, block_offsets,
+                             backend)
+    return buffers.take(0, like)
+
+
+@pytest.mark.parametrize("backend", ["auto", "loop"], ids=["grouped", "per_expert"])
+def test_bf16_expert_spanning_blocks_is_rounded_once(backend: str) -> None:
+    """An expert whose rows span three blocks, with per-block products that cancel (+1000s
+    then −1000s), gets its float64 gradient within one bf16 rounding (fp32 sums, rounded
+    once), as one block gets it; a per-block bf16 sum would be off by a rounding of 1000s."""
+    torch.manual_seed(0)
+    width = 8  # 16-byte bf16 rows: the grouped form unless the loop backend is chosen
+    bounds = [0, 3, 13, 16]  # expert 1: rows 3..12, cut by blocks of 5 rows
+    x = torch.randn(16, width).to(torch.bfloat16)
+    dy = torch.randn(16, width)
+    dy[3:8] += 300.0  # block 0 and 1 rows of expert 1: large positive products
+    dy[8:13] -= 300.0  # its later rows: large negative ones
+    x[3:13] = x[3:13].abs() + 1
+    dy = dy.to(torch.bfloat16)
+    like = torch.empty(3, width, width, dtype=torch.bfloat16)
+    ref = torch.stack([x[a:b].double().t() @ dy[a:b].double()
+                       for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    terms = torch.stack([x[a:b].double().abs().t() @ dy[a:b].double().abs()
+                         for a, b in zip(bounds[:-1], bounds[1:], strict=True)])
+    one_rounding = ref.abs() * 2.0**-8 + terms * 2.0**-20  # bf16 rounding + fp32 sums
+    for block_rows in (5, 16):  # blocks cutting expert 1 twice; one block
+        got = _blocked_weight_grad(x, dy, bounds, block_rows, like, backend).double()
+        assert bool(((got - ref).abs() <= one_rounding).all()), (block_rows,
+                                                                 (got - ref).abs().max())
+
+
+def test_unused_experts_get_zeros_and_chunks_equal_one_call_in_bf16() -> None:
+    """Several row blocks, experts 0 and E-1 without rows: zero gradients (not None); the
+    layer chunked into c = 2 token chunks gives the unchunked weight gradients."""
+    from memfine.config import ChunkConfig, MoEConfig
+    from memfine.nn import MoELayer
+
+    torch.manual_seed(0)
+    up, down = _bf16_layer_grads(8, 7 * (3 * 16 + 3 * 8 + 16) * 2)
+    for g in (up, down):
+        assert torch.equal(g[0], torch.zeros_like(g[0]))
+        assert torch.equal(g[-1], torch.zeros_like(g[-1]))
+    moe = MoEConfig(hidden_size=16, intermediate_size=8, num_experts=6, top_k=2,
+                    backward_block_bytes=7 * (3 * 16 + 3 * 8 + 16) * 2)
+    grads = []
+    for c in (1, 2):
+        torch.manual_seed(1)
+        layer = MoELayer(moe, chunk=ChunkConfig(num_chunks=c, recompute="experts"))
+        layer = layer.to(torch.bfloat16)
+        x = torch.randn(32, 16, dtype=torch.bfloat16)
+        out, _ = layer(x)
+        out.float().square().sum().backward()
+        grads.append([p.grad for p in layer.experts.parameters()])
+    for chunked, whole in zip(grads[1], grads[0], strict=True):
+        assert chunked is not None and whole is not None
+        assert_close(chunked, whole, grad=True)

@@ -201,7 +201,12 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
     except LoRABaseError as err:  # stacked adapters: the base's own base is gone or changed
         raise LoRABaseError(f"its LoRA base run {reference['run_dir']!r} is a LoRA run too; "
                             f"{err}") from err
-    missing, unexpected = model.load_state_dict(plain.state_dict(), strict=False)
+    from memfine.nn.lora import load_quantized_bases_
+
+    state = plain.state_dict()
+    quantized = load_quantized_bases_(model, state)  # a 4-bit base: quantised again (same codes)
+    missing, unexpected = model.load_state_dict(
+        {k: v for k, v in state.items() if k not in quantized}, strict=False)
     trained = {name for name, p in model.named_parameters() if p.requires_grad}
     if unexpected or not set(missing) <= trained:
         raise LoRABaseError(f"the LoRA base {str(path)!r} does not fit the model (missing "

@@ -40,8 +40,9 @@ def run(args: argparse.Namespace) -> int:
 
     Raises:
         ValueError: when ``--out`` is missing, the checkpoint is missing or corrupt,
-            ``--merged`` is given for a run without adapters, the target's folder does not
-            exist or is not writable, or the target exists without ``--overwrite``.
+            ``--merged`` is given for a run without adapters or with a 4-bit base
+            (``--lora-base-quant``), the target's folder does not exist or is not writable, or
+            the target exists without ``--overwrite``.
     """
     out = run_directory(args)
     if value(args, "to") is not None:
@@ -52,6 +53,13 @@ def run(args: argparse.Namespace) -> int:
     if merge and not lora:
         raise ValueError("--merged needs a LoRA run (trained with --lora-rank); this run "
                          "trained every weight: export it without --merged")
+    if merge and trained.config.lora is not None and trained.config.lora.base_quant is not None:
+        raise ValueError(f"--merged cannot fold adapters trained on a 4-bit base "
+                         f"(--lora-base-quant {trained.config.lora.base_quant}): folded into the "
+                         f"full-precision base they give another model than the one trained "
+                         f"(they were fitted to the NF4 rounding), and the NF4 base cannot hold "
+                         f"the update; export the adapters without --merged (allowed: --merged "
+                         f"on a run whose base was not quantised)")
     adapters = lora and not merge
     target = Path(value(args, "to") or Path(out) / (ADAPTERS_NAME if adapters
                                                      else "model.safetensors"))

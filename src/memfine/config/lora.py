@@ -20,6 +20,8 @@ from memfine.config.base import _ConfigBase
 
 LoRATarget = Literal["w_up", "w_down"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
+BASE_QUANTS = (None, "nf4")  # LoRAConfig.base_quant
+QUANT_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' block sizes
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -37,6 +39,12 @@ class LoRAConfig(_ConfigBase):
         train_router: also train the router (the base weights stay frozen otherwise).
         train_attention: also train attention, norms, embeddings and shared experts (on a
             single :class:`memfine.nn.MoELayer`: its shared experts and their gate).
+        base_quant: None (the frozen base stays in the model's dtype) or ``"nf4"``: the routed
+            experts' frozen w_up / w_down held 4-bit NF4 (QLoRA; :mod:`memfine.experts.quant`,
+            needs bitsandbytes), dequantised per row block.
+        base_quant_block_size: values per NF4 absmax block (bitsandbytes' sizes, 64 default);
+            each expert's d·G and n·d must be multiples of it (checked where the shapes are
+            known).
     """
 
     rank: int = 8
@@ -45,6 +53,8 @@ class LoRAConfig(_ConfigBase):
     targets: tuple[str, ...] = LORA_TARGETS
     train_router: bool = False
     train_attention: bool = False
+    base_quant: str | None = None
+    base_quant_block_size: int = 64
 
     def __post_init__(self) -> None:
         """Validate every field.
@@ -71,6 +81,11 @@ class LoRAConfig(_ConfigBase):
         for name in ("train_router", "train_attention"):
             if not isinstance(getattr(self, name), bool):
                 fail(self, name, "a bool", getattr(self, name))
+        if self.base_quant not in BASE_QUANTS:
+            fail(self, "base_quant", f"one of {BASE_QUANTS}", self.base_quant)
+        if self.base_quant_block_size not in QUANT_BLOCK_SIZES:
+            fail(self, "base_quant_block_size", f"one of {QUANT_BLOCK_SIZES}",
+                 self.base_quant_block_size)
 
     @property
     def scale(self) -> float:
@@ -78,10 +93,15 @@ class LoRAConfig(_ConfigBase):
         return self.alpha / self.rank
 
     def to_dict(self) -> dict[str, object]:
-        """The fields as a JSON-ready dict (targets as a list)."""
-        return {"rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
-                "targets": list(self.targets), "train_router": self.train_router,
-                "train_attention": self.train_attention}
+        """The fields as a JSON-ready dict (targets as a list; the 4-bit base's only when set)."""
+        out: dict[str, object] = {
+            "rank": self.rank, "alpha": self.alpha, "dropout": self.dropout,
+            "targets": list(self.targets), "train_router": self.train_router,
+            "train_attention": self.train_attention}
+        if self.base_quant is not None:
+            out.update(base_quant=self.base_quant,
+                       base_quant_block_size=self.base_quant_block_size)
+        return out
 
     @classmethod
     def from_dict(cls, data: dict[str, object]) -> LoRAConfig:

@@ -16,6 +16,7 @@ from typing import Any, cast
 import torch
 
 from memfine.experts.lora import LoRABackward, LoRAForward, LoRASpec
+from memfine.experts.quant import QuantizedBase
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
@@ -83,6 +84,9 @@ class FusedOptions:
         host_offsets: the E + 1 expert_token_offsets as Python ints, read once in the forward
             (:attr:`memfine.dispatch.RoutingIndex.host_offsets`), so the backward makes no host
             read; None: the backward reads them once itself (eager) or runs the traced path.
+        quant: a frozen 4-bit base (:class:`memfine.experts.quant.QuantizedBase`) read in place
+            of the w_up / w_down inputs (passed as None), each row block dequantising its
+            experts; None: the inputs are the weights.
     """
 
     activation: Activation
@@ -91,6 +95,7 @@ class FusedOptions:
     weight_grads: WeightGradBuffers | None = None
     host_offsets: tuple[int, ...] | None = None
     lora: LoRASpec | None = None
+    quant: QuantizedBase | None = None
 
 
 # The expert parameters, in the order FusedExpertsFunction takes them after the index arrays
@@ -193,6 +198,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         Arguments, saved tensors and their bytes are described on the class.
         """
         w_up_EDG, w_down_END, b_up_EG, b_down_ED, w_up_second_EDN = params[:len(PARAMS)]
+        if options.quant is not None:  # 4-bit base: w[held] dequantises a block's experts
+            w_up_EDG, w_down_END = options.quant.weights()
         # the adapter tensors, never None (only the biases and the second up half may be)
         lora_weights = cast(tuple[torch.Tensor, ...], params[len(PARAMS):])
         lora_fwd = (None if options.lora is None
@@ -202,14 +209,15 @@ class FusedExpertsFunction(torch.autograd.Function):
         activation, backend = options.activation, options.backend
         no_bias = b_up_EG is None and b_down_ED is None
         if (backend == "triton" and no_bias and activation in TRITON_EPILOGUE_ACTIVATIONS
-                and len(parts) == 1 and lora_fwd is None):
+                and len(parts) == 1 and lora_fwd is None and options.quant is None):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
         else:  # streamed over row blocks (under torch.compile, S data-dependent: one block)
             traced = torch.compiler.is_compiling()
             blocks = _plan_rows(options, x_TD, weights_TK, expert_token_offsets_E1,
-                                expert_slot_indices_S, traced, one_block=traced)
+                                expert_slot_indices_S, traced, one_block=traced,
+                                host=_sliced(options, options.host_offsets, b_up_EG, b_down_ED))
             h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
                                         expert_token_indices_S, token_index_map_TK, activation,
                                         backend, by_gather=_by_gather(x_TD), lora=lora_fwd)
@@ -234,7 +242,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         """
         st = _BackwardState(ctx, grad_out_TD)
         st.blocks = _plan_rows(ctx.options, st.x_TD, st.weights_TK, st.offsets_E1, st.slot_S,
-                               st.bounds is None)
+                               st.bounds is None,
+                               host=_sliced(ctx.options, st.bounds, st.b_up_EG, st.b_down_ED))
         for b, (r0, r1) in enumerate(st.blocks.bounds):
             _backward_block(st, b, r0, r1)
         grad_weights = None
@@ -254,20 +263,35 @@ class FusedExpertsFunction(torch.autograd.Function):
         return grads[:len(ctx.needs_input_grad)]
 
 
+def _sliced(options: FusedOptions, bounds: Any, b_up: torch.Tensor | None,
+            b_down: torch.Tensor | None) -> list[int] | None:
+    """Host offsets when each block's GEMMs take only its experts' weights.
+
+    Not with a bias, nor with LoRA unless the base is 4-bit.
+    """
+    if (bounds is None or (options.lora is not None and options.quant is None)
+            or b_up is not None or b_down is not None):
+        return None
+    return list(bounds)
+
+
 def _plan_rows(options: FusedOptions, x_TD: torch.Tensor, weights_TK: torch.Tensor,
                offsets_E1: torch.Tensor, slot_S: torch.Tensor, traced: bool, *,
-               one_block: bool = False) -> RowBlocks:
+               one_block: bool = False, host: list[int] | None = None) -> RowBlocks:
     """The row blocks of one pass (forward or backward) and their bookkeeping, built once.
 
     Blocks of ``options.block_rows`` rows (:func:`memfine.experts.rows.row_blocks`; under
     torch.compile one block unless :data:`STREAM_UNDER_COMPILE`); ``one_block``: all S rows.
     The forward and the backward build the same blocks (nothing is kept between them).
+    ``host``: the host offsets with which a block's GEMMs take only its experts
+    (:meth:`memfine.experts.rows.RowBlocks.experts_of`).
     """
     S = slot_S.shape[0]
     block_rows = 2**62 if one_block else max(1, options.block_rows)
     bounds = row_blocks(S, weights_TK.numel(), block_rows, traced,
                         STREAM_UNDER_COMPILE and not one_block)
-    return RowBlocks.plan(bounds, block_rows, offsets_E1, weights_TK, slot_S, not traced)
+    return RowBlocks.plan(bounds, block_rows, offsets_E1, weights_TK, slot_S, not traced,
+                          None if traced else host)
 
 
 def _by_gather(x_TD: torch.Tensor) -> bool:
@@ -284,6 +308,8 @@ class _BackwardState:
         (self.x_TD, self.h_SG, self.weights_TK, self.token_idx_S, self.offsets_E1, map_TK,
          self.slot_S, self.w_up_EDG, self.w_down_END, self.b_up_EG, self.b_down_ED,
          second) = saved[:n_base]
+        if ctx.options.quant is not None:  # the frozen 4-bit base (no gradient)
+            self.w_up_EDG, self.w_down_END = ctx.options.quant.weights()
         # NOTE(memory): token_index_map is held only by the gather form of dx (off the CPU);
         # a checkpoint's recomputed copy is then freed as soon as it is unpacked (T·k·4 bytes)
         self.map_TK = (map_TK if map_TK.device.type != "cpu" or DX_BY_GATHER_ON_CPU else None)
@@ -332,12 +358,15 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     E = st.w_up_EDG.shape[0]
     assert st.blocks is not None, "the blocks are planned before they run"
     offs_E1 = st.blocks.offsets_of(b, r0, r1, st.h_SG.shape[0])
+    # the block's experts only (several blocks, no bias, no LoRA: else all E)
+    held_offs, held = st.blocks.experts_of(b, r0, r1, st.h_SG.shape[0])
     token_B = st.token_idx_S[r0:r1]
     h_BG = st.h_SG[r0:r1]
     w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d
     grad_out_BD = st.grad_out_TD.index_select(0, token_B)
-    grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END.transpose(1, 2), offs_E1, st.backend)
+    grad_a_BN = grouped_mm(grad_out_BD, st.w_down_END[held].transpose(1, 2), held_offs,
+                           st.backend)
     # NOTE(memory): A and f(gate) recomputed from H for this block only (transients B·n each)
     need_a = st.need_w or st.need_down or (st.lora is not None and st.lora.needs_activation)
     a_BN, gate_BN = activation_and_gate(h_BG, st.act) if need_a else (None, None)
@@ -350,7 +379,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
         grad_out_BD.mul_(w_B1)  # (w ⊙ dO) rows
         if st.need_down:  # dW_down[e] += A_eᵀ · (w ⊙ dO)_e, in place
             assert a_BN is not None, "A is recomputed when w_down needs a gradient"
-            st.grads.accumulate_(1, st.w_down_END, a_BN, grad_out_BD, st.bounds, r0, offs_E1,
+            st.grads.write_block_(1, st.w_down_END, a_BN, grad_out_BD, st.bounds, r0, offs_E1,
                                  st.backend)
         if st.grad_b_down is not None:  # db_down[e] += Σ_{rows of e} (w ⊙ dO)
             st.grad_b_down += grouped_row_sums(grad_out_BD, offs_E1, E)
@@ -372,14 +401,15 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
         for slot, part, needed in zip((0, 2), st.parts, st.need_up, strict=False):
             width = part.shape[2]
             if needed:
-                st.grads.accumulate_(slot, part, x_BD, grad_h_BG[:, col:col + width],
+                st.grads.write_block_(slot, part, x_BD, grad_h_BG[:, col:col + width],
                                      st.bounds, r0, offs_E1, st.backend)
             col += width
         del x_BD
     lora_dx_BD = (None if st.lora is None
                   else st.lora.up_block(r0, r1, offs_E1, grad_h_BG, st.grad_x_TD is not None))
     if st.grad_x_TD is not None:  # dx[t] += dH_r · w_upᵀ for the block's rows r of t
-        grad_x_BD = up_input_grad(grad_h_BG, st.parts, offs_E1, st.backend)
+        grad_x_BD = up_input_grad(grad_h_BG, tuple(p[held] for p in st.parts), held_offs,
+                                  st.backend)
         if lora_dx_BD is not None:
             grad_x_BD.add_(lora_dx_BD)
         add_token_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0,

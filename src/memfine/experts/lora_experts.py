@@ -14,6 +14,7 @@ from memfine.config.lora import check_lora_rank
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
 from memfine.experts.lora import ExpertLoRA
+from memfine.experts.quant import QuantizedBase
 from memfine.experts.run import autocast_operands, check_expert_inputs
 from memfine.ops.activations import Activation
 from memfine.ops.up_projection import UpWeights, up_parts, up_shape
@@ -65,7 +66,8 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
                      b_up_EG: torch.Tensor | None = None, b_down_ED: torch.Tensor | None = None,
                      seed: int = 0,
                      backward_block_bytes: int | None = None,
-                     weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
+                     weight_grads: WeightGradBuffers | None = None,
+                     quant: QuantizedBase | None = None) -> torch.Tensor:
     """Routed experts with per-expert LoRA adapters, computed split (never W + s·B·A).
 
     out[t] = Σ_j w[t,j]·(act(x·W_up[e] + s·(x·A_up[e]ᵀ)·B_up[e]ᵀ + b_up[e])·W_down[e]
@@ -87,12 +89,16 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         backward_block_bytes: byte target of one row block of the streamed backward, or None
             for the device's default (:func:`memfine.config.default_block_bytes`).
         weight_grads: shared base weight-gradient buffers of a chunk loop, or None.
+        quant: a frozen 4-bit base (:class:`memfine.experts.quant.QuantizedBase`, QLoRA): then
+            ``w_up_EDG`` / ``w_down_END`` are its :meth:`~QuantizedBase.stand_ins` (shapes and
+            dtype only) and each row block dequantises the experts it holds.
 
     Returns:
         (T, d) tensor in x's dtype (the autocast dtype inside ``torch.autocast``).
 
     Raises:
-        ValueError: as :func:`memfine.experts.run_experts` and :func:`check_lora_inputs`.
+        ValueError: as :func:`memfine.experts.run_experts` and :func:`check_lora_inputs`;
+            with ``quant``, when x's dtype (after autocast) is not the 4-bit base's.
 
     Memory: what :class:`memfine.experts.FusedExpertsFunction` saves plus, per adapter, its rank-r
     intermediate U (S·r·D_t bytes); the adapters' gradients are E·r·(d_in + d_out) elements
@@ -108,15 +114,20 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
     lora_tensors_cast = [t.contiguous() for t in rest[n_parts:]]
     check_expert_inputs(x_TD, top_k_weights, index, parts[0] if n_parts == 1 else parts,
                         w_down_END, activation, b_up_EG, b_down_ED)
+    if quant is not None and x_TD.dtype != quant.up.dtype:
+        raise ValueError(f"hidden_states must have the 4-bit base weights' dtype "
+                         f"{quant.up.dtype} (they dequantise to it), got {x_TD.dtype}")
     G = sum(p.shape[2] for p in parts)
     block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
                                      x_TD.element_size(), x_TD.device.type)
     options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets,
-                           lora=lora.spec(seed))
+                           lora=lora.spec(seed), quant=quant)
+    # a 4-bit base is read from the options (its stand-ins are not passed)
+    base = (parts[0], w_down_END) if quant is None else (None, None)
     out: torch.Tensor = FusedExpertsFunction.apply(
         options, x_TD, top_k_weights.to(x_TD.dtype), index.expert_token_indices,
         index.expert_token_offsets, index.token_index_map, index.expert_slot_indices,
-        parts[0], w_down_END, b_up_EG, b_down_ED, parts[1] if len(parts) == 2 else None,
+        *base, b_up_EG, b_down_ED, parts[1] if len(parts) == 2 else None,
         *lora_tensors_cast)
     return out

@@ -16,6 +16,7 @@ Reference: MoEBlaze (arXiv 2601.05296) §4 (buffer-free dispatch, per-token redu
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,6 +80,8 @@ class RowBlocks:
         block_offsets: eagerly with several blocks, every block's grouped offsets at once,
             (n_blocks, E + 1) int32 clamp(offsets − r0, 0, block_rows); else None.
         eager: the bounds are ints (not traced by torch.compile).
+        host: the E + 1 expert_token_offsets as host ints when each block's GEMMs take only
+            the experts whose rows it holds (:meth:`experts_of`), else None (all E).
     """
 
     bounds: list[tuple[Any, Any]]
@@ -86,11 +89,13 @@ class RowBlocks:
     w_S: torch.Tensor
     block_offsets: torch.Tensor | None
     eager: bool
+    host: list[int] | None = None
 
     @classmethod
     def plan(cls, bounds: list[tuple[Any, Any]], block_rows: int, offsets_E1: torch.Tensor,
-             weights_TK: torch.Tensor, slot_S: torch.Tensor, eager: bool) -> RowBlocks:
-        """The bookkeeping of ``bounds`` (no host read).
+             weights_TK: torch.Tensor, slot_S: torch.Tensor, eager: bool,
+             host: list[int] | None = None) -> RowBlocks:
+        """The bookkeeping of ``bounds`` (no host read; ``host``: see the attribute).
 
         One ``index_select`` and, with several blocks, an arange, a subtraction and a clamp.
 
@@ -105,7 +110,22 @@ class RowBlocks:
                                  device=offsets_E1.device)[:, None]
         # NOTE(memory): (n_blocks, E + 1) int32 offsets, freed with the pass
         block_offsets = (offsets_E1[None, :] - starts_n1).clamp_(0, block_rows)
-        return cls(bounds, offsets_E1, w_S, block_offsets, eager)
+        return cls(bounds, offsets_E1, w_S, block_offsets, eager, host)
+
+    def experts_of(self, b: int, r0: Any, r1: Any, num_rows: Any
+                   ) -> tuple[torch.Tensor, slice]:
+        """Block ``b``'s grouped offsets and the slice of experts its GEMMs take.
+
+        With several eager blocks and host offsets: the experts e0 ≤ e < e1 whose rows overlap
+        [r0, r1) (offsets ``block_offsets[b, e0:e1 + 1]``, starting at 0 and ending at B), so
+        a block's grouped GEMMs read only those experts' weights; else all E experts.
+        """
+        offs = self.offsets_of(b, r0, r1, num_rows)
+        if self.host is None or self.block_offsets is None:
+            return offs, slice(None)
+        e0 = bisect.bisect_right(self.host, r0) - 1  # the expert holding row r0
+        e1 = bisect.bisect_left(self.host, r1, lo=e0 + 1)  # the first starting at or after r1
+        return offs[e0:e1 + 1], slice(e0, e1)
 
     def offsets_of(self, b: int, r0: Any, r1: Any, num_rows: Any) -> torch.Tensor:
         """(E + 1,) int32 grouped offsets of block ``b`` = rows [r0, r1), starting at 0."""
@@ -184,12 +204,15 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
     if len(blocks.bounds) > 1:  # NOTE(memory): H (S·G), filled block by block
         h_SG = x_TD.new_empty(S, sum(p.shape[2] for p in up_parts))
     for b, (r0, r1) in enumerate(blocks.bounds):
-        offs_E1 = blocks.offsets_of(b, r0, r1, S)
+        offs_E1, held = blocks.experts_of(b, r0, r1, S)
         token_B = token_idx_S[r0:r1]
         x_BD = x_TD.index_select(0, token_B)  # NOTE(memory): B·d, never saved
-        h_BG = add_row_bias_(up_project(x_BD, up_parts, offs_E1, backend), b_up_EG, offs_E1)
+        h_BG = add_row_bias_(up_project(x_BD, tuple(p[held] for p in up_parts), offs_E1,
+                                        backend), b_up_EG, offs_E1)
+        # the adapters take all E experts' offsets (offs_E1 may be the block's experts only)
+        lora_offs = offs_E1 if lora is None else blocks.offsets_of(b, r0, r1, S)
         if lora is not None:  # split LoRA: H += s·(x·Aᵀ)·Bᵀ
-            lora.up_(h_BG, x_BD, offs_E1, r0, S)
+            lora.up_(h_BG, x_BD, lora_offs, r0, S)
         del x_BD
         if h_SG is None:
             h_SG = h_BG
@@ -198,9 +221,9 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
             del h_BG
             h_BG = h_SG[r0:r1]
         a_BN = apply_activation(h_BG, activation)
-        y_BD = grouped_mm(a_BN, w_down_END, offs_E1, backend)
+        y_BD = grouped_mm(a_BN, w_down_END[held], offs_E1, backend)
         if lora is not None:
-            lora.down_(y_BD, a_BN, offs_E1, r0, S)
+            lora.down_(y_BD, a_BN, lora_offs, r0, S)
         del a_BN  # NOTE(memory): A is recomputed from H in backward
         # w ⊙ Y out of place: Y is a GEMM output, which selective activation checkpointing may
         # have cached (a cached tensor must not be mutated)

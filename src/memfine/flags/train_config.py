@@ -15,6 +15,7 @@ import copy
 from pathlib import Path
 from typing import Any
 
+from memfine._optional import is_available
 from memfine.artifacts.checkpoint import (
     BASE_COPY_NAME,
     CheckpointNotFoundError,
@@ -354,8 +355,12 @@ def _start_lora(args: argparse.Namespace, tree: dict[str, Any], *, resume: bool,
 
     Raises:
         ValueError: one line naming the flag: a LoRA flag without ``--lora-rank``, ``--lora-rank``
-            without ``--init-from``, or a LoRA flag on ``--resume`` of a run without adapters.
+            without ``--init-from``, a LoRA flag on ``--resume`` of a run without adapters, or
+            ``--lora-base-quant`` without bitsandbytes installed.
     """
+    if given(args, "lora_base_quant") and not is_available("bitsandbytes"):
+        raise ValueError(f"--lora-base-quant {args.lora_base_quant} needs bitsandbytes: pip "
+                         f"install 'memfine[qlora]'")
     lora_flags = [flag.name for flag in LORA_FLAGS if given(args, flag.dest)]
     if not lora_flags or tree.get("lora") is not None:
         return

@@ -212,6 +212,9 @@ LORA_FLAGS = (
     Flag("--lora-train-attention", ("lora.train_attention",), "with --lora-rank, also train "
          "attention, norms, embeddings and shared experts (frozen otherwise)",
          action="store_true", default=NotGiven(text="False")),
+    Flag("--lora-base-quant", ("lora.base_quant",), "with --lora-rank, hold the routed "
+         "experts' frozen base 4-bit (nf4: QLoRA, needs bitsandbytes; each expert's d*G and "
+         "n*d must be multiples of 64)", str, ["nf4"], default=NotGiven(text="none")),
 )
 
 RUN_FLAGS = (

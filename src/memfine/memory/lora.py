@@ -21,6 +21,7 @@ from memfine.memory.layer import saved_items
 from memfine.timeline.experts import chunk_tokens
 from memfine.timeline.layer import simulate_layer
 from memfine.timeline.lora import adapter_saved_bytes
+from memfine.timeline.quant import resident_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,3 +76,16 @@ def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_b
                         recompute=recompute, lora=lora)
     return LoRALayerMemory(saved_bytes=sum(items.values()) + extra, adapter_saved_bytes=extra,
                            forward_peak_bytes=tl.phase_peaks["forward"], peak_bytes=tl.peak)
+
+
+def quantized_base_bytes(moe: MoEConfig, lora: LoRAConfig | None) -> int:
+    """Resident bytes of one layer's 4-bit routed-expert base (0 without ``base_quant``).
+
+    NF4 codes (½ byte per value), fp32 absmax per ``base_quant_block_size`` values and the 16
+    NF4 levels (:meth:`memfine.nn.lora.LoRAGroupedExperts.quantize_base_`); these buffers are
+    not parameters, so a parameter count leaves them out.
+    """
+    if lora is None or lora.base_quant is None:
+        return 0
+    return resident_bytes(moe.num_experts, moe.hidden_size, moe.intermediate_size,
+                          moe.up_width, lora.base_quant_block_size)

@@ -26,6 +26,7 @@ from memfine.config.lora import LoRAConfig, check_lora_rank
 from memfine.dispatch import build_routing_index
 from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
+from memfine.experts.quant import NF4Experts, QuantizedBase
 from memfine.memory.lora import lora_layer_memory
 from memfine.nn.experts import GroupedExperts
 from memfine.schedule.chunked import run_chunked
@@ -62,9 +63,15 @@ class LoRAGroupedExperts(GroupedExperts):
         lora: the :class:`LoRAConfig` (rank, α, dropout, targets).
         init_std, depth: as :class:`GroupedExperts`.
 
+    With ``lora.base_quant="nf4"`` (QLoRA) the frozen ``w_up`` / ``w_down`` parameters are
+    replaced by their NF4 codes and absmax (:meth:`quantize_base_`, non-persistent buffers:
+    the base is read from its own checkpoint and quantised again, deterministically); each
+    row block of the fused path dequantises the experts it holds.
+
     Raises:
-        ValueError: when the rank exceeds min(d_in, d_out) of an adapted weight, or the
-            experts path is not ``fused``.
+        ValueError: when the rank exceeds min(d_in, d_out) of an adapted weight, the
+            experts path is not ``fused``, or a 4-bit base's d·G or n·d is not a multiple
+            of ``lora.base_quant_block_size``.
 
     Attributes:
         transport_row_elements: 0: the rank-r intermediates U that each routed row keeps are
@@ -72,8 +79,12 @@ class LoRAGroupedExperts(GroupedExperts):
     """
 
     def __init__(self, config: MoEConfig, lora: LoRAConfig, *, init_std: float = 0.02,
-                 depth: int = 1) -> None:
-        """Build base weights (frozen) and adapters; arguments as on the class."""
+                 depth: int = 1, quantize: bool = True) -> None:
+        """Build base weights (frozen) and adapters; arguments as on the class.
+
+        ``quantize=False`` keeps a 4-bit config's base in full precision until
+        :meth:`quantize_base_` (to copy trained weights in first).
+        """
         if config.experts_impl != "fused":
             raise ValueError(f"LoRA on the experts needs MoEConfig.experts_impl='fused', got "
                              f"{config.experts_impl!r}")
@@ -93,6 +104,60 @@ class LoRAGroupedExperts(GroupedExperts):
         self.w_up.requires_grad_(False)
         self.w_down.requires_grad_(False)
         self.reset_adapters()
+        self.quantized = False  # the base is NF4 buffers (quantize_base_)
+        if lora.base_quant is not None and quantize:
+            self.quantize_base_()
+
+    @torch.no_grad()
+    def quantize_base_(self) -> None:
+        """Replace the frozen ``w_up`` / ``w_down`` by NF4 codes and absmax (deterministic).
+
+        The buffers ``w_up_nf4_codes`` / ``w_up_nf4_absmax`` (and ``w_down_``'s) and the 16 NF4
+        levels ``nf4_code`` are non-persistent; the fp32 absmax and levels are held as their
+        int32 bits, so ``module.to(dtype)`` leaves them exact. The base dequantises to the
+        adapters' dtype. Memory: (E·d·G + E·n·d) / 2 + 4·(E·d·G + E·n·d) / block_size + 64
+        bytes resident instead of (E·d·G + E·n·d)·D_t.
+
+        Raises:
+            ValueError: when d·G or n·d is not a multiple of the block size (nothing changed).
+        """
+        quant = QuantizedBase.quantize(self.w_up, self.w_down, self.lora.base_quant_block_size)
+        del self.w_up, self.w_down
+        for name, nf4 in (("w_up", quant.up), ("w_down", quant.down)):
+            self.register_buffer(f"{name}_nf4_codes", nf4.codes, persistent=False)
+            self.register_buffer(f"{name}_nf4_absmax", nf4.absmax.float().view(torch.int32),
+                                 persistent=False)
+        self.register_buffer("nf4_code", quant.up.code.float().view(torch.int32),
+                             persistent=False)
+        self.quantized = True
+
+    @torch.no_grad()
+    def load_base_(self, w_up_EDG: torch.Tensor, w_down_END: torch.Tensor) -> None:
+        """Quantise a base's weights into this module's 4-bit buffers.
+
+        The codes equal :meth:`quantize_base_`'s on the same weights (deterministic).
+        """
+        device = self.get_buffer("nf4_code").device
+        quant = QuantizedBase.quantize(w_up_EDG.to(device), w_down_END.to(device),
+                                       self.lora.base_quant_block_size)
+        for name, nf4 in (("w_up", quant.up), ("w_down", quant.down)):
+            self.get_buffer(f"{name}_nf4_codes").copy_(nf4.codes)
+            self.get_buffer(f"{name}_nf4_absmax").copy_(nf4.absmax.float().view(torch.int32))
+
+    def quantized_base(self) -> QuantizedBase | None:
+        """The 4-bit base over the current buffers (after any ``.to()``), or None."""
+        if not self.quantized:
+            return None
+        moe, size = self.config, self.lora.base_quant_block_size
+        E, D, N, G = (moe.num_experts, moe.hidden_size, moe.intermediate_size, moe.up_width)
+        dtype = next(p for n, p in self.named_parameters() if n.startswith("lora_")).dtype
+        code = self.get_buffer("nf4_code").view(torch.float32)
+
+        def weight(name: str, shape: tuple[int, int, int]) -> NF4Experts:
+            return NF4Experts(self.get_buffer(f"{name}_nf4_codes"),
+                              self.get_buffer(f"{name}_nf4_absmax").view(torch.float32),
+                              code, torch.Size(shape), dtype, size)
+        return QuantizedBase(weight("w_up", (E, D, G)), weight("w_down", (E, N, D)))
 
     def reset_adapters(self) -> None:
         """A ~ U(±1/√d_in) (Kaiming-uniform with a = √5, as PEFT), B = 0 (the base output)."""
@@ -128,27 +193,35 @@ class LoRAGroupedExperts(GroupedExperts):
         seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
         moe = self.config
         block = moe.backward_block_bytes if block_bytes is None else block_bytes
+        quant = self.quantized_base()
+        w_up, w_down = (self.w_up, self.w_down) if quant is None else quant.stand_ins()
 
         def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                      top_k_weights_CK: torch.Tensor) -> torch.Tensor:
             index = build_routing_index(top_k_index_CK, moe.num_experts, moe.index_builder)
-            return run_lora_experts(x_CD, top_k_weights_CK, index, self.w_up, self.w_down, lora,
+            return run_lora_experts(x_CD, top_k_weights_CK, index, w_up, w_down, lora,
                                     activation=moe.activation, backend=moe.gemm_backend,
                                     seed=seed + chunk,
-                                    backward_block_bytes=block)
+                                    backward_block_bytes=block, quant=quant)
 
         return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                            recompute=recompute if torch.is_grad_enabled() else "none")
 
 
 def lora_experts_from(experts: GroupedExperts, lora: LoRAConfig) -> LoRAGroupedExperts:
-    """A :class:`LoRAGroupedExperts` sharing ``experts``' weights (frozen), fresh adapters."""
+    """A :class:`LoRAGroupedExperts` with ``experts``' weights (frozen), fresh adapters.
+
+    With ``lora.base_quant`` the copied weights are quantised in ``experts``' dtype and device.
+    """
     new = LoRAGroupedExperts(experts.config, lora, init_std=experts.init_std,
-                             depth=experts.depth)
+                             depth=experts.depth, quantize=False)
     with torch.no_grad():
         new.w_up.copy_(experts.w_up)
         new.w_down.copy_(experts.w_down)
-    return new.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
+    new = new.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
+    if lora.base_quant is not None:
+        new.quantize_base_()
+    return new
 
 
 def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
@@ -184,6 +257,24 @@ def apply_lora(model: nn.Module, lora: LoRAConfig) -> int:
     return len(layers)
 
 
+def load_quantized_bases_(model: nn.Module, state: dict[str, torch.Tensor]) -> set[str]:
+    """Quantise the base weights in ``state`` into ``model``'s 4-bit LoRA experts.
+
+    For every :class:`LoRAGroupedExperts` of ``model`` holding a 4-bit base, its
+    ``<prefix>w_up`` / ``<prefix>w_down`` in ``state`` (a plain model's state dict) are
+    quantised into its buffers (:meth:`LoRAGroupedExperts.load_base_`). Returns the keys used,
+    which the caller leaves out of ``load_state_dict``.
+    """
+    used: set[str] = set()
+    for prefix, module in model.named_modules():
+        if isinstance(module, LoRAGroupedExperts) and module.quantized:
+            keys = (f"{prefix}.w_up", f"{prefix}.w_down")
+            if all(k in state for k in keys):
+                module.load_base_(state[keys[0]], state[keys[1]])
+                used.update(keys)
+    return used
+
+
 def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The trainable parameters of an adapted model (adapters, and router/attention if trained)."""
     return {name: p.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
@@ -205,6 +296,11 @@ def merge_lora_(experts: LoRAGroupedExperts) -> GroupedExperts:
         raise TypeError(f"merge_lora_ takes a LoRAGroupedExperts module, got "
                         f"{type(experts).__name__}; merge a whole model or layer with "
                         f"merge_model_lora_")
+    if experts.quantized:
+        raise ValueError(f"LoRAConfig.base_quant={experts.lora.base_quant!r} cannot be merged: "
+                         f"the adapters were trained on the 4-bit base, whose full-precision "
+                         f"weights are gone; merge onto the base run's weights with "
+                         f"base_quant=None, or export the adapters alone")
     out = GroupedExperts(experts.config, init_std=experts.init_std, depth=experts.depth)
     out = out.to(device=experts.w_up.device, dtype=experts.w_up.dtype)
     s = experts.lora.scale

@@ -44,6 +44,8 @@ class WeightGradBuffers:
         """Create an empty set of buffers."""
         self._grads: dict[int, torch.Tensor] = {}
         self._unwritten: dict[int, list[bool]] = {}  # per slot: experts not written yet
+        # (slot, expert) → fp32 (I, O) sum of a spanning bf16/fp16 expert's blocks so far
+        self._acc: dict[tuple[int, int], torch.Tensor] = {}
 
     def _get(self, slot: int, like: torch.Tensor) -> torch.Tensor:
         grad = self._grads.get(slot)
@@ -91,12 +93,141 @@ class WeightGradBuffers:
         accumulate_grouped_weight_grad_(self._get(slot, like), x_SI, grad_y_SO, bounds, row0,
                                         unwritten=self._unwritten[slot])
 
+    def write_block_(self, slot: int, like: torch.Tensor, x_SI: torch.Tensor,
+                     grad_y_SO: torch.Tensor, bounds: list[int] | None, row0: int,
+                     block_offsets_E1: torch.Tensor | None = None, backend: str = "auto"
+                     ) -> None:
+        """A row block's weight gradients, written once into the experts' slices of ``slot``.
+
+        Only the experts whose rows overlap the block [row0, row0 + B) are computed (``bounds``:
+        the host expert_token_offsets). A block that holds all rows, or no host bounds (traced),
+        takes :meth:`accumulate_`. Otherwise, in the grouped form (bf16): one ``_grouped_mm``
+        over the block's experts e_lo..e_hi (groups ``block_offsets_E1[e_lo:e_hi + 1]``),
+        whose experts held whole by the block are copied into their slices (added under
+        chunking, where a slice already holds an earlier chunk's gradient). An expert whose rows
+        span blocks (at most the first and the last of a block) accumulates its per-block
+        products in an fp32 (I, O) tensor from its rows cast to fp32 (exact products, fp32
+        sums) and is rounded into its slice once, in its last block; fp32/float64 weights and
+        the per-expert form add into the slice directly (``addmm_``), bf16/fp16 ones through
+        the same fp32 accumulator.
+
+        Args:
+            slot: the weight (0: w_up, 1: w_down, 2: the up half).
+            like: the (E, I, O) weight (any dense layout; the buffer takes it).
+            x_SI: (B, I) block input rows.
+            grad_y_SO: (B, O) block output-gradient rows.
+            bounds: E + 1 host offsets of all rows, or None.
+            row0: first grouped row of the block.
+            block_offsets_E1: (E + 1,) int32 offsets of the block's rows (starting at 0).
+            backend: grouped GEMM backend.
+
+        Memory: the buffer (E·I·O, once per weight and layer call); per block the grouped
+        product of the block's experts ((e_hi − e_lo)·I·O, transient; no E-sized product); per
+        spanning expert its fp32 (I, O) accumulator, live from its first block to its last,
+        and its rows cast to fp32 (transient).
+        Reference: MoEBlaze §4.2 (tiles accumulated in fp32, rounded once).
+        """
+        B = x_SI.shape[0]
+        if (bounds is None or (row0 == 0 and bounds[-1] <= B)
+                or like.dtype not in LOW_PRECISION_DTYPES):
+            self.accumulate_(slot, like, x_SI, grad_y_SO, bounds, row0, block_offsets_E1,
+                             backend)
+            return
+        row1 = row0 + B
+        e_lo = max(0, bisect.bisect_right(bounds, row0) - 1)
+        e_hi = bisect.bisect_left(bounds, row1, hi=len(bounds) - 1)
+        while e_lo < e_hi and bounds[e_lo + 1] <= row0:  # empty experts ending at row0
+            e_lo += 1
+        if e_lo >= e_hi:
+            return
+        spans = sorted({e for e in (e_lo, e_hi - 1) if bounds[e] < row0 or bounds[e + 1] > row1})
+        i0 = e_lo + 1 if e_lo in spans else e_lo
+        i1 = max(i0, e_hi - 1 if e_hi - 1 in spans else e_hi)
+        E = like.shape[0]
+        grouped = (block_offsets_E1 is not None
+                   and uses_grouped_weight_grads(x_SI, grad_y_SO, E, backend))
+        if grouped and slot not in self._grads and row0 == 0:
+            # NOTE(memory): the first block's product over all E experts is the buffer: its
+            # whole experts and the experts without rows are written (exact zeros), the rest
+            # is overwritten by later blocks
+            assert block_offsets_E1 is not None, "grouped needs the block's offsets"
+            self._grads[slot] = grouped_block_weight_grad(x_SI, grad_y_SO, block_offsets_E1, like)
+            self._unwritten[slot] = [not (i0 <= e < i1 or bounds[e] == bounds[e + 1])
+                                     for e in range(E)]
+            grouped = False
+            i1 = i0
+        grad = self._get(slot, like)
+        if grouped:
+            assert block_offsets_E1 is not None, "grouped needs the block's offsets"
+            window = block_window(E, B, bounds[-1])
+            for start in range(e_lo, e_hi, window):  # one window unless the routing is skewed
+                w0 = min(start, E - window)
+                # NOTE(memory): W experts' products (W·I·O, freed in this block); a cut
+                # expert's part is not used (its fp32 sum below)
+                product = grouped_block_weight_grad(
+                    x_SI, grad_y_SO, block_offsets_E1[w0:w0 + window + 1], like[w0:w0 + window])
+                lo, hi = max(i0, w0), min(i1, w0 + window)
+                if lo < hi:
+                    self._put(slot, grad, lo, hi, product[lo - w0:hi - w0])
+                del product
+        elif i0 < i1:
+            lo, hi = bounds[i0] - row0, bounds[i1] - row0
+            accumulate_grouped_weight_grad_(grad, x_SI[lo:hi], grad_y_SO[lo:hi], bounds,
+                                            row0 + lo, unwritten=self._unwritten[slot])
+        for e in spans:
+            lo, hi = max(bounds[e], row0) - row0, min(bounds[e + 1], row1) - row0
+            self._span_(slot, grad, e, x_SI[lo:hi], grad_y_SO[lo:hi], bounds[e + 1] <= row1)
+
+    def _put(self, slot: int, grad: torch.Tensor, e0: int, e1: int,
+             product: torch.Tensor) -> None:
+        """Write ``product`` into experts [e0, e1) of ``grad`` (add where already written)."""
+        unwritten = self._unwritten[slot]
+        if all(unwritten[e0:e1]):
+            grad[e0:e1].copy_(product)
+        else:  # under chunking: an earlier chunk wrote some of these experts
+            for e in range(e0, e1):
+                if unwritten[e]:
+                    grad[e].zero_()
+            grad[e0:e1].add_(product)
+        unwritten[e0:e1] = [False] * (e1 - e0)
+
+    def _span_(self, slot: int, grad: torch.Tensor, e: int, x_RI: torch.Tensor,
+               grad_y_RO: torch.Tensor, last: bool) -> None:
+        """One block's rows of expert ``e`` (whose rows span blocks) into its fp32 sum.
+
+        The rows are cast to fp32 (exact), their product added into the (I, O) fp32
+        accumulator, which is rounded into the slice once, when ``last``.
+        """
+        acc = self._acc.pop((slot, e), None)
+        # NOTE(memory): the rows in fp32 (transient), the (I, O) fp32 accumulator (kept)
+        x_f, dy_f = x_RI.float(), grad_y_RO.float()
+        acc = torch.mm(x_f.t(), dy_f) if acc is None else acc.addmm_(x_f.t(), dy_f)
+        del x_f, dy_f
+        if last:
+            self._put(slot, grad, e, e + 1, acc[None])
+        else:
+            self._acc[(slot, e)] = acc
+
     def take(self, slot: int, like: torch.Tensor) -> torch.Tensor:
         """Hand over the buffer of ``slot`` (zeros where never written) and forget it."""
         grad = self.buffer(slot, like)
         del self._grads[slot], self._unwritten[slot]
         return grad
 
+
+LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+"""Weight dtypes whose experts that span row blocks sum their blocks in fp32 (rounded once)."""
+
+
+def block_window(num_experts: int, block_rows: int, num_rows: int) -> int:
+    """W, the experts of one grouped weight-gradient product of a block of B of S rows.
+
+    ⌈E·B/S⌉ + 2 (a balanced block's experts, one cut at each edge, one to spare), at most E.
+    A block holding more experts (skewed routing) takes several products of W experts, so the
+    transient is W·I·O whatever the routing (the memory model's size); experts of a window that
+    the block does not hold are empty groups (exact zeros, not written into the buffer).
+    """
+    return min(num_experts, -(-num_experts * block_rows // max(1, num_rows)) + 2)
 
 GROUPED_WEIGHT_GRAD_DTYPES = (torch.bfloat16,)
 """dtypes whose eager weight gradients are grouped GEMMs (:func:`uses_grouped_weight_grads`).

@@ -33,7 +33,7 @@ from memfine.config import MoEConfig, TrainConfig
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
 from memfine.memory.layer import MemoryBreakdown as MoELayerMemory
 from memfine.memory.layer import moe_layer_memory
-from memfine.memory.lora import LoRALayerMemory, lora_layer_memory
+from memfine.memory.lora import LoRALayerMemory, lora_layer_memory, quantized_base_bytes
 from memfine.nn import MoETransformerLM
 from memfine.units import format_bytes
 
@@ -137,7 +137,9 @@ def predicted_run_bytes(config: TrainConfig, total_parameters: int, num_tokens: 
     ``num_parameters(config, trainable_only=True)``), ``D_t`` bytes per element each.
     Activations: every MoE layer's saved bytes plus one layer's backward peak above its saved
     bytes, at the configured c (MACT's budget bounds a layer when one is set); a LoRA run's
-    layers by :func:`memfine.memory.lora.lora_layer_memory` (adapters, frozen base).
+    layers by :func:`memfine.memory.lora.lora_layer_memory` (adapters, frozen base), and a
+    4-bit base's codes and absmax per layer (:func:`memfine.memory.lora.quantized_base_bytes`;
+    not parameters).
     Attention, norms, embedding and logits activations are not modelled (a lower bound).
 
     Reference: MemFine Eq. 1 (static) and Eq. 3 (static + activation ≤ device memory).
@@ -155,6 +157,7 @@ def predicted_run_bytes(config: TrainConfig, total_parameters: int, num_tokens: 
     if config.lora is not None:
         trained = num_parameters(config, trainable_only=True)
     static = (total_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
+    static += config.model.num_layers * quantized_base_bytes(_moe(config), config.lora)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
 

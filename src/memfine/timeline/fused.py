@@ -14,6 +14,7 @@ from __future__ import annotations
 from memfine.config import backward_block_rows
 from memfine.timeline import lora as adapters
 from memfine.timeline.base import Shape, Timeline
+from memfine.timeline.quant import dequantize
 
 
 def activation_forward(tl: Timeline, s: Shape, S: int, prefix: str) -> str:
@@ -64,7 +65,9 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
     for r0 in range(0, S, rows):
         B = min(S, r0 + rows) - r0
         xg = tl.alloc("fwd.x_BD", B * D * s.dt)
+        deq = dequantize(tl, s, "w_up", (r0, r0 + B, S))  # a 4-bit base's block experts
         h_block = tl.alloc("fwd.H_block", B * G * s.dt)
+        tl.free(*deq)
         kept += adapters.forward_term(tl, s, B, S, "up", first=r0 == 0)
         tl.free(xg)
         if several:
@@ -72,7 +75,9 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
         else:
             h = h_block
         a = tl.alloc("fwd.A", B * N * s.dt)
+        deq = dequantize(tl, s, "w_down", (r0, r0 + B, S))
         y = tl.alloc("fwd.Y", B * D * s.dt)
+        tl.free(*deq)
         kept += adapters.forward_term(tl, s, B, S, "down", first=r0 == 0)
         tl.free(a)
         weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
@@ -110,7 +115,7 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     grouped = grouped_weight_grads(s)
     lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
     for r0 in range(0, S, rows):
-        _fused_backward_block(tl, s, min(S, r0 + rows) - r0, buffers, grouped, lora_buffers,
+        _fused_backward_block(tl, s, (r0, min(S, r0 + rows), S), buffers, grouped, lora_buffers,
                               need_weights)
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
@@ -145,49 +150,81 @@ def grouped_weight_grads(s: Shape) -> dict[str, bool]:
             "w_down": aligned(moe.intermediate_size, moe.hidden_size)}
 
 
-def _weight_grad(tl: Timeline, buffers: dict[str, str], grouped: bool, name: str,
-                 nbytes: int) -> None:
-    """One block's product into the weight-gradient buffer.
+def _weight_grad(tl: Timeline, s: Shape, buffers: dict[str, str], grouped: bool, name: str,
+                 dims: tuple[int, int], block: tuple[int, int, int]) -> None:
+    """One block's weight gradient into the buffer (``WeightGradBuffers.write_block_``).
 
-    The first product is the buffer; a later grouped one is a transient of its size (the
-    per-expert ``addmm_`` writes in place).
+    One block of all S rows (or fp32/float64 weights): the first grouped product is the
+    buffer, a later one (the next chunk's) a transient of its size; the per-expert ``addmm_``
+    writes in place. Several bf16/fp16 blocks: the buffer at the first block (grouped: its
+    product over all E experts), then per later block the grouped product of the block's
+    experts (transient); in every block the rows of an expert cut by a
+    block edge cast to fp32 (transient), whose fp32 (I, O) sum lives from the first block to
+    the last. Products are of W = min(E, ⌈E·B/S⌉ + 2) experts whatever the routing
+    (``memfine.ops.weight_grads.block_window``); the cast rows follow the routing and are
+    taken as one balanced expert's, min(B, ⌈S/E⌉); one fp32 sum per weight is open.
     """
-    if name not in buffers:
-        buffers[name] = tl.alloc(f"grad.{name}", nbytes)
-    elif grouped:
-        tl.free(tl.alloc(f"bwd.{name}_block_product", nbytes))
+    moe, dt = s.moe, s.dt
+    E, (i_dim, o_dim) = moe.num_experts, dims
+    r0, r1, S = block
+    if dt != 2 or (r0 == 0 and r1 >= S):
+        if name not in buffers:
+            buffers[name] = tl.alloc(f"grad.{name}", E * i_dim * o_dim * dt)
+        elif grouped:
+            tl.free(tl.alloc(f"bwd.{name}_block_product", E * i_dim * o_dim * dt))
+        return
+    B = r1 - r0
+    if name not in buffers:  # the first block's product over all E is the buffer (grouped)
+        buffers[name] = tl.alloc(f"grad.{name}", E * i_dim * o_dim * dt)
+    elif grouped:  # WeightGradBuffers.write_block_: products of block_window experts
+        window = min(E, -(-E * B // S) + 2)
+        tl.free(tl.alloc(f"bwd.{name}_block_product", window * i_dim * o_dim * dt))
+    rows = min(B, -(-S // E))
+    casts = [tl.alloc(f"bwd.{name}_rows_fp32", rows * i_dim * 4),
+             tl.alloc(f"bwd.{name}_grad_rows_fp32", rows * o_dim * 4)]
+    key = f"{name}.fp32_sum"
+    if r0 == 0:
+        buffers[key] = tl.alloc(f"bwd.{name}_fp32_sum", i_dim * o_dim * 4)
+    tl.free(*casts)
+    if r1 >= S:
+        tl.free(buffers.pop(key))
 
 
-def _fused_backward_block(tl: Timeline, s: Shape, B: int, buffers: dict[str, str],
-                          grouped: dict[str, bool], lora_buffers: dict[str, str],
-                          need_weights: bool = True) -> None:
-    """One row block of B rows: dO rows, dA, A, dH, x rows, dx rows (in code order).
+def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
+                          buffers: dict[str, str], grouped: dict[str, bool],
+                          lora_buffers: dict[str, str], need_weights: bool = True) -> None:
+    """One row block [r0, r1) of S rows: dO rows, dA, A, dH, x rows, dx rows (in code order).
 
     A (and a gated activation's f(gate), kept for dH) is recomputed only when something reads
     it: the routing-weight dots, W_down's gradient, or a down adapter's (as the code's
     ``need_a``); frozen experts whose routing weights need no gradient skip it.
     """
     moe, dt = s.moe, s.dt
-    D, N, G, E = moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts
+    D, N, G = moe.hidden_size, moe.intermediate_size, moe.up_width
+    B = block[1] - block[0]
     frozen = adapters.base_frozen(s)  # split LoRA or frozen shared experts: no base gradient
     lora = adapters.adapters_of(s)
     need_a = need_weights or not frozen or (lora is not None and "w_down" in lora.targets)
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
+    deq = dequantize(tl, s, "w_down", block)  # a 4-bit base's block experts
     grad_a = tl.alloc("bwd.dA", B * N * dt)
+    tl.free(*deq)
     gate = [tl.alloc("bwd.act_gate", B * N * dt)] if moe.gated and need_a else []  # for dH
     a = [activation_forward(tl, s, B, "bwd")] if need_a else []
     adapters.backward_down(tl, s, B, lora_buffers)
     if not frozen:
-        _weight_grad(tl, buffers, grouped["w_down"], "w_down", E * N * D * dt)
+        _weight_grad(tl, s, buffers, grouped["w_down"], "w_down", (N, D), block)
     tl.free(*a, grad_out)
     grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
     tl.free(grad_a, *gate)
     if not frozen:
         xg = tl.alloc("bwd.x_BD", B * D * dt)
-        _weight_grad(tl, buffers, grouped["w_up"], "w_up", E * D * G * dt)
+        _weight_grad(tl, s, buffers, grouped["w_up"], "w_up", (D, G), block)
         tl.free(xg)
     lora_dx = adapters.backward_up(tl, s, B, lora_buffers, need_x=True)
+    deq = dequantize(tl, s, "w_up", block)
     dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
+    tl.free(*deq)
     tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
 
 

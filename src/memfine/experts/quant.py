@@ -1,0 +1,172 @@
+"""Frozen expert weights held 4-bit (NF4), dequantised per row block inside the fused path.
+
+QLoRA (Dettmers et al. 2023) keeps the frozen base weights in 4-bit NormalFloat (NF4: 16 levels
+at the quantiles of N(0, 1), one fp32 absmax per block of ``block_size`` consecutive values) and
+trains LoRA adapters on top. Here an (E, I, O) expert weight is quantised flattened (E·I·O
+values, ``bitsandbytes.functional.quantize_4bit``), so with I·O divisible by the block size each
+expert owns a contiguous slice of the packed codes (I·O / 2 bytes) and of the absmax
+(I·O / block_size floats). :class:`NF4Experts` stands where the fused Function reads an expert
+weight: ``w[held]`` (``held`` the slice of experts a row block's GEMMs take,
+:meth:`memfine.experts.rows.RowBlocks.experts_of`) dequantises exactly those experts
+(``bitsandbytes.functional.dequantize_4bit`` on their slices) into a transient (e1 − e0, I, O)
+tensor in the compute dtype, freed after the block's product. No full-precision copy of all E
+experts exists unless one row block holds rows of every expert (one block, or a bias: then the
+block's GEMMs take all E).
+
+The library: bitsandbytes ≥ 0.50 quantises and dequantises NF4 on the CPU and on CUDA with the
+same call (torchao 0.18's NF4 tensor is missing from its wheel here and its CUDA extensions do not
+load on a CPU machine). It is imported on first use (``pip install 'memfine[qlora]'``).
+
+Legend: E experts, I / O a weight's input / output features (w_up: d, G; w_down: n, d).
+Reference: Dettmers et al. 2023 (QLoRA: NF4, block-wise absmax); MoEBlaze §4.2 (row blocks).
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+
+from memfine._optional import require
+from memfine.config.lora import QUANT_BLOCK_SIZES
+
+
+def _functional() -> Any:
+    with warnings.catch_warnings():  # the CPU 4-bit matmul's optional kernels: not used here
+        warnings.simplefilter("ignore")
+        require("bitsandbytes")
+        return require("bitsandbytes.functional")
+
+
+def check_quantisable(name: str, shape: tuple[int, ...], block_size: int,
+                      field: str = "LoRAConfig.base_quant") -> None:
+    """Raise ValueError unless each expert of an (E, I, O) weight is whole quantisation blocks.
+
+    Raises:
+        ValueError: naming ``field``, the weight, I·O and what is allowed, e.g.
+            ``LoRAConfig.base_quant='nf4' needs w_up's d·G = 24 (per expert) divisible by the
+            block size 64, got 24 % 64 = 24``.
+    """
+    if block_size not in QUANT_BLOCK_SIZES:
+        raise ValueError(f"LoRAConfig.base_quant_block_size must be one of "
+                         f"{QUANT_BLOCK_SIZES}, got {block_size!r}")
+    dims = "d·G" if name == "w_up" else "n·d"
+    per = shape[1] * shape[2]
+    if per % block_size:
+        raise ValueError(f"{field}='nf4' needs {name}'s {dims} = {per} (per expert) divisible "
+                         f"by the block size {block_size}, got {per} % {block_size} = "
+                         f"{per % block_size}")
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class NF4Experts:
+    """An (E, I, O) expert weight held NF4; ``w[held]`` dequantises the experts ``held``.
+
+    Attributes:
+        codes: (E·I·O / 2,) uint8 packed 4-bit codes (two values per byte), expert-major.
+        absmax: (E·I·O / block_size,) fp32 per-block scales.
+        code: (16,) fp32 NF4 levels (bitsandbytes').
+        shape: (E, I, O) of the full-precision weight.
+        dtype: the dtype dequantised to (the compute dtype: the base weights' before
+            quantisation).
+        block_size: values per absmax block.
+
+    Memory: resident E·I·O / 2 + 4·E·I·O / block_size bytes (codes + absmax; the 16 levels
+    are bitsandbytes' shared table); ``w[held]`` a transient (e1 − e0)·I·O·D_t.
+    """
+
+    codes: torch.Tensor
+    absmax: torch.Tensor
+    code: torch.Tensor
+    shape: torch.Size
+    dtype: torch.dtype
+    block_size: int = 64
+
+    @classmethod
+    def quantize(cls, w_EIO: torch.Tensor, name: str, block_size: int = 64) -> NF4Experts:
+        """Quantise ``w_EIO`` (E, I, O) to NF4 (deterministic: the same weight, the same codes).
+
+        Raises:
+            ValueError: when I·O is not a multiple of ``block_size`` (:func:`check_quantisable`).
+        """
+        check_quantisable(name, tuple(w_EIO.shape), block_size)
+        with torch.no_grad():
+            packed, state = _functional().quantize_4bit(
+                w_EIO.detach().contiguous().reshape(-1), blocksize=block_size, quant_type="nf4")
+        return cls(packed.reshape(-1), state.absmax, state.code, w_EIO.shape, w_EIO.dtype,
+                   block_size)
+
+    @property
+    def device(self) -> torch.device:
+        """The codes' device."""
+        return self.codes.device
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes: packed codes + absmax."""
+        return self.codes.nbytes + self.absmax.nbytes
+
+    def dequantize(self, e0: int = 0, e1: int | None = None) -> torch.Tensor:
+        """(e1 − e0, I, O) full-precision experts [e0, e1) in :attr:`dtype` (a new tensor)."""
+        E, i_dim, o_dim = self.shape
+        e1 = E if e1 is None else e1
+        per = i_dim * o_dim
+        F = _functional()
+        state = F.QuantState(absmax=self.absmax[e0 * per // self.block_size:
+                                                e1 * per // self.block_size],
+                             shape=torch.Size([(e1 - e0) * per]), code=self.code,
+                             blocksize=self.block_size, quant_type="nf4", dtype=self.dtype)
+        # NOTE(memory): the only allocation: the (e1 − e0)·I·O output
+        out = F.dequantize_4bit(self.codes[e0 * per // 2:e1 * per // 2], state)
+        return cast(torch.Tensor, out).view(e1 - e0, i_dim, o_dim)
+
+    def __getitem__(self, held: slice) -> torch.Tensor:
+        """The experts of ``held`` (a unit-step slice), dequantised (as ``w[held]``)."""
+        e0, e1, step = held.indices(self.shape[0])
+        assert step == 1, "row blocks take contiguous experts"
+        return self.dequantize(e0, e1)
+
+    def as_weight(self) -> torch.Tensor:
+        """This object typed as the weight tensor the fused Function reads.
+
+        It answers ``w[held]`` and ``w.shape`` for the frozen full-precision weight, which is
+        never differentiated.
+        """
+        return cast(torch.Tensor, self)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class QuantizedBase:
+    """The frozen 4-bit w_up (E, d, G) and w_down (E, n, d) of one experts module."""
+
+    up: NF4Experts
+    down: NF4Experts
+
+    @classmethod
+    def quantize(cls, w_up_EDG: torch.Tensor, w_down_END: torch.Tensor,
+                 block_size: int = 64) -> QuantizedBase:
+        """Quantise both weights (checks both shapes before quantising either)."""
+        check_quantisable("w_up", tuple(w_up_EDG.shape), block_size)
+        check_quantisable("w_down", tuple(w_down_END.shape), block_size)
+        return cls(NF4Experts.quantize(w_up_EDG, "w_up", block_size),
+                   NF4Experts.quantize(w_down_END, "w_down", block_size))
+
+    @property
+    def nbytes(self) -> int:
+        """Resident bytes of both weights."""
+        return self.up.nbytes + self.down.nbytes
+
+    def stand_ins(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_up, w_down) as empty ``meta`` tensors of the weights' shapes and dtype.
+
+        They hold no bytes; the fused path's shape and dtype checks read them.
+        """
+        return (torch.empty(self.up.shape, dtype=self.up.dtype, device="meta"),
+                torch.empty(self.down.shape, dtype=self.down.dtype, device="meta"))
+
+    def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w_up, w_down) as the fused Function reads them (:meth:`NF4Experts.as_weight`)."""
+        return self.up.as_weight(), self.down.as_weight()
+

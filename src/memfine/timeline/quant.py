@@ -1,0 +1,56 @@
+"""Allocation timeline of a 4-bit (NF4) frozen base: the per-block dequantised experts.
+
+Mirrors :class:`memfine.experts.quant.NF4Experts` as read by the fused path: where a row block
+reads ``w[held]`` the experts it holds are dequantised into a transient (held·I·O·D_t bytes)
+that lives until the block's product is written (forward: H's product for w_up, Y for w_down;
+backward: dA for w_down, the dx rows for w_up). With one block of all S rows the block holds
+all E experts (exact). With several blocks the experts a block holds follow the routing; the
+model takes W = min(E, ⌈E·B/S⌉ + 2) (a balanced block's experts, one cut at each edge, one to
+spare: :func:`memfine.ops.weight_grads.block_window`), an upper bound for routing no more
+skewed than that, not the exact count. The resident codes and absmax are buffers, not
+activations (:func:`resident_bytes`).
+
+Legend as :mod:`memfine.timeline.experts`.
+Reference: our derivation from the code (docs/lora.md "QLoRA").
+"""
+
+from __future__ import annotations
+
+from memfine.timeline.base import Shape, Timeline
+from memfine.timeline.lora import adapters_of
+
+
+def quantized(s: Shape) -> bool:
+    """True when the experts' frozen base is held 4-bit (``LoRAConfig.base_quant``)."""
+    lora = adapters_of(s)
+    return lora is not None and lora.base_quant is not None
+
+
+def dequantize(tl: Timeline, s: Shape, which: str, block: tuple[int, int, int]) -> list[str]:
+    """``w[held]`` of block (r0, r1, S): the held experts of ``which`` (w_up / w_down).
+
+    Returns:
+        The transient's name in a list (free it after the block's product), or an empty list
+        when the base is not 4-bit.
+    """
+    if not quantized(s):
+        return []
+    moe = s.moe
+    r0, r1, S = block
+    E = moe.num_experts
+    # ops.weight_grads.block_window: ⌈E·B/S⌉ + 2, at most E
+    held = E if r0 == 0 and r1 >= S else min(E, -(-E * (r1 - r0) // S) + 2)
+    per = (moe.hidden_size * moe.up_width if which == "w_up"
+           else moe.intermediate_size * moe.hidden_size)
+    return [tl.alloc(f"{which}_dequantized", held * per * s.dt)]
+
+
+def resident_bytes(num_experts: int, hidden_size: int, intermediate_size: int, up_width: int,
+                   block_size: int = 64) -> int:
+    """Bytes of one layer's 4-bit w_up + w_down, as ``LoRAGroupedExperts.quantize_base_`` holds.
+
+    Codes (½ byte per value), one fp32 absmax per block of ``block_size`` values and the 16
+    fp32 NF4 levels (64 bytes).
+    """
+    numel = num_experts * hidden_size * (up_width + intermediate_size)
+    return numel // 2 + 4 * (numel // block_size) + 64
