@@ -16,6 +16,12 @@ import os
 import pytest
 import torch
 
+# bitsandbytes (imported by peft and by the 4-bit experts) loads its CUDA backend when CUDA is
+# available and reads torch's CUDA stream function at import, which a CPU build lacks: a stand-in
+# lets it import (its CUDA kernels are never called; tensors stay on the CPU).
+if not hasattr(torch._C, "_cuda_getCurrentRawStream"):
+    torch._C._cuda_getCurrentRawStream = lambda *_: 0  # type: ignore[attr-defined]
+
 os.environ.pop("TRITON_INTERPRET", None)
 torch.cuda.is_available = lambda: True  # type: ignore[assignment]
 torch.cuda.device_count = lambda: 1  # type: ignore[assignment]
