@@ -29,7 +29,7 @@ BENCH_FLAGS = {
     "--suites", "--configs", "--scale-down", "--tokens", "--hidden-size", "--intermediate-size",
     "--num-experts", "--top-k", "--dtype", "--threads", "--repeats", "--warmup", "--out",
     "--quick", "--overwrite", "--methods", "--memory-budget", "--skew-levels", "--device",
-    "--seed", "--compile", "--compile-backend", "-h", "--help",
+    "--seed", "--compile", "--compile-backend", "--count-device", "-h", "--help",
     "--suite", "--config", "--budget",  # hidden aliases of --suites, --configs, --memory-budget
 }
 MEMORY_METRICS = ("saved_bytes", "saved_bytes_predicted", "peak_bytes", "peak_bytes_predicted")

@@ -183,6 +183,18 @@ def test_rejects_bad_block_bytes() -> None:
                   backward_block_bytes=one_row - 1)
     assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
                      backward_block_bytes=one_row).backward_block_bytes == one_row
+    with pytest.raises(ValueError, match=r"MoEConfig.backward_block_bytes must be an int, "
+                                         r"got 4096.0"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                  backward_block_bytes=4096.0)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"MoEConfig.backward_block_bytes must be in "
+                                         r"\[1, 9223372036854775807\], got 9223372036854775808"):
+        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                  backward_block_bytes=2**63)
+    with pytest.raises(ValueError, match=r"backward_block_bytes must be <= 2\*\*63 - 1 "
+                                         r"\(an int64\), got 9223372036854775808"):
+        run_experts(x, w, build_routing_index(idx, 3), w_up, w_down,
+                    backward_block_bytes=2**63)
 
 
 def test_split_up_projection_blocks_match_one_tensor() -> None:
@@ -203,7 +215,7 @@ def test_split_up_projection_blocks_match_one_tensor() -> None:
 
 
 @pytest.mark.parametrize("rows", [1, 3, 7, 1000])
-def test_dx_by_gather_matches_index_add_and_reference(monkeypatch: pytest.MonkeyPatch,
+def test_dx_by_sort_matches_index_add_and_reference(monkeypatch: pytest.MonkeyPatch,
                                                       rows: int) -> None:
     """The deterministic dx (per-token gather through token_index_map, no atomics) that every
     non-CPU device takes: equal to the CPU's index_add_ sum and to the float64 reference, with
@@ -221,26 +233,26 @@ def test_dx_by_gather_matches_index_add_and_reference(monkeypatch: pytest.Monkey
         return out.detach(), torch.autograd.grad(out, x, grad_out)[0]
 
     out_index_add, by_index_add = grad_x()
-    monkeypatch.setattr(function_module, "DX_BY_GATHER_ON_CPU", True)
+    monkeypatch.setattr(function_module, "DEVICE_SUM_ON_CPU", True)
     with torch.autograd.set_grad_enabled(True):
         torch.use_deterministic_algorithms(True)
         try:
-            (out_gather, by_gather), (out_again, again) = grad_x(), grad_x()
+            (out_gather, by_sort), (out_again, again) = grad_x(), grad_x()
         finally:
             torch.use_deterministic_algorithms(False)
-    assert torch.equal(by_gather, again) and torch.equal(out_gather, out_again)
-    assert_close(by_gather, by_index_add, grad=True, msg="x")
+    assert torch.equal(by_sort, again) and torch.equal(out_gather, out_again)
+    assert_close(by_sort, by_index_add, grad=True, msg="x")
     assert_close(out_gather, out_index_add, msg="out: the forward's per-token gather")
     ref = reference_experts(x.double(), idx, w.double(), w_up.double(), w_down.double())
     assert_close(out_gather, ref.detach().float(), msg="out vs reference")
-    assert_close(by_gather, torch.autograd.grad(ref, x, grad_out.double())[0], grad=True,
+    assert_close(by_sort, torch.autograd.grad(ref, x, grad_out.double())[0], grad=True,
                  msg="x vs reference")
 
 
-def test_gradcheck_float64_dx_by_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gradcheck_float64_dx_by_sort(monkeypatch: pytest.MonkeyPatch) -> None:
     import memfine.experts.function as function_module
 
-    monkeypatch.setattr(function_module, "DX_BY_GATHER_ON_CPU", True)
+    monkeypatch.setattr(function_module, "DEVICE_SUM_ON_CPU", True)
     T, d, n, E, k = 5, 3, 2, 4, 2
     x, idx, w, w_up, w_down = make_problem(T, d, n, E, k, dtype=torch.float64,
                                            activation="swiglu", sentinels=1, empty_expert=True)

@@ -7,7 +7,10 @@ tests/suites/test_counts_suite.py):
 - host syncs per forward + backward with the default config: at most 2;
 - with one backward block, non-view ATen ops at most 1.5× the torchtitan-style grouped_mm layer
   that computes the same aux losses;
-- non-view ops independent of E at fixed T and block count (E 32 vs 128 within 10%).
+- with one row block, non-view ops independent of E at fixed T (E 32 vs 128 within 10%); with
+  several blocks the bf16 weight gradients of every block after a first one are written per
+  expert straight into their slices (HBM bytes traded for launches, docs/gpu.md), so those
+  counts grow with the experts a later block holds.
 """
 
 from __future__ import annotations
@@ -45,8 +48,9 @@ def test_one_block_ops_at_most_1_5x_the_torchtitan_style_layer(qwen3) -> None:
                                                             titan.non_view_ops)
 
 
-def test_ops_independent_of_the_expert_count(qwen3) -> None:
-    e32 = _full(dataclasses.replace(QWEN3, num_experts=32), ("fused",))["fused"]
-    e128 = qwen3["fused"]
+def test_one_block_ops_independent_of_the_expert_count(qwen3) -> None:
+    e32 = _full(dataclasses.replace(QWEN3, num_experts=32),
+                ("fused_one_block",))["fused_one_block"]
+    e128 = qwen3["fused_one_block"]
     assert abs(e32.non_view_ops - e128.non_view_ops) <= 0.1 * e128.non_view_ops, (
         e32.non_view_ops, e128.non_view_ops)

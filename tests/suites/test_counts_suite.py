@@ -61,17 +61,18 @@ def test_suite_writes_exact_counts_in_the_shared_schema(tmp_path: Path) -> None:
     assert run_suites(opts, torch.device("cpu")) == []
     with (tmp_path / "bench_counts.csv").open() as handle:
         rows = list(csv.DictReader(handle))
-    assert {r["x_value"] for r in rows} == set(counts.PRESETS)
+    assert {r["x_value"] for r in rows} == {f"{p}/T32" for p in counts.PRESETS}
     assert {r["method"] for r in rows} == set(methods)
     assert {r["mode"] for r in rows} == {"fwd", "bwd", "full"}
     units = {r["metric"]: r["unit"] for r in rows}
     assert units["non_view_ops"] == "ops" and units["syncs_item"] == "syncs"
     assert units["grouped_mm_cuda_fast_path_calls"] == "calls"
+    assert units["hbm_bytes"] == "bytes" and units["roofline_ms_h200"] == "ms"
     assert all(r["torch_version"] and r["git_sha"] and r["config_json"] for r in rows)
 
     def value(preset: str, method: str, mode: str, metric: str) -> int:
         (row,) = [r for r in rows if (r["x_value"], r["method"], r["mode"], r["metric"]) ==
-                  (preset, method, mode, metric)]
+                  (f"{preset}/T32", method, mode, metric)]
         assert row["p20"] == row["p50"] == row["p80"]
         return int(row["p50"])
 
@@ -89,3 +90,37 @@ def test_suite_writes_exact_counts_in_the_shared_schema(tmp_path: Path) -> None:
 def test_other_devices_are_skipped(capsys: pytest.CaptureFixture[str]) -> None:
     assert list(counts.run(BenchOptions(suites=("counts",)), torch.device("meta"), NAMES)) == []
     assert "skipped" in capsys.readouterr().out
+
+
+def test_tokens_that_do_not_fit_are_refused() -> None:
+    for tokens in (4, counts.MAX_TOKENS + 1):
+        with pytest.raises(ValueError, match=rf"--tokens must be an int in \[8, "
+                                             rf"{counts.MAX_TOKENS}\] for the counts suite .*"
+                                             rf"got {tokens}"):
+            counts.presets(BenchOptions(suites=("counts",), tokens=tokens))
+    points = counts.presets(BenchOptions(suites=("counts",)))
+    assert [(p.name, p.tokens) for p in points] == [
+        ("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)]
+
+
+def test_the_counted_device_picks_the_combine() -> None:
+    """CUDA's path sums rows per token with the sorted ``index_put_(accumulate=True)``, the
+    CPU's with ``index_add_``; the counted dims read back as the real ones."""
+    real = dataclasses.replace(TINY, tokens=64)
+    ops = {}
+    for device in ("cuda", "cpu"):
+        _, _, results = counts.count_shape(real, ("fused",), warmup=False, device=device)
+        ops[device] = _by_name(results)["fused"].phase("fwd").ops
+    assert ops["cuda"]["aten.index_put_.default"] > 0
+    assert "aten.index_add_.default" not in ops["cuda"]
+    assert ops["cpu"]["aten.index_add_.default"] > 0
+    shape = counts.scaled(counts.PRESETS["qwen3-30b-a3b"])
+    assert counts.dim_map(counts.PRESETS["qwen3-30b-a3b"], shape) == {
+        shape.hidden_size: 2048, shape.intermediate_size: 768,
+        2 * shape.intermediate_size: 1536}
+    assert shape.hidden_size != shape.num_experts  # 2048 / 16 = E: moved to a distinct size
+
+
+def test_bad_count_device_is_refused() -> None:
+    with pytest.raises(ValueError, match="count_device"):
+        BenchOptions(suites=("counts",), count_device="tpu")

@@ -22,6 +22,8 @@ SUITES = ("experts", "chunking", "model", "hf", "counts")
 DTYPES = ("float32", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
+COUNT_DEVICES = ("cuda", "cpu")
+"""Devices whose code path the ``counts`` suite can count (``--count-device``)."""
 COMPILED_SUFFIX = "_compiled"
 """A method named ``<method>_compiled`` runs ``<method>`` under ``torch.compile``."""
 # MoEBlaze Table 1: conf → (d, E, k, batch, seq); n = 4d.
@@ -64,6 +66,8 @@ class BenchOptions(_ConfigBase):
             ``experts`` and ``model`` suites (``torch.compile``, ``capture_scalar_outputs`` on).
         compile_backend: the ``torch.compile`` backend of the compiled methods, from
             :data:`COMPILE_BACKENDS` (``aot_eager`` traces without code generation).
+        count_device: the device whose code path the ``counts`` suite counts, from
+            :data:`COUNT_DEVICES` (``cuda``: its row blocks and its per-token gather combine).
     """
 
     suites: tuple[str, ...] = SUITES
@@ -87,6 +91,7 @@ class BenchOptions(_ConfigBase):
     seed: int = 0
     compile: bool = False
     compile_backend: str = "inductor"
+    count_device: str = "cuda"
 
     def __post_init__(self) -> None:
         """Validate every field and cross-field rule.
@@ -108,6 +113,7 @@ class BenchOptions(_ConfigBase):
             fail(self, "warmup", "an int >= 0", self.warmup)
         check_choice(self, "dtype", DTYPES)
         check_choice(self, "compile_backend", COMPILE_BACKENDS)
+        check_choice(self, "count_device", COUNT_DEVICES)
         if not isinstance(self.compile, bool):
             fail(self, "compile", "a bool", self.compile)
         if self.device not in ("cpu", "cuda"):

@@ -25,7 +25,7 @@ import torch
 
 from memfine.artifacts.rundir import file_on_path
 from memfine.bench import SUITES, BenchOptions
-from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
+from memfine.bench.options import COMPILE_BACKENDS, COUNT_DEVICES, DEVICES, DTYPES, TABLE1
 from memfine.flags.table import Flag, NotGiven, add_flags, name_flag, typed_fields, value
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import byte_size, comma_ints, int64, path_flag
@@ -78,6 +78,9 @@ _FLAGS = (
     Flag("--compile", ("compile",), "add a compiled column: <method>_compiled (torch.compile) "
          "for the memfine methods of the experts and model suites; peak bytes from "
          "torch.profiler", action="store_true", default=NotGiven(False)),
+    Flag("--count-device", ("count_device",), "counts suite: the device whose code path is "
+         "counted (its row blocks and combine), counted on the CPU", str, COUNT_DEVICES,
+         NotGiven("cuda")),
     Flag("--compile-backend", ("compile_backend",), "torch.compile backend of the compiled "
          "methods (aot_eager: no code generation)", str, COMPILE_BACKENDS,
          NotGiven("inductor")),
@@ -126,7 +129,8 @@ def options_from_args(args: argparse.Namespace, device: torch.device) -> BenchOp
         budget_bytes=value(args, "memory_budget"),
         skew_levels=tuple(value(args, "skew_levels")), device=device.type,
         seed=value(args, "seed"), compile=bool(value(args, "compile")),
-        compile_backend=value(args, "compile_backend")))
+        compile_backend=value(args, "compile_backend"),
+        count_device=value(args, "count_device")))
 
 
 def _options(args: argparse.Namespace, fields: dict[str, Any]) -> BenchOptions:

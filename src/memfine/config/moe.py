@@ -311,7 +311,7 @@ class MoEConfig(RouteOptions):
         _check_backend_device(self)
         if self.backward_block_bytes is None:
             return
-        check_int(self, "backward_block_bytes", 1)
+        check_int(self, "backward_block_bytes", 1, 2**63 - 1)
         one_row = (3 * self.hidden_size + 3 * self.intermediate_size + self.up_width) * 2
         if self.backward_block_bytes < one_row:
             fail(self, "backward_block_bytes",

@@ -42,9 +42,9 @@ TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
 # forward is one block either way.
 STREAM_UNDER_COMPILE = False
 # The CPU sums the output rows (forward) and the dx rows (backward) with ``index_add_``
-# (sequential, deterministic, fastest there); True makes it take the per-token gather that every
-# other device takes (:func:`memfine.experts.rows.add_token_rows_`).
-DX_BY_GATHER_ON_CPU = False
+# (sequential, deterministic, fastest there); True makes it take the sorted ``index_put_`` that
+# every other device takes (:func:`memfine.experts.rows.add_token_rows_`).
+DEVICE_SUM_ON_CPU = False
 
 
 def _row_dots(a_SN: torch.Tensor, b_SN: torch.Tensor) -> torch.Tensor:
@@ -145,7 +145,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     Streamed forward (:func:`memfine.experts.rows.forward_rows`): the forward walks the same
     row blocks as the backward. Per block of B rows it gathers the block's x rows, writes its H
     rows (+ bias) into H, computes A and Y for them and adds w ⊙ Y into out per token
-    (``index_add_`` on the CPU, the per-token gather elsewhere), so no (S, d) gathered copy, no
+    (``index_add_`` on the CPU, the sorted ``index_put_`` elsewhere), so no (S, d) gathered copy, no
     (S, n) A, no (S, d) Y and no (T, k, d) scattered copy is ever live. Forward transients: out
     (T·d), the rows' routing weights (S), with several blocks their (n_blocks, E + 1) int32
     offsets and H allocated before the first block; per block x rows (B·d), the block's H
@@ -159,11 +159,13 @@ class FusedExpertsFunction(torch.autograd.Function):
     S rows in blocks [r0, r1) of ``block_rows`` rows (a plain row tile that may cut an expert;
     the block's grouped offsets are clamp(offsets, r0, r1) − r0). Per block it recomputes A,
     forms dA, dH and the gathered rows, adds the block's products into the weight gradients
-    (bf16: one 2-D × 2-D ``torch._grouped_mm`` per weight, column-major A = Xᵀ and row-major B,
-    added into the buffer after the first block; fp32/float64: per-expert ``addmm_`` in place;
-    :mod:`memfine.ops.weight_grads`) and its dx rows into dx (T, d) deterministically: on
+    (bf16: 2-D × 2-D ``torch._grouped_mm`` products, column-major A = Xᵀ and row-major B; the
+    first block's over all E experts is the buffer, a later block's covers only its experts and
+    is copied into their slices, and an expert cut by a block edge is summed in fp32 and rounded
+    once; fp32/float64: per-expert ``addmm_`` in place; ``WeightGradBuffers.write_block_``)
+    and its dx rows into dx (T, d) deterministically: on
     the CPU with ``index_add_`` over expert_token_indices (a sequential sum in expert-grouped row
-    order), elsewhere with a per-token gather through token_index_map, no atomics
+    order), elsewhere with ``index_put_(accumulate=True)``, whose CUDA kernel sorts, no atomics
     (:func:`memfine.experts.rows.add_token_rows_`). ``weight_grads``: the chunk loop's shared
     buffers (:mod:`memfine.ops.weight_grads`); the w_up / w_down gradients then go into
     them and None
@@ -173,8 +175,9 @@ class FusedExpertsFunction(torch.autograd.Function):
     gated activations: recomputed once for A and reused for dH), dH (B·G), gathered x (B·d),
     dx rows (B·d), the activation's temporaries (B·n each) and, with a down
     bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
-    gradient buffers (E·d·G + E·n·d; in bf16 each block after the first adds one transient
-    product of a buffer's size), the rows' routing weights (S) and, with several blocks, their
+    gradient buffers (E·d·G + E·n·d; in bf16 each block after the first adds a transient
+    product of ⌈E·B/S⌉ + 2 experts, and an expert cut by a block edge an fp32 (I, O) sum and
+    its rows in fp32), the rows' routing weights (S) and, with several blocks, their
     (n_blocks, E + 1) int32 offsets. No (S, ·)
     array and no (T, k, d) gather exists in backward when B < S. The per-expert ``addmm_``
     ranges come from the offsets the index builder read in the forward
@@ -219,8 +222,8 @@ class FusedExpertsFunction(torch.autograd.Function):
                                 expert_slot_indices_S, traced, one_block=traced,
                                 host=_sliced(options, options.host_offsets, b_up_EG, b_down_ED))
             h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
-                                        expert_token_indices_S, token_index_map_TK, activation,
-                                        backend, by_gather=_by_gather(x_TD), lora=lora_fwd)
+                                        expert_token_indices_S, activation,
+                                        backend, by_sort=_by_sort(x_TD), lora=lora_fwd)
             del blocks  # NOTE(memory): w_S and the block offsets are rebuilt in backward
         lora_saved = lora_fwd.to_save(lora_weights, x_TD) if lora_fwd else ()
         # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
@@ -294,9 +297,9 @@ def _plan_rows(options: FusedOptions, x_TD: torch.Tensor, weights_TK: torch.Tens
                           None if traced else host)
 
 
-def _by_gather(x_TD: torch.Tensor) -> bool:
-    """Rows are summed per token by gather off the CPU (or with :data:`DX_BY_GATHER_ON_CPU`)."""
-    return x_TD.device.type != "cpu" or DX_BY_GATHER_ON_CPU
+def _by_sort(x_TD: torch.Tensor) -> bool:
+    """Rows are summed per token by sorted ``index_put_`` off the CPU (or with the flag)."""
+    return x_TD.device.type != "cpu" or DEVICE_SUM_ON_CPU
 
 
 class _BackwardState:
@@ -310,9 +313,9 @@ class _BackwardState:
          second) = saved[:n_base]
         if ctx.options.quant is not None:  # the frozen 4-bit base (no gradient)
             self.w_up_EDG, self.w_down_END = ctx.options.quant.weights()
-        # NOTE(memory): token_index_map is held only by the gather form of dx (off the CPU);
-        # a checkpoint's recomputed copy is then freed as soon as it is unpacked (T·k·4 bytes)
-        self.map_TK = (map_TK if map_TK.device.type != "cpu" or DX_BY_GATHER_ON_CPU else None)
+        # NOTE(memory): token_index_map is not read by backward; a checkpoint's recomputed
+        # copy is freed as soon as it is unpacked (T·k·4 bytes)
+        del map_TK
         options: FusedOptions = ctx.options
         self.parts = (self.w_up_EDG,) if second is None else (self.w_up_EDG, second)
         self.act, self.backend = options.activation, options.backend
@@ -412,6 +415,5 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
                                   st.backend)
         if lora_dx_BD is not None:
             grad_x_BD.add_(lora_dx_BD)
-        add_token_rows_(st.grad_x_TD, grad_x_BD, token_B, st.map_TK, r0,
-                        _by_gather(grad_x_BD))
+        add_token_rows_(st.grad_x_TD, grad_x_BD, token_B, _by_sort(grad_x_BD))
         del grad_x_BD

@@ -137,38 +137,32 @@ class RowBlocks:
 
 
 def add_token_rows_(out_TD: torch.Tensor, rows_BD: torch.Tensor, token_B: torch.Tensor,
-                    map_TK: torch.Tensor | None, r0: int, by_gather: bool) -> None:
+                    by_sort: bool) -> None:
     """out[t] += Σ over the block's rows r of token t of rows[r], deterministically.
 
-    Without ``by_gather`` (the CPU): ``index_add_`` over the rows' tokens, a sequential sum in
-    row order (the fastest form there). With it (CUDA's ``index_add_`` adds duplicates with
-    atomics, so its result order varies): a per-token gather through token_index_map (T, k),
-    each token summing its slots' rows of this block in slot order (``embedding_bag``, no
-    atomics), so ``torch.use_deterministic_algorithms(True)`` holds and two runs give the same
-    bits. Slots outside the block read a padding row that the sum skips (selection, never a
-    multiplication by zero).
+    Without ``by_sort`` (the CPU): ``index_add_`` over the rows' tokens, a sequential sum in
+    row order (the fastest form there). With it (every other device, whose ``index_add_`` adds
+    duplicates with atomics in a varying order): ``index_put_(accumulate=True)`` over the same
+    tokens, whose CUDA kernel sorts the indices (stable) and sums each token's rows in row
+    order, no atomics, so two runs give the same bits with or without
+    ``torch.use_deterministic_algorithms(True)``. Chosen by the counts over a per-token gather
+    (``embedding_bag`` through token_index_map, which reads all T tokens and writes a (T, d)
+    block sum per block; docs/design.md §5).
 
-    Memory: ``index_add_`` none; the gather form a (B + 1, d) copy of the rows with the padding
-    row, the (T, k) int64 local rows and the (T, d) block sum (transients).
-    Reference: MoEBlaze §4 (per-token reduction through token_index_map, no atomics).
+    Memory: none beyond the sort's index workspace (B int64 on CUDA; never a tensor here).
+    Reference: MoEBlaze §4 (per-token reduction, no atomics).
     """
-    if not by_gather:
+    if not by_sort:
         out_TD.index_add_(0, token_B, rows_BD)
         return
-    assert map_TK is not None, "the gather form needs token_index_map"
-    B = rows_BD.shape[0]
-    local_TK = map_TK.long() - r0
-    local_TK = torch.where((local_TK >= 0) & (local_TK < B), local_TK, B)
-    rows_B1D = torch.cat([rows_BD, rows_BD.new_zeros(1, rows_BD.shape[1])])
-    out_TD.add_(torch.nn.functional.embedding_bag(local_TK, rows_B1D, mode="sum",
-                                                  padding_idx=B))
+    out_TD.index_put_((token_B,), rows_BD, accumulate=True)
 
 
 def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Tensor, ...],
                  w_down_END: torch.Tensor, b_up_EG: torch.Tensor | None,
                  b_down_ED: torch.Tensor | None, token_idx_S: torch.Tensor,
-                 map_TK: torch.Tensor, activation: Activation, backend: str, *,
-                 by_gather: bool, lora: LoRAForward | None = None
+                 activation: Activation, backend: str, *,
+                 by_sort: bool, lora: LoRAForward | None = None
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(H, out) of the grouped GEMM backends, streamed over ``blocks``.
 
@@ -185,10 +179,9 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         b_up_EG: optional (E, G) up-projection bias.
         b_down_ED: optional (E, d) down-projection bias.
         token_idx_S: (S,) int32 expert_token_indices.
-        map_TK: (T, k) int32 token_index_map (read by the gather form only).
         activation: the experts' activation.
         backend: grouped GEMM backend.
-        by_gather: sum the rows per token by gather (:func:`add_token_rows_`).
+        by_sort: sum the rows per token with the sorted ``index_put_`` (:func:`add_token_rows_`).
         lora: split-LoRA forward terms, or None.
 
     Returns:
@@ -229,7 +222,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         # have cached (a cached tensor must not be mutated)
         weighted_BD = add_row_bias_(y_BD, b_down_ED, offs_E1) * blocks.w_S[r0:r1, None]
         del y_BD  # NOTE(memory): Y is never saved
-        add_token_rows_(out_TD, weighted_BD, token_B, map_TK, r0, by_gather)
+        add_token_rows_(out_TD, weighted_BD, token_B, by_sort)
         del weighted_BD
     if h_SG is None:  # no block (S == 0)
         h_SG = x_TD.new_empty(0, sum(p.shape[2] for p in up_parts))

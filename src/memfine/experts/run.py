@@ -172,6 +172,9 @@ def _check_run_options(impl: str, backend: str, backward_block_bytes: int | None
                                              or backward_block_bytes < 1):
         raise ValueError(f"backward_block_bytes must be None or an int >= 1, got "
                          f"{backward_block_bytes!r}")
+    if backward_block_bytes is not None and backward_block_bytes > 2**63 - 1:
+        raise ValueError(f"backward_block_bytes must be <= 2**63 - 1 (an int64), got "
+                         f"{backward_block_bytes}")
 
 
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,

@@ -31,6 +31,9 @@ What is counted, per phase (:class:`PhaseCounts`):
   Calls made inside a wrapped Python-level entry point count once, as that entry point.
 - ``grouped_mm``: every ``aten._grouped_mm`` call, with whether CUDA's CUTLASS fast path would
   take it (:func:`memfine.measure.grouped_mm_rules.cuda_grouped_mm_call`).
+- ``traffic``: per non-view op its FLOPs and the bytes of its tensor inputs and outputs
+  (:mod:`memfine.measure.roofline`), the dims read through the counter's ``dim_map``; summed as
+  ``hbm_bytes`` and priced per GPU by :meth:`PhaseCounts.roofline_ms`.
 
 Not counted: work outside the dispatcher (Python, the autograd engine's own bookkeeping),
 allocator events, and ops that a compiled graph fuses (count eagerly). The mode also changes a
@@ -53,6 +56,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memfine.measure.grouped_mm_rules import GroupedMMCall, cuda_grouped_mm_call
+from memfine.measure.roofline import floor_ms, op_bytes, op_flops
 
 PHASES = ("forward", "backward")
 SYNC_KINDS = ("item", "tolist", "to_cpu", "nonzero", "bool_mask_index", "repeat_interleave",
@@ -71,12 +75,23 @@ class PhaseCounts:
         view_ops: calls of view ops.
         syncs: sync kind (:data:`SYNC_KINDS`) → count.
         grouped_mm: every ``torch._grouped_mm`` call, in order.
+        traffic: (FLOPs, bytes read + written) of every non-view op, in order.
     """
 
     ops: Counter[str] = field(default_factory=Counter)
     view_ops: int = 0
     syncs: Counter[str] = field(default_factory=Counter)
     grouped_mm: list[GroupedMMCall] = field(default_factory=list)
+    traffic: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def hbm_bytes(self) -> int:
+        """Bytes the non-view ops read and write (their tensor inputs and outputs)."""
+        return sum(b for _, b in self.traffic)
+
+    def roofline_ms(self, gpu: str) -> float:
+        """Roofline floor on ``gpu`` (:func:`memfine.measure.roofline.floor_ms`), ms."""
+        return floor_ms(self.traffic, gpu)
 
     @property
     def non_view_ops(self) -> int:
@@ -92,7 +107,8 @@ class PhaseCounts:
         """The sum of two phases' counts (e.g. forward + backward)."""
         return PhaseCounts(ops=self.ops + other.ops, view_ops=self.view_ops + other.view_ops,
                            syncs=self.syncs + other.syncs,
-                           grouped_mm=self.grouped_mm + other.grouped_mm)
+                           grouped_mm=self.grouped_mm + other.grouped_mm,
+                           traffic=self.traffic + other.traffic)
 
 
 def _is_mask(t: object) -> bool:
@@ -155,14 +171,17 @@ class OpCounter(TorchDispatchMode):
     Args:
         phase: force every count into this phase (``None``: ``backward`` inside an autograd
             graph task, else ``forward``).
+        dim_map: counted size → real size for the traffic (bytes and FLOPs) of a stream
+            counted at reduced dims (:mod:`memfine.measure.roofline`); ``None``: as counted.
 
     Raises:
         ValueError: for a phase not in :data:`PHASES`.
     """
 
-    def __init__(self, phase: str | None = None) -> None:
+    def __init__(self, phase: str | None = None, dim_map: dict[int, int] | None = None) -> None:
         """Start with zero counts."""
         super().__init__()
+        self.dim_map = dict(dim_map or {})
         if phase is not None and phase not in PHASES:
             raise ValueError(f"phase must be one of {PHASES} or None, got {phase!r}")
         self.forced_phase = phase
@@ -236,5 +255,10 @@ class OpCounter(TorchDispatchMode):
                                                               self.phase))
             finally:
                 self._python_entry -= 1
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if not func.is_view:
+            name = func._overloadpacket.__name__
+            counts.traffic.append((op_flops(name, args, self.dim_map),
+                                   op_bytes(name, args, kwargs, out, self.dim_map)))
+        return out
 

@@ -100,16 +100,17 @@ class WeightGradBuffers:
         """A row block's weight gradients, written once into the experts' slices of ``slot``.
 
         Only the experts whose rows overlap the block [row0, row0 + B) are computed (``bounds``:
-        the host expert_token_offsets). A block that holds all rows, or no host bounds (traced),
-        takes :meth:`accumulate_`. Otherwise, in the grouped form (bf16): one ``_grouped_mm``
-        over the block's experts e_lo..e_hi (groups ``block_offsets_E1[e_lo:e_hi + 1]``),
-        whose experts held whole by the block are copied into their slices (added under
-        chunking, where a slice already holds an earlier chunk's gradient). An expert whose rows
-        span blocks (at most the first and the last of a block) accumulates its per-block
-        products in an fp32 (I, O) tensor from its rows cast to fp32 (exact products, fp32
-        sums) and is rounded into its slice once, in its last block; fp32/float64 weights and
-        the per-expert form add into the slice directly (``addmm_``), bf16/fp16 ones through
-        the same fp32 accumulator.
+        the host expert_token_offsets). No host bounds (traced), fp32/float64 weights or a
+        first block that holds all rows take :meth:`accumulate_`. Otherwise (bf16/fp16): a
+        later chunk's single block adds per expert into the slices, and a first block of
+        at least half the rows, in the grouped form, computes one ``_grouped_mm`` over all E
+        experts that becomes the buffer (no copy; ``_grouped_mm`` has no ``out=``); every other
+        block writes the experts it holds whole straight into their slices, one ``addmm_`` per
+        expert (beta = 0 on first write; added under chunking, where a slice holds an earlier
+        chunk's gradient), so no product is ever copied. An expert whose rows span blocks
+        (at most the first and the last of a block) sums its pieces in an fp32 (I, O) tensor
+        from its rows cast to fp32 (exact products) and is rounded into its slice once, in its
+        last block.
 
         Args:
             slot: the weight (0: w_up, 1: w_down, 2: the up half).
@@ -121,15 +122,14 @@ class WeightGradBuffers:
             block_offsets_E1: (E + 1,) int32 offsets of the block's rows (starting at 0).
             backend: grouped GEMM backend.
 
-        Memory: the buffer (E·I·O, once per weight and layer call); per block the grouped
-        product of the block's experts ((e_hi − e_lo)·I·O, transient; no E-sized product); per
+        Memory: the buffer (E·I·O, once per weight and layer call; no product transient); per
         spanning expert its fp32 (I, O) accumulator, live from its first block to its last,
         and its rows cast to fp32 (transient).
         Reference: MoEBlaze §4.2 (tiles accumulated in fp32, rounded once).
         """
         B = x_SI.shape[0]
-        if (bounds is None or (row0 == 0 and bounds[-1] <= B)
-                or like.dtype not in LOW_PRECISION_DTYPES):
+        if (bounds is None or like.dtype not in LOW_PRECISION_DTYPES
+                or (row0 == 0 and bounds[-1] <= B and slot not in self._grads)):
             self.accumulate_(slot, like, x_SI, grad_y_SO, bounds, row0, block_offsets_E1,
                              backend)
             return
@@ -144,33 +144,18 @@ class WeightGradBuffers:
         i0 = e_lo + 1 if e_lo in spans else e_lo
         i1 = max(i0, e_hi - 1 if e_hi - 1 in spans else e_hi)
         E = like.shape[0]
-        grouped = (block_offsets_E1 is not None
-                   and uses_grouped_weight_grads(x_SI, grad_y_SO, E, backend))
-        if grouped and slot not in self._grads and row0 == 0:
-            # NOTE(memory): the first block's product over all E experts is the buffer: its
-            # whole experts and the experts without rows are written (exact zeros), the rest
-            # is overwritten by later blocks
-            assert block_offsets_E1 is not None, "grouped needs the block's offsets"
+        if (slot not in self._grads and row0 == 0 and bounds[-1] <= 2 * B
+                and block_offsets_E1 is not None
+                and uses_grouped_weight_grads(x_SI, grad_y_SO, E, backend)):
+            # NOTE(memory): a first block of at least half the rows: its product over all E
+            # experts is the buffer (its whole experts final, experts without rows exact
+            # zeros); the rest is overwritten by later blocks
             self._grads[slot] = grouped_block_weight_grad(x_SI, grad_y_SO, block_offsets_E1, like)
             self._unwritten[slot] = [not (i0 <= e < i1 or bounds[e] == bounds[e + 1])
                                      for e in range(E)]
-            grouped = False
             i1 = i0
         grad = self._get(slot, like)
-        if grouped:
-            assert block_offsets_E1 is not None, "grouped needs the block's offsets"
-            window = block_window(E, B, bounds[-1])
-            for start in range(e_lo, e_hi, window):  # one window unless the routing is skewed
-                w0 = min(start, E - window)
-                # NOTE(memory): W experts' products (W·I·O, freed in this block); a cut
-                # expert's part is not used (its fp32 sum below)
-                product = grouped_block_weight_grad(
-                    x_SI, grad_y_SO, block_offsets_E1[w0:w0 + window + 1], like[w0:w0 + window])
-                lo, hi = max(i0, w0), min(i1, w0 + window)
-                if lo < hi:
-                    self._put(slot, grad, lo, hi, product[lo - w0:hi - w0])
-                del product
-        elif i0 < i1:
+        if i0 < i1:  # whole experts: per-expert products straight into their slices
             lo, hi = bounds[i0] - row0, bounds[i1] - row0
             accumulate_grouped_weight_grad_(grad, x_SI[lo:hi], grad_y_SO[lo:hi], bounds,
                                             row0 + lo, unwritten=self._unwritten[slot])
@@ -218,16 +203,6 @@ class WeightGradBuffers:
 LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 """Weight dtypes whose experts that span row blocks sum their blocks in fp32 (rounded once)."""
 
-
-def block_window(num_experts: int, block_rows: int, num_rows: int) -> int:
-    """W, the experts of one grouped weight-gradient product of a block of B of S rows.
-
-    ⌈E·B/S⌉ + 2 (a balanced block's experts, one cut at each edge, one to spare), at most E.
-    A block holding more experts (skewed routing) takes several products of W experts, so the
-    transient is W·I·O whatever the routing (the memory model's size); experts of a window that
-    the block does not hold are empty groups (exact zeros, not written into the buffer).
-    """
-    return min(num_experts, -(-num_experts * block_rows // max(1, num_rows)) + 2)
 
 GROUPED_WEIGHT_GRAD_DTYPES = (torch.bfloat16,)
 """dtypes whose eager weight gradients are grouped GEMMs (:func:`uses_grouped_weight_grads`).

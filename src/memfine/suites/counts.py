@@ -27,8 +27,15 @@ Methods (same weights, input, routing and incoming gradients within a point):
   implementation (experts only: routing is an input, no router or aux losses);
 - ``hf_memfine``: the same module through memfine's experts backend (experts only).
 
-Presets (:data:`PRESETS`): Qwen3-30B-A3B (d 2048, n 768, E 128, k 8) and DeepSeek-V3 (d 7168,
-n 2048, E 256, k 8) layers at T = 4096 (``--tokens``, ``--num-experts`` override T and E). d and
+The path counted is the one ``--count-device`` would take (``cuda``, the default: its 512 MiB
+row blocks and its ``index_put_`` combine; ``cpu``: 16 MiB blocks and ``index_add_``). Beside
+ops and syncs each phase has ``hbm_bytes`` and roofline floors ``roofline_ms_h100`` /
+``roofline_ms_h200`` (:mod:`memfine.measure.roofline`), priced at the real dims
+(:func:`dim_map`): models of a GPU, not measurements.
+
+Presets (:data:`PRESETS`): Qwen3-30B-A3B (d 2048, n 768, E 128, k 8) at T 4096 and 16384 and
+DeepSeek-V3 (d 7168, n 2048, E 256, k 8) at T 4096 (:data:`PRESET_TOKENS`; ``--tokens`` sets
+one T for both, ``--num-experts`` overrides E). d and
 n are divided by :data:`DIM_SCALE` so the suite runs in seconds on a CPU: op and sync counts depend
 on d and n only through the number of backward row blocks, and the suite keeps that number at the
 real dims' value (``backward_block_bytes`` is scaled with the row bytes). Loops over experts
@@ -43,6 +50,7 @@ Reference: docs/design.md §8 (counting on CPU); MoEBlaze §4; torchtitan ``Grou
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -66,12 +74,15 @@ from memfine.bench.options import BenchOptions, LayerShape, Point
 from memfine.bench.results import csv_row
 from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
     MoEConfig,
     backward_block_rows,
 )
 from memfine.environment import Environment
+from memfine.experts import function as fused_function
 from memfine.measure.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
+from memfine.measure.roofline import GPUS
 from memfine.suites import hf
 from memfine.suites.experts import moe_config
 
@@ -87,6 +98,12 @@ PRESETS = {
     "deepseek-v3": LayerShape(name="deepseek-v3", tokens=4096, hidden_size=7168,
                               intermediate_size=2048, num_experts=256, top_k=8),
 }
+PRESET_TOKENS = {"qwen3-30b-a3b": (4096, 16384), "deepseek-v3": (4096,)}
+"""The T of each preset's points when ``--tokens`` is not given."""
+MAX_TOKENS = 65_536
+"""The largest ``--tokens`` counted: T·k rows are held on the CPU (at d/16, n/16)."""
+BLOCK_BYTES = {"cuda": CUDA_BACKWARD_BLOCK_BYTES, "cpu": DEFAULT_BACKWARD_BLOCK_BYTES}
+"""Each counted device's default ``backward_block_bytes``."""
 QUICK_TOKENS = 256
 DTYPE = torch.bfloat16
 ONE_BLOCK_BYTES = 2**62
@@ -94,9 +111,56 @@ MODES = {"fwd": ("forward",), "bwd": ("backward",), "full": ("forward", "backwar
 
 
 def scaled(shape: LayerShape, dim_scale: int = DIM_SCALE) -> LayerShape:
-    """``shape`` with d and n divided by ``dim_scale`` (at least 16 and 8)."""
-    return dataclasses.replace(shape, hidden_size=max(16, shape.hidden_size // dim_scale),
-                               intermediate_size=max(8, shape.intermediate_size // dim_scale))
+    """``shape`` with d and n divided by ``dim_scale``, as multiples of 8 (at least 16 and 8).
+
+    The counted d, n and 2n are moved up by 8 until they differ from each other and from T,
+    T·k, E, E + 1 and k, so that :func:`dim_map` can read every tensor dim back as real.
+    """
+    if dim_scale == 1:
+        return shape
+    T, E, K = shape.tokens, shape.num_experts, shape.top_k
+    taken = {T, T * K, E, E + 1, K}
+    d = max(16, shape.hidden_size // dim_scale // 8 * 8)
+    while d in taken:
+        d += 8
+    n = max(8, shape.intermediate_size // dim_scale // 8 * 8)
+    while {n, 2 * n} & (taken | {d}):
+        n += 8
+    return dataclasses.replace(shape, hidden_size=d, intermediate_size=n)
+
+
+def dim_map(real: LayerShape, counted: LayerShape) -> dict[int, int]:
+    """Counted size → real size of d, n and 2n (the traffic of a counted stream at real dims)."""
+    if counted.hidden_size == real.hidden_size:
+        return {}
+    n, m = counted.intermediate_size, real.intermediate_size
+    return {counted.hidden_size: real.hidden_size, n: m, 2 * n: 2 * m}
+
+
+@contextlib.contextmanager
+def device_path(device: str) -> Iterator[None]:
+    """Run, on the CPU, the fused path that ``device`` takes.
+
+    ``cuda``: the per-token gather combine of the forward's output and the backward's dx
+    (:func:`memfine.experts.rows.add_token_rows_`), not the CPU's ``index_add_``.
+    """
+    saved = fused_function.DEVICE_SUM_ON_CPU
+    fused_function.DEVICE_SUM_ON_CPU = device != "cpu"
+    try:
+        yield
+    finally:
+        fused_function.DEVICE_SUM_ON_CPU = saved
+
+
+def check_tokens(tokens: int, top_k: int) -> None:
+    """Raise a usage error unless T fits the suite.
+
+    Raises:
+        ValueError: T below k or above :data:`MAX_TOKENS`.
+    """
+    if not top_k <= tokens <= MAX_TOKENS:
+        raise ValueError(f"--tokens must be an int in [{top_k}, {MAX_TOKENS}] for the counts "
+                         f"suite (T·k rows are held on the CPU), got {tokens}")
 
 
 def block_bytes_keeping_rows(real: LayerShape, counted: LayerShape,
@@ -139,18 +203,20 @@ class Counted:
         return parts[0] if len(parts) == 1 else parts[0].merged(parts[1])
 
 
-def count_method(method: Method, *, warmup: bool = True) -> Counted:
+def count_method(method: Method, *, warmup: bool = True,
+                 dims: dict[int, int] | None = None) -> Counted:
     """Count one forward + backward of ``method`` under an :class:`OpCounter`.
 
     Args:
         method: the method (its ``zero_grad`` runs before each call).
         warmup: run one uncounted call first (lazy set-up stays out of the counts).
+        dims: the counter's ``dim_map`` (counted size → real size of the traffic).
     """
     if warmup:
         method.zero_grad()
         method.backward(method.forward())
     method.zero_grad()
-    with OpCounter() as counter:
+    with OpCounter(dim_map=dims) as counter:
         method.backward(method.forward())
     extras = dict(method.extras()) if method.extras is not None else {}
     chunks = extras.get("num_chunks", (None, ""))[0]
@@ -200,20 +266,25 @@ def hf_methods(shape: LayerShape, names: tuple[str, ...], *, seed: int,
 
 
 def count_shape(real: LayerShape, names: tuple[str, ...], *, dim_scale: int = DIM_SCALE,
-                seed: int = 0, warmup: bool = True) -> tuple[LayerShape, int, list[Counted]]:
+                seed: int = 0, warmup: bool = True, device: str = "cuda"
+                ) -> tuple[LayerShape, int, list[Counted]]:
     """Count every selected method at ``real`` with d and n divided by ``dim_scale``.
 
-    ``warmup``: as in :func:`count_method`.
+    ``warmup``: as in :func:`count_method`. ``device``: whose path and default row blocks are
+    counted (:func:`device_path`, :data:`BLOCK_BYTES`). Bytes and FLOPs are priced at the real
+    dims (:func:`dim_map`).
 
     Returns:
         (the counted shape, its ``backward_block_bytes``, one :class:`Counted` per method).
     """
     shape = scaled(real, dim_scale)
-    block = block_bytes_keeping_rows(real, shape)
+    block = block_bytes_keeping_rows(real, shape, BLOCK_BYTES[device])
+    dims = dim_map(real, shape)
     results = []
     for method in layer_methods(shape, names, block_bytes=block, seed=seed):
         try:
-            results.append(count_method(method, warmup=warmup))
+            with device_path(device):
+                results.append(count_method(method, warmup=warmup, dims=dims))
         except (RuntimeError, ValueError) as err:
             results.append(Counted(name=method.name, counts={}, error=f"{type(err).__name__}: "
                                    f"{err}"))
@@ -229,7 +300,7 @@ def csv_rows(point: Point, env: Environment) -> list[dict[str, str]]:
         for mode in MODES:
             c = res.phase(mode)
             calls = c.grouped_mm
-            metrics: list[tuple[str, str, int | None]] = [
+            metrics: list[tuple[str, str, float | None]] = [
                 ("non_view_ops", "ops", c.non_view_ops), ("view_ops", "ops", c.view_ops),
                 ("host_syncs", "syncs", c.host_syncs),
                 *((f"syncs_{k}", "syncs", c.syncs[k]) for k in SYNC_KINDS),
@@ -237,7 +308,8 @@ def csv_rows(point: Point, env: Environment) -> list[dict[str, str]]:
                 ("grouped_mm_cuda_fast_path_calls", "calls", sum(g.fast_path for g in calls)),
                 ("grouped_mm_calls_with_empty_groups", "calls",
                  sum(bool(g.empty_groups) for g in calls)),
-                ("num_chunks", "chunks", res.num_chunks)]
+                ("num_chunks", "chunks", res.num_chunks), ("hbm_bytes", "bytes", c.hbm_bytes),
+                *((f"roofline_ms_{gpu}", "ms", round(c.roofline_ms(gpu), 4)) for gpu in GPUS)]
             rows += [csv_row(benchmark=point.suite, method=res.name, mode=mode, metric=metric,
                              unit=unit, x_name=point.x_name, x_value=point.x_value,
                              values=value, config=point.config, env=env)
@@ -249,7 +321,7 @@ def print_point(point: Point) -> None:
     """One line per method: ops, syncs and fast-path ``_grouped_mm`` calls, fwd / bwd."""
     print(f"[{NAME}] {point.label}")
     print(f"{'method':<16} {'ops fwd':>8} {'ops bwd':>8} {'÷ ref':>6} {'syncs':>6} "
-          f"{'gmm':>5} {'fast':>5}  sync kinds")
+          f"{'gmm':>5} {'fast':>5} {'HBM GB':>7} {'H200 ms':>8}  sync kinds")
     ref = next((r for r in point.results if r.name == point.reference and r.error is None), None)
     for res in point.results:
         if res.error is not None:
@@ -261,16 +333,27 @@ def print_point(point: Point) -> None:
         kinds = ", ".join(f"{k} {n}" for k, n in sorted(full.syncs.items()) if n)
         print(f"{res.name:<16} {fwd.non_view_ops:>8} {bwd.non_view_ops:>8} {ratio:>6} "
               f"{full.host_syncs:>6} {len(full.grouped_mm):>5} "
-              f"{sum(g.fast_path for g in full.grouped_mm):>5}  {kinds}")
+              f"{sum(g.fast_path for g in full.grouped_mm):>5} {full.hbm_bytes / 1e9:>7.2f} "
+              f"{full.roofline_ms('h200'):>8.2f}  {kinds}")
 
 
 def presets(opts: BenchOptions) -> list[LayerShape]:
-    """The presets with ``--tokens`` / ``--num-experts`` applied (``--quick``: T = 256)."""
+    """The points: each preset at its :data:`PRESET_TOKENS` or at ``--tokens``.
+
+    ``--quick``: T = 256; ``--num-experts`` applied.
+
+    Raises:
+        ValueError: a ``--tokens`` outside [k, :data:`MAX_TOKENS`] (:func:`check_tokens`).
+    """
     tokens = opts.tokens or (QUICK_TOKENS if opts.quick else None)
-    return [dataclasses.replace(
-        shape, tokens=shape.tokens if tokens is None else tokens,
-        num_experts=shape.num_experts if opts.num_experts is None else opts.num_experts)
-        for shape in PRESETS.values()]
+    shapes = []
+    for name, shape in PRESETS.items():
+        for T in PRESET_TOKENS[name] if tokens is None else (tokens,):
+            check_tokens(T, shape.top_k if opts.top_k is None else opts.top_k)
+            shapes.append(dataclasses.replace(
+                shape, tokens=T, num_experts=(shape.num_experts if opts.num_experts is None
+                                              else opts.num_experts)))
+    return shapes
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Iterator[Point]:
@@ -286,16 +369,22 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Ite
     for real in presets(opts):
         print(f"[{NAME}] {real.label()}: {len(names)} methods x (1 untimed + 1 counted) calls",
               flush=True)
-        shape, block, results = count_shape(real, names, seed=opts.seed)
+        shape, block, results = count_shape(real, names, seed=opts.seed,
+                                            device=opts.count_device)
         config: dict[str, Any] = {
             **real.to_dict(), "dtype": "bfloat16", "dim_scale": DIM_SCALE,
+            "count_device": opts.count_device,
             "counted_hidden_size": shape.hidden_size,
             "counted_intermediate_size": shape.intermediate_size,
             "counted_backward_block_bytes": block,
-            "note": "counted at d/dim_scale and n/dim_scale with the real dims' backward block "
-                    "rows; op and sync counts do not depend on d and n otherwise"}
-        yield Point(suite=NAME, x_name="preset", x_value=real.name,
-                    label=f"{real.label()} bf16 (counted at d={shape.hidden_size} "
-                          f"n={shape.intermediate_size})",
+            "roofline_gpus": {g.name: [g.flops_per_s, g.bytes_per_s, g.source]
+                              for g in GPUS.values()},
+            "note": "counted at about d/dim_scale and n/dim_scale with the real dims' backward "
+                    "block rows; op and sync counts do not depend on d and n otherwise; "
+                    "hbm_bytes and roofline_ms read every counted d, n, 2n dim as the real one; "
+                    "models of a GPU until one measures them"}
+        yield Point(suite=NAME, x_name="preset", x_value=f"{real.name}/T{real.tokens}",
+                    label=f"{real.label()} bf16, {opts.count_device}'s path (counted at "
+                          f"d={shape.hidden_size} n={shape.intermediate_size})",
                     config=config, results=results, reference=REFERENCE)
 

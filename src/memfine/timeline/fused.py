@@ -155,30 +155,24 @@ def _weight_grad(tl: Timeline, s: Shape, buffers: dict[str, str], grouped: bool,
     """One block's weight gradient into the buffer (``WeightGradBuffers.write_block_``).
 
     One block of all S rows (or fp32/float64 weights): the first grouped product is the
-    buffer, a later one (the next chunk's) a transient of its size; the per-expert ``addmm_``
-    writes in place. Several bf16/fp16 blocks: the buffer at the first block (grouped: its
-    product over all E experts), then per later block the grouped product of the block's
-    experts (transient); in every block the rows of an expert cut by a
-    block edge cast to fp32 (transient), whose fp32 (I, O) sum lives from the first block to
-    the last. Products are of W = min(E, ⌈E·B/S⌉ + 2) experts whatever the routing
-    (``memfine.ops.weight_grads.block_window``); the cast rows follow the routing and are
-    taken as one balanced expert's, min(B, ⌈S/E⌉); one fp32 sum per weight is open.
+    buffer; a later chunk's products are per-expert ``addmm_`` in place (bf16 too: no
+    buffer-sized transient). Several bf16/fp16 blocks: the buffer at the first block (its grouped
+    product over all E experts when it holds at least half the rows), whole experts written in
+    place per expert, and in every block the rows of an expert cut by a block edge cast to fp32
+    (transient), whose fp32 (I, O) sum lives from the first block to the last. The cast rows
+    follow the routing and are taken as one balanced expert's, min(B, ⌈S/E⌉); one fp32 sum per
+    weight is open.
     """
     moe, dt = s.moe, s.dt
     E, (i_dim, o_dim) = moe.num_experts, dims
     r0, r1, S = block
-    if dt != 2 or (r0 == 0 and r1 >= S):
+    if dt != 2 or (r0 == 0 and r1 >= S):  # a later chunk's one bf16 block adds in place
         if name not in buffers:
             buffers[name] = tl.alloc(f"grad.{name}", E * i_dim * o_dim * dt)
-        elif grouped:
-            tl.free(tl.alloc(f"bwd.{name}_block_product", E * i_dim * o_dim * dt))
         return
     B = r1 - r0
-    if name not in buffers:  # the first block's product over all E is the buffer (grouped)
+    if name not in buffers:  # a grouped first block of ≥ S/2 rows: its product is the buffer
         buffers[name] = tl.alloc(f"grad.{name}", E * i_dim * o_dim * dt)
-    elif grouped:  # WeightGradBuffers.write_block_: products of block_window experts
-        window = min(E, -(-E * B // S) + 2)
-        tl.free(tl.alloc(f"bwd.{name}_block_product", window * i_dim * o_dim * dt))
     rows = min(B, -(-S // E))
     casts = [tl.alloc(f"bwd.{name}_rows_fp32", rows * i_dim * 4),
              tl.alloc(f"bwd.{name}_grad_rows_fp32", rows * o_dim * 4)]
