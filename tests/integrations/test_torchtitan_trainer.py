@@ -71,7 +71,7 @@ def test_every_block_reports_its_chunk_decision(results: dict, name: str) -> Non
     for block, d in decisions.items():
         assert block.endswith("moe.routed_experts")
         assert d == {"num_chunks": c, "recompute": "none" if c == 1 else "experts",
-                     "tokens": T * K, "budget_bytes": budget,
+                     "rows": T * K, "budget_bytes": budget,
                      "predicted_peak_bytes": small_peak(c, **chunk),
                      "block_bytes": DEFAULT_BACKWARD_BLOCK_BYTES}  # all rows fit one block
 

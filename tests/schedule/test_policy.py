@@ -266,13 +266,13 @@ def test_layers_ask_the_policy_for_their_inputs_device(monkeypatch: pytest.Monke
     from memfine.nn import MoELayer
 
     seen: list[str] = []
-    real = ChunkPolicy.decide
+    real = ChunkPolicy.plan
 
-    def spying(self: ChunkPolicy, *args: object, **kwargs: object) -> ChunkDecision:
+    def spying(self: ChunkPolicy, *args: object, **kwargs: object) -> object:
         seen.append(str(kwargs.get("device_type")))
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ChunkPolicy, "decide", spying)
+    monkeypatch.setattr(ChunkPolicy, "plan", spying)
     moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
     for chunk in (ChunkConfig(num_chunks=2), ChunkConfig(memory_budget_bytes=2**30)):
         MoELayer(moe, chunk=chunk)(torch.randn(8, 16))

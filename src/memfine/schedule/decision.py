@@ -52,7 +52,7 @@ class ChunkDecision:
     Attributes:
         num_chunks: c, token chunks of the expert part.
         recompute: ``none``, ``experts`` or ``full``.
-        tokens: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
+        rows: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
             is read (no host sync), and this is the routed slots T·k, an upper bound.
         predicted_peak_bytes: the memory model's peak of the layer's forward + backward at this
             c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
@@ -64,7 +64,7 @@ class ChunkDecision:
 
     num_chunks: int
     recompute: str
-    tokens: int
+    rows: int
     predicted_peak_bytes: int
     budget_bytes: int | None
     block_bytes: int

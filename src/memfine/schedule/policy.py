@@ -50,6 +50,7 @@ import itertools
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 from memfine.config import (
@@ -99,7 +100,8 @@ class ChunkPolicy:
         """Keep the configs, start with an empty memory-model cache; arguments as on the class."""
         self.config = chunk
         self.moe = moe
-        self.last_decision: ChunkDecision | None = None
+        # the latest record, or (a fixed c) the deferred prediction that makes it when read
+        self._last: ChunkDecision | Callable[[], ChunkDecision] | None = None
         self._warned = False
         # (T, D_t, recompute, c, block bytes) → exact timeline peak; a step repeats one T.
         self._peaks: dict[tuple[int, int, str, int, int], int] = {}
@@ -116,6 +118,25 @@ class ChunkPolicy:
             KeyError: when no such policy is alive.
         """
         return _POLICIES[key]
+
+    @property
+    def last_decision(self) -> ChunkDecision | None:
+        """The :class:`ChunkDecision` of the latest eager call (None before any).
+
+        With a fixed c the prediction is made when this is first read, not per call: a layer
+        that nobody asks replays no memory model (one replay per new T otherwise).
+        """
+        return self.record()()
+
+    def record(self) -> Callable[[], ChunkDecision | None]:
+        """The latest call's record as a getter, for a layer to keep (it stays that call's).
+
+        The getter makes a fixed c's prediction on its first call and keeps it.
+        """
+        last = self._last
+        if last is None or isinstance(last, ChunkDecision):
+            return lambda: last
+        return last
 
     @property
     def budgeted(self) -> bool:
@@ -325,13 +346,8 @@ class ChunkPolicy:
                               transport_row_elements)
         candidates = self.candidates(device_type, dtype_bytes)
         if budget is None:
-            c, block = candidates[0]
-            rows = num_tokens * self.moe.top_k
-            decision = ChunkDecision(c, rec, rows, self.predicted_peak(
-                rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
-                device_type=device_type, block_bytes=block), None, block)
-            self.last_decision = decision
-            return decision
+            self._last = self._fixed_decision(num_tokens, dtype_bytes, extra, device_type)
+            return self._last
         bins = self.config.bins
         peaks = {(c, block): self.predicted_peak(
                      recv_rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
@@ -355,8 +371,17 @@ class ChunkPolicy:
         at_c = [(peak, key[1]) for key, peak in peaks.items() if key[0] == c]
         block = next((blk for peak, blk in at_c if peak <= budget), min(at_c)[1])
         decision = ChunkDecision(c, rec, recv_rows, peaks[c, block], budget, block)
-        self.last_decision = decision
+        self._last = decision
         return decision
+
+    def _fixed_decision(self, num_tokens: int, dtype_bytes: int, transport_row_elements: int,
+                        device_type: str) -> ChunkDecision:
+        """The record of a call at the fixed c: T·k rows (no count read) and their prediction."""
+        c, block = self.candidates(device_type, dtype_bytes)[0]
+        rows = num_tokens * self.moe.top_k
+        return ChunkDecision(c, self.config.resolved_recompute, rows, self.predicted_peak(
+            rows, num_tokens, dtype_bytes, c, transport_row_elements=transport_row_elements,
+            device_type=device_type, block_bytes=block), None, block)
 
     def plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
              agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
@@ -364,15 +389,16 @@ class ChunkPolicy:
         """The :class:`ChunkPlan` of one MoE layer call: :meth:`decide`'s c and row blocks.
 
         Arguments and errors as :meth:`decide`. Without a budget the plan's ``block_bytes`` is
-        None (the layer's config); under ``torch.compile`` tracing with a fixed c nothing is
-        predicted or recorded (the count is the config's; the memory model runs on host
-        integers only).
+        None (the layer's config) and nothing is predicted: the record's prediction is made
+        when :attr:`last_decision` is read; under ``torch.compile`` tracing with a fixed c
+        nothing is recorded (the count is the config's; the memory model runs on host integers
+        only).
         """
         if not self.budgeted:
-            if not _compiling():
-                self.decide(recv_rows, num_tokens, dtype_bytes,
-                            transport_row_elements=transport_row_elements,
-                            device_type=device_type)
+            if not _compiling():  # the record, predicted only when read (no replay per T)
+                self._last = functools.cache(functools.partial(
+                    self._fixed_decision, num_tokens, dtype_bytes, transport_row_elements,
+                    device_type))
             return ChunkPlan(self.config.num_chunks)
         decision = self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
                                transport_row_elements=transport_row_elements,
