@@ -238,8 +238,9 @@ def test_model_experts_modules_are_found() -> None:
         mf_hf.configure(torch.nn.Linear(2, 2))
 
 
-def test_budget_of_an_ungated_relu2_module_is_that_of_silu() -> None:
-    """ReLU² (Nemotron-H) keeps H as SiLU does, so its memory model is the ungated SiLU one."""
+def test_budget_of_an_ungated_relu2_module_is_its_own_config() -> None:
+    """ReLU² (Nemotron-H) is a named activation: the policy's config carries it, and it keeps H
+    as SiLU does, so its chunk choice is the ungated SiLU one."""
     (experts,) = tiny_experts("nemotron_h")
     weights = mf_hf.expert_weights(experts)
     plan = mf_hf.plan_experts(experts)
@@ -252,7 +253,7 @@ def test_budget_of_an_ungated_relu2_module_is_that_of_silu() -> None:
         c = hf_experts.num_chunks_for(experts, plan, weights, x_TD, idx, chunk)
         c_silu = hf_experts.num_chunks_for(types.SimpleNamespace(), silu_plan, weights, x_TD,
                                            idx, chunk)
-    assert experts._memfine_chunk_policy.moe.activation == "silu"
+    assert experts._memfine_chunk_policy.moe.activation == "relu2"
     assert c == c_silu == 8
 
 

@@ -12,6 +12,7 @@ received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``.
 """
 
 from memfine.config.base import (
+    ACTIVATIONS_SAVING_OUTPUT,
     GATED_ACTIVATIONS,
     MAX_BIN,
     RECOMPUTE_MODES,
@@ -20,6 +21,7 @@ from memfine.config.base import (
     DropPolicy,
     DType,
     ExpertsImpl,
+    GateFn,
     GemmBackend,
     IndexBuilder,
     Recompute,
@@ -43,6 +45,7 @@ from memfine.config.moe import (
 from memfine.config.routing import RouteOptions
 
 __all__ = [
+    "ACTIVATIONS_SAVING_OUTPUT",
     "BUDGET_BLOCK_DIVISORS",
     "CUDA_BACKWARD_BLOCK_BYTES",
     "DEFAULT_BACKWARD_BLOCK_BYTES",
@@ -56,6 +59,7 @@ __all__ = [
     "DType",
     "DropPolicy",
     "ExpertsImpl",
+    "GateFn",
     "GatedActivation",
     "GemmBackend",
     "IndexBuilder",

@@ -12,7 +12,11 @@ import dataclasses
 from typing import Any, Literal, TypeVar, get_args
 
 ScoreFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
-Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
+Activation = Literal["swiglu", "geglu", "gelu", "relu", "relu2", "silu"]
+"""The named expert activations: the keys of ``memfine.ops.activations.ACTIVATIONS`` (checked
+when that module is imported)."""
+GateFn = Literal["silu", "gelu"]
+"""``GatedActivation.gate_fn``: the keys of ``memfine.ops.activations.GATE_FUNCTIONS``."""
 ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
@@ -29,6 +33,9 @@ DropPolicy = Literal["probs", "position"]
 AutocastDType = Literal["none", "bfloat16"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
+"""The gated names of :data:`Activation` (H holds gate and up: G = 2n)."""
+ACTIVATIONS_SAVING_OUTPUT = ("relu",)
+"""Names of :data:`Activation` whose autograd node keeps A, not H (the plain path's memory)."""
 MAX_BIN = 16
 """Largest chunk-count bin of :attr:`ChunkConfig.bins` (the memory model's proven bound)."""
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from memfine._checks import check_choice, check_float, check_int, fail
 from memfine.config.base import (
     GATED_ACTIVATIONS,
     Activation,
     ExpertsImpl,
+    GateFn,
     GemmBackend,
     IndexBuilder,
     ScoreFunc,
@@ -27,7 +27,9 @@ class GatedActivation(_ConfigBase):
     clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.ops.activations`.
 
     Attributes:
-        gate_fn: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu`` (tanh approximation; needs α = 1).
+        gate_fn: a :data:`memfine.config.GateFn`: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu``
+            (tanh approximation; needs α = 1); formulas in
+            ``memfine.ops.activations.GATE_FUNCTIONS``.
         alpha: α > 0 (1.0: plain SiLU; GPT-OSS: 1.702).
         limit: clamp bound > 0 (gate clamped from above, up to ±limit), or None for no clamp.
         up_offset: added to the (clamped) up half (GPT-OSS: 1.0).
@@ -39,7 +41,7 @@ class GatedActivation(_ConfigBase):
     and ``DeepseekV4Experts._apply_gate`` (the clamp with α = 1, offset 0).
     """
 
-    gate_fn: Literal["silu", "gelu"] = "silu"
+    gate_fn: GateFn = "silu"
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
@@ -48,7 +50,7 @@ class GatedActivation(_ConfigBase):
 
     def __post_init__(self) -> None:
         """Validate every field; raise ValueError naming the field, allowed values and value."""
-        check_choice(self, "gate_fn", ("silu", "gelu"))
+        check_choice(self, "gate_fn", GateFn)
         check_float(self, "alpha", 0.0, lo_open=True)
         if self.gate_fn == "gelu" and self.alpha != 1.0:
             fail(self, "alpha", "1.0 with gate_fn='gelu'", self.alpha)
@@ -210,7 +212,9 @@ class MoEConfig(RouteOptions):
         renormalize: rescale the k selected scores to sum to 1 per token. Rejected with
             ``top_k=1`` (every weight would be exactly 1.0 and the router would get no gradient
             from the output).
-        activation: expert activation; ``swiglu``/``geglu`` are gated (w_up holds 2n columns).
+        activation: expert activation, a name of ``memfine.ops.activations.ACTIVATIONS``
+            (``swiglu``, ``geglu``: gated, w_up holds 2n columns; ``silu``, ``gelu``, ``relu``,
+            ``relu2``).
         experts_impl: ``fused`` (MoEBlaze path, saves x and H) or ``plain`` (autograd over
             gathered/scattered copies).
         gemm_backend: grouped GEMM backend for the expert matmuls.

@@ -180,8 +180,8 @@ def _policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: in
     gradients, no base weight gradient) with the budget.
     """
     E, D, G, N = weights.shape_EDGN
-    # The memory model needs only G and whether A replaces H (relu): any other gated
-    # activation counts as swiglu, an ungated one without a MoEConfig name (relu2) as silu.
+    # The memory model needs only G and whether A replaces H (relu): a GatedActivation spec
+    # counts as swiglu; every named activation is a MoEConfig name.
     activation: Activation = "swiglu" if G == 2 * N else "silu"
     if plan.activation in get_args(Activation):
         activation = cast(Activation, plan.activation)

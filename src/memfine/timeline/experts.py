@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, overload
 
-from memfine.config import MoEConfig
+from memfine.config import ACTIVATIONS_SAVING_OUTPUT, MoEConfig
 from memfine.dispatch.index import SORT_FREE_MAX_CELLS
 from memfine.timeline.base import Shape, Timeline, WeightGrads
 from memfine.timeline.fused import (
@@ -111,7 +111,7 @@ def plain_forward(tl: Timeline, s: Shape, C: int, S: int, *, early_stop: bool = 
     if moe.gated:
         saved += [tl.alloc("plain.act_gate", S * N * dt)]
     saved += [tl.alloc("plain.A", S * N * dt)]
-    if moe.activation != "relu":  # relu keeps its result (A), not its input
+    if moe.activation not in ACTIVATIONS_SAVING_OUTPUT:  # relu keeps its result A, not H
         saved.append(h)
     y = tl.alloc("plain.Y", S * D * dt)
     valid = tl.alloc("plain.combine.valid", C * K)
@@ -124,12 +124,12 @@ def plain_forward(tl: Timeline, s: Shape, C: int, S: int, *, early_stop: bool = 
     saved.append(tl.alloc("plain.combine.ge", C * K))
     saved.append(tl.alloc("plain.combine.w_TK", C * K * dt))
     if early_stop:
-        tl.free(y, *([h] if moe.activation == "relu" else []))
+        tl.free(y, *([h] if moe.activation in ACTIVATIONS_SAVING_OUTPUT else []))
         return saved, None
     product = tl.alloc("plain.combine.weighted", C * K * D * dt)
     out = tl.alloc("fwd.out", C * D * dt)
     tl.free(product, y)
-    if moe.activation == "relu":
+    if moe.activation in ACTIVATIONS_SAVING_OUTPUT:
         tl.free(h)
     return saved, out
 
@@ -160,7 +160,7 @@ def plain_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     grad_a = tl.alloc("pbwd.dA", S * N * dt)
     probe = tl.alloc("pbwd.wgrad_probe", N * D * dt)
     grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
-    relu = moe.activation == "relu"  # relu's own node also keeps A (its result)
+    relu = moe.activation in ACTIVATIONS_SAVING_OUTPUT  # its own node also keeps A (its result)
     tl.free(probe, grad_y, *([] if relu else [named["plain.A"]]))
     wg.add(grads, "w_down")
     if moe.gated:
