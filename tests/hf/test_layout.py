@@ -268,7 +268,7 @@ def test_a_budget_runs_its_row_blocks_on_the_fused_path(monkeypatch: pytest.Monk
     ladder = tuple(rows * (3 * D + 3 * N + G) * 4 for rows in (64, 16, 4))
     monkeypatch.setattr(policy_module, "budget_block_ladder",
                         lambda block, device, row: ladder if block is None else (block,))
-    probe = hf_experts._policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
+    probe = hf_experts.chunk_policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
                                ChunkConfig(memory_budget_bytes=1))
     peaks = [probe.layer_peak(64, 4, 1, block_bytes=b) for b in ladder]
     assert peaks[0] > peaks[-1]

@@ -18,6 +18,7 @@ from memfine.config.base import (
     RECOMPUTE_MODES,
     Activation,
     AutocastDType,
+    ConfigBase,
     DropPolicy,
     DType,
     ExpertsImpl,
@@ -27,7 +28,6 @@ from memfine.config.base import (
     Recompute,
     RecomputeMode,
     ScoreFunc,
-    _ConfigBase,
 )
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
@@ -40,6 +40,7 @@ from memfine.config.moe import (
     backward_block_rows,
     block_row_bytes,
     budget_block_ladder,
+    check_block_bytes,
     default_block_bytes,
 )
 from memfine.config.routing import RouteOptions
@@ -70,9 +71,10 @@ __all__ = [
     "RouteOptions",
     "ScoreFunc",
     "TrainConfig",
-    "_ConfigBase",
+    "ConfigBase",
     "backward_block_rows",
     "block_row_bytes",
     "budget_block_ladder",
+    "check_block_bytes",
     "default_block_bytes",
 ]

@@ -39,9 +39,9 @@ ACTIVATIONS_SAVING_OUTPUT = ("relu",)
 MAX_BIN = 16
 """Largest chunk-count bin of :attr:`ChunkConfig.bins` (the memory model's proven bound)."""
 
-_C = TypeVar("_C", bound="_ConfigBase")
+_C = TypeVar("_C", bound="ConfigBase")
 
-class _ConfigBase:
+class ConfigBase:
     """Shared ``to_dict``/``from_dict`` for the config dataclasses."""
 
     __slots__ = ()  # keeps the subclasses' ``slots=True`` effective (no instance __dict__)
@@ -51,14 +51,14 @@ class _ConfigBase:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if isinstance(value, _ConfigBase):
+            if isinstance(value, ConfigBase):
                 value = value.to_dict()
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
         return out
 
-    def differing_fields(self, other: _ConfigBase) -> list[str]:
+    def differing_fields(self, other: ConfigBase) -> list[str]:
         """Names of the fields whose values differ from ``other``'s (a config of this class)."""
         return [f.name for f in dataclasses.fields(self)  # type: ignore[arg-type]
                 if getattr(self, f.name) != getattr(other, f.name)]
@@ -96,5 +96,5 @@ class _ConfigBase:
 
 
 
-_SUBCONFIGS: dict[tuple[str, str], type[_ConfigBase]] = {}
+_SUBCONFIGS: dict[tuple[str, str], type[ConfigBase]] = {}
 """(class name, field) → the config class a nested dict of ``from_dict`` is built into."""

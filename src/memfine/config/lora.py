@@ -16,14 +16,14 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from memfine._checks import check_float, check_int, fail
-from memfine.config.base import _ConfigBase
+from memfine.config.base import ConfigBase
 
 LoRATarget = Literal["w_up", "w_down"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LoRAConfig(_ConfigBase):
+class LoRAConfig(ConfigBase):
     """Per-expert LoRA adapters of one MoE layer.
 
     Attributes:

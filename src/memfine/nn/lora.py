@@ -48,10 +48,10 @@ class LoRAChunkPolicy(ChunkPolicy):
         self.lora = lora
 
     def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
-                   recompute: str) -> int:
+                   recompute: str, device_type: str = "cpu") -> int:
         """The LoRA layer's exact timeline peak at c chunks (uncached), bytes."""
         return lora_layer_memory(moe, self.lora, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                                 recompute=recompute).peak_bytes
+                                 recompute=recompute, device_type=device_type).peak_bytes
 
 
 class LoRAGroupedExperts(GroupedExperts):
@@ -127,7 +127,7 @@ class LoRAGroupedExperts(GroupedExperts):
         lora = self.adapters()
         seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
         moe = self.config
-        block = moe.backward_block_bytes if block_bytes is None else block_bytes
+        block = self.call_block(block_bytes)
 
         def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                      top_k_weights_CK: torch.Tensor) -> torch.Tensor:

@@ -58,8 +58,9 @@ class ChunkDecision:
             c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
         budget_bytes: the budget the choice was made against; None for a fixed c.
         block_bytes: the fused path's row-block byte target the call ran and the prediction
-            assumed (bytes; the config's ``backward_block_bytes`` or the device default, or
-            under a budget the largest of :func:`memfine.config.budget_block_ladder` that fits).
+            assumed (bytes; the config's ``backward_block_bytes``, or under a budget the largest
+            of :func:`memfine.config.budget_block_ladder` that fits); None: the device's
+            default block (:func:`memfine.config.backward_block_rows` gives its rows).
     """
 
     num_chunks: int
@@ -67,7 +68,7 @@ class ChunkDecision:
     rows: int
     predicted_peak_bytes: int
     budget_bytes: int | None
-    block_bytes: int
+    block_bytes: int | None
 
 
 class InfeasibleBudgetError(ValueError):

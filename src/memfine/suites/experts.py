@@ -3,7 +3,7 @@
 Methods (same weights, input, routing and incoming gradients):
 
 - ``plain``: what most PyTorch MoE code does — gather the rows into a copy, one matmul per
-  expert, scatter back (:func:`memfine.experts.run_plain` on the ``loop`` backend);
+  expert, scatter back (:func:`memfine.experts.experts_plain` on the ``loop`` backend);
 - ``expert_loop``: a Python loop over experts with index masks (transformers ``eager`` style);
 - ``grouped_mm``: the same copies with ``torch._grouped_mm`` (torchtitan style);
 - ``torchtitan``: torchtitan's own ``RoutedExperts`` (dispatcher + ``GroupedExperts``) on views of

@@ -16,11 +16,16 @@ from memfine.config import ACTIVATIONS_SAVING_OUTPUT, MoEConfig
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``)."""
+    """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``).
+
+    ``device_type``: the activations' device, for the choices the code makes by device (the
+    ``auto`` index builder's size limit).
+    """
 
     moe: MoEConfig
     T: int
     dt: int
+    device_type: str = "cpu"
 
     @property
     def r(self) -> int:

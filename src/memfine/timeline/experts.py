@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Literal, overload
 
 from memfine.config import ACTIVATIONS_SAVING_OUTPUT, MoEConfig
-from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+from memfine.dispatch.index import sort_free_max_cells
 from memfine.timeline.base import Shape, Timeline, WeightGrads
 from memfine.timeline.fused import (
     fused_backward,
@@ -29,16 +29,16 @@ from memfine.timeline.fused import (
 )
 
 
-def _use_sort_free(moe: MoEConfig, tokens: int) -> bool:
+def _use_sort_free(moe: MoEConfig, tokens: int, device_type: str) -> bool:
     if moe.index_builder == "auto":
-        return tokens * moe.num_experts <= SORT_FREE_MAX_CELLS
+        return tokens * moe.num_experts <= sort_free_max_cells(device_type)
     return moe.index_builder == "sort_free"
 
 
 def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
     """build_routing_index for C tokens and S rows; returns the five int32 arrays."""
     E, K = s.moe.num_experts, s.moe.top_k
-    if _use_sort_free(s.moe, C):
+    if _use_sort_free(s.moe, C, s.device_type):
         ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
         valid = tl.alloc("idx.valid", C * K)
         tl.free(ge, lt)
@@ -68,7 +68,7 @@ def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
         eslot = tl.alloc("idx.expert_slot64", C * K * 8)  # scattered over all C·k slots
         locals_ = [valid, safe, dense, counts, offs64, row_te, row_tk, sentinel, perm, slot,
                    eslot]
-    else:  # argsort builder (used when C·E > SORT_FREE_MAX_CELLS); sort temporaries approximated
+    else:  # argsort builder (auto: C·E above sort_free_max_cells); sort temporaries approximated
         ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
         valid = tl.alloc("idx.valid", C * K)
         tl.free(ge, lt)
