@@ -1,14 +1,15 @@
 """Routing-index builders: sort-free (dense T×E map, MoEBlaze §3) vs argsort, build time.
 
-For each (T, E, k) the two builders (and ``auto``, which picks by the dense map size T·E against
-``memfine.dispatch.index.SORT_FREE_MAX_CELLS``) run interleaved on the same random routing through
-the shared harness (:func:`memfine.bench.harness.run_methods`, the build as the forward, no
-backward), timed with the calling thread's CPU time (``time.thread_time``) at one torch
-intra-op thread (``--threads 1``, the default; the wall clock at more threads); rows report
-p20/p50/p80 build time in ms (mode ``fwd``) per method and ``time_ratio_to_sort_free``, the
-quantiles over rounds of the build time ÷ sort_free's in the same round; ``config_json`` names
-the ``clock``, the ``rounds`` and the 1-minute load average. The CSV uses the docs/style.md §6
-columns (:func:`memfine.bench.results.csv_row`).
+For each (T, E, k) the two builders (and ``auto``, which picks by the dense map size T·E
+against ``memfine.dispatch.sort_free_max_cells("cpu")``, the rule these rows set) run
+interleaved on the same random routing through the shared harness
+(:func:`memfine.bench.harness.run_methods`, the build as the forward, no backward), timed with
+the calling thread's CPU time (``time.thread_time``) at one torch intra-op thread
+(``--threads 1``, the default; the wall clock at more threads); rows report p20/p50/p80 build
+time in ms (mode ``fwd``) per method and ``time_ratio_to_sort_free``, the quantiles over rounds
+of the build time ÷ sort_free's in the same round; ``config_json`` names the ``clock``, the
+``rounds`` and the 1-minute load average. The CSV uses the docs/style.md §6 columns
+(:func:`memfine.bench.results.csv_row`).
 
 Usage: ``python benchmarks/bench_index.py [--reps 15] [--threads 1] [--out PATH]``.
 Legend: T tokens, E experts, K top-k slots.
@@ -24,8 +25,12 @@ import torch
 
 from memfine.bench.harness import Method, MethodResult, round_ratios, run_methods
 from memfine.bench.results import collect_environment, csv_row, write_csv
-from memfine.dispatch import build_index_argsort, build_index_sort_free, build_routing_index
-from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+from memfine.dispatch import (
+    build_index_argsort,
+    build_index_sort_free,
+    build_routing_index,
+    sort_free_max_cells,
+)
 from memfine.train.loop import torch_threads
 
 BENCHMARK = "index_build"
@@ -35,8 +40,8 @@ BUILDERS = {
     "auto": build_routing_index,
 }
 # (T, E, k): small and large token counts, few and many experts (docs/design.md §3, §7 configs).
-GRID = [(1024, 8, 2), (8192, 16, 4), (65536, 16, 4), (4096, 64, 8), (16384, 128, 8),
-        (16384, 256, 8), (65536, 256, 8)]
+GRID = [(1024, 8, 2), (2048, 16, 4), (4096, 16, 4), (8192, 16, 4), (65536, 16, 4),
+        (4096, 64, 8), (16384, 128, 8), (16384, 256, 8), (65536, 256, 8)]
 
 
 def time_builders(T: int, E: int, k: int, reps: int, warmup: int = 2) -> list[MethodResult]:
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 def run_grid(reps: int) -> list[dict[str, str]]:
     """Time every grid point; print a table; return the CSV rows."""
     env, rows = collect_environment("cpu"), []
-    print(f"auto: sort-free while T·E <= {SORT_FREE_MAX_CELLS} cells")
+    print(f"auto: sort-free while T·E <= {sort_free_max_cells('cpu')} cells")
     print(f"{'T':>6} {'E':>4} {'k':>2} {'T·E':>9} | "
           + " | ".join(f"{name:>9} p50 ms" for name in BUILDERS) + " | argsort/sort_free")
     for T, E, k in GRID:
@@ -80,7 +85,7 @@ def run_grid(reps: int) -> list[dict[str, str]]:
               + f" | {ratio[1] if ratio else float('nan'):>6.2f}")
         for name, res in results.items():
             config = {"num_tokens": T, "num_experts": E, "top_k": k,
-                      "sort_free_max_cells": SORT_FREE_MAX_CELLS, "clock": res.clock,
+                      "sort_free_max_cells": sort_free_max_cells("cpu"), "clock": res.clock,
                       "rounds": len(res.times_s["fwd"]),
                       "load_average_1min": round(os.getloadavg()[0], 2)}
             point = {"benchmark": BENCHMARK, "method": name, "mode": "fwd",

@@ -52,7 +52,7 @@ BAD_MOE = [
                  f"MoEConfig.score_func must be one of {get_args(ScoreFunc)}, got 'tanh'",
                  id="score_func"),
     pytest.param({"activation": "swish"},
-                 "MoEConfig.activation must be one of ('swiglu', 'geglu', 'gelu', 'relu', "
+                 "MoEConfig.activation must be one of ('swiglu', 'geglu', 'gelu', 'relu', 'relu2', "
                  "'silu'), got 'swish'", id="activation"),
     pytest.param({"experts_impl": "megablocks"},
                  "MoEConfig.experts_impl must be one of ('fused', 'plain'), got 'megablocks'",

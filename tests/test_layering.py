@@ -10,6 +10,7 @@ dependencies (triton, transformers) may be imported at module level only inside
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -238,3 +239,39 @@ def test_checker_catches_violations(tmp_path: Path, file: str, source: str,
         assert not found
     else:
         assert len(found) == 1 and expected in found[0], found
+
+
+def test_every_package_declares_its_public_names() -> None:
+    """Each package's ``__init__`` has an ``__all__`` whose names it defines or imports."""
+    missing, undefined = [], []
+    for init in sorted(SRC.rglob("__init__.py")):
+        module = module_name(init, SRC)[0]
+        tree = ast.parse(init.read_text())
+        names = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+                 for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                 if isinstance(t, ast.Name)}
+        if "__all__" not in names:
+            missing.append(module)
+            continue
+        exported = importlib.import_module(module).__all__
+        undefined += [f"{module}.{name}" for name in exported
+                      if not hasattr(importlib.import_module(module), name)]
+    assert not missing and not undefined, (missing, undefined)
+
+
+def test_no_private_name_crosses_a_package() -> None:
+    """``from memfine.a.b import _name`` only inside package ``memfine.a`` (private stays home)."""
+    crossing = []
+    for path in sorted(SRC.rglob("*.py")):
+        module, is_package = module_name(path, SRC)
+        home = module.split(".")[1] if module.count(".") else ""
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom) or node.level or not node.module:
+                continue
+            parts = node.module.split(".")
+            if parts[0] != "memfine" or len(parts) < 2 or parts[1] == home:
+                continue
+            crossing += [f"{module}: {node.module}.{alias.name}" for alias in node.names
+                         if alias.name.startswith("_") and not alias.name.startswith("__")
+                         and not parts[1].startswith("_")]
+    assert not crossing, crossing

@@ -9,11 +9,12 @@ Reference: docs/design.md §1-§2 (semantics), docs/style.md §6.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, get_args
 
 import torch
 
-from memfine.config import GatedActivation
+from memfine.config import Activation as ActivationName
+from memfine.config import GatedActivation, GateFn
 
 
 def _silu(v: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
@@ -28,8 +29,16 @@ def _relu(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v > 0, v, torch.zeros_like(v))
 
 
+REFERENCE_GATES = {"silu": _silu, "gelu": lambda v, alpha: _gelu(v)}
+"""f_α(gate) per ``GatedActivation.gate_fn``, written out independently of
+``memfine.ops.activations.GATE_FUNCTIONS`` (gelu takes α = 1 only)."""
+
+
 def _gated(h: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
     """A = f_α(min(gate, L)) · (clamp(up, -L, L) + offset), one row, written out by element."""
+    if spec.gate_fn not in REFERENCE_GATES:
+        raise ValueError(f"the reference has no formula for GatedActivation.gate_fn="
+                         f"{spec.gate_fn!r} (REFERENCE_GATES: {sorted(REFERENCE_GATES)})")
     n = h.shape[-1] // 2
     if spec.interleaved:
         gate = torch.stack([h[..., 2 * i] for i in range(n)], -1) if n else h[..., :0]
@@ -40,19 +49,40 @@ def _gated(h: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
         gate = torch.where(gate > spec.limit, torch.full_like(gate, spec.limit), gate)
         up = torch.where(up > spec.limit, torch.full_like(up, spec.limit), up)
         up = torch.where(up < -spec.limit, torch.full_like(up, -spec.limit), up)
-    glu = _silu(gate, spec.alpha) if spec.gate_fn == "silu" else _gelu(gate)
-    return glu * (up + spec.up_offset)
+    return REFERENCE_GATES[spec.gate_fn](gate, spec.alpha) * (up + spec.up_offset)
+
+
+REFERENCE_ACTIVATIONS: dict[str, Any] = {
+    "swiglu": lambda h: _gated(h, GatedActivation(gate_fn="silu")),
+    "geglu": lambda h: _gated(h, GatedActivation(gate_fn="gelu")),
+    "silu": _silu,
+    "gelu": _gelu,
+    "relu": _relu,
+    "relu2": lambda h: _relu(h) * _relu(h),
+}
+"""Every named activation written out from its formula (independent of
+``memfine.ops.activations.ACTIVATIONS``)."""
+
+for _names, _table, _what in ((get_args(ActivationName), REFERENCE_ACTIVATIONS,
+                               "REFERENCE_ACTIVATIONS"),
+                              (get_args(GateFn), REFERENCE_GATES, "REFERENCE_GATES")):
+    if set(_names) != set(_table):  # a half-added activation, caught at import
+        raise ImportError(f"memfine.reference.{_what} {sorted(_table)} must list the config's "
+                          f"names {sorted(_names)}")
 
 
 def _act(h: torch.Tensor, activation: str | GatedActivation) -> torch.Tensor:
-    """Activations written out from their formulas (independent of torch.nn.functional)."""
+    """Activations written out from their formulas (independent of torch.nn.functional).
+
+    Raises:
+        ValueError: for a name without a formula here (never a silent substitute).
+    """
     if isinstance(activation, GatedActivation):
         return _gated(h, activation)
-    if activation in ("swiglu", "geglu"):
-        return _gated(h, GatedActivation(gate_fn="silu" if activation == "swiglu" else "gelu"))
-    if activation == "relu2":
-        return _relu(h) * _relu(h)
-    return {"silu": _silu, "gelu": _gelu, "relu": _relu}[activation](h)
+    if activation not in REFERENCE_ACTIVATIONS:
+        raise ValueError(f"the reference has no formula for activation={activation!r} "
+                         f"(REFERENCE_ACTIVATIONS: {sorted(REFERENCE_ACTIVATIONS)})")
+    return REFERENCE_ACTIVATIONS[activation](h)
 
 
 def reference_experts(x_TD: torch.Tensor, top_k_index: torch.Tensor,

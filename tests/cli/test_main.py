@@ -195,3 +195,18 @@ def test_train_whose_reader_leaves_stops_with_sigpipe_status_and_says_so(tmp_pat
     assert err.strip().splitlines()[-1] == (
         "memfine train: stopped: its standard output was closed (e.g. by `head`); the run is "
         "not finished (--resume continues from its last checkpoint, if it wrote one)")
+
+
+def test_plan_imports_neither_the_training_stack_nor_other_subcommands() -> None:
+    script = ("import sys\nfrom memfine.cli.main import main\n"
+              "assert main(['plan', '--preset', 'qwen3-30b-a3b']) == 0\n"
+              "print(' '.join(sorted(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    loaded = set(done.stdout.splitlines()[-1].split())
+    assert "memfine.cli.plan" in loaded
+    unwanted = {"memfine.train", "memfine.cli.train", "memfine.cli.bench", "memfine.cli.generate",
+                "memfine.cli.evaluate", "memfine.cli.export", "memfine.suites", "memfine.bench",
+                "memfine.artifacts", "memfine.reports"}
+    assert not loaded & unwanted, sorted(loaded & unwanted)

@@ -6,8 +6,10 @@ dense map size; ``MoEConfig.index_builder`` forces one. Reference: MoEBlaze §3;
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,7 @@ from memfine.dispatch import (
     build_index_sort_free,
     build_routing_index,
 )
+from memfine.memory.layer import layer_peak_bytes
 from memfine.nn.experts import GroupedExperts
 
 BUILDERS = [pytest.param(build_index_sort_free, id="sort_free"),
@@ -156,7 +159,7 @@ def test_auto_switches_to_argsort_above_the_dense_map_limit(
         real = getattr(index_module, name)
         monkeypatch.setattr(index_module, name,
                             lambda idx, E, real=real, name=name: calls.append(name) or real(idx, E))
-    monkeypatch.setattr(index_module, "SORT_FREE_MAX_CELLS", 8)
+    monkeypatch.setattr(index_module, "CPU_SORT_FREE_MAX_CELLS", 8)
     distinct = torch.tensor([[1, 3], [0, 2], [2, 0]])
     build_routing_index(distinct, 4)  # T·E = 12 > 8: argsort
     build_routing_index(distinct[:2], 4)  # T·E = 8: sort-free
@@ -213,7 +216,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def test_auto_picks_by_dense_map_size(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _spy(monkeypatch)
-    monkeypatch.setattr(index_module, "SORT_FREE_MAX_CELLS", 40)
+    monkeypatch.setattr(index_module, "CPU_SORT_FREE_MAX_CELLS", 40)
     top_k_index = torch.stack([torch.randperm(4)[:2] for _ in range(11)])
     small = build_routing_index(top_k_index[:10], 4)  # T·E = 40 cells: sort-free
     large = build_routing_index(top_k_index, 4)  # 44 cells: argsort
@@ -257,3 +260,43 @@ def test_routed_slots_op_refuses_offsets_past_the_slots() -> None:
     slice."""
     with pytest.raises(RuntimeError, match=r"S=9 outside \[0, T·k=8\]"):
         torch.ops.memfine.routed_slots(torch.arange(8), torch.tensor([0, 9]))
+
+
+def _cpu_ratios() -> dict[int, float]:
+    """argsort ÷ sort-free median build time per dense-map size, from the committed CSV."""
+    path = Path(__file__).parents[2] / "benchmarks" / "results" / "bench_index_cpu.csv"
+    with path.open() as f:
+        return {int(row["x_value"]): float(row["p50"]) for row in csv.DictReader(f)
+                if row["method"] == "argsort" and row["metric"] == "time_ratio_to_sort_free"}
+
+
+def test_the_cpu_rule_follows_the_measurement() -> None:
+    """On the CPU, auto builds sort-free only up to the largest size where argsort lost."""
+    ratios = _cpu_ratios()
+    limit = index_module.sort_free_max_cells("cpu")
+    assert limit == index_module.CPU_SORT_FREE_MAX_CELLS in ratios  # a measured size
+    assert all(ratio < 1 for cells, ratio in ratios.items() if cells > limit), ratios
+    assert ratios[limit] >= 1, ratios
+    assert index_module.sort_free_max_cells("cuda") == index_module.SORT_FREE_MAX_CELLS
+
+
+def test_auto_on_the_cpu_takes_argsort_above_its_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _spy(monkeypatch)
+    E = 16
+    T = index_module.CPU_SORT_FREE_MAX_CELLS // E
+    top_k_index = torch.rand(T * 4, E).topk(2, dim=-1).indices
+    build_routing_index(top_k_index[:T], E)  # at the limit: sort-free
+    build_routing_index(top_k_index[:T + 1], E)  # above it: argsort
+    build_routing_index(top_k_index, E)  # 131,072 cells: argsort (0.58-0.77× sort-free's time)
+    assert calls == ["sort_free", "argsort", "argsort"]
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+def test_the_memory_model_mirrors_the_rule(device_type: str) -> None:
+    moe = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=64, top_k=2)
+    T = 2 * index_module.CPU_SORT_FREE_MAX_CELLS // 64  # 65,536 cells
+    by = {b: layer_peak_bytes(dataclasses.replace(moe, index_builder=b), T, 4,
+                              device_type=device_type) for b in ("sort_free", "argsort")}
+    assert by["sort_free"] != by["argsort"]
+    want = by["argsort" if device_type == "cpu" else "sort_free"]
+    assert layer_peak_bytes(moe, T, 4, device_type=device_type) == want

@@ -47,8 +47,10 @@ def test_default_sized_blocks_hold_at_least_min_block_rows() -> None:
     d, n = 1024, 4096
     row = _row_bytes(d, n, 2 * n, 4)
     assert DEFAULT_BACKWARD_BLOCK_BYTES // row == 178
-    for target in (None, DEFAULT_BACKWARD_BLOCK_BYTES):
-        assert backward_block_rows(target, d, n, 2 * n, 4) == MIN_BLOCK_ROWS
+    assert backward_block_rows(None, d, n, 2 * n, 4) == MIN_BLOCK_ROWS  # the default, as such
+    # a set target is taken as it is, whatever its bytes: the default is None, not 16 MiB
+    for target in (DEFAULT_BACKWARD_BLOCK_BYTES, DEFAULT_BACKWARD_BLOCK_BYTES + 1):
+        assert backward_block_rows(target, d, n, 2 * n, 4) == 178
     assert backward_block_rows(32 * 2**20, d, n, 2 * n, 4) == 356  # a set target as it is
     assert backward_block_rows(64 * 2**20, d, n, 2 * n, 4) == 712
     assert backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES - 1, d, n, 2 * n, 4) == 178
@@ -170,17 +172,15 @@ def test_chunks_share_weight_grads_through_accumulate_grad() -> None:
 
 def test_rejects_bad_block_bytes() -> None:
     x, idx, w, w_up, w_down = make_problem(4, 8, 4, 3, 2)
-    with pytest.raises(ValueError, match="backward_block_bytes must be None or an int >= 1, "
-                                         "got 0"):
-        run_experts(x, w, build_routing_index(idx, 3), w_up, w_down, backward_block_bytes=0)
-    with pytest.raises(ValueError, match="MoEConfig.backward_block_bytes"):
-        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
-                  backward_block_bytes=0)
     one_row = (3 * 8 + 3 * 4 + 2 * 4) * 2  # (3·d + 3·n + G) elements at 2 bytes
-    with pytest.raises(ValueError, match=rf"MoEConfig.backward_block_bytes must be >= {one_row} "
-                                         r"\(one backward row.*got 87"):
-        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
-                  backward_block_bytes=one_row - 1)
+    allowed = rf"must be None \(the device's default\) or an int in \[{one_row}, {2**63 - 1}\]"
+    for bad in (0, one_row - 1, 2**63, 4096.0, "4096", True):
+        with pytest.raises(ValueError, match=rf"^backward_block_bytes {allowed}.*got {bad!r}$"):
+            run_experts(x, w, build_routing_index(idx, 3), w_up, w_down,
+                        backward_block_bytes=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=rf"^MoEConfig.backward_block_bytes {allowed}"):
+            MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
+                      backward_block_bytes=bad)  # type: ignore[arg-type]
     assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
                      backward_block_bytes=one_row).backward_block_bytes == one_row
     with pytest.raises(ValueError, match=r"MoEConfig.backward_block_bytes must be an int, "

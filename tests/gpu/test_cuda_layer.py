@@ -45,8 +45,8 @@ def test_cuda_peak_matches_the_memory_model(dtype: torch.dtype, num_chunks: int,
         return [out, aux.load_balancing_loss, aux.z_loss]
 
     measured = measure_backward(forward, grads, device="cuda", exclude=layer.parameters())
-    # the layer runs CUDA's default row blocks, which the model takes from for_device
-    predicted = moe_layer_memory(MOE.for_device("cuda"), T, dtype.itemsize,
+    # the layer runs CUDA's default row blocks, which the model resolves for device_type
+    predicted = moe_layer_memory(MOE, T, dtype.itemsize, device_type="cuda",
                                  num_chunks=num_chunks, recompute=recompute)
     assert measured.saved_bytes == predicted.saved_bytes
     assert measured.peak_bytes is not None

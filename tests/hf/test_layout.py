@@ -238,8 +238,9 @@ def test_model_experts_modules_are_found() -> None:
         mf_hf.configure(torch.nn.Linear(2, 2))
 
 
-def test_budget_of_an_ungated_relu2_module_is_that_of_silu() -> None:
-    """ReLU² (Nemotron-H) keeps H as SiLU does, so its memory model is the ungated SiLU one."""
+def test_budget_of_an_ungated_relu2_module_is_its_own_config() -> None:
+    """ReLU² (Nemotron-H) is a named activation: the policy's config carries it, and it keeps H
+    as SiLU does, so its chunk choice is the ungated SiLU one."""
     (experts,) = tiny_experts("nemotron_h")
     weights = mf_hf.expert_weights(experts)
     plan = mf_hf.plan_experts(experts)
@@ -252,7 +253,7 @@ def test_budget_of_an_ungated_relu2_module_is_that_of_silu() -> None:
         c = hf_experts.num_chunks_for(experts, plan, weights, x_TD, idx, chunk)
         c_silu = hf_experts.num_chunks_for(types.SimpleNamespace(), silu_plan, weights, x_TD,
                                            idx, chunk)
-    assert experts._memfine_chunk_policy.moe.activation == "silu"
+    assert experts._memfine_chunk_policy.moe.activation == "relu2"
     assert c == c_silu == 8
 
 
@@ -267,7 +268,7 @@ def test_a_budget_runs_its_row_blocks_on_the_fused_path(monkeypatch: pytest.Monk
     ladder = tuple(rows * (3 * D + 3 * N + G) * 4 for rows in (64, 16, 4))
     monkeypatch.setattr(policy_module, "budget_block_ladder",
                         lambda block, device, row: ladder if block is None else (block,))
-    probe = hf_experts._policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
+    probe = hf_experts.chunk_policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
                                ChunkConfig(memory_budget_bytes=1))
     peaks = [probe.layer_peak(64, 4, 1, block_bytes=b) for b in ladder]
     assert peaks[0] > peaks[-1]

@@ -11,7 +11,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed "
 import torch  # noqa: E402
 from torchtitan_models import build_model, forward_tokens, model_config  # noqa: E402
 
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, ChunkConfig, MoEConfig  # noqa: E402
+from memfine.config import ChunkConfig, MoEConfig  # noqa: E402
 from memfine.integrations import torchtitan_configs  # noqa: E402
 from memfine.integrations.torchtitan import convert_model  # noqa: E402
 from memfine.integrations.torchtitan_budget import (  # noqa: E402
@@ -167,6 +167,6 @@ def test_budget_report_and_decisions_follow_the_memory_model(chunk: dict) -> Non
             S, T, 4) == min(peaks.values())
         # at these sizes every block of the ladder holds all rows: the default is the choice
         assert decision == ChunkDecision(want_c, want_recompute, S, want_peak, budget,
-                                         DEFAULT_BACKWARD_BLOCK_BYTES)
+                                         None)  # None: the device's default block
     text = format_budget_report(model)
     assert all(name in text for name in names) and "smallest feasible memory_budget" in text

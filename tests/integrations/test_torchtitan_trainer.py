@@ -30,7 +30,6 @@ from torchtitan_trainer import (  # noqa: E402
     small_runs,
 )
 
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES  # noqa: E402
 from tolerances import LOSS_ATOL  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -71,9 +70,9 @@ def test_every_block_reports_its_chunk_decision(results: dict, name: str) -> Non
     for block, d in decisions.items():
         assert block.endswith("moe.routed_experts")
         assert d == {"num_chunks": c, "recompute": "none" if c == 1 else "experts",
-                     "tokens": T * K, "budget_bytes": budget,
+                     "rows": T * K, "budget_bytes": budget,
                      "predicted_peak_bytes": small_peak(c, **chunk),
-                     "block_bytes": DEFAULT_BACKWARD_BLOCK_BYTES}  # all rows fit one block
+                     "block_bytes": None}  # the device default (all rows fit one block)
 
 
 def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dict) -> None:

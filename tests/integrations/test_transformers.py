@@ -100,7 +100,7 @@ def _budget_for(experts: torch.nn.Module, num_tokens: int, num_chunks: int = 4) 
 
 def _policy(experts, num_tokens, k, chunk):
     plan = mf_hf.plan_experts(experts)
-    return hf_experts._policy(experts, plan, mf_hf.expert_weights(experts), k, chunk)
+    return hf_experts.chunk_policy(experts, plan, mf_hf.expert_weights(experts), k, chunk)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "gpt_oss"])

@@ -19,6 +19,7 @@ from memfine.config.lora import LoRAConfig
 from memfine.measure import MemoryReport, measure_backward
 from memfine.memory.layer import (
     MemoryBreakdown,
+    builder_switch_tokens,
     expert_row_bytes,
     layer_peak_bytes,
     mode_settings,
@@ -26,6 +27,8 @@ from memfine.memory.layer import (
     saved_items,
 )
 from memfine.nn import MoELayer
+from memfine.ops.activations import ACTIVATIONS
+from memfine.schedule import ChunkPolicy
 from tolerances import PEAK_RTOL
 
 F32, BF16 = torch.float32, torch.bfloat16
@@ -136,15 +139,16 @@ def test_peak_equals_the_profiler_where_the_engine_adds_in_place(
     assert predicted.peak_bytes == measured.peak_bytes
 
 
-@pytest.mark.parametrize("activation", ["geglu", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("activation", sorted(set(ACTIVATIONS) - {"swiglu"}))
 @pytest.mark.parametrize("mode", ["plain", "fused", "chunked"])
 def test_activations(activation: str, mode: str) -> None:
+    """Every named activation of the one table: saved bytes and the profiler's peak exact."""
     impl, c, recompute = mode_settings(mode, 3)
     moe = _layer_config(32, 24, 6, 2, skewed=False, impl=impl, activation=activation)
-    measured = measure_layer(moe, 40, F32, c, recompute)
+    measured = measure_layer(moe, 40, F32, c, recompute, peak="profiler")
     predicted = moe_layer_memory(moe, 40, 4, num_chunks=c, recompute=recompute)
     assert predicted.saved_bytes == measured.saved_bytes
-    assert abs(predicted.peak_bytes / measured.peak_bytes - 1) <= PEAK_RTOL
+    assert predicted.peak_bytes == measured.peak_bytes
 
 
 def test_fused_saved_items_by_hand() -> None:
@@ -326,4 +330,53 @@ def test_layer_peak_grows_with_the_token_count(shape: str) -> None:
                                               (1, 2, 3, 8)):
         peaks = [layer_peak_bytes(moe, T, dt, num_chunks=c, recompute=recompute)
                  for T in tokens]
-        assert all(a <= b for a, b in zip(peaks, peaks[1:], strict=False)), (dt, recompute, c)
+        switches = builder_switch_tokens(moe, c)  # the index builder turns: it may fall there
+        assert all(a <= b for a, b, T in zip(peaks, peaks[1:], tokens, strict=False)
+                   if T not in switches), (dt, recompute, c)
+
+
+def test_mact_thresholds_admit_no_token_count_that_does_not_fit() -> None:
+    """On the CPU the index builder turns at 32,768 dense-map cells (T 4096 at E 8), where this
+    layer's peak falls: T_max stops below the turn though larger T fit again."""
+    moe = MONOTONE_SHAPES["blocks-k1"]
+    (turn,) = builder_switch_tokens(moe, 1)
+    at_turn = layer_peak_bytes(moe, turn, 2, num_chunks=1, recompute="experts")
+    assert layer_peak_bytes(moe, turn + 1, 2, num_chunks=1, recompute="experts") < at_turn
+    policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=at_turn - 1, bins=(1,),
+                                     recompute="experts"), moe)
+    (limit,) = policy.token_limits(2)
+    assert limit < turn
+    assert all(layer_peak_bytes(moe, T, 2, num_chunks=1, recompute="experts") < at_turn
+               for T in range(limit - 3, limit + 1))
+
+
+_NOT_EXACT = "the router timeline models softmax-style renormalisation only (ratio of scores)"
+ROUTERS = [
+    pytest.param({}, id="softmax"),
+    pytest.param({"renormalize": False}, id="softmax-no-renorm"),
+    pytest.param({"score_func": "sigmoid", "renormalize": False}, id="sigmoid-no-renorm"),
+    pytest.param({"score_func": "sigmoid"}, id="sigmoid-renorm",
+                 marks=pytest.mark.xfail(strict=True, reason=_NOT_EXACT)),
+    pytest.param({"score_func": "sqrtsoftplus"}, id="sqrtsoftplus-renorm",
+                 marks=pytest.mark.xfail(strict=True, reason=_NOT_EXACT)),
+    pytest.param({"score_func": "sqrtsoftplus", "renormalize": False},
+                 id="sqrtsoftplus-no-renorm",
+                 marks=pytest.mark.xfail(strict=True, reason="softplus then sqrt: two (T, E) "
+                                         "temporaries the timeline counts as one")),
+    pytest.param({"score_func": "sigmoid", "n_group": 4, "topk_group": 2}, id="group-limited",
+                 marks=pytest.mark.xfail(strict=True, reason=_NOT_EXACT)),
+    pytest.param({"capacity_factor": 1.0}, id="capacity",
+                 marks=pytest.mark.xfail(strict=True, reason="capacity's keep mask and "
+                                         "where() copies are not in the timeline")),
+]
+
+
+@pytest.mark.parametrize("routing", ROUTERS)
+def test_every_router_kind_is_exact_against_the_profiler(routing: dict[str, object]) -> None:
+    """T 64, E 8, k 2, fp32, fused: saved bytes and the profiler's peak, to the byte."""
+    moe = dataclasses.replace(_layer_config(32, 64, 8, 2, skewed=False, impl="fused"),
+                              **routing)  # type: ignore[arg-type]
+    measured = measure_layer(moe, 64, F32, 1, "none", peak="profiler")
+    predicted = moe_layer_memory(moe, 64, 4)
+    assert (predicted.saved_bytes, predicted.peak_bytes) == (measured.saved_bytes,
+                                                             measured.peak_bytes)

@@ -62,6 +62,7 @@ def test_the_ladder_halves_the_default_blocks_rows_twice() -> None:
     assert 16 * mib == DEFAULT_BACKWARD_BLOCK_BYTES
     narrow = block_row_bytes(512, 128, 256, 4)  # 16 MiB holds 1,928 rows
     rows = DEFAULT_BACKWARD_BLOCK_BYTES // narrow
+    assert budget_block_ladder(None, "cpu", narrow)[0] is None  # the default, as its own value
     assert [backward_block_rows(b, 512, 128, 256, 4)
             for b in budget_block_ladder(None, "cpu", narrow)] == [rows, rows // 2, rows // 4]
     assert budget_block_ladder(4096, "cpu", narrow) == (4096,)
@@ -70,18 +71,18 @@ def test_the_ladder_halves_the_default_blocks_rows_twice() -> None:
     wide = block_row_bytes(1024, 4096, 8192, 4)
     assert DEFAULT_BACKWARD_BLOCK_BYTES // wide == 178
     ladder = budget_block_ladder(None, "cpu", wide)
-    assert ladder[0] == 16 * mib
+    assert ladder == (None, 256 * wide, 128 * wide)
     assert [backward_block_rows(b, 1024, 4096, 8192, 4) for b in ladder] == [
         MIN_BLOCK_ROWS, 256, 128]
-    # rows of exactly 64 KiB and 128 KiB: a rung of 256 or 128 rows would be 16 MiB, the
-    # CPU default, which MIN_BLOCK_ROWS raises to 512 rows; the rungs never name a default
+    # rows of exactly 64 KiB and 128 KiB: a rung of 256 or 128 rows is 16 MiB, the CPU
+    # default's byte target, and runs the rows it names (the default is None, not its bytes)
     for d in (2048, 4096):
         ladder = budget_block_ladder(None, "cpu", block_row_bytes(d, d, 2 * d, 4))
-        assert DEFAULT_BACKWARD_BLOCK_BYTES not in ladder[1:]
+        assert DEFAULT_BACKWARD_BLOCK_BYTES in ladder[1:]
         assert [backward_block_rows(b, d, d, 2 * d, 4) for b in ladder] == [512, 256, 128]
     qwen3 = block_row_bytes(2048, 768, 1536, 2)
     cuda_rows = CUDA_BACKWARD_BLOCK_BYTES // qwen3
-    assert [backward_block_rows(b, 2048, 768, 1536, 2)
+    assert [backward_block_rows(b, 2048, 768, 1536, 2, "cuda")
             for b in budget_block_ladder(None, "cuda", qwen3)] == [
         cuda_rows, cuda_rows // 2, cuda_rows // 4]
 

@@ -14,6 +14,7 @@ import torch
 
 from memfine.config import ChunkConfig, ModelConfig, MoEConfig
 from memfine.measure.peak import PeakMemoryTracker
+from memfine.memory import layer as layer_memory
 from memfine.nn import MoELayer, MoETransformerLM
 from memfine.nn.model import Block
 from memfine.schedule.policy import ChunkPolicy
@@ -166,7 +167,7 @@ def test_model_budget_chooses_c_per_layer_and_reports_it() -> None:
         decision = block.moe.last_decision
         assert decision is not None and decision.num_chunks == 2
         assert decision.budget_bytes == budget and decision.predicted_peak_bytes <= budget
-        assert decision.tokens == T * base.moe.top_k
+        assert decision.rows == T * base.moe.top_k
     torch.manual_seed(0)
     ref = MoETransformerLM(base)
     ref.load_state_dict(model.state_dict())
@@ -212,3 +213,24 @@ def test_skew_knob_routes_every_token_to_the_hot_experts() -> None:
 def test_skew_knob_validation(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(MOE, **kwargs)
+
+
+def test_a_fixed_count_replays_no_memory_model_until_its_record_is_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = layer_memory.layer_peak_bytes
+
+    def spy(moe: MoEConfig, num_tokens: int, *args: object, **kwargs: object) -> int:
+        calls.append(num_tokens)
+        return real(moe, num_tokens, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(layer_memory, "layer_peak_bytes", spy)
+    layer = MoELayer(MOE, chunk=ChunkConfig(num_chunks=2))
+    for tokens in (8, 16, 24):  # each new T used to replay the layer's timeline
+        layer(torch.randn(tokens, D))[0].sum().backward()
+    assert calls == []
+    decision = layer.last_decision
+    assert decision is not None and calls == [24]
+    assert (decision.num_chunks, decision.rows, decision.budget_bytes) == (2, 24 * K, None)
+    assert decision.predicted_peak_bytes == real(MOE, 24, 4, num_chunks=2, recompute="experts")
+    assert layer.last_decision == decision and calls == [24]  # made once, then kept

@@ -3,17 +3,30 @@ the combine helpers (selection of sentinel slots, per-token sums)."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from memfine.ops.activations import activation_backward, apply_activation
+from memfine.config import GatedActivation, MoEConfig
+from memfine.ops.activations import (
+    ACTIVATIONS,
+    GATE_FUNCTIONS,
+    activation_backward,
+    apply_activation,
+    is_gated,
+)
 from memfine.ops.combine import combine_rows, reduce_rows, scatter_slots, slot_rows
+from memfine.reference import REFERENCE_ACTIVATIONS, REFERENCE_GATES, reference_experts
 from tolerances import assert_close
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "geglu", "gelu", "relu", "silu"])
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
 def test_backward_matches_autograd(activation: str) -> None:
-    G = 12 if activation in ("swiglu", "geglu") else 6
+    G = 12 if is_gated(activation) else 6
     h_SG = torch.randn(7, G, dtype=torch.float64, requires_grad=True)
     a_SN = apply_activation(h_SG, activation)
     grad_a_SN = torch.randn_like(a_SN)
@@ -37,10 +50,6 @@ def test_gated_width_must_be_even() -> None:
 
 def test_a_gate_function_without_a_formula_is_refused() -> None:
     """A gate_fn added to GatedActivation but not to ops/activations.py must not run as SiLU."""
-    import dataclasses
-
-    from memfine.config import GatedActivation
-
     spec = object.__new__(GatedActivation)  # bypass the config's own check, as a half-done edit
     for field in dataclasses.fields(GatedActivation):
         object.__setattr__(spec, field.name, getattr(GatedActivation(), field.name))
@@ -50,6 +59,91 @@ def test_a_gate_function_without_a_formula_is_refused() -> None:
         apply_activation(h_SG, spec)
     with pytest.raises(ValueError, match="gate_fn='relu' has no formula"):
         activation_backward(h_SG, torch.randn(3, 4, dtype=torch.float64), spec)
+
+
+def _half_done_spec(gate_fn: str) -> GatedActivation:
+    spec = object.__new__(GatedActivation)  # bypass the config's own check, as a half-done edit
+    for field in dataclasses.fields(GatedActivation):
+        object.__setattr__(spec, field.name, getattr(GatedActivation(), field.name))
+    object.__setattr__(spec, "gate_fn", gate_fn)
+    return spec
+
+
+def _experts_inputs(G: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 4, dtype=torch.float64, generator=g)
+    idx = torch.tensor([[0, 1], [1, 0], [0, 1], [1, 0], [0, 1]])
+    w = torch.rand(5, 2, dtype=torch.float64, generator=g)
+    N = 6
+    return (x, idx, w, torch.randn(2, 4, G, dtype=torch.float64, generator=g),
+            torch.randn(2, N, 4, dtype=torch.float64, generator=g))
+
+
+def test_the_reference_refuses_a_gate_it_has_no_formula_for() -> None:
+    """A new gate_fn the reference lacks must not run there as GELU (blaming the fused path)."""
+    with pytest.raises(ValueError, match="reference has no formula for GatedActivation.gate_fn="
+                                         "'relu'"):
+        reference_experts(*_experts_inputs(12), activation=_half_done_spec("relu"))
+    with pytest.raises(ValueError, match="reference has no formula for activation='tanh'"):
+        reference_experts(*_experts_inputs(6), activation="tanh")
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_every_entry_equals_its_reference_formula(activation: str) -> None:
+    h_SG = torch.randn(7, 12 if is_gated(activation) else 6, dtype=torch.float64)
+    assert_close(apply_activation(h_SG, activation), REFERENCE_ACTIVATIONS[activation](h_SG))
+
+
+@pytest.mark.parametrize("gate_fn", list(GATE_FUNCTIONS))
+def test_every_gate_function_equals_its_reference_formula(gate_fn: str) -> None:
+    h_SG = torch.randn(7, 12, dtype=torch.float64)
+    for alpha in ((1.0, 1.702) if gate_fn == "silu" else (1.0,)):
+        spec = GatedActivation(gate_fn=gate_fn, alpha=alpha)  # type: ignore[arg-type]
+        assert_close(apply_activation(h_SG, spec), REFERENCE_GATES[gate_fn](h_SG[:, :6], alpha)
+                     * h_SG[:, 6:])
+
+
+@pytest.mark.parametrize("activation", list(ACTIVATIONS))
+def test_the_config_and_the_experts_accept_the_same_names(activation: str) -> None:
+    """MoEConfig(activation=...) and run_experts(activation=...) read the one table."""
+    moe = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=2, top_k=1,
+                    renormalize=False, activation=activation)  # type: ignore[arg-type]
+    assert moe.gated == is_gated(activation)
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    ('ACTIVATIONS["tanh"] = ACTIVATIONS["gelu"]',
+     "memfine.config.Activation .* and ACTIVATIONS .* must list the same names"),
+    ('GATE_FUNCTIONS["relu"] = GATE_FUNCTIONS["silu"]',
+     "memfine.config.GateFn .* and GATE_FUNCTIONS .* must list the same names"),
+])
+def test_a_half_added_table_entry_fails_at_import(edit: str, message: str) -> None:
+    script = f"""
+import importlib.util, sys
+spec = importlib.util.find_spec("memfine.ops.activations")
+source = open(spec.origin).read()
+head, tail = source.rsplit("_check_tables()", 1)  # the module-level call, last
+source = head + {edit!r} + "; _check_tables()" + tail
+module = importlib.util.module_from_spec(spec)
+exec(compile(source, spec.origin, "exec"), module.__dict__)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: ") and re.search(message, last), done.stderr
+
+
+def test_a_config_name_without_a_reference_formula_fails_at_import() -> None:
+    script = """
+import typing
+import memfine.config
+memfine.config.Activation = typing.Literal[(*typing.get_args(memfine.config.Activation), "tanh")]
+import memfine.reference
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError: memfine.reference.REFERENCE_ACTIVATIONS"), done.stderr
 
 
 def test_combine_selects_out_sentinels() -> None:

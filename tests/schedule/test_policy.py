@@ -16,7 +16,6 @@ import pytest
 
 from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
-    DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
     MoEConfig,
 )
@@ -214,16 +213,15 @@ def test_token_thresholds_are_cached_and_need_a_budget(monkeypatch: pytest.Monke
         ChunkPolicy(ChunkConfig(num_chunks=2), MOE).token_limits(DT)
 
 
-def test_config_for_device_resolves_the_default_row_blocks_only() -> None:
+def test_the_device_default_block_is_resolved_by_the_device_given() -> None:
+    """None is the device default everywhere; the memory model resolves it for the device."""
     moe = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2)
-    assert moe.for_device("cpu") is moe
-    assert moe.for_device("cuda").backward_block_bytes == CUDA_BACKWARD_BLOCK_BYTES
-    assert moe.for_device("cuda") == MoEConfig(hidden_size=64, intermediate_size=128,
-                                               num_experts=8, top_k=2,
-                                               backward_block_bytes=CUDA_BACKWARD_BLOCK_BYTES)
-    fixed = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2,
-                      backward_block_bytes=4096)
-    assert fixed.for_device("cuda") is fixed
+    cuda = replace(moe, backward_block_bytes=CUDA_BACKWARD_BLOCK_BYTES)  # all rows, one block
+    for device_type, same in (("cpu", moe), ("cuda", cuda)):
+        assert layer_memory.layer_peak_bytes(moe, 8192, 2, device_type=device_type) == \
+            layer_memory.layer_peak_bytes(same, 8192, 2)
+    assert layer_memory.layer_peak_bytes(moe, 8192, 2) != layer_memory.layer_peak_bytes(
+        cuda, 8192, 2)
 
 
 def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
@@ -232,11 +230,11 @@ def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
     moe = MoEConfig(hidden_size=512, intermediate_size=1024, num_experts=16, top_k=4)
     tokens, dt = 8192, 4
 
-    def peak(config: MoEConfig, c: int) -> int:
+    def peak(config: MoEConfig, c: int, device_type: str = "cpu") -> int:
         return layer_memory.layer_peak_bytes(config, tokens, dt, num_chunks=c,
-                                             recompute="experts")
+                                             recompute="experts", device_type=device_type)
 
-    cpu, cuda = peak(moe, 1), peak(moe.for_device("cuda"), 1)
+    cpu, cuda = peak(moe, 1), peak(moe, 1, "cuda")
     assert cuda > cpu + 200 * 2**20
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=cpu, recompute="experts"), moe)
     assert policy.layer_peak(tokens, dt, 1) == cpu
@@ -246,14 +244,14 @@ def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
     # quarter of its rows)
     row = (3 * 512 + 3 * 1024 + 2048) * dt
     rows = CUDA_BACKWARD_BLOCK_BYTES // row
-    blocks = (CUDA_BACKWARD_BLOCK_BYTES, rows // 2 * row + row - 1, rows // 4 * row + row - 1)
+    blocks = (None, rows // 2 * row, rows // 4 * row)
     assert policy.ladder("cuda", dt) == blocks
-    cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b), c)
+    cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b), c, "cuda")
                   for c in (1, 2) for b in blocks}
     assert min(cuda_peaks[1, b] for b in blocks) > cpu
     want = next(b for b in blocks if cuda_peaks[2, b] <= cpu)
     assert policy.num_chunks(tokens * 4, tokens, dt) == 1
-    assert policy.decide(tokens * 4, tokens, dt).block_bytes == DEFAULT_BACKWARD_BLOCK_BYTES
+    assert policy.decide(tokens * 4, tokens, dt).block_bytes is None  # the CPU's default
     decision = policy.decide(tokens * 4, tokens, dt, device_type="cuda")
     assert (decision.num_chunks, decision.block_bytes) == (2, want)
     assert decision.predicted_peak_bytes == cuda_peaks[2, want]
@@ -266,13 +264,13 @@ def test_layers_ask_the_policy_for_their_inputs_device(monkeypatch: pytest.Monke
     from memfine.nn import MoELayer
 
     seen: list[str] = []
-    real = ChunkPolicy.decide
+    real = ChunkPolicy.plan
 
-    def spying(self: ChunkPolicy, *args: object, **kwargs: object) -> ChunkDecision:
+    def spying(self: ChunkPolicy, *args: object, **kwargs: object) -> object:
         seen.append(str(kwargs.get("device_type")))
         return real(self, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(ChunkPolicy, "decide", spying)
+    monkeypatch.setattr(ChunkPolicy, "plan", spying)
     moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
     for chunk in (ChunkConfig(num_chunks=2), ChunkConfig(memory_budget_bytes=2**30)):
         MoELayer(moe, chunk=chunk)(torch.randn(8, 16))

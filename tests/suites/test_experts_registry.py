@@ -8,6 +8,8 @@ the field to fix, never with a KeyError or a silently wrong row.
 from __future__ import annotations
 
 import dataclasses
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -86,3 +88,40 @@ def test_a_method_that_cannot_run_is_skipped_with_a_line(
     points = list(experts.run(opts, CPU, ("fused", "needs_pkg")))
     assert "experts: needs_pkg skipped: pkg is not installed" in capsys.readouterr().out
     assert [r.name for r in points[0].results] == ["fused"]
+
+
+def _import_with_entry(entry_source: str) -> subprocess.CompletedProcess[str]:
+    """Import the suite module with ``entry_source`` added to its LAYER_METHODS, in a child."""
+    script = f"""
+import importlib.util, sys
+spec = importlib.util.find_spec("memfine.suites.experts")
+source = open(spec.origin).read()
+anchor = '    "fused": LayerMethod('
+assert anchor in source, "the table's fused entry moved"
+source = source.replace(anchor, {entry_source!r} + "\\n" + anchor, 1)
+module = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = module
+exec(compile(source, spec.origin, "exec"), module.__dict__)
+"""
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300, check=False)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ('    "x": (lambda s: sharing(s.base, s.moe)),',
+     "method 'x' (LAYER_METHODS in memfine.suites.experts): the entry must be a LayerMethod"),
+    ('    "y": LayerMethod(lambda s: sharing(s.base, s.moe), modelled="yes"),',
+     "method 'y' (LAYER_METHODS in memfine.suites.experts): field 'modelled' must be a bool"),
+    ('    "z": LayerMethod(None),',
+     "method 'z' (LAYER_METHODS in memfine.suites.experts): field 'layer' must be a callable"),
+])
+def test_a_bad_entry_fails_at_import_naming_method_and_field(entry: str, message: str) -> None:
+    done = _import_with_entry(entry)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("ValueError: bench suite 'experts', ") and message in last, done.stderr
+
+
+def test_the_import_check_passes_the_committed_table() -> None:
+    done = _import_with_entry("")
+    assert done.returncode == 0, done.stderr

@@ -5,3 +5,5 @@ sharded DCP checkpoints, checked load), ``adapters`` (a LoRA run's adapters), ``
 (``memfine generate``, ``memfine eval``, ``memfine export`` on a checkpoint). What a run reports
 (metrics, memory log, progress, evaluation) is :mod:`memfine.reports`.
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

@@ -5,3 +5,5 @@
 - :mod:`memfine.baselines.titan_style`: a torchtitan-style ``_grouped_mm`` experts layer computing
   the same auxiliary losses.
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

@@ -286,12 +286,12 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         policy = layer.policy
         assert isinstance(policy, ChunkPolicy), "a modelled layer has a chunk policy"
         recompute = policy.config.resolved_recompute
-        moe = config.for_device(x_TD.device.type)
+        moe = config
         if state["block_bytes"] is not None:  # the row blocks the call ran (a budget's choice)
             moe = dataclasses.replace(moe, backward_block_bytes=state["block_bytes"])
         m = layer_memory.moe_layer_memory(moe, x_TD.shape[0], x_TD.element_size(),
                                           num_chunks=state["num_chunks"] or 1,
-                                          recompute=recompute)
+                                          recompute=recompute, device_type=x_TD.device.type)
         return {"saved_bytes": m.saved_bytes, "peak_bytes": m.peak_bytes}
 
     def extras() -> dict[str, Extra]:

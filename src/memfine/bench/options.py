@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from memfine._checks import check_choice, fail
-from memfine.config import _ConfigBase
+from memfine.config import ConfigBase
 
 SUITES = ("experts", "chunking", "model", "hf", "counts")
 DTYPES = ("float32", "bfloat16")
@@ -40,10 +40,10 @@ SIZE_FIELDS = ("tokens", "hidden_size", "intermediate_size", "num_experts", "top
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class BenchOptions(_ConfigBase):
+class BenchOptions(ConfigBase):
     """Resolved options of one ``memfine bench`` run (plain values; see ``--help`` per flag).
 
-    ``to_dict``/``from_dict`` as on the configs (:class:`memfine.config._ConfigBase`).
+    ``to_dict``/``from_dict`` as on the configs (:class:`memfine.config.ConfigBase`).
 
     Attributes:
         suites: suites to run, from :data:`SUITES`.

@@ -64,22 +64,33 @@ def version() -> str:
         return __version__
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the top-level parser with one sub-parser per available subcommand."""
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """Return the top-level parser with one sub-parser per available subcommand.
+
+    Only ``command``'s module is imported (its flags added); the others appear by name and help
+    line, so ``memfine plan`` never imports the training stack. None imports every module
+    (every sub-parser complete: the docs and tests that list all flags).
+
+    Args:
+        command: the subcommand about to run (``argv``'s first word), or None.
+    """
     parser = _Parser(prog="memfine", description=__doc__.splitlines()[0].replace("``", ""))
     parser.add_argument("-V", "--version", action="version", version=f"memfine {version()}")
     subs = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, help_text in SUBCOMMANDS.items():
-        try:
-            module = importlib.import_module(f"memfine.cli.{_MODULES.get(name, name)}")
-        except ModuleNotFoundError as err:
-            if err.name != f"memfine.cli.{_MODULES.get(name, name)}":
-                raise
-            continue
+        module = None
+        if command is None or name == command:
+            try:
+                module = importlib.import_module(f"memfine.cli.{_MODULES.get(name, name)}")
+            except ModuleNotFoundError as err:
+                if err.name != f"memfine.cli.{_MODULES.get(name, name)}":
+                    raise
+                continue
         sub = subs.add_parser(name, help=help_text, description=help_text,
                               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-        module.add_arguments(sub)
-        sub.set_defaults(_run=module.run, _parser=sub)
+        if module is not None:
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run, _parser=sub)
     return parser
 
 
@@ -143,8 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     # every profiler start and stop unless its log level is above them; KINETO_LOG_LEVEL=0 in
     # the environment brings them back.
     os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
-    parser = build_parser()
-    args, unknown = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    command = next((a for a in argv if not a.startswith("-")), None)  # no top-level options
+    parser = build_parser(command if command in SUBCOMMANDS else None)
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's parser: "memfine train: error: ..."
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     try:

@@ -12,20 +12,22 @@ received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``.
 """
 
 from memfine.config.base import (
+    ACTIVATIONS_SAVING_OUTPUT,
     GATED_ACTIVATIONS,
     MAX_BIN,
     RECOMPUTE_MODES,
     Activation,
     AutocastDType,
+    ConfigBase,
     DropPolicy,
     DType,
     ExpertsImpl,
+    GateFn,
     GemmBackend,
     IndexBuilder,
     Recompute,
     RecomputeMode,
     ScoreFunc,
-    _ConfigBase,
 )
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
@@ -38,11 +40,13 @@ from memfine.config.moe import (
     backward_block_rows,
     block_row_bytes,
     budget_block_ladder,
+    check_block_bytes,
     default_block_bytes,
 )
 from memfine.config.routing import RouteOptions
 
 __all__ = [
+    "ACTIVATIONS_SAVING_OUTPUT",
     "BUDGET_BLOCK_DIVISORS",
     "CUDA_BACKWARD_BLOCK_BYTES",
     "DEFAULT_BACKWARD_BLOCK_BYTES",
@@ -56,6 +60,7 @@ __all__ = [
     "DType",
     "DropPolicy",
     "ExpertsImpl",
+    "GateFn",
     "GatedActivation",
     "GemmBackend",
     "IndexBuilder",
@@ -66,9 +71,10 @@ __all__ = [
     "RouteOptions",
     "ScoreFunc",
     "TrainConfig",
-    "_ConfigBase",
+    "ConfigBase",
     "backward_block_rows",
     "block_row_bytes",
     "budget_block_ladder",
+    "check_block_bytes",
     "default_block_bytes",
 ]

@@ -12,7 +12,11 @@ import dataclasses
 from typing import Any, Literal, TypeVar, get_args
 
 ScoreFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
-Activation = Literal["swiglu", "geglu", "gelu", "relu", "silu"]
+Activation = Literal["swiglu", "geglu", "gelu", "relu", "relu2", "silu"]
+"""The named expert activations: the keys of ``memfine.ops.activations.ACTIVATIONS`` (checked
+when that module is imported)."""
+GateFn = Literal["silu", "gelu"]
+"""``GatedActivation.gate_fn``: the keys of ``memfine.ops.activations.GATE_FUNCTIONS``."""
 ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
@@ -29,12 +33,15 @@ DropPolicy = Literal["probs", "position"]
 AutocastDType = Literal["none", "bfloat16"]
 
 GATED_ACTIVATIONS = ("swiglu", "geglu")
+"""The gated names of :data:`Activation` (H holds gate and up: G = 2n)."""
+ACTIVATIONS_SAVING_OUTPUT = ("relu",)
+"""Names of :data:`Activation` whose autograd node keeps A, not H (the plain path's memory)."""
 MAX_BIN = 16
 """Largest chunk-count bin of :attr:`ChunkConfig.bins` (the memory model's proven bound)."""
 
-_C = TypeVar("_C", bound="_ConfigBase")
+_C = TypeVar("_C", bound="ConfigBase")
 
-class _ConfigBase:
+class ConfigBase:
     """Shared ``to_dict``/``from_dict`` for the config dataclasses."""
 
     __slots__ = ()  # keeps the subclasses' ``slots=True`` effective (no instance __dict__)
@@ -44,14 +51,14 @@ class _ConfigBase:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):  # type: ignore[arg-type]
             value = getattr(self, f.name)
-            if isinstance(value, _ConfigBase):
+            if isinstance(value, ConfigBase):
                 value = value.to_dict()
             elif isinstance(value, tuple):
                 value = list(value)
             out[f.name] = value
         return out
 
-    def differing_fields(self, other: _ConfigBase) -> list[str]:
+    def differing_fields(self, other: ConfigBase) -> list[str]:
         """Names of the fields whose values differ from ``other``'s (a config of this class)."""
         return [f.name for f in dataclasses.fields(self)  # type: ignore[arg-type]
                 if getattr(self, f.name) != getattr(other, f.name)]
@@ -89,5 +96,5 @@ class _ConfigBase:
 
 
 
-_SUBCONFIGS: dict[tuple[str, str], type[_ConfigBase]] = {}
+_SUBCONFIGS: dict[tuple[str, str], type[ConfigBase]] = {}
 """(class name, field) → the config class a nested dict of ``from_dict`` is built into."""

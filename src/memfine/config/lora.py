@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from memfine._checks import check_float, check_int, fail
-from memfine.config.base import _ConfigBase
+from memfine.config.base import ConfigBase
 
 LoRATarget = Literal["w_up", "w_down"]
 LORA_TARGETS: tuple[str, ...] = get_args(LoRATarget)
@@ -25,7 +25,7 @@ QUANT_BLOCK_SIZES = (32, 64, 128, 256, 512, 1024, 2048, 4096)  # bitsandbytes' b
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class LoRAConfig(_ConfigBase):
+class LoRAConfig(ConfigBase):
     """Per-expert LoRA adapters of one MoE layer.
 
     Attributes:

@@ -11,17 +11,17 @@ from memfine.config.base import (
     MAX_BIN,
     AutocastDType,
     BudgetScope,
+    ConfigBase,
     DType,
     Recompute,
     RecomputeMode,
-    _ConfigBase,
 )
 from memfine.config.lora import LoRAConfig
 from memfine.config.moe import MoEConfig
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ChunkConfig(_ConfigBase):
+class ChunkConfig(ConfigBase):
     """Token chunking of the MoE expert part (MemFine §4).
 
     Attributes:
@@ -76,7 +76,7 @@ class ChunkConfig(_ConfigBase):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class ModelConfig(_ConfigBase):
+class ModelConfig(ConfigBase):
     """A small decoder-only MoE transformer language model.
 
     Attributes:
@@ -127,7 +127,7 @@ class ModelConfig(_ConfigBase):
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class TrainConfig(_ConfigBase):
+class TrainConfig(ConfigBase):
     """Training of the byte-level MoE language model (``memfine train``).
 
     Attributes:

@@ -3,31 +3,33 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
-from typing import Literal
+from dataclasses import dataclass
 
 from memfine._checks import check_choice, check_float, check_int, fail
 from memfine.config.base import (
     GATED_ACTIVATIONS,
     Activation,
+    ConfigBase,
     ExpertsImpl,
+    GateFn,
     GemmBackend,
     IndexBuilder,
     ScoreFunc,
-    _ConfigBase,
 )
 from memfine.config.routing import RouteOptions
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class GatedActivation(_ConfigBase):
+class GatedActivation(ConfigBase):
     """A = f_α(min(gate, limit)) ⊙ (clamp(up, -limit, limit) + up_offset), row by row.
 
     ``swiglu`` is ``GatedActivation()``, ``geglu`` ``GatedActivation(gate_fn="gelu")``, GPT-OSS's
     clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.ops.activations`.
 
     Attributes:
-        gate_fn: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu`` (tanh approximation; needs α = 1).
+        gate_fn: a :data:`memfine.config.GateFn`: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu``
+            (tanh approximation; needs α = 1); formulas in
+            ``memfine.ops.activations.GATE_FUNCTIONS``.
         alpha: α > 0 (1.0: plain SiLU; GPT-OSS: 1.702).
         limit: clamp bound > 0 (gate clamped from above, up to ±limit), or None for no clamp.
         up_offset: added to the (clamped) up half (GPT-OSS: 1.0).
@@ -39,7 +41,7 @@ class GatedActivation(_ConfigBase):
     and ``DeepseekV4Experts._apply_gate`` (the clamp with α = 1, offset 0).
     """
 
-    gate_fn: Literal["silu", "gelu"] = "silu"
+    gate_fn: GateFn = "silu"
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
@@ -48,7 +50,7 @@ class GatedActivation(_ConfigBase):
 
     def __post_init__(self) -> None:
         """Validate every field; raise ValueError naming the field, allowed values and value."""
-        check_choice(self, "gate_fn", ("silu", "gelu"))
+        check_choice(self, "gate_fn", GateFn)
         check_float(self, "alpha", 0.0, lo_open=True)
         if self.gate_fn == "gelu" and self.alpha != 1.0:
             fail(self, "alpha", "1.0 with gate_fn='gelu'", self.alpha)
@@ -109,30 +111,27 @@ weight-gradient passes for bytes that chunking frees."""
 
 
 def budget_block_ladder(block_bytes: int | None, device_type: str, row_bytes: int
-                        ) -> tuple[int, ...]:
-    """The row-block byte targets a budgeted layer may run, largest first (bytes).
+                        ) -> tuple[int | None, ...]:
+    """The row blocks a budgeted layer may run, largest first.
 
     Args:
-        block_bytes: ``MoEConfig.backward_block_bytes``: a set value is the only target.
+        block_bytes: ``MoEConfig.backward_block_bytes``: a set value is the only block.
         device_type: the activations' device type (None's default, :func:`default_block_bytes`).
         row_bytes: bytes of one block row, (3·d + 3·n + G)·D_t (:func:`block_row_bytes`).
 
     Returns:
-        ``(block_bytes,)`` when set; else the device default, then targets of half and a
-        quarter of its rows (:data:`BUDGET_BLOCK_DIVISORS`; about 16, 8 and 4 MiB on the CPU
-        and 512, 256 and 128 MiB on CUDA; at a layer whose default is raised to
-        :data:`MIN_BLOCK_ROWS`, 256 and 128 rows). A smaller target is its rows' bytes plus
-        ``row_bytes - 1``: it names exactly those rows and is never a device default (which
-        :data:`MIN_BLOCK_ROWS` would raise), row bytes being even.
+        ``(block_bytes,)`` when set; else None (the device's default block, its own value:
+        :func:`backward_block_rows` gives its rows), then the byte targets of exactly half and a
+        quarter of the default's rows (:data:`BUDGET_BLOCK_DIVISORS`; about 16, 8 and 4 MiB on
+        the CPU and 512, 256 and 128 MiB on CUDA; at a layer whose default is raised to
+        :data:`MIN_BLOCK_ROWS`, 256 and 128 rows).
 
     Reference: MoEBlaze §4.2 (row tiles); MemFine §4.2 (MACT's budget); our ladder.
     """
     if block_bytes is not None:
         return (block_bytes,)
-    default = default_block_bytes(device_type)
-    rows = _rows(default, row_bytes)
-    return (default, *(max(1, rows // q) * row_bytes + row_bytes - 1
-                       for q in BUDGET_BLOCK_DIVISORS[1:]))
+    rows = _default_rows(device_type, row_bytes)
+    return (None, *(max(1, rows // q) * row_bytes for q in BUDGET_BLOCK_DIVISORS[1:]))
 
 
 def block_row_bytes(hidden_size: int, intermediate_size: int, up_width: int,
@@ -141,16 +140,13 @@ def block_row_bytes(hidden_size: int, intermediate_size: int, up_width: int,
     return (3 * hidden_size + 3 * intermediate_size + up_width) * dtype_bytes
 
 
-def _rows(block_bytes: int, row_bytes: int) -> int:
-    """Rows of a byte target: at least one, and :data:`MIN_BLOCK_ROWS` for a device default."""
-    rows = max(1, block_bytes // row_bytes)
-    if block_bytes in (DEFAULT_BACKWARD_BLOCK_BYTES, CUDA_BACKWARD_BLOCK_BYTES):
-        rows = max(rows, MIN_BLOCK_ROWS)
-    return rows
+def _default_rows(device_type: str, row_bytes: int) -> int:
+    """Rows of the device's default block: its byte target's, at least :data:`MIN_BLOCK_ROWS`."""
+    return max(MIN_BLOCK_ROWS, default_block_bytes(device_type) // row_bytes)
 
 
 MIN_BLOCK_ROWS = 512
-"""Rows a block of a device's default byte target (16 MiB, 512 MiB) holds at least.
+"""Rows the device's default block (``backward_block_bytes=None``) holds at least.
 
 A block boundary inside an expert's rows splits that expert's products in two, and each piece
 of its weight gradient reads and writes the expert's whole (d, G) and (n, d) matrices: a fixed
@@ -158,14 +154,33 @@ cost per boundary against a block's B rows of work. At wide layers 16 MiB holds 
 d 1024, n 4096 in fp32), and the boundaries cost 6-8% of the experts suite's layer time there
 (``benchmarks/profile_experts.py``). 512 rows leave every layer whose 16 MiB holds more rows
 unchanged (the coarse d 512, n 1024 layer: 630) and keep the fused peak below the copies-based
-layers' at the suite's shapes, where 1,024 rows did not. Other targets (a set
-``backward_block_bytes``, a budget's smaller blocks, the tests' tiny blocks) are taken as they
-are."""
+layers' at the suite's shapes, where 1,024 rows did not. A set ``backward_block_bytes`` (of any
+value, 16 MiB included), a budget's smaller blocks and the tests' tiny blocks are taken as they
+are: the default is None, never recognised by its byte size."""
+
+INT64_MAX = 2**63 - 1
+
+
+def check_block_bytes(block_bytes: object, row_bytes: int, where: str) -> None:
+    """ValueError unless ``block_bytes`` is None or an int from one row to int64's largest.
+
+    Args:
+        block_bytes: the value given.
+        row_bytes: bytes of one block row (the least a block holds).
+        where: how the message names the field (``MoEConfig.backward_block_bytes``).
+    """
+    if block_bytes is None:
+        return
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) \
+            or not row_bytes <= block_bytes <= INT64_MAX:
+        raise ValueError(f"{where} must be None (the device's default) or an int in "
+                         f"[{row_bytes}, {INT64_MAX}] (one block row, (3·d + 3·n + G) elements "
+                         f"at 2 bytes each, up to int64's largest), got {block_bytes!r}")
 
 
 def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_size: int,
                         up_width: int, dtype_bytes: int, device_type: str = "cpu") -> int:
-    """Rows per block of the streamed fused forward and backward for a byte target.
+    """Rows per block of the streamed fused forward and backward: the one place they are set.
 
     One row of a block costs (3·d + 3·n + G)·D_t bytes of backward transients: dO, gathered x
     and dx rows (d each), dA, A and one activation temporary (n each) and dH (G); the forward's
@@ -173,7 +188,7 @@ def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_
 
     Args:
         block_bytes: byte target of one block, ≥ 1, or None for the device's default
-            (:func:`default_block_bytes`).
+            (:func:`default_block_bytes`, at least :data:`MIN_BLOCK_ROWS` rows).
         hidden_size: d.
         intermediate_size: n.
         up_width: G (2n gated, else n).
@@ -181,16 +196,15 @@ def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_
         device_type: the activations' device type (used when ``block_bytes`` is None).
 
     Returns:
-        ⌊block_bytes / row bytes⌋, at least 1, and at least :data:`MIN_BLOCK_ROWS` when the
-        target is a device's default (:data:`DEFAULT_BACKWARD_BLOCK_BYTES`,
-        :data:`CUDA_BACKWARD_BLOCK_BYTES`).
+        ⌊block_bytes / row bytes⌋, at least 1; for None the device default's rows, at least
+        :data:`MIN_BLOCK_ROWS`.
 
     Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
     """
+    row_bytes = block_row_bytes(hidden_size, intermediate_size, up_width, dtype_bytes)
     if block_bytes is None:
-        block_bytes = default_block_bytes(device_type)
-    return _rows(block_bytes, block_row_bytes(hidden_size, intermediate_size, up_width,
-                                              dtype_bytes))
+        return _default_rows(device_type, row_bytes)
+    return max(1, block_bytes // row_bytes)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -210,7 +224,9 @@ class MoEConfig(RouteOptions):
         renormalize: rescale the k selected scores to sum to 1 per token. Rejected with
             ``top_k=1`` (every weight would be exactly 1.0 and the router would get no gradient
             from the output).
-        activation: expert activation; ``swiglu``/``geglu`` are gated (w_up holds 2n columns).
+        activation: expert activation, a name of ``memfine.ops.activations.ACTIVATIONS``
+            (``swiglu``, ``geglu``: gated, w_up holds 2n columns; ``silu``, ``gelu``, ``relu``,
+            ``relu2``).
         experts_impl: ``fused`` (MoEBlaze path, saves x and H) or ``plain`` (autograd over
             gathered/scattered copies).
         gemm_backend: grouped GEMM backend for the expert matmuls.
@@ -236,16 +252,16 @@ class MoEConfig(RouteOptions):
         shared_expert_gate: scale the shared output by sigmoid(x·w_g) per token (Qwen2-MoE).
         backward_block_bytes: byte target of one row block of the fused experts' streamed
             forward and backward (the backward's dO, dA, A, dH and gathered rows per block;
-            :func:`backward_block_rows`), at least one row at 2 bytes per element
-            ((3·d + 3·n + G)·2; ValueError below). None (default): sized from the device the
-            activations are on (:func:`default_block_bytes`): 16 MiB on the CPU (within 1%
-            of the fastest size measured there), 512 MiB on CUDA (a handful of blocks at the
-            Qwen3-30B-A3B layer at T 16384). Rows per block set the forward's and the
-            backward's transients (the memory model's ``fwd.x_BD``, ``fwd.H_block``,
-            ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it reads None
-            as the CPU size: :meth:`for_device` gives another device's, and the chunk policy
-            applies it to the activations' device) and the block count (each block is one
-            set of kernel launches);
+            :func:`backward_block_rows`), an int from one row at 2 bytes per element
+            ((3·d + 3·n + G)·2) to int64's largest (ValueError otherwise). None (default):
+            sized from the device the activations are on (:func:`default_block_bytes`): 16 MiB
+            on the CPU (within 1% of the fastest size measured there), 512 MiB on CUDA (a
+            handful of blocks at the Qwen3-30B-A3B layer at T 16384). Rows per block set the
+            forward's and the backward's transients (the memory model's ``fwd.x_BD``,
+            ``fwd.H_block``,
+            ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it resolves None for
+            the device it is given, as the layer does) and the block count (each block is
+            one set of kernel launches);
             in bf16 each backward block after the first adds one grouped weight-gradient
             product of the buffer's size (E·d·G, E·n·d) as a transient.
     """
@@ -309,14 +325,9 @@ class MoEConfig(RouteOptions):
         if self.skew_bias > 0 and self.skew_hot_experts == 0:
             fail(self, "skew_hot_experts", ">= 1 when skew_bias > 0", self.skew_hot_experts)
         _check_backend_device(self)
-        if self.backward_block_bytes is None:
-            return
-        check_int(self, "backward_block_bytes", 1, 2**63 - 1)
-        one_row = (3 * self.hidden_size + 3 * self.intermediate_size + self.up_width) * 2
-        if self.backward_block_bytes < one_row:
-            fail(self, "backward_block_bytes",
-                 f">= {one_row} (one backward row, (3·d + 3·n + G) elements, at 2 bytes each; "
-                 "a block holds at least one row)", self.backward_block_bytes)
+        check_block_bytes(self.backward_block_bytes,  # one row at 2 bytes per element
+                          block_row_bytes(self.hidden_size, self.intermediate_size,
+                                          self.up_width, 2), "MoEConfig.backward_block_bytes")
 
     @property
     def shared_width(self) -> int:
@@ -340,20 +351,6 @@ class MoEConfig(RouteOptions):
                          experts_impl=self.experts_impl, gemm_backend=self.gemm_backend,
                          index_builder=self.index_builder,
                          backward_block_bytes=self.backward_block_bytes)
-
-    def for_device(self, device_type: str) -> MoEConfig:
-        """This config as a layer on ``device_type`` runs it, for the memory model.
-
-        ``backward_block_bytes=None`` becomes the device's default (:func:`default_block_bytes`);
-        the memory model reads None as the CPU's size, so a prediction for activations on CUDA
-        takes ``config.for_device("cuda")``. A set value, and the CPU, return ``self``.
-
-        Args:
-            device_type: ``torch.device.type`` of the activations (``cpu``, ``cuda``, ...).
-        """
-        if self.backward_block_bytes is not None or device_type == "cpu":
-            return self
-        return replace(self, backward_block_bytes=default_block_bytes(device_type))
 
     @property
     def gated(self) -> bool:

@@ -9,11 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfine._checks import check_choice, check_float, check_int
-from memfine.config.base import DropPolicy, _ConfigBase
+from memfine.config.base import ConfigBase, DropPolicy
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class RouteOptions(_ConfigBase):
+class RouteOptions(ConfigBase):
     """Group limit, weight scaling and expert capacity of the router (all off by default).
 
     Attributes:

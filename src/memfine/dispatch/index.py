@@ -27,9 +27,29 @@ import torch
 from memfine._checks import check_tensor
 from memfine.routing.precision import count_per_expert
 
-# The dense T×E map of the sort-free builder costs T·E·8 bytes (int64 scan); above this we use
-# the argsort builder, whose workspace is O(T·k).
 SORT_FREE_MAX_CELLS = 1 << 22
+"""``auto`` off the CPU: sort-free while the dense T×E map has at most this many cells.
+
+The sort-free builder's dense map costs T·E·8 bytes (int64 scan); above this the argsort builder,
+whose workspace is O(T·k), is used."""
+
+CPU_SORT_FREE_MAX_CELLS = 1 << 15
+"""``auto`` on the CPU: sort-free up to 32,768 dense-map cells, argsort above.
+
+In the last run of ``benchmarks/bench_index.py`` (one thread, thread CPU time, interleaved,
+medians of per-round ratios; ``benchmarks/results/bench_index_cpu.csv``) argsort took 0.55-0.68×
+the sort-free builder's time from 65,536 to 1,048,576 cells and 0.03-0.09× from 2M cells up,
+while at 32,768 cells it took 1.15× (sort-free the faster); at 8,192 cells 0.86×, within the
+rounds' spread (p20-p80)."""
+
+
+def sort_free_max_cells(device_type: str) -> int:
+    """The most dense-map cells (T·E) ``auto`` builds sort-free on ``device_type``.
+
+    :data:`CPU_SORT_FREE_MAX_CELLS` on the CPU (measured there), :data:`SORT_FREE_MAX_CELLS`
+    elsewhere. The memory model applies the same rule (:mod:`memfine.timeline.experts`).
+    """
+    return CPU_SORT_FREE_MAX_CELLS if device_type == "cpu" else SORT_FREE_MAX_CELLS
 
 
 @dataclass(frozen=True, slots=True)
@@ -290,8 +310,9 @@ def build_routing_index(top_k_index: torch.Tensor, num_experts: int,
             row, as a per-token loop computes it; only the sort-free builder refuses that.
         num_experts: E.
         builder: ``sort_free``, ``argsort``, or ``auto`` (sort-free while T·E ≤
-            ``SORT_FREE_MAX_CELLS``, else argsort; in eager a repeated expert, seen in the
-            sort-free builder's one host read, switches to argsort). Under ``torch.compile``
+            :func:`sort_free_max_cells` of the index's device, else argsort; in eager a
+            repeated expert, seen in the sort-free builder's one host read, switches to
+            argsort). Under ``torch.compile``
             ``auto`` picks by size alone, and a repeated expert then fails the sort-free
             builder's asynchronous assert (pass ``argsort`` for routers that repeat experts).
 
@@ -305,7 +326,7 @@ def build_routing_index(top_k_index: torch.Tensor, num_experts: int,
     """
     if builder == "auto":
         _check_top_k_index(top_k_index, num_experts)
-        if top_k_index.shape[0] * num_experts <= SORT_FREE_MAX_CELLS:
+        if top_k_index.shape[0] * num_experts <= sort_free_max_cells(top_k_index.device.type):
             index = _build_sort_free(top_k_index, num_experts)
             if index is not None:
                 return index

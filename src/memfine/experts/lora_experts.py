@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from memfine.config import backward_block_rows
 from memfine.config.lora import check_lora_rank
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
 from memfine.experts.lora import ExpertLoRA
 from memfine.experts.quant import QuantizedBase
-from memfine.experts.run import autocast_operands, check_expert_inputs
+from memfine.experts.run import autocast_operands, block_rows_of, check_expert_inputs
 from memfine.ops.activations import Activation
 from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.weight_grads import WeightGradBuffers
@@ -118,8 +117,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         raise ValueError(f"hidden_states must have the 4-bit base weights' dtype "
                          f"{quant.up.dtype} (they dequantise to it), got {x_TD.dtype}")
     G = sum(p.shape[2] for p in parts)
-    block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
-                                     x_TD.element_size(), x_TD.device.type)
+    block_rows = block_rows_of(backward_block_bytes, x_TD, w_down_END.shape[1], G)
     options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets,
                            lora=lora.spec(seed), quant=quant)

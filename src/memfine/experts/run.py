@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import torch
 
-from memfine.config import backward_block_rows
+from memfine.config import backward_block_rows, block_row_bytes, check_block_bytes
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions, expert_of_rows
 from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
@@ -162,19 +162,26 @@ def grouped_up_projection(x_SD: torch.Tensor, w_up_EDG: UpWeights, offsets_E1: t
                      dim=1)
 
 
-def _check_run_options(impl: str, backend: str, backward_block_bytes: int | None) -> None:
-    """Raise ValueError naming ``impl``, ``backend`` or ``backward_block_bytes`` when invalid."""
+def _check_run_options(impl: str, backend: str) -> None:
+    """Raise ValueError naming ``impl`` or ``backend`` when invalid."""
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backward_block_bytes is not None and (not isinstance(backward_block_bytes, int)
-                                             or backward_block_bytes < 1):
-        raise ValueError(f"backward_block_bytes must be None or an int >= 1, got "
-                         f"{backward_block_bytes!r}")
-    if backward_block_bytes is not None and backward_block_bytes > 2**63 - 1:
-        raise ValueError(f"backward_block_bytes must be <= 2**63 - 1 (an int64), got "
-                         f"{backward_block_bytes}")
+
+
+def block_rows_of(backward_block_bytes: int | None, x_TD: torch.Tensor, N: int, G: int) -> int:
+    """Rows per block of a fused call (:func:`memfine.config.backward_block_rows` on x's device).
+
+    Raises:
+        ValueError: naming ``backward_block_bytes`` when it is not None or an int from one row
+            (at 2 bytes per element, as :class:`memfine.config.MoEConfig` checks it) to int64's
+            largest.
+    """
+    D = x_TD.shape[1]
+    check_block_bytes(backward_block_bytes, block_row_bytes(D, N, G, 2), "backward_block_bytes")
+    return backward_block_rows(backward_block_bytes, D, N, G, x_TD.element_size(),
+                               x_TD.device.type)
 
 
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
@@ -204,8 +211,10 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
             the activation's layout).
         b_down_ED: optional (E, d) down-projection bias in x's dtype.
         backward_block_bytes: fused path: byte target of one row block of the streamed
-            forward and backward (:func:`memfine.config.backward_block_rows`), ≥ 1, or None
-            for the device's default (:func:`memfine.config.default_block_bytes`).
+            forward and backward (:func:`memfine.config.backward_block_rows`), an int from
+            one row ((3·d + 3·n + G)·2 bytes) to int64's largest, or None for the device's
+            default block (:func:`memfine.config.default_block_bytes`, at least
+            :data:`memfine.config.MIN_BLOCK_ROWS` rows).
         weight_grads: fused path: shared weight-gradient buffers of a chunk loop
             (:func:`memfine.ops.weight_grads.share_weight_grads`); ``None``: the Function
             returns its own.
@@ -219,7 +228,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
 
     Memory: see :class:`FusedExpertsFunction` and :func:`experts_plain`.
     """
-    _check_run_options(impl, backend, backward_block_bytes)
+    _check_run_options(impl, backend)
     x_TD, w_down_END, b_up_EG, b_down_ED, *ups = autocast_operands(
         x_TD, w_down_END, b_up_EG, b_down_ED, *up_parts(w_up_EDG))
     w_up_EDG = ups[0] if len(ups) == 1 else (ups[0], ups[1])
@@ -231,8 +240,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
                              b_up_EG, b_down_ED)
     parts = up_parts(w_up_EDG)
     G = sum(p.shape[2] for p in parts)
-    block_rows = backward_block_rows(backward_block_bytes, x_TD.shape[1], w_down_END.shape[1], G,
-                                     x_TD.element_size(), x_TD.device.type)
+    block_rows = block_rows_of(backward_block_bytes, x_TD, w_down_END.shape[1], G)
     options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets)
     out: torch.Tensor = FusedExpertsFunction.apply(

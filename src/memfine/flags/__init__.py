@@ -6,3 +6,5 @@ one-line usage errors), ``train_flags`` (``memfine train``'s table), ``train_con
 (a ``--memory-budget`` that no plan meets, refused before the run), ``checkpoint`` (the
 run-directory flags of ``generate`` / ``eval`` / ``export``).
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

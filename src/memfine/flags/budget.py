@@ -23,9 +23,9 @@ from memfine.config import TrainConfig
 from memfine.memory.step import StepPlanner
 from memfine.routing import max_routed_rows
 from memfine.schedule.decision import InfeasibleBudgetError
-from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.policy import ChunkPolicy, block_text
 from memfine.schedule.wording import flag_message
-from memfine.units import DTYPE_BYTES, format_bytes
+from memfine.units import DTYPE_BYTES
 
 
 def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
@@ -52,7 +52,8 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
     T = config.batch_size * config.seq_len
     dtype_bytes = DTYPE_BYTES[config.dtype]
     if chunk.budget_scope == "step":
-        planner = StepPlanner(config.model, config.batch_size, config.seq_len, dtype_bytes)
+        planner = StepPlanner(config.model, config.batch_size, config.seq_len, dtype_bytes,
+                              config.device.split(":")[0])
         need = planner.smallest_feasible_budget()
         where = (f"the least-memory plan of the whole step (B={config.batch_size} x "
                  f"Q={config.seq_len}, {config.dtype})")
@@ -66,7 +67,7 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
             rows, T, compute_bytes, device_type=config.device.split(":")[0])
         where = (f"one MoE layer call (T={T} tokens = --batch-size {config.batch_size} x "
                  f"--seq-len {config.seq_len}, s''={rows} rows, {config.dtype}) at its best bin "
-                 f"(c={least.num_chunks}, {format_bytes(least.block_bytes)} row blocks)")
+                 f"(c={least.num_chunks}, {block_text(least.block_bytes)} row blocks)")
     if budget >= need:
         return
     err = InfeasibleBudgetError(budget, need, chunk.bins, f"{where} needs more (or lower "

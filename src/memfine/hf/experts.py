@@ -170,7 +170,7 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
                                 autocast_weights(x_TD, weights), backend)
 
 
-def _policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,
+def chunk_policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: int,
             chunk: ChunkConfig, lora: ExpertLoRA | None = None) -> ChunkPolicy:
     """The module's :class:`ChunkPolicy` for a memory budget.
 
@@ -180,8 +180,8 @@ def _policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_k: in
     gradients, no base weight gradient) with the budget.
     """
     E, D, G, N = weights.shape_EDGN
-    # The memory model needs only G and whether A replaces H (relu): any other gated
-    # activation counts as swiglu, an ungated one without a MoEConfig name (relu2) as silu.
+    # The memory model needs only G and whether A replaces H (relu): a GatedActivation spec
+    # counts as swiglu; every named activation is a MoEConfig name.
     activation: Activation = "swiglu" if G == 2 * N else "silu"
     if plan.activation in get_args(Activation):
         activation = cast(Activation, plan.activation)
@@ -246,7 +246,7 @@ def chunk_plan_for(module: object, plan: ExpertsPlan, weights: ExpertWeights,
     recv_rows = 0  # a fixed c reads no count (no host sync)
     if chunk.memory_budget_bytes is not None:
         recv_rows = int(((top_k_index >= 0) & (top_k_index < E)).sum())
-    policy = _policy(module, plan, weights, top_k_index.shape[1], chunk, lora)
+    policy = chunk_policy(module, plan, weights, top_k_index.shape[1], chunk, lora)
     return policy.plan(recv_rows, x_TD.shape[0], compute_element_size(x_TD),
                        device_type=x_TD.device.type)
 

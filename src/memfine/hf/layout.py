@@ -25,6 +25,7 @@ from torch.nn import functional as F
 
 from memfine.config import GatedActivation
 from memfine.hf.gates import GATE_ATTRIBUTES, match_gate
+from memfine.ops.activations import GATE_FUNCTIONS, gated_name
 from memfine.ops.up_projection import UpWeights, up_shape
 
 ExpertsPath = Literal["fused", "plain"]
@@ -74,10 +75,10 @@ class ExpertsPlan:
             passed to it) or ``plain`` (grouped matmuls with autograd over the routed rows,
             adding biases per row and calling the module's own gate / activation / post-expert
             norm).
-        activation: memfine activation for the fused path (``swiglu``, ``geglu``, ``silu``,
-            ``gelu``, ``relu``, or a :class:`memfine.config.GatedActivation` reproducing a
-            custom ``_apply_gate``), None on the plain path (the module's own functions are
-            used).
+        activation: memfine activation for the fused path (a name of
+            ``memfine.ops.activations.ACTIVATIONS``, or a
+            :class:`memfine.config.GatedActivation` reproducing a custom ``_apply_gate``),
+            None on the plain path (the module's own functions are used).
         reason: why the plain path was taken ("" on the fused path).
     """
 
@@ -216,7 +217,7 @@ def _choose_plan(module: nn.Module) -> ExpertsPlan:
     act = _elementwise_name(getattr(module, "act_fn", None))
     name = type(module).__name__
     if has_gate and not _has_default_gate(module):
-        spec = match_gate(module, act if act in ("silu", "gelu") else None)
+        spec = match_gate(module, act if act in GATE_FUNCTIONS else None)
         if spec is None:
             return ExpertsPlan(path="plain", activation=None, reason=f"custom _apply_gate of "
                                f"{name} that no GatedActivation reproduces")
@@ -225,22 +226,25 @@ def _choose_plan(module: nn.Module) -> ExpertsPlan:
         return ExpertsPlan(path="plain", activation=None, reason=f"activation "
                            f"{type(getattr(module, 'act_fn', None)).__name__} has no memfine "
                            f"counterpart")
-    if has_gate and act in ("relu", "relu2"):
+    if not has_gate:
+        return ExpertsPlan(path="fused", activation=act)
+    gated = gated_name(act)  # the ACTIVATIONS entry computing act_fn(gate) * up
+    if gated is None:
         return ExpertsPlan(path="plain", activation=None,
                            reason=f"gated {act} has no memfine counterpart")
-    return ExpertsPlan(path="fused", activation={"silu": "swiglu", "gelu": "geglu"}[act]
-                       if has_gate else act)
+    return ExpertsPlan(path="fused", activation=gated)
 
 
 def plan_experts(module: nn.Module) -> ExpertsPlan:
     """Choose memfine's path for this experts module (cached on the module).
 
     The fused path takes biases (``has_bias``) and any gate memfine computes itself: the
-    default ``[gate | up]`` gate with a SiLU or tanh-GELU ``act_fn``, a non-gated SiLU /
-    tanh-GELU / ReLU, or a custom ``_apply_gate`` that a :class:`GatedActivation` reproduces
+    default ``[gate | up]`` gate whose ``act_fn`` is the gate of a gated entry of
+    ``memfine.ops.activations.ACTIVATIONS`` (SiLU, tanh-GELU), a non-gated SiLU / tanh-GELU /
+    ReLU / ReLU², or a custom ``_apply_gate`` that a :class:`GatedActivation` reproduces
     exactly (GPT-OSS's clamped interleaved SwiGLU, the clamped SwiGLUs of DeepSeek-V4 and
     others; :func:`memfine.hf.gates.match_gate`). A post-expert norm, exact-erf
-    GELU, ReLU², gated ReLU and gates no spec reproduces take the plain path, which is exact
+    GELU, gated ReLU or ReLU² and gates no spec reproduces take the plain path, which is exact
     for any gate because it calls the module's own functions.
 
     Returns:

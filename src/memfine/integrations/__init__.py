@@ -6,3 +6,5 @@
   models' routed experts with memfine (extra ``memfine[torchtitan]``; torchtitan is imported by
   those functions, through :mod:`memfine.integrations.torchtitan_modules`).
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

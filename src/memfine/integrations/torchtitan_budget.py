@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from memfine.config import ChunkConfig
-from memfine.schedule.policy import ChunkDecision, ChunkPolicy
+from memfine.schedule.policy import ChunkDecision, ChunkPolicy, block_text
 from memfine.units import format_bytes
 
 BUDGET_ATTRIBUTE = "memfine_budget"
@@ -46,8 +46,8 @@ class ExpertsBudget:
             row blocks a budget may run (:meth:`memfine.schedule.ChunkPolicy.
             smallest_feasible_budget`; smaller ones are refused).
         least_memory_bin: the c of that least peak.
-        least_memory_block_bytes: its row-block byte target (the device default, half or a
-            quarter of it: :func:`memfine.config.budget_block_ladder`).
+        least_memory_block_bytes: its row-block byte target: None for the device's default,
+            or half or a quarter of its rows (:func:`memfine.config.budget_block_ladder`).
     """
 
     tokens: int
@@ -59,7 +59,7 @@ class ExpertsBudget:
     bin_peak_bytes: tuple[int, ...]
     smallest_feasible_budget_bytes: int
     least_memory_bin: int
-    least_memory_block_bytes: int
+    least_memory_block_bytes: int | None
 
     def describe(self) -> str:
         """One line: T, s″, the two parts, each bin's peak and the smallest feasible budget."""
@@ -70,7 +70,7 @@ class ExpertsBudget:
                 f"scaling with the tokens (c=1); predicted peak {peaks}; smallest feasible "
                 f"memory_budget {format_bytes(self.smallest_feasible_budget_bytes, exact=True)} "
                 f"(c={self.least_memory_bin}, "
-                f"{format_bytes(self.least_memory_block_bytes)} row blocks)")
+                f"{block_text(self.least_memory_block_bytes)} row blocks)")
 
 
 def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int,
@@ -100,7 +100,6 @@ def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int
     least, least_peak = policy.least_memory_plan(
         rows, tokens, dtype_bytes, transport_row_elements=transport_row_elements,
         device_type=device_type)
-    assert least.block_bytes is not None
     return ExpertsBudget(
         tokens=tokens, rows=rows, dtype_bytes=dtype_bytes, fixed_bytes=fixed,
         token_bytes=peak(rows, tokens, 1) - fixed, bins=bins,

@@ -39,7 +39,7 @@ from torchtitan.protocols.model import ModelConfigConverter
 
 from memfine.config import GatedActivation
 from memfine.experts import compute_element_size
-from memfine.hf.experts import _policy as experts_policy
+from memfine.hf.experts import chunk_policy as experts_policy
 from memfine.hf.experts import last_decision, num_chunks_for, run_module
 from memfine.hf.layout import ExpertsPlan, ExpertWeights
 from memfine.integrations.torchtitan import TorchtitanExpertsConfig

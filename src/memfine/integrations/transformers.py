@@ -41,7 +41,7 @@ from torch import nn
 
 from memfine._checks import check_choice, fail
 from memfine._optional import require
-from memfine.config import ChunkConfig, _ConfigBase
+from memfine.config import ChunkConfig, ConfigBase
 from memfine.hf.experts import compute_dtype, run_module
 from memfine.hf.experts import last_decision as last_decision  # public: c of a call
 from memfine.hf.layout import ExpertsPlan, expert_weights, plan_experts
@@ -61,7 +61,7 @@ _LOGGED_ATTRIBUTE = "_memfine_plan_logged"  # set on an experts module once its 
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class HFExpertsConfig(_ConfigBase):
+class HFExpertsConfig(ConfigBase):
     """Options of the ``memfine`` experts implementation.
 
     Attributes:

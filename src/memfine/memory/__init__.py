@@ -13,3 +13,5 @@ Whole training layouts (pipeline stages, presets, the layout search) are planned
 :mod:`memfine.plan`; measured bytes live in :mod:`memfine.measure`; the runtime chunk loop in
 :mod:`memfine.schedule`.
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 
 from memfine.config import MoEConfig
+from memfine.dispatch.index import sort_free_max_cells
 from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
 from memfine.timeline import layer as tlm
 from memfine.timeline.base import expert_saved
@@ -127,7 +128,8 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
 
 
 def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
-                       num_chunks: int = 1, recompute: str = "none") -> tlm.Timeline:
+                       num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu"
+                       ) -> tlm.Timeline:
     """The allocation timeline of one MoELayer forward + backward (live set at the peak included).
 
     Args: as :func:`moe_layer_memory`.
@@ -141,12 +143,13 @@ def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     """
     _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
     return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                              recompute=recompute)
+                              recompute=recompute, device_type=device_type)
 
 
 def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
                      num_chunks: int = 1, recompute: str = "none",
-                     optimizer_bytes_per_param: int = 0) -> MemoryBreakdown:
+                     optimizer_bytes_per_param: int = 0, device_type: str = "cpu"
+                     ) -> MemoryBreakdown:
     """Itemised bytes of one :class:`memfine.nn.MoELayer` forward + backward on one device.
 
     Args:
@@ -157,6 +160,8 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
         recompute: ``none``, ``experts`` or ``full``.
         optimizer_bytes_per_param: optimizer state per parameter, bytes (e.g. 8 for Adam's two
             fp32 moments); 0 when no optimizer is held.
+        device_type: the activations' device: the choices the code makes by device (the
+            ``auto`` index builder's size limit, :func:`memfine.dispatch.sort_free_max_cells`).
 
     Returns:
         The :class:`MemoryBreakdown`.
@@ -172,7 +177,7 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     items = saved_items(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
                         recompute=recompute)
     tl = moe_layer_timeline(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                            recompute=recompute)
+                            recompute=recompute, device_type=device_type)
     D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
                      moe.top_k)
     dt = dtype_bytes
@@ -202,9 +207,10 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     )
 
 
-def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int) -> list[int]:
+def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int,
+                 device_type: str = "cpu") -> list[int]:
     """Live bytes after each event of one chunk's (re)computation and backward, from zero."""
-    s = tlm.Shape(moe, tokens, dtype_bytes)
+    s = tlm.Shape(moe, tokens, dtype_bytes, device_type)
     tl = tlm.Timeline()
     saved, _ = tlm.experts_forward(tl, s, tokens, tokens * moe.top_k,
                                    plain=moe.experts_impl == "plain", recompute=False,
@@ -217,7 +223,8 @@ def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int) 
     return tl.trace
 
 
-def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "experts") -> int:
+def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "experts",
+                     device_type: str = "cpu") -> int:
     """Peak bytes that scale with the received rows of one chunk, per row.
 
     The largest per-row slope over one chunk's (re)computation and backward: its saved H and
@@ -231,6 +238,7 @@ def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "expe
         recompute: ``none``, ``experts`` or ``full`` (the slope is the same: a chunk's own
             tensors; under ``none`` the other chunks' saved H is part of the exact peak,
             :func:`layer_peak_bytes`).
+        device_type: the activations' device (its default row blocks).
 
     Returns:
         Bytes per row (> 0), an int rounded up.
@@ -242,13 +250,41 @@ def expert_row_bytes(moe: MoEConfig, dtype_bytes: int, *, recompute: str = "expe
     best = 0
     for builder in ("sort_free", "argsort"):
         cfg = dataclasses.replace(moe, index_builder=builder)
-        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n) for n in (1, 2))
+        one, two = (_chunk_trace(cfg, dtype_bytes, recompute, n, device_type) for n in (1, 2))
         best = max(best, max(b - a for a, b in zip(one, two, strict=True)))
     return -(-best // moe.top_k)
 
 
+def builder_switch_tokens(moe: MoEConfig, num_chunks: int, device_type: str = "cpu"
+                          ) -> tuple[int, ...]:
+    """The token counts T after which a chunk's ``auto`` index builder turns to argsort.
+
+    The exact peak grows with T except where a chunk of T + 1 tokens leaves the sort-free
+    builder for argsort (whose workspace is smaller): there it may fall. A search over T (MACT's
+    :meth:`memfine.schedule.ChunkPolicy.token_limits`) checks these points too, so every T
+    below its answer fits. Chunk i (largest first, as the chunk loop splits T) turns at
+    T = c·⌊L/E⌋ + i, L = :func:`memfine.dispatch.sort_free_max_cells` of the device; the shared
+    experts' index (E = their count) turns likewise.
+
+    Args:
+        moe: the layer config (``index_builder`` other than ``auto``: no switch).
+        num_chunks: c.
+        device_type: the activations' device.
+
+    Returns:
+        The switch points, ascending (empty for a fixed builder).
+    """
+    if moe.index_builder != "auto":
+        return ()
+    limit = sort_free_max_cells(device_type)
+    experts = [moe.num_experts, *([moe.num_shared_experts] if moe.num_shared_experts else [])]
+    return tuple(sorted({num_chunks * (limit // e) + i for e in experts
+                         for i in range(num_chunks)}))
+
+
 def layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
-                     num_chunks: int = 1, recompute: str = "none") -> int:
+                     num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu"
+                     ) -> int:
     """The exact predicted peak of one MoELayer forward + backward, in bytes (MACT's model).
 
     The maximum of the allocation timeline (:func:`moe_layer_timeline`) replayed without
@@ -268,4 +304,5 @@ def layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     """
     _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
     return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                              recompute=recompute, record=False).peak
+                              recompute=recompute, record=False,
+                              device_type=device_type).peak

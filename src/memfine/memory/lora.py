@@ -43,7 +43,8 @@ class LoRALayerMemory:
 
 
 def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_bytes: int, *,
-                      num_chunks: int = 1, recompute: str = "none") -> LoRALayerMemory:
+                      num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu"
+                      ) -> LoRALayerMemory:
     """Saved and peak bytes of a :class:`memfine.nn.MoELayer` built with ``lora=``.
 
     Args:
@@ -53,6 +54,7 @@ def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_b
         dtype_bytes: D_t of x, weights and adapters (2 or 4; 8 for float64).
         num_chunks: c.
         recompute: ``none``, ``experts`` or ``full``.
+        device_type: the activations' device (the ``auto`` index builder's rule).
 
     Returns:
         :class:`LoRALayerMemory`.
@@ -73,7 +75,7 @@ def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_b
         extra = sum(adapter_saved_bytes(lora, C * moe.top_k, dtype_bytes)
                     for C in chunk_tokens(num_tokens, num_chunks))
     tl = simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                        recompute=recompute, lora=lora)
+                        recompute=recompute, lora=lora, device_type=device_type)
     return LoRALayerMemory(saved_bytes=sum(items.values()) + extra, adapter_saved_bytes=extra,
                            forward_peak_bytes=tl.phase_peaks["forward"], peak_bytes=tl.peak)
 

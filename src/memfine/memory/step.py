@@ -76,11 +76,14 @@ class StepPlanner:
         batch: B sequences per step (micro-batch).
         seq: Q tokens per sequence.
         dtype_bytes: D_t of activations and parameters.
+        device_type: the activations' device (:func:`memfine.memory.step_timeline.simulate_step`).
     """
 
-    def __init__(self, config: ModelConfig, batch: int, seq: int, dtype_bytes: int) -> None:
+    def __init__(self, config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
+                 device_type: str = "cpu") -> None:
         """Keep the shapes; arguments as on the class."""
         self.config, self.batch, self.seq, self.dtype_bytes = config, batch, seq, dtype_bytes
+        self.device_type = device_type
         self.bins = config.chunk.bins
         self._peaks: dict[tuple[LayerChoice, ...], int] = {}
 
@@ -88,7 +91,8 @@ class StepPlanner:
         """Predicted step peak of a plan, bytes (cached)."""
         if choices not in self._peaks:
             self._peaks[choices] = simulate_step(self.config, self.batch, self.seq,
-                                                 self.dtype_bytes, choices).peak
+                                                 self.dtype_bytes, choices,
+                                                 self.device_type).peak
         return self._peaks[choices]
 
     def _flops(self, recompute: str) -> int:
@@ -161,6 +165,7 @@ class StepPlanner:
 
 
 @functools.lru_cache(maxsize=32)
-def step_planner(config: ModelConfig, batch: int, seq: int, dtype_bytes: int) -> StepPlanner:
-    """A shared :class:`StepPlanner` per (config, B, Q, D_t) (its peaks cached inside)."""
-    return StepPlanner(config, batch, seq, dtype_bytes)
+def step_planner(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
+                 device_type: str = "cpu") -> StepPlanner:
+    """A shared :class:`StepPlanner` per (config, B, Q, D_t, device) (its peaks cached inside)."""
+    return StepPlanner(config, batch, seq, dtype_bytes, device_type)

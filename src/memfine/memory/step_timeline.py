@@ -55,7 +55,8 @@ class _Moe:
 
 
 @functools.lru_cache(maxsize=256)
-def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice) -> _Moe:
+def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice, device_type: str = "cpu"
+         ) -> _Moe:
     """The layer timeline's numbers, moved from the layer's protocol to the step's.
 
     The layer timeline's caller keeps the layer output to the end, the step frees it at the
@@ -66,7 +67,7 @@ def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice) -> _Moe:
     """
     rec = "none" if choice.recompute == "none" else "experts"
     tl = layer_memory.moe_layer_timeline(config.moe, T, dt, num_chunks=choice.num_chunks,
-                                         recompute=rec)
+                                         recompute=rec, device_type=device_type)
     out = T * config.moe.hidden_size * dt
     fwd = tl.marks["forward"]
     bwd = max(tl.phase_peaks["losses_backward"], tl.phase_peaks["end"])
@@ -238,7 +239,7 @@ def parameter_bytes(config: ModelConfig, dt: int) -> dict[str, int]:
 
 
 def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
-                  plan: tuple[LayerChoice, ...]) -> Timeline:
+                  plan: tuple[LayerChoice, ...], device_type: str = "cpu") -> Timeline:
     """Replay one training step's forward + backward with one :class:`LayerChoice` per layer.
 
     Args:
@@ -247,6 +248,8 @@ def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
         seq: Q tokens per sequence.
         dtype_bytes: D_t of activations and parameters (4 on CPU).
         plan: one choice per layer (``len(plan) == config.num_layers``).
+        device_type: the activations' device (the MoE layers' default row blocks and index
+            builder, as the layers resolve them there).
 
     Returns:
         The :class:`memfine.timeline.base.Timeline` (``peak``; marks ``forward``, ``end``).
@@ -263,7 +266,7 @@ def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
                              f"num_chunks >= 1, got {choice}")
     s = _Step(config, batch, seq, dtype_bytes)
     tl, T, dt, V = s.tl, s.T, dtype_bytes, config.vocab_size
-    moes = [_moe(config, T, dt, choice) for choice in plan]
+    moes = [_moe(config, T, dt, choice, device_type) for choice in plan]
     stream = s.td("embed.out")
     blocks = []
     for choice, moe in zip(plan, moes, strict=True):

@@ -164,7 +164,7 @@ class GroupedExperts(nn.Module):
         :class:`memfine.experts.FusedExpertsFunction`), with S_c the rows of the chunk. ``none``
         keeps every chunk's H (S·G·D_t in all); c = 1 with ``none`` is the plain call of
         :class:`memfine.experts.FusedExpertsFunction` (``fused``) or
-        :func:`memfine.experts.run_plain` (``plain``). With c > 1 on the fused path the chunks
+        :func:`memfine.experts.experts_plain` (``plain``). With c > 1 on the fused path the chunks
         add their weight gradients into one shared buffer per weight
         (:mod:`memfine.ops.weight_grads`), so the weight gradients cost E·d·G + E·n·d
         once, as without chunking.
@@ -174,11 +174,17 @@ class GroupedExperts(nn.Module):
         x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, self.w_up, self.w_down)
         weights, buffers = share_chunk_weight_grads(
             (w_up_EDG, w_down_END), num_chunks, in_place=self.config.experts_impl == "fused")
-        if block_bytes is None:
-            block_bytes = self.config.backward_block_bytes
-        step = functools.partial(self.run_chunk, weights, buffers, block_bytes)
+        step = functools.partial(self.run_chunk, weights, buffers, self.call_block(block_bytes))
         return run_chunked(step, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                            recompute=recompute)
+
+    def call_block(self, block_bytes: int | None) -> int | None:
+        """The row-block byte target of one call: a plan's (a budget's choice) or the config's.
+
+        Both may be None: the device's default block, resolved to rows where the call runs
+        (:func:`memfine.config.backward_block_rows`); the one place the experts pick it.
+        """
+        return self.config.backward_block_bytes if block_bytes is None else block_bytes
 
     def run_chunk(self, weights: tuple[torch.Tensor, ...], weight_grads: WeightGradBuffers | None,
                   block_bytes: int | None, chunk: int, x_CD: torch.Tensor,

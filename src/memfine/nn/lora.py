@@ -49,10 +49,10 @@ class LoRAChunkPolicy(ChunkPolicy):
         self.lora = lora
 
     def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
-                   recompute: str) -> int:
+                   recompute: str, device_type: str = "cpu") -> int:
         """The LoRA layer's exact timeline peak at c chunks (uncached), bytes."""
         return lora_layer_memory(moe, self.lora, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                                 recompute=recompute).peak_bytes
+                                 recompute=recompute, device_type=device_type).peak_bytes
 
 
 class LoRAGroupedExperts(GroupedExperts):
@@ -192,7 +192,7 @@ class LoRAGroupedExperts(GroupedExperts):
         lora = self.adapters()
         seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
         moe = self.config
-        block = moe.backward_block_bytes if block_bytes is None else block_bytes
+        block = self.call_block(block_bytes)
         quant = self.quantized_base()
         w_up, w_down = (self.w_up, self.w_down) if quant is None else quant.stand_ins()
 

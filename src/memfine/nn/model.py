@@ -10,7 +10,7 @@ mode of every block; see :class:`Block`.
 from __future__ import annotations
 
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -254,7 +254,7 @@ class MoETransformerLM(nn.Module):
         budget = chunk.memory_budget_bytes
         if budget is None:
             raise ValueError("plan_step needs ChunkConfig.memory_budget_bytes")
-        planner = step_planner(self._modelled_config(), *key)
+        planner = step_planner(self.config, *key, self.embed.weight.device.type)
         plan = planner.plan(budget)
         if plan is None:
             least = planner.least_memory_plan()
@@ -269,11 +269,6 @@ class MoETransformerLM(nn.Module):
             plan = least
         self._plans[key] = plan
         return plan
-
-    def _modelled_config(self) -> ModelConfig:
-        """The config the memory model plans with: the MoE row blocks of the weights' device."""
-        moe = self.config.moe.for_device(self.embed.weight.device.type)
-        return self.config if moe is self.config.moe else replace(self.config, moe=moe)
 
     def apply_plan(self, plan: StepPlan, *, tokens: int | None = None) -> None:
         """Set every block's recompute mode and its MoE layer's chunk policy.

@@ -7,6 +7,7 @@ Reference: docs/design.md §2-§4; MemFine §4 (chunked scheduling, MACT).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -111,7 +112,7 @@ class MoELayer(nn.Module):
         self.config = config
         self.policy = policy or (ChunkPolicy(chunk or NO_CHUNKING, config) if lora is None
                                  else LoRAChunkPolicy(chunk or NO_CHUNKING, config, lora))
-        self._last_decision: ChunkDecision | None = None
+        self._last_record: Callable[[], ChunkDecision | None] = lambda: None
         self.router = TopKRouter(config.hidden_size, config.num_experts, config.top_k,
                                  score_func=config.score_func, renormalize=config.renormalize,
                                  options=config,
@@ -170,7 +171,7 @@ class MoELayer(nn.Module):
                                         self.policy)
         num_chunks = plan.num_chunks
         if not torch.compiler.is_compiling():  # the policy's record of this call (host ints)
-            self._last_decision = self.policy.last_decision
+            self._last_record = self.policy.record()
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(
                 x_TD, mask_T, num_chunks=num_chunks,
@@ -194,7 +195,7 @@ class MoELayer(nn.Module):
             A frozen :class:`memfine.schedule.ChunkDecision`, or None before the first call
             (and for calls traced by ``torch.compile`` with a fixed c, which record nothing).
         """
-        return self._last_decision
+        return self._last_record()
 
     def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
              step_counts: torch.Tensor | None = None) -> MoEAux:

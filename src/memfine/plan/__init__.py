@@ -10,3 +10,5 @@
 
 The per-layer bytes come from :mod:`memfine.memory`.
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

@@ -4,3 +4,5 @@ Modules: ``metrics`` (``metrics.jsonl``, expert load, plots), ``memory_log`` (me
 predicted bytes per step), ``outputs`` (progress bar, TensorBoard, plots), ``evaluation``
 (validation loss, a sample).
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from memfine.config import MoEConfig, TrainConfig
+from memfine.config import TrainConfig
 from memfine.measure import PeakMemoryTracker, ProfiledPeakMemory
 from memfine.memory.layer import MemoryBreakdown as MoELayerMemory
 from memfine.memory.layer import moe_layer_memory
@@ -45,9 +45,9 @@ def _dtype_bytes(config: TrainConfig) -> int:
     return int(getattr(torch, config.dtype).itemsize)
 
 
-def _moe(config: TrainConfig) -> MoEConfig:
-    """The run's MoE config as its device runs it (row blocks, :meth:`MoEConfig.for_device`)."""
-    return config.model.moe.for_device(torch.device(config.device).type)
+def _device_type(config: TrainConfig) -> str:
+    """The run's device type: the MoE layers' default row blocks and index builder there."""
+    return torch.device(config.device).type
 
 
 @contextlib.contextmanager
@@ -96,13 +96,13 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
     """
     if num_tokens < num_chunks:
         return None
-    moe = _moe(config)
+    moe = config.model.moe
     if block_bytes is not None:
         moe = dataclasses.replace(moe, backward_block_bytes=block_bytes)
     return moe_layer_memory(moe, num_tokens, _dtype_bytes(config),
                             num_chunks=num_chunks,
-                            recompute=recompute or config.model.chunk.resolved_recompute
-                            ).peak_bytes
+                            recompute=recompute or config.model.chunk.resolved_recompute,
+                            device_type=_device_type(config)).peak_bytes
 
 
 def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:
@@ -146,10 +146,13 @@ def predicted_run_bytes(config: TrainConfig, total_parameters: int, num_tokens: 
     """
     chunk = config.model.chunk
     c, dt, mode = min(chunk.num_chunks, num_tokens), _dtype_bytes(config), chunk.resolved_recompute
+    moe, device_type = config.model.moe, _device_type(config)
     layer: MoELayerMemory | LoRALayerMemory = (
-        moe_layer_memory(_moe(config), num_tokens, dt, num_chunks=c, recompute=mode)
-        if config.lora is None else lora_layer_memory(_moe(config), config.lora, num_tokens,
-                                                      dt, num_chunks=c, recompute=mode))
+        moe_layer_memory(moe, num_tokens, dt, num_chunks=c, recompute=mode,
+                         device_type=device_type)
+        if config.lora is None else lora_layer_memory(moe, config.lora, num_tokens, dt,
+                                                      num_chunks=c, recompute=mode,
+                                                      device_type=device_type))
     peak_above_saved = layer.peak_bytes - layer.saved_bytes
     if chunk.memory_budget_bytes is not None:
         peak_above_saved = min(peak_above_saved, chunk.memory_budget_bytes)
@@ -157,7 +160,7 @@ def predicted_run_bytes(config: TrainConfig, total_parameters: int, num_tokens: 
     if config.lora is not None:
         trained = num_parameters(config, trainable_only=True)
     static = (total_parameters + trained * (1 + ADAM_MOMENTS)) * _dtype_bytes(config)
-    static += config.model.num_layers * quantized_base_bytes(_moe(config), config.lora)
+    static += config.model.num_layers * quantized_base_bytes(moe, config.lora)
     return static + config.model.num_layers * layer.saved_bytes + peak_above_saved
 
 

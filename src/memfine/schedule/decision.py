@@ -52,22 +52,23 @@ class ChunkDecision:
     Attributes:
         num_chunks: c, token chunks of the expert part.
         recompute: ``none``, ``experts`` or ``full``.
-        tokens: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
+        rows: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
             is read (no host sync), and this is the routed slots T·k, an upper bound.
         predicted_peak_bytes: the memory model's peak of the layer's forward + backward at this
             c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
         budget_bytes: the budget the choice was made against; None for a fixed c.
         block_bytes: the fused path's row-block byte target the call ran and the prediction
-            assumed (bytes; the config's ``backward_block_bytes`` or the device default, or
-            under a budget the largest of :func:`memfine.config.budget_block_ladder` that fits).
+            assumed (bytes; the config's ``backward_block_bytes``, or under a budget the largest
+            of :func:`memfine.config.budget_block_ladder` that fits); None: the device's
+            default block (:func:`memfine.config.backward_block_rows` gives its rows).
     """
 
     num_chunks: int
     recompute: str
-    tokens: int
+    rows: int
     predicted_peak_bytes: int
     budget_bytes: int | None
-    block_bytes: int
+    block_bytes: int | None
 
 
 class InfeasibleBudgetError(ValueError):

@@ -50,6 +50,7 @@ import itertools
 import math
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import replace
 
 from memfine.config import (
@@ -57,7 +58,6 @@ from memfine.config import (
     MoEConfig,
     block_row_bytes,
     budget_block_ladder,
-    default_block_bytes,
 )
 from memfine.memory import layer as layer_memory
 from memfine.memory.planner import largest_fitting
@@ -99,10 +99,11 @@ class ChunkPolicy:
         """Keep the configs, start with an empty memory-model cache; arguments as on the class."""
         self.config = chunk
         self.moe = moe
-        self.last_decision: ChunkDecision | None = None
+        # the latest record, or (a fixed c) the deferred prediction that makes it when read
+        self._last: ChunkDecision | Callable[[], ChunkDecision] | None = None
         self._warned = False
-        # (T, D_t, recompute, c, block bytes) → exact timeline peak; a step repeats one T.
-        self._peaks: dict[tuple[int, int, str, int, int], int] = {}
+        # (T, D_t, recompute, c, block bytes, device) → exact timeline peak; a step repeats one T
+        self._peaks: dict[tuple[int, int, str, int, int | None, str], int] = {}
         self._row_bytes: dict[tuple[int, str, str], int] = {}
         self._limits: dict[tuple[int, str, str, bool], tuple[int, ...]] = {}
         self.key = next(_KEYS)
@@ -118,11 +119,30 @@ class ChunkPolicy:
         return _POLICIES[key]
 
     @property
+    def last_decision(self) -> ChunkDecision | None:
+        """The :class:`ChunkDecision` of the latest eager call (None before any).
+
+        With a fixed c the prediction is made when this is first read, not per call: a layer
+        that nobody asks replays no memory model (one replay per new T otherwise).
+        """
+        return self.record()()
+
+    def record(self) -> Callable[[], ChunkDecision | None]:
+        """The latest call's record as a getter, for a layer to keep (it stays that call's).
+
+        The getter makes a fixed c's prediction on its first call and keeps it.
+        """
+        last = self._last
+        if last is None or isinstance(last, ChunkDecision):
+            return lambda: last
+        return last
+
+    @property
     def budgeted(self) -> bool:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
-    def ladder(self, device_type: str = "cpu", dtype_bytes: int = 4) -> tuple[int, ...]:
+    def ladder(self, device_type: str = "cpu", dtype_bytes: int = 4) -> tuple[int | None, ...]:
         """The row-block byte targets of this policy's layer, largest first (bytes).
 
         :func:`memfine.config.budget_block_ladder` at the layer's row bytes in D_t; only the
@@ -133,7 +153,7 @@ class ChunkPolicy:
             moe.hidden_size, moe.intermediate_size, moe.up_width, dtype_bytes))
 
     def candidates(self, device_type: str = "cpu", dtype_bytes: int = 4
-                   ) -> tuple[tuple[int, int], ...]:
+                   ) -> tuple[tuple[int, int | None], ...]:
         """The (c, row-block bytes) pairs a budgeted decision tries, in order of preference.
 
         Every bin c in order, and per bin the row-block byte targets of
@@ -151,31 +171,33 @@ class ChunkPolicy:
                    block_bytes: int | None = None) -> int:
         """The exact timeline peak of one layer call with T tokens at c chunks (cached), bytes.
 
-        ``device_type``: the activations' device (:meth:`memfine.config.MoEConfig.for_device`:
-        the row blocks the layer runs there). ``block_bytes``: the row-block byte target (None:
-        the config's, or the device default).
+        ``device_type``: the activations' device (the default row blocks and index builder the
+        layer runs there). ``block_bytes``: the row-block byte target (None:
+        the config's, which may be None: the device default, resolved by the memory model for
+        ``device_type`` as the layer resolves it).
         """
         rec = recompute or self.config.resolved_recompute
-        block = block_bytes or self.moe.backward_block_bytes or default_block_bytes(device_type)
-        key = (num_tokens, dtype_bytes, rec, num_chunks, block)
+        block = self.moe.backward_block_bytes if block_bytes is None else block_bytes
+        key = (num_tokens, dtype_bytes, rec, num_chunks, block, device_type)
         peak = self._peaks.get(key)
         if peak is None:
             if len(self._peaks) >= 256:  # varying T (e.g. a last, shorter batch): stay small
                 self._peaks.clear()
-            moe = replace(self.moe, backward_block_bytes=block)
+            moe = replace(self.moe, backward_block_bytes=block)  # None: the device default
             peak = self._peaks[key] = self.model_peak(moe, num_tokens, dtype_bytes, num_chunks,
-                                                      rec)
+                                                      rec, device_type)
         return peak
 
     def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
-                   recompute: str) -> int:
+                   recompute: str, device_type: str = "cpu") -> int:
         """The memory model's peak of one layer call (uncached; a subclass's layer kind), bytes.
 
         :func:`memfine.memory.layer.layer_peak_bytes` of ``moe`` (this policy's config with the
         row blocks of the call).
         """
         return layer_memory.layer_peak_bytes(moe, num_tokens, dtype_bytes,
-                                             num_chunks=num_chunks, recompute=recompute)
+                                             num_chunks=num_chunks, recompute=recompute,
+                                             device_type=device_type)
 
     def token_limits(self, dtype_bytes: int, device_type: str = "cpu", *,
                      all_blocks: bool = True) -> tuple[int, ...]:
@@ -183,7 +205,8 @@ class ChunkPolicy:
 
         For each (c, block) of :meth:`candidates`, the largest T with :meth:`layer_peak`
         (T, D_t, c, block) ≤ the budget, found by :func:`memfine.memory.planner.largest_fitting`
-        on host integers (the exact model's peak grows with T; a test proves it over a grid).
+        on host integers (the exact model's peak grows with T between the points where the
+        ``auto`` index builder turns, which are checked with each T; tests prove both).
         With s″ ≤ T·k rows and no transport rows (one process) the first candidate with
         T ≤ T_max is :meth:`decide`'s choice for every T.
 
@@ -208,9 +231,13 @@ class ChunkPolicy:
         key = (dtype_bytes, self.config.resolved_recompute, device_type, all_blocks)
         if key not in self._limits:
 
-            def fits(num_tokens: int, num_chunks: int, block: int) -> bool:
-                return self.layer_peak(num_tokens, dtype_bytes, num_chunks,
-                                       device_type=device_type, block_bytes=block) <= budget
+            def fits(num_tokens: int, num_chunks: int, block: int | None) -> bool:
+                # every T below fits too: the points where the index builder turns (the peak
+                # may fall there) are checked with T (layer_memory.builder_switch_tokens)
+                switches = layer_memory.builder_switch_tokens(self.moe, num_chunks, device_type)
+                return all(self.layer_peak(t, dtype_bytes, num_chunks, device_type=device_type,
+                                           block_bytes=block) <= budget
+                           for t in (*(s for s in switches if s < num_tokens), num_tokens))
 
             candidates = self.candidates(device_type, dtype_bytes)
             if not all_blocks:
@@ -225,7 +252,7 @@ class ChunkPolicy:
         key = (dtype_bytes, self.config.resolved_recompute, device_type)
         if key not in self._row_bytes:
             self._row_bytes[key] = layer_memory.expert_row_bytes(
-                self.moe.for_device(device_type), dtype_bytes, recompute=key[1])
+                self.moe, dtype_bytes, recompute=key[1], device_type=device_type)
         return self._row_bytes[key]
 
     def predicted_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int,
@@ -264,10 +291,11 @@ class ChunkPolicy:
         """
         ladder = self.ladder(device_type, dtype_bytes)
         peak, c, block = min(
-            (self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
-                                 transport_row_elements=transport_row_elements,
-                                 device_type=device_type, block_bytes=block), c, block)
-            for c in self.config.bins for block in ladder)
+            ((self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
+                                  transport_row_elements=transport_row_elements,
+                                  device_type=device_type, block_bytes=block), c, block)
+             for c in self.config.bins for block in ladder),
+            key=lambda p: (p[0], p[1], _block_order(p[2])))
         return ChunkPlan(c, block), peak
 
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
@@ -298,7 +326,7 @@ class ChunkPolicy:
                 (the experts contract's ``transport_row_elements``: d under expert parallelism,
                 0 locally).
             device_type: the activations' device type (``x.device.type``): the memory model
-                takes the row blocks the layer runs there (:meth:`MoEConfig.for_device`).
+                takes the row blocks and index builder the layer runs there.
 
         Returns:
             Without a budget: ``ChunkConfig.num_chunks`` at the config's row blocks. With one:
@@ -325,13 +353,8 @@ class ChunkPolicy:
                               transport_row_elements)
         candidates = self.candidates(device_type, dtype_bytes)
         if budget is None:
-            c, block = candidates[0]
-            rows = num_tokens * self.moe.top_k
-            decision = ChunkDecision(c, rec, rows, self.predicted_peak(
-                rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
-                device_type=device_type, block_bytes=block), None, block)
-            self.last_decision = decision
-            return decision
+            self._last = self._fixed_decision(num_tokens, dtype_bytes, extra, device_type)
+            return self._last
         bins = self.config.bins
         peaks = {(c, block): self.predicted_peak(
                      recv_rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
@@ -353,10 +376,20 @@ class ChunkPolicy:
                               f"c={bins[-1]} (allow_over_budget)", UserWarning, stacklevel=2)
             c = bins[-1]
         at_c = [(peak, key[1]) for key, peak in peaks.items() if key[0] == c]
-        block = next((blk for peak, blk in at_c if peak <= budget), min(at_c)[1])
+        block = next((blk for peak, blk in at_c if peak <= budget),
+                     min(at_c, key=lambda p: (p[0], _block_order(p[1])))[1])
         decision = ChunkDecision(c, rec, recv_rows, peaks[c, block], budget, block)
-        self.last_decision = decision
+        self._last = decision
         return decision
+
+    def _fixed_decision(self, num_tokens: int, dtype_bytes: int, transport_row_elements: int,
+                        device_type: str) -> ChunkDecision:
+        """The record of a call at the fixed c: T·k rows (no count read) and their prediction."""
+        c, block = self.candidates(device_type, dtype_bytes)[0]
+        rows = num_tokens * self.moe.top_k
+        return ChunkDecision(c, self.config.resolved_recompute, rows, self.predicted_peak(
+            rows, num_tokens, dtype_bytes, c, transport_row_elements=transport_row_elements,
+            device_type=device_type, block_bytes=block), None, block)
 
     def plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
              agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
@@ -364,15 +397,16 @@ class ChunkPolicy:
         """The :class:`ChunkPlan` of one MoE layer call: :meth:`decide`'s c and row blocks.
 
         Arguments and errors as :meth:`decide`. Without a budget the plan's ``block_bytes`` is
-        None (the layer's config); under ``torch.compile`` tracing with a fixed c nothing is
-        predicted or recorded (the count is the config's; the memory model runs on host
-        integers only).
+        None (the layer's config) and nothing is predicted: the record's prediction is made
+        when :attr:`last_decision` is read; under ``torch.compile`` tracing with a fixed c
+        nothing is recorded (the count is the config's; the memory model runs on host integers
+        only).
         """
         if not self.budgeted:
-            if not _compiling():
-                self.decide(recv_rows, num_tokens, dtype_bytes,
-                            transport_row_elements=transport_row_elements,
-                            device_type=device_type)
+            if not _compiling():  # the record, predicted only when read (no replay per T)
+                self._last = functools.cache(functools.partial(
+                    self._fixed_decision, num_tokens, dtype_bytes, transport_row_elements,
+                    device_type))
             return ChunkPlan(self.config.num_chunks)
         decision = self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
                                transport_row_elements=transport_row_elements,
@@ -387,20 +421,31 @@ class ChunkPolicy:
                          transport_row_elements=transport_row_elements,
                          device_type=device_type).num_chunks
 
-    def _over_budget(self, peaks: dict[tuple[int, int], int], recv_rows: int, num_tokens: int,
+    def _over_budget(self, peaks: dict[tuple[int, int | None], int], recv_rows: int,
+                     num_tokens: int,
                      agreed: int, fits: int | None) -> InfeasibleBudgetError:
         """The error of a budget no candidate meets: why, and the smallest feasible budget."""
         bins, budget = self.config.bins, self.config.memory_budget_bytes
         assert budget is not None
-        best = min(peaks, key=lambda key: (peaks[key], key))
+        best = min(peaks, key=lambda key: (peaks[key], key[0], _block_order(key[1])))
         if fits is not None:
             reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
                       f"bin {bins[-1]}")
         else:
             reason = (f"with T={num_tokens} tokens and s''={recv_rows} received rows the "
                       f"predicted layer peak is {format_bytes(peaks[best], exact=True)} at "
-                      f"best (c={best[0]}, {format_bytes(best[1], exact=True)} row blocks)")
+                      f"best (c={best[0]}, {block_text(best[1])} row blocks)")
         return InfeasibleBudgetError(budget, peaks[best], bins, reason)
+
+
+def _block_order(block: int | None) -> float:
+    """A ladder entry's size for ordering: None (the device default) is the largest."""
+    return math.inf if block is None else block
+
+
+def block_text(block: int | None) -> str:
+    """A row-block byte target in words: its bytes, or ``the device's default`` for None."""
+    return "the device's default" if block is None else format_bytes(block, exact=True)
 
 
 def _compiling() -> bool:

@@ -3,7 +3,7 @@
 Methods (same weights, input, routing and incoming gradients):
 
 - ``plain``: what most PyTorch MoE code does — gather the rows into a copy, one matmul per
-  expert, scatter back (:func:`memfine.experts.run_plain` on the ``loop`` backend);
+  expert, scatter back (:func:`memfine.experts.experts_plain` on the ``loop`` backend);
 - ``expert_loop``: a Python loop over experts with index masks (transformers ``eager`` style);
 - ``grouped_mm``: the same copies with ``torch._grouped_mm`` (torchtitan style);
 - ``torchtitan``: torchtitan's own ``RoutedExperts`` (dispatcher + ``GroupedExperts``) on views of
@@ -111,12 +111,39 @@ class LayerMethod:
     missing: Callable[[], str | None] | None = None
 
 
+def method_table(entries: dict[str, LayerMethod]) -> dict[str, LayerMethod]:
+    """The method table as given, once every entry is checked (at import, for LAYER_METHODS).
+
+    Raises:
+        ValueError: naming the method and the field: an entry that is not a
+            :class:`LayerMethod`, a ``layer``/``missing`` that is not callable, a flag that is
+            not a bool.
+    """
+    for name, entry in entries.items():
+        where = f"bench suite {NAME!r}, method {name!r} (LAYER_METHODS in {__name__})"
+        if not isinstance(entry, LayerMethod):
+            raise ValueError(f"{where}: the entry must be a LayerMethod(layer, modelled=..., "
+                             f"budgeted=..., compilable=..., missing=...), got "
+                             f"{type(entry).__name__}")
+        if not callable(entry.layer):
+            raise ValueError(f"{where}: field 'layer' must be a callable ShapeSetup -> module, "
+                             f"got {type(entry.layer).__name__}")
+        for field in ("modelled", "budgeted", "compilable"):
+            if not isinstance(getattr(entry, field), bool):
+                raise ValueError(f"{where}: field {field!r} must be a bool, got "
+                                 f"{getattr(entry, field)!r}")
+        if entry.missing is not None and not callable(entry.missing):
+            raise ValueError(f"{where}: field 'missing' must be None or a callable returning "
+                             f"why the method cannot run, got {type(entry.missing).__name__}")
+    return entries
+
+
 def _mact(setup: ShapeSetup) -> MoELayer:
     chunk = ChunkConfig(memory_budget_bytes=setup.budget_bytes, recompute="experts")
     return sharing(setup.base, setup.moe, chunk=chunk)
 
 
-LAYER_METHODS: dict[str, LayerMethod] = {
+LAYER_METHODS: dict[str, LayerMethod] = method_table({
     "plain": LayerMethod(lambda s: sharing(s.base, s.plain("loop"))),
     "expert_loop": LayerMethod(lambda s: sharing(s.base, s.moe, cls=ExpertLoopMoELayer),
                                modelled=False),
@@ -127,7 +154,7 @@ LAYER_METHODS: dict[str, LayerMethod] = {
     "fused_mact": LayerMethod(_mact, budgeted=True, compilable=True),
     "full_recompute": LayerMethod(
         lambda s: CheckpointedLayer(sharing(s.base, s.plain("grouped_mm"))), modelled=False),
-}
+})
 """Every method of the suite, in table order: the one place a method is named."""
 METHODS = tuple(LAYER_METHODS)
 COMPILABLE = tuple(name for name, m in LAYER_METHODS.items() if m.compilable)

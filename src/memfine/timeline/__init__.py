@@ -5,3 +5,5 @@
 - :mod:`memfine.timeline.layer`: one whole MoE layer (router, experts, combine).
 - :mod:`memfine.timeline.shared`: the shared (always-on) experts.
 """
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported

@@ -11,16 +11,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memfine.config import MoEConfig
+from memfine.config import ACTIVATIONS_SAVING_OUTPUT, MoEConfig
 
 
 @dataclass(frozen=True, slots=True)
 class Shape:
-    """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``)."""
+    """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``).
+
+    ``device_type``: the activations' device, for the choices the code makes by device (the
+    ``auto`` index builder's size limit).
+    """
 
     moe: MoEConfig
     T: int
     dt: int
+    device_type: str = "cpu"
 
     @property
     def r(self) -> int:
@@ -142,7 +147,7 @@ def expert_saved(moe: MoEConfig, C: int, S: int, dt: int) -> dict[str, int]:
     if moe.experts_impl == "fused":
         return {"pre_activation_bytes": S * G * dt,
                 "routing_index_bytes": 4 * (2 * S + C * K + E + 1)}
-    keeps_h = moe.activation != "relu"  # relu saves its output A, not H
+    keeps_h = moe.activation not in ACTIVATIONS_SAVING_OUTPUT  # relu saves A, not H
     return {
         "pre_activation_bytes": S * G * dt if keeps_h else 0,
         "routing_index_bytes": 4 * (E + 1),  # offsets, saved by both grouped matmuls

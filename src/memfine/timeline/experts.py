@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Literal, overload
 
-from memfine.config import MoEConfig
-from memfine.dispatch.index import SORT_FREE_MAX_CELLS
+from memfine.config import ACTIVATIONS_SAVING_OUTPUT, MoEConfig
+from memfine.dispatch.index import sort_free_max_cells
 from memfine.timeline.base import Shape, Timeline, WeightGrads
 from memfine.timeline.fused import (
     fused_backward,
@@ -29,16 +29,16 @@ from memfine.timeline.fused import (
 )
 
 
-def _use_sort_free(moe: MoEConfig, tokens: int) -> bool:
+def _use_sort_free(moe: MoEConfig, tokens: int, device_type: str) -> bool:
     if moe.index_builder == "auto":
-        return tokens * moe.num_experts <= SORT_FREE_MAX_CELLS
+        return tokens * moe.num_experts <= sort_free_max_cells(device_type)
     return moe.index_builder == "sort_free"
 
 
 def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
     """build_routing_index for C tokens and S rows; returns the five int32 arrays."""
     E, K = s.moe.num_experts, s.moe.top_k
-    if _use_sort_free(s.moe, C):
+    if _use_sort_free(s.moe, C, s.device_type):
         ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
         valid = tl.alloc("idx.valid", C * K)
         tl.free(ge, lt)
@@ -68,7 +68,7 @@ def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
         eslot = tl.alloc("idx.expert_slot64", C * K * 8)  # scattered over all C·k slots
         locals_ = [valid, safe, dense, counts, offs64, row_te, row_tk, sentinel, perm, slot,
                    eslot]
-    else:  # argsort builder (used when C·E > SORT_FREE_MAX_CELLS); sort temporaries approximated
+    else:  # argsort builder (auto: C·E above sort_free_max_cells); sort temporaries approximated
         ge, lt = tl.alloc("idx.ge", C * K), tl.alloc("idx.lt", C * K)
         valid = tl.alloc("idx.valid", C * K)
         tl.free(ge, lt)
@@ -111,7 +111,7 @@ def plain_forward(tl: Timeline, s: Shape, C: int, S: int, *, early_stop: bool = 
     if moe.gated:
         saved += [tl.alloc("plain.act_gate", S * N * dt)]
     saved += [tl.alloc("plain.A", S * N * dt)]
-    if moe.activation != "relu":  # relu keeps its result (A), not its input
+    if moe.activation not in ACTIVATIONS_SAVING_OUTPUT:  # relu keeps its result A, not H
         saved.append(h)
     y = tl.alloc("plain.Y", S * D * dt)
     valid = tl.alloc("plain.combine.valid", C * K)
@@ -124,12 +124,12 @@ def plain_forward(tl: Timeline, s: Shape, C: int, S: int, *, early_stop: bool = 
     saved.append(tl.alloc("plain.combine.ge", C * K))
     saved.append(tl.alloc("plain.combine.w_TK", C * K * dt))
     if early_stop:
-        tl.free(y, *([h] if moe.activation == "relu" else []))
+        tl.free(y, *([h] if moe.activation in ACTIVATIONS_SAVING_OUTPUT else []))
         return saved, None
     product = tl.alloc("plain.combine.weighted", C * K * D * dt)
     out = tl.alloc("fwd.out", C * D * dt)
     tl.free(product, y)
-    if moe.activation == "relu":
+    if moe.activation in ACTIVATIONS_SAVING_OUTPUT:
         tl.free(h)
     return saved, out
 
@@ -160,7 +160,7 @@ def plain_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     grad_a = tl.alloc("pbwd.dA", S * N * dt)
     probe = tl.alloc("pbwd.wgrad_probe", N * D * dt)
     grads["w_down"] = tl.alloc("grad.w_down", E * N * D * dt)
-    relu = moe.activation == "relu"  # relu's own node also keeps A (its result)
+    relu = moe.activation in ACTIVATIONS_SAVING_OUTPUT  # its own node also keeps A (its result)
     tl.free(probe, grad_y, *([] if relu else [named["plain.A"]]))
     wg.add(grads, "w_down")
     if moe.gated:

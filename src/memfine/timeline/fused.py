@@ -38,10 +38,13 @@ def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str
 
 
 def block_rows(s: Shape) -> int:
-    """Rows per block of the streamed fused forward and backward (``backward_block_bytes``)."""
+    """Rows per block of the streamed fused forward and backward (``backward_block_bytes``).
+
+    None: the default of the shape's device, resolved as the layer resolves it.
+    """
     moe = s.moe
     return backward_block_rows(moe.backward_block_bytes, moe.hidden_size, moe.intermediate_size,
-                               moe.up_width, s.dt)
+                               moe.up_width, s.dt, s.device_type)
 
 
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int,

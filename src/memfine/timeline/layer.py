@@ -160,7 +160,8 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
 
 def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
                    recompute: str = "none", record: bool = True,
-                   keep_aux: bool = True, lora: LoRAConfig | None = None) -> Timeline:
+                   keep_aux: bool = True, lora: LoRAConfig | None = None,
+                   device_type: str = "cpu") -> Timeline:
     """Replay one MoELayer forward + backward (loss gradients given from outside).
 
     Protocol (what the measurement does): x (T, d) requires grad and exists before; parameters
@@ -169,10 +170,11 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     The timeline marks ``forward`` at the end of forward. ``lora``: the routed experts carry
     split-LoRA adapters on a frozen base (:class:`memfine.nn.lora.LoRAGroupedExperts`), the
     router frozen unless ``lora.train_router`` and the shared experts unless
-    ``lora.train_attention`` (:mod:`memfine.timeline.lora`).
+    ``lora.train_attention`` (:mod:`memfine.timeline.lora`). ``device_type``: the
+    activations' device (:class:`memfine.timeline.base.Shape`).
     """
-    s = Shape(moe, num_tokens, dtype_bytes) if lora is None else LoRAShape(
-        moe, num_tokens, dtype_bytes, lora)  # split-LoRA adapters on a frozen base
+    s = Shape(moe, num_tokens, dtype_bytes, device_type) if lora is None else LoRAShape(
+        moe, num_tokens, dtype_bytes, device_type, lora=lora)  # split LoRA on a frozen base
     T, D, K, dt = s.T, moe.hidden_size, moe.top_k, s.dt
     plain, ckpt = moe.experts_impl == "plain", recompute != "none"
     tl = Timeline(record=record)
@@ -190,6 +192,7 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     shared = None
     if moe.num_shared_experts:
         shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out,
+                                   device_type=device_type,
                                    frozen=lora is not None and not lora.train_attention)
     ls = losses_forward(tl, s)
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
