@@ -183,18 +183,6 @@ def test_rejects_bad_block_bytes() -> None:
                       backward_block_bytes=bad)  # type: ignore[arg-type]
     assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
                      backward_block_bytes=one_row).backward_block_bytes == one_row
-    with pytest.raises(ValueError, match=r"MoEConfig.backward_block_bytes must be an int, "
-                                         r"got 4096.0"):
-        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
-                  backward_block_bytes=4096.0)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"MoEConfig.backward_block_bytes must be in "
-                                         r"\[1, 9223372036854775807\], got 9223372036854775808"):
-        MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
-                  backward_block_bytes=2**63)
-    with pytest.raises(ValueError, match=r"backward_block_bytes must be <= 2\*\*63 - 1 "
-                                         r"\(an int64\), got 9223372036854775808"):
-        run_experts(x, w, build_routing_index(idx, 3), w_up, w_down,
-                    backward_block_bytes=2**63)
 
 
 def test_split_up_projection_blocks_match_one_tensor() -> None:
