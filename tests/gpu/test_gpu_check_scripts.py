@@ -13,6 +13,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import timeouts
+
 SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 TINY = ["--device", "cpu", "--tokens", "32", "--hidden-size", "16", "--intermediate-size", "8",
         "--num-experts", "4", "--top-k", "2"]
@@ -22,8 +24,7 @@ def _run_without_torchtitan(script: str, *args: str) -> subprocess.CompletedProc
     code = ("import runpy, sys; sys.modules['torchtitan'] = None; "
             f"sys.argv = {[script, *args]!r}; "
             f"raise SystemExit(runpy.run_path({str(SCRIPTS / script)!r}, run_name='__main__'))")
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=300, check=False)
+    return timeouts.run([sys.executable, "-c", code], 300, capture_output=True)
 
 
 def _rows(path: Path, part: str, name: str) -> list[list[str]]:
