@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "hf_model_tests"))
-from compare import counts_text, differing, outcomes  # noqa: E402
+from compare import counts_text, differing, emit, outcomes  # noqa: E402
 
 # test name -> why memfine differs by design, and the memfine test that holds that behaviour
 BY_DESIGN = {
@@ -74,11 +74,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     lines, status = summary(args.default_xml, args.memfine_xml)
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    print(text, end="")
+    emit(lines, args.out)
     return status
 
 

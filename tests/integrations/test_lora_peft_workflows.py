@@ -62,6 +62,12 @@ def _add_second(ours: torch.nn.Module, ref: torch.nn.Module, **config: object) -
     ref.load_state_dict(ours.state_dict())
 
 
+def _both(ours: torch.nn.Module, ref: torch.nn.Module, method: str, *args: object) -> None:
+    """Call PEFT's ``method(*args)`` on both models."""
+    for model in (ours, ref):
+        getattr(model, method)(*args)
+
+
 def _wrappers(model: torch.nn.Module) -> list[torch.nn.Module]:
     return [m for m in model.modules() if isinstance(m, peft.tuners.lora.layer.ParamWrapper)]
 
@@ -100,8 +106,7 @@ def test_several_active_adapters_after_a_forward(model_type: str) -> None:
     ours, ref = _pair(model_type)
     _same(ours, ref)
     _add_second(ours, ref)
-    for model in (ours, ref):
-        model.base_model.set_adapter(["default", "second"])
+    _both(ours.base_model, ref.base_model, "set_adapter", ["default", "second"])
     with pytest.warns(UserWarning, match="several active adapters"):
         _same(ours, ref, "both")
 
@@ -111,22 +116,18 @@ def test_merge_unmerge_and_disable(model_type: str) -> None:
     ours, ref = _pair(model_type)
     first = _same(ours, ref)
     _add_second(ours, ref)
-    for model in (ours, ref):
-        model.merge_adapter()
+    _both(ours, ref, "merge_adapter")
     assert all(m.merged for m in _wrappers(ours))
     assert_close(_same(ours, ref, "merged"), first)
-    for model in (ours, ref):
-        model.unmerge_adapter()
+    _both(ours, ref, "unmerge_adapter")
     assert not any(m.merged for m in _wrappers(ours))
     assert_close(_same(ours, ref, "unmerged"), first)
     with ours.disable_adapter(), ref.disable_adapter():
         plain = _same(ours, ref, "disabled")
     assert (plain - first).abs().max() > 1e-3
-    for model in (ours, ref):
-        model.merge_adapter(["default", "second"])
+    _both(ours, ref, "merge_adapter", ["default", "second"])
     _same(ours, ref, "both merged")
-    for model in (ours, ref):
-        model.unmerge_adapter()
+    _both(ours, ref, "unmerge_adapter")
     assert_close(_same(ours, ref, "both unmerged"), first)
 
 
@@ -135,9 +136,8 @@ def test_delete_adapter(model_type: str) -> None:
     ours, ref = _pair(model_type)
     _same(ours, ref)
     _add_second(ours, ref)
-    for model in (ours, ref):
-        model.set_adapter("second")
-        model.delete_adapter("default")
+    _both(ours, ref, "set_adapter", "second")
+    _both(ours, ref, "delete_adapter", "default")
     assert all(list(m.lora_A) == ["second"] for m in _wrappers(ours))
     assert ours.active_adapters == ["second"]
     _same(ours, ref, "second only")
@@ -145,8 +145,7 @@ def test_delete_adapter(model_type: str) -> None:
     ours.add_adapter("third", _config(r=2, alpha=4))
     ref.add_adapter("third", _config(r=2, alpha=4))
     ref.load_state_dict(ours.state_dict())
-    for model in (ours, ref):
-        model.set_adapter("third")
+    _both(ours, ref, "set_adapter", "third")
     _same(ours, ref, "third")
 
 
