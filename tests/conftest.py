@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -30,10 +31,39 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["TRITON_INTERPRET"] = "1"
 
 
+_EXIT_STATUS = pytest.StashKey[int]()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    session.config.stash[_EXIT_STATUS] = exitstatus
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """After Ctrl-C (the summary printed, every plugin unconfigured) leave at once: the
+    interpreter's final garbage collection over torch's objects takes seconds on a loaded
+    machine."""
+    if config.stash.get(_EXIT_STATUS, None) == pytest.ExitCode.INTERRUPTED:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(int(pytest.ExitCode.INTERRUPTED))
+
+
 def pytest_runtest_setup(item: pytest.Item) -> None:
     for name in TRITON_MARKERS:
         if item.get_closest_marker(name) and (reason := triton_skip_reason(name)):
             pytest.skip(reason)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _stop_signals_reach_pytest() -> Iterator[None]:
+    """A training run inside a test (``train(...)``, ``main(["train", ...])``) stopped by Ctrl-C
+    saves its checkpoint, then raises the signal again for pytest: the session stops with its
+    summary instead of failing one test and carrying on."""
+    from memfine.train.stop import signals_to_caller
+
+    with signals_to_caller():
+        yield
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import timeouts
 from devices import selects_gpu_tests
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,10 +33,10 @@ def test_selects_gpu_tests(markexpr: str, selects: bool) -> None:
 
 def _pytest_under_fake_cuda(*args: str, timeout: int) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run(
+    return timeouts.run(
         [sys.executable, "-m", "pytest", "-p", "plugins.fake_cuda", "-p", "no:cacheprovider",
          "-m", "not gpu and not slow", "-rs", "--ignore", str(Path(__file__)), *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False)
+        timeout, cwd=ROOT, env=env, capture_output=True)
 
 
 def _check(done: subprocess.CompletedProcess[str]) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+import timeouts
 from memfine import environment
 from memfine.bench.results import collect_environment as bench_collect_environment
 from memfine.environment import collect_environment
@@ -28,7 +29,8 @@ def test_git_sha_is_the_checkout_commit() -> None:
     here = Path(environment.__file__).resolve().parent  # the installed package's checkout
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here, text=True,
-                              capture_output=True, check=True, timeout=10).stdout.strip()
+                              capture_output=True, check=True,
+                              timeout=timeouts.scaled(10)).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         head = "unknown"
     assert collect_environment().git_sha.removesuffix("-dirty") == head

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+import timeouts
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "scripts"
 sys.path.insert(0, str(SCRIPTS))
@@ -86,8 +88,8 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, args: l
     out = [a.format(file=tmp_path / "file", full=tmp_path / "full") for a in args]
     if "--out" not in out:
         out += ["--out", str(tmp_path / "new")]
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--dry-run", *out],
-                          capture_output=True, text=True, timeout=60, check=False)
+    proc = timeouts.run([sys.executable, str(SCRIPTS / "gpu_check.py"), "--dry-run", *out], 60,
+                        capture_output=True, check=False)
     assert proc.returncode == 2 and proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1 and flag in proc.stderr
     assert proc.stderr.startswith(f"gpu_check: {out[0]} ")
@@ -96,7 +98,7 @@ def test_bad_input_is_one_line_exit_2_and_writes_nothing(tmp_path: Path, args: l
 
 def test_no_cuda_without_dry_run_is_exit_2_and_writes_nothing(tmp_path: Path) -> None:
     proc = _runner(tmp_path, {}, 5, "--out", str(tmp_path / "out"))
-    _, err = proc.communicate(timeout=60)
+    _, err = timeouts.communicate(proc, 60)
     assert proc.returncode == 2
     assert err.startswith("gpu_check: --dry-run not given and no CUDA device")
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
@@ -117,7 +119,7 @@ def test_budget_by_construction_and_docs_table() -> None:
 def test_stub_run_writes_four_files_and_a_timeout_kills_the_part_group(tmp_path: Path) -> None:
     out = tmp_path / "out"
     proc = _runner(tmp_path, {"peak": "hang"}, 6, "--dry-run", "--out", str(out))
-    stdout, err = proc.communicate(timeout=120)
+    stdout, err = timeouts.communicate(proc, 120)
     assert proc.returncode == 1, err  # the timed-out part
     assert "budget 360 s" in stdout
     assert sorted(p.name for p in out.iterdir()) == sorted(
@@ -135,13 +137,13 @@ def test_sigterm_leaves_the_files_written_and_no_process(tmp_path: Path) -> None
     out = tmp_path / "out"
     proc = _runner(tmp_path, {"peak": "hang"}, 60, "--dry-run", "--out", str(out))
     pids_file = tmp_path / "pids"
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + timeouts.scaled(60)
     while not (pids_file.exists() and pids_file.read_text().endswith("\n")):
         assert time.monotonic() < deadline, "the hanging part did not start"
         time.sleep(0.1)
     pids = [int(p) for p in pids_file.read_text().split()]
     proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=30)
+    _, err = timeouts.communicate(proc, 30)
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert not any(_alive(pid) for pid in pids)
     parts = _parts(out)

@@ -150,12 +150,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     lines, status = summary_lines(args.slices, json.loads(args.listing.read_text()))
-    text = "\n".join(lines) + "\n"
-    if args.out:
-        args.out.write_text(text)
-        print(f"wrote {args.out}")
-    print(text, end="")
+    emit(lines, args.out)
     return status
+
+
+def emit(lines: list[str], out: Path | None) -> None:
+    """Print ``lines``; with ``out``, write them there too (and say so)."""
+    text = "\n".join(lines) + "\n"
+    if out:
+        out.write_text(text)
+        print(f"wrote {out}")
+    print(text, end="")
 
 
 if __name__ == "__main__":

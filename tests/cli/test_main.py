@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import timeouts
 from memfine.cli.bench import add_arguments, options_from_args
 from memfine.cli.main import main
 
@@ -138,10 +139,10 @@ def test_bench_prints_no_profiler_trace_lines(tmp_path: Path) -> None:
     # kineto prints "USDT:" lines at each torch.profiler start and stop unless told not to;
     # a fresh process, since kineto reads its log level once.
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
-    done = subprocess.run(
+    done = timeouts.run(
         [sys.executable, "-m", "memfine", "bench", "--quick", "--suites", "experts",
          "--methods", "fused", "--out", str(tmp_path)],
-        capture_output=True, text=True, env=env, timeout=600, check=False)
+        600, capture_output=True, env=env)
     assert done.returncode == 0, done.stderr
     assert "experts" in done.stdout and (tmp_path / "bench_experts.csv").exists()
     assert "USDT" not in done.stdout + done.stderr
@@ -190,7 +191,7 @@ def test_train_whose_reader_leaves_stops_with_sigpipe_status_and_says_so(tmp_pat
     first = proc.stdout.readline()
     proc.stdout.close()  # the reader leaves after one line
     err = proc.stderr.read()
-    assert proc.wait(timeout=300) == 141, err
+    assert proc.wait(timeout=timeouts.scaled(300)) == 141, err
     assert first.startswith("data:")
     assert err.strip().splitlines()[-1] == (
         "memfine train: stopped: its standard output was closed (e.g. by `head`); the run is "
@@ -201,8 +202,7 @@ def test_plan_imports_neither_the_training_stack_nor_other_subcommands() -> None
     script = ("import sys\nfrom memfine.cli.main import main\n"
               "assert main(['plan', '--preset', 'qwen3-30b-a3b']) == 0\n"
               "print(' '.join(sorted(sys.modules)))")
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = timeouts.run([sys.executable, "-c", script], 300, capture_output=True, check=False)
     assert done.returncode == 0, done.stderr
     loaded = set(done.stdout.splitlines()[-1].split())
     assert "memfine.cli.plan" in loaded

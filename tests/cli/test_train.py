@@ -1,4 +1,5 @@
-"""``memfine train``: golden losses, resume, flags, bad input, Ctrl-C (memfine.cli.train)."""
+"""``memfine train``: golden losses, resume, flags, bad input (memfine.cli.train); Ctrl-C and
+SIGTERM: test_train_signals.py."""
 
 from __future__ import annotations
 
@@ -6,10 +7,7 @@ import argparse
 import json
 import math
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -257,48 +255,6 @@ def test_plot_writes_chunks_and_loss_png(tmp_path: Path) -> None:
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.parametrize(("signum", "code"), [
-    pytest.param(signal.SIGINT, 130, id="ctrl_c"),
-    pytest.param(signal.SIGTERM, 143, id="sigterm"),
-])
-def test_stop_signal_saves_checkpoint_and_exits_128_plus_signal(
-        tmp_path: Path, signum: int, code: int) -> None:
-    """Ctrl-C or SIGTERM on `python -m memfine train`: checkpoint of the finished step."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "memfine", "train", *FAST, "--max-steps", "100000",
-         "--eval-every", "100000", "--out", str(tmp_path)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and proc.poll() is None:
-            metrics = tmp_path / "metrics.jsonl"
-            if metrics.exists() and len(read_metrics(metrics)) >= 2:
-                break
-            time.sleep(0.1)
-        assert proc.poll() is None, proc.communicate()
-        # while it runs, the lock names its pid and a second run on the directory is refused
-        assert (tmp_path / ".memfine.lock").read_text().split() == [str(proc.pid)]
-        second = subprocess.run([sys.executable, "-m", "memfine", "train", *FAST,
-                                 "--max-steps", "1", "--out", str(tmp_path), "--overwrite"],
-                                capture_output=True, text=True, env=env, timeout=120)
-        assert second.returncode == 2
-        assert f"in use by a running memfine train (pid {proc.pid}" in second.stderr
-        proc.send_signal(signum)
-        out, err = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == code, err
-    name = signal.Signals(signum).name
-    assert f"interrupted by {name}: checkpoint of step" in out and "Traceback" not in err
-    step = load_checkpoint(tmp_path / "checkpoint.pt")["step"]
-    assert step >= 2 and step == read_metrics(tmp_path / "metrics.jsonl")[-1]["step"]
-    assert not (tmp_path / ".memfine.lock").exists()
-    modes = {p.name: p.stat().st_mode & 0o777 for p in tmp_path.iterdir()}
-    assert modes["checkpoint.pt"] == modes["config.json"] == modes["metrics.jsonl"], modes
-
-
 def test_existing_run_is_not_overwritten_without_overwrite(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _train("--max-steps", "2", "--out", str(tmp_path)) == 0
@@ -432,7 +388,6 @@ def test_read_only_out_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFi
 
 def test_plot_without_matplotlib_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    import sys
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises
     with pytest.raises(SystemExit) as info:

@@ -13,7 +13,6 @@ import dataclasses
 import os
 import re
 import resource
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 import torch
 from ep_harness import free_port
 
+import timeouts
 from memfine.cli import train as train_cli
 from memfine.cli.bench import _BUDGET_NAMES
 from memfine.cli.main import _path_flag, build_parser, main
@@ -156,8 +156,8 @@ def test_torchrun_ranks_each_refuse_a_run_too_large(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(free_port()), "-m", "memfine",
            "train", *FAST, "--hidden-size", "100000", "--out", str(tmp_path / "r")]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = timeouts.run(cmd, 300, cwd=tmp_path, capture_output=True,
+                        env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     for rank in (0, 1):
         assert re.search(r"memfine train: error: the run needs about [\d.]+ GiB per step .* "

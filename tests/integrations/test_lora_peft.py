@@ -17,7 +17,7 @@ peft = pytest.importorskip("peft")
 
 from hf_models import tiny_causal_lm  # noqa: E402
 
-from memfine.hf.peft import split_lora  # noqa: E402
+from memfine.hf.peft import is_split_wrapper, split_lora  # noqa: E402
 from memfine.integrations.transformers import register  # noqa: E402
 from tolerances import assert_close  # noqa: E402
 
@@ -142,7 +142,7 @@ def test_plain_peft_runs_split_lora(model_type: str, monkeypatch) -> None:
         # PEFT's registration check evaluates each proxy once on the first call (never for
         # the experts' math); the wrappers are then memfine's and register nothing
         assert len(evaluated) == (len(wrappers) if step == 0 else 0), (step, len(evaluated))
-        assert all(type(m).__name__ == "MemfineParamWrapper" for m in wrappers)
+        assert all(is_split_wrapper(m) for m in wrappers)
         want = ref(input_ids=ids, labels=ids)
         assert_close(out.logits, want.logits)
         _backward_equal(ours, ref, out, want, f"step {step}")
@@ -180,7 +180,7 @@ def test_save_load_and_merge(model_type: str, split: bool, tmp_path) -> None:
     loaded.eval()
     with torch.no_grad():
         assert_close(loaded(input_ids=ids).logits, logits)
-        assert any(type(m).__name__ == "MemfineParamWrapper" for m in loaded.modules())
+        assert any(is_split_wrapper(m) for m in loaded.modules())
         merged = loaded.merge_and_unload()
         assert not any("lora_" in n for n, _ in merged.named_parameters())
         assert_close(merged(input_ids=ids).logits, logits)
@@ -210,13 +210,20 @@ def test_dora_on_expert_weights_is_refused_by_peft() -> None:
         peft.get_peft_model(base, config)
 
 
-def test_memfine_param_wrapper_pickles_by_name() -> None:
+def test_memfine_param_wrapper_keeps_peft_class_name_and_pickles() -> None:
+    """PEFT finds an existing wrapper by its class name (add_adapter, load_adapter): memfine's
+    subclass keeps ``ParamWrapper``; pickled by module and name."""
     import pickle
 
     from memfine.hf import peft as memfine_peft
 
     cls = memfine_peft.wrapper_class()
+    assert cls.__name__ == cls.__qualname__ == "ParamWrapper"
+    assert issubclass(cls, peft.tuners.lora.layer.ParamWrapper)
     assert pickle.loads(pickle.dumps(cls)) is cls
+    ours, _ = _pair("qwen3_moe")
+    wrapper = next(m for m in ours.modules() if is_split_wrapper(m))
+    assert repr(wrapper).startswith("lora.ParamWrapper(")
 
 
 def _steps_equal(ours: torch.nn.Module, ref: torch.nn.Module, steps: int) -> None:

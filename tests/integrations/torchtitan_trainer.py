@@ -30,7 +30,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -285,7 +284,10 @@ def train(module: str, config: str, args: list[str], *, profile: bool = False
 
 def run_in_subprocess(runs: list[dict[str, Any]], workdir: Path, *, timeout_s: float = 900
                       ) -> dict[str, dict[str, Any]]:
-    """Run ``runs`` in one fresh process (one gloo group of size 1); results by run name."""
+    """Run ``runs`` in one fresh process (one gloo group of size 1); results by run name.
+
+    ``timeout_s`` is a base scaled for a loaded machine (``tests/timeouts.py``).
+    """
     runs_path, out_path = workdir / "runs.json", workdir / "out.json"
     runs_path.write_text(json.dumps(runs))
     env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
@@ -294,9 +296,10 @@ def run_in_subprocess(runs: list[dict[str, Any]], workdir: Path, *, timeout_s: f
                HF_DATASETS_CACHE=str(workdir / "hf_cache"), HF_HOME=str(workdir / "hf_home"),
                PYTHONPATH=os.pathsep.join([str(HERE.parent),
                                            os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(HERE), str(runs_path), str(out_path)],
-                          cwd=workdir, env=env, capture_output=True, text=True,
-                          timeout=timeout_s)
+    import timeouts  # tests/ (the test process only; this file also runs as the child)
+
+    proc = timeouts.run([sys.executable, str(HERE), str(runs_path), str(out_path)], timeout_s,
+                        cwd=workdir, env=env, capture_output=True)
     if proc.returncode != 0:
         raise RuntimeError(f"torchtitan trainer failed ({proc.returncode}):\n"
                            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
 import sys
 
 import pytest
 import torch
 
+import timeouts
 from memfine.config import GatedActivation, MoEConfig
 from memfine.ops.activations import (
     ACTIVATIONS,
@@ -127,8 +127,7 @@ source = head + {edit!r} + "; _check_tables()" + tail
 module = importlib.util.module_from_spec(spec)
 exec(compile(source, spec.origin, "exec"), module.__dict__)
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = timeouts.run([sys.executable, "-c", script], 300, capture_output=True, check=False)
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: ") and re.search(message, last), done.stderr
 
@@ -140,8 +139,7 @@ import memfine.config
 memfine.config.Activation = typing.Literal[(*typing.get_args(memfine.config.Activation), "tanh")]
 import memfine.reference
 """
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
+    done = timeouts.run([sys.executable, "-c", script], 300, capture_output=True, check=False)
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError: memfine.reference.REFERENCE_ACTIVATIONS"), done.stderr
 

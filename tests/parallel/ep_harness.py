@@ -24,8 +24,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+import timeouts
+
 COLLECTIVE_TIMEOUT_S = 60.0  # a stuck collective errors out after this
-RUN_DEADLINE_S = 300.0  # the parent kills the children after this
+RUN_DEADLINE_S = 300.0  # the parent kills the children after this (scaled: tests/timeouts.py)
 
 Scenario = Callable[[], Any]
 _PARTIAL: dict[str, str] = {}  # in a child: where run_scenarios records results as it goes
@@ -70,7 +72,7 @@ def _child(rank: int, world_size: int, port: int, target: Callable[..., dict[str
     _PARTIAL["path"] = str(Path(out_dir, f"rank{rank}.partial.json"))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size,
-                            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+                            timeout=datetime.timedelta(seconds=timeouts.scaled(COLLECTIVE_TIMEOUT_S)))
     try:
         results = target(rank, world_size, *args)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results), encoding="utf-8")
@@ -89,14 +91,15 @@ def spawn(target: Callable[..., dict[str, Any]], world_size: int, out_dir: str |
     context = mp.start_processes(_child, args=(world_size, free_port(), target, args,
                                                str(out_dir)),
                                  nprocs=world_size, join=False, start_method="spawn")
-    deadline = time.monotonic() + RUN_DEADLINE_S
+    deadline = time.monotonic() + timeouts.scaled(RUN_DEADLINE_S)
     try:
         while not context.join(timeout=1.0):
             if time.monotonic() > deadline:
                 for proc in context.processes:
                     if proc.is_alive():
                         proc.kill()
-                pytest.fail(f"distributed run exceeded {RUN_DEADLINE_S} s; children killed")
+                pytest.fail(timeouts.expired_message("distributed run", RUN_DEADLINE_S)
+                            + "; children killed")
     except mp.ProcessRaisedException as err:
         pytest.fail(f"a child process raised:\n{err}")
     except mp.ProcessExitedException as err:

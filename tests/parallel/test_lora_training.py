@@ -11,7 +11,6 @@ adapters. One chain runs by default; the other layouts are marked slow.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from test_training import COMMON, RUN_TIMEOUT_S, _metrics, _train
 
+import timeouts
 from memfine.artifacts.adapters import load_adapters
 from memfine.artifacts.inference import load_trained
 from memfine.cli.main import main
@@ -82,10 +82,10 @@ def test_two_ranks_equal_one_process_and_resume_on_one(tmp_path: Path, base: Pat
                                atol=DISTRIBUTED_LOSS_ATOL, rtol=0)
 
     before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
-    proc = subprocess.run([sys.executable, "-m", "memfine", *COMMON, "--resume", "--max-steps",
-                           str(STEPS), "--lora-targets", "w_up", "--ep", "2", "--out", str(out)],
-                          env={**os.environ, "WORLD_SIZE": "2"}, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, check=False)
+    proc = timeouts.run([sys.executable, "-m", "memfine", *COMMON, "--resume", "--max-steps",
+                         str(STEPS), "--lora-targets", "w_up", "--ep", "2", "--out", str(out)],
+                        RUN_TIMEOUT_S, env={**os.environ, "WORLD_SIZE": "2"},
+                        capture_output=True, check=False)
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr.strip() == (
         f"memfine train: error: --lora-targets cannot change on --resume (the checkpoint in "

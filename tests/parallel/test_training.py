@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 import torch
 from ep_harness import free_port
 
+import timeouts
 from memfine.artifacts.checkpoint import find_checkpoint, load_states, read_checkpoint
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
@@ -29,7 +29,7 @@ from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 
 pytestmark = pytest.mark.distributed
 
-RUN_TIMEOUT_S = 400
+RUN_TIMEOUT_S = 400  # base, scaled by timeouts.scaled
 COMMON = ["train", "--sample-tokens", "0", "--no-progress", "--lr-decay-steps", "20"]
 
 
@@ -38,12 +38,7 @@ def _run(cmd: list[str], cwd: Path, *, expect: int = 0) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} exceeded {RUN_TIMEOUT_S} s:\n{out[-4000:]}")
+    out, _ = timeouts.communicate(proc, RUN_TIMEOUT_S, group=True)
     if proc.returncode != expect:
         pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}, expected {expect}:\n"
                     f"{out[-4000:]}")
@@ -178,10 +173,9 @@ def test_grad_accum_equals_larger_batch(tmp_path: Path, layout: tuple[int, int])
 def test_bad_layout_is_one_line_and_writes_nothing(tmp_path: Path, env: dict[str, str],
                                                    args: list[str], message: str) -> None:
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "memfine", *COMMON, "--preset", "tiny", *args,
-                           "--out", str(out)],
-                          env={**os.environ, **env}, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, check=False)
+    proc = timeouts.run([sys.executable, "-m", "memfine", *COMMON, "--preset", "tiny", *args,
+                         "--out", str(out)],
+                        RUN_TIMEOUT_S, env={**os.environ, **env}, capture_output=True)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"memfine train: error: {message}"), lines
@@ -191,9 +185,9 @@ def test_bad_layout_is_one_line_and_writes_nothing(tmp_path: Path, env: dict[str
 def test_checkpoint_of_another_model_shape_is_one_line(tmp_path: Path, single_run: Path) -> None:
     """Resuming with another model width: one error line; the run's files stay as they were."""
     before = {p.name: p.read_bytes() for p in single_run.iterdir() if p.is_file()}
-    proc = subprocess.run([sys.executable, "-m", "memfine", *COMMON, "--resume", "--max-steps",
-                           "30", "--hidden-size", "32", "--out", str(single_run)],
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S, check=False)
+    proc = timeouts.run([sys.executable, "-m", "memfine", *COMMON, "--resume", "--max-steps",
+                         "30", "--hidden-size", "32", "--out", str(single_run)],
+                        RUN_TIMEOUT_S, capture_output=True)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "--hidden-size cannot change on --resume" in lines[0], lines

@@ -14,6 +14,7 @@ import sys
 import pytest
 import torch
 
+import timeouts
 from memfine.baselines.layers import CheckpointedLayer, sharing
 from memfine.bench.options import BenchOptions
 from memfine.suites import ALL_METHODS, experts, select_methods
@@ -103,8 +104,7 @@ module = importlib.util.module_from_spec(spec)
 sys.modules[spec.name] = module
 exec(compile(source, spec.origin, "exec"), module.__dict__)
 """
-    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=False)
+    return timeouts.run([sys.executable, "-c", script], 300, capture_output=True, check=False)
 
 
 @pytest.mark.parametrize(("entry", "message"), [

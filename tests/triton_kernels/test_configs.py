@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import csv
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+import timeouts
 
 pytest.importorskip("triton", reason="needs triton (pip install 'memfine[triton]')")
 from memfine.triton_kernels.ops import GPU_BLOCK_M, GPU_CONFIGS  # noqa: E402
@@ -62,7 +63,7 @@ def test_one_config_recompiles_to_the_table() -> None:
             "print(t.compile_one('grouped_gemm_down', 90, C[0]).metadata.shared)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # compiled kernels
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                          cwd=ROOT, timeout=300, check=False)
+    proc = timeouts.run([sys.executable, "-c", code], 300, capture_output=True, env=env,
+                        cwd=ROOT, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert int(proc.stdout.split()[-1]) == int(row["shared_bytes"])

@@ -8,6 +8,7 @@ Each subcommand lives in its own module (``memfine.cli.<name>``; ``eval`` in ``e
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import importlib.metadata
 import os
@@ -148,8 +149,26 @@ def _stdout_closed(command: str) -> int:
     return _SIGPIPE_EXIT
 
 
+def _signals_to_caller(command: str) -> typing.ContextManager[None]:
+    """For an in-process call: a run stopped by a signal raises it again for the caller.
+
+    ``train`` only, the one command that installs handlers; after its checkpoint.
+    """
+    if command != "train":
+        return contextlib.nullcontext()
+    from memfine.train.stop import signals_to_caller  # the training stack only for train
+
+    return signals_to_caller()
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Parse arguments and run the chosen subcommand; returns the exit code."""
+    """Parse arguments and run the chosen subcommand; returns the exit code.
+
+    From a shell (``argv`` None) Ctrl-C ends the command with exit 130 (``train`` saves a
+    checkpoint first, SIGTERM gives 143). Called in-process with ``argv`` (tests, notebooks,
+    scripts), Ctrl-C belongs to the caller: ``KeyboardInterrupt`` propagates (after ``train``'s
+    checkpoint, its handlers restored and the signal raised again for the caller's).
+    """
     # kineto (torch.profiler's backend, used by memfine bench) prints "USDT:" trace lines at
     # every profiler start and stop unless its log level is above them; KINETO_LOG_LEVEL=0 in
     # the environment brings them back.
@@ -160,8 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's parser: "memfine train: error: ..."
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    in_process = argv is not None  # a call inside another program: its Ctrl-C is the caller's
     try:
-        return int(args._run(args))
+        with _signals_to_caller(args.command) if in_process else contextlib.nullcontext():
+            return int(args._run(args))
     except ValueError as err:
         parser.exit(2, f"memfine {args.command}: error: {err}\n")
     except ImportError as err:  # an optional package missing (the message names the extra)
@@ -178,4 +199,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.exit(1, f"memfine {args.command}: error: {type(err).__name__}: "
                        f"{_first_line(err)}\n")
     except KeyboardInterrupt:
+        if in_process:
+            raise
         return 130

@@ -12,14 +12,16 @@ the original weights plus x·W + s·(x·Aᵀ)·Bᵀ on the expert-grouped rows
 (:mod:`memfine.experts.lora`), and the PEFT wrappers of that call (found on the call stack)
 become :class:`MemfineParamWrapper` (:func:`split_lora`), so later calls skip PEFT's
 registration, whose consistency check evaluates W + s·B·A once per wrapper and forward.
-A :class:`MemfineParamWrapper` (a subclass: same parameters, same ``state_dict`` keys) hands
-its adapter to the experts module instead of parametrizing. PEFT's own ``save_pretrained``,
-``PeftModel.from_pretrained``, ``merge_and_unload``, ``disable_adapter`` and the merged state
-keep working as PEFT implements them. What split LoRA cannot honour runs PEFT's dense
-W + ΔW, exactly, with one warning per module naming the reason: several active adapters, a
-low-precision (float8) weight, another parametrization, or an experts module on memfine's
-plain path. PEFT itself refuses DoRA, ``lora_dropout``, ``lora_bias`` and mixed-adapter batches
-on ``target_parameters``.
+A :class:`MemfineParamWrapper` (a subclass: same parameters, same ``state_dict`` keys, and
+PEFT's class name ``ParamWrapper``, by which PEFT finds a weight's wrapper to add an adapter to)
+hands its adapter to the experts module instead of parametrizing. PEFT's own
+``save_pretrained``, ``PeftModel.from_pretrained``, ``add_adapter``, ``load_adapter``,
+``set_adapter``, ``delete_adapter``, merge / unmerge, ``merge_and_unload`` and
+``disable_adapter`` keep working as PEFT implements them. What split LoRA cannot honour runs
+PEFT's dense W + ΔW, exactly, with one warning per module naming the reason: several active
+adapters, a low-precision (float8) weight, another parametrization, or an experts module on
+memfine's plain path. PEFT itself refuses DoRA, ``lora_dropout``, ``lora_bias`` and
+mixed-adapter batches on ``target_parameters``.
 
 PEFT's layout (``ParamWrapper.get_delta_factors``): ΔW = s·lhs·rhs per expert, with lhs = B
 (E, d_out, r) and rhs = A (E, r, d_in) for modules that store (E, d_out, d_in)
@@ -52,6 +54,7 @@ _WARNED_ATTRIBUTE = "_memfine_peft_dense_warned"  # set on an experts module onc
 _UP_NAMES = ("gate_up_proj", "up_proj")
 _DOWN_NAMES = ("down_proj",)
 _PEFT_LAYER = "peft.tuners.lora.layer"
+_PEFT_NAME = "ParamWrapper"  # PEFT's class, and the name memfine's subclass keeps
 _STACK_DEPTH = 64  # frames searched for the PEFT wrappers of a call
 # Set on a wrapper converted during a forward: it splits from the next forward on, and until
 # then runs PEFT's path, so that an activation-checkpoint recompute of the converting forward
@@ -242,14 +245,23 @@ def wrapper_class() -> type:
             with _handed_over(base, which, _peft_adapters(self, active[0])):
                 return self.base_layer(x, *args, **kwargs)
 
+    # PEFT finds the wrapper of a weight by its class name ("ParamWrapper": add_adapter,
+    # load_adapter and nesting reuse it), so the subclass keeps that name; it is told apart by
+    # its module. Pickled by module and name (__getattr__ below).
     MemfineParamWrapper.__module__ = __name__
-    MemfineParamWrapper.__qualname__ = "MemfineParamWrapper"  # pickled by name (__getattr__)
+    MemfineParamWrapper.__name__ = MemfineParamWrapper.__qualname__ = _PEFT_NAME
     return MemfineParamWrapper
 
 
+def is_split_wrapper(module: object) -> bool:
+    """True when ``module`` is a PEFT wrapper that memfine converted (:func:`split_lora`)."""
+    cls = type(module)
+    return cls.__module__ == __name__ and cls.__name__ == _PEFT_NAME
+
+
 def __getattr__(name: str) -> Any:
-    """``MemfineParamWrapper`` (built on first access, so pickled wrappers load by name)."""
-    if name == "MemfineParamWrapper":
+    """``MemfineParamWrapper`` (built on first access; pickled wrappers load by name)."""
+    if name in ("MemfineParamWrapper", _PEFT_NAME):
         return wrapper_class()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
