@@ -173,13 +173,13 @@ def main(argv: list[str] | None = None) -> int:
     # every profiler start and stop unless its log level is above them; KINETO_LOG_LEVEL=0 in
     # the environment brings them back.
     os.environ.setdefault("KINETO_LOG_LEVEL", _KINETO_QUIET)
+    in_process = argv is not None  # a call inside another program: its Ctrl-C is the caller's
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)  # no top-level options
     parser = build_parser(command if command in SUBCOMMANDS else None)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's parser: "memfine train: error: ..."
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
-    in_process = argv is not None  # a call inside another program: its Ctrl-C is the caller's
     try:
         with _signals_to_caller(args.command) if in_process else contextlib.nullcontext():
             return int(args._run(args))
