@@ -37,6 +37,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
 PY=${PY:-$ROOT/.venv/bin/python}
+case "${1:-}" in
+  -h|--help) awk '/^# Usage:/{on=1} /^set /{on=0} on' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+esac
+if [ ! -x "$PY" ]; then
+  echo "run_hf_model_tests: PY=$PY is not an executable python (set PY, or run make install)" >&2
+  exit 2
+fi
 VER=$("$PY" -c "import transformers; print(transformers.__version__)")
 WORK=${HF_TESTS_DIR:-${TMPDIR:-/tmp}/memfine_hf_model_tests/$VER}
 mkdir -p "$WORK/slices"

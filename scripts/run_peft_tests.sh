@@ -26,11 +26,16 @@ PY=${PY:-$ROOT/.venv/bin/python}
 PEFT_SRC="" OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
+    -h|--help) awk '/^# Usage:/{on=1} /^set /{on=0} on' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     --peft-src) PEFT_SRC=$(cd "$2" && pwd); shift 2 ;;
     --out) OUT=$ROOT/$2; [ "${2#/}" != "$2" ] && OUT=$2; shift 2 ;;
     *) break ;;
   esac
 done
+if [ ! -x "$PY" ]; then
+  echo "run_peft_tests: PY=$PY is not an executable python (set PY, or run make install)" >&2
+  exit 2
+fi
 VER=$("$PY" -c "import peft; print(peft.__version__)")
 WORK=${PEFT_TESTS_DIR:-${TMPDIR:-/tmp}/memfine_peft_tests/$VER}
 mkdir -p "$WORK"

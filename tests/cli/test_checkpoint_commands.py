@@ -281,6 +281,18 @@ def test_a_checkpoint_with_non_finite_weights_is_refused(
     assert not (nan_run / "model.safetensors").exists()
 
 
+def test_resuming_a_checkpoint_with_non_finite_weights_is_refused(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    nan_run = _damaged_copy(run_dir, tmp_path / "nan", "blocks.0.moe.experts.w_down",
+                            lambda w: w.view(-1)[0].fill_(float("nan")))
+    before = {p.name: p.read_bytes() for p in nan_run.iterdir() if p.is_file()}
+    err = _one_line_error(capsys, ["train", *FAST, "--max-steps", "6", "--sample-tokens", "0",
+                                   "--resume", "--out", str(nan_run)])
+    assert f"checkpoint '{nan_run / 'checkpoint.pt'}' holds non-finite weights (1 of " in err
+    assert "blocks.0.moe.experts.w_down" in err and "diverged at step" not in err
+    assert {p.name: p.read_bytes() for p in nan_run.iterdir() if p.is_file()} == before
+
+
 @pytest.mark.parametrize("command", [["generate", "--prompt", "def "], ["eval"]])
 def test_finite_weights_whose_outputs_overflow_are_one_line(
         run_dir: Path, tmp_path: Path, command: list[str],

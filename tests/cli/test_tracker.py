@@ -91,8 +91,8 @@ def test_missing_tracker_package_is_one_line_and_writes_nothing(
         main(["train", *FAST, "--tracker", tracker, "--out", str(out)])
     assert info.value.code == 2
     err = capsys.readouterr().err
-    assert err == (f"memfine train: error: {tracker} is required for this feature: "
-                   f"pip install 'memfine[{tracker}]'\n")
+    assert err == (f"memfine train: error: --tracker {tracker}: {tracker} is required for this "
+                   f"feature: pip install 'memfine[{tracker}]'\n")
     assert not out.exists()
 
 

@@ -149,6 +149,19 @@ def test_a_diverging_step_never_replaces_the_last_good_checkpoint(tmp_path: Path
     assert load_checkpoint(path)["step"] == 1 and _finite(path)
 
 
+def test_a_diverging_run_closes_its_progress_bar_before_the_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = _config(max_steps=4, eval_every=1, lr=1e30, warmup_steps=0)
+    try:
+        train(cfg, tmp_path / "run", progress=True, threads=1)
+    except ValueError as diverged:  # read the bar's output while the run's frames are alive
+        err = capsys.readouterr().err
+        assert "diverged at step 2" in str(diverged)
+    else:
+        pytest.fail("the run did not diverge")
+    assert "1/4" in err and err.endswith("\n")  # the bar ended its line: the error gets its own
+
+
 def test_a_run_diverging_before_a_good_checkpoint_removes_its_files(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"diverged at step 2: .*no checkpoint was saved before "
                                          r"it .*files this run created are removed"):

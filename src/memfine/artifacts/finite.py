@@ -3,7 +3,9 @@
 A diverged update leaves NaN or infinite weights; training never saves them
 (:mod:`memfine.train.divergence`), and ``memfine generate``, ``eval`` and ``export`` refuse a
 checkpoint that holds them (one written before that check, or damaged) with
-:func:`check_finite_model` instead of sampling from NaN probabilities or writing a NaN model.
+:func:`check_finite_model` (``memfine train --resume`` with
+:func:`memfine.train.setup.check_resumed_weights`) instead of sampling from NaN
+probabilities, writing a NaN model or training on from one.
 """
 
 from __future__ import annotations
@@ -45,6 +47,12 @@ def check_finite_model(model: torch.nn.Module, checkpoint: str) -> None:
     state = model.state_dict()
     bad = nonfinite_names(state.items())
     if bad:
-        raise ValueError(f"checkpoint {checkpoint!r} holds non-finite weights ({len(bad)} of "
-                         f"{len(state)} tensors, e.g. {bad[0]}): the run that wrote it diverged; "
-                         f"train again with a lower --lr or --grad-clip")
+        raise ValueError(nonfinite_message(checkpoint, len(bad), len(state), bad[0]))
+
+
+def nonfinite_message(checkpoint: str, count: int, total: int, first: str | None) -> str:
+    """One line: how many of the checkpoint's tensors are not finite, the first, the advice."""
+    example = f", e.g. {first}" if first is not None else ""
+    return (f"checkpoint {checkpoint!r} holds non-finite weights ({count} of {total} "
+            f"tensors{example}): the run that wrote it diverged; train again with a lower --lr "
+            f"or --grad-clip")

@@ -48,7 +48,10 @@ def run(args: argparse.Namespace) -> int:
     threads = checked_threads(args)
     tracker = _tracker(args)
     if tracker is not None:
-        check_tracker(tracker)  # a missing package: one line, before anything is written
+        try:
+            check_tracker(tracker)  # a missing package: one line, before anything is written
+        except ImportError as err:
+            raise ValueError(f"--tracker {tracker}: {err}") from None
     world = int(os.environ.get("WORLD_SIZE", "1"))
     _check_num_chunks(config, world)
     check_memory_budget(config, world)

@@ -168,6 +168,9 @@ def _loop(run: RunState, *, plot: bool, on_step: Callable[[int], None] | None) -
                     raise KeyboardInterrupt
         except KeyboardInterrupt:
             return _interrupted(run, stop.signum or signal.SIGINT)
+        except Exception:  # e.g. a diverged step: end the bar's line before the error's
+            events.close(run)
+            raise
     return _finish(run, plot=plot)
 
 

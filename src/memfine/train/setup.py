@@ -29,6 +29,7 @@ from memfine.artifacts.checkpoint import (
     read_checkpoint,
     restore,
 )
+from memfine.artifacts.finite import nonfinite_message, nonfinite_names
 from memfine.artifacts.inference import load_weights
 from memfine.artifacts.lora_base import BASE_ATTRIBUTE, keep_base_copy, load_base_, set_lora_base
 from memfine.config import TrainConfig
@@ -160,6 +161,8 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                                               resume_from=payload)
     start = (restore(payload, model, optimizer, scheduler, sharded=parallel.sharded)
              if payload else 0)
+    if payload:
+        check_resumed_weights(model, parallel, device, str(payload["path"]))
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
@@ -182,6 +185,25 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     bar=bar, t_start=t_start, step=start,
                     saved_step=start if payload else None,
                     forward=step_forward(model, config, sharded=parallel.sharded))
+
+
+def check_resumed_weights(model: torch.nn.Module, parallel: ParallelTraining,
+                          device: torch.device, checkpoint: str) -> None:
+    """Refuse to resume a checkpoint whose weights hold NaN or ±inf.
+
+    Such a checkpoint was written before the divergence checks or damaged; training from it
+    would diverge at its first step and call it the last good one. Every rank of a sharded
+    run checks its shards and the counts are summed (a collective).
+
+    Raises:
+        ValueError: one line naming the checkpoint (as ``memfine generate``/``eval``/``export``).
+    """
+    state = model.state_dict()
+    bad = nonfinite_names(state.items())
+    total = int(parallel.sum(torch.tensor(float(len(bad)), device=device)).item())
+    if total:
+        raise ValueError(nonfinite_message(checkpoint, total, len(state),
+                                           bad[0] if bad else None))
 
 
 def lora_summary(model: torch.nn.Module, config: TrainConfig) -> str:

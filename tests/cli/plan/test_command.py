@@ -24,6 +24,9 @@ SMALL = ["--hidden-size", "64", "--moe-intermediate-size", "32", "--num-experts"
          "--recompute", "full",
          "--device-memory", "1MiB", "--alpha", "1", "--static-memory", "767488B",
          "--skew", "1,2,4"]
+SEARCHED = {"--expert-parallel", "--data-parallel", "--micro-batch", "--recompute"}
+SMALL_MODEL = [a for i, a in enumerate(SMALL)  # SMALL without the layout --search picks
+               if a not in SEARCHED and (i == 0 or SMALL[i - 1] not in SEARCHED)]
 ATTENTION = 2 * 128 * (5 * 64 + 4 * 16 + 2 * 4 * 16 + 8)  # Table 2 width 520 → 133120 bytes
 CHECKPOINTS = 2 * (2 * 128 * 64)  # the two layer inputs kept by full recompute: 32768 bytes
 FIXED = CHECKPOINTS + ATTENTION  # 165888 bytes
@@ -232,6 +235,10 @@ def test_micro_batch_counts_in_the_rows_not_the_row_bytes(capsys: pytest.Capture
     (["--devices", "0"], "--devices must be an int >= 1, got 0"),  # the value, then --search
     (["--devices", "-3"], "--devices must be an int >= 1, got -3"),
     (["--top", "0"], "--top must be >= 1, got 0"),
+    # SMALL's --expert-parallel 4 etc.: a size --search picks itself is refused, not ignored
+    (["--search", "--devices", "8"], r"error: --micro-batch 1 is chosen by --search \(it tries "
+     r"every t, p, e, dp, cp, v, micro-batch, recompute and bins\): drop it, or plan that one "
+     r"layout without --search$"),
 ])
 def test_input_faults_are_one_line_and_exit_2(args: list[str], message: str,
                                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -356,7 +363,7 @@ def test_search_without_a_valid_layout_says_why_and_what_to_try(
     # SMALL: L = 2, 4 heads. On 7 devices t = 1, cp = 1, p = 1 and dp = 7, which does not divide
     # 64; 6 and 5 have no layout either, 4 (dp = 4) and 8 (dp = 8) do.
     with pytest.raises(SystemExit) as exc:
-        main(["plan", *SMALL, "--global-batch", "64", "--search", "--devices", "7"])
+        main(["plan", *SMALL_MODEL, "--global-batch", "64", "--search", "--devices", "7"])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "Traceback" not in err
@@ -370,7 +377,8 @@ def test_search_above_the_most_devices_names_the_most(
         devices: str, capsys: pytest.CaptureFixture[str]) -> None:
     # SMALL: t <= 4 (4 heads), cp <= 2, p <= L = 2, dp | 64: at most 4·2·2·64 = 1024 devices
     with pytest.raises(SystemExit) as exc:
-        main(["plan", *SMALL, "--global-batch", "64", "--search", "--devices", devices])
+        main(["plan", *SMALL_MODEL, "--global-batch", "64", "--search", "--devices",
+                  devices])
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith(f"memfine plan: error: no valid layout on {devices} devices: ")

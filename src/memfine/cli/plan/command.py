@@ -208,7 +208,24 @@ def _in_flags(err: ValueError, typed: dict[str, tuple[str, Any]]) -> str:
                   r"--context-parallel)", message)
 
 
+def _check_searched_not_given(args: argparse.Namespace) -> None:
+    """Refuse a layout flag under ``--search``: the search picks that size itself.
+
+    Raises:
+        ValueError: naming the first such flag and its value.
+    """
+    for flag in SETTING_FLAGS:
+        if flag.paths[0] in _SEARCHED and given(args, flag.dest):
+            typed = getattr(args, flag.dest)
+            typed = ",".join(map(str, typed)) if isinstance(typed, tuple | list) else typed
+            raise ValueError(f"{flag.name} {typed} is chosen by --search (it "
+                             "tries every t, p, e, dp, cp, v, micro-batch, recompute and bins): "
+                             "drop it, or plan that one layout without --search")
+
+
 def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
+    if args.search:
+        _check_searched_not_given(args)
     model = _model(args)
     setting = model.setting
     values: dict[str, Any] = {}
@@ -243,7 +260,8 @@ def _resolve(args: argparse.Namespace) -> tuple[PlanConfig, dict[str, str]]:
             raise ValueError(f"--skew must be numbers >= 1 or 'worst', got {item!r}") from None
     cfg = dataclasses.replace(cfg, skews=tuple(skews))  # validated (>= 1) before capping
     capped = [x for x in skews if x > cfg.worst_skew]
-    if capped and given(args, "skew"):  # the default list goes up to 16 on purpose
+    # the default list goes up to 16 on purpose; --search plans each layout at its own worst
+    if capped and given(args, "skew") and not args.search:
         shown = ", ".join(f"{x:g}" for x in capped)
         print(f"memfine plan: --skew {shown}: above the worst case e·min(k, E/e)/k = "
               f"{cfg.worst_skew:g} of this model and layout; planned at {cfg.worst_skew:g}",
