@@ -364,12 +364,12 @@ ROUTERS = [
                  id="sigmoid-renorm-scaled"),
     pytest.param({"score_func": "sqrtsoftplus", "routed_scaling_factor": 2.5,
                   "renormalize": False}, id="sqrtsoftplus-no-renorm-scaled"),
-    pytest.param({"capacity_factor": 1.0}, id="capacity-by-probability",
-                 marks=pytest.mark.xfail(strict=True, reason="capacity's keep mask and "
-                                         "where() copies are not in the timeline")),
-    pytest.param({"capacity_factor": 1.0, "drop_policy": "position"}, id="capacity-by-position",
-                 marks=pytest.mark.xfail(strict=True, reason="capacity's keep mask and "
-                                         "where() copies are not in the timeline")),
+    # capacity = T (cf = E): no pair is dropped, s″ = T·k as the model counts
+    pytest.param({"capacity_factor": 16.0}, id="capacity-by-probability"),
+    pytest.param({"capacity_factor": 16.0, "drop_policy": "position"},
+                 id="capacity-by-position"),
+    pytest.param({"capacity_factor": 16.0, "score_func": "sqrtsoftplus",
+                  "routed_scaling_factor": 2.5}, id="capacity-sqrtsoftplus-scaled"),
 ]
 # (T, E, k): two shapes, so a match is not a coincidence of one size
 ROUTER_SHAPES = [pytest.param(64, 8, 2, id="T64-E8-k2"), pytest.param(48, 16, 4, id="T48-E16-k4")]
@@ -386,3 +386,19 @@ def test_every_router_kind_is_exact_against_the_profiler(routing: dict[str, obje
     predicted = moe_layer_memory(moe, T, 4)
     assert (predicted.saved_bytes, predicted.peak_bytes) == (measured.saved_bytes,
                                                              measured.peak_bytes)
+
+
+@pytest.mark.parametrize("drop_policy", ["probs", "position"])
+def test_capacity_that_drops_pairs_is_bounded_by_the_model(drop_policy: str) -> None:
+    """Skewed routing at cf 1: experts 0 and 1 keep ⌈T·k/E⌉ of their T pairs each.
+
+    The expert part then holds fewer rows than the model's s″ = T·k, so the model is an upper
+    bound; the saved bytes differ by the dropped rows' expert tensors only.
+    """
+    moe = dataclasses.replace(_layer_config(32, 64, 8, 2, skewed=True, impl="fused"),
+                              capacity_factor=1.0, drop_policy=drop_policy)
+    measured = measure_layer(moe, 64, F32, 1, "none", peak="profiler")
+    predicted = moe_layer_memory(moe, 64, 4)
+    assert measured.peak_bytes is not None
+    assert measured.saved_bytes < predicted.saved_bytes
+    assert measured.peak_bytes < predicted.peak_bytes

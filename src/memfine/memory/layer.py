@@ -110,7 +110,7 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
         items["router_input_copy_bytes"] = T * D * r
         items["router_weight_copy_bytes"] = E * D * r
     items["router_scores_bytes"] = T * E * r
-    items["top_k_index_bytes"] = T * K * 8
+    items["top_k_index_bytes"] = T * K * 8 + (T * K if moe.capacity_factor is not None else 0)
     items.update(renorm_saved(moe, T, r, weights_counted=dt == r and (fused or ckpt)))
     items["top_k_weights_bytes"] = T * K * dt if (fused or ckpt) else 0
     items["aux_loss_bytes"] = T * E * r + E * r

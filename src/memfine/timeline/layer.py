@@ -13,6 +13,7 @@ from __future__ import annotations
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.timeline.base import cat_chunks, engine_sum
+from memfine.timeline.capacity import capacity_backward, capacity_forward
 from memfine.timeline.experts import (
     Shape,
     Timeline,
@@ -65,6 +66,9 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         out["scale"] = tl.alloc("router.scale_scalar", 8)
         scaled = tl.alloc("router.scaled_weights", T * K * r)
         weights = _drop_unsaved(tl, out, weights, scaled)
+    if s.moe.capacity_factor is not None:
+        masked = capacity_forward(tl, sz, s.moe.drop_policy, out, weights)
+        weights = _drop_unsaved(tl, out, weights, masked)
     shifted = tl.alloc("router.shifted_ids", T * K * 8)  # count_per_expert
     out["counts"] = tl.alloc("router.tokens_per_expert", (E + 2) * 8)
     tl.free(shifted)
@@ -166,6 +170,8 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
     if s.cast:  # ToCopyBackward of the final weight cast
         grad = tl.alloc("rbwd.dweights_fp32", T * K * r)
         tl.free(grad_weights)
+    if "keep" in rt:
+        grad = capacity_backward(tl, Sizes(T, K, E, r), rt, grad)
     if "scale" in rt:  # MulBackward: grad × the kept scalar
         scaled = tl.alloc("rbwd.dscaled", T * K * r)
         tl.free(grad, rt["scale"])
