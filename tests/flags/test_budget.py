@@ -12,6 +12,7 @@ import pytest
 
 from memfine.cli import train as train_cli
 from memfine.cli.main import main
+from memfine.config import MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.memory.step import StepPlanner
 from memfine.reports.metrics import read_metrics
@@ -27,10 +28,10 @@ MOE = TINY.model.moe
 RECOMPUTE = dataclasses.replace(TINY.model.chunk, memory_budget_bytes=1).resolved_recompute
 
 
-def _smallest_feasible(rows: int) -> int:
+def _smallest_feasible(rows: int, moe: MoEConfig = MOE) -> int:
     """The least exact layer peak over the bins (fp32); rows ≤ T·k never add bytes."""
-    assert rows <= T * MOE.top_k
-    return min(layer_memory.moe_layer_timeline(MOE, T, 4, num_chunks=c, recompute=RECOMPUTE).peak
+    assert rows <= T * moe.top_k
+    return min(layer_memory.moe_layer_timeline(moe, T, 4, num_chunks=c, recompute=RECOMPUTE).peak
                for c in (1, 2, 4, 8))
 
 
@@ -72,7 +73,7 @@ def test_a_capacity_factor_keeps_the_t_k_bound(tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """cf = 0.5: s″ ≤ 512 < T·k rows; the exact model of T tokens still bounds the call."""
     rows = MOE.num_experts * math.ceil(0.5 * T * MOE.top_k / MOE.num_experts)
-    need = _smallest_feasible(rows)
+    need = _smallest_feasible(rows, dataclasses.replace(MOE, capacity_factor=0.5))
     flags = ["--capacity-factor", "0.5"]
     err = _refused([*flags, "--memory-budget", f"{need - 1}B", "--out", str(tmp_path)], capsys)
     assert f"is {need} bytes" in err and "s''=512 rows" in err

@@ -350,33 +350,55 @@ def test_mact_thresholds_admit_no_token_count_that_does_not_fit() -> None:
                for T in range(limit - 3, limit + 1))
 
 
-_NOT_EXACT = "the router timeline models softmax-style renormalisation only (ratio of scores)"
 ROUTERS = [
     pytest.param({}, id="softmax"),
     pytest.param({"renormalize": False}, id="softmax-no-renorm"),
     pytest.param({"score_func": "sigmoid", "renormalize": False}, id="sigmoid-no-renorm"),
-    pytest.param({"score_func": "sigmoid"}, id="sigmoid-renorm",
-                 marks=pytest.mark.xfail(strict=True, reason=_NOT_EXACT)),
-    pytest.param({"score_func": "sqrtsoftplus"}, id="sqrtsoftplus-renorm",
-                 marks=pytest.mark.xfail(strict=True, reason=_NOT_EXACT)),
+    pytest.param({"score_func": "sigmoid"}, id="sigmoid-renorm"),
+    pytest.param({"score_func": "sqrtsoftplus"}, id="sqrtsoftplus-renorm"),
     pytest.param({"score_func": "sqrtsoftplus", "renormalize": False},
-                 id="sqrtsoftplus-no-renorm",
-                 marks=pytest.mark.xfail(strict=True, reason="softplus then sqrt: two (T, E) "
-                                         "temporaries the timeline counts as one")),
-    pytest.param({"score_func": "sigmoid", "n_group": 4, "topk_group": 2}, id="group-limited",
-                 marks=pytest.mark.xfail(strict=True, reason=_NOT_EXACT)),
-    pytest.param({"capacity_factor": 1.0}, id="capacity",
-                 marks=pytest.mark.xfail(strict=True, reason="capacity's keep mask and "
-                                         "where() copies are not in the timeline")),
+                 id="sqrtsoftplus-no-renorm"),
+    pytest.param({"score_func": "sigmoid", "n_group": 4, "topk_group": 2}, id="group-limited"),
+    pytest.param({"routed_scaling_factor": 2.5}, id="softmax-scaled"),
+    pytest.param({"score_func": "sigmoid", "routed_scaling_factor": 2.5},
+                 id="sigmoid-renorm-scaled"),
+    pytest.param({"score_func": "sqrtsoftplus", "routed_scaling_factor": 2.5,
+                  "renormalize": False}, id="sqrtsoftplus-no-renorm-scaled"),
+    # capacity = T (cf = E): no pair is dropped, s″ = T·k as the model counts
+    pytest.param({"capacity_factor": 16.0}, id="capacity-by-probability"),
+    pytest.param({"capacity_factor": 16.0, "drop_policy": "position"},
+                 id="capacity-by-position"),
+    pytest.param({"capacity_factor": 16.0, "score_func": "sqrtsoftplus",
+                  "routed_scaling_factor": 2.5}, id="capacity-sqrtsoftplus-scaled"),
 ]
+# (T, E, k): two shapes, so a match is not a coincidence of one size
+ROUTER_SHAPES = [pytest.param(64, 8, 2, id="T64-E8-k2"), pytest.param(48, 16, 4, id="T48-E16-k4")]
 
 
+@pytest.mark.parametrize(("T", "E", "k"), ROUTER_SHAPES)
 @pytest.mark.parametrize("routing", ROUTERS)
-def test_every_router_kind_is_exact_against_the_profiler(routing: dict[str, object]) -> None:
-    """T 64, E 8, k 2, fp32, fused: saved bytes and the profiler's peak, to the byte."""
-    moe = dataclasses.replace(_layer_config(32, 64, 8, 2, skewed=False, impl="fused"),
+def test_every_router_kind_is_exact_against_the_profiler(routing: dict[str, object], T: int,
+                                                         E: int, k: int) -> None:
+    """fp32, fused, d 32, n 64: saved bytes and the profiler's peak, to the byte."""
+    moe = dataclasses.replace(_layer_config(32, 64, E, k, skewed=False, impl="fused"),
                               **routing)  # type: ignore[arg-type]
-    measured = measure_layer(moe, 64, F32, 1, "none", peak="profiler")
-    predicted = moe_layer_memory(moe, 64, 4)
+    measured = measure_layer(moe, T, F32, 1, "none", peak="profiler")
+    predicted = moe_layer_memory(moe, T, 4)
     assert (predicted.saved_bytes, predicted.peak_bytes) == (measured.saved_bytes,
                                                              measured.peak_bytes)
+
+
+@pytest.mark.parametrize("drop_policy", ["probs", "position"])
+def test_capacity_that_drops_pairs_is_bounded_by_the_model(drop_policy: str) -> None:
+    """Skewed routing at cf 1: experts 0 and 1 keep ⌈T·k/E⌉ of their T pairs each.
+
+    The expert part then holds fewer rows than the model's s″ = T·k, so the model is an upper
+    bound; the saved bytes differ by the dropped rows' expert tensors only.
+    """
+    moe = dataclasses.replace(_layer_config(32, 64, 8, 2, skewed=True, impl="fused"),
+                              capacity_factor=1.0, drop_policy=drop_policy)
+    measured = measure_layer(moe, 64, F32, 1, "none", peak="profiler")
+    predicted = moe_layer_memory(moe, 64, 4)
+    assert measured.peak_bytes is not None
+    assert measured.saved_bytes < predicted.saved_bytes
+    assert measured.peak_bytes < predicted.peak_bytes

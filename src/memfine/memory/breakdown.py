@@ -18,10 +18,11 @@ def _item(tensor: str, source: str) -> int:
 ASSUMPTIONS = (
     "one device: no expert parallelism, so no all-to-all buffers (all_to_all_bytes = 0)",
     "no padding mask (every token valid) and S = T·k received rows",
-    "dropless routing without group limit, jitter or sequence-wise loss (capacity_factor, "
-    "n_group, router_jitter_eps and seq_aux_loss_coef add router tensors not modelled here); "
-    "shared experts are modelled",
-    "sizes of at most 8 bytes (scalars) are left out of the peak",
+    "every score function, renormalisation, group limit, routed scaling factor and capacity "
+    "are modelled; with capacity every pair is counted as kept (s″ = T·k, an upper "
+    "bound when pairs are dropped); router_jitter_eps and seq_aux_loss_coef add router "
+    "tensors not modelled here; shared experts are modelled",
+    "scalar temporaries (at most 8 bytes) that die before the peak are left out",
     "measured protocol: x exists before and requires grad; parameters have no .grad; the "
     "caller keeps out and MoEAux; out and the two aux losses get gradients that exist before",
     "not modelled: allocator rounding and caching, fragmentation, CUDA context, kernel "
@@ -54,9 +55,11 @@ class MemoryBreakdown:
                                           "our derivation (router in fp32)")
     router_scores_bytes: int = _item("router probabilities (T,E) fp32 (softmax/sigmoid output)",
                                      "MemFine Table 2 (E term)")
-    top_k_index_bytes: int = _item("top-k index (T,k) int64", "docs/design.md §5 (full recompute)")
-    top_k_scores_bytes: int = _item("gathered top-k scores (T,k) fp32 (renormalisation input)",
-                                    "our derivation")
+    top_k_index_bytes: int = _item("top-k index (T,k) int64 (+ capacity's (T,k) bool keep mask)",
+                                   "docs/design.md §5 (full recompute)")
+    top_k_scores_bytes: int = _item("renormalisation's (T,k) fp32 inputs: gathered scores "
+                                    "(softmax), or the log scores' inputs and softmax "
+                                    "(sigmoid, sqrtsoftplus)", "our derivation")
     renorm_sum_bytes: int = _item("per-token score sum (T,1) fp32", "our derivation")
     top_k_weights_bytes: int = _item("routing weights (T,k) D_t", "docs/design.md §5")
     aux_loss_bytes: int = _item("softmax (T,E) + f (E,) fp32 of the load-balancing loss",

@@ -41,6 +41,7 @@ from memfine.dispatch.index import sort_free_max_cells
 from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
 from memfine.timeline import layer as tlm
 from memfine.timeline.base import expert_saved
+from memfine.timeline.scores import renorm_saved
 from memfine.timeline.shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
@@ -109,10 +110,8 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
         items["router_input_copy_bytes"] = T * D * r
         items["router_weight_copy_bytes"] = E * D * r
     items["router_scores_bytes"] = T * E * r
-    items["top_k_index_bytes"] = T * K * 8
-    if moe.renormalize:
-        items["top_k_scores_bytes"] = T * K * r
-        items["renorm_sum_bytes"] = T * r
+    items["top_k_index_bytes"] = T * K * 8 + (T * K if moe.capacity_factor is not None else 0)
+    items.update(renorm_saved(moe, T, r, weights_counted=dt == r and (fused or ckpt)))
     items["top_k_weights_bytes"] = T * K * dt if (fused or ckpt) else 0
     items["aux_loss_bytes"] = T * E * r + E * r
     items["z_loss_bytes"] = T * E * r + T * r

@@ -13,6 +13,7 @@ from __future__ import annotations
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.timeline.base import cat_chunks, engine_sum
+from memfine.timeline.capacity import capacity_backward, capacity_forward
 from memfine.timeline.experts import (
     Shape,
     Timeline,
@@ -24,6 +25,7 @@ from memfine.timeline.experts import (
 )
 from memfine.timeline.fused import fused_backward
 from memfine.timeline.lora import LoRAShape, router_trained
+from memfine.timeline.scores import SCORE_TIMELINES, Sizes
 from memfine.timeline.shared import shared_backward, shared_forward
 
 __all__ = ["Shape", "Timeline", "WeightGrads", "chunk_tokens", "experts_forward",
@@ -40,7 +42,8 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
     out["logits"] = tl.alloc("router.logits", T * E * r)
     if s.cast and not router_trained(s):  # a frozen weight: the matmul does not keep x's copy
         tl.free(out.pop("x32"))
-    out["scores"] = tl.alloc("router.scores", T * E * r)
+    sz, st = Sizes(T, K, E, r), SCORE_TIMELINES[s.moe.score_func]
+    out["scores"] = st.scores(tl, sz)
     # selection: where(bias.any(), scores + bias, logits); the bias buffer stays fp32
     biased = tl.alloc("router.biased_scores", T * E * r)
     flag = tl.alloc("router.bias_any", 1)
@@ -58,24 +61,61 @@ def router_forward(tl: Timeline, s: Shape) -> dict[str, str]:
         out["index"] = order
     tl.free(select)
     out["gathered"] = tl.alloc("router.top_k_scores", T * K * r)
-    weights = out["gathered"]
-    if s.moe.renormalize:
-        out["sum"] = tl.alloc("router.renorm_sum", T * r)
-        weights = out["div"] = tl.alloc("router.renorm_weights", T * K * r)
+    weights = _renormalized(tl, s, out, sz)
+    if s.moe.routed_scaling_factor != 1.0:  # × a wrapped scalar that MulBackward keeps
+        out["scale"] = tl.alloc("router.scale_scalar", 8)
+        scaled = tl.alloc("router.scaled_weights", T * K * r)
+        weights = _drop_unsaved(tl, out, weights, scaled)
+    if s.moe.capacity_factor is not None:
+        masked = capacity_forward(tl, sz, s.moe.drop_policy, out, weights)
+        weights = _drop_unsaved(tl, out, weights, masked)
     shifted = tl.alloc("router.shifted_ids", T * K * 8)  # count_per_expert
     out["counts"] = tl.alloc("router.tokens_per_expert", (E + 2) * 8)
     tl.free(shifted)
     if s.cast:
         out["weights"] = tl.alloc("router.weights", T * K * s.dt)
-        if s.moe.renormalize:  # the fp32 quotient is not saved (div keeps its inputs)
-            tl.free(weights)
-            del out["div"]
-        else:  # the gathered scores are not saved by anyone
-            tl.free(weights)
-            del out["gathered"]
+        _drop_unsaved(tl, out, weights, out["weights"])
     else:
         out["weights"] = weights
     return out
+
+
+def _drop_unsaved(tl: Timeline, rt: dict[str, str], old: str, new: str) -> str:
+    """Free the fp32 weights ``old`` once ``new`` is made from them, unless a node keeps them.
+
+    The ratio's quotient and the plain gathered scores are not saved; the softmax of the log
+    scores is (SoftmaxBackward keeps its result).
+    """
+    if old != rt.get("soft"):
+        tl.free(old)
+        for key in [key for key, name in rt.items() if name == old]:
+            del rt[key]
+    return new
+
+
+def _renormalized(tl: Timeline, s: Shape, rt: dict[str, str], sz: Sizes) -> str:
+    """The k selected weights: the gathered scores, their ratio, or a softmax of log scores."""
+    if not s.moe.renormalize:
+        return rt["gathered"]
+    st = SCORE_TIMELINES[s.moe.score_func]
+    if st.log_renorm is None:  # s_j / Σ s: DivBackward keeps the gathered scores and the sum
+        rt["sum"] = tl.alloc("router.renorm_sum", sz.T * sz.r)
+        rt["div"] = tl.alloc("router.renorm_weights", sz.tk)
+        return rt["div"]
+    rt["top_k_logits"] = tl.alloc("router.top_k_logits", sz.tk)  # GatherBackward keeps logits
+    logs = st.log_renorm(tl, rt, sz)
+    soft = rt["soft"] = tl.alloc("router.renorm_weights", sz.tk)
+    tl.free(logs, rt.pop("gathered"))  # the gathered scores are unused
+    if "top_k_logits_unsaved" in rt:
+        tl.free(rt.pop("top_k_logits_unsaved"))
+        del rt["top_k_logits"]
+    return soft
+
+
+def router_keeps_logits(moe: MoEConfig) -> bool:
+    """True when a router node keeps the (T, E) logits past the z-loss's backward."""
+    st = SCORE_TIMELINES[moe.score_func]
+    return st.logits_saved or (moe.renormalize and st.log_renorm is not None)
 
 
 def losses_forward(tl: Timeline, s: Shape) -> dict[str, str]:
@@ -111,7 +151,8 @@ def losses_backward(tl: Timeline, s: Shape, rt: dict[str, str], ls: dict[str, st
     tl.free(p2, p1, grad)
     sub, ex = tl.alloc("zbwd.sub", T * E * r), tl.alloc("zbwd.exp", T * E * r)
     grad_logits = tl.alloc("zbwd.dlogits", T * E * r)
-    tl.free(ex, sub, dlse, rt["logits"], ls["lse"])
+    tl.free(ex, sub, dlse, *(() if router_keeps_logits(s.moe) else (rt["logits"],)),
+            ls["lse"])
     grad_p = tl.alloc("lbwd.dp", E * r)
     tl.free(ls["f"])
     grad_probs = tl.alloc("lbwd.dprobs", T * E * r)
@@ -129,19 +170,34 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
     if s.cast:  # ToCopyBackward of the final weight cast
         grad = tl.alloc("rbwd.dweights_fp32", T * K * r)
         tl.free(grad_weights)
-    if s.moe.renormalize:
-        t1, t2 = tl.alloc("rbwd.div1", T * K * r), tl.alloc("rbwd.div2", T * K * r)
-        t3, t4 = tl.alloc("rbwd.neg", T * K * r), tl.alloc("rbwd.mul", T * K * r)
-        tl.free(t3, t2, t1)
-        d_self, d_sum = tl.alloc("rbwd.dself", T * K * r), tl.alloc("rbwd.dsum", T * r)
-        tl.free(t4, grad, rt["sum"], rt["gathered"])
-        grad = engine_sum(tl, d_self, d_sum)  # SumBackward's expand of d_sum, added in place
-    # gather_backward: zeros, then scatter_add_ into them (in place)
-    scattered = tl.alloc("rbwd.dscores", T * E * r)
-    tl.free(grad)  # the top-k index stays: the routing replay's record holds it with the graph
-    grad_scores = tl.alloc("rbwd.dlogits", T * E * r)
-    tl.free(scattered, rt["scores"])
-    acc = engine_sum(tl, grad_logits, grad_scores)
+    if "keep" in rt:
+        grad = capacity_backward(tl, Sizes(T, K, E, r), rt, grad)
+    if "scale" in rt:  # MulBackward: grad × the kept scalar
+        scaled = tl.alloc("rbwd.dscaled", T * K * r)
+        tl.free(grad, rt["scale"])
+        grad = scaled
+    sz, st = Sizes(T, K, E, r), SCORE_TIMELINES[s.moe.score_func]
+    if s.moe.renormalize and st.log_renorm_backward is not None:
+        dsoft = tl.alloc("rbwd.dsoftmax", T * K * r)
+        tl.free(grad, rt["soft"])
+        grad = st.log_renorm_backward(tl, rt, sz, dsoft)
+        scattered = tl.alloc("rbwd.dlogits", T * E * r)  # the gathered logits' gradient
+        tl.free(grad)  # the scores' backward never runs: the scores (and logits it keeps) stay
+        if not st.logits_saved:
+            tl.free(rt["logits"])
+        acc = engine_sum(tl, grad_logits, scattered)
+    else:
+        if s.moe.renormalize:
+            t1, t2 = tl.alloc("rbwd.div1", T * K * r), tl.alloc("rbwd.div2", T * K * r)
+            t3, t4 = tl.alloc("rbwd.neg", T * K * r), tl.alloc("rbwd.mul", T * K * r)
+            tl.free(t3, t2, t1)
+            d_self, d_sum = tl.alloc("rbwd.dself", T * K * r), tl.alloc("rbwd.dsum", T * r)
+            tl.free(t4, grad, rt["sum"], rt["gathered"])
+            grad = engine_sum(tl, d_self, d_sum)  # SumBackward's expand of d_sum, in place
+        # gather_backward: zeros, then scatter_add_ into them (in place)
+        scattered = tl.alloc("rbwd.dscores", T * E * r)
+        tl.free(grad)  # the top-k index stays: the routing replay's record holds it
+        acc = engine_sum(tl, grad_logits, st.scores_backward(tl, rt, sz, scattered))
     trained = router_trained(s)  # a LoRA layer's router is frozen unless trained
     if trained:
         tl.alloc("grad.router_weight_fp32" if s.cast else "grad.router_weight", E * D * r)
@@ -196,7 +252,9 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
                                    frozen=lora is not None and not lora.train_attention)
     ls = losses_forward(tl, s)
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead
-    if not weights_held:
+    # SoftmaxBackward of the log scores keeps the weights: the router's backward frees them
+    weights_held = weights_held and rt["weights"] != rt.get("soft")
+    if not weights_held and rt["weights"] != rt.get("soft"):
         tl.free(rt["weights"])
     if not keep_aux:  # the caller drops MoEAux (tokens_per_expert) after forward
         tl.free(rt["counts"])
