@@ -17,6 +17,7 @@ from memfine.config.base import (
     ScoreFunc,
 )
 from memfine.config.routing import RouteOptions
+from memfine.units import INT64_MAX
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -157,8 +158,6 @@ unchanged (the coarse d 512, n 1024 layer: 630) and keep the fused peak below th
 layers' at the suite's shapes, where 1,024 rows did not. A set ``backward_block_bytes`` (of any
 value, 16 MiB included), a budget's smaller blocks and the tests' tiny blocks are taken as they
 are: the default is None, never recognised by its byte size."""
-
-INT64_MAX = 2**63 - 1
 
 
 def check_block_bytes(block_bytes: object, row_bytes: int, where: str) -> None:
