@@ -22,7 +22,7 @@ measured): ``time_ms`` fwd + bwd, ``time_ms_fwd``, ``time_ms_bwd`` (median of ``
 ``kernel_time_ms`` (CUDA kernels of one call in a ``torch.profiler`` trace, and their summed
 device time), ``memcpy_memset_count``; ``cuda_host_syncs`` (warnings under
 ``torch.cuda.set_sync_debug_mode("warn")`` during one call); ``non_view_ops`` and
-``host_syncs_counted`` (:class:`memfine.measure.OpCounter`, the counts suite's model of what a
+``host_syncs_counted`` (:class:`memfine.counts.OpCounter`, the counts suite's model of what a
 GPU runs); ``peak_bytes`` against ``predicted_peak_bytes`` (the memory model; layer methods
 only) and their ``peak_gap_over_measured``; ``max_abs_diff_vs_fused`` of the output. A CUDA-only
 metric on the CPU is a row with status ``skipped: no CUDA (dry run)``; a method that cannot run

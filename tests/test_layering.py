@@ -21,8 +21,9 @@ import memfine
 SRC = Path(memfine.__file__).parent
 
 BASE = {"config", "units", "_checks", "environment"}
-ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "ops", "triton_kernels",
-                       "experts", "parallel", "schedule", "timeline", "memory"}
+ALL_BELOW_NN = BASE | {"_optional", "counts", "measure", "routing", "dispatch", "ops",
+                       "triton_kernels", "experts", "parallel", "schedule", "timeline",
+                       "layer_timeline", "memory"}
 ALLOWED: dict[str, set[str]] = {
     "units": set(),
     "_checks": set(),
@@ -31,7 +32,10 @@ ALLOWED: dict[str, set[str]] = {
     "environment": set(),
     "reference": BASE,
     "data": BASE,
-    "measure": BASE,
+    # what a GPU would pay, counted on the CPU (ATen ops, host syncs, roofline floors)
+    "counts": BASE,
+    # measured bytes; re-exports counts' OpCounter
+    "measure": {"counts"} | BASE,
     "routing": BASE,
     "dispatch": {"routing"} | BASE,
     "triton_kernels": {"_optional"},
@@ -40,7 +44,9 @@ ALLOWED: dict[str, set[str]] = {
     "experts": {"ops", "dispatch", "_optional", "triton_kernels"} | BASE,
     # prediction: replays the code's allocations from configs; never imports the code it models
     "timeline": {"dispatch"} | BASE,
-    "memory": {"timeline", "dispatch"} | BASE,
+    # one whole MoE layer's timeline (router, routed and shared experts, combine)
+    "layer_timeline": {"timeline"} | BASE,
+    "memory": {"layer_timeline", "timeline", "dispatch"} | BASE,
     # whole training layouts: pipeline stages, presets, the layout search (prediction only)
     "plan": {"memory"} | BASE,
     # the commands that run a planned layout (memfine train, torchtitan's trainer)

@@ -1,6 +1,6 @@
 """Every bf16 ``torch._grouped_mm`` call memfine makes would take CUDA's CUTLASS fast path.
 
-Counted with :class:`memfine.measure.ops_count.OpCounter` on the CPU, whose rule check reads each
+Counted with :class:`memfine.counts.ops_count.OpCounter` on the CPU, whose rule check reads each
 call's real operands (16-byte-aligned pointers and strides, < 1024 groups, the 2-D/3-D layout
 and empty-group rules of PyTorch's CUDA kernel). Covers the fused forward and backward (several
 row blocks, chunked), the plain path and its weight gradients, the transformers experts backend
@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from memfine.config import ChunkConfig, MoEConfig
-from memfine.measure.grouped_mm_rules import GroupedMMCall
-from memfine.measure.ops_count import OpCounter
+from memfine.counts.grouped_mm_rules import GroupedMMCall
+from memfine.counts.ops_count import OpCounter
 from memfine.nn import MoELayer
 
 BF16 = torch.bfloat16

@@ -85,7 +85,7 @@ def test_bf16_weight_grads_are_written_once_without_products_to_copy() -> None:
     row-major B), which is the gradient buffer itself; every other block writes its whole
     experts with per-expert ``addmm_`` straight into their slices (no product, no copy), and
     experts cut by a block edge add fp32 products."""
-    from memfine.measure.ops_count import OpCounter
+    from memfine.counts.ops_count import OpCounter
 
     row_bytes = (3 * 16 + 3 * 8 + 16) * 2
     for E, rows, first_grouped in ((8, 10, False), (32, 10, False), (8, 24, True)):

@@ -1,15 +1,15 @@
 """Measure what a forward + backward actually allocated.
 
-Saved-for-backward bytes (saved-tensor hooks), peak live bytes (a storage tracker on the CPU,
-allocator statistics on CUDA, or torch.profiler's allocator events on the CPU), and what a GPU
-would pay: ATen ops, host syncs and ``torch._grouped_mm`` calls against CUDA's fast-path rules
-(:class:`OpCounter`).
+Saved-for-backward bytes (saved-tensor hooks) and peak live bytes (a storage tracker on the CPU,
+allocator statistics on CUDA, or torch.profiler's allocator events on the CPU). What a GPU would
+pay (ATen ops, host syncs, roofline floors) is counted in :mod:`memfine.counts`, whose
+:class:`OpCounter` and friends are re-exported here.
 
 Reference: docs/design.md §8; docs/style.md §7.
 """
 
-from memfine.measure.grouped_mm_rules import GroupedMMCall, cuda_grouped_mm_call
-from memfine.measure.ops_count import OpCounter, PhaseCounts
+from memfine.counts.grouped_mm_rules import GroupedMMCall, cuda_grouped_mm_call
+from memfine.counts.ops_count import OpCounter, PhaseCounts
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.measure.profiled import ProfiledPeakMemory, profiled_peak_bytes
 from memfine.measure.report import (

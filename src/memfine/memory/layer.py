@@ -4,7 +4,7 @@ Saved-for-backward bytes are closed-form sums over the tensors memfine's code sa
 routing losses, and the expert path of each execution mode); they equal what saved-tensor hooks
 measure (:class:`memfine.measure.saved.SavedTensorsTracker`) exactly. Peak bytes come from an
 allocation timeline that replays the layer's forward and backward step by step
-(:mod:`memfine.timeline.layer`); they equal the allocations torch.profiler records
+(:mod:`memfine.layer_timeline.layer`); they equal the allocations torch.profiler records
 (:class:`memfine.measure.profiled.ProfiledPeakMemory`). The live-storage tracker
 (:class:`memfine.measure.peak.PeakMemoryTracker`) sees the same except where its dispatch mode
 makes autograd work out of place (the engine's sum of two gradients of one tensor, gather and
@@ -38,11 +38,11 @@ import dataclasses
 
 from memfine.config import MoEConfig
 from memfine.dispatch.index import sort_free_max_cells
+from memfine.layer_timeline import layer as tlm
+from memfine.layer_timeline.shared import shared_saved_items
 from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
-from memfine.timeline import layer as tlm
 from memfine.timeline.base import expert_saved
 from memfine.timeline.scores import renorm_saved
-from memfine.timeline.shared import shared_saved_items
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -134,7 +134,7 @@ def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     Args: as :func:`moe_layer_memory`.
 
     Returns:
-        A :class:`memfine.timeline.layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
+        A :class:`memfine.layer_timeline.layer.Timeline`: ``peak``, ``peak_live`` (tensor name →
         bytes alive at the peak), ``marks`` and ``phase_peaks`` (``forward``, ``end``).
 
     Raises:

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
+from memfine.layer_timeline.layer import simulate_layer
 from memfine.memory.layer import saved_items
 from memfine.timeline.experts import chunk_tokens
-from memfine.timeline.layer import simulate_layer
 from memfine.timeline.lora import adapter_saved_bytes
 from memfine.timeline.quant import resident_bytes
 

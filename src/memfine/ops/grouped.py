@@ -288,7 +288,7 @@ def grouped_weight_grad_supported(x_SI: torch.Tensor, grad_y_SO: torch.Tensor,
     The 2-D × 2-D form with offsets along K (the rows): A = Xᵀ, an (I, S) column-major view of
     the row-major X, and B = dY, (S, O) row-major (any row stride, e.g. a column slice of dH).
     That is the one layout whose CUDA kernel accepts groups with no rows (PyTorch's
-    ``prepare_grouped_gemm_data`` in GroupMMCommon.cuh; :mod:`memfine.measure.grouped_mm_rules`);
+    ``prepare_grouped_gemm_data`` in GroupMMCommon.cuh; :mod:`memfine.counts.grouped_mm_rules`);
     the result is a new (E, I, O) tensor, exactly zero for empty groups. Checked without
     allocating: fp32/bf16, the same dtype, CPU or CUDA, both operands with unit column stride
     and row lengths and strides multiples of 16 bytes; on CUDA also 16-byte-aligned storage

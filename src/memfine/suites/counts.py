@@ -1,10 +1,10 @@
 """``counts`` suite: what one MoE layer's forward + backward would cost a GPU, counted on the CPU.
 
 Per method and phase (``fwd``, ``bwd``, ``full`` = both), under
-:class:`memfine.measure.ops_count.OpCounter`: non-view ATen ops (≈ kernel launches), host syncs
+:class:`memfine.counts.ops_count.OpCounter`: non-view ATen ops (≈ kernel launches), host syncs
 by kind, and ``torch._grouped_mm`` calls with how many of them CUDA's CUTLASS fast path would take
 (bf16, 16-byte-aligned pointers and strides, fewer than 1024 groups; see
-:mod:`memfine.measure.grouped_mm_rules`). Each method runs once untimed (lazy set-up), then once
+:mod:`memfine.counts.grouped_mm_rules`). Each method runs once untimed (lazy set-up), then once
 counted. Counts are exact integers: one round, no percentiles.
 
 Methods (same weights, input, routing and incoming gradients within a point):
@@ -30,7 +30,7 @@ Methods (same weights, input, routing and incoming gradients within a point):
 The path counted is the one ``--count-device`` would take (``cuda``, the default: its 512 MiB
 row blocks and its ``index_put_`` combine; ``cpu``: 16 MiB blocks and ``index_add_``). Beside
 ops and syncs each phase has ``hbm_bytes`` and roofline floors ``roofline_ms_h100`` /
-``roofline_ms_h200`` (:mod:`memfine.measure.roofline`), priced at the real dims
+``roofline_ms_h200`` (:mod:`memfine.counts.roofline`), priced at the real dims
 (:func:`dim_map`): models of a GPU, not measurements.
 
 Presets (:data:`PRESETS`): Qwen3-30B-A3B (d 2048, n 768, E 128, k 8) at T 4096 and 16384 and
@@ -79,10 +79,10 @@ from memfine.config import (
     MoEConfig,
     backward_block_rows,
 )
+from memfine.counts.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
+from memfine.counts.roofline import GPUS
 from memfine.environment import Environment
 from memfine.experts import function as fused_function
-from memfine.measure.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
-from memfine.measure.roofline import GPUS
 from memfine.suites import hf
 from memfine.suites.experts import moe_config
 

@@ -6,7 +6,7 @@ paths, the chunk loop and the autograd engine's gradient buffers) as a sequence 
 allocator events show (tensors created inside the measured region); its maximum is the model's
 peak. Autograd adds a later gradient of a tensor into the first one in place
 (:func:`memfine.timeline.base.engine_sum`), as it does without a dispatch mode.
-Integer arithmetic only: nothing is allocated. :mod:`memfine.timeline.layer` adds the
+Integer arithmetic only: nothing is allocated. :mod:`memfine.layer_timeline.layer` adds the
 router, the losses and the layer driver.
 
 Legend: C tokens of one chunk, K = k, E experts, D = d, N = n, G = 2n (gated) or n, S routed rows

@@ -36,7 +36,8 @@ class LoRAShape(Shape):
 
     Attributes:
         lora: the adapters of the routed experts, or None: frozen experts without adapters
-            (the shared experts of a LoRA layer, :func:`memfine.timeline.shared.shared_forward`).
+            (the shared experts of a LoRA layer,
+            :func:`memfine.layer_timeline.shared.shared_forward`).
     """
 
     lora: LoRAConfig | None = None

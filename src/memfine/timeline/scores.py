@@ -3,7 +3,8 @@
 The entries mirror :data:`memfine.routing.scores.SCORE_FUNCTIONS` (same names, checked at
 import): how the (T, E) scores are computed from the logits and what their backward allocates,
 and for elementwise scores how the k selected weights are renormalised as a softmax of the log
-scores at the k gathered logits (softmax's ratio s_j / Σ s is in :mod:`memfine.timeline.layer`).
+scores at the k gathered logits (softmax's ratio s_j / Σ s is in
+:mod:`memfine.layer_timeline.layer`).
 
 Legend: T tokens, K = k, E experts, R router bytes. The allocator's one-element temporaries
 (Python scalars, ``any``) are left out: they never meet a peak.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfine.measure.ops_count import SYNC_KINDS, OpCounter
+from memfine.counts.ops_count import SYNC_KINDS, OpCounter
 
 
 def test_counts_a_known_forward_and_backward_exactly() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfine.measure.ops_count import OpCounter
-from memfine.measure.roofline import GPUS, floor_ms, gpu
+from memfine.counts.ops_count import OpCounter
+from memfine.counts.roofline import GPUS, floor_ms, gpu
 
 
 def test_matmul_and_in_place_traffic_at_mapped_dims() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
+from memfine.layer_timeline.shared import shared_backward, shared_forward
 from memfine.timeline.base import cat_chunks, engine_sum
 from memfine.timeline.capacity import capacity_backward, capacity_forward
 from memfine.timeline.experts import (
@@ -26,7 +27,6 @@ from memfine.timeline.experts import (
 from memfine.timeline.fused import fused_backward
 from memfine.timeline.lora import LoRAShape, router_trained
 from memfine.timeline.scores import SCORE_TIMELINES, Sizes
-from memfine.timeline.shared import shared_backward, shared_forward
 
 __all__ = ["Shape", "Timeline", "WeightGrads", "chunk_tokens", "experts_forward",
            "fused_backward", "plain_backward", "simulate_layer"]

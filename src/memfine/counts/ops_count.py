@@ -30,9 +30,9 @@ What is counted, per phase (:class:`PhaseCounts`):
 
   Calls made inside a wrapped Python-level entry point count once, as that entry point.
 - ``grouped_mm``: every ``aten._grouped_mm`` call, with whether CUDA's CUTLASS fast path would
-  take it (:func:`memfine.measure.grouped_mm_rules.cuda_grouped_mm_call`).
+  take it (:func:`memfine.counts.grouped_mm_rules.cuda_grouped_mm_call`).
 - ``traffic``: per non-view op its FLOPs and the bytes of its tensor inputs and outputs
-  (:mod:`memfine.measure.roofline`), the dims read through the counter's ``dim_map``; summed as
+  (:mod:`memfine.counts.roofline`), the dims read through the counter's ``dim_map``; summed as
   ``hbm_bytes`` and priced per GPU by :meth:`PhaseCounts.roofline_ms`.
 
 Not counted: work outside the dispatcher (Python, the autograd engine's own bookkeeping),
@@ -55,8 +55,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from memfine.measure.grouped_mm_rules import GroupedMMCall, cuda_grouped_mm_call
-from memfine.measure.roofline import floor_ms, op_bytes, op_flops
+from memfine.counts.grouped_mm_rules import GroupedMMCall, cuda_grouped_mm_call
+from memfine.counts.roofline import floor_ms, op_bytes, op_flops
 
 PHASES = ("forward", "backward")
 SYNC_KINDS = ("item", "tolist", "to_cpu", "nonzero", "bool_mask_index", "repeat_interleave",
@@ -90,7 +90,7 @@ class PhaseCounts:
         return sum(b for _, b in self.traffic)
 
     def roofline_ms(self, gpu: str) -> float:
-        """Roofline floor on ``gpu`` (:func:`memfine.measure.roofline.floor_ms`), ms."""
+        """Roofline floor on ``gpu`` (:func:`memfine.counts.roofline.floor_ms`), ms."""
         return floor_ms(self.traffic, gpu)
 
     @property
@@ -172,7 +172,7 @@ class OpCounter(TorchDispatchMode):
         phase: force every count into this phase (``None``: ``backward`` inside an autograd
             graph task, else ``forward``).
         dim_map: counted size → real size for the traffic (bytes and FLOPs) of a stream
-            counted at reduced dims (:mod:`memfine.measure.roofline`); ``None``: as counted.
+            counted at reduced dims (:mod:`memfine.counts.roofline`); ``None``: as counted.
 
     Raises:
         ValueError: for a phase not in :data:`PHASES`.

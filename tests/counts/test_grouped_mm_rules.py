@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memfine.measure.grouped_mm_rules import cuda_grouped_mm_call
+from memfine.counts.grouped_mm_rules import cuda_grouped_mm_call
 
 BF16 = torch.bfloat16
 

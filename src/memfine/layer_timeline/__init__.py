@@ -1,0 +1,10 @@
+"""The allocation timeline of one whole MoE layer, which :mod:`memfine.memory.layer` replays.
+
+- :mod:`memfine.layer_timeline.layer`: router, losses, routed experts and combine, in the order
+  forward and the autograd engine run them (:func:`~memfine.layer_timeline.layer.simulate_layer`).
+- :mod:`memfine.layer_timeline.shared`: the shared (always-on) experts.
+
+The expert path and the router's pieces are in :mod:`memfine.timeline`.
+"""
+
+__all__: list[str] = []  # the modules above are the public faces; nothing is re-exported
