@@ -141,10 +141,9 @@ def _no_dense(r: _Reader, *, qk_norm: int) -> dict[str, Any]:
 
 
 def _olmoe(r: _Reader) -> dict[str, Any]:
-    d = r.int("hidden_size")
-    kv_width = r.int("num_key_value_heads", default=r.int("num_attention_heads")) * r.int(
-        "head_dim", default=d // max(1, r.int("num_attention_heads")))
-    return _no_dense(r, qk_norm=d + kv_width)
+    out = _no_dense(r, qk_norm=0)  # OLMoE normalises q and k over their whole widths
+    out["attention_params"] += out["hidden_size"] + out["num_kv_heads"] * out["head_dim"]
+    return out
 
 
 PARSERS: dict[str, Callable[[_Reader], dict[str, Any]]] = {

@@ -1,10 +1,8 @@
 """A parallel layout of an MoE transformer: the plan's inputs and the pipeline's layer placement.
 
 :class:`PlanConfig` holds a model (:class:`memfine.plan.presets.ModelPreset`), the device
-memory and one layout: tensor-, pipeline-, expert-, data- and context-parallel sizes t, p, e, dp,
-cp (devices N = t·p·dp·cp; e divides E and t·dp·cp), virtual stages v, micro-batch b, sequence
-length s, recompute mode and MACT's bins. :func:`stage_layers` places the layers on pipeline
-ranks; :func:`in_flight_chunks` is MemFine's m_g.
+memory and one layout (t, p, e, dp, cp, v, b, s, recompute, bins: its attributes);
+:func:`stage_layers` places the layers on pipeline ranks; :func:`in_flight_chunks` is m_g.
 
 Reference: MemFine (arXiv 2511.21431) Eq. 2 (m_g), §5; Megatron-LM's interleaved schedule.
 """

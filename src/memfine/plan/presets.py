@@ -193,11 +193,8 @@ def _paper_setting(p: int, static_memory: str | None) -> RunSetting:
         static_memory=static_memory, t=1, p=p, e=32 // p, dp=32 // p, cp=1)
 
 
-# DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 (80 GB), PP 16, EP 64 over 8 nodes,
-# ZeRO-1 data parallelism, no tensor parallelism, 4K sequences, global batch 15,360 after the
-# ramp; AdamW moments in BF16 with FP32 master weights and gradients (4 + 2 + 2 = 8 optimizer
-# bytes). Assumed: bf16 activations (the report runs its GEMMs in FP8), b = 1, full recompute
-# (the report recomputes RMSNorm and the MLA up-projections), 1F1B (the report uses DualPipe).
+# What the report runs instead of the assumed values: docs/plan.md. Optimizer bytes: FP32
+# master weights 4 + BF16 AdamW moments 2 + 2 = 8.
 _DEEPSEEK_V3 = _setting(
     "DeepSeek-V3 technical report §3.2-3.3: 2,048 H800 80 GB, PP 16, EP 64, ZeRO-1 DP, no TP, "
     "s=4096, batch 15,360, BF16 AdamW moments with FP32 master weights and gradients; assumed: "
@@ -264,7 +261,7 @@ def custom_model(sizes: dict[str, Any]) -> ModelPreset:
     hd = sizes.get("head_dim", d // heads if heads > 0 else 0)
     full = {"num_dense_layers": 0, "dense_intermediate_size": 0, "num_shared_experts": 0,
             "shared_intermediate_size": 0, "vocab_size": 32000, "num_kv_heads": kv,
-            "head_dim": hd, "attention_params": 2 * d * heads * hd + 2 * d * kv * hd, **sizes}
+            "head_dim": hd, "attention_params": _gqa_params(d, heads, kv, hd), **sizes}
     return ModelPreset(name="custom", tied_embeddings=False, source="explicit sizes", **full)
 
 

@@ -1,19 +1,10 @@
 """Which layout fits: enumerate the valid layouts on N devices, plan each, rank those that fit.
 
-A layout is (t, p, e, dp, cp, b, recompute, bins) with v = 1 (1F1B). Valid means:
-N = t·p·dp·cp; t ∈ {1, 2, 4, 8} divides the attention heads; cp ∈ {1, 2}; p ≤ L; e divides E
-and t·dp·cp (expert tensor parallelism 1, as Megatron-Core); dp·b divides the global batch.
-Each is planned at the worst routing skew e·min(k, E/e)/k (:mod:`memfine.plan.stage`) and kept
-when every pipeline stage fits.
-
-Cost (lower is better), relative time per step on the same devices, communication not modelled:
-``(1 + r) · (m + p − 1) / m``. r = recomputed forward FLOPs / (3 × forward FLOPs): every layer's
-forward under ``full``, the routed experts' forward under ``experts``, 0 under ``none``
-(forward FLOPs per token: 2 per parameter of the layer's matmuls plus causal attention
-2·s·a·h_d; training = 3 × forward). (m + p − 1)/m is the 1F1B schedule's time over its ideal,
-bubble fraction (p − 1)/(m + p − 1), with m = global batch / (dp·b) micro-batches.
-:data:`RANK_RULE` breaks ties. Layouts that differ only in bins no stage uses (the same c
-everywhere, so the same plan) are merged into the one with fewer bins.
+A layout is (t, p, e, dp, cp, b, recompute, bins) with v = 1 (1F1B) and expert tensor
+parallelism 1 (as Megatron-Core); which are valid, the cost (1 + r)·(m + p − 1)/m (lower is
+better; :func:`layout_cost`), :data:`RANK_RULE` and the merging of layouts that differ only in
+unused bins are explained in docs/plan.md (``--search``). Each layout is planned at the worst
+routing skew e·min(k, E/e)/k (:mod:`memfine.plan.stage`) and kept when every stage fits.
 
 Reference: MemFine Eq. 1-3, 8, 9; Narayanan et al., "Efficient Large-Scale Language Model Training
 on GPU Clusters Using Megatron-LM" (2021), §2.2 (1F1B bubble) and §3.5 (FLOPs, recomputation).
@@ -104,7 +95,11 @@ def forward_flops_per_token(model: ModelPreset, seq_len: int) -> tuple[int, int,
 
 
 def layout_cost(cfg: PlanConfig) -> Cost:
-    """The ranking cost of one layout (module docstring); m = p·4 when no global batch is set.
+    """The ranking cost of one layout: relative time per step, communication not modelled.
+
+    r = recomputed forward FLOPs / (3 × forward FLOPs): every layer's forward under ``full``, the
+    routed experts' forward under ``experts``, 0 under ``none``. m = global batch / (dp·b)
+    micro-batches, p·4 when no global batch is set.
 
     Reference: Megatron-LM (Narayanan et al. 2021) §2.2: 1F1B bubble (p − 1)/m of the ideal.
     """
@@ -180,8 +175,6 @@ def valid_device_counts(base: PlanConfig) -> tuple[int, ...] | None:
 
 def nearest_valid_devices(base: PlanConfig, devices: int) -> tuple[int | None, int | None]:
     """The nearest device counts below and above ``devices`` that have a valid layout.
-
-    Computed from :func:`valid_device_counts` once (a bisect), so any N answers at once.
 
     Returns:
         (the largest N' < N, the smallest N' > N) with at least one layout of :func:`layouts`;

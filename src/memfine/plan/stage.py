@@ -5,20 +5,18 @@ Static memory (Eq. 1, our reading of Megatron mixed precision): per parameter D_
 (fp32 master weights + Adam moments: 12), the latter sharded over the data-parallel group with the
 distributed optimizer (dense parameters over dp·cp, expert parameters over t·dp·cp/e).
 
-Activations (Eq. 2, MemFine Table 2), bytes of one layer and micro-batch, each divided by t·cp:
-attention/router part D_t·b·s·(5d + a·h_d + 2·k_a·h_d + E) and expert part D_t·b·s′·(2d + 2n);
-we count the received rows per micro-batch and device, s″ = b·s·k·skew/(t·cp), at D_t·(2d + 2n)
-bytes each (the same product). Our additions,
-by the same rule: a dense FFN layer D_t·b·s·(2d + 2n_dense), shared experts
-D_t·b·s·n_shared·(2d + 2n_shared), and the layer input D_t·b·s·d that full recomputation keeps.
+Activations (Eq. 2 and Table 2 as docs/design.md §4 states them), bytes of one layer and
+micro-batch, each divided by t·cp; the expert part counts the received rows per micro-batch and
+device, s″ = b·s·k·skew/(t·cp), at D_t·(2d + 2n) bytes each. Our additions, by the same rule: a
+dense FFN layer D_t·b·s·(2d + 2n_dense), shared experts D_t·b·s·n_shared·(2d + 2n_shared), and
+the layer input D_t·b·s·d that full recomputation keeps.
 In-flight model chunks m_g: p − r for the 1F1B schedule (v = 1), v·p + p − 2r − 1 interleaved.
 
 Recompute modes: ``none`` keeps every layer of the m_g in-flight chunks (chunking cannot help);
 ``full`` keeps the layer inputs and recomputes one layer at a time (MemFine: m_g = 1 for the
 recomputed layer), its expert part in c chunks; ``experts`` keeps the attention part of every
 in-flight layer and recomputes the expert part one chunk at a time.
-Eq. 8: s′_max = ⌊(α·M − M_sta − F)/R⌋ with F the activation that does not scale with s′ and R the
-bytes per received row; Eq. 9: c = ⌈s″/s′_max⌉ rounded up to the bins.
+Eq. 8: s′_max = ⌊(α·M − M_sta − F)/R⌋ (F, R: :func:`activation_split`); Eq. 9: ⌈s″/s′_max⌉ binned.
 
 Reference: MemFine (arXiv 2511.21431) Eq. 1-3, 8, 9, Table 2; docs/design.md §4.
 """
@@ -168,11 +166,6 @@ def recv_rows(cfg: PlanConfig, skew: float) -> int:
     return math.ceil(balanced * min(skew, cfg.worst_skew) / (cfg.t * cfg.cp))
 
 
-def smallest_device_memory(static: int, activation: int, alpha: float) -> int:
-    """Least M_device with M_sta + M_act ≤ α·M_device (MemFine Eq. 3), bytes."""
-    return math.ceil((static + activation) / alpha)
-
-
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SkewPlan:
     """One pipeline stage at one routing skew: what MACT picks and what it costs (bytes as ints).
@@ -263,7 +256,7 @@ def _skew_plan(cfg: PlanConfig, skew: float, static: int, split: tuple[int, int,
         skew=skew, recv_rows=rows, chunks_needed=needed, num_chunks=c, activation_bytes=at_c,
         activation_unchunked_bytes=act(rows, 1), activation_max_chunks_bytes=at_max,
         total_bytes=static + at_c, fits=static + at_c <= budget,
-        min_device_memory_bytes=smallest_device_memory(static, at_max, cfg.alpha))
+        min_device_memory_bytes=math.ceil((static + at_max) / cfg.alpha))  # Eq. 3
 
 
 def plan_stage(cfg: PlanConfig, rank: int) -> StagePlan:
