@@ -15,8 +15,6 @@ from typing import Any, cast
 
 import torch
 
-from memfine.experts.lora import LoRABackward, LoRAForward, LoRASpec
-from memfine.experts.quant import QuantizedBase
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
@@ -24,6 +22,8 @@ from memfine.experts.rows import (
     forward_rows,
     row_blocks,
 )
+from memfine.lora.adapters import LoRABackward, LoRAForward, LoRASpec
+from memfine.lora.quant import QuantizedBase
 from memfine.ops.activations import (
     Activation,
     activation_and_gate,
@@ -79,12 +79,12 @@ class FusedOptions:
         block_rows: rows per block of the streamed forward and backward (≥ 1; clamped to 1).
         weight_grads: the chunk loop's shared weight-gradient buffers, or None (the Function
             returns its own).
-        lora: split-LoRA adapters (:class:`memfine.experts.lora.LoRASpec`); their tensors
+        lora: split-LoRA adapters (:class:`memfine.lora.adapters.LoRASpec`); their tensors
             follow the :data:`PARAMS` in ``params``. None: no adapters.
         host_offsets: the E + 1 expert_token_offsets as Python ints, read once in the forward
             (:attr:`memfine.dispatch.RoutingIndex.host_offsets`), so the backward makes no host
             read; None: the backward reads them once itself (eager) or runs the traced path.
-        quant: a frozen 4-bit base (:class:`memfine.experts.quant.QuantizedBase`) read in place
+        quant: a frozen 4-bit base (:class:`memfine.lora.quant.QuantizedBase`) read in place
             of the w_up / w_down inputs (passed as None), each row block dequantising its
             experts; None: the inputs are the weights.
     """

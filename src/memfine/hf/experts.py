@@ -30,10 +30,10 @@ from memfine.config import Activation, ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.experts import autocast_operands, compute_element_size, run_experts
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
 from memfine.experts.run import grouped_up_projection
 from memfine.hf.layout import ExpertsPlan, ExpertWeights
+from memfine.lora.adapters import ExpertLoRA
 from memfine.nn.lora import LoRAChunkPolicy
 from memfine.ops import GroupedMatmulFunction, combine_rows, gather_rows
 from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads

@@ -24,9 +24,9 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig, Recompute
 from memfine.config.lora import LoRAConfig, check_lora_rank
 from memfine.dispatch import build_routing_index
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
-from memfine.experts.quant import NF4Experts, QuantizedBase
+from memfine.lora.adapters import ExpertLoRA
+from memfine.lora.quant import NF4Experts, QuantizedBase
 from memfine.memory.lora import lora_layer_memory
 from memfine.nn.experts import GroupedExperts
 from memfine.schedule.chunked import run_chunked
