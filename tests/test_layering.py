@@ -21,8 +21,9 @@ import memfine
 SRC = Path(memfine.__file__).parent
 
 BASE = {"config", "units", "_checks", "environment"}
-ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "ops", "triton_kernels",
-                       "lora", "experts", "parallel", "schedule", "timeline", "memory"}
+ALL_BELOW_NN = BASE | {"_optional", "measure", "routing", "dispatch", "activations", "ops",
+                       "triton_kernels", "lora", "experts", "parallel", "schedule", "timeline",
+                       "memory"}
 ALLOWED: dict[str, set[str]] = {
     "units": set(),
     "_checks": set(),
@@ -35,11 +36,13 @@ ALLOWED: dict[str, set[str]] = {
     "routing": BASE,
     "dispatch": {"routing"} | BASE,
     "triton_kernels": {"_optional"},
-    "ops": {"dispatch", "_optional", "triton_kernels"} | BASE,
+    # the expert activations' table and their closed-form backward (MoEBlaze §4)
+    "activations": BASE,
+    "ops": {"activations", "dispatch", "_optional", "triton_kernels"} | BASE,
     # the split LoRA's adapter math and the 4-bit (NF4) base, below the experts path
     "lora": {"ops", "_optional"} | BASE,
     # the experts path: run_experts (plain or fused), the fused Function (MoEBlaze §4), split LoRA
-    "experts": {"ops", "lora", "dispatch", "_optional", "triton_kernels"} | BASE,
+    "experts": {"activations", "ops", "lora", "dispatch", "_optional", "triton_kernels"} | BASE,
     # prediction: replays the code's allocations from configs; never imports the code it models
     "timeline": {"dispatch"} | BASE,
     "memory": {"timeline", "dispatch"} | BASE,
@@ -53,9 +56,10 @@ ALLOWED: dict[str, set[str]] = {
     # what the transformers backend runs on HF experts modules' weights (the transformers experts
     # interface hands it routed tokens, not an MoELayer), so it may import dispatch and schedule
     # as nn does.
-    "hf": {"nn", "ops", "lora", "experts", "dispatch", "schedule", "memory", "_optional"} | BASE,
-    "integrations": {"hf", "nn", "ops", "lora", "experts", "dispatch", "schedule", "memory",
-                     "_optional"} | BASE,
+    "hf": {"nn", "activations", "ops", "lora", "experts", "dispatch", "schedule", "memory",
+           "_optional"} | BASE,
+    "integrations": {"hf", "nn", "activations", "ops", "lora", "experts", "dispatch",
+                     "schedule", "memory", "_optional"} | BASE,
     # what a run reports: metrics, the memory log, progress, evaluation; tqdm/matplotlib/
     # tensorboard are optional extras, loaded through _optional.
     "reports": {"nn", "data", "memory", "measure", "_optional"} | BASE,

@@ -15,6 +15,11 @@ from typing import Any, cast
 
 import torch
 
+from memfine.activations import (
+    Activation,
+    activation_and_gate,
+    activation_backward,
+)
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
@@ -24,11 +29,6 @@ from memfine.experts.rows import (
 )
 from memfine.lora.adapters import LoRABackward, LoRAForward, LoRASpec
 from memfine.lora.quant import QuantizedBase
-from memfine.ops.activations import (
-    Activation,
-    activation_and_gate,
-    activation_backward,
-)
 from memfine.ops.combine import scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
 from memfine.ops.up_projection import up_input_grad
@@ -74,7 +74,7 @@ class FusedOptions:
     """The non-tensor inputs of :class:`FusedExpertsFunction`, in one frozen structure.
 
     Attributes:
-        activation: a name or a :class:`memfine.ops.activations.GatedActivation`.
+        activation: a name or a :class:`memfine.config.GatedActivation`.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
         block_rows: rows per block of the streamed forward and backward (≥ 1; clamped to 1).
         weight_grads: the chunk loop's shared weight-gradient buffers, or None (the Function
@@ -114,7 +114,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     buffers, host offsets); ``params`` follow :data:`PARAMS`: ``w_up_EDG``, ``w_down_END``,
     ``b_up_EG`` (E, G), ``b_down_ED`` (E, d), ``w_up_second_EDN``; the biases are optional
     (None: no bias); the activation is a name or a
-    :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped, interleaved SwiGLU).
+    :class:`memfine.config.GatedActivation` (e.g. GPT-OSS's clamped, interleaved SwiGLU).
 
     ``w_up_second_EDN`` (E, d, n) is None or the up half of a gated
     up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and

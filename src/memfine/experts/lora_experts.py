@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from memfine.activations import Activation
 from memfine.config.lora import check_lora_rank
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
 from memfine.experts.run import autocast_operands, block_rows_of, check_expert_inputs
 from memfine.lora.adapters import ExpertLoRA
 from memfine.lora.quant import QuantizedBase
-from memfine.ops.activations import Activation
 from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.weight_grads import WeightGradBuffers
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfine.ops.activations import Activation, apply_activation
+from memfine.activations import Activation, apply_activation
 from memfine.ops.grouped import grouped_mm
 from memfine.ops.up_projection import up_project
 
