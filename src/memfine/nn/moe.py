@@ -16,11 +16,12 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.nn.experts import GroupedExperts
-from memfine.nn.lora import LoRAChunkPolicy, LoRAGroupedExperts
+from memfine.nn.lora import LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
 from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
 from memfine.routing.precision import count_per_expert
 from memfine.routing.router import RoutingResult
+from memfine.schedule.lora_policy import LoRAChunkPolicy
 from memfine.schedule.policy import ChunkDecision, ChunkPolicy
 
 # A layer built without a chunk config runs its experts in one piece without recomputation.
