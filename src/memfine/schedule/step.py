@@ -1,9 +1,10 @@
-"""A step plan's layers as chunk policies that re-decide c from the rows each call receives.
+"""A batch's step plan, and its layers as chunk policies that re-decide c from received rows.
 
-The step plan (:class:`memfine.memory.step.StepPlanner`) chooses every layer's recompute mode
-and chunk count from T·k rows per layer. Under expert parallelism a rank may receive more rows
-(s″ > T·k), and the plan alone would not see them. :func:`step_layer_policies` turns the plan
-into one budgeted :class:`ChunkPolicy` per layer (MACT inside the plan, MemFine §4.2):
+The step plan (:func:`plan_step`, :class:`memfine.memory.step.StepPlanner`) chooses every
+layer's recompute mode and chunk count from T·k rows per layer. Under expert parallelism a rank
+may receive more rows (s″ > T·k), and the plan alone would not see them.
+:func:`step_layer_policies` turns the plan into one budgeted :class:`ChunkPolicy` per layer
+(MACT inside the plan, MemFine §4.2):
 
 - the layer's share of the step budget is its own predicted peak at the plan's c with s″ = T·k
   rows (and the transport's rows) plus the plan's slack, the step budget minus the plan's
