@@ -21,9 +21,9 @@ import memfine
 SRC = Path(memfine.__file__).parent
 
 BASE = {"config", "units", "_checks", "environment"}
-ALL_BELOW_NN = BASE | {"_optional", "counts", "measure", "routing", "dispatch", "ops",
-                       "triton_kernels", "experts", "parallel", "schedule", "timeline",
-                       "layer_timeline", "memory"}
+ALL_BELOW_NN = BASE | {"_optional", "counts", "measure", "routing", "dispatch", "activations",
+                       "ops", "triton_kernels", "lora", "experts", "parallel", "schedule",
+                       "timeline", "layer_timeline", "memory"}
 ALLOWED: dict[str, set[str]] = {
     "units": set(),
     "_checks": set(),
@@ -39,9 +39,13 @@ ALLOWED: dict[str, set[str]] = {
     "routing": BASE,
     "dispatch": {"routing"} | BASE,
     "triton_kernels": {"_optional"},
-    "ops": {"dispatch", "_optional", "triton_kernels"} | BASE,
+    # the expert activations' table and their closed-form backward (MoEBlaze §4)
+    "activations": BASE,
+    "ops": {"activations", "dispatch", "_optional", "triton_kernels"} | BASE,
+    # the split LoRA's adapter math and the 4-bit (NF4) base, below the experts path
+    "lora": {"ops", "_optional"} | BASE,
     # the experts path: run_experts (plain or fused), the fused Function (MoEBlaze §4), split LoRA
-    "experts": {"ops", "dispatch", "_optional", "triton_kernels"} | BASE,
+    "experts": {"activations", "ops", "lora", "dispatch", "_optional", "triton_kernels"} | BASE,
     # prediction: replays the code's allocations from configs; never imports the code it models
     "timeline": {"dispatch"} | BASE,
     # one whole MoE layer's timeline (router, routed and shared experts, combine)
@@ -51,15 +55,16 @@ ALLOWED: dict[str, set[str]] = {
     "plan": {"memory"} | BASE,
     # the commands that run a planned layout (memfine train, torchtitan's trainer)
     "launch": {"plan"} | BASE,
-    "parallel": {"ops", "experts", "dispatch", "schedule", "memory"} | BASE,
+    "parallel": {"ops", "lora", "experts", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "experts", "dispatch", "memory"} | BASE,
     "nn": ALL_BELOW_NN,
     # what the transformers backend runs on HF experts modules' weights (the transformers experts
     # interface hands it routed tokens, not an MoELayer), so it may import dispatch and schedule
     # as nn does.
-    "hf": {"nn", "ops", "experts", "dispatch", "schedule", "memory", "_optional"} | BASE,
-    "integrations": {"hf", "nn", "ops", "experts", "dispatch", "schedule", "memory",
-                     "_optional"} | BASE,
+    "hf": {"nn", "activations", "ops", "lora", "experts", "dispatch", "schedule", "memory",
+           "_optional"} | BASE,
+    "integrations": {"hf", "nn", "activations", "ops", "lora", "experts", "dispatch",
+                     "schedule", "memory", "_optional"} | BASE,
     # what a run reports: metrics, the memory log, progress, evaluation; tqdm/matplotlib/
     # tensorboard are optional extras, loaded through _optional.
     "reports": {"nn", "data", "memory", "measure", "_optional"} | BASE,

@@ -31,7 +31,7 @@ def _relu(v: torch.Tensor) -> torch.Tensor:
 
 REFERENCE_GATES = {"silu": _silu, "gelu": lambda v, alpha: _gelu(v)}
 """f_α(gate) per ``GatedActivation.gate_fn``, written out independently of
-``memfine.ops.activations.GATE_FUNCTIONS`` (gelu takes α = 1 only)."""
+``memfine.activations.GATE_FUNCTIONS`` (gelu takes α = 1 only)."""
 
 
 def _gated(h: torch.Tensor, spec: GatedActivation) -> torch.Tensor:
@@ -61,7 +61,7 @@ REFERENCE_ACTIVATIONS: dict[str, Any] = {
     "relu2": lambda h: _relu(h) * _relu(h),
 }
 """Every named activation written out from its formula (independent of
-``memfine.ops.activations.ACTIVATIONS``)."""
+``memfine.activations.ACTIVATIONS``)."""
 
 for _names, _table, _what in ((get_args(ActivationName), REFERENCE_ACTIVATIONS,
                                "REFERENCE_ACTIVATIONS"),

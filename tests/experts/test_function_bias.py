@@ -15,11 +15,11 @@ import pytest
 import torch
 
 from devices import triton_cpu
+from memfine.activations import activation_backward, apply_activation
 from memfine.config import GatedActivation
 from memfine.dispatch import build_routing_index
 from memfine.experts import run_experts
 from memfine.measure.saved import track_saved_tensors
-from memfine.ops.activations import activation_backward, apply_activation
 from memfine.reference import reference_experts
 from tolerances import assert_close
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memfine.activations import apply_activation
 from memfine.config import MoEConfig
 from memfine.dispatch import build_routing_index
 from memfine.experts import run_experts
 from memfine.nn import MoELayer
-from memfine.ops.activations import apply_activation
 from memfine.ops.combine import gather_rows
 from memfine.ops.grouped import grouped_mm
 from memfine.reference import reference_experts

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from memfine.dispatch import build_routing_index
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
+from memfine.lora.adapters import ExpertLoRA
 from memfine.measure.saved import track_saved_tensors
 from memfine.reference import reference_experts
 from tolerances import assert_close

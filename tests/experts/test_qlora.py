@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from memfine.dispatch import build_routing_index
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
+from memfine.lora.adapters import ExpertLoRA
 from memfine.reference import reference_experts
 
 pytest.importorskip("bitsandbytes", reason="the 4-bit base needs bitsandbytes (memfine[qlora])")
 
-from memfine.experts.quant import NF4Experts, QuantizedBase  # noqa: E402
+from memfine.lora.quant import NF4Experts, QuantizedBase  # noqa: E402
 
 T, D, N, E, K, R = 40, 32, 64, 8, 2, 4
 

@@ -267,7 +267,7 @@ def test_plain_peft_budget_counts_the_adapters() -> None:
     from memfine.hf.experts import last_decision
     from memfine.memory.layer import layer_peak_bytes
     from memfine.memory.lora import lora_layer_memory
-    from memfine.nn.lora import LoRAChunkPolicy
+    from memfine.schedule.lora_policy import LoRAChunkPolicy
 
     ours, ref = _pair("qwen3_moe", split=False)
     register(memory_budget="64MiB")

@@ -14,6 +14,7 @@ import itertools
 import pytest
 import torch
 
+from memfine.activations import ACTIVATIONS
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.measure import MemoryReport, measure_backward
@@ -27,7 +28,6 @@ from memfine.memory.layer import (
     saved_items,
 )
 from memfine.nn import MoELayer
-from memfine.ops.activations import ACTIVATIONS
 from memfine.schedule import ChunkPolicy
 from tolerances import PEAK_RTOL
 

@@ -11,14 +11,14 @@ import pytest
 import torch
 
 import timeouts
-from memfine.config import GatedActivation, MoEConfig
-from memfine.ops.activations import (
+from memfine.activations import (
     ACTIVATIONS,
     GATE_FUNCTIONS,
     activation_backward,
     apply_activation,
     is_gated,
 )
+from memfine.config import GatedActivation, MoEConfig
 from memfine.ops.combine import combine_rows, reduce_rows, scatter_slots, slot_rows
 from memfine.reference import REFERENCE_ACTIVATIONS, REFERENCE_GATES, reference_experts
 from tolerances import assert_close
@@ -49,7 +49,7 @@ def test_gated_width_must_be_even() -> None:
 
 
 def test_a_gate_function_without_a_formula_is_refused() -> None:
-    """A gate_fn added to GatedActivation but not to ops/activations.py must not run as SiLU."""
+    """A gate_fn added to GatedActivation but not to activations/functions.py is not run as SiLU."""
     spec = object.__new__(GatedActivation)  # bypass the config's own check, as a half-done edit
     for field in dataclasses.fields(GatedActivation):
         object.__setattr__(spec, field.name, getattr(GatedActivation(), field.name))
@@ -120,7 +120,7 @@ def test_the_config_and_the_experts_accept_the_same_names(activation: str) -> No
 def test_a_half_added_table_entry_fails_at_import(edit: str, message: str) -> None:
     script = f"""
 import importlib.util, sys
-spec = importlib.util.find_spec("memfine.ops.activations")
+spec = importlib.util.find_spec("memfine.activations.functions")
 source = open(spec.origin).read()
 head, tail = source.rsplit("_check_tables()", 1)  # the module-level call, last
 source = head + {edit!r} + "; _check_tables()" + tail

@@ -15,9 +15,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from devices import triton_cpu
+from memfine.activations import apply_activation
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.experts import run_experts
-from memfine.ops.activations import apply_activation
 from memfine.ops.combine import combine_rows, gather_rows
 from memfine.ops.grouped import grouped_mm as torch_grouped_mm
 from memfine.reference import reference_experts

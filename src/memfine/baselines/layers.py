@@ -33,6 +33,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from memfine.activations import apply_activation
 from memfine.bench.harness import Extra, Method, run_methods
 from memfine.bench.options import (
     COMPILED_SUFFIX,
@@ -46,7 +47,6 @@ from memfine.bench.options import (
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.nn import GroupedExperts, MoELayer
-from memfine.ops.activations import apply_activation
 from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 from memfine.units import format_bytes
 

@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfine.activations import apply_activation
 from memfine.baselines.layers import sharing
 from memfine.config import MoEConfig
 from memfine.nn import GroupedExperts, MoELayer
-from memfine.ops.activations import apply_activation
 from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 

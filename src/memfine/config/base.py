@@ -13,10 +13,10 @@ from typing import Any, Literal, TypeVar, get_args
 
 ScoreFunc = Literal["softmax", "sigmoid", "sqrtsoftplus"]
 Activation = Literal["swiglu", "geglu", "gelu", "relu", "relu2", "silu"]
-"""The named expert activations: the keys of ``memfine.ops.activations.ACTIVATIONS`` (checked
+"""The named expert activations: the keys of ``memfine.activations.ACTIVATIONS`` (checked
 when that module is imported)."""
 GateFn = Literal["silu", "gelu"]
-"""``GatedActivation.gate_fn``: the keys of ``memfine.ops.activations.GATE_FUNCTIONS``."""
+"""``GatedActivation.gate_fn``: the keys of ``memfine.activations.GATE_FUNCTIONS``."""
 ExpertsImpl = Literal["fused", "plain"]
 GemmBackend = Literal["auto", "grouped_mm", "loop", "triton"]
 IndexBuilder = Literal["auto", "sort_free", "argsort"]

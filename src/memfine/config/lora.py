@@ -40,7 +40,7 @@ class LoRAConfig(ConfigBase):
         train_attention: also train attention, norms, embeddings and shared experts (on a
             single :class:`memfine.nn.MoELayer`: its shared experts and their gate).
         base_quant: None (the frozen base stays in the model's dtype) or ``"nf4"``: the routed
-            experts' frozen w_up / w_down held 4-bit NF4 (QLoRA; :mod:`memfine.experts.quant`,
+            experts' frozen w_up / w_down held 4-bit NF4 (QLoRA; :mod:`memfine.lora.quant`,
             needs bitsandbytes), dequantised per row block.
         base_quant_block_size: values per NF4 absmax block (bitsandbytes' sizes, 64 default);
             each expert's d·G and n·d must be multiples of it (checked where the shapes are

@@ -25,12 +25,12 @@ class GatedActivation(ConfigBase):
     """A = f_α(min(gate, limit)) ⊙ (clamp(up, -limit, limit) + up_offset), row by row.
 
     ``swiglu`` is ``GatedActivation()``, ``geglu`` ``GatedActivation(gate_fn="gelu")``, GPT-OSS's
-    clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.ops.activations`.
+    clamped SwiGLU :meth:`gpt_oss`. Computed by :mod:`memfine.activations`.
 
     Attributes:
         gate_fn: a :data:`memfine.config.GateFn`: ``silu`` (f_α(g) = g·σ(α·g)) or ``gelu``
             (tanh approximation; needs α = 1); formulas in
-            ``memfine.ops.activations.GATE_FUNCTIONS``.
+            ``memfine.activations.GATE_FUNCTIONS``.
         alpha: α > 0 (1.0: plain SiLU; GPT-OSS: 1.702).
         limit: clamp bound > 0 (gate clamped from above, up to ±limit), or None for no clamp.
         up_offset: added to the (clamped) up half (GPT-OSS: 1.0).
@@ -223,7 +223,7 @@ class MoEConfig(RouteOptions):
         renormalize: rescale the k selected scores to sum to 1 per token. Rejected with
             ``top_k=1`` (every weight would be exactly 1.0 and the router would get no gradient
             from the output).
-        activation: expert activation, a name of ``memfine.ops.activations.ACTIVATIONS``
+        activation: expert activation, a name of ``memfine.activations.ACTIVATIONS``
             (``swiglu``, ``geglu``: gated, w_up holds 2n columns; ``silu``, ``gelu``, ``relu``,
             ``relu2``).
         experts_impl: ``fused`` (MoEBlaze path, saves x and H) or ``plain`` (autograd over

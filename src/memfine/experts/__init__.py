@@ -6,7 +6,8 @@
   up-projection + activation, then down-projection + weighted combine, saving only x and H; its
   streamed backward.
 - :mod:`memfine.ops.up_projection`: the up-projection layouts.
-- :mod:`memfine.experts.lora`, :mod:`memfine.experts.lora_experts`: split LoRA on the experts.
+- :mod:`memfine.experts.lora_experts`: split LoRA on the experts (its adapter math and 4-bit base:
+  :mod:`memfine.lora`).
 """
 
 from memfine.experts.function import FusedExpertsFunction, FusedOptions

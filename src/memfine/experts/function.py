@@ -15,8 +15,11 @@ from typing import Any, cast
 
 import torch
 
-from memfine.experts.lora import LoRABackward, LoRAForward, LoRASpec
-from memfine.experts.quant import QuantizedBase
+from memfine.activations import (
+    Activation,
+    activation_and_gate,
+    activation_backward,
+)
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
@@ -24,11 +27,8 @@ from memfine.experts.rows import (
     forward_rows,
     row_blocks,
 )
-from memfine.ops.activations import (
-    Activation,
-    activation_and_gate,
-    activation_backward,
-)
+from memfine.lora.adapters import LoRABackward, LoRAForward, LoRASpec
+from memfine.lora.quant import QuantizedBase
 from memfine.ops.combine import scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
 from memfine.ops.up_projection import up_input_grad
@@ -74,17 +74,17 @@ class FusedOptions:
     """The non-tensor inputs of :class:`FusedExpertsFunction`, in one frozen structure.
 
     Attributes:
-        activation: a name or a :class:`memfine.ops.activations.GatedActivation`.
+        activation: a name or a :class:`memfine.config.GatedActivation`.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
         block_rows: rows per block of the streamed forward and backward (≥ 1; clamped to 1).
         weight_grads: the chunk loop's shared weight-gradient buffers, or None (the Function
             returns its own).
-        lora: split-LoRA adapters (:class:`memfine.experts.lora.LoRASpec`); their tensors
+        lora: split-LoRA adapters (:class:`memfine.lora.adapters.LoRASpec`); their tensors
             follow the :data:`PARAMS` in ``params``. None: no adapters.
         host_offsets: the E + 1 expert_token_offsets as Python ints, read once in the forward
             (:attr:`memfine.dispatch.RoutingIndex.host_offsets`), so the backward makes no host
             read; None: the backward reads them once itself (eager) or runs the traced path.
-        quant: a frozen 4-bit base (:class:`memfine.experts.quant.QuantizedBase`) read in place
+        quant: a frozen 4-bit base (:class:`memfine.lora.quant.QuantizedBase`) read in place
             of the w_up / w_down inputs (passed as None), each row block dequantising its
             experts; None: the inputs are the weights.
     """
@@ -114,7 +114,7 @@ class FusedExpertsFunction(torch.autograd.Function):
     buffers, host offsets); ``params`` follow :data:`PARAMS`: ``w_up_EDG``, ``w_down_END``,
     ``b_up_EG`` (E, G), ``b_down_ED`` (E, d), ``w_up_second_EDN``; the biases are optional
     (None: no bias); the activation is a name or a
-    :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped, interleaved SwiGLU).
+    :class:`memfine.config.GatedActivation` (e.g. GPT-OSS's clamped, interleaved SwiGLU).
 
     ``w_up_second_EDN`` (E, d, n) is None or the up half of a gated
     up-projection held as its own tensor; ``w_up_EDG`` is then the (E, d, n) gate half and

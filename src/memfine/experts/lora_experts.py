@@ -2,20 +2,20 @@
 
 Legend: T tokens, K top-k slots, S routed rows, E experts, D = d, N = n, G = 2n (gated) or n,
 R = r (the adapters' rank).
-Reference: Hu et al. 2021 (LoRA); MoEBlaze §4-§5; :mod:`memfine.experts.lora`.
+Reference: Hu et al. 2021 (LoRA); MoEBlaze §4-§5; :mod:`memfine.lora.adapters`.
 """
 
 from __future__ import annotations
 
 import torch
 
+from memfine.activations import Activation
 from memfine.config.lora import check_lora_rank
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions
-from memfine.experts.lora import ExpertLoRA
-from memfine.experts.quant import QuantizedBase
 from memfine.experts.run import autocast_operands, block_rows_of, check_expert_inputs
-from memfine.ops.activations import Activation
+from memfine.lora.adapters import ExpertLoRA
+from memfine.lora.quant import QuantizedBase
 from memfine.ops.up_projection import UpWeights, up_parts, up_shape
 from memfine.ops.weight_grads import WeightGradBuffers
 
@@ -78,7 +78,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         index: the :class:`RoutingIndex` of this routing decision.
         w_up_EDG: (E, d, G) up-projection or its (gate, up) halves (frozen or trainable).
         w_down_END: (E, n, d) down-projection.
-        lora: the adapters (:class:`memfine.experts.lora.ExpertLoRA`), in the base dtype.
+        lora: the adapters (:class:`memfine.lora.adapters.ExpertLoRA`), in the base dtype.
         activation: a name or a :class:`memfine.config.GatedActivation`.
         backend: grouped GEMM backend.
         b_up_EG: optional (E, G) up-projection bias.
@@ -88,7 +88,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         backward_block_bytes: byte target of one row block of the streamed backward, or None
             for the device's default (:func:`memfine.config.default_block_bytes`).
         weight_grads: shared base weight-gradient buffers of a chunk loop, or None.
-        quant: a frozen 4-bit base (:class:`memfine.experts.quant.QuantizedBase`, QLoRA): then
+        quant: a frozen 4-bit base (:class:`memfine.lora.quant.QuantizedBase`, QLoRA): then
             ``w_up_EDG`` / ``w_down_END`` are its :meth:`~QuantizedBase.stand_ins` (shapes and
             dtype only) and each row block dequantises the experts it holds.
 

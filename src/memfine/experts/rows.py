@@ -22,12 +22,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from memfine.ops.activations import Activation, apply_activation
+from memfine.activations import Activation, apply_activation
 from memfine.ops.grouped import grouped_mm
 from memfine.ops.up_projection import up_project
 
 if TYPE_CHECKING:
-    from memfine.experts.lora import LoRAForward
+    from memfine.lora.adapters import LoRAForward
 
 
 def expert_of_rows(offsets_E1: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -169,7 +169,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
     Per block of B rows: x rows gathered (int32 indices as they are), H rows = x·[up_parts]
     (+ bias) written into H, A = act(H rows), Y = A·w_down (+ bias), Y ⊙ w added into out per
     token (:func:`add_token_rows_`). With one block H is the up-projection's own result (no
-    copy). ``lora``: split adapters (:mod:`memfine.experts.lora`), streamed with the blocks.
+    copy). ``lora``: split adapters (:mod:`memfine.lora.adapters`), streamed with the blocks.
 
     Args:
         x_TD: (T, d) layer input.

@@ -10,10 +10,10 @@ from typing import Any, Literal
 
 import torch
 
+from memfine.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.config import backward_block_rows, block_row_bytes, check_block_bytes
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions, expert_of_rows
-from memfine.ops.activations import Activation, apply_activation, check_activation, is_gated
 from memfine.ops.combine import combine_rows, gather_rows
 from memfine.ops.grouped import BACKENDS
 from memfine.ops.grouped_function import GroupedMatmulFunction
@@ -204,7 +204,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
             (kept apart, never concatenated; :mod:`memfine.ops.up_projection`).
         w_down_END: (E, n, d) down-projection.
         activation: ``swiglu``, ``geglu``, ``silu``, ``gelu``, ``relu`` or a
-            :class:`memfine.ops.activations.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).
+            :class:`memfine.config.GatedActivation` (e.g. GPT-OSS's clamped SwiGLU).
         impl: ``fused`` (:class:`FusedExpertsFunction`, saves x and H) or ``plain``.
         backend: grouped GEMM backend (``auto``, ``grouped_mm``, ``loop``, ``triton``).
         b_up_EG: optional (E, G) up-projection bias in x's dtype (the gate and up columns, in

@@ -30,14 +30,14 @@ from memfine.config import Activation, ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.dispatch import RoutingIndex, build_routing_index
 from memfine.experts import autocast_operands, compute_element_size, run_experts
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
 from memfine.experts.run import grouped_up_projection
 from memfine.hf.layout import ExpertsPlan, ExpertWeights
-from memfine.nn.lora import LoRAChunkPolicy
+from memfine.lora.adapters import ExpertLoRA
 from memfine.ops import GroupedMatmulFunction, combine_rows, gather_rows
 from memfine.ops.weight_grads import WeightGradBuffers, share_weight_grads
 from memfine.schedule.chunked import run_chunked
+from memfine.schedule.lora_policy import LoRAChunkPolicy
 from memfine.schedule.policy import ChunkDecision, ChunkPlan, ChunkPolicy
 
 IndexBuilder = Literal["auto", "sort_free", "argsort"]
@@ -175,9 +175,10 @@ def chunk_policy(module: object, plan: ExpertsPlan, weights: ExpertWeights, top_
     """The module's :class:`ChunkPolicy` for a memory budget.
 
     The policy is kept on the module, so its over-budget warning is given once. With split-LoRA
-    adapters (PEFT's, on the fused path) it is a :class:`memfine.nn.lora.LoRAChunkPolicy`:
-    MACT then compares the LoRA layer's peak (the adapters' rank-r intermediates, their
-    gradients, no base weight gradient) with the budget.
+    adapters (PEFT's, on the fused path) it is a
+    :class:`memfine.schedule.lora_policy.LoRAChunkPolicy`: MACT then compares the LoRA layer's
+    peak (the adapters' rank-r intermediates, their gradients, no base weight gradient) with the
+    budget.
     """
     E, D, G, N = weights.shape_EDGN
     # The memory model needs only G and whether A replaces H (relu): a GatedActivation spec

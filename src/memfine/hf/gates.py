@@ -33,8 +33,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
+from memfine.activations import apply_activation
 from memfine.config import GatedActivation
-from memfine.ops.activations import apply_activation
 
 _PROBE_ROWS, _PROBE_N = 8, 6
 ALPHA_ATTRIBUTES = ("alpha", "swiglu_alpha")

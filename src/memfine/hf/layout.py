@@ -23,9 +23,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from memfine.activations import GATE_FUNCTIONS, gated_name
 from memfine.config import GatedActivation
 from memfine.hf.gates import GATE_ATTRIBUTES, match_gate
-from memfine.ops.activations import GATE_FUNCTIONS, gated_name
 from memfine.ops.up_projection import UpWeights, up_shape
 
 ExpertsPath = Literal["fused", "plain"]
@@ -76,7 +76,7 @@ class ExpertsPlan:
             adding biases per row and calling the module's own gate / activation / post-expert
             norm).
         activation: memfine activation for the fused path (a name of
-            ``memfine.ops.activations.ACTIVATIONS``, or a
+            ``memfine.activations.ACTIVATIONS``, or a
             :class:`memfine.config.GatedActivation` reproducing a custom ``_apply_gate``),
             None on the plain path (the module's own functions are used).
         reason: why the plain path was taken ("" on the fused path).
@@ -240,7 +240,7 @@ def plan_experts(module: nn.Module) -> ExpertsPlan:
 
     The fused path takes biases (``has_bias``) and any gate memfine computes itself: the
     default ``[gate | up]`` gate whose ``act_fn`` is the gate of a gated entry of
-    ``memfine.ops.activations.ACTIVATIONS`` (SiLU, tanh-GELU), a non-gated SiLU / tanh-GELU /
+    ``memfine.activations.ACTIVATIONS`` (SiLU, tanh-GELU), a non-gated SiLU / tanh-GELU /
     ReLU / ReLU², or a custom ``_apply_gate`` that a :class:`GatedActivation` reproduces
     exactly (GPT-OSS's clamped interleaved SwiGLU, the clamped SwiGLUs of DeepSeek-V4 and
     others; :func:`memfine.hf.gates.match_gate`). A post-expert norm, exact-erf

@@ -9,7 +9,7 @@ update, its gradient and the products.
 memfine needs no call of its own for this: :func:`parametrized_lora` reads PEFT's factors off
 the parametrization at call time (the experts function receives the module), the experts run on
 the original weights plus x·W + s·(x·Aᵀ)·Bᵀ on the expert-grouped rows
-(:mod:`memfine.experts.lora`), and the PEFT wrappers of that call (found on the call stack)
+(:mod:`memfine.lora.adapters`), and the PEFT wrappers of that call (found on the call stack)
 become :class:`MemfineParamWrapper` (:func:`split_lora`), so later calls skip PEFT's
 registration, whose consistency check evaluates W + s·B·A once per wrapper and forward.
 A :class:`MemfineParamWrapper` (a subclass: same parameters, same ``state_dict`` keys, and
@@ -47,7 +47,7 @@ import torch
 from torch import nn
 
 from memfine._optional import require
-from memfine.experts.lora import ExpertLoRA
+from memfine.lora.adapters import ExpertLoRA
 
 LORA_ATTRIBUTE = "_memfine_lora"
 _WARNED_ATTRIBUTE = "_memfine_peft_dense_warned"  # set on an experts module once warned

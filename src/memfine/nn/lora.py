@@ -21,38 +21,16 @@ import math
 import torch
 from torch import nn
 
-from memfine.config import ChunkConfig, MoEConfig, Recompute
+from memfine.config import MoEConfig, Recompute
 from memfine.config.lora import LoRAConfig, check_lora_rank
 from memfine.dispatch import build_routing_index
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
-from memfine.experts.quant import NF4Experts, QuantizedBase
-from memfine.memory.lora import lora_layer_memory
+from memfine.lora.adapters import ExpertLoRA
+from memfine.lora.quant import NF4Experts, QuantizedBase
 from memfine.nn.experts import GroupedExperts
 from memfine.schedule.chunked import run_chunked
-from memfine.schedule.policy import ChunkPolicy
 
 ADAPTER_PREFIX = "lora_"
-
-
-class LoRAChunkPolicy(ChunkPolicy):
-    """:class:`ChunkPolicy` of a layer with split-LoRA experts: MACT on the LoRA layer's peak.
-
-    The layer peak of each c is the LoRA timeline's (:func:`memfine.memory.lora.
-    lora_layer_memory`: adapters' U, products and gradient buffers, no base weight gradient),
-    which the tests hold equal to the measured peak.
-    """
-
-    def __init__(self, chunk: ChunkConfig, moe: MoEConfig, lora: LoRAConfig) -> None:
-        """As :class:`ChunkPolicy`, for experts with the adapters of ``lora``."""
-        super().__init__(chunk, moe)
-        self.lora = lora
-
-    def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
-                   recompute: str, device_type: str = "cpu") -> int:
-        """The LoRA layer's exact timeline peak at c chunks (uncached), bytes."""
-        return lora_layer_memory(moe, self.lora, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                                 recompute=recompute, device_type=device_type).peak_bytes
 
 
 class LoRAGroupedExperts(GroupedExperts):
@@ -75,7 +53,8 @@ class LoRAGroupedExperts(GroupedExperts):
 
     Attributes:
         transport_row_elements: 0: the rank-r intermediates U that each routed row keeps are
-            in the LoRA layer's timeline (:class:`LoRAChunkPolicy`), not added per row.
+            in the LoRA layer's timeline (:class:`memfine.schedule.lora_policy.
+            LoRAChunkPolicy`), not added per row.
     """
 
     def __init__(self, config: MoEConfig, lora: LoRAConfig, *, init_std: float = 0.02,

@@ -9,7 +9,6 @@ mode of every block; see :class:`Block`.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import cast
 
@@ -20,29 +19,24 @@ from torch.utils.checkpoint import checkpoint
 
 from memfine._checks import check_tensor
 from memfine.config import ChunkConfig, ModelConfig
-from memfine.memory.step import StepPlan, step_planner
+from memfine.memory.step import StepPlan
 from memfine.nn.attention import CausalSelfAttention
 from memfine.nn.moe import MoEAux, MoELayer
 from memfine.routing import update_selection_bias
-from memfine.schedule.policy import ChunkPolicy, InfeasibleBudgetError
-from memfine.schedule.step import step_layer_policies
+from memfine.schedule.policy import ChunkPolicy
+from memfine.schedule.step import plan_step, step_layer_policies
 
 
 class Block(nn.Module):
     """One transformer block: attention and an MoE feed-forward, pre-norm residuals.
 
-    Recompute modes (``ModelConfig.chunk.recompute``), what the block keeps for backward:
-
-    - ``none``: everything autograd saves (attention, norms, router, every chunk's expert H).
-    - ``experts``: attention and norms as usual; the MoE expert part keeps only its input and
-      the routing, and is recomputed chunk by chunk in backward.
-    - ``full``: the whole block is recomputed in backward; it keeps only the block input x, the
-      router input (the MoE norm output, T·d) with the router's own saved tensors (fp32 scores,
-      T·E) and the routing (top-k index and weights, T·k). The block runs as two checkpointed
-      regions around the router: the attention sub-layer and MoE norm (one checkpoint), then the
-      expert part (one checkpoint per chunk). The router sits between them and runs exactly once,
-      so recomputation reuses the forward's routing decision instead of re-deciding it, and
-      routing counters and aux losses are produced once.
+    Recompute modes (``ModelConfig.chunk.recompute``; what each keeps: docs/design.md §4):
+    ``none`` and ``experts`` leave attention and norms to autograd; under ``full`` the block
+    keeps only its input x, the router input (the MoE norm output, T·d) with the router's saved
+    fp32 scores (T·E) and the routing (top-k index and weights, T·k), running as two
+    checkpointed regions around the router (the attention sub-layer and MoE norm; the expert
+    part, one checkpoint per chunk): the router runs once, so recomputation reuses its routing
+    decision, and routing counters and aux losses are produced once.
 
     Args:
         config: :class:`ModelConfig`.
@@ -151,12 +145,9 @@ class MoETransformerLM(nn.Module):
             recompute, chunked experts or full block recompute, and c); else None.
 
     Step-scope budget (``ChunkConfig(memory_budget_bytes=..., budget_scope="step")``): every
-    forward with autograd plans the step for its token count T = B·Q
-    (:class:`memfine.memory.step.StepPlanner`, cached per T) so that the whole step's
-    predicted activation peak fits the budget with the least recomputation, and sets each
-    block's recompute mode and chunk count. A budget no plan meets raises
-    :class:`memfine.schedule.InfeasibleBudgetError` (or, with ``allow_over_budget``, runs the
-    least-memory plan with a warning).
+    forward with autograd plans its (B, Q) batch (:meth:`plan_step`: the least recomputation
+    whose predicted step peak fits; :func:`memfine.schedule.step.plan_step` says what an unmet
+    budget does) and sets each block's recompute mode and chunk count (:meth:`apply_plan`).
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -243,32 +234,12 @@ class MoETransformerLM(nn.Module):
         """The step-scope plan for a (B, Q) batch (cached per shape; MemFine §4 with the step).
 
         Raises:
-            InfeasibleBudgetError: when no plan's predicted step peak fits the budget and
-                ``allow_over_budget`` is False (names the ChunkConfig fields and the smallest
-                feasible budget).
+            InfeasibleBudgetError: as :func:`memfine.schedule.step.plan_step`.
         """
         key = (batch, seq, self.embed.weight.element_size())
-        if key in self._plans:
-            return self._plans[key]
-        chunk = self.config.chunk
-        budget = chunk.memory_budget_bytes
-        if budget is None:
-            raise ValueError("plan_step needs ChunkConfig.memory_budget_bytes")
-        planner = step_planner(self.config, *key, self.embed.weight.device.type)
-        plan = planner.plan(budget)
-        if plan is None:
-            least = planner.least_memory_plan()
-            err = InfeasibleBudgetError(
-                budget, least.predicted_peak_bytes, chunk.bins,
-                f"the whole step (B={batch} x Q={seq} tokens, budget_scope 'step') peaks at "
-                f"{least.predicted_peak_bytes} bytes with its least-memory plan")
-            if not chunk.allow_over_budget:
-                raise err
-            warnings.warn(f"{err}; running the least-memory plan (allow_over_budget)",
-                          UserWarning, stacklevel=2)
-            plan = least
-        self._plans[key] = plan
-        return plan
+        if key not in self._plans:
+            self._plans[key] = plan_step(self.config, *key, self.embed.weight.device.type)
+        return self._plans[key]
 
     def apply_plan(self, plan: StepPlan, *, tokens: int | None = None) -> None:
         """Set every block's recompute mode and its MoE layer's chunk policy.

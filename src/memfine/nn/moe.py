@@ -16,11 +16,12 @@ from torch import nn
 from memfine.config import ChunkConfig, MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.nn.experts import GroupedExperts
-from memfine.nn.lora import LoRAChunkPolicy, LoRAGroupedExperts
+from memfine.nn.lora import LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
 from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
 from memfine.routing.precision import count_per_expert
 from memfine.routing.router import RoutingResult
+from memfine.schedule.lora_policy import LoRAChunkPolicy
 from memfine.schedule.policy import ChunkDecision, ChunkPolicy
 
 # A layer built without a chunk config runs its experts in one piece without recomputation.
@@ -199,10 +200,7 @@ class MoELayer(nn.Module):
 
     def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
              step_counts: torch.Tensor | None = None) -> MoEAux:
-        """Aux losses over the global batch's valid tokens (docs/design.md §2).
-
-        f comes from the global counts of the router's selection (before capacity drops); P
-        and the z-loss are this rank's share of the sum over every valid token.
+        """Aux losses over the global batch's valid tokens, as docs/design.md §2 defines them.
 
         One ``experts.global_counts`` call on (E + 1,) int64: the E selection counts and a 1
         per rank, so the sum also gives the number of shares W (ranks); the global valid tokens
@@ -216,10 +214,9 @@ class MoELayer(nn.Module):
         divisor tensor is saved for backward, 4 bytes per loss, so saved bytes stay those of
         the memory model).
 
-        The sequence-wise loss (computed only when ``seq_aux_loss_coef`` > 0) is per sequence,
-        so it stays this rank's mean over its sequences: the mean over the ranks is the
-        whole batch's when every rank holds as many sequences with valid tokens (the training
-        loop's even batch split).
+        The sequence-wise loss (only when ``seq_aux_loss_coef`` > 0) stays this rank's mean over
+        its sequences: the mean over the ranks is the whole batch's when every rank holds as
+        many sequences with valid tokens (the training loop's even batch split).
         """
         k = routing.top_k
         counts_E = _selected_counts(routing, mask_T)

@@ -42,8 +42,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from memfine.config import MoEConfig
 from memfine.experts import compute_element_size, run_experts
-from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
+from memfine.lora.adapters import ExpertLoRA
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding

@@ -17,7 +17,7 @@ adapters under their single-process names, so adapter-only DCP checkpoints load 
 layout or into one process.
 
 Dropout on the adapters' inputs: the masks are generated per received row (seeded by the call's
-seed, the adapter and the row's position on this rank, :func:`memfine.experts.lora.dropout_mask`),
+seed, the adapter and the row's position on this rank, :func:`memfine.lora.adapters.dropout_mask`),
 so with ``dropout > 0`` a layout draws other masks than one process (the same distribution); with
 ``dropout = 0`` (the default) nothing depends on the layout.
 Reference: Hu et al. 2021 (LoRA); MemFine §4; docs/lora.md.
@@ -32,7 +32,7 @@ from torch import nn
 
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
-from memfine.experts.lora import ExpertLoRA
+from memfine.lora.adapters import ExpertLoRA
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.experts import ExpertParallelExperts, ep_chunk_forward
 from memfine.parallel.mesh import ParallelContext

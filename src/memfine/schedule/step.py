@@ -1,9 +1,10 @@
-"""A step plan's layers as chunk policies that re-decide c from the rows each call receives.
+"""A batch's step plan, and its layers as chunk policies that re-decide c from received rows.
 
-The step plan (:class:`memfine.memory.step.StepPlanner`) chooses every layer's recompute mode
-and chunk count from T·k rows per layer. Under expert parallelism a rank may receive more rows
-(s″ > T·k), and the plan alone would not see them. :func:`step_layer_policies` turns the plan
-into one budgeted :class:`ChunkPolicy` per layer (MACT inside the plan, MemFine §4.2):
+The step plan (:func:`plan_step`, :class:`memfine.memory.step.StepPlanner`) chooses every
+layer's recompute mode and chunk count from T·k rows per layer. Under expert parallelism a rank
+may receive more rows (s″ > T·k), and the plan alone would not see them.
+:func:`step_layer_policies` turns the plan into one budgeted :class:`ChunkPolicy` per layer
+(MACT inside the plan, MemFine §4.2):
 
 - the layer's share of the step budget is its own predicted peak at the plan's c with s″ = T·k
   rows (and the transport's rows) plus the plan's slack, the step budget minus the plan's
@@ -24,11 +25,47 @@ Reference: MemFine (arXiv 2511.21431) §4.2 (MACT per step and layer), Eq. 8-9.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 
 from memfine.config import ChunkConfig, ModelConfig
-from memfine.memory.step import StepPlan
+from memfine.memory.step import StepPlan, step_planner
+from memfine.schedule.decision import InfeasibleBudgetError
 from memfine.schedule.policy import ChunkPolicy
+
+
+def plan_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
+              device_type: str = "cpu") -> StepPlan:
+    """The step-scope plan of a (B, Q) batch under ``config.chunk``'s budget (MemFine §4).
+
+    The least recomputation whose predicted step peak fits the budget
+    (:class:`memfine.memory.step.StepPlanner`); with ``allow_over_budget`` and no such plan,
+    the least-memory plan with a warning.
+
+    Raises:
+        ValueError: without ``ChunkConfig.memory_budget_bytes``.
+        InfeasibleBudgetError: when no plan's predicted step peak fits the budget and
+            ``allow_over_budget`` is False (names the ChunkConfig fields and the smallest
+            feasible budget).
+    """
+    chunk = config.chunk
+    budget = chunk.memory_budget_bytes
+    if budget is None:
+        raise ValueError("plan_step needs ChunkConfig.memory_budget_bytes")
+    planner = step_planner(config, batch, seq, dtype_bytes, device_type)
+    plan = planner.plan(budget)
+    if plan is None:
+        least = planner.least_memory_plan()
+        err = InfeasibleBudgetError(
+            budget, least.predicted_peak_bytes, chunk.bins,
+            f"the whole step (B={batch} x Q={seq} tokens, budget_scope 'step') peaks at "
+            f"{least.predicted_peak_bytes} bytes with its least-memory plan")
+        if not chunk.allow_over_budget:
+            raise err
+        warnings.warn(f"{err}; running the least-memory plan (allow_over_budget)",
+                      UserWarning, stacklevel=3)
+        plan = least
+    return plan
 
 
 def step_layer_policies(config: ModelConfig, plan: StepPlan, budget_bytes: int,

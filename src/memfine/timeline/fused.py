@@ -226,7 +226,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
 
 
 def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
-    """ops.activations.activation_backward: dH (S, G) from H and dA.
+    """activations.activation_backward: dH (S, G) from H and dA.
 
     Gated: f(gate) (unless ``gate_kept``) is a transient; both halves of dH, dA ⊙ up included,
     are written in place.

@@ -1,6 +1,6 @@
 """Allocation timeline of split LoRA in the fused experts: the adapters' tensors and frozen base.
 
-Mirrors :mod:`memfine.experts.lora` (``LoRAForward`` / ``LoRABackward``) as ``alloc``/``free``
+Mirrors :mod:`memfine.lora.adapters` (``LoRAForward`` / ``LoRABackward``) as ``alloc``/``free``
 events, called from the fused path's timeline (:mod:`memfine.timeline.experts`) where
 the code calls the adapters, and says what a frozen base changes there: the base weights get no
 gradient buffer (no weight-gradient products), only the adapters do.

@@ -1,6 +1,6 @@
 """Allocation timeline of a 4-bit (NF4) frozen base: the per-block dequantised experts.
 
-Mirrors :class:`memfine.experts.quant.NF4Experts` as read by the fused path: where a row block
+Mirrors :class:`memfine.lora.quant.NF4Experts` as read by the fused path: where a row block
 reads ``w[held]`` the experts it holds are dequantised into a transient (held·I·O·D_t bytes)
 that lives until the block's product is written (forward: H's product for w_up, Y for w_down;
 backward: dA for w_down, the dx rows for w_up). With one block of all S rows the block holds
