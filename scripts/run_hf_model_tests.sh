@@ -35,23 +35,13 @@
 # On a shared machine: nice -n 10 scripts/run_hf_model_tests.sh --arch ... (in the background).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-PY=${PY:-$ROOT/.venv/bin/python}
+. scripts/upstream_tests.sh  # ROOT, PY, upstream_help, upstream_setup, upstream_sdist_tests
 case "${1:-}" in
-  -h|--help) awk '/^# Usage:/{on=1} /^set /{on=0} on' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -h|--help) upstream_help "$0"; exit 0 ;;
 esac
-if [ ! -x "$PY" ]; then
-  echo "run_hf_model_tests: PY=$PY is not an executable python (set PY, or run make install)" >&2
-  exit 2
-fi
-VER=$("$PY" -c "import transformers; print(transformers.__version__)")
-WORK=${HF_TESTS_DIR:-${TMPDIR:-/tmp}/memfine_hf_model_tests/$VER}
+upstream_setup run_hf_model_tests transformers "${HF_TESTS_DIR:-}" hf_model_tests
 mkdir -p "$WORK/slices"
-if [ ! -f "$WORK/tests/test_modeling_common.py" ]; then
-  "$PY" -m pip download -q --no-deps --no-binary :all: "transformers==$VER" -d "$WORK/sdist"
-  tar -xzf "$WORK/sdist/transformers-$VER.tar.gz" -C "$WORK" --strip-components=1 \
-    "transformers-$VER/tests"
-fi
+[ -f "$WORK/tests/test_modeling_common.py" ] || upstream_sdist_tests transformers
 T="$WORK/tests"
 mkdir -p "$T/exporters" "$T/generation" "$T/models/memfine_moe"
 touch "$T/__init__.py" "$T/exporters/__init__.py" "$T/generation/__init__.py" \

@@ -21,29 +21,22 @@
 #        diffusers (diffusers is stubbed when absent: only its Stable Diffusion tests use it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROOT=$(pwd)
-PY=${PY:-$ROOT/.venv/bin/python}
+. scripts/upstream_tests.sh  # ROOT, PY, upstream_help, upstream_setup, upstream_sdist_tests
 PEFT_SRC="" OUT=""
 while [ $# -gt 0 ]; do
   case "$1" in
-    -h|--help) awk '/^# Usage:/{on=1} /^set /{on=0} on' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) upstream_help "$0"; exit 0 ;;
     --peft-src) PEFT_SRC=$(cd "$2" && pwd); shift 2 ;;
     --out) OUT=$ROOT/$2; [ "${2#/}" != "$2" ] && OUT=$2; shift 2 ;;
     *) break ;;
   esac
 done
-if [ ! -x "$PY" ]; then
-  echo "run_peft_tests: PY=$PY is not an executable python (set PY, or run make install)" >&2
-  exit 2
-fi
-VER=$("$PY" -c "import peft; print(peft.__version__)")
-WORK=${PEFT_TESTS_DIR:-${TMPDIR:-/tmp}/memfine_peft_tests/$VER}
+upstream_setup run_peft_tests peft "${PEFT_TESTS_DIR:-}" peft_tests
 mkdir -p "$WORK"
 if [ -n "$PEFT_SRC" ]; then
   rm -rf "$WORK/tests" && cp -r "$PEFT_SRC/tests" "$WORK/tests"
 elif [ ! -f "$WORK/tests/test_target_parameters.py" ]; then
-  "$PY" -m pip download -q --no-deps --no-binary :all: "peft==$VER" -d "$WORK/sdist"
-  tar -xzf "$WORK/sdist/peft-$VER.tar.gz" -C "$WORK" --strip-components=1 "peft-$VER/tests"
+  upstream_sdist_tests peft
 fi
 touch "$WORK/tests/__init__.py"
 cp scripts/hf_model_tests/conftest.py "$WORK/conftest.py"

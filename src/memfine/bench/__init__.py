@@ -2,8 +2,9 @@
 
 :mod:`memfine.bench.harness` times and measures methods, :mod:`memfine.bench.results` writes
 the one CSV schema, :mod:`memfine.bench.options` holds the options and shapes,
-:mod:`memfine.bench.output` the tables and plots. The suites that use it are
-:mod:`memfine.suites`; the peer layers they measure against are :mod:`memfine.baselines`.
+:mod:`memfine.bench.output` the tables and plots, :mod:`memfine.bench.verdicts` the line saying
+what wins. The suites that use it are :mod:`memfine.suites`; the peer layers they measure
+against are :mod:`memfine.baselines`.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from memfine.artifacts.rundir import check_run_dir
 from memfine.config import TrainConfig
 from memfine.flags.budget import check_memory_budget
 from memfine.flags.table import add_flags, given, value
-from memfine.flags.threads import checked_threads
+from memfine.flags.threads import clamp_threads
 from memfine.flags.train_config import preset_default, resolve_config
 from memfine.flags.train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.flags.values import check_device
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     config, out = resolve_config(args)
     resume, overwrite = bool(value(args, "resume")), bool(value(args, "overwrite"))
     check_device(config.device)  # the flags first, then the directory
-    threads = checked_threads(args)
+    threads = clamp_threads(value(args, "threads"))
     tracker = _tracker(args)
     if tracker is not None:
         try:

@@ -12,9 +12,8 @@ Step scope (``--budget-scope step``): the whole step's plan
 (:class:`memfine.memory.step.StepPlanner`) must fit; its smallest feasible budget is the
 least-memory plan's predicted step peak (checked under torchrun too: it depends on T only).
 
-Under torchrun the rows a rank receives depend on the other ranks' routing (expert parallelism),
-so the policy checks each call at run time; :mod:`memfine.schedule.wording` words its errors and
-warnings in the flags' names.
+Under torchrun a rank's rows depend on the other ranks' routing: the layer scope is checked per
+call at run time, worded by :mod:`memfine.schedule.wording`.
 """
 
 from __future__ import annotations
@@ -32,8 +31,7 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
     """Refuse a ``--memory-budget`` that no chunk count in ``--bins`` (no step plan) can meet.
 
     Nothing is checked without a budget, with ``--allow-over-budget`` (the run then uses the
-    largest bin, or the least-memory plan, with a warning), or under torchrun for the layer scope
-    (``world_size`` > 1: checked per call at run time).
+    largest bin, or the least-memory plan, with a warning), or for the layer scope under torchrun.
 
     Args:
         config: the resolved run configuration.

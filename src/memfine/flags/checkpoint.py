@@ -15,7 +15,7 @@ import torch
 from memfine.artifacts.checkpoint import CheckpointNotFoundError
 from memfine.artifacts.inference import Trained, load_trained
 from memfine.flags.table import Flag, NotGiven, value
-from memfine.flags.threads import checked_threads
+from memfine.flags.threads import clamp_threads
 from memfine.flags.values import check_device, path_flag
 
 OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", path_flag,
@@ -35,12 +35,10 @@ def run_directory(args: argparse.Namespace, dest: str = "out") -> Path:
     if got is None:
         raise ValueError(f"{flag} is required: the run directory of memfine train")
     path = Path(got)
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {str(path)!r} is not a directory; {flag} takes the run "
-                         f"directory of memfine train (the directory holding checkpoint.pt)")
-    if not path.exists():
-        raise ValueError(f"{flag} {str(path)!r} does not exist; {flag} takes the run directory "
-                         f"of memfine train (the directory holding checkpoint.pt)")
+    if not path.is_dir():
+        problem = "is not a directory" if path.exists() else "does not exist"
+        raise ValueError(f"{flag} {str(path)!r} {problem}; {flag} takes the run directory of "
+                         f"memfine train (the directory holding checkpoint.pt)")
     return path
 
 
@@ -53,7 +51,7 @@ def load_run(args: argparse.Namespace) -> Trained:
     """
     out = run_directory(args)
     if "threads" in args:
-        torch.set_num_threads(checked_threads(args))  # a CLI process: its own thread count
+        torch.set_num_threads(clamp_threads(value(args, "threads")))  # its own thread count
     return load_run_directory(out, device=check_device(value(args, "device")))
 
 

@@ -1,13 +1,12 @@
-"""Flag tables shared by the subcommands: one pattern, one "not given" marker, one int-list parser.
+"""Flag tables shared by the subcommands: one pattern, one "not given" marker, ``--config`` files.
 
-Each subcommand lists its flags as :class:`Flag` rows and adds them with :func:`add_flags`. A flag
-is named after the config field it sets (``--num-chunks`` sets ``ChunkConfig.num_chunks``), with
-the same name in every subcommand; older spellings stay accepted as hidden aliases. A flag that
-was not given keeps a :class:`NotGiven` default, which is how a given value is told from an
-untouched one (``given``); :func:`value` unwraps either. ``--config FILE`` (TOML) fills the flags
-that were not given (:func:`apply_config_file`).
-
-The value parsers are :mod:`memfine.flags.values`; ``--threads`` is :mod:`memfine.flags.threads`.
+Each subcommand lists its flags as :class:`Flag` rows (their value parsers:
+:mod:`memfine.flags.values`) and adds them with :func:`add_flags`. A flag is named after the config
+field it sets (``--num-chunks`` sets ``ChunkConfig.num_chunks``), with the same name in every
+subcommand; older spellings stay accepted as hidden aliases. A flag that was not given keeps a
+:class:`NotGiven` default, which is how a given value is told from an untouched one (``given``);
+:func:`value` unwraps either. ``--config FILE`` (TOML) fills the flags that were not given
+(:func:`apply_config_file`).
 """
 
 from __future__ import annotations
@@ -213,10 +212,7 @@ def apply_config_file(args: argparse.Namespace, path: str | Path, flags: Iterabl
             value the flag does not accept (also when the command line gives that flag too).
     """
     table = _read_toml(Path(path))
-    by_key: dict[str, Flag] = {}
-    for flag in flags:
-        for name in (flag.name, *flag.aliases):
-            by_key[flag_dest(name)] = flag
+    by_key = {flag_dest(name): flag for flag in flags for name in (flag.name, *flag.aliases)}
     for key, raw in table.items():
         known = by_key.get(key)
         if known is None:

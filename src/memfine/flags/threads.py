@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
-from memfine.flags.table import Flag, NotGiven, value
+from memfine.flags.table import Flag, NotGiven
 
 THREADS_FLAG = Flag("--threads", (), "CPU threads for torch; the small models here gain little "
                     "from more, and on a CPU shared with other jobs more threads can be many "
@@ -43,12 +42,3 @@ def clamp_threads(threads: int, flag: str = "--threads") -> int:
               f"{ranks}; using {share}", file=sys.stderr)
         return share
     return threads
-
-
-def checked_threads(args: argparse.Namespace) -> int:
-    """The ``--threads`` value, lowered to this process's CPUs (:func:`clamp_threads`).
-
-    Raises:
-        ValueError: naming the flag when it is below 1.
-    """
-    return clamp_threads(int(value(args, "threads")))

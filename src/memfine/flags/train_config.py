@@ -1,11 +1,9 @@
 """How ``memfine train`` resolves its flags into a :class:`memfine.config.TrainConfig`.
 
-The values come from ``--preset`` (or, with ``--resume``, from the checkpoint in ``--out``; with
-``--init-from``, the preset with that checkpoint's model and context length), then ``--config``
-FILE, then the flags given (:mod:`memfine.flags.train_flags`). With ``--init-from`` a flag may
-change the model's settings (chunking, budget, kernels, ``--seq-len``) but not its architecture
-(:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name the flag that caused
-them (:func:`memfine.flags.table.name_flag`).
+In the order of :func:`resolve_config`, over the flags of :mod:`memfine.flags.train_flags`. With
+``--init-from`` a flag may change the model's settings (chunking, budget, kernels, ``--seq-len``)
+but not its architecture (:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name
+the flag that caused them (:func:`memfine.flags.table.name_flag`).
 """
 
 from __future__ import annotations
@@ -97,7 +95,6 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         tree, source = _fresh_tree(args, name)
         _apply_flags(args, tree, resume=False, out=out)
         _check_source_architecture(args, tree, source)
-    if not resume:
         _cuda_autocast_default(args, tree)
     config = _build(args, tree)
     _check_one_chunk_setting(args, config, out)
@@ -137,13 +134,7 @@ def _bytes_text(num_bytes: int) -> str:
 
 
 def _setting_text(path: str, got: Any) -> str:
-    """A config value in a message: ``unset`` for None, a byte field with its unit.
-
-    A byte field is one whose dotted ``path`` ends in ``_bytes`` (``--memory-budget``,
-    ``--backward-block-bytes``); a switch is ``on`` or ``off``, a list comma-separated as the
-    flag takes it (``w_up,w_down``); any other value is shown as Python writes it (``0.003``,
-    ``'cpu'``).
-    """
+    """A value in a message: ``unset``, ``on``/``off``, bytes with a unit, ``w_up,w_down``, repr."""
     if got is None:
         return "unset"
     if isinstance(got, bool):
@@ -188,19 +179,17 @@ def _fresh_tree(args: argparse.Namespace, name: str, kept: Path | None = None
         return tree, None
     if kept is not None:
         source = read_checkpoint(kept)["config"]
-        tree["model"] = copy.deepcopy(source["model"])
-        tree["seq_len"] = source["seq_len"]
-        return tree, source
-    source_dir = run_directory(args, "init_from")
-    out = value(args, "out")
-    if (out is not None and not given(args, "resume")  # --resume's own check names that case
-            and Path(out).resolve() == source_dir.resolve()):
-        raise ValueError(f"--init-from and --out are the same directory {str(out)!r}: the new run "
-                         f"would replace the checkpoint it starts from (and any LoRA run whose "
-                         f"base it is); give the new run another --out")
-    source = _checkpoint_of("--init-from", source_dir,
-                            "--init-from takes the --out of a memfine train run that "
-                            "has saved a checkpoint")["config"]
+    else:
+        source_dir = run_directory(args, "init_from")
+        out = value(args, "out")
+        if (out is not None and not given(args, "resume")  # --resume's own check names that case
+                and Path(out).resolve() == source_dir.resolve()):
+            raise ValueError(f"--init-from and --out are the same directory {str(out)!r}: the new "
+                             f"run would replace the checkpoint it starts from (and any LoRA run "
+                             f"whose base it is); give the new run another --out")
+        source = _checkpoint_of("--init-from", source_dir,
+                                "--init-from takes the --out of a memfine train run that "
+                                "has saved a checkpoint")["config"]
     tree["model"] = copy.deepcopy(source["model"])  # and its context length:
     tree["seq_len"] = source["seq_len"]
     return tree, source
@@ -270,18 +259,16 @@ def _check_unchanged_origin(args: argparse.Namespace, saved: dict[str, Any], out
         flags = [f"--{f.replace('_', '-')}" for f in ("preset", "init_from") if given(args, f)]
         origin = " and ".join(flags)
         start, ones = ("starts", "one") if len(flags) == 1 else ("start", "ones")
-        names = {path: flag.name for flag in (*SETTING_FLAGS, *LORA_FLAGS)
-                 for path in flag.paths}
+        names = {path: flag.name for flag in SETTING_FLAGS for path in flag.paths}
         changes = list(dict.fromkeys(f"{names.get(path, path)} "
                                      f"{_setting_text(path, _get(saved, path))} -> "
                                      f"{_setting_text(path, _get(started, path))}"
                                      for path in differ))
         shown = ", ".join(changes[:4]) + (", ..." if len(changes) > 4 else "")
         raise ValueError(f"{origin} {start} another run than the checkpoint in {str(out)!r} "
-                         f"(checkpoint -> {origin}: {shown}"
-                         f"); --resume continues the run as saved: drop {origin}, or give the "
-                         f"original {ones} and the original command's flags for the fields "
-                         f"above")
+                         f"(checkpoint -> {origin}: {shown}); --resume continues the run as "
+                         f"saved: drop {origin}, or give the original {ones} and the original "
+                         f"command's flags for the fields above")
 
 
 def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:

@@ -3,9 +3,7 @@
 Each flag names the dotted config fields it sets (:class:`memfine.flags.table.Flag`). Groups:
 :data:`CONFIG_FLAGS` (values), :data:`SWITCH_FLAGS` (on/off), :data:`LORA_FLAGS` (the LoRA
 fine-tune, :class:`memfine.config.lora.LoRAConfig`) and :data:`RUN_FLAGS` (options of the run
-that belong to no config: preset, run directory, resume, mesh). ``--moe-chunks``,
-``--moe-memory-budget`` and ``--chunk-bins`` are hidden aliases of ``--num-chunks``,
-``--memory-budget`` and ``--bins``.
+that belong to no config: preset, run directory, resume, mesh). Old spellings are hidden aliases.
 """
 
 from __future__ import annotations
@@ -174,10 +172,6 @@ SWITCH_FLAGS = (
 )
 
 
-def _names(text: str) -> list[str]:
-    return [item.strip() for item in str(text).split(",") if item.strip()]
-
-
 def _targets(text: str) -> list[str]:
     """``--lora-targets``: the names in LoRAConfig's order (``w_down,w_up`` is ``w_up,w_down``).
 
@@ -187,7 +181,7 @@ def _targets(text: str) -> list[str]:
         argparse.ArgumentTypeError: on a value without a name (``''``, ``','``); argparse
             names the flag.
     """
-    names = _names(text)
+    names = [item.strip() for item in str(text).split(",") if item.strip()]
     if not names:
         raise argparse.ArgumentTypeError(f"expected a non-empty comma-separated subset of "
                                          f"{', '.join(LORA_TARGETS)}, got {text!r}")

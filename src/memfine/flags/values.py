@@ -48,9 +48,7 @@ def int_at_least(low: int) -> Callable[[str], int]:
         low: the smallest value allowed.
 
     Returns:
-        The converter: an :func:`int64` integer ``>= low``; it raises
-        ``argparse.ArgumentTypeError`` on a non-integer, a value outside int64 or below ``low``
-        (argparse names the flag, exit status 2).
+        The converter: an :func:`int64` integer ``>= low``, else ``argparse.ArgumentTypeError``.
     """
     def convert(text: str) -> int:
         got = int64(text)
@@ -105,7 +103,7 @@ def path_flag(text: str) -> Path:
     Raises:
         argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
     """
-    return _path(text, "a path", " (for the current directory give '.')")
+    return Path(_not_blank(text, "a path", " (for the current directory give '.')")).expanduser()
 
 
 def file_flag(what: str) -> Callable[[str], Path]:
@@ -118,20 +116,19 @@ def file_flag(what: str) -> Callable[[str], Path]:
         what: the file, for the message (``"a TOML file of flag values"``).
 
     Returns:
-        The converter; it raises ``argparse.ArgumentTypeError`` on an empty or blank value
-        (argparse names the flag).
+        The converter; ``argparse.ArgumentTypeError`` on an empty or blank value.
     """
     def convert(text: str) -> Path:
-        return _path(text, f"the path of {what}", "")
+        return Path(_not_blank(text, f"the path of {what}")).expanduser()
 
     convert.__name__ = "path"
     return convert
 
 
-def _path(text: str, expected: str, hint: str) -> Path:
+def _not_blank(text: str, expected: str, hint: str = "") -> str:
     if not str(text).strip():
         raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}{hint}")
-    return Path(text).expanduser()
+    return str(text)
 
 
 def text_flag(text: str) -> str:
@@ -143,9 +140,7 @@ def text_flag(text: str) -> str:
     Raises:
         argparse.ArgumentTypeError: on an empty or blank value (argparse names the flag).
     """
-    if not str(text).strip():
-        raise argparse.ArgumentTypeError(f"expected a value, got {text!r}")
-    return str(text)
+    return _not_blank(text, "a value")
 
 
 def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
@@ -160,8 +155,7 @@ def byte_size(keyword: str | None = None) -> Callable[[str], int | None]:
             when every value must be a size.
 
     Returns:
-        The converter: bytes (int > 0), or None for ``keyword``; it raises
-        ``argparse.ArgumentTypeError`` (argparse names the flag, exit status 2).
+        The converter: bytes (int > 0), or None for ``keyword``; else ``ArgumentTypeError``.
     """
     def convert(text: str) -> int | None:
         if keyword is not None and str(text).strip().lower() == keyword:

@@ -1,6 +1,4 @@
-"""Scale-out on PyTorch's distributed engine, plus the MoE dispatch and chunk agreement.
-
-PyTorch does not provide the last two: the MoE token dispatch and the chunk-count agreement.
+"""Scale-out on PyTorch's distributed engine, plus what it lacks: MoE dispatch, chunk agreement.
 
 A (dp_shard, ep) :class:`torch.distributed.device_mesh.DeviceMesh` (mesh); experts sharded E/ep
 over ``ep`` as DTensors, each layer exchanging counts, moving rows with uneven all-to-alls and
@@ -32,28 +30,9 @@ from memfine.parallel.notify import (
 from memfine.parallel.rows import RowsFunction, combine_returned_rows, dispatch_rows
 from memfine.parallel.training import DistributedTraining
 
-__all__ = [
-    "MESH_DIMS",
-    "AllToAllFunction",
-    "ChunkDispatch",
-    "DistributedTraining",
-    "ExpertCounts",
-    "ExpertParallelExperts",
-    "ParallelContext",
-    "RowsFunction",
-    "agree_num_chunks",
-    "all_to_all",
-    "build_context",
-    "check_expert_sharding",
-    "check_layout",
-    "chunk_expert_counts",
-    "clip_grad_norm_",
-    "combine_returned_rows",
-    "default_backend",
-    "dispatch_rows",
-    "ep_chunk_forward",
-    "exchange_counts",
-    "init_parallel",
-    "plan_chunks",
-    "shard_model",
-]
+__all__ = ["MESH_DIMS", "AllToAllFunction", "ChunkDispatch", "DistributedTraining", "ExpertCounts",
+           "ExpertParallelExperts", "ParallelContext", "RowsFunction", "agree_num_chunks",
+           "all_to_all", "build_context", "check_expert_sharding", "check_layout",
+           "chunk_expert_counts", "clip_grad_norm_", "combine_returned_rows", "default_backend",
+           "dispatch_rows", "ep_chunk_forward", "exchange_counts", "init_parallel", "plan_chunks",
+           "shard_model"]

@@ -64,9 +64,8 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
         out_splits: rows to receive from each rank (len = group size), ints ≥ 0.
         in_splits: rows to send to each rank (len = group size), ints ≥ 0.
         group: process group (default: the world).
-        check: agree the splits across the ranks first (:func:`check_splits`: one small
-            all_gather and a host read). False only where the splits come from an exchange of
-            the counts, so every rank's agree by construction (the EP engine's chunk plans).
+        check: agree the splits across the ranks first (:func:`check_splits`). False only
+            where the splits come from an exchange of the counts (the EP engine's chunk plans).
 
     Returns:
         (sum(out_splits), ...) new tensor, rows ordered by source rank.
@@ -74,8 +73,7 @@ def all_to_all(x_MD: torch.Tensor, out_splits: Sequence[int], in_splits: Sequenc
     Raises:
         ValueError: if M != sum(in_splits) or a split list has the wrong length (this rank
             only); on every rank of the group, when the ranks' splits disagree (rank i expects
-            out_splits[j] rows from rank j, which sends in_splits[i] to it): the exchange would
-            fail on one rank and abort another.
+            out_splits[j] rows from rank j, which sends in_splits[i] to it).
 
     Side effects: with ``check``, one ``all_gather`` of 2·W int64 (the split check); one
     ``all_to_all_single`` on ``group`` (one more in backward, with the checked splits).
@@ -136,7 +134,7 @@ def agree_num_chunks(num_chunks: int, group: dist.ProcessGroup | None = None, *,
 
     Raises:
         ValueError: with ``require_equal``, on every rank of the group, when the ranks' chunk
-            counts differ (each chunk issues its own all-to-all, so running on would hang).
+            counts differ (running on would hang).
 
     Side effects: one ``all_reduce(MAX)`` of two int64 (c and -c) on ``group``.
     Reference: MemFine §4 (the chunk count is the same on all ranks of the EP group).

@@ -6,27 +6,14 @@ D = d, N = n, G = 2n (gated) or n.
 
 :class:`ExpertParallelExperts` is a peer of :class:`memfine.nn.GroupedExperts`: same parameter
 names, same ``run``/``global_counts`` contract, so sharding a model only swaps each layer's
-``experts``. One layer call:
-1. notify: exchange per-expert counts for each chunk of every candidate chunk count
-   (:func:`exchange_counts`, one all-to-all of ints);
-2. the layer's policy picks c from the received rows s″ and agrees on it through this module's
-   ``agree``: ONE all-reduce MAX over ``ep`` per budgeted call, so every rank runs the same c
-   (the fused row blocks, also a budget's choice, stay local to the rank);
-3. the one chunk loop (:func:`memfine.schedule.chunked.run_chunked`, per-chunk checkpointing
-   unless recompute is ``none``) calls this module's chunk step (``_run_chunk`` →
-   :func:`ep_chunk_forward`) with the chunk's index, which picks the chunk's frozen plan: gather
-   the chunk's rows and routing weights, all-to-all them to the ranks holding their experts
-   (uneven, possibly zero splits), run the local experts on the fused path, all-to-all the
-   weighted rows back and sum them per token (deterministic).
-Recompute reuses the frozen per-chunk plans: it re-issues the chunk's all-to-alls with the same
-shapes, never re-routes, never re-exchanges counts. As in the local loop, the c chunks add their
-weight gradients into one shared buffer per weight
-(:func:`memfine.schedule.chunked.share_chunk_weight_grads`), so the local weights' gradient, and
-FSDP2's reduce-scatter hooked on it, arrive once per layer call.
+``experts``. One layer call: notify (:func:`exchange_counts`: per-expert counts of each chunk
+of every candidate c, one all-to-all of ints); the policy's c, agreed with ONE all-reduce MAX
+over ``ep`` per budgeted call (the fused row blocks stay the rank's own); then the one chunk loop
+(:func:`memfine.schedule.chunked.run_chunked`) runs :func:`ep_chunk_forward` on each chunk's
+frozen plan, which recompute reuses (:meth:`ExpertParallelExperts.run`).
 
-Weights are DTensors of global shape (E, d, G) / (E, n, d), ``Shard(0)`` over ``ep``: a state
-dict holds every expert under its single-process name and shape, so DCP checkpoints reshard
-across layouts; FSDP2 may shard them further over ``dp_shard``.
+A state dict holds every expert under its single-process name and global shape (DTensors
+``Shard(0)`` over ``ep``, perhaps further over ``dp_shard``): DCP checkpoints reshard.
 Reference: MemFine §4 (arXiv 2511.21431); MoEBlaze §4-§5; docs/design.md §4.
 """
 
@@ -119,11 +106,10 @@ class ExpertParallelExperts(nn.Module):
     Args:
         config: the layer's :class:`MoEConfig` (E global).
         context: this rank's :class:`ParallelContext`.
-        grad_scale: factor on the gradient of the local weights. An expert's gradient on its
-            owner sums the contributions of every rank of the ``ep`` group (the all-to-all
-            backward brings them home), while data parallelism averages per-rank gradients:
-            data-parallel training passes 1/ep (then averaging over ``dp_shard`` gives the
-            mean over all W ranks). 1.0 (default): the plain gradient of the summed loss.
+        grad_scale: factor on the gradient of the local weights: data-parallel training
+            passes 1/ep, as an expert's gradient sums its whole ``ep`` group's rows
+            (:mod:`memfine.parallel.fsdp`, gradient scaling); 1.0 (default): the plain
+            gradient of the summed loss.
 
     Attributes:
         transport_row_elements: d: every received row's copy of x stays alive beside the
@@ -246,7 +232,8 @@ class ExpertParallelExperts(nn.Module):
         # weight-gradient buffer per weight (L·d·G + L·n·d elements, not twice that).
         weights, buffers = share_chunk_weight_grads(
             self.local_weights(), num_chunks, in_place=self.config.experts_impl == "fused")
-        chunk_fn = self._chunk_fn(plans, weights, buffers, config)
+        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers, config,
+                                     *self._call_adapters())
         out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                              recompute=policy.config.resolved_recompute)
         return out_TD, plan
@@ -262,17 +249,16 @@ class ExpertParallelExperts(nn.Module):
                              f"(T, k); got {tuple(x_TD.shape)}, {tuple(top_k_index.shape)}, "
                              f"{tuple(top_k_weights.shape)}")
 
-    def _chunk_fn(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
-                  buffers: WeightGradBuffers | None, config: MoEConfig
-                  ) -> functools.partial[torch.Tensor]:
-        """The chunk step of one call (everything but the chunk bound)."""
-        return functools.partial(self._run_chunk, plans, weights, buffers, config)
+    def _call_adapters(self) -> tuple[ExpertLoRA | None, int]:
+        """This call's adapters and dropout seed: none (the LoRA experts override it)."""
+        return None, 0
 
     def _run_chunk(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
-                   buffers: WeightGradBuffers | None, config: MoEConfig, chunk: int,
-                   x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
-                   top_k_weights_CK: torch.Tensor) -> torch.Tensor:
-        """The loop's chunk function: the chunk's frozen plan, weights, buffers, call config."""
+                   buffers: WeightGradBuffers | None, config: MoEConfig,
+                   lora: ExpertLoRA | None, seed: int, chunk: int, x_CD: torch.Tensor,
+                   top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
+        """The loop's chunk function: the chunk's frozen plan, the weights and any adapters."""
         w_up_LDG, w_down_LND = weights
         return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
-                                self.context.ep_group, config, buffers)
+                                self.context.ep_group, config, buffers, lora=lora,
+                                seed=seed + chunk)

@@ -1,10 +1,8 @@
 """Sharding a built model over the (dp_shard, ep) mesh with FSDP2, and gradient-norm clipping.
 
-:func:`shard_model` swaps every MoE layer's ``experts`` for :class:`ExpertParallelExperts`
-(experts E/ep per rank over ``ep``; ``ExpertParallelLoRAExperts`` for experts with LoRA
-adapters, frozen base and adapters alike), then applies ``fully_shard``: to the experts over
-``dp_shard``, to each transformer block and to the root over the flattened ``dp`` mesh (all W
-ranks). FSDP2 reduce-scatters the gradients; nothing is all-reduced by hand.
+:func:`shard_model` swaps every MoE layer's ``experts`` for the expert-parallel ones, then
+applies ``fully_shard`` (experts over ``dp_shard``, blocks and root over ``dp``). FSDP2
+reduce-scatters the gradients; nothing is all-reduced by hand.
 
 Gradient scaling: every rank's loss is the mean over its own tokens, so the gradient of the
 global mean loss is the mean over the W ranks. FSDP2 divides dense gradients by W (the size of
@@ -100,10 +98,6 @@ def shard_model(model: nn.Module, context: ParallelContext) -> int:
     return len(layers)
 
 
-def _mesh_key(t: torch.Tensor) -> object:
-    return t.device_mesh if isinstance(t, DTensor) else None
-
-
 def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
                     norm_type: float = 2.0) -> torch.Tensor:
     """``torch.nn.utils.clip_grad_norm_`` for DTensor gradients on several meshes.
@@ -127,8 +121,8 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor], max_norm: float,
     groups: dict[int, list[torch.Tensor]] = {}
     for p in parameters:
         if p.grad is not None:
-            key = id(_mesh_key(p.grad))
-            groups.setdefault(key, []).append(p)
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(id(mesh), []).append(p)
     norms = []
     for params in groups.values():
         norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None],

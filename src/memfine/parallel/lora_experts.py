@@ -8,24 +8,14 @@ base weights and the per-expert adapters of :class:`memfine.nn.lora.LoRAGroupedE
 same names and global shapes: ``lora_a_up`` (E, r, d), ``lora_b_up`` (E, G, r), ``lora_a_down``
 (E, r, n), ``lora_b_down`` (E, d, r), DTensors ``Shard(0)`` over ``ep`` like ``w_up``/``w_down``.
 Every chunk's received rows run through the split LoRA of the fused path
-(:func:`memfine.experts.lora_experts.run_lora_experts`) on this rank's L experts, so the
-adapters' forward and gradients equal the single-process layer's up to summation order. An
-adapter's gradient on its owner sums the contributions of the whole ``ep`` group (the all-to-all
-backward brings them home), so it carries ``grad_scale`` (1/ep under data parallelism) as the
-base weights would; FSDP2 divides by the size of ``dp_shard``. A state dict holds every expert's
-adapters under their single-process names, so adapter-only DCP checkpoints load at another
-layout or into one process.
-
-Dropout on the adapters' inputs: the masks are generated per received row (seeded by the call's
-seed, the adapter and the row's position on this rank, :func:`memfine.lora.adapters.dropout_mask`),
-so with ``dropout > 0`` a layout draws other masks than one process (the same distribution); with
-``dropout = 0`` (the default) nothing depends on the layout.
+(:func:`memfine.experts.lora_experts.run_lora_experts`) on this rank's L experts. The adapters'
+gradient scale (1/ep, as the base weights'), their checkpoints at another layout and the dropout
+masks drawn per received row (other masks than one process's when dropout > 0): docs/lora.md,
+"On several ranks (torchrun)".
 Reference: Hu et al. 2021 (LoRA); MemFine §4; docs/lora.md.
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 from torch import nn
@@ -33,10 +23,8 @@ from torch import nn
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.lora.adapters import ExpertLoRA
-from memfine.ops.weight_grads import WeightGradBuffers
-from memfine.parallel.experts import ExpertParallelExperts, ep_chunk_forward
+from memfine.parallel.experts import ExpertParallelExperts
 from memfine.parallel.mesh import ParallelContext
-from memfine.parallel.notify import ChunkDispatch
 
 ADAPTERS = ("lora_a_up", "lora_b_up", "lora_a_down", "lora_b_down")
 
@@ -96,25 +84,11 @@ class ExpertParallelLoRAExperts(ExpertParallelExperts):
                           scale=self.lora.scale,
                           dropout=self.lora.dropout if self.training else 0.0)
 
-    def _chunk_fn(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
-                  buffers: WeightGradBuffers | None, config: MoEConfig
-                  ) -> functools.partial[torch.Tensor]:
-        """The chunk step with this call's adapters and dropout seed.
+    def _call_adapters(self) -> tuple[ExpertLoRA | None, int]:
+        """This call's adapters and dropout seed.
 
         The seed is drawn once per call, outside recompute, as
         :class:`memfine.nn.lora.LoRAGroupedExperts` does.
         """
         lora = self.adapters()
-        seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
-        return functools.partial(self._run_lora_chunk, plans, weights, buffers, config, lora,
-                                 seed)
-
-    def _run_lora_chunk(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
-                        buffers: WeightGradBuffers | None, config: MoEConfig, lora: ExpertLoRA,
-                        seed: int, chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
-                        top_k_weights_CK: torch.Tensor) -> torch.Tensor:
-        """The loop's chunk function: the chunk's plan, the frozen weights and the adapters."""
-        w_up_LDG, w_down_LND = weights
-        return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
-                                self.context.ep_group, config, buffers, lora=lora,
-                                seed=seed + chunk)
+        return lora, int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0

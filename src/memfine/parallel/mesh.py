@@ -3,9 +3,8 @@
 Rank r sits at (r // ep, r % ep): the ``ep`` dim groups ep consecutive ranks (one expert-parallel
 group; experts are sharded E/ep over it and rows move between its ranks by all-to-all); the
 ``dp_shard`` dim links the ranks holding the same expert shard (the expert-data-parallel dim,
-over which FSDP2 shards and reduces the experts). Dense (non-expert) parameters are data
-parallel over all W ranks: FSDP2 shards them over the flattened ``dp`` mesh. Every rank reads
-its own slice of each global batch, so the data-parallel degree is W.
+over which FSDP2 shards and reduces the experts). Dense parameters are sharded over all W ranks
+(the flattened ``dp`` mesh): the data-parallel degree is W.
 Reference: torchtitan's ParallelDims (named mesh dims); docs/design.md §4, §6.
 """
 

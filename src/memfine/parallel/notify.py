@@ -4,16 +4,16 @@ Legend: T tokens, K top-k slots, E experts (global), L experts on this rank (E/e
 EP group (e), C chunk rows (one per chunk of every candidate chunk count), M routed rows this rank
 sends (valid (token, slot) pairs, ≤ T·k), S rows this rank's experts receive (s″).
 
-One ``all_to_all_single`` of int64 counts per layer call tells every rank how many rows it will
-receive from each source rank for each of its experts, for each chunk of every candidate chunk
-count at once (e.g. the MACT bins 1, 2, 4, 8: 15 rows of L counts per destination). After the
-ranks agree on c, the split sizes of every chunk are known without another exchange, and the
-recompute pass reuses them: no count exchange ever runs inside recompute.
+One ``all_to_all_single`` of int64 counts per layer call gives every rank its received rows per
+source rank and local expert, for each chunk of every candidate c at once (bins 1, 2, 4, 8: 15
+rows of L counts per destination); the agreed c's split sizes need no other exchange, and
+recompute reuses them: no count exchange ever runs inside recompute.
 Reference: MemFine §4 (router → notify → chunks); docs/design.md §4.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -26,11 +26,9 @@ from memfine.schedule.chunked import chunk_sizes
 
 def chunk_bounds(num_tokens: int, num_chunks: int) -> list[tuple[int, int]]:
     """``(start, stop)`` token ranges of the c chunks of :func:`memfine.schedule.chunk_sizes`."""
-    bounds, start = [], 0
-    for size in chunk_sizes(num_tokens, num_chunks):
-        bounds.append((start, start + size))
-        start += size
-    return bounds
+    sizes = chunk_sizes(num_tokens, num_chunks)
+    stops = itertools.accumulate(sizes)
+    return [(stop - size, stop) for size, stop in zip(sizes, stops, strict=True)]
 
 
 def chunk_expert_counts(top_k_index: torch.Tensor, num_experts: int,

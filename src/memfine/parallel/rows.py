@@ -10,9 +10,6 @@ Legend: T tokens, K top-k slots, M routed rows of this rank (≤ T·k), D = d.
   atomics); its backward hands every row its token's gradient. Unlike a composite of autograd
   ops it always stays in the graph, even with M = 0 rows, so a rank that sent no rows still runs
   the inverse all-to-all in backward (every rank of the EP group must join it).
-
-Both directions are one :class:`RowsFunction`: forward applies one of the two row moves and
-backward applies the other.
 Reference: MoEBlaze §4 (combine through token_index_map); docs/design.md §3.
 """
 

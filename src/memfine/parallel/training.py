@@ -2,9 +2,8 @@
 
 ``memfine train`` under ``torchrun`` builds a :class:`DistributedTraining` and hands it to
 :func:`memfine.train.train` (it implements :class:`memfine.train.parallel.ParallelTraining`).
-Every rank builds the same model from the same seed and draws the same global batch; the model
-is then sharded (:func:`memfine.parallel.fsdp.shard_model`) and every rank trains on its own
-rows of each batch, so a run equals the single-process run up to summation order.
+Every rank builds the same model from the same seed, shards it (:func:`shard_model`) and trains
+on its own rows of each global batch: a run equals the one-process run up to summation order.
 Reference: docs/design.md §4, §6; torchtitan's training loop (FSDP2, DCP).
 """
 

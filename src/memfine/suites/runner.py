@@ -19,11 +19,11 @@ import torch
 from memfine.bench.options import BenchOptions, Point
 from memfine.bench.output import plot_points, print_point
 from memfine.bench.results import point_rows, write_csv
+from memfine.bench.verdicts import verdict_lines
 from memfine.environment import collect_environment
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import int_at_least
 from memfine.suites import SUITE_MODULES, select_methods
-from memfine.suites.verdicts import verdict_lines
 from memfine.train.loop import torch_threads
 
 

@@ -12,9 +12,9 @@ import torch
 from memfine.bench.harness import MethodResult
 from memfine.bench.options import Point
 from memfine.bench.output import HEADERS
+from memfine.bench.verdicts import COUNTS_LEGEND, verdict_lines
 from memfine.cli.main import SUBCOMMANDS, build_parser
 from memfine.measure import MemoryReport
-from memfine.suites.verdicts import COUNTS_LEGEND, verdict_lines
 from memfine.units import MiB
 
 
