@@ -57,8 +57,10 @@ ALLOWED: dict[str, set[str]] = {
     # what a run reports: metrics, the memory log, progress, evaluation; tqdm/matplotlib/
     # tensorboard are optional extras, loaded through _optional.
     "reports": {"nn", "data", "memory", "measure", "_optional"} | BASE,
-    # a run's directory, checkpoints and what is done with a checkpoint afterwards
+    # a run's directory, checkpoints, loading a checkpoint's weights into a model
     "artifacts": {"nn", "data", "memory", "measure", "reports", "_optional"} | BASE,
+    # what is done with a checkpoint afterwards: generate, evaluate, export (adapters too)
+    "inference": {"nn", "data", "artifacts", "reports", "_optional"} | BASE,
     "train": {"nn", "data", "artifacts", "reports", "schedule", "memory", "measure",
               "_optional"} | BASE,
     # the benchmark system's measuring core (harness, options, CSV results, tables and plots)
@@ -68,9 +70,11 @@ ALLOWED: dict[str, set[str]] = {
     # the suites measure every layer of the package (never against the reference); the
     # benchmark scripts parse their flags with the flags' value parsers
     "suites": ALL_BELOW_NN | {"nn", "hf", "integrations", "train", "data", "artifacts",
-                              "reports", "plan", "launch", "bench", "baselines", "flags"},
+                              "inference", "reports", "plan", "launch", "bench", "baselines",
+                              "flags"},
     # the flag tables of the commands and how they resolve into configs
-    "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "reports", "plan"},
+    "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "inference", "reports",
+                             "plan"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.

@@ -184,7 +184,7 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
             below it is named where it happened: ``its LoRA base run 'A' is a LoRA run too;
             checkpoint 'A/checkpoint.pt': its LoRA base run 'R' changed ...``.
     """
-    from memfine.artifacts.inference import language_model, load_checkpoint_weights
+    from memfine.artifacts.weights import language_model, load_checkpoint_weights
     from memfine.config import TrainConfig
 
     kept = _kept_copy(reference, where)

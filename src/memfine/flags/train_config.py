@@ -4,7 +4,7 @@ The values come from ``--preset`` (or, with ``--resume``, from the checkpoint in
 ``--init-from``, the preset with that checkpoint's model and context length), then ``--config``
 FILE, then the flags given (:mod:`memfine.flags.train_flags`). With ``--init-from`` a flag may
 change the model's settings (chunking, budget, kernels, ``--seq-len``) but not its architecture
-(:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name the flag that caused
+(:data:`memfine.artifacts.weights.ARCHITECTURE_FIELDS`). Errors name the flag that caused
 them (:func:`memfine.flags.table.name_flag`).
 """
 
@@ -22,8 +22,8 @@ from memfine.artifacts.checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
-from memfine.artifacts.inference import ARCHITECTURE_FIELDS
 from memfine.artifacts.rundir import RUN_FILES
+from memfine.artifacts.weights import ARCHITECTURE_FIELDS
 from memfine.config import TrainConfig
 from memfine.config.lora import LoRAConfig
 from memfine.flags.checkpoint import run_directory
@@ -210,7 +210,7 @@ def _check_source_architecture(args: argparse.Namespace, tree: dict[str, Any],
                                source: dict[str, Any] | None) -> None:
     """Refuse a flag that changes the architecture of ``--init-from``'s model.
 
-    The fine-tune keeps the source model's :data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`
+    The fine-tune keeps the source model's :data:`memfine.artifacts.weights.ARCHITECTURE_FIELDS`
     (its weights mean nothing in another shape); its chunking, memory budget, kernels, loss
     coefficients and context length are settings of the new run.
 

@@ -30,8 +30,8 @@ from memfine.artifacts.checkpoint import (
     restore,
 )
 from memfine.artifacts.finite import nonfinite_message, nonfinite_names
-from memfine.artifacts.inference import load_weights
 from memfine.artifacts.lora_base import BASE_ATTRIBUTE, keep_base_copy, load_base_, set_lora_base
+from memfine.artifacts.weights import load_weights
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
