@@ -29,6 +29,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"_checks", "units"},
     "_optional": set(),
     "environment": set(),
+    # the process a run lives in: stop signals, deterministic algorithms
+    "runtime": BASE,
     "reference": BASE,
     "data": BASE,
     "measure": BASE,
@@ -62,7 +64,7 @@ ALLOWED: dict[str, set[str]] = {
     # what is done with a checkpoint afterwards: generate, evaluate, export (adapters too)
     "inference": {"nn", "data", "artifacts", "reports", "_optional"} | BASE,
     "train": {"nn", "data", "artifacts", "reports", "schedule", "memory", "measure",
-              "_optional"} | BASE,
+              "runtime", "_optional"} | BASE,
     # the benchmark system's measuring core (harness, options, CSV results, tables and plots)
     "bench": {"measure", "_optional"} | BASE,
     # the peer layers the suites measure against
@@ -71,7 +73,7 @@ ALLOWED: dict[str, set[str]] = {
     # benchmark scripts parse their flags with the flags' value parsers
     "suites": ALL_BELOW_NN | {"nn", "hf", "integrations", "train", "data", "artifacts",
                               "inference", "reports", "plan", "launch", "bench", "baselines",
-                              "flags"},
+                              "flags", "runtime"},
     # the flag tables of the commands and how they resolve into configs
     "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "inference", "reports",
                              "plan"},
