@@ -45,7 +45,7 @@ ALLOWED: dict[str, set[str]] = {
     "memory": {"timeline", "dispatch"} | BASE,
     # whole training layouts: pipeline stages, presets, the layout search (prediction only)
     "plan": {"memory"} | BASE,
-    # the commands that run a planned layout (memfine train, torchtitan's trainer)
+    # what memfine plan prints: a plan's report, the commands that run its layout
     "launch": {"plan"} | BASE,
     "parallel": {"ops", "experts", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "experts", "dispatch", "memory"} | BASE,
