@@ -85,10 +85,15 @@ def set_lora_base(model: torch.nn.Module, run_dir: str | os.PathLike[str]) -> di
     return reference
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` without the frozen parameters (buffers and trained ones kept)."""
+def trainable_state(model: torch.nn.Module, state: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """``state`` without the frozen parameters of ``model`` (buffers and trained ones kept).
+
+    ``state``: keyed by parameter name; default ``model.state_dict()``.
+    """
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+    return {k: v for k, v in (model.state_dict() if state is None else state).items()
+            if k not in frozen}
 
 
 def keep_base_copy(model: torch.nn.Module, out_dir: str | os.PathLike[str]) -> Path:

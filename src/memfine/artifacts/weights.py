@@ -12,13 +12,9 @@ from pathlib import Path
 
 import torch
 
-from memfine.artifacts.checkpoint import (
-    LoRABaseError,
-    find_checkpoint,
-    load_model_state,
-    read_checkpoint,
-)
+from memfine.artifacts.checkpoint import LoRABaseError, find_checkpoint, read_checkpoint
 from memfine.artifacts.finite import check_finite_model
+from memfine.artifacts.restore import load_model_state
 from memfine.config import ModelConfig, TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora, merge_model_lora_

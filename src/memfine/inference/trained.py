@@ -29,10 +29,10 @@ from memfine.artifacts.checkpoint import (
     SHARDED_NAME,
     LoRABaseError,
     find_checkpoint,
-    load_model_state,
     read_checkpoint,
 )
 from memfine.artifacts.finite import check_finite_model
+from memfine.artifacts.restore import load_model_state
 from memfine.artifacts.weights import language_model
 from memfine.config import ModelConfig, TrainConfig
 from memfine.data import ByteCorpus, decode, encode, unigram_entropy, val_batches

@@ -27,10 +27,10 @@ from memfine.artifacts.checkpoint import (
     LoRABaseError,
     find_checkpoint,
     read_checkpoint,
-    restore,
 )
 from memfine.artifacts.finite import nonfinite_message, nonfinite_names
 from memfine.artifacts.lora_base import BASE_ATTRIBUTE, keep_base_copy, load_base_, set_lora_base
+from memfine.artifacts.restore import restore
 from memfine.artifacts.weights import load_weights
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
@@ -287,7 +287,7 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     apply_lora`, drawn from the seeded generator) and the optimizer holds the trainable
     parameters only; the frozen ones get no gradient buffer. A sharded run resuming a LoRA
     checkpoint (``resume_from``, either form) loads its frozen base into the whole model here,
-    before sharding; the adapters follow in :func:`memfine.artifacts.checkpoint.restore`.
+    before sharding; the adapters follow in :func:`memfine.artifacts.restore.restore`.
 
     Raises:
         ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model;
