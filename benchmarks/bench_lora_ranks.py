@@ -25,8 +25,8 @@ from pathlib import Path
 
 import torch
 
-from memfine.artifacts.inference import load_trained
 from memfine.bench.results import collect_environment, csv_row, write_csv
+from memfine.inference.trained import load_trained
 
 COMMON = ["train", "--sample-tokens", "0", "--no-progress", "--threads", "1",
           "--lr-decay-steps", "20"]

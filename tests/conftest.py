@@ -60,7 +60,7 @@ def _stop_signals_reach_pytest() -> Iterator[None]:
     """A training run inside a test (``train(...)``, ``main(["train", ...])``) stopped by Ctrl-C
     saves its checkpoint, then raises the signal again for pytest: the session stops with its
     summary instead of failing one test and carrying on."""
-    from memfine.train.stop import signals_to_caller
+    from memfine.runtime.stop import signals_to_caller
 
     with signals_to_caller():
         yield

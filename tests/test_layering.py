@@ -30,6 +30,8 @@ ALLOWED: dict[str, set[str]] = {
     "config": {"_checks", "units"},
     "_optional": set(),
     "environment": set(),
+    # the process a run lives in: stop signals, deterministic algorithms
+    "runtime": BASE,
     "reference": BASE,
     "data": BASE,
     # what a GPU would pay, counted on the CPU (ATen ops, host syncs, roofline floors)
@@ -53,7 +55,7 @@ ALLOWED: dict[str, set[str]] = {
     "memory": {"layer_timeline", "timeline", "dispatch"} | BASE,
     # whole training layouts: pipeline stages, presets, the layout search (prediction only)
     "plan": {"memory"} | BASE,
-    # the commands that run a planned layout (memfine train, torchtitan's trainer)
+    # what memfine plan prints: a plan's report, the commands that run its layout
     "launch": {"plan"} | BASE,
     "parallel": {"ops", "lora", "experts", "dispatch", "schedule", "memory"} | BASE,
     "schedule": {"ops", "experts", "dispatch", "memory"} | BASE,
@@ -68,10 +70,12 @@ ALLOWED: dict[str, set[str]] = {
     # what a run reports: metrics, the memory log, progress, evaluation; tqdm/matplotlib/
     # tensorboard are optional extras, loaded through _optional.
     "reports": {"nn", "data", "memory", "measure", "_optional"} | BASE,
-    # a run's directory, checkpoints and what is done with a checkpoint afterwards
+    # a run's directory, checkpoints, loading a checkpoint's weights into a model
     "artifacts": {"nn", "data", "memory", "measure", "reports", "_optional"} | BASE,
+    # what is done with a checkpoint afterwards: generate, evaluate, export (adapters too)
+    "inference": {"nn", "data", "artifacts", "reports", "_optional"} | BASE,
     "train": {"nn", "data", "artifacts", "reports", "schedule", "memory", "measure",
-              "_optional"} | BASE,
+              "runtime", "_optional"} | BASE,
     # the benchmark system's measuring core (harness, options, CSV results, tables and plots)
     "bench": {"measure", "_optional"} | BASE,
     # the peer layers the suites measure against
@@ -79,9 +83,11 @@ ALLOWED: dict[str, set[str]] = {
     # the suites measure every layer of the package (never against the reference); the
     # benchmark scripts parse their flags with the flags' value parsers
     "suites": ALL_BELOW_NN | {"nn", "hf", "integrations", "train", "data", "artifacts",
-                              "reports", "plan", "launch", "bench", "baselines", "flags"},
+                              "inference", "reports", "plan", "launch", "bench", "baselines",
+                              "flags", "runtime"},
     # the flag tables of the commands and how they resolve into configs
-    "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "reports", "plan"},
+    "flags": ALL_BELOW_NN | {"nn", "train", "data", "artifacts", "inference", "reports",
+                             "plan"},
     "cli": {"*"},
     "__main__": {"cli"},
     # The package root re-exports the public API; it must not pull in the reference.

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from memfine.artifacts import checkpoint as ckpt
+from memfine.artifacts.restore import load_states, restore
 from memfine.config import TrainConfig
 from memfine.train.optim import build_optimizer
 
@@ -92,7 +93,7 @@ def _loaded(out: Path) -> tuple[int, torch.nn.Module]:
     payload = ckpt.read_checkpoint(ckpt.find_checkpoint(out))
     model = torch.nn.Linear(4, 3)
     optimizer, _ = build_optimizer(model, TrainConfig())
-    ckpt.load_states(payload, model, optimizer, sharded=False)
+    load_states(payload, model, optimizer, sharded=False)
     return int(payload["step"]), model
 
 
@@ -151,7 +152,7 @@ def test_restore_loads_every_state_and_the_rng(tmp_path: Path) -> None:
     fresh = torch.nn.Linear(4, 3)
     optimizer, scheduler = build_optimizer(fresh, TrainConfig())
     torch.randn(5)  # move the RNG on: restore must put it back
-    assert ckpt.restore(payload, fresh, optimizer, scheduler, sharded=False) == 7
+    assert restore(payload, fresh, optimizer, scheduler, sharded=False) == 7
     for key, value in model.state_dict().items():
         assert torch.equal(fresh.state_dict()[key], value)
     assert scheduler.last_epoch == 1 and len(optimizer.state) == 2  # one AdamW step taken
@@ -166,7 +167,7 @@ def test_restore_into_another_model_names_the_checkpoint(tmp_path: Path) -> None
     optimizer, scheduler = build_optimizer(other, TrainConfig())
     with pytest.raises(ValueError, match=rf"^checkpoint {re.escape(repr(str(path)))} does not "
                                          r"match its config \(RuntimeError: "):
-        ckpt.restore(payload, other, optimizer, scheduler, sharded=False)
+        restore(payload, other, optimizer, scheduler, sharded=False)
 
 
 @pytest.mark.parametrize("failure", ["enospc", "short_write"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from memfine.artifacts import checkpoint as ckpt
+from memfine.artifacts.restore import restore
 from memfine.config import TrainConfig
 from memfine.train.optim import build_optimizer
 
@@ -47,7 +48,7 @@ def _resume(tmp_path: Path) -> tuple[Path, dict[str, object]]:
 def _restore(payload: dict[str, object]) -> None:
     model = torch.nn.Linear(4, 3)
     optimizer, scheduler = build_optimizer(model, TrainConfig())
-    ckpt.restore(payload, model, optimizer, scheduler, sharded=False)
+    restore(payload, model, optimizer, scheduler, sharded=False)
 
 
 def test_cuda_states_are_saved_and_restored(tmp_path: Path,

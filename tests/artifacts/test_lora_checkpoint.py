@@ -14,9 +14,10 @@ import pytest
 import torch
 
 from memfine.artifacts.checkpoint import LoRABaseError, load_checkpoint
-from memfine.artifacts.inference import language_model, load_trained, load_weights
 from memfine.artifacts.lora_base import content_hash
+from memfine.artifacts.weights import language_model, load_weights
 from memfine.config.lora import LoRAConfig
+from memfine.inference.trained import load_trained
 from memfine.nn import MoETransformerLM
 from memfine.train import preset, train
 

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.inference import load_safetensors, load_trained
 from memfine.cli.main import main
 from memfine.data import encode
+from memfine.inference.trained import load_safetensors, load_trained
 from tolerances import LOSS_ATOL
 
 CORPUS = str(Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt")

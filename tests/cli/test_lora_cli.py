@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.adapters import load_adapters
-from memfine.artifacts.inference import load_safetensors, load_trained
 from memfine.cli.main import main
 from memfine.data import encode
+from memfine.inference.adapters import load_adapters
+from memfine.inference.trained import load_safetensors, load_trained
 from memfine.reports.metrics import read_metrics
 from memfine.train import load_checkpoint
 from tolerances import LOSS_ATOL, assert_close
@@ -123,7 +123,7 @@ def test_lora_resume_and_init_from_a_lora_run(base: Path, tuned: Path, tmp_path:
                  str(tuned), "--out", str(out)]) == 0
     trained = load_trained(tuned)
     merged = load_trained(out)
-    from memfine.artifacts.adapters import merged as merge
+    from memfine.inference.adapters import merged as merge
 
     plain = merge(trained).model.state_dict()
     state = merged.model.state_dict()

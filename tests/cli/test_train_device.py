@@ -11,7 +11,7 @@ import torch
 from memfine.cli.main import build_parser, main
 from memfine.cli.train import resolve_config
 from memfine.config import TrainConfig
-from memfine.train.determinism import deterministic_mode
+from memfine.runtime.determinism import deterministic_mode
 from memfine.train.optim import build_optimizer
 
 

@@ -20,9 +20,9 @@ import torch.distributed.checkpoint as dcp
 from test_training import COMMON, RUN_TIMEOUT_S, _metrics, _train
 
 import timeouts
-from memfine.artifacts.adapters import load_adapters
-from memfine.artifacts.inference import load_trained
 from memfine.cli.main import main
+from memfine.inference.adapters import load_adapters
+from memfine.inference.trained import load_trained
 from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 
 pytestmark = pytest.mark.distributed

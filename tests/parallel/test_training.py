@@ -21,7 +21,8 @@ import torch
 from ep_harness import free_port
 
 import timeouts
-from memfine.artifacts.checkpoint import find_checkpoint, load_states, read_checkpoint
+from memfine.artifacts.checkpoint import find_checkpoint, read_checkpoint
+from memfine.artifacts.restore import load_states
 from memfine.config import TrainConfig
 from memfine.nn import MoETransformerLM
 from memfine.train.optim import build_optimizer

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from memfine.artifacts.inference import load_trained
 from memfine.config import TrainConfig
 from memfine.config.lora import LoRAConfig
 from memfine.data import ByteCorpus, train_batch, val_batches
+from memfine.inference.trained import load_trained
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import apply_lora
 from memfine.reports.evaluation import evaluate

@@ -3,14 +3,14 @@
 A diverged update leaves NaN or infinite weights; training never saves them
 (:mod:`memfine.train.divergence`), and ``memfine generate``, ``eval`` and ``export`` refuse a
 checkpoint that holds them (one written before that check, or damaged) with
-:func:`check_finite_model` (``memfine train --resume`` with
-:func:`memfine.train.setup.check_resumed_weights`) instead of sampling from NaN
+:func:`check_finite_model` (``memfine train --resume`` too, summing the counts over the ranks)
+instead of sampling from NaN
 probabilities, writing a NaN model or training on from one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -33,21 +33,39 @@ def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     return out
 
 
-def check_finite_model(model: torch.nn.Module, checkpoint: str) -> None:
+def nonfinite_count(model: torch.nn.Module, total: Callable[[int], int] = int
+                    ) -> tuple[int, int, str | None]:
+    """How many weight tensors (parameters and buffers) of ``model`` hold NaN or ±inf.
+
+    Args:
+        model: the model; a sharded one is checked on this rank's shards.
+        total: sums this rank's count over the ranks of a sharded run (a collective);
+            default: this process's count.
+
+    Returns:
+        ``(non-finite tensors, tensors of this rank, this rank's first non-finite name or None)``.
+    """
+    state = model.state_dict()
+    bad = nonfinite_names(state.items())
+    return total(len(bad)), len(state), (bad[0] if bad else None)
+
+
+def check_finite_model(model: torch.nn.Module, checkpoint: str,
+                       total: Callable[[int], int] = int) -> None:
     """Refuse a model whose weights (parameters or buffers) hold NaN or ±inf.
 
     Args:
         model: the model loaded from ``checkpoint``.
         checkpoint: the checkpoint's path, for the message.
+        total: as :func:`nonfinite_count` (a sharded run: every rank calls this).
 
     Raises:
         ValueError: one line naming the checkpoint, how many tensors are not finite and the
             first of them.
     """
-    state = model.state_dict()
-    bad = nonfinite_names(state.items())
-    if bad:
-        raise ValueError(nonfinite_message(checkpoint, len(bad), len(state), bad[0]))
+    count, tensors, first = nonfinite_count(model, total)
+    if count:
+        raise ValueError(nonfinite_message(checkpoint, count, tensors, first))
 
 
 def nonfinite_message(checkpoint: str, count: int, total: int, first: str | None) -> str:

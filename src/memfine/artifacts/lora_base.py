@@ -85,10 +85,15 @@ def set_lora_base(model: torch.nn.Module, run_dir: str | os.PathLike[str]) -> di
     return reference
 
 
-def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.state_dict()`` without the frozen parameters (buffers and trained ones kept)."""
+def trainable_state(model: torch.nn.Module, state: dict[str, Any] | None = None
+                    ) -> dict[str, Any]:
+    """``state`` without the frozen parameters of ``model`` (buffers and trained ones kept).
+
+    ``state``: keyed by parameter name; default ``model.state_dict()``.
+    """
     frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
-    return {k: v for k, v in model.state_dict().items() if k not in frozen}
+    return {k: v for k, v in (model.state_dict() if state is None else state).items()
+            if k not in frozen}
 
 
 def keep_base_copy(model: torch.nn.Module, out_dir: str | os.PathLike[str]) -> Path:
@@ -184,7 +189,7 @@ def load_base_(reference: dict[str, str], config: dict[str, Any],
             below it is named where it happened: ``its LoRA base run 'A' is a LoRA run too;
             checkpoint 'A/checkpoint.pt': its LoRA base run 'R' changed ...``.
     """
-    from memfine.artifacts.inference import language_model, load_checkpoint_weights
+    from memfine.artifacts.weights import language_model, load_checkpoint_weights
     from memfine.config import TrainConfig
 
     kept = _kept_copy(reference, where)

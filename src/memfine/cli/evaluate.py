@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 
-from memfine.artifacts.inference import evaluate_text
 from memfine.flags.checkpoint import DEVICE_FLAG, OUT_FLAG, load_run
 from memfine.flags.table import Flag, NotGiven, add_flags, value
 from memfine.flags.threads import THREADS_FLAG
 from memfine.flags.values import text_flag
+from memfine.inference.trained import evaluate_text
 
 _FLAGS = (
     OUT_FLAG,

@@ -9,12 +9,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from memfine.artifacts.adapters import ADAPTERS_NAME, export_adapters, merged
-from memfine.artifacts.inference import export_safetensors
 from memfine.artifacts.rundir import RUN_FILES, write_error
 from memfine.flags.checkpoint import OUT_FLAG, load_run_directory, run_directory
 from memfine.flags.table import Flag, NotGiven, add_flags, value
 from memfine.flags.values import file_flag
+from memfine.inference.adapters import ADAPTERS_NAME, export_adapters, merged
+from memfine.inference.trained import export_safetensors
 
 _FLAGS = (
     OUT_FLAG,

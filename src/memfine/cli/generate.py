@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import argparse
 
-from memfine.artifacts.inference import generate_text
 from memfine.flags.checkpoint import DEVICE_FLAG, OUT_FLAG, load_run, run_directory
 from memfine.flags.table import Flag, NotGiven, add_flags, value
 from memfine.flags.threads import THREADS_FLAG
 from memfine.flags.values import finite_float
+from memfine.inference.trained import generate_text
 
 _FLAGS = (
     OUT_FLAG,

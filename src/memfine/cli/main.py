@@ -16,6 +16,8 @@ import re
 import sys
 import typing
 
+from memfine.runtime.stop import signals_to_caller
+
 SUBCOMMANDS = {
     "train": "train a small MoE language model on real text",
     "generate": "continue a prompt with a trained checkpoint",
@@ -156,8 +158,6 @@ def _signals_to_caller(command: str) -> typing.ContextManager[None]:
     """
     if command != "train":
         return contextlib.nullcontext()
-    from memfine.train.stop import signals_to_caller  # the training stack only for train
-
     return signals_to_caller()
 
 

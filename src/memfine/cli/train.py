@@ -21,10 +21,10 @@ from memfine.flags.train_config import preset_default, resolve_config
 from memfine.flags.train_flags import RUN_FLAGS, SETTING_FLAGS
 from memfine.flags.values import check_device
 from memfine.reports.trackers import check_tracker
+from memfine.runtime.determinism import deterministic_mode
 from memfine.schedule.policy import InfeasibleBudgetError
 from memfine.schedule.wording import budget_warnings_in_flags, flag_message
 from memfine.train import train
-from memfine.train.determinism import deterministic_mode
 
 __all__ = ["add_arguments", "resolve_config", "run"]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from memfine.artifacts.checkpoint import CheckpointNotFoundError
-from memfine.artifacts.inference import Trained, load_trained
 from memfine.flags.table import Flag, NotGiven, value
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import check_device, path_flag
+from memfine.inference.trained import Trained, load_trained
 
 OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", path_flag,
                 default=NotGiven(text="required"))
@@ -59,7 +59,7 @@ def load_run_directory(out: Path, device: str = "cpu", *, base: bool = True) -> 
     """The model of the checkpoint in the run directory ``out`` (``--out``), on ``device``.
 
     ``base=False``: a LoRA run's trained tensors without its frozen base
-    (:func:`memfine.artifacts.inference.load_trained`).
+    (:func:`memfine.inference.trained.load_trained`).
 
     Raises:
         ValueError: naming the path when the checkpoint is missing (with the ``memfine train``

@@ -2,7 +2,7 @@
 
 In the order of :func:`resolve_config`, over the flags of :mod:`memfine.flags.train_flags`. With
 ``--init-from`` a flag may change the model's settings (chunking, budget, kernels, ``--seq-len``)
-but not its architecture (:data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`). Errors name
+but not its architecture (:data:`memfine.artifacts.weights.ARCHITECTURE_FIELDS`). Errors name
 the flag that caused them (:func:`memfine.flags.table.name_flag`).
 """
 
@@ -20,8 +20,8 @@ from memfine.artifacts.checkpoint import (
     find_checkpoint,
     read_checkpoint,
 )
-from memfine.artifacts.inference import ARCHITECTURE_FIELDS
 from memfine.artifacts.rundir import RUN_FILES
+from memfine.artifacts.weights import ARCHITECTURE_FIELDS
 from memfine.config import TrainConfig
 from memfine.config.lora import LoRAConfig
 from memfine.flags.checkpoint import run_directory
@@ -199,7 +199,7 @@ def _check_source_architecture(args: argparse.Namespace, tree: dict[str, Any],
                                source: dict[str, Any] | None) -> None:
     """Refuse a flag that changes the architecture of ``--init-from``'s model.
 
-    The fine-tune keeps the source model's :data:`memfine.artifacts.inference.ARCHITECTURE_FIELDS`
+    The fine-tune keeps the source model's :data:`memfine.artifacts.weights.ARCHITECTURE_FIELDS`
     (its weights mean nothing in another shape); its chunking, memory budget, kernels, loss
     coefficients and context length are settings of the new run.
 

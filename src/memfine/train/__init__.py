@@ -1,8 +1,9 @@
 """Training of the small byte-level MoE language model on real text (``memfine train``).
 
 :func:`train` (``loop``) over ``setup``, ``step``, ``events``, ``accumulation``, ``execution``,
-``parallel``, ``stop``, ``optim`` and ``presets``; the data is :mod:`memfine.data`, the run
-directory, checkpoints and metrics :mod:`memfine.artifacts`.
+``parallel``, ``divergence``, ``optim`` and ``presets``; the data is :mod:`memfine.data`, the
+run directory, checkpoints and metrics :mod:`memfine.artifacts`, stop signals
+:mod:`memfine.runtime.stop`.
 """
 
 from memfine.artifacts.checkpoint import load_checkpoint, save_checkpoint

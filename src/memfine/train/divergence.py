@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from memfine.artifacts.finite import nonfinite_names
+from memfine.artifacts.finite import nonfinite_count
 from memfine.train.setup import RunState
 
 
@@ -37,13 +37,12 @@ def check_finite_weights(run: RunState) -> None:
     Called before each save (on every rank of a sharded run: each checks its shards and the
     counts are summed, a collective).
     """
-    state = run.model.state_dict()
-    bad = nonfinite_names(state.items())
-    total = int(run.parallel.sum(torch.tensor(float(len(bad)), device=run.device)).item())
+    total, tensors, first = nonfinite_count(run.model, lambda n: int(
+        run.parallel.sum(torch.tensor(float(n), device=run.device)).item()))
     if total:
-        what = f"{total} of {len(state)} weight tensors are not finite"
-        raise DivergedError(diverged_message(run, run.step, what + (f" ({bad[0]}, ...)"
-                                                                    if bad else "")))
+        what = f"{total} of {tensors} weight tensors are not finite"
+        raise DivergedError(diverged_message(run, run.step, what + (f" ({first}, ...)"
+                                                                    if first else "")))
 
 
 def diverged_message(run: RunState, step: int, what: str) -> str:

@@ -2,7 +2,7 @@
 
 :func:`train` checks the outputs and the run directory (:mod:`memfine.artifacts.rundir`), takes
 its lock, sets up (:mod:`memfine.train.setup`) and runs the loop; the first SIGINT or SIGTERM
-finishes the current step, saves a checkpoint and returns (:mod:`memfine.train.stop`).
+finishes the current step, saves a checkpoint and returns (:mod:`memfine.runtime.stop`).
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from memfine.config import TrainConfig
 from memfine.reports.evaluation import evaluate, sample_after_validation_prompt
 from memfine.reports.metrics import plot_run, report_final
 from memfine.reports.outputs import Outputs
+from memfine.runtime.stop import graceful_stop
 from memfine.train import events
 from memfine.train.divergence import check_finite
 from memfine.train.parallel import ParallelTraining, SingleProcess
 from memfine.train.setup import RunState, setup_run
 from memfine.train.step import run_step
-from memfine.train.stop import graceful_stop
 
 SAMPLE_TEMPERATURE = 0.8
 

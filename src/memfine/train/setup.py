@@ -27,11 +27,11 @@ from memfine.artifacts.checkpoint import (
     LoRABaseError,
     find_checkpoint,
     read_checkpoint,
-    restore,
 )
-from memfine.artifacts.finite import nonfinite_message, nonfinite_names
-from memfine.artifacts.inference import load_weights
+from memfine.artifacts.finite import check_finite_model
 from memfine.artifacts.lora_base import BASE_ATTRIBUTE, keep_base_copy, load_base_, set_lora_base
+from memfine.artifacts.restore import restore
+from memfine.artifacts.weights import load_weights
 from memfine.config import TrainConfig
 from memfine.data import ByteCorpus, unigram_entropy, val_batches
 from memfine.nn import MoETransformerLM
@@ -161,8 +161,10 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                                               resume_from=payload)
     start = (restore(payload, model, optimizer, scheduler, sharded=parallel.sharded)
              if payload else 0)
-    if payload:
-        check_resumed_weights(model, parallel, device, str(payload["path"]))
+    if payload:  # NaN/±inf weights (saved before the divergence checks, or damaged) would
+        # diverge at the first step and call it the last good one; every rank checks its shards
+        check_finite_model(model, str(payload["path"]), total=lambda n: int(
+            parallel.sum(torch.tensor(float(n), device=device)).item()))
     if resume and start >= config.max_steps:
         raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
                          f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
@@ -185,25 +187,6 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
                     bar=bar, t_start=t_start, step=start,
                     saved_step=start if payload else None,
                     forward=step_forward(model, config, sharded=parallel.sharded))
-
-
-def check_resumed_weights(model: torch.nn.Module, parallel: ParallelTraining,
-                          device: torch.device, checkpoint: str) -> None:
-    """Refuse to resume a checkpoint whose weights hold NaN or ±inf.
-
-    Such a checkpoint was written before the divergence checks or damaged; training from it
-    would diverge at its first step and call it the last good one. Every rank of a sharded
-    run checks its shards and the counts are summed (a collective).
-
-    Raises:
-        ValueError: one line naming the checkpoint (as ``memfine generate``/``eval``/``export``).
-    """
-    state = model.state_dict()
-    bad = nonfinite_names(state.items())
-    total = int(parallel.sum(torch.tensor(float(len(bad)), device=device)).item())
-    if total:
-        raise ValueError(nonfinite_message(checkpoint, total, len(state),
-                                           bad[0] if bad else None))
 
 
 def lora_summary(model: torch.nn.Module, config: TrainConfig) -> str:
@@ -287,7 +270,7 @@ def build_model(config: TrainConfig, parallel: ParallelTraining, device: torch.d
     apply_lora`, drawn from the seeded generator) and the optimizer holds the trainable
     parameters only; the frozen ones get no gradient buffer. A sharded run resuming a LoRA
     checkpoint (``resume_from``, either form) loads its frozen base into the whole model here,
-    before sharding; the adapters follow in :func:`memfine.artifacts.checkpoint.restore`.
+    before sharding; the adapters follow in :func:`memfine.artifacts.restore.restore`.
 
     Raises:
         ValueError: when ``init_from``'s checkpoint is missing, corrupt or of another model;

@@ -83,7 +83,7 @@ def test_defaults_are_plan_config_defaults() -> None:
     parser = argparse.ArgumentParser()
     plan_cli.add_arguments(parser)
     defaults = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
-    for flag in plan_cli.command.SETTING_FLAGS:
+    for flag in plan_cli.SETTING_FLAGS:
         got = parser.get_default(flag.dest)
         assert isinstance(got, NotGiven), flag.name
         if flag.name != "--skew":  # a list of skews for the table, 'worst' included

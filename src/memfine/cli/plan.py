@@ -31,7 +31,6 @@ import sys
 from typing import Any
 
 from memfine._checks import FieldError
-from memfine.cli.plan import output
 from memfine.config import RECOMPUTE_MODES
 from memfine.flags.table import (
     Flag,
@@ -44,6 +43,7 @@ from memfine.flags.table import (
     value,
 )
 from memfine.flags.values import byte_size, comma_ints, finite_float, int64
+from memfine.launch import report
 from memfine.plan.hf_config import load_hf_config
 from memfine.plan.layout import EXPERT_MODELS, PlanConfig
 from memfine.plan.presets import PRESETS, ModelPreset, custom_model
@@ -307,8 +307,8 @@ def run(args: argparse.Namespace) -> int:
         result = search(cfg, args.devices)
         if not result.considered:
             raise ValueError(no_layout_message(cfg, args.devices))
-        output.print_search(result, cfg, args.devices, top=args.top, as_json=args.json,
+        report.print_search(result, cfg, args.devices, top=args.top, as_json=args.json,
                             verbose=args.verbose)
     else:
-        output.print_plan(cfg, sources, verbose=args.verbose, as_json=args.json)
+        report.print_plan(cfg, sources, verbose=args.verbose, as_json=args.json)
     return 0

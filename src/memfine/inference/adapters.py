@@ -5,9 +5,9 @@ adapters, and the routers or attention when they were trained) and a reference t
 base, which loading reads (:mod:`memfine.artifacts.lora_base`).
 :func:`export_adapters` writes the trained parameters only to ``adapters.safetensors``, with the
 LoRA and model configs in its metadata; :func:`load_adapters` puts them on a model of the same
-base (e.g. one loaded with :func:`memfine.artifacts.inference.load_safetensors`).
+base (e.g. one loaded with :func:`memfine.inference.trained.load_safetensors`).
 :func:`merged` folds the adapters into the base weights (W + s·(B·A)ᵀ per expert), giving a
-plain model that :func:`memfine.artifacts.inference.export_safetensors` writes as any other.
+plain model that :func:`memfine.inference.trained.export_safetensors` writes as any other.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from memfine._optional import require
-from memfine.artifacts.inference import Trained, atomic_write
 from memfine.config import ModelConfig
 from memfine.config.lora import LoRAConfig
+from memfine.inference.trained import Trained, atomic_write
 from memfine.nn import MoETransformerLM
 from memfine.nn.lora import adapter_state_dict, apply_lora, merge_model_lora_
 
