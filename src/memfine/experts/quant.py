@@ -127,6 +127,13 @@ class NF4Experts:
         out = F.dequantize_4bit(self.codes[e0 * per // 2:e1 * per // 2], state)
         return cast(torch.Tensor, out).view(e1 - e0, i_dim, o_dim)
 
+    def experts(self, e0: int, e1: int) -> NF4Experts:
+        """Experts [e0, e1) as their own :class:`NF4Experts` (views of the codes and absmax)."""
+        per = self.shape[1] * self.shape[2]
+        return replace(self, codes=self.codes[e0 * per // 2:e1 * per // 2],
+                       absmax=self.absmax[e0 * per // self.block_size:e1 * per // self.block_size],
+                       shape=torch.Size((e1 - e0, *self.shape[1:])))
+
     def __getitem__(self, held: slice) -> torch.Tensor:
         """The experts of ``held`` (a unit-step slice) as ``w[held]``: an :class:`NF4Block`."""
         e0, e1, step = held.indices(self.shape[0])
@@ -227,6 +234,10 @@ class QuantizedBase:
         """
         return (torch.empty(self.up.shape, dtype=self.up.dtype, device="meta"),
                 torch.empty(self.down.shape, dtype=self.down.dtype, device="meta"))
+
+    def experts(self, e0: int, e1: int) -> QuantizedBase:
+        """Experts [e0, e1) of both weights (an expert-parallel rank's, no copy)."""
+        return QuantizedBase(self.up.experts(e0, e1), self.down.experts(e0, e1))
 
     def windowed(self, block_rows: int) -> QuantizedBase:
         """This base dequantising at most m experts at once, m from the row block's rows.

@@ -44,6 +44,7 @@ from memfine.config import MoEConfig
 from memfine.experts import compute_element_size, run_experts
 from memfine.experts.lora import ExpertLoRA
 from memfine.experts.lora_experts import run_lora_experts
+from memfine.experts.quant import QuantizedBase
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding
@@ -57,7 +58,8 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
                      w_down_LND: torch.Tensor, plan: ChunkDispatch,
                      group: dist.ProcessGroup, config: MoEConfig,
                      weight_grads: WeightGradBuffers | None = None, *,
-                     lora: ExpertLoRA | None = None, seed: int = 0) -> torch.Tensor:
+                     lora: ExpertLoRA | None = None, seed: int = 0,
+                     quant: QuantizedBase | None = None) -> torch.Tensor:
     """Dispatch → local experts → combine for one chunk of tokens.
 
     Args:
@@ -73,6 +75,7 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
             ``None``: the fused backward adds this chunk's weight gradients into them.
         lora: this rank's (L, ...) split-LoRA adapters
             (:func:`memfine.experts.lora_experts.run_lora_experts`), or None.
+        quant: this rank's 4-bit base (QLoRA; the weights are then its stand-ins), or None.
         seed: the adapters' dropout seed for this chunk (unused without dropout).
 
     Returns:
@@ -104,7 +107,7 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
         y_SD = run_lora_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, lora,
                                 activation=config.activation, backend=config.gemm_backend,
                                 seed=seed, backward_block_bytes=config.backward_block_bytes,
-                                weight_grads=weight_grads)
+                                weight_grads=weight_grads, quant=quant)
     y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group, check=False)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
 

@@ -20,6 +20,9 @@ Dropout on the adapters' inputs: the masks are generated per received row (seede
 seed, the adapter and the row's position on this rank, :func:`memfine.experts.lora.dropout_mask`),
 so with ``dropout > 0`` a layout draws other masks than one process (the same distribution); with
 ``dropout = 0`` (the default) nothing depends on the layout.
+
+A 4-bit base (QLoRA, ``LoRAConfig.base_quant``) stays 4-bit: the rank keeps its L experts' NF4
+codes and absmax (``quant``), ``w_up`` / ``w_down`` are (L, 0, 0) frozen placeholders.
 Reference: Hu et al. 2021 (LoRA); MemFine §4; docs/lora.md.
 """
 
@@ -33,6 +36,7 @@ from torch import nn
 from memfine.config import MoEConfig
 from memfine.config.lora import LoRAConfig
 from memfine.experts.lora import ExpertLoRA
+from memfine.experts.quant import QuantizedBase
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.experts import ExpertParallelExperts, ep_chunk_forward
 from memfine.parallel.mesh import ParallelContext
@@ -65,6 +69,7 @@ class ExpertParallelLoRAExperts(ExpertParallelExperts):
                              f"{config.experts_impl!r}")
         super().__init__(config, context, grad_scale=grad_scale)
         self.lora = lora
+        self.quant: QuantizedBase | None = None  # this rank's 4-bit base (from_lora_experts)
         self.w_up.requires_grad_(False)
         self.w_down.requires_grad_(False)
 
@@ -85,6 +90,14 @@ class ExpertParallelLoRAExperts(ExpertParallelExperts):
             mine = module._shard(param.detach()[local.start:local.stop].clone())
             mine.requires_grad_(param.requires_grad)
             module.register_parameter(name, mine)
+        quantized = getattr(full, "quantized", False)  # LoRAGroupedExperts.quantize_base_
+        quant = full.quantized_base() if quantized else None  # type: ignore[operator]
+        if quant is not None:  # a 4-bit base: this rank's experts' codes, no full-precision copy
+            module.quant = quant.experts(local.start, local.stop)
+            for name in ("w_up", "w_down"):  # (L, 0, 0) frozen placeholders
+                module.register_parameter(name, module._shard(torch.zeros(local.stop - local.start,
+                                                                          0, 0)))
+                getattr(module, name).requires_grad_(False)
         return module
 
     def adapters(self) -> ExpertLoRA:
@@ -114,7 +127,7 @@ class ExpertParallelLoRAExperts(ExpertParallelExperts):
                         seed: int, chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                         top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         """The loop's chunk function: the chunk's plan, the frozen weights and the adapters."""
-        w_up_LDG, w_down_LND = weights
+        w_up_LDG, w_down_LND = weights if self.quant is None else self.quant.stand_ins()
         return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
                                 self.context.ep_group, config, buffers, lora=lora,
-                                seed=seed + chunk)
+                                seed=seed + chunk, quant=self.quant)
