@@ -8,9 +8,14 @@ fp32 compute: output, dx, the routing weights' and every adapter's gradient with
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+
 import pytest
 import torch
 
+import timeouts
 from memfine.config import backward_block_rows
 from memfine.config.lora import dequant_window
 from memfine.dispatch import build_routing_index
@@ -20,6 +25,7 @@ from memfine.reference import reference_experts
 
 pytest.importorskip("bitsandbytes", reason="the 4-bit base needs bitsandbytes (memfine[qlora])")
 
+from memfine.experts import quant  # noqa: E402
 from memfine.experts.quant import NF4Block, NF4Experts, QuantizedBase  # noqa: E402
 
 T, D, N, E, K, R = 40, 32, 64, 8, 2, 4
@@ -114,3 +120,15 @@ def test_unquantisable_shape_is_one_line() -> None:
                                          r"48 \(per expert\) divisible by the block size 64, "
                                          r"got 48 % 64 = 48$"):
         QuantizedBase.quantize(torch.randn(2, 8, 64), torch.randn(2, 6, 8))
+
+
+def test_no_cpu_matmul_kernels_warning() -> None:
+    """bitsandbytes' note about its CPU 4-bit matmul kernels (never run here) is not printed;
+    other records of that logger still are."""
+    code = ("import torch; from memfine.experts.quant import QuantizedBase; "
+            "QuantizedBase.quantize(torch.randn(2, 8, 16), torch.randn(2, 8, 8))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=timeouts.scaled(120), check=True)
+    assert "gemm_4bit_forward" not in proc.stderr, proc.stderr
+    other = logging.LogRecord(quant._KERNELS_LOGGER, logging.WARNING, "", 0, "another", (), None)
+    assert quant._not_kernels_record(other)

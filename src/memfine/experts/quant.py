@@ -25,6 +25,7 @@ Reference: Dettmers et al. 2023 (QLoRA: NF4, block-wise absmax); MoEBlaze §4.2 
 
 from __future__ import annotations
 
+import logging
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, cast
@@ -35,12 +36,28 @@ from memfine._optional import require
 from memfine.config.lora import QUANT_BLOCK_SIZES, dequant_window
 from memfine.ops.grouped import grouped_mm
 
+# bitsandbytes logs this once at import on CPUs with AVX512-BF16 when the optional ``kernels``
+# package for its CPU 4-bit matmul is missing; memfine never runs that matmul (it only quantises
+# and dequantises), so exactly this record is dropped while memfine imports bitsandbytes.
+_KERNELS_LOGGER = "bitsandbytes.backends.cpu.ops"
+_KERNELS_MESSAGE = "Failed to load CPU gemm_4bit_forward"
+
+
+def _not_kernels_record(record: logging.LogRecord) -> bool:
+    """False for bitsandbytes' missing-CPU-matmul-kernels record only."""
+    return not str(record.msg).startswith(_KERNELS_MESSAGE)
+
 
 def _functional() -> Any:
-    with warnings.catch_warnings():  # the CPU 4-bit matmul's optional kernels: not used here
-        warnings.simplefilter("ignore")
-        require("bitsandbytes")
-        return require("bitsandbytes.functional")
+    log = logging.getLogger(_KERNELS_LOGGER)
+    log.addFilter(_not_kernels_record)
+    try:
+        with warnings.catch_warnings():  # torch's deprecation warnings raised by the import
+            warnings.simplefilter("ignore")
+            require("bitsandbytes")
+            return require("bitsandbytes.functional")
+    finally:
+        log.removeFilter(_not_kernels_record)
 
 
 def check_quantisable(name: str, shape: tuple[int, ...], block_size: int,
