@@ -15,6 +15,7 @@ from memfine.inference.adapters import load_adapters
 from memfine.inference.trained import load_safetensors, load_trained
 from memfine.reports.metrics import read_metrics
 from memfine.train import load_checkpoint
+from memfine.train.loop import _written
 from tolerances import LOSS_ATOL, assert_close
 
 CORPUS = str(Path(__file__).parents[1] / "assets" / "pydoc_topics_sample.txt")
@@ -69,6 +70,22 @@ def test_resume_of_a_lora_run_equals_the_straight_run(base: Path, tmp_path: Path
     want = [r["train_loss"] for r in read_metrics(straight / "metrics.jsonl")]
     assert len(got) == len(want) == 4
     assert max(abs(a - b) for a, b in zip(got, want, strict=True)) <= LOSS_ATOL
+
+
+def test_resume_names_an_older_export(base: Path, tmp_path: Path,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """After --resume the end-of-run file list says which exported files are older."""
+    out = tmp_path / "run"
+    assert main(["train", *FAST, *LORA, "--max-steps", "1", "--init-from", str(base),
+                 "--out", str(out)]) == 0
+    assert main(["export", "--out", str(out), "--overwrite"]) == 0
+    assert main(["train", "--resume", "--max-steps", "2", "--out", str(out),
+                 "--no-progress", "--threads", "1"]) == 0
+    done = capsys.readouterr().out.strip().splitlines()[-1]
+    assert done.startswith("done: ")
+    assert "adapters.safetensors (exported at step 1, not step 2: export again)" in done, done
+    assert main(["export", "--out", str(out), "--overwrite"]) == 0  # now at step 2
+    assert "adapters.safetensors" in _written(out, 2)
 
 
 def test_eval_and_generate_use_the_adapters(tuned: Path,

@@ -5,30 +5,43 @@ adapters with it; each rank trains on its rows of every global batch. Per-step l
 gradient norms must equal the one-process LoRA run, the checkpoint is a DCP directory holding
 only what training changes (adapters, buffers, AdamW state) plus the base's reference, and it
 resumes at another layout — two ranks → one process — into the straight run's losses and
-adapters. One chain runs by default; the other layouts are marked slow.
+adapters. One chain runs by default; the other layouts are marked slow. The same holds for a
+4-bit (NF4) base, ``--lora-base-quant nf4``, each rank keeping its experts' NF4 codes (slow
+torchrun runs; by default an in-process one-rank sharding check).
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from test_training import COMMON, RUN_TIMEOUT_S, _metrics, _train
 
 import timeouts
 from memfine.cli.main import main
+from memfine.config.lora import LoRAConfig
 from memfine.inference.adapters import load_adapters
 from memfine.inference.trained import load_trained
+from memfine.nn import MoETransformerLM
+from memfine.nn.lora import apply_lora
+from memfine.parallel import shard_model
+from memfine.parallel.lora_experts import ExpertParallelLoRAExperts
+from memfine.parallel.mesh import build_context
+from memfine.train.presets import preset
 from tolerances import DISTRIBUTED_LOSS_ATOL, DISTRIBUTED_PARAM_ATOL
 
 pytestmark = pytest.mark.distributed
 
 LORA = ("--lora-rank", "8", "--lora-alpha", "16", "--lr", "1e-2", "--warmup-steps", "1")
+QLORA = (*LORA, "--lora-base-quant", "nf4")
 STEPS = 6
+QLORA_STEPS = 3
 
 
 @pytest.fixture(scope="module")
@@ -124,3 +137,68 @@ def test_lora_resume_one_process_to_ranks(tmp_path: Path, base: Path, straight: 
     _train(tmp_path, out, (1, 2), "--resume", "--max-steps", "4")
     _train(tmp_path, out, (2, 1), "--resume", "--max-steps", str(STEPS))
     _assert_same_lora_run(out, straight)
+
+
+@pytest.fixture(scope="module")
+def qlora_straight(base: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The one-process QLoRA run of QLORA_STEPS steps on ``base`` (in this process)."""
+    pytest.importorskip("bitsandbytes", reason="the 4-bit base needs bitsandbytes")
+    out = tmp_path_factory.mktemp("qlora") / "run"
+    assert main([*COMMON, "--preset", "tiny", *QLORA, "--init-from", str(base), "--max-steps",
+                 str(QLORA_STEPS), "--out", str(out)]) == 0
+    return out
+
+
+@pytest.mark.slow
+def test_qlora_two_ranks_equal_one_process_and_resume_on_one(tmp_path: Path, base: Path,
+                                                             qlora_straight: Path) -> None:
+    """A 4-bit base at (dp_shard, ep) = (1, 2) for 2 steps under torchrun, then --resume on one
+    process: losses, gradient norms and adapters equal the one-process 4-bit run."""
+    out = tmp_path / "run"
+    _train(tmp_path, out, (1, 2), *QLORA, "--init-from", str(base), "--max-steps", "2")
+    assert main([*COMMON, "--resume", "--max-steps", str(QLORA_STEPS), "--out", str(out)]) == 0
+    _assert_same_lora_run(out, qlora_straight)
+
+
+@pytest.mark.slow
+def test_qlora_default_layout_matches_one_process(tmp_path: Path, base: Path,
+                                                  qlora_straight: Path) -> None:
+    """A 4-bit base at torchrun's default layout (FSDP2 over both ranks, no ``--ep``)."""
+    out = tmp_path / "run"
+    _train(tmp_path, out, (2, 1), *QLORA, "--init-from", str(base), "--max-steps",
+           str(QLORA_STEPS))
+    _assert_same_lora_run(out, qlora_straight)
+
+
+def test_qlora_experts_become_expert_parallel_in_four_bit() -> None:
+    """Sharding a 4-bit-base model (one gloo rank, in process): its MoE layers' experts become
+    expert-parallel with the rank's NF4 codes and no full-precision base, and the loss and the
+    adapters' gradients equal the unsharded model's (the fast check of the runs above)."""
+    pytest.importorskip("bitsandbytes", reason="the 4-bit base needs bitsandbytes")
+    torch.manual_seed(0)
+    model = MoETransformerLM(preset("tiny").model)
+    apply_lora(model, LoRAConfig(rank=4, base_quant="nf4"))
+    for name, p in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    ids = torch.randint(0, 256, (2, 16))
+    whole = copy.deepcopy(model)
+    want = whole(ids[:, :-1], ids[:, 1:]).loss
+    want.backward()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        assert shard_model(model, build_context(1, 1)) == 2
+        for block in model.blocks:
+            experts = block.moe.experts
+            assert isinstance(experts, ExpertParallelLoRAExperts) and experts.quant is not None
+            assert experts.w_up.numel() == experts.w_down.numel() == 0
+        got = model(ids[:, :-1], ids[:, 1:]).loss
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+        for block, ref in zip(model.blocks, whole.blocks, strict=True):
+            for name in ("lora_a_up", "lora_b_up", "lora_a_down", "lora_b_down"):
+                torch.testing.assert_close(getattr(block.moe.experts, name).grad.full_tensor(),
+                                           getattr(ref.moe.experts, name).grad, rtol=1e-5,
+                                           atol=1e-7, msg=name)
+    finally:
+        dist.destroy_process_group()

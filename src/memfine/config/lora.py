@@ -138,3 +138,18 @@ def check_lora_rank(rank: int, d_in: int, d_out: int, name: str = "LoRAConfig.ra
     if isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= hi:
         raise ValueError(f"{name} must be in [1, min(d_in, d_out)={hi}] (d_in={d_in}, "
                          f"d_out={d_out}), got {rank!r}")
+
+
+def dequant_window(block_rows: int, num_experts: int, hidden_size: int, intermediate_size: int,
+                   up_width: int) -> int:
+    """m: the most experts of a 4-bit base dequantised at once (QLoRA's window).
+
+    As many experts' largest weight (max(d·G, n·d) elements) as one row block's transients
+    hold (B·(3·d + 3·n + G) elements, :func:`memfine.config.backward_block_rows`), at least
+    one and at most E: m = clamp(⌊B·(3·d + 3·n + G) / max(d·G, n·d)⌋, 1, E). A row block
+    holding more than m experts runs them in windows of m (:mod:`memfine.lora.quant`), so
+    whatever the routing no more than m experts' weights exist in full precision.
+    """
+    per = max(hidden_size * up_width, intermediate_size * hidden_size)
+    rows = block_rows * (3 * hidden_size + 3 * intermediate_size + up_width)
+    return max(1, min(num_experts, rows // per))

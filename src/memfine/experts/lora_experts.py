@@ -120,7 +120,8 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
     block_rows = block_rows_of(backward_block_bytes, x_TD, w_down_END.shape[1], G)
     options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets,
-                           lora=lora.spec(seed), quant=quant)
+                           lora=lora.spec(seed),
+                           quant=None if quant is None else quant.windowed(block_rows))
     # a 4-bit base is read from the options (its stand-ins are not passed)
     base = (parts[0], w_down_END) if quant is None else (None, None)
     out: torch.Tensor = FusedExpertsFunction.apply(

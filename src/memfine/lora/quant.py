@@ -7,11 +7,13 @@ values, ``bitsandbytes.functional.quantize_4bit``), so with I·O divisible by th
 expert owns a contiguous slice of the packed codes (I·O / 2 bytes) and of the absmax
 (I·O / block_size floats). :class:`NF4Experts` stands where the fused Function reads an expert
 weight: ``w[held]`` (``held`` the slice of experts a row block's GEMMs take,
-:meth:`memfine.experts.rows.RowBlocks.experts_of`) dequantises exactly those experts
-(``bitsandbytes.functional.dequantize_4bit`` on their slices) into a transient (e1 − e0, I, O)
-tensor in the compute dtype, freed after the block's product. No full-precision copy of all E
-experts exists unless one row block holds rows of every expert (one block, or a bias: then the
-block's GEMMs take all E).
+:meth:`memfine.experts.rows.RowBlocks.experts_of`) is an :class:`NF4Block` whose grouped
+product (:func:`memfine.ops.grouped.grouped_mm`) dequantises those experts
+(``bitsandbytes.functional.dequantize_4bit`` on their slices) into a transient in the compute
+dtype, freed after the product: all of them at once when they are at most the window m
+(:func:`memfine.config.lora.dequant_window`, from the row block's size), else m at a time, each
+window's experts multiplied into their rows of the product. So at most m experts exist in full
+precision at once, whatever the routing.
 
 The library: bitsandbytes ≥ 0.50 quantises and dequantises NF4 on the CPU and on CUDA with the
 same call (torchao 0.18's NF4 tensor is missing from its wheel here and its CUDA extensions do not
@@ -23,21 +25,39 @@ Reference: Dettmers et al. 2023 (QLoRA: NF4, block-wise absmax); MoEBlaze §4.2 
 
 from __future__ import annotations
 
+import logging
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, cast
 
 import torch
 
 from memfine._optional import require
-from memfine.config.lora import QUANT_BLOCK_SIZES
+from memfine.config.lora import QUANT_BLOCK_SIZES, dequant_window
+from memfine.ops.grouped import grouped_mm
+
+# bitsandbytes logs this once at import on CPUs with AVX512-BF16 when the optional ``kernels``
+# package for its CPU 4-bit matmul is missing; memfine never runs that matmul (it only quantises
+# and dequantises), so exactly this record is dropped while memfine imports bitsandbytes.
+_KERNELS_LOGGER = "bitsandbytes.backends.cpu.ops"
+_KERNELS_MESSAGE = "Failed to load CPU gemm_4bit_forward"
+
+
+def _not_kernels_record(record: logging.LogRecord) -> bool:
+    """False for bitsandbytes' missing-CPU-matmul-kernels record only."""
+    return not str(record.msg).startswith(_KERNELS_MESSAGE)
 
 
 def _functional() -> Any:
-    with warnings.catch_warnings():  # the CPU 4-bit matmul's optional kernels: not used here
-        warnings.simplefilter("ignore")
-        require("bitsandbytes")
-        return require("bitsandbytes.functional")
+    log = logging.getLogger(_KERNELS_LOGGER)
+    log.addFilter(_not_kernels_record)
+    try:
+        with warnings.catch_warnings():  # torch's deprecation warnings raised by the import
+            warnings.simplefilter("ignore")
+            require("bitsandbytes")
+            return require("bitsandbytes.functional")
+    finally:
+        log.removeFilter(_not_kernels_record)
 
 
 def check_quantisable(name: str, shape: tuple[int, ...], block_size: int,
@@ -72,9 +92,10 @@ class NF4Experts:
         dtype: the dtype dequantised to (the compute dtype: the base weights' before
             quantisation).
         block_size: values per absmax block.
+        window: m, the most experts dequantised at once (None: all E).
 
     Memory: resident E·I·O / 2 + 4·E·I·O / block_size bytes (codes + absmax; the 16 levels
-    are bitsandbytes' shared table); ``w[held]`` a transient (e1 − e0)·I·O·D_t.
+    are bitsandbytes' shared table); ``w[held]``'s product a transient min(e1 − e0, m)·I·O·D_t.
     """
 
     codes: torch.Tensor
@@ -83,6 +104,7 @@ class NF4Experts:
     shape: torch.Size
     dtype: torch.dtype
     block_size: int = 64
+    window: int | None = None
 
     @classmethod
     def quantize(cls, w_EIO: torch.Tensor, name: str, block_size: int = 64) -> NF4Experts:
@@ -122,11 +144,18 @@ class NF4Experts:
         out = F.dequantize_4bit(self.codes[e0 * per // 2:e1 * per // 2], state)
         return cast(torch.Tensor, out).view(e1 - e0, i_dim, o_dim)
 
+    def experts(self, e0: int, e1: int) -> NF4Experts:
+        """Experts [e0, e1) as their own :class:`NF4Experts` (views of the codes and absmax)."""
+        per = self.shape[1] * self.shape[2]
+        return replace(self, codes=self.codes[e0 * per // 2:e1 * per // 2],
+                       absmax=self.absmax[e0 * per // self.block_size:e1 * per // self.block_size],
+                       shape=torch.Size((e1 - e0, *self.shape[1:])))
+
     def __getitem__(self, held: slice) -> torch.Tensor:
-        """The experts of ``held`` (a unit-step slice), dequantised (as ``w[held]``)."""
+        """The experts of ``held`` (a unit-step slice) as ``w[held]``: an :class:`NF4Block`."""
         e0, e1, step = held.indices(self.shape[0])
         assert step == 1, "row blocks take contiguous experts"
-        return self.dequantize(e0, e1)
+        return cast(torch.Tensor, NF4Block(self, e0, e1))
 
     def as_weight(self) -> torch.Tensor:
         """This object typed as the weight tensor the fused Function reads.
@@ -135,6 +164,63 @@ class NF4Experts:
         never differentiated.
         """
         return cast(torch.Tensor, self)
+
+
+@dataclass(frozen=True, eq=False, slots=True)
+class NF4Block:
+    """Experts [e0, e1) of an :class:`NF4Experts`, dequantised only inside their product.
+
+    ``grouped_mm(x, w[held], offsets)`` and ``grouped_mm(x, w[held].transpose(1, 2), offsets)``
+    call :meth:`grouped_mm` (:func:`memfine.ops.grouped.grouped_mm` hands over any operand
+    that is not a tensor).
+    """
+
+    experts: NF4Experts
+    e0: int
+    e1: int
+    transposed: bool = False
+
+    def transpose(self, dim0: int, dim1: int) -> torch.Tensor:
+        """The same experts multiplied transposed, (O, I) each (``transpose(1, 2)`` only)."""
+        assert {dim0, dim1} == {1, 2}, "only the per-expert matrices transpose"
+        return cast(torch.Tensor, NF4Block(self.experts, self.e0, self.e1, not self.transposed))
+
+    def grouped_mm(self, x_SI: torch.Tensor, offsets: torch.Tensor, backend: str
+                   ) -> torch.Tensor:
+        """Y[rows of e] = X[rows of e] · W[e] (or W[e]ᵀ) for e in [e0, e1).
+
+        Args:
+            x_SI: (S, I) rows grouped by the experts [e0, e1).
+            offsets: (e1 − e0 + 1,) int32 offsets of those rows, starting at 0, ending at S.
+            backend: the grouped GEMM backend (one window).
+
+        Returns:
+            (S, O) in the dequantised dtype.
+
+        Memory: at most m experts' (I, O) weights at once. Up to m experts: one grouped GEMM
+        on them (its (S, O) product). More: the (S, O) output first, then per window of m
+        experts their dequantised weights and one ``torch.mm`` per expert with rows written
+        into its rows of the output (no other transient; the offsets read to the host, a sync
+        off the CPU).
+        """
+        count = self.e1 - self.e0
+        m = count if self.experts.window is None else self.experts.window
+        if count <= m:
+            w = self.experts.dequantize(self.e0, self.e1)
+            return grouped_mm(x_SI, w.transpose(1, 2) if self.transposed else w, offsets,
+                              backend)
+        i_dim, o_dim = self.experts.shape[1:]
+        out = x_SI.new_empty(x_SI.shape[0], i_dim if self.transposed else o_dim)
+        rows = offsets.tolist()
+        for j in range(0, count, m):
+            w = self.experts.dequantize(self.e0 + j, self.e0 + min(count, j + m))
+            for e in range(w.shape[0]):
+                ra, rb = rows[j + e], rows[j + e + 1]
+                if rb > ra:
+                    torch.mm(x_SI[ra:rb], w[e].T if self.transposed else w[e],
+                             out=out[ra:rb])
+            del w  # NOTE(memory): one window's experts at a time
+        return out
 
 
 @dataclass(frozen=True, eq=False, slots=True)
@@ -165,6 +251,19 @@ class QuantizedBase:
         """
         return (torch.empty(self.up.shape, dtype=self.up.dtype, device="meta"),
                 torch.empty(self.down.shape, dtype=self.down.dtype, device="meta"))
+
+    def experts(self, e0: int, e1: int) -> QuantizedBase:
+        """Experts [e0, e1) of both weights (an expert-parallel rank's, no copy)."""
+        return QuantizedBase(self.up.experts(e0, e1), self.down.experts(e0, e1))
+
+    def windowed(self, block_rows: int) -> QuantizedBase:
+        """This base dequantising at most m experts at once, m from the row block's rows.
+
+        m = :func:`memfine.config.lora.dequant_window` (``block_rows``, E, d, n, G).
+        """
+        E, D, G = self.up.shape
+        m = dequant_window(block_rows, E, D, self.down.shape[1], G)
+        return QuantizedBase(replace(self.up, window=m), replace(self.down, window=m))
 
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w_up, w_down) as the fused Function reads them (:meth:`NF4Experts.as_weight`)."""

@@ -227,7 +227,12 @@ def grouped_mm(x_SI: torch.Tensor, w_EIO: torch.Tensor, offsets_E1: torch.Tensor
 
     Raises:
         ValueError: for an unknown or unusable backend.
+
+    A ``w_EIO`` that is not a tensor but computes its own product (a 4-bit base's experts,
+    :class:`memfine.lora.quant.NF4Block`) is handed the call.
     """
+    if not isinstance(w_EIO, torch.Tensor):  # a weight that computes its own product
+        return w_EIO.grouped_mm(x_SI, offsets_E1, backend)
     backend = resolve_backend(backend, x_SI, w_EIO)
     if backend == "grouped_mm":
         return _aten_grouped_mm(x_SI.contiguous(), w_EIO, offsets_E1)

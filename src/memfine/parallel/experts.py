@@ -31,6 +31,7 @@ from memfine.config import MoEConfig
 from memfine.experts import compute_element_size, run_experts
 from memfine.experts.lora_experts import run_lora_experts
 from memfine.lora.adapters import ExpertLoRA
+from memfine.lora.quant import QuantizedBase
 from memfine.ops.weight_grads import WeightGradBuffers
 from memfine.parallel.collectives import agree_num_chunks, all_to_all, collective_device
 from memfine.parallel.mesh import ParallelContext, check_expert_sharding
@@ -44,7 +45,8 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
                      w_down_LND: torch.Tensor, plan: ChunkDispatch,
                      group: dist.ProcessGroup, config: MoEConfig,
                      weight_grads: WeightGradBuffers | None = None, *,
-                     lora: ExpertLoRA | None = None, seed: int = 0) -> torch.Tensor:
+                     lora: ExpertLoRA | None = None, seed: int = 0,
+                     quant: QuantizedBase | None = None) -> torch.Tensor:
     """Dispatch → local experts → combine for one chunk of tokens.
 
     Args:
@@ -60,6 +62,7 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
             ``None``: the fused backward adds this chunk's weight gradients into them.
         lora: this rank's (L, ...) split-LoRA adapters
             (:func:`memfine.experts.lora_experts.run_lora_experts`), or None.
+        quant: this rank's 4-bit base (QLoRA; the weights are then its stand-ins), or None.
         seed: the adapters' dropout seed for this chunk (unused without dropout).
 
     Returns:
@@ -91,7 +94,7 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
         y_SD = run_lora_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, lora,
                                 activation=config.activation, backend=config.gemm_backend,
                                 seed=seed, backward_block_bytes=config.backward_block_bytes,
-                                weight_grads=weight_grads)
+                                weight_grads=weight_grads, quant=quant)
     y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group, check=False)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
 
@@ -115,6 +118,7 @@ class ExpertParallelExperts(nn.Module):
         transport_row_elements: d: every received row's copy of x stays alive beside the
             experts' own per-row bytes (the single-device memory model does not see it); ``run``
             hands it to the policy's decision (the experts contract, :mod:`memfine.nn.experts`).
+        quant: this rank's 4-bit base (QLoRA, set by the LoRA subclass), or None.
 
     Raises:
         ValueError: if E is not divisible by ep.
@@ -127,6 +131,7 @@ class ExpertParallelExperts(nn.Module):
         check_expert_sharding(config.num_experts, context.ep_size)
         self.config, self.context, self.grad_scale = config, context, float(grad_scale)
         self.transport_row_elements = config.hidden_size
+        self.quant: QuantizedBase | None = None
         L = config.num_experts // context.ep_size
         self.w_up = self._shard(torch.zeros(L, config.hidden_size, config.up_width))
         self.w_down = self._shard(torch.zeros(L, config.intermediate_size, config.hidden_size))
@@ -258,7 +263,7 @@ class ExpertParallelExperts(nn.Module):
                    lora: ExpertLoRA | None, seed: int, chunk: int, x_CD: torch.Tensor,
                    top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         """The loop's chunk function: the chunk's frozen plan, the weights and any adapters."""
-        w_up_LDG, w_down_LND = weights
+        w_up_LDG, w_down_LND = weights if self.quant is None else self.quant.stand_ins()
         return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
                                 self.context.ep_group, config, buffers, lora=lora,
-                                seed=seed + chunk)
+                                seed=seed + chunk, quant=self.quant)

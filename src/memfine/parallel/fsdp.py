@@ -36,12 +36,15 @@ from memfine.parallel.mesh import ParallelContext
 def _is_moe_layer(module: nn.Module) -> bool:
     """A module with a ``router`` and an ``experts`` child holding ``w_up``, ``w_down``, ``config``.
 
+    A 4-bit base (``quantized`` experts, QLoRA) holds its codes instead of ``w_up``/``w_down``.
+
     Shared experts (:class:`memfine.nn.shared.SharedExperts`, no router) are not MoE layers: they
     stay whole on every rank's ``ep`` slice and are sharded over ``dp`` like the attention.
     """
     experts = getattr(module, "experts", None)
     return hasattr(module, "router") and isinstance(experts, nn.Module) and all(
-        hasattr(experts, a) for a in ("w_up", "w_down", "config"))
+        hasattr(experts, a) for a in ("config", *(() if getattr(experts, "quantized", False)
+                                                  else ("w_up", "w_down"))))
 
 
 def _fully_shard(module: nn.Module, mesh: DeviceMesh) -> FSDPModule:

@@ -12,6 +12,8 @@ Every chunk's received rows run through the split LoRA of the fused path
 gradient scale (1/ep, as the base weights'), their checkpoints at another layout and the dropout
 masks drawn per received row (other masks than one process's when dropout > 0): docs/lora.md,
 "On several ranks (torchrun)".
+A 4-bit base (QLoRA, ``LoRAConfig.base_quant``) stays 4-bit: the rank keeps its L experts' NF4
+codes and absmax (``quant``); ``w_up`` / ``w_down`` are (L, 0, 0) frozen placeholders.
 Reference: Hu et al. 2021 (LoRA); MemFine §4; docs/lora.md.
 """
 
@@ -73,6 +75,14 @@ class ExpertParallelLoRAExperts(ExpertParallelExperts):
             mine = module._shard(param.detach()[local.start:local.stop].clone())
             mine.requires_grad_(param.requires_grad)
             module.register_parameter(name, mine)
+        quantized = getattr(full, "quantized", False)  # LoRAGroupedExperts.quantize_base_
+        quant = full.quantized_base() if quantized else None  # type: ignore[operator]
+        if quant is not None:  # a 4-bit base: this rank's experts' codes, no full-precision copy
+            module.quant = quant.experts(local.start, local.stop)
+            for name in ("w_up", "w_down"):  # (L, 0, 0) frozen placeholders
+                module.register_parameter(name, module._shard(torch.zeros(local.stop - local.start,
+                                                                          0, 0)))
+                getattr(module, name).requires_grad_(False)
         return module
 
     def adapters(self) -> ExpertLoRA:

@@ -1,14 +1,14 @@
 """Allocation timeline of a 4-bit (NF4) frozen base: the per-block dequantised experts.
 
 Mirrors :class:`memfine.lora.quant.NF4Experts` as read by the fused path: where a row block
-reads ``w[held]`` the experts it holds are dequantised into a transient (held·I·O·D_t bytes)
-that lives until the block's product is written (forward: H's product for w_up, Y for w_down;
-backward: dA for w_down, the dx rows for w_up). With one block of all S rows the block holds
-all E experts (exact). With several blocks the experts a block holds follow the routing; the
-model takes W = min(E, ⌈E·B/S⌉ + 2) (a balanced block's experts, one cut at each edge, one to
-spare: :func:`memfine.ops.weight_grads.block_window`), an upper bound for routing no more
-skewed than that, not the exact count. The resident codes and absmax are buffers, not
-activations (:func:`resident_bytes`).
+reads ``w[held]`` its product dequantises the experts it holds, at most m at once
+(:func:`memfine.config.lora.dequant_window`, from the row block's rows), so the transient is
+min(E, m)·I·O·D_t bytes, live with the product (forward: H's product for w_up, Y for w_down;
+backward: dA for w_down, the dx rows for w_up). A block holding more than m experts writes
+each window's rows into its (B, O) product, the same bytes. Exact whenever the block at the
+peak holds at least m experts (a full window); a block holding fewer dequantises fewer, so
+the model bounds the measurement whatever the routing. The resident codes and absmax are
+buffers, not activations (:func:`resident_bytes`).
 
 Legend as :mod:`memfine.timeline.experts`.
 Reference: our derivation from the code (docs/lora.md "QLoRA").
@@ -16,6 +16,8 @@ Reference: our derivation from the code (docs/lora.md "QLoRA").
 
 from __future__ import annotations
 
+from memfine.config import backward_block_rows
+from memfine.config.lora import dequant_window
 from memfine.timeline.base import Shape, Timeline
 from memfine.timeline.lora import adapters_of
 
@@ -27,7 +29,7 @@ def quantized(s: Shape) -> bool:
 
 
 def dequantize(tl: Timeline, s: Shape, which: str, block: tuple[int, int, int]) -> list[str]:
-    """``w[held]`` of block (r0, r1, S): the held experts of ``which`` (w_up / w_down).
+    """``w[held]`` of a row block (r0, r1, S): its window of ``which`` (w_up / w_down).
 
     Returns:
         The transient's name in a list (free it after the block's product), or an empty list
@@ -36,10 +38,9 @@ def dequantize(tl: Timeline, s: Shape, which: str, block: tuple[int, int, int]) 
     if not quantized(s):
         return []
     moe = s.moe
-    r0, r1, S = block
-    E = moe.num_experts
-    # ops.weight_grads.block_window: ⌈E·B/S⌉ + 2, at most E
-    held = E if r0 == 0 and r1 >= S else min(E, -(-E * (r1 - r0) // S) + 2)
+    D, N, G = moe.hidden_size, moe.intermediate_size, moe.up_width
+    rows = backward_block_rows(moe.backward_block_bytes, D, N, G, s.dt, s.device_type)
+    held = dequant_window(rows, moe.num_experts, D, N, G)  # min(E, m), whatever the block
     per = (moe.hidden_size * moe.up_width if which == "w_up"
            else moe.intermediate_size * moe.hidden_size)
     return [tl.alloc(f"{which}_dequantized", held * per * s.dt)]

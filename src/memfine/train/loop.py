@@ -221,11 +221,30 @@ def _finish(run: RunState, *, plot: bool) -> TrainResult:
         if plot:
             print("plots: " + ", ".join(str(p) for p in plot_run(run.out_dir)))
         print(f"done: {headline}; everything is in {run.out_dir}/: "
-              f"{', '.join(_written(run.out_dir))}")
+              f"{', '.join(_written(run.out_dir, result.step))}")
     return result
 
 
-def _written(out_dir: Path) -> list[str]:
-    """The run files in ``out_dir``, folders marked with a slash (no lock, no temporaries)."""
-    return [p.name + ("/" if p.is_dir() else "") for p in sorted(out_dir.iterdir())
-            if not p.name.startswith(".")]
+def _written(out_dir: Path, step: int) -> list[str]:
+    """The run files in ``out_dir``, folders marked with a slash (no lock, no temporaries).
+
+    A ``memfine export`` file (``*.safetensors``) written at an earlier step than ``step`` (a
+    resumed run) says so: ``adapters.safetensors (exported at step 3, not step 6: export again)``.
+    """
+    return [p.name + ("/" if p.is_dir() else _older_export(p, step))
+            for p in sorted(out_dir.iterdir()) if not p.name.startswith(".")]
+
+
+def _older_export(path: Path, step: int) -> str:
+    """`` (exported at step s, not step N: export again)`` for an older export, else ''."""
+    if path.suffix != ".safetensors":
+        return ""
+    try:  # the step memfine export wrote into the header's metadata
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            exported = int((f.metadata() or {}).get("step", step))
+    except Exception:  # noqa: BLE001 (not safetensors, or not memfine's: listed as it is)
+        return ""
+    return f" (exported at step {exported}, not step {step}: export again)" \
+        if exported < step else ""
