@@ -292,3 +292,15 @@ def test_no_private_name_crosses_a_package() -> None:
                          if alias.name.startswith("_") and not alias.name.startswith("__")
                          and not parts[1].startswith("_")]
     assert not crossing, crossing
+
+
+PACKAGE_LINE_LIMIT = 1300  # docs/style.md §2: a package past this holds two ideas; split it
+
+
+def test_no_package_is_over_the_line_limit() -> None:
+    """Every package of src/memfine, its subpackages included, stays within the limit."""
+    sizes = {package.name: sum(len(path.read_text(encoding="utf-8").splitlines())
+                               for path in package.rglob("*.py"))
+             for package in SRC.iterdir() if (package / "__init__.py").is_file()}
+    over = {name: lines for name, lines in sizes.items() if lines > PACKAGE_LINE_LIMIT}
+    assert not over, f"packages over {PACKAGE_LINE_LIMIT} lines: {over}"
