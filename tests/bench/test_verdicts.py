@@ -111,5 +111,5 @@ def test_counts_verdict_is_one_line_over_the_presets() -> None:
               for name, ops in (("qwen3-30b-a3b", 136), ("deepseek-v3", 170))]
     lines = verdict_lines("counts", points)
     assert lines == [f"legend: {COUNTS_LEGEND}",
-                     "verdict counts: fused: 1.36–1.70× torchtitan_style's ops, 1 host syncs "
+                     "verdict counts: fused: 1.36–1.70× torchtitan_style's ops, 1 host sync "
                      "against 0, 6 of 6 grouped_mm calls on CUDA's fast path; 2 points"]

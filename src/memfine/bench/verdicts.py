@@ -106,7 +106,8 @@ def _counts_lines(points: Sequence[Point]) -> list[str]:
     lines = [f"legend: {COUNTS_LEGEND}"]
     if ratios:
         lines.append(f"verdict counts: fused: {_span(ratios)} {points[0].reference}'s ops, "
-                     f"{_ints(syncs)} host syncs against {_ints(ref_syncs)}, {_ints(fast)} of "
+                     f"{_ints(syncs)} host sync{'' if max(syncs) == 1 else 's'} against "
+                     f"{_ints(ref_syncs)}, {_ints(fast)} of "
                      f"{_ints(calls)} grouped_mm calls on CUDA's fast path; {len(ratios)} "
                      f"point{'s' if len(ratios) > 1 else ''}")
     return lines
