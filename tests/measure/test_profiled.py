@@ -77,13 +77,14 @@ def test_dispatch_mode_makes_the_engine_sum_gradients_out_of_place() -> None:
 GRID = [
     pytest.param(64, 32, 64, 8, 2, "plain", 1, "none", 2**26, id="plain"),
     pytest.param(64, 32, 64, 8, 2, "fused", 1, "none", 2**26, id="fused"),
-    pytest.param(64, 32, 64, 8, 2, "fused", 1, "none", 20_000, id="fused-blocks"),
+    pytest.param(64, 32, 64, 8, 2, "fused", 1, "none", 30_000, id="fused-blocks"),
     pytest.param(64, 32, 64, 8, 2, "fused", 2, "experts", 2**26, id="chunked-c2"),
     pytest.param(72, 16, 32, 16, 4, "fused", 4, "experts", 9_000, id="chunked-c4-blocks"),
     pytest.param(77, 32, 16, 8, 2, "fused", 3, "none", 2**26, id="chunked-c3-no-recompute"),
     pytest.param(64, 32, 64, 8, 2, "fused", 1, "experts", 2**26, id="recompute-c1"),
     # the streamed forward at k 8: many row blocks, a last short one. (Where the experts'
-    # forward transients fall below the router's z-loss temporaries, e.g. d 32, n 16, E 32, c 2,
+    # forward transients fall below the router's z-loss temporaries, e.g. d 32, n 16, E 32, c 2
+    # or the fused-blocks shape above with 20,000-byte blocks,
     # the forward peak is the z-loss's logsumexp, which the profiler sees and the tracker and the
     # model do not: those shapes are left out here.)
     pytest.param(40, 64, 32, 16, 8, "fused", 1, "none", 6_000, id="k8-blocks"),

@@ -261,8 +261,7 @@ class MoEConfig(RouteOptions):
             ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it resolves None for
             the device it is given, as the layer does) and the block count (each block is
             one set of kernel launches);
-            in bf16 each backward block after the first adds one grouped weight-gradient
-            product of the buffer's size (E·d·G, E·n·d) as a transient.
+            in bf16 an expert cut by a block edge adds an fp32 (I, O) weight-gradient sum.
     """
 
     hidden_size: int

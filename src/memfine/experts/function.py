@@ -124,8 +124,8 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     Saved for backward (D_t = bytes per element of x):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
-        - h_SG: S·G·D_t bytes (pre-activation, bias included; G = 2n for gated activations,
-          n for GELU/ReLU/SiLU);
+        - H: S·G·D_t bytes (pre-activation, bias included; G = 2n for gated activations,
+          n for GELU/ReLU/SiLU), one (B, G) tensor per row block, as the forward wrote it;
         - weights_TK: T·k·D_t bytes (routing weights, already in x's dtype);
         - the int32 index arrays expert_token_indices (S), expert_slot_indices (S),
           token_index_map (T·k), expert_token_offsets (E + 1): 4·(2·S + T·k + E + 1) bytes;
@@ -143,13 +143,13 @@ class FusedExpertsFunction(torch.autograd.Function):
         db_up[e] = Σ_{rows of e} dH_r, db_down[e] = Σ_{rows of e} w_r·dO_t.
 
     Streamed forward (:func:`memfine.experts.rows.forward_rows`): the forward walks the same
-    row blocks as the backward. Per block of B rows it gathers the block's x rows, writes its H
-    rows (+ bias) into H, computes A and Y for them and adds w ⊙ Y into out per token
-    (``index_add_`` on the CPU, the sorted ``index_put_`` elsewhere), so no (S, d) gathered copy, no
-    (S, n) A, no (S, d) Y and no (T, k, d) scattered copy is ever live. Forward transients: out
-    (T·d), the rows' routing weights (S), with several blocks their (n_blocks, E + 1) int32
-    offsets and H allocated before the first block; per block x rows (B·d), the block's H
-    product (B·G, copied into H; with one block it is H), A (B·n), Y (B·d) and w ⊙ Y (B·d).
+    row blocks as the backward. Per block of B rows it gathers the block's x rows, keeps its H
+    rows (+ bias) as the block's saved tensor (no copy), computes A and Y for them and adds
+    w ⊙ Y into out per token (``index_add_`` on the CPU, the sorted ``index_put_`` elsewhere),
+    so no (S, d) gathered copy, no (S, n) A, no (S, d) Y and no (T, k, d) scattered copy is
+    ever live. Forward transients: out (T·d), the rows' routing weights (S), with several
+    blocks their (n_blocks, E + 1) int32 offsets; per block x rows (B·d), A (B·n), Y (B·d)
+    and w ⊙ Y (B·d) (its H rows, B·G, are kept).
     The bookkeeping (w_S, block offsets) is built once per pass, in forward and again in
     backward, never saved.
     Split LoRA and a forward traced by torch.compile (whose S is data-dependent) run the
@@ -216,22 +216,23 @@ class FusedExpertsFunction(torch.autograd.Function):
             h_SG, out_TD = _forward_triton(x_TD, weights_TK, w_up_EDG, w_down_END,
                                            expert_token_indices_S, expert_token_offsets_E1,
                                            token_index_map_TK, expert_slot_indices_S, activation)
+            h_blocks: tuple[torch.Tensor, ...] = (h_SG,)
         else:  # streamed over row blocks (under torch.compile, S data-dependent: one block)
             traced = torch.compiler.is_compiling()
             blocks = _plan_rows(options, x_TD, weights_TK, expert_token_offsets_E1,
                                 expert_slot_indices_S, traced, one_block=traced,
                                 host=_sliced(options, options.host_offsets, b_up_EG, b_down_ED))
-            h_SG, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
+            h_blocks, out_TD = forward_rows(x_TD, blocks, parts, w_down_END, b_up_EG, b_down_ED,
                                         expert_token_indices_S, activation,
                                         backend, by_sort=_by_sort(x_TD), lora=lora_fwd)
             del blocks  # NOTE(memory): w_S and the block offsets are rebuilt in backward
         lora_saved = lora_fwd.to_save(lora_weights, x_TD) if lora_fwd else ()
-        # NOTE(memory): saves x (T·d) + H (S·G) + weights (T·k) elements + int32 indices only;
-        # the biases are parameters (saved by reference, no activation bytes).
-        ctx.save_for_backward(x_TD, h_SG, weights_TK, expert_token_indices_S,
+        # NOTE(memory): saves x (T·d) + H (S·G, per block) + weights (T·k) elements + int32
+        # indices only; the biases are parameters (saved by reference, no activation bytes).
+        ctx.save_for_backward(x_TD, *h_blocks, weights_TK, expert_token_indices_S,
                               expert_token_offsets_E1, token_index_map_TK,
                               expert_slot_indices_S, *params[:len(PARAMS)], *lora_saved)
-        ctx.options, ctx.num_lora_saved = options, len(lora_saved)
+        ctx.options, ctx.num_lora_saved, ctx.num_h = options, len(lora_saved), len(h_blocks)
         return out_TD
 
     @staticmethod
@@ -247,6 +248,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         st.blocks = _plan_rows(ctx.options, st.x_TD, st.weights_TK, st.offsets_E1, st.slot_S,
                                st.bounds is None,
                                host=_sliced(ctx.options, st.bounds, st.b_up_EG, st.b_down_ED))
+        if len(st.h_blocks) not in (1, len(st.blocks.bounds)):  # blocks differ from forward's
+            st.h_blocks = (torch.cat(st.h_blocks),)
         for b, (r0, r1) in enumerate(st.blocks.bounds):
             _backward_block(st, b, r0, r1)
         grad_weights = None
@@ -308,9 +311,11 @@ class _BackwardState:
     def __init__(self, ctx: Any, grad_out_TD: torch.Tensor) -> None:
         saved = ctx.saved_tensors
         n_base = len(saved) - ctx.num_lora_saved
-        (self.x_TD, self.h_SG, self.weights_TK, self.token_idx_S, self.offsets_E1, map_TK,
-         self.slot_S, self.w_up_EDG, self.w_down_END, self.b_up_EG, self.b_down_ED,
-         second) = saved[:n_base]
+        self.x_TD, num_h = saved[0], ctx.num_h
+        self.h_blocks: tuple[torch.Tensor, ...] = saved[1:1 + num_h]  # H rows per forward block
+        (self.weights_TK, self.token_idx_S, self.offsets_E1, map_TK, self.slot_S,
+         self.w_up_EDG, self.w_down_END, self.b_up_EG, self.b_down_ED,
+         second) = saved[1 + num_h:n_base]
         if ctx.options.quant is not None:  # the frozen 4-bit base (no gradient)
             self.w_up_EDG, self.w_down_END = ctx.options.quant.weights()
         # NOTE(memory): token_index_map is not read by backward; a checkpoint's recomputed
@@ -337,13 +342,12 @@ class _BackwardState:
         self.lora = None if options.lora is None else LoRABackward(
             options.lora, saved[n_base:], need[first_lora:], self.x_TD, self.token_idx_S,
             self.bounds, self.backend)
-        E = self.w_up_EDG.shape[0]
-        S = self.h_SG.shape[0]
+        E, S = self.w_up_EDG.shape[0], self.slot_S.shape[0]
         # NOTE(memory): the outputs are filled block by block: dx (T·d), the row dots (S), the
         # bias gradients (E·G, E·d); no (S, ·) array outlives a block.
         self.grad_x_TD = torch.zeros_like(self.x_TD) if self.need_x else None
-        self.dots_S = self.h_SG.new_empty(S) if self.need_w else None
-        self.grad_b_up = (self.h_SG.new_zeros(E, self.h_SG.shape[1]) if self.need_b_up
+        self.dots_S = self.x_TD.new_empty(S) if self.need_w else None
+        self.grad_b_up = (self.x_TD.new_zeros(E, self.h_blocks[0].shape[1]) if self.need_b_up
                           else None)
         self.grad_b_down = (self.x_TD.new_zeros(E, self.x_TD.shape[1]) if self.need_b_down
                             else None)
@@ -360,11 +364,12 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     """
     E = st.w_up_EDG.shape[0]
     assert st.blocks is not None, "the blocks are planned before they run"
-    offs_E1 = st.blocks.offsets_of(b, r0, r1, st.h_SG.shape[0])
+    S = st.slot_S.shape[0]
+    offs_E1 = st.blocks.offsets_of(b, r0, r1, S)
     # the block's experts only (several blocks, no bias, no LoRA: else all E)
-    held_offs, held = st.blocks.experts_of(b, r0, r1, st.h_SG.shape[0])
+    held_offs, held = st.blocks.experts_of(b, r0, r1, S)
     token_B = st.token_idx_S[r0:r1]
-    h_BG = st.h_SG[r0:r1]
+    h_BG = st.h_blocks[0][r0:r1] if len(st.h_blocks) == 1 else st.h_blocks[b]
     w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d
     grad_out_BD = st.grad_out_TD.index_select(0, token_B)

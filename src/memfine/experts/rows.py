@@ -5,7 +5,7 @@ expert-grouped rows in blocks [r0, r1) of ``block_rows`` rows, in forward and in
 (MoEBlaze §4.2: row tiles; a plain row tile may cut an expert). :class:`RowBlocks` holds what
 every block needs, computed once per pass: the bounds, each row's routing weight and every block's
 grouped offsets. :func:`forward_rows` is the streamed forward: per block it gathers the block's x
-rows, writes its H rows and adds its weighted outputs into the (T, d) result, so no (S, d)
+rows, keeps its H rows and adds its weighted outputs into the (T, d) result, so no (S, d)
 gathered copy, no (S, n) A, no (S, d) Y and no (T, k, d) scattered copy ever exists.
 
 Legend: T tokens, K top-k slots, S routed rows, B rows of a block, E experts, D = d, N = n,
@@ -163,13 +163,14 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
                  b_down_ED: torch.Tensor | None, token_idx_S: torch.Tensor,
                  activation: Activation, backend: str, *,
                  by_sort: bool, lora: LoRAForward | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(H, out) of the grouped GEMM backends, streamed over ``blocks``.
+                 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """(H per block, out) of the grouped GEMM backends, streamed over ``blocks``.
 
     Per block of B rows: x rows gathered (int32 indices as they are), H rows = x·[up_parts]
-    (+ bias) written into H, A = act(H rows), Y = A·w_down (+ bias), Y ⊙ w added into out per
-    token (:func:`add_token_rows_`). With one block H is the up-projection's own result (no
-    copy). ``lora``: split adapters (:mod:`memfine.lora.adapters`), streamed with the blocks.
+    (+ bias) kept as the block's own tensor (the up-projection's result, never copied),
+    A = act(H rows), Y = A·w_down (+ bias), Y ⊙ w added into out per token
+    (:func:`add_token_rows_`). ``lora``: split adapters (:mod:`memfine.lora.adapters`),
+    streamed with the blocks.
 
     Args:
         x_TD: (T, d) layer input.
@@ -185,17 +186,16 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         lora: split-LoRA forward terms, or None.
 
     Returns:
-        H (S, G) and out (T, d), in x's dtype.
+        Every block's H rows, (B, G) each in block order (one (0, G) tensor when S = 0; their
+        concatenation is H (S, G)), and out (T, d), in x's dtype.
 
-    Memory: out (T·d, zero-filled first) and H (S·G, allocated before the first block when
-    there are several); per block, transients x rows (B·d), the block's H product (B·G, copied
-    into H), A (B·n, plus the activation's own temporaries), Y (B·d) and w ⊙ Y (B·d).
+    Memory: out (T·d, zero-filled first) and each block's H rows (B·G, kept: S·G in all);
+    per block, transients x rows (B·d), A (B·n, plus the activation's own temporaries),
+    Y (B·d) and w ⊙ Y (B·d).
     """
     S, (T, D) = token_idx_S.shape[0], x_TD.shape
     out_TD = x_TD.new_zeros(T, D)
-    h_SG: torch.Tensor | None = None
-    if len(blocks.bounds) > 1:  # NOTE(memory): H (S·G), filled block by block
-        h_SG = x_TD.new_empty(S, sum(p.shape[2] for p in up_parts))
+    h_blocks: list[torch.Tensor] = []  # NOTE(memory): B·G per block, S·G in all, no copy
     for b, (r0, r1) in enumerate(blocks.bounds):
         offs_E1, held = blocks.experts_of(b, r0, r1, S)
         token_B = token_idx_S[r0:r1]
@@ -207,12 +207,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         if lora is not None:  # split LoRA: H += s·(x·Aᵀ)·Bᵀ
             lora.up_(h_BG, x_BD, lora_offs, r0, S)
         del x_BD
-        if h_SG is None:
-            h_SG = h_BG
-        else:
-            h_SG[r0:r1] = h_BG
-            del h_BG
-            h_BG = h_SG[r0:r1]
+        h_blocks.append(h_BG)
         a_BN = apply_activation(h_BG, activation)
         y_BD = grouped_mm(a_BN, w_down_END[held], offs_E1, backend)
         if lora is not None:
@@ -224,6 +219,6 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         del y_BD  # NOTE(memory): Y is never saved
         add_token_rows_(out_TD, weighted_BD, token_B, by_sort)
         del weighted_BD
-    if h_SG is None:  # no block (S == 0)
-        h_SG = x_TD.new_empty(0, sum(p.shape[2] for p in up_parts))
-    return h_SG, out_TD
+    if not h_blocks:  # no block (S == 0)
+        h_blocks.append(x_TD.new_empty(0, sum(p.shape[2] for p in up_parts)))
+    return tuple(h_blocks), out_TD

@@ -121,11 +121,14 @@ def router_keeps_logits(moe: MoEConfig) -> bool:
 def losses_forward(tl: Timeline, s: Shape) -> dict[str, str]:
     """load_balancing_loss and z_loss on the router logits."""
     T, E, K, r = s.T, s.moe.num_experts, s.moe.top_k, s.r
+    one = tl.alloc("aux.one", 8)  # MoELayer._aux: the counts and a 1 (held to its end)
+    stats = tl.alloc("aux.stats", (E + 1) * 8)
+    tl.free(one)
     out = {"probs": tl.alloc("lbl.probs", T * E * r)}
     p = tl.alloc("lbl.p", E * r)
     shifted = tl.alloc("lbl.shifted_ids", T * K * 8)  # count_per_expert
     counts = tl.alloc("lbl.counts", (E + 2) * 8)
-    tl.free(shifted)
+    tl.free(shifted, tl.alloc("lbl.one", 8))
     cast = tl.alloc("lbl.counts_fp32", E * r)
     tl.free(counts)
     out["f"] = tl.alloc("lbl.f", E * r)
@@ -138,7 +141,7 @@ def losses_forward(tl: Timeline, s: Shape) -> dict[str, str]:
     out["lse"] = tl.alloc("z.logsumexp", T * r)
     square = tl.alloc("z.square", T * r)
     out["z"] = tl.alloc("aux.z_loss", 4)
-    tl.free(square)
+    tl.free(square, stats)
     return out
 
 

@@ -218,8 +218,8 @@ def experts_forward(tl: Timeline, s: Shape, C: int, S: int, *, plain: bool, reco
         saved.append(arrays["offs"])  # saved by both grouped matmuls
     else:
         lora_saved: list[str] = []
-        h, out = fused_forward(tl, s, C, S, lora_saved)
-        saved = [h, arrays["eti"], arrays["offs"], arrays["tim"], arrays["esi"], *lora_saved]
+        hs, out = fused_forward(tl, s, C, S, lora_saved)
+        saved = [*hs, arrays["eti"], arrays["offs"], arrays["tim"], arrays["esi"], *lora_saved]
     tl.free(arrays["tei"])
     if recompute:
         tl.free(*saved)

@@ -48,35 +48,29 @@ def block_rows(s: Shape) -> int:
 
 
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
-                  lora_saved: list[str] | None = None) -> tuple[str, str]:
-    """FusedExpertsFunction.forward streamed over row blocks; returns (H, out).
+                  lora_saved: list[str] | None = None) -> tuple[list[str], str]:
+    """FusedExpertsFunction.forward streamed over row blocks; returns (H per block, out).
 
-    ops.fused.rows.forward_rows. Per block of B rows: x rows, the block's H product (copied
-    into H when there are several blocks; with one block it is H), A, Y and w ⊙ Y (out of
-    place), which is added into out in place (``index_add_``). The row plan (w_S, block
-    offsets) lives for the forward. Split-LoRA adapters (a
-    :class:`memfine.timeline.lora.LoRAShape`) add their terms per block; their saved U go to
-    ``lora_saved``.
+    experts.rows.forward_rows. Per block of B rows: x rows, the block's H rows (kept: saved
+    as they are), A, Y and w ⊙ Y (out of place), which is added into out in place
+    (``index_add_``). The row plan (w_S, block offsets) lives for the forward. Split-LoRA
+    adapters (a :class:`memfine.timeline.lora.LoRAShape`) add their terms per block; their
+    saved U go to ``lora_saved``.
     """
     D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
     kept = [] if lora_saved is None else lora_saved
     rows = block_rows(s)
     plan = _row_plan(tl, s, S, rows, "fwd")
     out = tl.alloc("fwd.out", C * D * s.dt)
-    several = rows < S
-    h = tl.alloc("fwd.H", S * G * s.dt) if several else None
+    hs = []
     for r0 in range(0, S, rows):
         B = min(S, r0 + rows) - r0
         xg = tl.alloc("fwd.x_BD", B * D * s.dt)
         deq = dequantize(tl, s, "w_up", (r0, r0 + B, S))  # a 4-bit base's block experts
-        h_block = tl.alloc("fwd.H_block", B * G * s.dt)
+        hs.append(tl.alloc("fwd.H_block", B * G * s.dt))
         tl.free(*deq)
         kept += adapters.forward_term(tl, s, B, S, "up", first=r0 == 0)
         tl.free(xg)
-        if several:
-            tl.free(h_block)
-        else:
-            h = h_block
         a = tl.alloc("fwd.A", B * N * s.dt)
         deq = dequantize(tl, s, "w_down", (r0, r0 + B, S))
         y = tl.alloc("fwd.Y", B * D * s.dt)
@@ -85,10 +79,10 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
         tl.free(a)
         weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
         tl.free(y, weighted)
-    if h is None:  # no rows
-        h = tl.alloc("fwd.H", 0)
+    if not hs:  # no rows
+        hs.append(tl.alloc("fwd.H_block", 0))
     tl.free(*plan)
-    return h, out
+    return hs, out
 
 
 def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
