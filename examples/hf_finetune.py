@@ -216,7 +216,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
     p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     p.add_argument("--csv", default=DEFAULT_CSV, help="CSV to write (default: %(default)s)")
-    return p.parse_args()
+    args = p.parse_args()
+    if args.steps < 3:
+        p.error(f"--steps must be >= 3 (step 1 is tracked, step 2 profiled), got {args.steps}")
+    return args
 
 
 def main() -> None:

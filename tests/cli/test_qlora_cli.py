@@ -106,3 +106,21 @@ def test_missing_bitsandbytes_is_one_line_exit_2(base: Path, tmp_path: Path,
                                                "needs bitsandbytes: pip install "
                                                "'memfine[qlora]'")
     assert not out.exists()
+
+
+def test_a_4_bit_base_added_on_resume_is_one_line(base: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """A plain LoRA run's config records no ``base_quant``: adding it on --resume is refused."""
+    run = tmp_path / "run"
+    assert main(["train", *FAST, *LORA, "--init-from", str(base), "--max-steps", "1",
+                 "--out", str(run)]) == 0
+    before = {p.name: p.stat().st_mtime_ns for p in run.iterdir()}
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["train", "--resume", "--out", str(run), "--lora-base-quant", "nf4",
+              "--max-steps", "2", "--no-progress"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("memfine train: error: --lora-base-quant cannot change on --resume")
+    assert "\n" not in err
+    assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before

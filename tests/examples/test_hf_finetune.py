@@ -11,6 +11,7 @@ import csv
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -26,12 +27,18 @@ METRICS = {"time": "ms", "peak_bytes": "bytes", "profiled_peak_bytes": "bytes",
            "first_loss": "nats/byte", "final_loss": "nats/byte"}
 
 
-def test_trainer_recipe_runs_and_writes_the_csv(tmp_path: Path,
-                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def _example() -> Any:
+    """examples/hf_finetune.py loaded as a module."""
     spec = importlib.util.spec_from_file_location("hf_finetune", EXAMPLE)
     assert spec is not None and spec.loader is not None, "examples/hf_finetune.py is missing"
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_trainer_recipe_runs_and_writes_the_csv(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    example = _example()
     out = tmp_path / "hf_finetune.csv"
     monkeypatch.setattr(sys, "argv", [
         "hf_finetune.py", "--models", "gpt_oss", "--impls", "eager,memfine", "--steps", "3",
@@ -52,3 +59,14 @@ def test_trainer_recipe_runs_and_writes_the_csv(tmp_path: Path,
     # Same weights and batch: the first loss agrees within bf16 rounding.
     assert_close(torch.tensor(first["memfine"]), torch.tensor(first["eager"]),
                  dtype=torch.bfloat16)
+
+
+def test_too_few_steps_to_measure_is_one_line(monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    example = _example()
+    monkeypatch.setattr(sys, "argv", ["hf_finetune.py", "--steps", "2"])
+    with pytest.raises(SystemExit) as info:
+        example.parse_args()
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().endswith(
+        "error: --steps must be >= 3 (step 1 is tracked, step 2 profiled), got 2")

@@ -6,6 +6,7 @@
   :class:`RouteOptions`) and :class:`GatedActivation`.
 - :mod:`memfine.config.model`: :class:`ChunkConfig` (MemFine chunking, MACT budget),
   :class:`ModelConfig`, :class:`TrainConfig`.
+- :mod:`memfine.config.lora`: :class:`LoRAConfig` (split LoRA on the experts, the 4-bit base).
 
 Every check raises ``ValueError`` naming the class, the field, what is allowed and the value
 received, e.g. ``MoEConfig.top_k must be in [1, num_experts=8], got 9``.
@@ -29,6 +30,7 @@ from memfine.config.base import (
     RecomputeMode,
     ScoreFunc,
 )
+from memfine.config.lora import LoRAConfig
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
     BUDGET_BLOCK_DIVISORS,
@@ -64,6 +66,7 @@ __all__ = [
     "GatedActivation",
     "GemmBackend",
     "IndexBuilder",
+    "LoRAConfig",
     "ModelConfig",
     "MoEConfig",
     "Recompute",

@@ -57,12 +57,16 @@ def _set(tree: dict[str, Any], path: str, new: Any) -> None:
 
 
 def _get(tree: dict[str, Any], path: str) -> Any:
-    """The value at a dotted path; None below a None (``lora.rank`` of a run without LoRA)."""
+    """The value at a dotted path; None below a None or for a key the checkpoint lacks.
+
+    (``lora.rank`` of a run without LoRA; ``lora.base_quant`` of a plain LoRA run.)
+    """
+    value: Any = tree
     for key in path.split("."):
-        if tree is None:
+        if value is None:
             return None
-        tree = tree[key]
-    return tree
+        value = value.get(key)
+    return value
 
 
 def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
