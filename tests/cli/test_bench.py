@@ -186,6 +186,24 @@ def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
     assert "--methods: unknown ['nope']" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("args", "message"), [
+    (["--top-k", "9", "--num-experts", "4"], "--top-k 9 must be at most --num-experts 4"),
+    (["--top-k", "9"], "--top-k must be at most --num-experts: the quick shape has k 9 and E 4"),
+    (["--suites", "counts", "--top-k", "9", "--num-experts", "4"],
+     "--top-k 9 must be at most --num-experts 4"),
+    (["--suites", "counts", "--num-experts", "4"],
+     "--top-k must be at most --num-experts: the qwen3-30b-a3b preset would have k 8 and E 4"),
+])
+def test_k_above_e_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--quick", "--suites", "experts", "--out", str(out), *args])
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == f"memfine bench: error: {message}"
+    assert not out.exists()
+
+
 # --- shapes and table ---------------------------------------------------------------------------
 
 def test_table1_scaled_down() -> None:
@@ -205,7 +223,7 @@ def test_resolve_shapes_overrides() -> None:
         ("custom", 256, 1024, 8)]
     assert resolve_shapes(BenchOptions(), defaults, quick) == defaults
     assert resolve_shapes(BenchOptions(quick=True, top_k=1), defaults, quick)[0].top_k == 1
-    with pytest.raises(ValueError, match="top_k must be <= num_experts"):
+    with pytest.raises(ValueError, match="--top-k must be at most --num-experts: the conf1 shape"):
         resolve_shapes(BenchOptions(configs=(1,), top_k=5), defaults, quick)
 
 

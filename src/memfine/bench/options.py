@@ -209,8 +209,8 @@ def resolve_shapes(opts: BenchOptions, defaults: Sequence[LayerShape], quick: La
         shapes = list(defaults)
     for s in shapes:
         if s.top_k > s.num_experts:
-            raise ValueError(f"top_k must be <= num_experts, got k={s.top_k} E={s.num_experts} "
-                             f"({s.name})")
+            raise ValueError(f"--top-k must be at most --num-experts: the {s.name} shape has "
+                             f"k {s.top_k} and E {s.num_experts}")
     return shapes
 
 

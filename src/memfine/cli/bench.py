@@ -9,7 +9,7 @@ saved for backward, peak live bytes, and the memory model's prediction next to t
 values. On a GPU the same command times with CUDA events and reads the allocator's statistics.
 
 Output in ``--out`` (refused when it already holds ``bench_*`` files, unless ``--overwrite``):
-``bench_config.json`` (resolved options and environment, written first),
+``bench_config.json`` (resolved options and environment, written with the first point),
 ``bench_<suite>.csv`` (docs/style.md §6 columns, with units and environment) and
 ``bench_<suite>_{time,memory,predicted[,skew]}.png``.
 """
@@ -201,6 +201,8 @@ def run(args: argparse.Namespace) -> int:
                          f"them or choose another --out")
     for suite in opts.suites:
         select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
+    if opts.top_k is not None and opts.num_experts is not None and opts.top_k > opts.num_experts:
+        raise ValueError(f"--top-k {opts.top_k} must be at most --num-experts {opts.num_experts}")
     _check_sizes_fit(opts, device)
     failures = run_suites(opts, device)
     for failure in failures:

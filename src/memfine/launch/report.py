@@ -138,10 +138,9 @@ def print_plan(cfg: PlanConfig, sources: dict[str, str], *, verbose: bool,
 def _print_tables(plan: Plan) -> None:
     """The per-stage and per-skew tables, and why each row that does not fit does not."""
     print("\n".join(stage_tables(plan)))
-    for st in plan.stages:
-        for sk in st.skews:
-            if not sk.fits:
-                print("does not fit: " + _why(st, sk, plan.config))
+    for st in plan.stages:  # a stage's static reason holds at every skew: said once
+        for why in dict.fromkeys(_why(st, sk, plan.config) for sk in st.skews if not sk.fits):
+            print("does not fit: " + why)
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:

@@ -340,19 +340,23 @@ def print_point(point: Point) -> None:
 def presets(opts: BenchOptions) -> list[LayerShape]:
     """The points: each preset at its :data:`PRESET_TOKENS` or at ``--tokens``.
 
-    ``--quick``: T = 256; ``--num-experts`` applied.
+    ``--quick``: T = 256; ``--num-experts`` and ``--top-k`` applied.
 
     Raises:
-        ValueError: a ``--tokens`` outside [k, :data:`MAX_TOKENS`] (:func:`check_tokens`).
+        ValueError: a ``--tokens`` outside [k, :data:`MAX_TOKENS`] (:func:`check_tokens`), or
+            k above E.
     """
     tokens = opts.tokens or (QUICK_TOKENS if opts.quick else None)
     shapes = []
     for name, shape in PRESETS.items():
         for T in PRESET_TOKENS[name] if tokens is None else (tokens,):
-            check_tokens(T, shape.top_k if opts.top_k is None else opts.top_k)
-            shapes.append(dataclasses.replace(
-                shape, tokens=T, num_experts=(shape.num_experts if opts.num_experts is None
-                                              else opts.num_experts)))
+            E = shape.num_experts if opts.num_experts is None else opts.num_experts
+            K = shape.top_k if opts.top_k is None else opts.top_k
+            if K > E:
+                raise ValueError(f"--top-k must be at most --num-experts: the {name} preset "
+                                 f"would have k {K} and E {E}")
+            check_tokens(T, K)
+            shapes.append(dataclasses.replace(shape, tokens=T, num_experts=E, top_k=K))
     return shapes
 
 

@@ -28,7 +28,7 @@ from memfine.train.loop import torch_threads
 
 
 def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
-    """Write ``bench_config.json``, then run each suite: tables, ``bench_<suite>.csv``, PNGs.
+    """Run each suite: tables, CSV, PNGs; ``bench_config.json`` written with the first point.
 
     Each point's CSV rows carry, in ``config_json``, the clock that timed each method
     (``clock``), its timed rounds (``rounds``) and the 1-minute load average when the point
@@ -51,11 +51,9 @@ def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
 def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     failures: list[str] = []
     out = Path(opts.out)
-    out.mkdir(parents=True, exist_ok=True)
     env = collect_environment(device)
     resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
     print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
-    (out / "bench_config.json").write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
     for suite in opts.suites:
         names = select_methods(suite, opts.methods, opts.compile)
         if not names:
@@ -66,6 +64,10 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
         rows: list[dict[str, str]] = []
         module = SUITE_MODULES[suite]  # a suite may print and write its own rows (counts)
         for point in module.run(opts, device, names):
+            if not (out / "bench_config.json").exists():  # a suite's bad shape writes nothing
+                out.mkdir(parents=True, exist_ok=True)
+                (out / "bench_config.json").write_text(
+                    json.dumps(resolved, indent=2, sort_keys=True) + "\n")
             getattr(module, "print_point", print_point)(point)
             points.append(point)
             failures += [f"{suite} {point.x_value} {res.name}: {res.error}"

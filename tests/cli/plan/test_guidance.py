@@ -130,3 +130,11 @@ def test_the_torchtitan_command_parses_with_torchtitans_own_config_manager(
     expected = ([("memfine.integrations.torchtitan_modules.memfine_experts",
                   {"num_chunks": chunks})] if recompute != "none" and chunks > 1 else [])
     assert config.override.imports == expected
+
+
+def test_verbose_says_a_stage_s_static_reason_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Static bytes over the budget hold at every skew: one line, not one per skew."""
+    code, out, _ = _run(["--preset", "olmoe-1b-7b", "--device-memory", "8GiB", "--verbose"],
+                        capsys)
+    reasons = [line for line in out.splitlines() if line.startswith("does not fit: stage 0:")]
+    assert code == 0 and len(reasons) == 1, reasons
