@@ -99,8 +99,8 @@ def test_checkpoint_command_without_checkpoint_says_how_to_get_one(
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert (f"memfine {command[0]}: error: --out: no checkpoint at "
-            f"'{tmp_path / 'checkpoint.pt'}' (train into it first: memfine train --out "
-            f"{tmp_path})\n") == err
+            f"'{tmp_path / 'checkpoint.pt'}' or '{tmp_path / 'checkpoint.dcp'}' (train into it "
+            f"first: memfine train --out {tmp_path})\n") == err
     assert list(tmp_path.iterdir()) == []
 
 

@@ -18,8 +18,8 @@ from memfine.flags.threads import clamp_threads
 from memfine.flags.values import check_device, path_flag
 from memfine.inference.trained import Trained, load_trained
 
-OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt)", path_flag,
-                default=NotGiven(text="required"))
+OUT_FLAG = Flag("--out", (), "run directory of memfine train (reads its checkpoint.pt, or a "
+                "torchrun run's checkpoint.dcp/)", path_flag, default=NotGiven(text="required"))
 DEVICE_FLAG = Flag("--device", (), "torch device: cpu or cuda[:i]", str,
                    default=NotGiven("cpu"))
 

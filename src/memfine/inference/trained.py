@@ -75,8 +75,8 @@ def load_trained(run_dir: str | os.PathLike[str], device: str = "cpu", *,
             run is gone or changed.
     """
     path = Path(run_dir) / CHECKPOINT_NAME
-    if (Path(run_dir) / SHARDED_NAME).is_dir():
-        path = find_checkpoint(run_dir)
+    if (Path(run_dir) / SHARDED_NAME).is_dir() or not path.is_file():
+        path = find_checkpoint(run_dir)  # the newer of the two; names both when neither is there
     payload = read_checkpoint(path)
     config = TrainConfig.from_dict(payload["config"])
     model = language_model(config)
