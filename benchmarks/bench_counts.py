@@ -1,4 +1,4 @@
-"""``memfine bench --suite counts`` as a script: ATen ops, host syncs and ``_grouped_mm`` calls.
+"""``memfine bench --suites counts`` as a script: ATen ops, host syncs and ``_grouped_mm`` calls.
 
 Counts one MoE layer's forward + backward per method (memfine fused, one backward block, chunked,
 MACT, a torchtitan-style grouped_mm layer, memfine's plain grouped_mm path, transformers'

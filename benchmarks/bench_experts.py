@@ -2,7 +2,7 @@
 
 A thin script over the ``experts`` suite (:mod:`memfine.suites.experts`; the Table 1 rows
 are :data:`memfine.bench.options.TABLE1`, run by :func:`memfine.suites.runner.script_main`;
-``memfine bench --suite experts`` is the same with every flag): methods ``plain``,
+``memfine bench --suites experts`` is the same with every flag): methods ``plain``,
 ``expert_loop``, ``grouped_mm``, ``fused``, ``fused_mact`` and ``full_recompute`` on Table 1 rows
 1, 2, 3 and 5 with batch × seq divided by 256, interleaved, after warm-up, one torch thread.
 

@@ -1,7 +1,7 @@
 """MemFine's four-way comparison as routing skew grows: full recompute, c = 8, MACT, none.
 
 A thin script over the ``chunking`` suite (:mod:`memfine.suites.chunking`, run by
-:func:`memfine.suites.runner.script_main`; ``memfine bench --suite chunking`` is the same with
+:func:`memfine.suites.runner.script_main`; ``memfine bench --suites chunking`` is the same with
 every flag): one MoE layer (d 256, n 512, E 8, k 2) whose experts receive σ ∈ {1, 2, 4, 8} times
 their balanced share of rows, MACT's budget the least that holds σ = 8 with c = 8; peak live
 bytes, saved bytes and forward + backward time of each method, interleaved, one torch thread.

@@ -1,7 +1,7 @@
 """Training step of the small MoE language model: time and memory of memfine's paths.
 
 A thin script over the ``model`` suite (:mod:`memfine.suites.model`, run by
-:func:`memfine.suites.runner.script_main`; ``memfine bench --suite model`` is the same with every
+:func:`memfine.suites.runner.script_main`; ``memfine bench --suites model`` is the same with every
 flag): methods ``plain``, ``fused``, ``fused_mact`` and ``full_recompute`` on the ``small``
 training preset (d 128, n 128, E 8, k 2, 4 layers, 32 × 128 tokens per step), interleaved, after
 warm-up, one torch thread.

@@ -199,7 +199,7 @@ def _quoted(cell: str, value: str) -> str:
 
 def test_hf_doc_suite_table_and_summary_equal_the_results_file() -> None:
     name = "bench_hf.csv"
-    section, rounds = _timed_section("hf.md", "`memfine bench --suite hf --threads 1 --repeats",
+    section, rounds = _timed_section("hf.md", "`memfine bench --suites hf --threads 1 --repeats",
                                      name)
     ratios, floor = _values(name, "time_ratio_to_memfine"), _values(name, "saved_over_floor")
     rows = _table(section)
