@@ -66,7 +66,7 @@ class Part:
 
 
 PARTS = (
-    Part("evidence", 80, "fused, fused_one_block, torchtitan_style, hf_grouped_mm at the "
+    Part("evidence", 80, "fused, fused_512mib, torchtitan_style, hf_grouped_mm at the "
          "Qwen3-30B-A3B layer, bf16, T 4096 and 16384"),
     Part("evidence_triton", 75, "the Triton backend at the same layer (autotuned kernels "
          "compile on the first call)", {"TRITON_INTERPRET": "1"}),
@@ -100,7 +100,7 @@ def commands(dry: bool, work: Path, py: str) -> dict[str, list[str]]:
              "--sample-tokens", "0", "--overwrite", "--log-every", "1"]
     if dry:
         train += ["--preset", "tiny", "--data", "tests/assets/pydoc_topics_sample.txt"]
-        return {"evidence": [*ev, "--dry-run", "--methods", "fused", "fused_one_block",
+        return {"evidence": [*ev, "--dry-run", "--methods", "fused", "fused_512mib",
                              "torchtitan_style", "hf_grouped_mm"],
                 "evidence_triton": [*ev, "--dry-run", "--methods", "fused", "triton",
                                     "--tokens", "16", "--repeats", "1", "--warmup", "0"],
@@ -111,7 +111,7 @@ def commands(dry: bool, work: Path, py: str) -> dict[str, list[str]]:
                 "compile": ["env", "TORCHDYNAMO_DISABLE=1", *train, "--compile", "--max-steps",
                             "1", "--eval-every", "1", "--out", str(work / "train_compile")]}
     train += ["--preset", "small"]
-    return {"evidence": [*ev, "--methods", "fused", "fused_one_block", "torchtitan_style",
+    return {"evidence": [*ev, "--methods", "fused", "fused_512mib", "torchtitan_style",
                          "hf_grouped_mm"],
             "evidence_triton": [*ev, "--methods", "fused", "triton"],
             "peak": peak, "gpu_tests": [*tests, "tests/measure/test_peak.py", "-k",

@@ -1,14 +1,15 @@
 """The evidence that decides the expert path's design, one MoE layer at a time, row by row.
 
-    gpu_check_evidence.py CSV [--methods fused fused_one_block ...] [--dry-run]
+    gpu_check_evidence.py CSV [--methods fused fused_512mib ...] [--dry-run]
 
 At the Qwen3-30B-A3B layer (d 2048, n 768, E 128, k 8) in bf16 at T 4096, then T 16384
 (``--dry-run``: d 32, n 16, E 4, k 2 at T 128 and 256 on the CPU), methods on one set of weights,
 one input and one incoming gradient:
 
 - ``fused``: memfine's fused layer, the device's default backward row blocks;
-- ``fused_one_block``: the same with one backward row block (a slow ``fused`` next to a fast
-  ``fused_one_block`` is the row blocks' cost);
+- ``fused_512mib``: the same with 512 MiB row blocks (the default of a small device and a
+  budget's smaller blocks; on an H200 the default runs these points in one block, so a fast
+  ``fused`` next to a slow ``fused_512mib`` is the small blocks' cost);
 - ``triton``: the fused layer on the Triton backend (``gemm_backend="triton"``; the interpreter
   on the CPU, where ``TRITON_INTERPRET=1`` must be set before the first launch);
 - ``torchtitan_style``: torchtitan's expert recipe behind memfine's router
@@ -48,12 +49,13 @@ from memfine.baselines.layers import base_layer, layer_inputs, layer_method, sha
 from memfine.baselines.titan_style import titan_style_layer
 from memfine.bench.harness import Method, run_methods
 from memfine.bench.options import BenchOptions, LayerShape
+from memfine.config import CUDA_BACKWARD_BLOCK_BYTES
 from memfine.suites import counts, hf
 from memfine.suites.experts import moe_config
 
 COLUMNS = ["preset", "tokens", "method", "device", "dtype", "metric", "value", "unit", "status",
            "detail"]
-METHODS = ("fused", "fused_one_block", "torchtitan_style", "hf_grouped_mm", "triton")
+METHODS = ("fused", "fused_512mib", "torchtitan_style", "hf_grouped_mm", "triton")
 QWEN3 = LayerShape(name="qwen3-30b-a3b", tokens=4096, hidden_size=2048, intermediate_size=768,
                    num_experts=128, top_k=8)
 TOKENS = (4096, 16384)
@@ -92,10 +94,10 @@ def build(shape: LayerShape, names: tuple[str, ...], device: torch.device,
             weights["base"] = base_layer(moe, dtype=DTYPE, device=device, seed=0)
     base = weights["base"]
     x_TD, grad_TD = layer_inputs(shape, dtype=DTYPE, device=device, seed=0)
-    one_block = dataclasses.replace(moe, backward_block_bytes=counts.ONE_BLOCK_BYTES)
+    small = dataclasses.replace(moe, backward_block_bytes=CUDA_BACKWARD_BLOCK_BYTES)
     makers: dict[str, Callable[[], Any]] = {
         "fused": lambda: sharing(base, moe),
-        "fused_one_block": lambda: sharing(base, one_block),
+        "fused_512mib": lambda: sharing(base, small),
         "triton": lambda: sharing(base, dataclasses.replace(moe, gemm_backend="triton")),
         "torchtitan_style": lambda: titan_style_layer(base, moe)}
     methods = []

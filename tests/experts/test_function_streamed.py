@@ -22,6 +22,7 @@ from memfine.config import (
     ChunkConfig,
     MoEConfig,
     backward_block_rows,
+    default_block_bytes,
 )
 from memfine.dispatch import build_routing_index
 from memfine.experts import run_experts
@@ -59,17 +60,42 @@ def test_default_sized_blocks_hold_at_least_min_block_rows() -> None:
     assert backward_block_rows(None, 512, 128, 256, 4) == 16 * 2**20 // _row_bytes(512, 128, 256, 4)
 
 
-def test_default_block_is_sized_from_the_device() -> None:
-    """None: 16 MiB on the CPU; on CUDA a handful of blocks at the Qwen3-30B-A3B layer at
-    T 16384 in bf16 (S = 131,072 rows of (3·2048 + 3·768 + 1536)·2 bytes)."""
+def test_default_block_is_sized_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """None: 16 MiB on the CPU; on a CUDA device of unknown memory (none here) 512 MiB, a
+    handful of blocks at the Qwen3-30B-A3B layer at T 16384 in bf16 (S = 131,072 rows of
+    (3·2048 + 3·768 + 1536)·2 bytes)."""
     assert MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3,
                      top_k=2).backward_block_bytes is None
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     d, n, S = 2048, 768, 16384 * 8
     cpu = backward_block_rows(None, d, n, 2 * n, 2)
     assert cpu == backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES, d, n, 2 * n, 2)
     cuda = backward_block_rows(None, d, n, 2 * n, 2, "cuda")
     assert cuda == backward_block_rows(CUDA_BACKWARD_BLOCK_BYTES, d, n, 2 * n, 2)
     assert 3 <= -(-S // cuda) <= 8 < -(-S // cpu)
+
+
+def test_cuda_default_block_follows_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the default block is the device's memory ÷ 32, at least 512 MiB; unknown memory
+    (no CUDA here) gives 512 MiB; the CPU's is 16 MiB whatever the memory."""
+    h200, h100 = 141 * 10**9, 80 * 10**9
+    assert default_block_bytes("cuda", h200) == h200 // 32 == 4_406_250_000
+    assert default_block_bytes("cuda", h100) == 2_500_000_000
+    assert default_block_bytes("cuda", 16 * 2**30) == CUDA_BACKWARD_BLOCK_BYTES
+    assert default_block_bytes("cpu", h200) == DEFAULT_BACKWARD_BLOCK_BYTES
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert default_block_bytes("cuda") == CUDA_BACKWARD_BLOCK_BYTES
+    props = type("Props", (), {"total_memory": h200})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    # the Qwen3-30B-A3B layer at T 16384 in bf16 (131,072 rows) runs in one block on an H200
+    d, n = 2048, 768
+    assert backward_block_rows(None, d, n, 2 * n, 2, "cuda") == h200 // 32 // (
+        (3 * d + 3 * n + 2 * n) * 2) >= 16384 * 8
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ValueError, match=r"total_memory must be a positive int"):
+            default_block_bytes("cuda", bad)  # type: ignore[arg-type]
 
 
 def test_triton_backend_without_cuda_or_interpreter_is_refused_at_build(

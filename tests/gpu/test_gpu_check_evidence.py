@@ -24,7 +24,7 @@ def test_evidence_rows_on_cuda(tmp_path: Path) -> None:
     with out.open(newline="") as f:
         rows = {(r["method"], r["metric"]): r for r in csv.DictReader(f)}
     methods = {m for m, _ in rows}
-    assert {"fused", "fused_one_block", "torchtitan_style", "triton"} <= methods
+    assert {"fused", "fused_512mib", "torchtitan_style", "triton"} <= methods
     for method in methods - {"hf_grouped_mm"}:
         for metric in ("time_ms", "kernel_count", "kernel_time_ms", "cuda_host_syncs",
                        "non_view_ops", "peak_bytes"):

@@ -31,6 +31,11 @@ def test_block_bytes_keep_the_real_dims_block_rows() -> None:
     # CUDA's 512 MiB / ((3·2048 + 3·768 + 1536) · 2 bytes) = 26,886 rows at the real dims
     assert backward_block_rows(block, shape.hidden_size, shape.intermediate_size,
                                2 * shape.intermediate_size, 2) == 26_886
+    # the counted CUDA default is an H200's, 141 GB ÷ 32: 220,665 rows, T 16384's 131,072 in one
+    default = counts.block_bytes_keeping_rows(real, shape, counts.BLOCK_BYTES["cuda"])
+    assert counts.BLOCK_BYTES["cuda"] == 141 * 10**9 // 32
+    assert backward_block_rows(default, shape.hidden_size, shape.intermediate_size,
+                               2 * shape.intermediate_size, 2) == 220_665
 
 
 def test_counts_do_not_depend_on_d_and_n_at_equal_block_rows() -> None:

@@ -79,23 +79,58 @@ fine-grained one; one block is 1.12× and 1.41× its time (``benchmarks/bench_bl
 ``benchmarks/results/block_bytes_cpu.csv``)."""
 
 CUDA_BACKWARD_BLOCK_BYTES = 512 * 2**20
-"""Byte target of one row block on CUDA (and any other accelerator): 512 MiB, five blocks at
-the Qwen3-30B-A3B layer (d 2048, n 768, k 8) at T 16384 in bf16 (S = 131,072 rows of 19,968
-bytes), so kernel launches per layer stay few while the block transients stay well below the
-saved H (2.3 GiB there)."""
+"""The least byte target of one row block on CUDA (and any other accelerator): 512 MiB, the
+default on a device of 16 GiB or less and wherever the device's memory is not known
+(:func:`default_block_bytes`)."""
+
+DEVICE_MEMORY_BLOCK_DIVISOR = 32
+"""On CUDA the default row block is the device's memory ÷ 32 (at least 512 MiB).
+
+A block's transients are live once per layer backward, not per layer: 1/32 of the device
+(4.4 GB on a 141 GB H200, 2.5 GB on an 80 GB H100) costs about 3% of its memory once, and at
+the Qwen3-30B-A3B layer (d 2048, n 768, k 8, bf16: 19,968 bytes a row) it holds all of T 16384's
+131,072 rows (2.6 GB) in one block on an H200. Every further block pays about 30 more ATen
+launches, and weight-gradient writes per expert it holds (the counts suite:
+``fused_512mib``, ``benchmarks/results/counts/bench_counts.csv``); a memory budget still runs
+half and a quarter of these rows (:data:`BUDGET_BLOCK_DIVISORS`) before it chunks."""
 
 
-def default_block_bytes(device_type: str) -> int:
+def default_block_bytes(device_type: str, total_memory: int | None = None) -> int:
     """The row-block byte target used when ``MoEConfig.backward_block_bytes`` is None.
 
     Args:
         device_type: ``torch.device.type`` of the activations (``cpu``, ``cuda``, ...).
+        total_memory: the accelerator's memory, bytes; None reads the current CUDA device's
+            (``torch.cuda.get_device_properties``) when ``device_type`` is ``cuda`` and CUDA
+            is available, else it is unknown.
 
     Returns:
-        :data:`DEFAULT_BACKWARD_BLOCK_BYTES` on the CPU, :data:`CUDA_BACKWARD_BLOCK_BYTES`
-        elsewhere.
+        :data:`DEFAULT_BACKWARD_BLOCK_BYTES` on the CPU; elsewhere max(512 MiB, memory ÷
+        :data:`DEVICE_MEMORY_BLOCK_DIVISOR`), 512 MiB (:data:`CUDA_BACKWARD_BLOCK_BYTES`)
+        where the memory is unknown.
+
+    Raises:
+        ValueError: ``total_memory`` not None and not a positive int.
     """
-    return DEFAULT_BACKWARD_BLOCK_BYTES if device_type == "cpu" else CUDA_BACKWARD_BLOCK_BYTES
+    if device_type == "cpu":
+        return DEFAULT_BACKWARD_BLOCK_BYTES
+    if total_memory is None and device_type == "cuda":
+        total_memory = _cuda_memory()
+    if total_memory is None:
+        return CUDA_BACKWARD_BLOCK_BYTES
+    if isinstance(total_memory, bool) or not isinstance(total_memory, int) or total_memory < 1:
+        raise ValueError(f"total_memory must be a positive int (bytes) or None, got "
+                         f"{total_memory!r}")
+    return max(CUDA_BACKWARD_BLOCK_BYTES, total_memory // DEVICE_MEMORY_BLOCK_DIVISOR)
+
+
+def _cuda_memory() -> int | None:
+    """The current CUDA device's memory in bytes, None without CUDA."""
+    import torch  # lazily: the config package imports no torch at module level
+
+    if not torch.cuda.is_available():
+        return None
+    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
 
 
 BUDGET_BLOCK_DIVISORS = (1, 2, 4)
@@ -124,7 +159,8 @@ def budget_block_ladder(block_bytes: int | None, device_type: str, row_bytes: in
         ``(block_bytes,)`` when set; else None (the device's default block, its own value:
         :func:`backward_block_rows` gives its rows), then the byte targets of exactly half and a
         quarter of the default's rows (:data:`BUDGET_BLOCK_DIVISORS`; about 16, 8 and 4 MiB on
-        the CPU and 512, 256 and 128 MiB on CUDA; at a layer whose default is raised to
+        the CPU, 512, 256 and 128 MiB on a CUDA device of 16 GiB or less, 1/32, 1/64 and
+        1/128 of a larger device's memory; at a layer whose default is raised to
         :data:`MIN_BLOCK_ROWS`, 256 and 128 rows).
 
     Reference: MoEBlaze §4.2 (row tiles); MemFine §4.2 (MACT's budget); our ladder.
@@ -254,8 +290,9 @@ class MoEConfig(RouteOptions):
             :func:`backward_block_rows`), an int from one row at 2 bytes per element
             ((3·d + 3·n + G)·2) to int64's largest (ValueError otherwise). None (default):
             sized from the device the activations are on (:func:`default_block_bytes`): 16 MiB
-            on the CPU (within 1% of the fastest size measured there), 512 MiB on CUDA (a
-            handful of blocks at the Qwen3-30B-A3B layer at T 16384). Rows per block set the
+            on the CPU (within 1% of the fastest size measured there), on CUDA the device's
+            memory ÷ 32, at least 512 MiB (one block at the Qwen3-30B-A3B layer at T 16384
+            on an H200). Rows per block set the
             forward's and the backward's transients (the memory model's ``fwd.x_BD``,
             ``fwd.H_block``,
             ``fwd.A``, ``fwd.Y`` and ``bwd.*`` items scale with them; it resolves None for

@@ -13,8 +13,8 @@ These are models of what a GPU would pay, not measurements.
 ``dim_map`` maps a counted size to a real one, so a stream counted at small dims (d, n divided
 by a factor) is priced at the real dims: every tensor dim equal to a key is read as its value.
 
-Peak numbers (:data:`GPUS`) are dense bf16 tensor-core FLOP/s and HBM bandwidth of the SXM parts
-from NVIDIA's datasheets.
+Peak numbers (:data:`GPUS`) are dense bf16 tensor-core FLOP/s, HBM bandwidth and capacity of the
+SXM parts from NVIDIA's datasheets.
 
 Legend: m, n, k the matrix product's sizes.
 Reference: Williams et al., "Roofline" (CACM 2009); NVIDIA H100 and H200 datasheets.
@@ -40,21 +40,24 @@ class GPU:
         flops_per_s: dense bf16 tensor-core FLOP/s (no sparsity).
         bytes_per_s: HBM bandwidth, bytes/s.
         source: where the numbers come from.
+        memory_bytes: HBM capacity, bytes (what sets CUDA's default row block,
+            :func:`memfine.config.default_block_bytes`).
     """
 
     name: str
     flops_per_s: float
     bytes_per_s: float
     source: str
+    memory_bytes: int
 
 
 GPUS: dict[str, GPU] = {
     "h100": GPU("h100", 989e12, 3.35e12,
                 "NVIDIA H100 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity), "
-                "3.35 TB/s HBM3"),
+                "3.35 TB/s HBM3, 80 GB", 80 * 10**9),
     "h200": GPU("h200", 989e12, 4.8e12,
                 "NVIDIA H200 SXM datasheet: 989 TFLOPS dense BF16 (1,979 with sparsity), "
-                "4.8 TB/s HBM3e"),
+                "4.8 TB/s HBM3e, 141 GB", 141 * 10**9),
 }
 """The GPUs a roofline floor is priced for (``roofline_ms_<name>`` columns)."""
 

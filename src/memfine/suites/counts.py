@@ -9,10 +9,14 @@ counted. Counts are exact integers: one round, no percentiles.
 
 Methods (same weights, input, routing and incoming gradients within a point):
 
-- ``fused``: memfine's fused layer, default config with CUDA's default row blocks
-  (:data:`memfine.config.CUDA_BACKWARD_BLOCK_BYTES`: the suite counts what a GPU would pay);
+- ``fused``: memfine's fused layer, default config with the default row blocks of the counted
+  device (:data:`COUNT_GPU`'s with ``--count-device cuda``,
+  :func:`memfine.config.default_block_bytes`: the suite counts what a GPU would pay);
 - ``fused_one_block``: the same with one backward row block (``backward_block_bytes`` above the
   whole block);
+- ``fused_512mib``: the same with 512 MiB row blocks
+  (:data:`memfine.config.CUDA_BACKWARD_BLOCK_BYTES`, the default of a CUDA device of 16 GiB or
+  less): what smaller blocks cost;
 - ``chunked_c4``: c = 4 token chunks with per-chunk recompute of the experts;
 - ``mact``: c chosen by MACT from a budget of half the received rows per chunk (c = 2);
 - ``torchtitan_style``: the same router and aux losses, then torchtitan's expert recipe (histc +
@@ -27,8 +31,9 @@ Methods (same weights, input, routing and incoming gradients within a point):
   implementation (experts only: routing is an input, no router or aux losses);
 - ``hf_memfine``: the same module through memfine's experts backend (experts only).
 
-The path counted is the one ``--count-device`` would take (``cuda``, the default: its 512 MiB
-row blocks and its ``index_put_`` combine; ``cpu``: 16 MiB blocks and ``index_add_``). Beside
+The path counted is the one ``--count-device`` would take (``cuda``, the default: an H200's
+default row blocks, 141 GB ÷ 32, and its ``index_put_`` combine; ``cpu``: 16 MiB blocks and
+``index_add_``). Beside
 ops and syncs each phase has ``hbm_bytes`` and roofline floors ``roofline_ms_h100`` /
 ``roofline_ms_h200`` (:mod:`memfine.counts.roofline`), priced at the real dims
 (:func:`dim_map`): models of a GPU, not measurements.
@@ -78,6 +83,7 @@ from memfine.config import (
     ChunkConfig,
     MoEConfig,
     backward_block_rows,
+    default_block_bytes,
 )
 from memfine.counts.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
 from memfine.counts.roofline import GPUS
@@ -87,8 +93,8 @@ from memfine.suites import hf
 from memfine.suites.experts import moe_config
 
 NAME = "counts"
-METHODS = ("fused", "fused_one_block", "chunked_c4", "mact", "torchtitan_style", "torchtitan",
-           "grouped_mm", "hf_grouped_mm", "hf_memfine")
+METHODS = ("fused", "fused_one_block", "fused_512mib", "chunked_c4", "mact", "torchtitan_style",
+           "torchtitan", "grouped_mm", "hf_grouped_mm", "hf_memfine")
 REFERENCE = "torchtitan_style"
 DIM_SCALE = 16
 """d and n are divided by this; the backward block count is kept at the real dims' value."""
@@ -102,7 +108,10 @@ PRESET_TOKENS = {"qwen3-30b-a3b": (4096, 16384), "deepseek-v3": (4096,)}
 """The T of each preset's points when ``--tokens`` is not given."""
 MAX_TOKENS = 65_536
 """The largest ``--tokens`` counted: T·k rows are held on the CPU (at d/16, n/16)."""
-BLOCK_BYTES = {"cuda": CUDA_BACKWARD_BLOCK_BYTES, "cpu": DEFAULT_BACKWARD_BLOCK_BYTES}
+COUNT_GPU = "h200"
+"""The GPU whose memory sets the default row blocks counted for ``--count-device cuda``."""
+BLOCK_BYTES = {"cuda": default_block_bytes("cuda", GPUS[COUNT_GPU].memory_bytes),
+               "cpu": DEFAULT_BACKWARD_BLOCK_BYTES}
 """Each counted device's default ``backward_block_bytes``."""
 QUICK_TOKENS = 256
 DTYPE = torch.bfloat16
@@ -225,8 +234,13 @@ def count_method(method: Method, *, warmup: bool = True,
 
 
 def layer_methods(shape: LayerShape, names: tuple[str, ...], *, block_bytes: int, seed: int = 0,
-                  device: torch.device | None = None) -> list[Method]:
-    """The selected methods of one (counted) shape that run a whole layer or HF experts."""
+                  device: torch.device | None = None,
+                  small_block_bytes: int = CUDA_BACKWARD_BLOCK_BYTES) -> list[Method]:
+    """The selected methods of one (counted) shape that run a whole layer or HF experts.
+
+    ``block_bytes``: the ``fused`` method's row blocks; ``small_block_bytes``:
+    ``fused_512mib``'s.
+    """
     device = device or torch.device("cpu")
     moe = dataclasses.replace(moe_config(shape), backward_block_bytes=block_bytes)
     base = base_layer(moe, dtype=DTYPE, device=device, seed=seed)
@@ -236,6 +250,7 @@ def layer_methods(shape: LayerShape, names: tuple[str, ...], *, block_bytes: int
     gmm: MoEConfig = dataclasses.replace(moe, experts_impl="plain", gemm_backend="grouped_mm")
     configs: dict[str, tuple[MoEConfig, ChunkConfig | None]] = {
         "fused": (moe, None), "fused_one_block": (one_block, None),
+        "fused_512mib": (dataclasses.replace(moe, backward_block_bytes=small_block_bytes), None),
         "chunked_c4": (moe, ChunkConfig(num_chunks=4, recompute="experts")),
         "mact": (moe, ChunkConfig(memory_budget_bytes=budget, recompute="experts")),
         "grouped_mm": (gmm, None)}
@@ -279,9 +294,11 @@ def count_shape(real: LayerShape, names: tuple[str, ...], *, dim_scale: int = DI
     """
     shape = scaled(real, dim_scale)
     block = block_bytes_keeping_rows(real, shape, BLOCK_BYTES[device])
+    small = block_bytes_keeping_rows(real, shape, CUDA_BACKWARD_BLOCK_BYTES)
     dims = dim_map(real, shape)
     results = []
-    for method in layer_methods(shape, names, block_bytes=block, seed=seed):
+    for method in layer_methods(shape, names, block_bytes=block, seed=seed,
+                                small_block_bytes=small):
         try:
             with device_path(device):
                 results.append(count_method(method, warmup=warmup, dims=dims))
@@ -378,10 +395,13 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Ite
         config: dict[str, Any] = {
             **real.to_dict(), "dtype": "bfloat16", "dim_scale": DIM_SCALE,
             "count_device": opts.count_device,
+            "default_backward_block_bytes": BLOCK_BYTES[opts.count_device],
+            "count_gpu_memory_bytes": (GPUS[COUNT_GPU].memory_bytes
+                                       if opts.count_device == "cuda" else None),
             "counted_hidden_size": shape.hidden_size,
             "counted_intermediate_size": shape.intermediate_size,
             "counted_backward_block_bytes": block,
-            "roofline_gpus": {g.name: [g.flops_per_s, g.bytes_per_s, g.source]
+            "roofline_gpus": {g.name: [g.flops_per_s, g.bytes_per_s, g.source, g.memory_bytes]
                               for g in GPUS.values()},
             "note": "counted at about d/dim_scale and n/dim_scale with the real dims' backward "
                     "block rows; op and sync counts do not depend on d and n otherwise; "
