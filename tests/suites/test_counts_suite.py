@@ -129,3 +129,19 @@ def test_the_counted_device_picks_the_combine() -> None:
 def test_bad_count_device_is_refused() -> None:
     with pytest.raises(ValueError, match="count_device"):
         BenchOptions(suites=("counts",), count_device="tpu")
+
+
+def test_device_path_resolves_the_device_default_to_the_counted_block() -> None:
+    """Paths without a block setting of their own (transformers' experts backend) count the
+    counted device's default block while the suite counts, and the CPU's afterwards."""
+    from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, default_block_bytes
+
+    with counts.device_path("cuda", 12_345_678):
+        assert default_block_bytes("cpu") == 12_345_678
+    assert default_block_bytes("cpu") == DEFAULT_BACKWARD_BLOCK_BYTES
+    # Qwen3-30B-A3B at T 2048: one block at an H200's default, several at the CPU's 16 MiB
+    real = dataclasses.replace(counts.PRESETS["qwen3-30b-a3b"], tokens=2048, num_experts=16)
+    gmm = {device: len(_by_name(counts.count_shape(real, ("hf_memfine",), warmup=False,
+                                                   device=device)[2])["hf_memfine"]
+                       .phase("full").grouped_mm) for device in ("cuda", "cpu")}
+    assert gmm["cuda"] == 6 < gmm["cpu"], gmm

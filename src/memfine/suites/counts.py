@@ -85,6 +85,7 @@ from memfine.config import (
     backward_block_rows,
     default_block_bytes,
 )
+from memfine.config import moe as config_moe
 from memfine.counts.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
 from memfine.counts.roofline import GPUS
 from memfine.environment import Environment
@@ -147,18 +148,23 @@ def dim_map(real: LayerShape, counted: LayerShape) -> dict[int, int]:
 
 
 @contextlib.contextmanager
-def device_path(device: str) -> Iterator[None]:
+def device_path(device: str, default_block: int | None = None) -> Iterator[None]:
     """Run, on the CPU, the fused path that ``device`` takes.
 
     ``cuda``: the per-token gather combine of the forward's output and the backward's dx
     (:func:`memfine.experts.rows.add_token_rows_`), not the CPU's ``index_add_``.
+    ``default_block``: the byte target the device default (``backward_block_bytes=None``)
+    resolves to meanwhile (the counted device's, at the counted dims), so that paths with no
+    block setting of their own (transformers' experts backend) count the device's blocks.
     """
-    saved = fused_function.DEVICE_SUM_ON_CPU
+    saved = fused_function.DEVICE_SUM_ON_CPU, config_moe.DEFAULT_BACKWARD_BLOCK_BYTES
     fused_function.DEVICE_SUM_ON_CPU = device != "cpu"
+    if default_block is not None:
+        config_moe.DEFAULT_BACKWARD_BLOCK_BYTES = default_block
     try:
         yield
     finally:
-        fused_function.DEVICE_SUM_ON_CPU = saved
+        fused_function.DEVICE_SUM_ON_CPU, config_moe.DEFAULT_BACKWARD_BLOCK_BYTES = saved
 
 
 def check_tokens(tokens: int, top_k: int) -> None:
@@ -300,7 +306,7 @@ def count_shape(real: LayerShape, names: tuple[str, ...], *, dim_scale: int = DI
     for method in layer_methods(shape, names, block_bytes=block, seed=seed,
                                 small_block_bytes=small):
         try:
-            with device_path(device):
+            with device_path(device, block):
                 results.append(count_method(method, warmup=warmup, dims=dims))
         except (RuntimeError, ValueError) as err:
             results.append(Counted(name=method.name, counts={}, error=f"{type(err).__name__}: "
