@@ -193,6 +193,10 @@ def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
      "--top-k 9 must be at most --num-experts 4"),
     (["--suites", "counts", "--num-experts", "4"],
      "--top-k must be at most --num-experts: the qwen3-30b-a3b preset would have k 8 and E 4"),
+    (["--suites", "chunking", "--top-k", "9"],
+     "--top-k must be at most --num-experts: the quick shape has k 9 and E 4"),
+    (["--suites", "counts", "--tokens", "3"], "--tokens must be an int in [8, 65536] for the "
+     "counts suite (T·k rows are held on the CPU), got 3"),
 ])
 def test_k_above_e_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,7 +204,9 @@ def test_k_above_e_is_one_line_and_writes_nothing(args: list[str], message: str,
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--quick", "--suites", "experts", "--out", str(out), *args])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == f"memfine bench: error: {message}"
+    printed, err = capsys.readouterr()
+    assert err.strip() == f"memfine bench: error: {message}"
+    assert printed == ""  # not even the options line
     assert not out.exists()
 
 

@@ -72,13 +72,18 @@ def chunk_configs(budget: int) -> dict[str, ChunkConfig]:
     }
 
 
+def shapes(opts: BenchOptions) -> list[LayerShape]:
+    """The suite's shapes, resolved by the runner before its first line (k > E raises)."""
+    return resolve_shapes(opts, [SKEW_DEMO], QUICK)
+
+
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point per skew level σ (the first selected shape only)."""
-    shapes = resolve_shapes(opts, [SKEW_DEMO], QUICK)
-    if len(shapes) > 1:
-        print(f"chunking: runs the first shape only ({shapes[0].name})")
-    shape = shapes[0]
+    found = shapes(opts)
+    if len(found) > 1:
+        print(f"chunking: runs the first shape only ({found[0].name})")
+    shape = found[0]
     moe = moe_config(shape)
     dtype = opts.torch_dtype
     dt = torch.empty((), dtype=dtype).element_size()

@@ -100,6 +100,9 @@ def step_method(name: str, model: MoETransformerLM, ids_BQ: torch.Tensor,
                   peak="tracker" if backend is None else "profiler")
 
 
+shapes = model_shape  # resolved by the runner before its first line
+
+
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point (the model shape); at least one warm-up step (optimizer state)."""
