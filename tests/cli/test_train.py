@@ -4,6 +4,7 @@ SIGTERM: test_train_signals.py."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -407,3 +408,22 @@ def test_start_and_resume_remove_temporaries_of_killed_saves(tmp_path: Path) -> 
     stale.write_bytes(b"\0" * 1000)
     assert _train("--max-steps", "1", "--out", str(tmp_path), "--overwrite") == 0
     assert not stale.exists()
+
+
+def test_ranks_other_than_the_main_one_print_no_setup_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from memfine.reports.outputs import Outputs
+    from memfine.train import preset
+    from memfine.train.parallel import SingleProcess
+    from memfine.train.setup import setup_run
+
+    class OtherRank(SingleProcess):
+        is_main = False
+
+    config = dataclasses.replace(preset("tiny"), data=CORPUS)
+    for parallel, printed in ((OtherRank(), False), (SingleProcess(), True)):
+        capsys.readouterr()
+        setup_run(config, tmp_path, resume=False, outputs=Outputs(progress=False),
+                  parallel=parallel)
+        out = capsys.readouterr().out
+        assert all((word in out) is printed for word in ("data: ", "config: ", "model: "))
