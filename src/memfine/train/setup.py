@@ -153,6 +153,10 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     if config.lora is not None and not resume and init_from is None:
         raise ValueError("TrainConfig.lora needs init_from: LoRA fine-tunes adapters on the "
                          "frozen weights of a trained model (--init-from RUN)")
+    if payload is not None and int(payload["step"]) >= config.max_steps:  # before the data line
+        raise ValueError(f"the checkpoint in {out_dir} is already at step {payload['step']}; "
+                         f"--max-steps {config.max_steps} leaves nothing to train (pass a larger "
+                         f"--max-steps)")
     say = print if parallel.is_main else _silent  # one copy of each line under torchrun
     corpus, unigram = load_data(config, say=say)
     device = torch.device(config.device)
@@ -166,9 +170,6 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
         # diverge at the first step and call it the last good one; every rank checks its shards
         check_finite_model(model, str(payload["path"]), total=lambda n: int(
             parallel.sum(torch.tensor(float(n), device=device)).item()))
-    if resume and start >= config.max_steps:
-        raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
-                         f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
     config_text = json.dumps(config.to_dict(), indent=2)  # written once all of it checked out
     say(f"config: {out_dir / 'config.json'} (every setting of the run)")
     if parallel.is_main:
