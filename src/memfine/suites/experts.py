@@ -249,6 +249,15 @@ def shapes(opts: BenchOptions, confs: tuple[int, ...] = DEFAULT_CONFS) -> list[L
     return resolve_shapes(opts, [table1_shape(c, opts.scale_down) for c in confs], QUICK)
 
 
+def budget_calls(opts: BenchOptions, names: tuple[str, ...]
+                 ) -> list[tuple[str, MoEConfig, ChunkConfig, int]]:
+    """(point, MoE config, chunk config, T) of each ``--memory-budget`` layer call to run."""
+    if not any(LAYER_METHODS[_eager(n)].budgeted for n in names if _eager(n) in LAYER_METHODS):
+        return []
+    chunk = ChunkConfig(memory_budget_bytes=opts.budget_bytes, recompute="experts")  # _mact's
+    return [(s.name, moe_config(s), chunk, s.tokens) for s in shapes(opts)]
+
+
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point per shape (methods that cannot run here skipped with a line)."""

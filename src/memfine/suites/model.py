@@ -103,6 +103,16 @@ def step_method(name: str, model: MoETransformerLM, ids_BQ: torch.Tensor,
 shapes = model_shape  # resolved by the runner before its first line
 
 
+def budget_calls(opts: BenchOptions, names: tuple[str, ...]
+                 ) -> list[tuple[str, MoEConfig, ChunkConfig, int]]:
+    """(point, MoE config, chunk config, T) of each ``--memory-budget`` layer call to run."""
+    if "fused_mact" not in {n.removesuffix(COMPILED_SUFFIX) for n in names}:
+        return []
+    config, batch, seq = model_shape(opts)
+    mact = _variant(config, "fused_mact", opts.budget_bytes or 0)
+    return [("MoE LM", mact.moe, mact.chunk, batch * seq)]
+
+
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point (the model shape); at least one warm-up step (optimizer state)."""
