@@ -431,3 +431,24 @@ def test_ranks_other_than_the_main_one_print_no_setup_line(
                   parallel=parallel)
         out = capsys.readouterr().out
         assert all((word in out) is printed for word in ("data: ", "config: ", "model: "))
+
+
+def test_no_progress_bar_into_a_piped_log(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """stderr is no terminal here (captured): the bar's redraws stay out of the log."""
+    pytest.importorskip("tqdm")
+    argv = [a for a in FAST if a != "--no-progress"]
+    assert main(["train", *argv, "--max-steps", "2", "--sample-tokens", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "step/s" not in err and "done: " in out
+    from memfine.reports.outputs import Outputs
+    from memfine.train import preset
+
+    (tmp_path / "forced").mkdir()
+    log, bar = Outputs(progress=True).open(tmp_path / "forced", preset("tiny"), start=0,
+                                           resume=False, is_main=True)
+    assert not bar.disable  # progress=True still forces it
+    bar.close()
+    assert log is not None
+    log.close()
