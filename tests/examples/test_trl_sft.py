@@ -31,26 +31,6 @@ def _example() -> Any:
     return example
 
 
-@pytest.mark.parametrize(("args", "message"), [
-    (["--models", "mixtral,llama"], "argument --models: expected comma-separated names from "
-                                    "qwen3_moe, gpt_oss, mixtral, got 'mixtral,llama'"),
-    (["--top-k", "two"], "argument --top-k: expected an integer, got 'two'"),
-    (["--top-k", "33"], "--top-k must be at most --num-experts 32, got 33"),
-    (["--layers", "0"], "argument --layers: expected an integer >= 2, got 0"),
-    (["--steps", "3"], "--steps must be >= 4 (two measured steps and two timed ones), got 3"),
-])
-def test_bad_flags_are_one_usage_line(args: list[str], message: str,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        _example().parse_args(args)
-    assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("usage: ") and err.endswith(f" error: {message}")
-    with pytest.raises(SystemExit):
-        _example().parse_args(["--help"])
-    assert "(default: qwen3_moe,gpt_oss,mixtral)" in " ".join(capsys.readouterr().out.split())
-
-
 def test_sft_trainer_with_peft_equals_eager(tmp_path: Path) -> None:
     example = _example()
     out = tmp_path / "trl_sft.csv"
