@@ -195,6 +195,8 @@ def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
      "--top-k must be at most --num-experts: the qwen3-30b-a3b preset would have k 8 and E 4"),
     (["--suites", "chunking", "--top-k", "9"],
      "--top-k must be at most --num-experts: the quick shape has k 9 and E 4"),
+    (["--suites", "model", "--top-k", "9"],
+     "--top-k must be at most --num-experts: the model has k 9 and E 4"),
     (["--suites", "counts", "--tokens", "3"], "--tokens must be an int in [8, 65536] for the "
      "counts suite (T·k rows are held on the CPU), got 3"),
 ])
