@@ -1,6 +1,6 @@
 """Fine-tune a small transformers MoE model with the HF Trainer: memfine vs grouped_mm vs eager.
 
-A small random Qwen3-MoE (or GPT-OSS, ``--model gpt_oss``) language model is built from a config
+A small random Qwen3-MoE (or GPT-OSS or Mixtral, ``--models``) language model is built from a config
 (no download) and trained with ``transformers.Trainer`` on real text (Python's
 ``pydoc_data/topics.py``, byte-level: vocabulary 256), with gradient checkpointing and bf16
 autocast on the CPU, once per experts implementation, from the same initial weights and on the
@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -35,13 +35,83 @@ import torch
 from memfine.bench.harness import cpu_clock
 from memfine.bench.results import collect_environment, csv_row, write_csv
 from memfine.data import VOCAB_SIZE, ByteCorpus
+from memfine.flags.values import finite_float, int_at_least
 from memfine.integrations.transformers import register
+from memfine.lora.quant import without_kernels_note
 from memfine.measure.peak import PeakMemoryTracker
 from memfine.measure.profiled import ProfiledPeakMemory
 from memfine.measure.saved import SavedTensorsTracker
 
 _MiB = 1 << 20
 DEFAULT_CSV = "runs/hf_finetune/hf_finetune_cpu.csv"  # git-ignored; results are committed by --csv
+MODELS = ("qwen3_moe", "gpt_oss", "mixtral")
+IMPLS = ("eager", "batched_mm", "grouped_mm", "memfine")  # transformers' and memfine's
+
+
+def comma_choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: comma-separated names, each one of ``allowed`` (at least one)."""
+    def parse(text: str) -> list[str]:
+        names = [s.strip() for s in text.split(",") if s.strip()]
+        if not names or any(name not in allowed for name in names):
+            raise argparse.ArgumentTypeError(f"expected comma-separated names from "
+                                             f"{', '.join(allowed)}, got {text!r}")
+        return names
+    return parse
+
+
+def even_layers(text: str) -> int:
+    """An argparse ``type`` for ``--layers``: an even int >= 2 (GPT-OSS alternates attentions)."""
+    layers = int_at_least(2)(text)
+    if layers % 2:
+        raise argparse.ArgumentTypeError(f"expected an even number (GPT-OSS alternates sliding "
+                                         f"and full attention layers), got {layers}")
+    return layers
+
+
+def example_parser(doc: str, *, models: str, steps: int, moe_intermediate_size: int,
+                   num_experts: int, top_k: int, lr: float, csv: str, seq_len: str
+                   ) -> argparse.ArgumentParser:
+    """The flags both examples share, each checked by its type; ``--help`` shows the defaults."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    positive = int_at_least(1)
+    p.add_argument("--models", type=comma_choices(MODELS), default=models,
+                   help=f"comma-separated, from {', '.join(MODELS)}")
+    p.add_argument("--steps", type=positive, default=steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=positive, default=8, help="sequences per step")
+    p.add_argument("--seq-len", type=int_at_least(2), default=128, help=seq_len)
+    p.add_argument("--hidden-size", type=positive, default=64, help="d")
+    p.add_argument("--moe-intermediate-size", type=positive, default=moe_intermediate_size,
+                   help="n")
+    p.add_argument("--num-experts", type=positive, default=num_experts, help="E")
+    p.add_argument("--top-k", type=positive, default=top_k, help="k, at most E")
+    p.add_argument("--layers", type=even_layers, default=2, help="transformer blocks (even)")
+    p.add_argument("--lr", type=finite_float, default=lr, help="AdamW learning rate")
+    p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
+    p.add_argument("--threads", type=positive, default=1, help="torch intra-op threads")
+    p.add_argument("--csv", default=csv, help="CSV to write")
+    return p
+
+
+def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None, min_steps: int,
+                  why: str) -> argparse.Namespace:
+    """Parse; a ``--steps`` below ``min_steps`` or a ``--top-k`` above E is one usage line."""
+    args = p.parse_args(argv)
+    if args.steps < min_steps:
+        p.error(f"--steps must be >= {min_steps} ({why}), got {args.steps}")
+    if args.top_k > args.num_experts:
+        p.error(f"--top-k must be at most --num-experts {args.num_experts}, got {args.top_k}")
+    return args
+
+
+def import_trainer() -> None:
+    """Import transformers' Trainer without bitsandbytes' note about its CPU 4-bit kernels.
+
+    The Trainer imports peft when it is installed, and peft imports bitsandbytes, which logs that
+    note; the 4-bit matmul is never run here. Only that record is dropped.
+    """
+    with without_kernels_note():
+        import transformers.trainer  # noqa: F401
 
 
 def build_model(model_type: str, args: argparse.Namespace,
@@ -197,34 +267,20 @@ def print_table(logs: dict[tuple[str, str], dict[str, Any]]) -> None:
               f"{log['loss'][0]:10.4f} {log['loss'][-1]:10.4f}")
 
 
-def parse_args() -> argparse.Namespace:
-    """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="qwen3_moe,gpt_oss",
-                   help="comma-separated: qwen3_moe, gpt_oss (default: %(default)s)")
-    p.add_argument("--impls", default="eager,grouped_mm,memfine",
-                   help="comma-separated experts implementations (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=12, help="optimizer steps (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=128, help="bytes per sequence")
-    p.add_argument("--hidden-size", type=int, default=64, help="d")
-    p.add_argument("--moe-intermediate-size", type=int, default=128, help="n")
-    p.add_argument("--num-experts", type=int, default=8, help="E")
-    p.add_argument("--top-k", type=int, default=2, help="k")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks (even)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--csv", default=DEFAULT_CSV, help="CSV to write (default: %(default)s)")
-    args = p.parse_args()
-    if args.steps < 3:
-        p.error(f"--steps must be >= 3 (step 1 is tracked, step 2 profiled), got {args.steps}")
-    return args
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options (sequences are of bytes here)."""
+    p = example_parser(__doc__, models="qwen3_moe,gpt_oss", steps=12, moe_intermediate_size=128,
+                       num_experts=8, top_k=2, lr=3e-3, csv=DEFAULT_CSV,
+                       seq_len="bytes per sequence")
+    p.add_argument("--impls", type=comma_choices(IMPLS), default="eager,grouped_mm,memfine",
+                   help=f"comma-separated experts implementations, from {', '.join(IMPLS)}")
+    return parse_checked(p, argv, 3, "step 1 is tracked, step 2 profiled")
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
     """Train once per model and implementation, print the table, write the CSV."""
-    args = parse_args()
+    args = parse_args(argv)
+    import_trainer()
     torch.set_num_threads(args.threads)
     register()
     corpus = ByteCorpus.load("pydoc", val_fraction=0.05, seq_len=args.seq_len)
@@ -238,8 +294,8 @@ def main() -> None:
                   transformers_version=transformers.__version__, measured_step=1,
                   profiled_step=2, clock=cpu_clock()[0])
     logs, rows = {}, []
-    for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
-        for impl in [s.strip() for s in args.impls.split(",") if s.strip()]:
+    for model_type in args.models:
+        for impl in args.impls:
             log = train(model_type, impl, dataset, args)
             logs[model_type, impl] = log
             rows += rows_of(model_type, impl, log, config, env)

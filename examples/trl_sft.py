@@ -34,11 +34,18 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # hf_finetune: models, callbacks
 
-from hf_finetune import build_model, step_stats_callback  # noqa: E402
+from hf_finetune import (  # noqa: E402
+    build_model,
+    example_parser,
+    import_trainer,
+    parse_checked,
+    step_stats_callback,
+)
 
 from memfine.bench.harness import cpu_clock  # noqa: E402
 from memfine.bench.results import collect_environment, csv_row, write_csv  # noqa: E402
 from memfine.data import ByteCorpus  # noqa: E402
+from memfine.flags.values import int_at_least  # noqa: E402
 from memfine.integrations.transformers import register  # noqa: E402
 
 _MiB = 1 << 20
@@ -183,35 +190,21 @@ def rows_of(model_type: str, impl: str, log: dict[str, Any], diffs: dict[str, fl
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--models", default="qwen3_moe,gpt_oss,mixtral",
-                   help="comma-separated: qwen3_moe, gpt_oss, mixtral (default: %(default)s)")
-    p.add_argument("--steps", type=int, default=6, help="optimizer steps (≥ 4)")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (EOS included)")
-    p.add_argument("--hidden-size", type=int, default=64, help="d")
-    p.add_argument("--moe-intermediate-size", type=int, default=512, help="n")
-    p.add_argument("--num-experts", type=int, default=32, help="E")
-    p.add_argument("--top-k", type=int, default=8, help="k")
-    p.add_argument("--layers", type=int, default=2, help="transformer blocks (even)")
-    p.add_argument("--rank", type=int, default=8, help="LoRA rank r (α = 2r)")
-    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
-    p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
-    p.add_argument("--lm-head-tile", type=int, default=512,
+    p = example_parser(__doc__, models="qwen3_moe,gpt_oss,mixtral", steps=6,
+                       moe_intermediate_size=512, num_experts=32, top_k=8, lr=1e-3,
+                       csv=DEFAULT_CSV, seq_len="tokens per sequence (EOS included)")
+    p.add_argument("--rank", type=int_at_least(1), default=8, help="LoRA rank r (α = 2r)")
+    p.add_argument("--lm-head-tile", type=int_at_least(0), default=512,
                    help="vocabulary tile width of TRL's fused LM-head loss (its default, 32768, "
                         "allocates a tokens x 32768 buffer whatever the vocabulary); 0 keeps "
-                        "TRL's (default: %(default)s)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--csv", default=DEFAULT_CSV, help="CSV to write (default: %(default)s)")
-    args = p.parse_args(argv)
-    if args.steps < 4:
-        p.error(f"--steps must be >= 4 (two measured steps and two timed ones), got {args.steps}")
-    return args
+                        "TRL's")
+    return parse_checked(p, argv, 4, "two measured steps and two timed ones")
 
 
 def main(argv: list[str] | None = None) -> int:
     """Train eager + PEFT, then memfine + PEFT, per model; print the comparison, write the CSV."""
     args = parse_args(argv)
+    import_trainer()
     torch.set_num_threads(args.threads)
     register()
     if args.lm_head_tile:
@@ -228,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                   transformers_version=transformers.__version__, trl_version=trl.__version__,
                   measured_step=1, profiled_step=2, clock=cpu_clock()[0])
     rows = []
-    for model_type in [m.strip() for m in args.models.split(",") if m.strip()]:
+    for model_type in args.models:
         eager = train(model_type, "eager", dataset, tokenizer, args)
         memfine = train(model_type, "memfine", dataset, tokenizer, args)
         diffs = compare(memfine, eager)

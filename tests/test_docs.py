@@ -1,8 +1,11 @@
 """The README is a map: short, every doc linked from it, every link resolving, its headline figures
-quoted from docs/results.md; and every results section of docs/results.md names files that exist."""
+quoted from docs/results.md; every results section of docs/results.md names files that exist;
+docs/hf.md's snippets import every name they use."""
 
 from __future__ import annotations
 
+import ast
+import builtins
 import re
 from pathlib import Path
 
@@ -77,3 +80,28 @@ def test_readme_headline_figures_are_quoted_from_the_results_doc() -> None:
     assert len(figures) >= 10
     for figure in figures:
         assert figure in results, figure
+
+
+HF_INPUTS = {"path", "model", "tokenizer", "dataset"}
+"""The names docs/hf.md's snippets take from the reader (each snippet says which)."""
+
+
+def _unbound_names(code: str) -> set[str]:
+    """Names ``code`` reads that neither it (import, assignment, loop) nor builtins bind."""
+    tree = ast.parse(code)
+    bound = set(dir(builtins))
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            bound |= {(alias.asname or alias.name).split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            bound.add(node.id)
+    return {node.id for node in ast.walk(tree)
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)} - bound
+
+
+def test_hf_snippets_import_every_name_they_use() -> None:
+    text = (ROOT / "docs" / "hf.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(blocks) >= 3
+    for code in blocks:
+        assert _unbound_names(code) <= HF_INPUTS, code

@@ -193,6 +193,12 @@ def test_unknown_method_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureF
      "--top-k 9 must be at most --num-experts 4"),
     (["--suites", "counts", "--num-experts", "4"],
      "--top-k must be at most --num-experts: the qwen3-30b-a3b preset would have k 8 and E 4"),
+    (["--suites", "chunking", "--top-k", "9"],
+     "--top-k must be at most --num-experts: the quick shape has k 9 and E 4"),
+    (["--suites", "model", "--top-k", "9"],
+     "--top-k must be at most --num-experts: the model has k 9 and E 4"),
+    (["--suites", "counts", "--tokens", "3"], "--tokens must be an int in [8, 65536] for the "
+     "counts suite (T·k rows are held on the CPU), got 3"),
 ])
 def test_k_above_e_is_one_line_and_writes_nothing(args: list[str], message: str, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
@@ -200,7 +206,9 @@ def test_k_above_e_is_one_line_and_writes_nothing(args: list[str], message: str,
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--quick", "--suites", "experts", "--out", str(out), *args])
     assert exit_info.value.code == 2
-    assert capsys.readouterr().err.strip() == f"memfine bench: error: {message}"
+    printed, err = capsys.readouterr()
+    assert err.strip() == f"memfine bench: error: {message}"
+    assert printed == ""  # not even the options line
     assert not out.exists()
 
 
@@ -291,7 +299,9 @@ def test_table_ratio_is_the_median_of_per_round_ratios() -> None:
 
 
 def test_a_failing_method_makes_the_exit_code_non_zero(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bench, "_check_budget", lambda opts, device: None)  # fail at run time
     code = main(["bench", "--suite", "experts", "--quick", "--methods", "fused", "fused_mact",
                  "--budget", "1KiB", "--out", str(tmp_path)])
     err = capsys.readouterr().err
@@ -337,3 +347,34 @@ def test_out_that_is_or_lies_under_a_file(tmp_path: Path, sub: str,
     assert info.value.code == 2 and "is not a directory; give a directory" in err
     assert blocker.read_text() == "x"
 
+
+
+@pytest.mark.parametrize(("suite", "point", "need"), [
+    ("chunking", "skew 8x's MoE layer call (512 rows)", 741196),
+    ("experts", "quick's MoE layer call (128 rows)", None),
+    ("model", "MoE LM's MoE layer call (512 rows)", None),
+])
+def test_a_budget_no_bin_meets_is_one_line_before_anything_runs(
+        suite: str, point: str, need: int | None, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--suites", suite, "--quick", "--memory-budget", "1B",
+              "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and not (tmp_path / "out").exists()
+    assert err.startswith("memfine bench: error: --memory-budget 1 bytes (0.00 MiB) cannot be "
+                          f"met by any chunk count in the bins 1,2,4,8: {suite} {point}")
+    assert err.count("\n") == 1 and "--allow-over-budget" not in err
+    if need is not None:  # the layer's own number at run time (see the next test)
+        assert f"the smallest feasible budget is {need} bytes" in err
+
+
+def test_the_budget_check_is_the_layers_own(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """At run time the chunking suite's worst skew level fails with the same smallest budget."""
+    monkeypatch.setattr(bench, "_check_budget", lambda opts, device: None)
+    assert main(["bench", "--suites", "chunking", "--quick", "--memory-budget", "1B",
+                 "--methods", "mact", "--skew-levels", "8", "--out", str(tmp_path)]) == 1
+    assert "the smallest feasible budget is 741196 bytes" in capsys.readouterr().err

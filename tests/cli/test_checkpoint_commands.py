@@ -341,3 +341,22 @@ def test_export_without_safetensors_names_an_extra_that_exists(
     pyproject = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())
     assert any(dep.startswith("safetensors")
                for dep in pyproject["project"]["optional-dependencies"]["train"])
+
+
+def test_export_again_names_what_was_given_and_says_what_overwrite_replaced(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(run_dir, run)
+    assert main(["export", "--out", str(run)]) == 0
+    assert "--overwrite" not in capsys.readouterr().out
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--out", str(run)])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"memfine export: error: the export of --out {str(run)!r} (no --to "
+                          f"given): {run / 'model.safetensors'}, ") and "--to:" not in err
+    assert "pass --overwrite to replace them" in err
+    assert main(["export", "--out", str(run), "--overwrite"]) == 0
+    assert capsys.readouterr().out.strip().endswith(
+        f"(--overwrite replaced the earlier {run / 'model.safetensors'}, "
+        f"{run / 'model_config.json'})")

@@ -124,3 +124,22 @@ def test_a_4_bit_base_added_on_resume_is_one_line(base: Path, tmp_path: Path,
     assert err.startswith("memfine train: error: --lora-base-quant cannot change on --resume")
     assert "\n" not in err
     assert {p.name: p.stat().st_mtime_ns for p in run.iterdir()} == before
+
+
+def test_init_from_a_4bit_run_is_one_line_before_the_data(base: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]
+                                                           ) -> None:
+    run = tmp_path / "run"
+    assert main(["train", *FAST, *QUANT, "--init-from", str(base), "--max-steps", "1",
+                 "--out", str(run)]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as info:
+        main(["train", *FAST, *QUANT, "--init-from", str(run), "--out", str(tmp_path / "x")])
+    assert info.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == ""  # refused before the data line
+    assert err.strip() == (
+        f"memfine train: error: --init-from {str(run)!r} was trained with --lora-base-quant nf4: "
+        f"its adapters sit on a 4-bit base with no full-precision weights to start from; "
+        f"--init-from takes a run trained without --lora-base-quant (e.g. its base run "
+        f"{str(base)!r})")

@@ -4,6 +4,7 @@ SIGTERM: test_train_signals.py."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -285,10 +286,14 @@ def test_unwritable_out_is_a_one_line_error(tmp_path: Path,
 def test_resume_with_nothing_left_to_train_is_an_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _train("--max-steps", "3", "--out", str(tmp_path)) == 0
-    with pytest.raises(SystemExit) as exc:
-        main(["train", "--resume", "--max-steps", "2", "--out", str(tmp_path), "--no-progress"])
-    assert exc.value.code == 2
-    assert "already at step 3" in capsys.readouterr().err
+    capsys.readouterr()
+    for steps in ("2", "3"):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", "--resume", "--max-steps", steps, "--out", str(tmp_path),
+                  "--no-progress"])
+        assert exc.value.code == 2
+        out, err = capsys.readouterr()
+        assert "already at step 3" in err and out == ""  # said before the data line
 
 
 def test_bf16_weights_keep_an_fp32_selection_bias(tmp_path: Path) -> None:
@@ -407,3 +412,43 @@ def test_start_and_resume_remove_temporaries_of_killed_saves(tmp_path: Path) -> 
     stale.write_bytes(b"\0" * 1000)
     assert _train("--max-steps", "1", "--out", str(tmp_path), "--overwrite") == 0
     assert not stale.exists()
+
+
+def test_ranks_other_than_the_main_one_print_no_setup_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from memfine.reports.outputs import Outputs
+    from memfine.train import preset
+    from memfine.train.parallel import SingleProcess
+    from memfine.train.setup import setup_run
+
+    class OtherRank(SingleProcess):
+        is_main = False
+
+    config = dataclasses.replace(preset("tiny"), data=CORPUS)
+    for parallel, printed in ((OtherRank(), False), (SingleProcess(), True)):
+        capsys.readouterr()
+        setup_run(config, tmp_path, resume=False, outputs=Outputs(progress=False),
+                  parallel=parallel)
+        out = capsys.readouterr().out
+        assert all((word in out) is printed for word in ("data: ", "config: ", "model: "))
+
+
+def test_no_progress_bar_into_a_piped_log(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """stderr is no terminal here (captured): the bar's redraws stay out of the log."""
+    pytest.importorskip("tqdm")
+    argv = [a for a in FAST if a != "--no-progress"]
+    assert main(["train", *argv, "--max-steps", "2", "--sample-tokens", "0",
+                 "--out", str(tmp_path / "run")]) == 0
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err and "step/s" not in err and "done: " in out
+    from memfine.reports.outputs import Outputs
+    from memfine.train import preset
+
+    (tmp_path / "forced").mkdir()
+    log, bar = Outputs(progress=True).open(tmp_path / "forced", preset("tiny"), start=0,
+                                           resume=False, is_main=True)
+    assert not bar.disable  # progress=True still forces it
+    bar.close()
+    assert log is not None
+    log.close()

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import timeouts
 from tolerances import assert_close
 
 for _package in ("transformers", "accelerate"):
@@ -27,10 +28,10 @@ METRICS = {"time": "ms", "peak_bytes": "bytes", "profiled_peak_bytes": "bytes",
            "first_loss": "nats/byte", "final_loss": "nats/byte"}
 
 
-def _example() -> Any:
-    """examples/hf_finetune.py loaded as a module."""
-    spec = importlib.util.spec_from_file_location("hf_finetune", EXAMPLE)
-    assert spec is not None and spec.loader is not None, "examples/hf_finetune.py is missing"
+def _example(name: str = "hf_finetune") -> Any:
+    """examples/<name>.py loaded as a module (trl_sft's flags parse without trl)."""
+    spec = importlib.util.spec_from_file_location(name, EXAMPLE.with_stem(name))
+    assert spec is not None and spec.loader is not None, f"examples/{name}.py is missing"
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     return example
@@ -70,3 +71,57 @@ def test_too_few_steps_to_measure_is_one_line(monkeypatch: pytest.MonkeyPatch,
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().endswith(
         "error: --steps must be >= 3 (step 1 is tracked, step 2 profiled), got 2")
+
+
+@pytest.mark.parametrize(("name", "args", "message"), [
+    ("hf_finetune", ["--models", "qwen3_moe,nope"], "argument --models: expected "
+     "comma-separated names from qwen3_moe, gpt_oss, mixtral, got 'qwen3_moe,nope'"),
+    ("hf_finetune", ["--impls", "fast"], "argument --impls: expected comma-separated names "
+     "from eager, batched_mm, grouped_mm, memfine, got 'fast'"),
+    ("hf_finetune", ["--top-k", "0"], "argument --top-k: expected an integer >= 1, got 0"),
+    ("hf_finetune", ["--top-k", "9"], "--top-k must be at most --num-experts 8, got 9"),
+    ("hf_finetune", ["--layers", "3"], "argument --layers: expected an even number (GPT-OSS "
+     "alternates sliding and full attention layers), got 3"),
+    ("hf_finetune", ["--layers", "two"], "argument --layers: expected an integer, got 'two'"),
+    ("trl_sft", ["--models", "mixtral,llama"], "argument --models: expected comma-separated "
+     "names from qwen3_moe, gpt_oss, mixtral, got 'mixtral,llama'"),
+    ("trl_sft", ["--top-k", "33"], "--top-k must be at most --num-experts 32, got 33"),
+    ("trl_sft", ["--layers", "0"], "argument --layers: expected an integer >= 2, got 0"),
+    ("trl_sft", ["--lm-head-tile", "-1"], "argument --lm-head-tile: expected an integer >= 0, "
+     "got -1"),
+    ("trl_sft", ["--steps", "3"], "--steps must be >= 4 (two measured steps and two timed "
+     "ones), got 3"),
+])
+def test_bad_flags_are_one_usage_line(name: str, args: list[str], message: str,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        _example(name).parse_args(args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("usage: ") and err.endswith(f" error: {message}")
+    assert "Traceback" not in err
+
+
+def test_help_lists_every_model_and_shows_the_defaults(capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    with pytest.raises(SystemExit) as info:
+        _example().parse_args(["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "from qwen3_moe, gpt_oss, mixtral (default: qwen3_moe,gpt_oss)" in text
+    assert "optimizer steps (default: 12)" in text and "k, at most E (default: 2)" in text
+    assert _example().parse_args(["--models", "mixtral"]).models == ["mixtral"]
+    with pytest.raises(SystemExit):
+        _example("trl_sft").parse_args(["--help"])
+    assert "(default: qwen3_moe,gpt_oss,mixtral)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_trainer_import_prints_no_bitsandbytes_note() -> None:
+    pytest.importorskip("peft")
+    pytest.importorskip("bitsandbytes")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import hf_finetune; "
+            "hf_finetune.import_trainer(); import peft, transformers.trainer")
+    proc = timeouts.run([sys.executable, "-c", code, str(EXAMPLE.parent)], 120,
+                        capture_output=True)
+    assert proc.returncode == 0, proc.stderr
+    assert "Failed to load" not in proc.stdout + proc.stderr

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,11 +22,17 @@ for _package in ("transformers", "accelerate", "peft", "datasets", "trl"):
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl_sft.py"
 
 
-def test_sft_trainer_with_peft_equals_eager(tmp_path: Path) -> None:
+def _example() -> Any:
+    """examples/trl_sft.py loaded as a module."""
     spec = importlib.util.spec_from_file_location("trl_sft", EXAMPLE)
     assert spec is not None and spec.loader is not None, "examples/trl_sft.py is missing"
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
+    return example
+
+
+def test_sft_trainer_with_peft_equals_eager(tmp_path: Path) -> None:
+    example = _example()
     out = tmp_path / "trl_sft.csv"
     threads = torch.get_num_threads()
     try:

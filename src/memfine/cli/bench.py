@@ -30,7 +30,7 @@ from memfine.flags.table import Flag, NotGiven, add_flags, name_flag, typed_fiel
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import byte_size, comma_ints, int64, path_flag
 from memfine.schedule.wording import flag_words
-from memfine.suites import select_methods
+from memfine.suites import SUITE_MODULES, select_methods
 from memfine.suites.runner import run_suites
 
 _FROM_SHAPE = NotGiven(text="the shape's")
@@ -181,6 +181,36 @@ def _check_sizes_fit(opts: BenchOptions, device: torch.device) -> None:
                          f"{device}; lower them")
 
 
+def _check_budget(opts: BenchOptions, device: torch.device) -> None:
+    """Refuse a ``--memory-budget`` that a budgeted method's layer call cannot meet at any bin.
+
+    The check of ``memfine train`` (:func:`memfine.flags.budget.layer_need`) at each point's
+    MACT layer call, before anything runs; the point that needs the most is named.
+
+    Raises:
+        ValueError: one line naming ``--memory-budget``, the point and the smallest budget.
+    """
+    from memfine.flags.budget import layer_need
+    from memfine.schedule.decision import InfeasibleBudgetError
+    from memfine.units import DTYPE_BYTES
+
+    if opts.budget_bytes is None:
+        return
+    for suite in opts.suites:
+        calls: list[tuple[str, Any, Any, int]] = getattr(
+            SUITE_MODULES[suite], "budget_calls", lambda *_: [])(
+            opts, select_methods(suite, opts.methods, opts.compile))
+        needs = [(layer_need(chunk, moe, T, DTYPE_BYTES[opts.dtype], device.type), point, chunk)
+                 for point, moe, chunk, T in calls]
+        if needs:
+            (need, rows, least), point, chunk = max(needs, key=lambda n: n[0][0])
+            if opts.budget_bytes < need:
+                err = InfeasibleBudgetError(opts.budget_bytes, need, chunk.bins, (
+                    f"{suite} {point}'s MoE layer call ({rows} rows) needs more at its best "
+                    f"bin (c={least.num_chunks})"))
+                raise ValueError(flag_words(str(err), _BUDGET_NAMES))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the selected suites; print tables, write CSV, PNG and JSON.
 
@@ -204,6 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if opts.top_k is not None and opts.num_experts is not None and opts.top_k > opts.num_experts:
         raise ValueError(f"--top-k {opts.top_k} must be at most --num-experts {opts.num_experts}")
     _check_sizes_fit(opts, device)
+    _check_budget(opts, device)
     failures = run_suites(opts, device)
     for failure in failures:
         print(f"memfine bench: method failed: {flag_words(failure, _BUDGET_NAMES)}",

@@ -68,13 +68,17 @@ def run(args: argparse.Namespace) -> int:
     _check_targets(paths, Path(out))
     existing = [str(p) for p in paths if p.exists()]
     if existing and not value(args, "overwrite"):
-        raise ValueError(f"--to: {', '.join(existing)} already exist(s); pass --overwrite to "
-                         f"replace them")
+        given = ("--to" if value(args, "to") is not None
+                 else f"the export of --out {str(out)!r} (no --to given)")
+        raise ValueError(f"{given}: {', '.join(existing)} already exist(s), e.g. from an "
+                         f"export of an earlier step; pass --overwrite to replace them or "
+                         f"give another --to")
     if adapters:
         written = export_adapters(trained, target)
     else:
         written = export_safetensors(merged(trained) if merge else trained, target)
-    print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written))
+    print(f"step {trained.step}: wrote " + ", ".join(str(p) for p in written)
+          + (f" (--overwrite replaced the earlier {', '.join(existing)})" if existing else ""))
     return 0
 
 

@@ -102,6 +102,15 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
+def _once(message: str) -> str | None:
+    """``message`` on torchrun's rank 0 or a single process, None on the other ranks.
+
+    A bad setting (a ``ValueError``, a missing package) is raised on every rank alike; its
+    line is printed once.
+    """
+    return message if os.environ.get("RANK", "0") == "0" else None
+
+
 _PATH_ERRORS = (NotADirectoryError, IsADirectoryError, FileNotFoundError, FileExistsError,
                 PermissionError)
 """OS errors that mean a path given on the command line cannot be used as that flag needs."""
@@ -184,11 +193,11 @@ def main(argv: list[str] | None = None) -> int:
         with _signals_to_caller(args.command) if in_process else contextlib.nullcontext():
             return int(args._run(args))
     except ValueError as err:
-        parser.exit(2, f"memfine {args.command}: error: {err}\n")
+        parser.exit(2, _once(f"memfine {args.command}: error: {err}\n"))
     except ImportError as err:  # an optional package missing (the message names the extra)
         if "pip install" not in str(err):
             raise
-        parser.exit(2, f"memfine {args.command}: error: {_first_line(err)}\n")
+        parser.exit(2, _once(f"memfine {args.command}: error: {_first_line(err)}\n"))
     except BrokenPipeError:  # e.g. `memfine plan | head -1`: the reader left
         return _stdout_closed(args.command)
     except (OSError, RuntimeError) as err:  # files, devices, backends: one line, no traceback

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         with deterministic_mode(config.deterministic), budget_warnings_in_flags():
             result = train(config, out, resume=resume, overwrite=overwrite,
-                           progress=not value(args, "no_progress"),
+                           progress=False if value(args, "no_progress") else None,
                            plot=bool(value(args, "plot")),
                            tracker=tracker,
                            init_from=value(args, "init_from"), parallel=parallel,

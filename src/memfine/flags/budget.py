@@ -18,10 +18,10 @@ call at run time, worded by :mod:`memfine.schedule.wording`.
 
 from __future__ import annotations
 
-from memfine.config import TrainConfig
+from memfine.config import ChunkConfig, MoEConfig, TrainConfig
 from memfine.memory.step import StepPlanner
 from memfine.routing import max_routed_rows
-from memfine.schedule.decision import InfeasibleBudgetError
+from memfine.schedule.decision import ChunkPlan, InfeasibleBudgetError
 from memfine.schedule.policy import ChunkPolicy, block_text
 from memfine.schedule.wording import flag_message
 from memfine.units import DTYPE_BYTES
@@ -58,11 +58,9 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
     else:
         if world_size > 1:
             return
-        rows = max_routed_rows(T, moe.num_experts, moe.top_k, moe.capacity_factor,
-                               moe.min_capacity)
         compute_bytes = DTYPE_BYTES[config.autocast] if config.autocast != "none" else dtype_bytes
-        least, need = ChunkPolicy(chunk, moe).least_memory_plan(  # as the layers decide
-            rows, T, compute_bytes, device_type=config.device.split(":")[0])
+        need, rows, least = layer_need(chunk, moe, T, compute_bytes,
+                                       config.device.split(":")[0])
         where = (f"one MoE layer call (T={T} tokens = --batch-size {config.batch_size} x "
                  f"--seq-len {config.seq_len}, s''={rows} rows, {config.dtype}) at its best bin "
                  f"(c={least.num_chunks}, {block_text(least.block_bytes)} row blocks)")
@@ -71,3 +69,16 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
     err = InfeasibleBudgetError(budget, need, chunk.bins, f"{where} needs more (or lower "
                                 f"--batch-size or --seq-len)")
     raise ValueError(flag_message(err))
+
+
+def layer_need(chunk: ChunkConfig, moe: MoEConfig, tokens: int, dtype_bytes: int,
+               device_type: str) -> tuple[int, int, ChunkPlan]:
+    """(bytes, s″, plan): the least budget a layer call of T = ``tokens`` meets, as layers decide.
+
+    :meth:`memfine.schedule.ChunkPolicy.least_memory_plan` at the most rows T routes (s″ = T·k).
+    """
+    rows = max_routed_rows(tokens, moe.num_experts, moe.top_k, moe.capacity_factor,
+                           moe.min_capacity)
+    least, need = ChunkPolicy(chunk, moe).least_memory_plan(rows, tokens, dtype_bytes,
+                                                             device_type=device_type)
+    return need, rows, least

@@ -80,8 +80,9 @@ def resolve_config(args: argparse.Namespace) -> tuple[TrainConfig, Path]:
         ValueError: one line naming the flag, the value and what is allowed, on an invalid
             value; ``--preset`` or ``--init-from`` with ``--resume`` that would start another
             run than the checkpoint's, or ``--init-from`` naming another base run than a LoRA
-            checkpoint's (:func:`_check_same_base`); a flag that changes a value resume may not
-            change (naming the flag first); a flag that changes ``--init-from``'s architecture;
+            checkpoint's (:func:`_check_same_base`) or a ``--lora-base-quant`` run; a flag that
+            changes a value resume may not change (naming the flag first); a flag that changes
+            ``--init-from``'s architecture;
             ``--num-chunks`` given with a memory budget (:func:`_check_one_chunk_setting`).
     """
     if given(args, "config"):
@@ -191,9 +192,15 @@ def _fresh_tree(args: argparse.Namespace, name: str, kept: Path | None = None
             raise ValueError(f"--init-from and --out are the same directory {str(out)!r}: the new "
                              f"run would replace the checkpoint it starts from (and any LoRA run "
                              f"whose base it is); give the new run another --out")
-        source = _checkpoint_of("--init-from", source_dir,
-                                "--init-from takes the --out of a memfine train run that "
-                                "has saved a checkpoint")["config"]
+        payload = _checkpoint_of("--init-from", source_dir, "--init-from takes the --out of a "
+                                 "memfine train run that has saved a checkpoint")
+        source, quant = payload["config"], _get(payload["config"], "lora.base_quant")
+        if quant is not None:  # its adapters cannot be folded: the full-precision base is gone
+            raise ValueError(f"--init-from {str(value(args, 'init_from'))!r} was trained with "
+                             f"--lora-base-quant {quant}: its adapters sit on a 4-bit base with no "
+                             f"full-precision weights to start from; --init-from takes a run "
+                             f"trained without --lora-base-quant (e.g. its base run "
+                             f"{(payload.get('base') or {}).get('run_dir')!r})")
     tree["model"] = copy.deepcopy(source["model"])  # and its context length:
     tree["seq_len"] = source["seq_len"]
     return tree, source

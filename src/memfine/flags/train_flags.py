@@ -239,8 +239,8 @@ RUN_FLAGS = (
          action="store_true", default=NotGiven(False)),
     Flag("--plot", (), "write chunks.png (chunk count, layer x step) and loss.png to --out",
          action="store_true", default=NotGiven(False)),
-    Flag("--no-progress", (), "hide the progress bar", action="store_true",
-         default=NotGiven(False)),
+    Flag("--no-progress", (), "hide the progress bar (shown when stderr is a terminal)",
+         action="store_true", default=NotGiven(False)),
     THREADS_FLAG,
     Flag("--ep", (), "size of the mesh dim 'ep': experts sharded E/ep over it; launch with "
          "torchrun --nproc_per_node W, W = dp-shard x ep", default=NotGiven(1)),

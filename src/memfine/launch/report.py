@@ -116,7 +116,8 @@ def print_plan(cfg: PlanConfig, sources: dict[str, str], *, verbose: bool,
         print(json.dumps(plan_json(plan, sources), indent=2))
         return plan
     print(answer(plan))
-    print("  " + stage_summary(plan.limiting[0]))
+    if not verbose:  # the tables say it, with every other stage
+        print("  " + stage_summary(plan.limiting[0]))
     given = sorted(k for k, v in sources.items() if v in ("published", "assumed"))
     if given:
         setting = cfg.model.setting

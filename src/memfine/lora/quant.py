@@ -25,8 +25,10 @@ Reference: Dettmers et al. 2023 (QLoRA: NF4, block-wise absmax); MoEBlaze §4.2 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -48,16 +50,25 @@ def _not_kernels_record(record: logging.LogRecord) -> bool:
     return not str(record.msg).startswith(_KERNELS_MESSAGE)
 
 
-def _functional() -> Any:
+@contextlib.contextmanager
+def without_kernels_note() -> Iterator[None]:
+    """Drop bitsandbytes' missing-CPU-matmul-kernels log record, only it, within the block.
+
+    For a first import of bitsandbytes, directly or through another package (``import peft``).
+    """
     log = logging.getLogger(_KERNELS_LOGGER)
     log.addFilter(_not_kernels_record)
     try:
-        with warnings.catch_warnings():  # torch's deprecation warnings raised by the import
-            warnings.simplefilter("ignore")
-            require("bitsandbytes")
-            return require("bitsandbytes.functional")
+        yield
     finally:
         log.removeFilter(_not_kernels_record)
+
+
+def _functional() -> Any:
+    with without_kernels_note(), warnings.catch_warnings():  # torch's deprecation warnings
+        warnings.simplefilter("ignore")  # raised by the import
+        require("bitsandbytes")
+        return require("bitsandbytes.functional")
 
 
 def check_quantisable(name: str, shape: tuple[int, ...], block_size: int,

@@ -24,13 +24,14 @@ class Outputs:
     """The optional outputs of a run, checked before anything is written.
 
     Attributes:
-        progress: show a tqdm progress bar (without tqdm installed: none, with a note).
+        progress: show a tqdm progress bar (without tqdm installed: none, with a note); None:
+            only when stderr is a terminal (tqdm's ``disable=None``), not into a piped log.
         tracker: also send the logged scalars to this tracker (``tensorboard``, ``trackio``,
             ``wandb``; :mod:`memfine.reports.trackers`), or None.
         plot: write ``loss.png`` and ``chunks.png`` at the end (needs matplotlib).
     """
 
-    progress: bool = True
+    progress: bool | None = True
     tracker: str | None = None
     plot: bool = False
 
@@ -46,7 +47,7 @@ class Outputs:
             require("matplotlib")
         if self.tracker is not None:
             check_tracker(self.tracker)
-        if self.progress and not is_available("tqdm"):
+        if self.progress is not False and not is_available("tqdm"):
             print("note: no progress bar (tqdm is not installed: pip install 'memfine[train]')")
             return dataclasses.replace(self, progress=False)
         return self
@@ -65,6 +66,8 @@ class Outputs:
             tracker = open_tracker(self.tracker, out_dir, config=config.to_dict(), start=start)
         log = MetricsLog(out_dir / METRICS_NAME, keep_until_step=start if resume else None,
                          tracker=tracker)
-        bar = require("tqdm").tqdm(total=config.max_steps, initial=start, unit="step",
-                                   dynamic_ncols=True, mininterval=0.5) if self.progress else None
+        bar = require("tqdm").tqdm(
+            total=config.max_steps, initial=start, unit="step", dynamic_ncols=True,
+            mininterval=0.5, disable=None if self.progress is None else False,
+        ) if self.progress is not False else None
         return log, bar

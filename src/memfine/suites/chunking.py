@@ -46,7 +46,7 @@ from memfine.bench.options import (
     announce,
     resolve_shapes,
 )
-from memfine.config import ChunkConfig
+from memfine.config import ChunkConfig, MoEConfig
 from memfine.suites.experts import moe_config
 from memfine.units import format_bytes
 
@@ -72,13 +72,27 @@ def chunk_configs(budget: int) -> dict[str, ChunkConfig]:
     }
 
 
+def shapes(opts: BenchOptions) -> list[LayerShape]:
+    """The suite's shapes, resolved by the runner before its first line (k > E raises)."""
+    return resolve_shapes(opts, [SKEW_DEMO], QUICK)
+
+
+def budget_calls(opts: BenchOptions, names: tuple[str, ...]
+                 ) -> list[tuple[str, MoEConfig, ChunkConfig, int]]:
+    """(point, MoE config, chunk config, T) of each ``--memory-budget`` layer call to run."""
+    if "mact" not in names or opts.budget_bytes is None:
+        return []
+    shape, mact = shapes(opts)[0], chunk_configs(opts.budget_bytes)["mact"]
+    return [(f"skew {s}x", moe_config(shape), mact, shape.tokens * s) for s in opts.skew_levels]
+
+
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]
         ) -> Iterator[Point]:
     """Run the suite: one point per skew level σ (the first selected shape only)."""
-    shapes = resolve_shapes(opts, [SKEW_DEMO], QUICK)
-    if len(shapes) > 1:
-        print(f"chunking: runs the first shape only ({shapes[0].name})")
-    shape = shapes[0]
+    found = shapes(opts)
+    if len(found) > 1:
+        print(f"chunking: runs the first shape only ({found[0].name})")
+    shape = found[0]
     moe = moe_config(shape)
     dtype = opts.torch_dtype
     dt = torch.empty((), dtype=dtype).element_size()

@@ -383,6 +383,9 @@ def presets(opts: BenchOptions) -> list[LayerShape]:
     return shapes
 
 
+shapes = presets  # resolved by the runner before its first line
+
+
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Iterator[Point]:
     """Run the suite on the CPU: one point per preset (none, with a message, on another device).
 

@@ -51,7 +51,14 @@ from memfine.baselines.layers import (
 )
 from memfine.baselines.titan_style import torchtitan_layer, torchtitan_missing
 from memfine.bench.harness import Method
-from memfine.bench.options import COMPILED_SUFFIX, BenchOptions, LayerShape, Point
+from memfine.bench.options import (
+    COMPILED_SUFFIX,
+    BenchOptions,
+    LayerShape,
+    Point,
+    resolve_shapes,
+    table1_shape,
+)
 from memfine.config import ChunkConfig, GemmBackend, MoEConfig
 from memfine.nn import MoELayer
 from memfine.schedule.policy import ChunkPolicy
@@ -231,6 +238,24 @@ def build_methods(shape: LayerShape, opts: BenchOptions, device: torch.device,
             methods.append(layer_method(name, layer, x_TD, grad_TD, modelled=entry.modelled,
                                         budget_bytes=budget_bytes))
     return methods, budget
+
+
+def shapes(opts: BenchOptions, confs: tuple[int, ...] = DEFAULT_CONFS) -> list[LayerShape]:
+    """The suite's shapes, resolved by the runner before its first line.
+
+    Raises:
+        ValueError: when the sizes give k > E (:func:`memfine.bench.options.resolve_shapes`).
+    """
+    return resolve_shapes(opts, [table1_shape(c, opts.scale_down) for c in confs], QUICK)
+
+
+def budget_calls(opts: BenchOptions, names: tuple[str, ...]
+                 ) -> list[tuple[str, MoEConfig, ChunkConfig, int]]:
+    """(point, MoE config, chunk config, T) of each ``--memory-budget`` layer call to run."""
+    if not any(LAYER_METHODS[_eager(n)].budgeted for n in names if _eager(n) in LAYER_METHODS):
+        return []
+    chunk = ChunkConfig(memory_budget_bytes=opts.budget_bytes, recompute="experts")  # _mact's
+    return [(s.name, moe_config(s), chunk, s.tokens) for s in shapes(opts)]
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]

@@ -33,6 +33,7 @@ from memfine.baselines.layers import ShapeRun, shape_points
 from memfine.bench.harness import Method
 from memfine.bench.options import BenchOptions, LayerShape, Point
 from memfine.suites.experts import QUICK
+from memfine.suites.experts import shapes as expert_shapes
 
 NAME = "hf"
 METHODS = ("hf_eager", "hf_grouped_mm", "memfine", "memfine_c4")
@@ -122,6 +123,11 @@ def build_methods(experts: Any, inp: dict[str, torch.Tensor], names: tuple[str, 
     return [Method(name=name, forward=calls[name],
                    backward=lambda out: out.backward(inp["grad"]), zero_grad=zero_grad,
                    tokens=inp["x"].shape[0]) for name in names]
+
+
+def shapes(opts: BenchOptions) -> list[LayerShape]:
+    """The suite's shapes (:func:`memfine.suites.experts.shapes` of its default rows)."""
+    return expert_shapes(opts, DEFAULT_CONFS)
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]

@@ -42,13 +42,16 @@ LR = 1e-4  # small: the weights move little over the timed steps
 
 
 def model_shape(opts: BenchOptions) -> tuple[ModelConfig, int, int]:
-    """(model config, batch size B, sequence length Q) with the size overrides applied."""
+    """(model config, batch size B, sequence length Q), size overrides applied (k > E raises)."""
     train = preset("tiny" if opts.quick else "small")
     batch = 4 if opts.quick else train.batch_size
     moe = train.model.moe
     sizes: dict[str, Any] = {k: v for k, v in opts.explicit_sizes().items() if k != "tokens"}
     if "hidden_size" in sizes and "intermediate_size" not in sizes:
         sizes["intermediate_size"] = moe.intermediate_size
+    k, E = sizes.get("top_k", moe.top_k), sizes.get("num_experts", moe.num_experts)
+    if k > E:
+        raise ValueError(f"--top-k must be at most --num-experts: the model has k {k} and E {E}")
     if sizes:
         moe = dataclasses.replace(moe, **sizes)
         if moe.top_k == 1:
@@ -98,6 +101,19 @@ def step_method(name: str, model: MoETransformerLM, ids_BQ: torch.Tensor,
                   zero_grad=lambda: optimizer.zero_grad(set_to_none=True),
                   tokens=ids_BQ.numel(), exclude=lambda: list(model.buffers()), extras=extras,
                   peak="tracker" if backend is None else "profiler")
+
+
+shapes = model_shape  # resolved by the runner before its first line
+
+
+def budget_calls(opts: BenchOptions, names: tuple[str, ...]
+                 ) -> list[tuple[str, MoEConfig, ChunkConfig, int]]:
+    """(point, MoE config, chunk config, T) of each ``--memory-budget`` layer call to run."""
+    if "fused_mact" not in {n.removesuffix(COMPILED_SUFFIX) for n in names}:
+        return []
+    config, batch, seq = model_shape(opts)
+    mact = _variant(config, "fused_mact", opts.budget_bytes or 0)
+    return [("MoE LM", mact.moe, mact.chunk, batch * seq)]
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]

@@ -53,6 +53,8 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     out = Path(opts.out)
     env = collect_environment(device)
     resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
+    for suite in opts.suites:  # a bad shape (k above E, --tokens) is one error, nothing printed
+        SUITE_MODULES[suite].shapes(opts)
     print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
     for suite in opts.suites:
         names = select_methods(suite, opts.methods, opts.compile)

@@ -62,7 +62,7 @@ class TrainResult:
 
 
 def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
-          overwrite: bool = False, progress: bool = True, plot: bool = False,
+          overwrite: bool = False, progress: bool | None = True, plot: bool = False,
           tensorboard: bool = False, tracker: str | None = None,
           init_from: str | Path | None = None,
           on_step: Callable[[int], None] | None = None,
@@ -77,7 +77,8 @@ def train(config: TrainConfig, out_dir: str | Path, *, resume: bool = False,
         resume: continue from ``out_dir/checkpoint.pt``; ``config`` must equal the saved one
             except for :data:`memfine.train.setup.RESUMABLE_FIELDS`.
         overwrite: replace the files of an earlier run in ``out_dir``.
-        progress: show a tqdm progress bar (loss, tokens/s) when tqdm is installed.
+        progress: show a tqdm progress bar (loss, tokens/s) when tqdm is installed; None:
+            only when stderr is a terminal (its redraws would mix into a piped log).
         plot: write ``chunks.png`` and ``loss.png`` at the end (needs matplotlib).
         tensorboard: the same as ``tracker="tensorboard"`` (kept for older callers).
         tracker: also send the logged scalars to ``tensorboard`` (``out_dir/tensorboard``),

@@ -153,7 +153,12 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
     if config.lora is not None and not resume and init_from is None:
         raise ValueError("TrainConfig.lora needs init_from: LoRA fine-tunes adapters on the "
                          "frozen weights of a trained model (--init-from RUN)")
-    corpus, unigram = load_data(config)
+    if payload is not None and int(payload["step"]) >= config.max_steps:  # before the data line
+        raise ValueError(f"the checkpoint in {out_dir} is already at step {payload['step']}; "
+                         f"--max-steps {config.max_steps} leaves nothing to train (pass a larger "
+                         f"--max-steps)")
+    say = print if parallel.is_main else _silent  # one copy of each line under torchrun
+    corpus, unigram = load_data(config, say=say)
     device = torch.device(config.device)
     # on resume the checkpoint holds every weight (a LoRA one: its kept base), not init_from
     model, optimizer, scheduler = build_model(config, parallel, device,
@@ -165,18 +170,15 @@ def setup_run(config: TrainConfig, out_dir: Path, *, resume: bool, outputs: Outp
         # diverge at the first step and call it the last good one; every rank checks its shards
         check_finite_model(model, str(payload["path"]), total=lambda n: int(
             parallel.sum(torch.tensor(float(n), device=device)).item()))
-    if resume and start >= config.max_steps:
-        raise ValueError(f"the checkpoint in {out_dir} is already at step {start}; --max-steps "
-                         f"{config.max_steps} leaves nothing to train (pass a larger --max-steps)")
     config_text = json.dumps(config.to_dict(), indent=2)  # written once all of it checked out
-    print(f"config: {out_dir / 'config.json'} (every setting of the run)")
+    say(f"config: {out_dir / 'config.json'} (every setting of the run)")
     if parallel.is_main:
         (out_dir / "config.json").write_text(config_text + "\n", encoding="utf-8")
         if "copy" not in getattr(model, BASE_ATTRIBUTE, {"copy": None}):
             keep_base_copy(model, out_dir)  # a LoRA run keeps the base bytes it trains on
-    _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
+        _announce(config, start=start, resume=resume, out_dir=out_dir, parallel=parallel)
     if config.lora is not None:
-        print(lora_summary(model, config))
+        say(lora_summary(model, config))
     val_data = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                            batch_size=config.batch_size, seq_len=config.seq_len)
     log, bar = outputs.open(out_dir, config, start=start, resume=resume,
@@ -244,8 +246,13 @@ def resolve_config(config: TrainConfig, out_dir: Path, *, resume: bool
     return dataclasses.replace(config, lr_decay_steps=config.resolved_lr_decay_steps), payload
 
 
-def load_data(config: TrainConfig) -> tuple[ByteCorpus, float]:
-    """Load and split the corpus; print its sizes and the unigram baseline.
+def _silent(*_: object) -> None:
+    """Print nothing (a rank other than the main one)."""
+
+
+def load_data(config: TrainConfig, say: Callable[[str], None] = print
+              ) -> tuple[ByteCorpus, float]:
+    """Load and split the corpus; ``say`` its sizes and the unigram baseline.
 
     Returns:
         The corpus and the byte-unigram entropy of its validation split, nats/byte.
@@ -253,7 +260,7 @@ def load_data(config: TrainConfig) -> tuple[ByteCorpus, float]:
     corpus = ByteCorpus.load(config.data, val_fraction=config.val_fraction,
                              seq_len=config.seq_len)
     unigram = unigram_entropy(corpus.val_ids)
-    print(f"data: {corpus.description}: {corpus.train_ids.numel():,} train bytes, "
+    say(f"data: {corpus.description}: {corpus.train_ids.numel():,} train bytes, "
           f"{corpus.val_ids.numel():,} validation bytes (unigram entropy {unigram:.4f} nats/byte)")
     return corpus, unigram
 

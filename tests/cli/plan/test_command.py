@@ -154,6 +154,8 @@ def test_answer_line_first(capsys: pytest.CaptureFixture[str]) -> None:
     assert "c_need" not in out  # the tables need --verbose
     _, verbose, _ = _run([*SMALL, "--verbose"], capsys)
     assert verbose.splitlines()[0] == first and "c_need MACT c" in verbose
+    summary = next(line for line in out.splitlines() if "stage 0: static" in line).strip()
+    assert sum(summary in line for line in verbose.splitlines()) == 1  # the breakdown once
 
 
 def test_chunk_count_above_largest_bin_does_not_fit(capsys: pytest.CaptureFixture[str]) -> None:
