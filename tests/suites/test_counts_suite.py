@@ -102,8 +102,8 @@ def test_tokens_that_do_not_fit_are_refused() -> None:
         with pytest.raises(ValueError, match=rf"--tokens must be an int in \[8, "
                                              rf"{counts.MAX_TOKENS}\] for the counts suite .*"
                                              rf"got {tokens}"):
-            counts.presets(BenchOptions(suites=("counts",), tokens=tokens))
-    points = counts.presets(BenchOptions(suites=("counts",)))
+            counts.shapes(BenchOptions(suites=("counts",), tokens=tokens))
+    points = counts.shapes(BenchOptions(suites=("counts",)))
     assert [(p.name, p.tokens) for p in points] == [
         ("qwen3-30b-a3b", 4096), ("qwen3-30b-a3b", 16384), ("deepseek-v3", 4096)]
 

@@ -2,52 +2,30 @@
 
 Per method and phase (``fwd``, ``bwd``, ``full`` = both), under
 :class:`memfine.counts.ops_count.OpCounter`: non-view ATen ops (≈ kernel launches), host syncs
-by kind, and ``torch._grouped_mm`` calls with how many of them CUDA's CUTLASS fast path would take
-(bf16, 16-byte-aligned pointers and strides, fewer than 1024 groups; see
-:mod:`memfine.counts.grouped_mm_rules`). Each method runs once untimed (lazy set-up), then once
-counted. Counts are exact integers: one round, no percentiles.
+by kind, ``torch._grouped_mm`` calls and how many CUDA's CUTLASS fast path would take
+(:mod:`memfine.counts.grouped_mm_rules`), ``hbm_bytes`` and roofline floors
+``roofline_ms_h100`` / ``roofline_ms_h200`` (:mod:`memfine.counts.roofline`) priced at the real
+dims (:func:`dim_map`): models of a GPU, not measurements. Each method runs once untimed, then
+once counted: exact integers, no percentiles.
 
-Methods (same weights, input, routing and incoming gradients within a point):
+Methods (same weights, input, routing and incoming gradients within a point): ``fused``
+(memfine's layer at the counted device's default row blocks, :data:`COUNT_GPU`'s for
+``--count-device cuda``), ``fused_one_block``, ``fused_512mib``
+(:data:`memfine.config.CUDA_BACKWARD_BLOCK_BYTES` blocks: what smaller blocks cost),
+``chunked_c4`` (c = 4, per-chunk recompute), ``mact`` (a budget of half the received rows per
+chunk), ``torchtitan_style`` (the same router and aux losses, then torchtitan's expert recipe,
+:mod:`memfine.baselines.titan_style`; the ``÷ ref`` reference), ``torchtitan`` (its own
+``RoutedExperts``, skipped with a line where torchtitan cannot be imported), ``grouped_mm``
+(memfine's plain path), ``hf_grouped_mm`` and ``hf_memfine`` (transformers'
+``Qwen3MoeExperts`` with its ``grouped_mm`` experts and through memfine's backend; experts only).
 
-- ``fused``: memfine's fused layer, default config with the default row blocks of the counted
-  device (:data:`COUNT_GPU`'s with ``--count-device cuda``,
-  :func:`memfine.config.default_block_bytes`: the suite counts what a GPU would pay);
-- ``fused_one_block``: the same with one backward row block (``backward_block_bytes`` above the
-  whole block);
-- ``fused_512mib``: the same with 512 MiB row blocks
-  (:data:`memfine.config.CUDA_BACKWARD_BLOCK_BYTES`, the default of a CUDA device of 16 GiB or
-  less): what smaller blocks cost;
-- ``chunked_c4``: c = 4 token chunks with per-chunk recompute of the experts;
-- ``mact``: c chosen by MACT from a budget of half the received rows per chunk (c = 2);
-- ``torchtitan_style``: the same router and aux losses, then torchtitan's expert recipe (histc +
-  argsort, gathered copy, ``torch._grouped_mm`` under autograd, scatter back;
-  :mod:`memfine.baselines.titan_style`), the reference of the ``÷ ref`` column;
-- ``torchtitan``: the same router, then torchtitan's own ``RoutedExperts`` (dispatcher +
-  ``GroupedExperts``) on views of the same weights (skipped with a line where torchtitan 0.3
-  cannot be imported);
-- ``grouped_mm``: memfine's plain path (gathered copies, index arrays) with ``torch._grouped_mm``
-  under autograd (the ``experts`` suite's method of that name);
-- ``hf_grouped_mm``: transformers' ``Qwen3MoeExperts`` with its ``grouped_mm`` experts
-  implementation (experts only: routing is an input, no router or aux losses);
-- ``hf_memfine``: the same module through memfine's experts backend (experts only).
-
-The path counted is the one ``--count-device`` would take (``cuda``, the default: an H200's
-default row blocks, 141 GB ÷ 32, and its ``index_put_`` combine; ``cpu``: 16 MiB blocks and
-``index_add_``). Beside
-ops and syncs each phase has ``hbm_bytes`` and roofline floors ``roofline_ms_h100`` /
-``roofline_ms_h200`` (:mod:`memfine.counts.roofline`), priced at the real dims
-(:func:`dim_map`): models of a GPU, not measurements.
-
-Presets (:data:`PRESETS`): Qwen3-30B-A3B (d 2048, n 768, E 128, k 8) at T 4096 and 16384 and
-DeepSeek-V3 (d 7168, n 2048, E 256, k 8) at T 4096 (:data:`PRESET_TOKENS`; ``--tokens`` sets
-one T for both, ``--num-experts`` overrides E). d and
-n are divided by :data:`DIM_SCALE` so the suite runs in seconds on a CPU: op and sync counts depend
-on d and n only through the number of backward row blocks, and the suite keeps that number at the
-real dims' value (``backward_block_bytes`` is scaled with the row bytes). Loops over experts
-also depend on the routing (which experts receive rows in each block or chunk); at these T every
-expert receives rows. The CSV's config
-records both the real and the counted dims. Counts are in bfloat16 whatever ``--dtype`` says (the
-dtype whose ``_grouped_mm`` calls can take the CUDA fast path).
+The path counted is ``--count-device``'s (``cuda``, the default: an H200's default row blocks
+and the ``index_put_`` combine; ``cpu``: 16 MiB blocks and ``index_add_``). Presets
+(:data:`PRESETS`, :data:`PRESET_TOKENS`): Qwen3-30B-A3B at T 4096 and 16384, DeepSeek-V3 at
+T 4096 (``--tokens``, ``--num-experts``, ``--top-k`` override). d and n are divided by
+:data:`DIM_SCALE`: op and sync counts depend on them only through the block count, which is
+kept at the real dims' (and through which experts get rows: all of them at these T). Counts
+are in bfloat16 whatever ``--dtype`` says. docs/gpu.md has the tables.
 
 Legend: T tokens, D = d, K = k.
 Reference: docs/design.md §8 (counting on CPU); MoEBlaze §4; torchtitan ``GroupedExperts``.
@@ -360,17 +338,18 @@ def print_point(point: Point) -> None:
               f"{full.roofline_ms('h200'):>8.2f}  {kinds}")
 
 
-def presets(opts: BenchOptions) -> list[LayerShape]:
+def shapes(opts: BenchOptions) -> list[LayerShape]:
     """The points: each preset at its :data:`PRESET_TOKENS` or at ``--tokens``.
 
-    ``--quick``: T = 256; ``--num-experts`` and ``--top-k`` applied.
+    Resolved by the runner before its first line. ``--quick``: T = 256; ``--num-experts`` and
+    ``--top-k`` applied.
 
     Raises:
         ValueError: a ``--tokens`` outside [k, :data:`MAX_TOKENS`] (:func:`check_tokens`), or
             k above E.
     """
     tokens = opts.tokens or (QUICK_TOKENS if opts.quick else None)
-    shapes = []
+    points = []
     for name, shape in PRESETS.items():
         for T in PRESET_TOKENS[name] if tokens is None else (tokens,):
             E = shape.num_experts if opts.num_experts is None else opts.num_experts
@@ -379,11 +358,8 @@ def presets(opts: BenchOptions) -> list[LayerShape]:
                 raise ValueError(f"--top-k must be at most --num-experts: the {name} preset "
                                  f"would have k {K} and E {E}")
             check_tokens(T, K)
-            shapes.append(dataclasses.replace(shape, tokens=T, num_experts=E, top_k=K))
-    return shapes
-
-
-shapes = presets  # resolved by the runner before its first line
+            points.append(dataclasses.replace(shape, tokens=T, num_experts=E, top_k=K))
+    return points
 
 
 def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Iterator[Point]:
@@ -396,7 +372,7 @@ def run(opts: BenchOptions, device: torch.device, names: tuple[str, ...]) -> Ite
         return
     if "torchtitan" in names and torchtitan_missing() is not None:
         print(f"{NAME}: torchtitan skipped: {torchtitan_missing()}")
-    for real in presets(opts):
+    for real in shapes(opts):
         print(f"[{NAME}] {real.label()}: {len(names)} methods x (1 untimed + 1 counted) calls",
               flush=True)
         shape, block, results = count_shape(real, names, seed=opts.seed,
