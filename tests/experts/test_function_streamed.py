@@ -115,16 +115,14 @@ def test_triton_backend_without_cuda_or_interpreter_is_refused_at_build(
 @pytest.mark.parametrize("activation", ["swiglu", "gelu"])
 def test_gradcheck_float64_blocks(rows: int, activation: str) -> None:
     T, d, n, E, k = 5, 3, 2, 4, 2
-    G = 2 * n if activation == "swiglu" else n
     x, idx, w, w_up, w_down = make_problem(T, d, n, E, k, dtype=torch.float64,
                                            activation=activation, sentinels=1, empty_expert=True)
     index = build_routing_index(idx, E)
-    block_bytes = rows * _row_bytes(d, n, G, 8)
 
     def fn(x_: torch.Tensor, w_: torch.Tensor, up_: torch.Tensor, down_: torch.Tensor
            ) -> torch.Tensor:
         return run_experts(x_, w_, index, up_, down_, activation=activation, backend="loop",
-                           backward_block_bytes=block_bytes)
+                           block_rows=rows)
 
     assert torch.autograd.gradcheck(fn, (x, w, w_up, w_down))
 
@@ -140,12 +138,12 @@ def test_blocks_match_reference_and_one_block(rows: int, backend: str) -> None:
     inputs = (x, w, w_up, w_down, b_up, b_down)
     grad_out = torch.randn(T, d)
 
-    def grads(block_bytes: int) -> tuple[torch.Tensor, ...]:
+    def grads(block_rows: int) -> tuple[torch.Tensor, ...]:
         out = run_experts(x, w, index, w_up, w_down, backend=backend, b_up_EG=b_up,
-                          b_down_ED=b_down, backward_block_bytes=block_bytes)
+                          b_down_ED=b_down, block_rows=block_rows)
         return (out, *torch.autograd.grad(out, inputs, grad_out))
 
-    streamed, whole = grads(rows * _row_bytes(d, n, 2 * n, 4)), grads(2**40)
+    streamed, whole = grads(rows), grads(2**40)
     for name, got, want in zip(("out", "x", "w", "w_up", "w_down", "b_up", "b_down"), streamed,
                                whole, strict=True):
         assert_close(got, want, grad=name != "out", msg=name)
@@ -196,14 +194,16 @@ def test_chunks_share_weight_grads_through_accumulate_grad() -> None:
     assert torch.equal(w_up_grad[2:], torch.zeros_like(w_up_grad[2:]))
 
 
-def test_rejects_bad_block_bytes() -> None:
+def test_rejects_bad_block_sizes() -> None:
     x, idx, w, w_up, w_down = make_problem(4, 8, 4, 3, 2)
     one_row = (3 * 8 + 3 * 4 + 2 * 4) * 2  # (3·d + 3·n + G) elements at 2 bytes
     allowed = rf"must be None \(the device's default\) or an int in \[{one_row}, {2**63 - 1}\]"
-    for bad in (0, one_row - 1, 2**63, 4096.0, "4096", True):
-        with pytest.raises(ValueError, match=rf"^backward_block_bytes {allowed}.*got {bad!r}$"):
+    for bad_rows in (0, -1, 4.0, "4", True):
+        with pytest.raises(ValueError, match=r"^block_rows must be None \(the device's default\) "
+                           rf"or an int >= 1, got {bad_rows!r}$"):
             run_experts(x, w, build_routing_index(idx, 3), w_up, w_down,
-                        backward_block_bytes=bad)  # type: ignore[arg-type]
+                        block_rows=bad_rows)  # type: ignore[arg-type]
+    for bad in (0, one_row - 1, 2**63, 4096.0, "4096", True):
         with pytest.raises(ValueError, match=rf"^MoEConfig.backward_block_bytes {allowed}"):
             MoEConfig(hidden_size=8, intermediate_size=4, num_experts=3, top_k=2,
                       backward_block_bytes=bad)  # type: ignore[arg-type]
@@ -222,7 +222,7 @@ def test_split_up_projection_blocks_match_one_tensor() -> None:
     out = run_experts(x, w, index, w_up, w_down)
     want = torch.autograd.grad(out, (x, w_up), grad_out)
     out_split = run_experts(x, w, index, (gate, up), w_down,
-                            backward_block_bytes=3 * _row_bytes(d, n, 2 * n, 4))
+                            block_rows=3)
     got = torch.autograd.grad(out_split, (x, gate, up), grad_out)
     assert_close(got[0], want[0], grad=True, msg="x")
     assert_close(torch.cat(got[1:], dim=2), want[1], grad=True, msg="w_up halves")
@@ -240,10 +240,9 @@ def test_dx_by_sort_matches_index_add_and_reference(monkeypatch: pytest.MonkeyPa
     x, idx, w, w_up, w_down = make_problem(T, d, n, E, k, sentinels=4, empty_expert=True)
     index = build_routing_index(idx, E)
     grad_out = torch.randn(T, d)
-    block_bytes = rows * _row_bytes(d, n, 2 * n, 4)
 
     def grad_x() -> tuple[torch.Tensor, torch.Tensor]:
-        out = run_experts(x, w, index, w_up, w_down, backward_block_bytes=block_bytes)
+        out = run_experts(x, w, index, w_up, w_down, block_rows=rows)
         return out.detach(), torch.autograd.grad(out, x, grad_out)[0]
 
     out_index_add, by_index_add = grad_x()
@@ -274,7 +273,7 @@ def test_gradcheck_float64_dx_by_sort(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def fn(x_: torch.Tensor) -> torch.Tensor:
         return run_experts(x_, w, index, w_up, w_down, backend="loop",
-                           backward_block_bytes=3 * _row_bytes(d, n, 2 * n, 8))
+                           block_rows=3)
 
     assert torch.autograd.gradcheck(fn, (x,))
 
@@ -288,11 +287,11 @@ def test_streamed_forward_never_holds_a_gathered_copy(d: int, n: int, E: int, k:
     x, idx, w, w_up, w_down = make_problem(T, d, n, E, k)
     index = build_routing_index(idx, E)
 
-    def forward_peak(block_bytes: int) -> int:
+    def forward_peak(block_rows: int) -> int:
         with PeakMemoryTracker() as tracker:
-            out = run_experts(x, w, index, w_up, w_down, backward_block_bytes=block_bytes)
+            out = run_experts(x, w, index, w_up, w_down, block_rows=block_rows)
         del out
         return tracker.peak_bytes
 
     bound = (S * 2 * n + T * d + S * d) * 4  # H + out + one gathered copy
-    assert forward_peak(8 * _row_bytes(d, n, 2 * n, 4)) < bound <= forward_peak(2**40)
+    assert forward_peak(8) < bound <= forward_peak(2**40)

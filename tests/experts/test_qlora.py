@@ -61,7 +61,7 @@ def test_adapter_gradients_equal_dequantise_then_lora(targets: str, block_bytes:
     scale = 2.0
     index = build_routing_index(idx, E)
     out = run_lora_experts(x, w, index, *quant.stand_ins(), ExpertLoRA(**ad, scale=scale),
-                           backward_block_bytes=block_bytes, quant=quant)
+                           block_rows=backward_block_rows(block_bytes, D, N, 2 * N, 4), quant=quant)
     up, down = quant.up.dequantize(), quant.down.dequantize()  # the reference's dense base
     if ad["a_up_ERD"] is not None:
         up = up + scale * torch.einsum("erd,egr->edg", ad["a_up_ERD"], ad["b_up_EGR"])
@@ -101,8 +101,8 @@ def test_no_more_than_the_window_is_dequantised(monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(NF4Experts, "dequantize", spy)
     monkeypatch.setattr(NF4Block, "grouped_mm", spy_block)
     out = run_lora_experts(x, w, build_routing_index(idx, E), *quant.stand_ins(),
-                           ExpertLoRA(**ad, scale=2.0), backward_block_bytes=block_bytes,
-                           quant=quant)
+                           ExpertLoRA(**ad, scale=2.0),
+                           block_rows=backward_block_rows(block_bytes, D, N, 2 * N, 4), quant=quant)
     out.sum().backward()
     assert max(held) > m and max(widths) == m
 

@@ -12,7 +12,7 @@ import pytest
 
 from memfine.cli import train as train_cli
 from memfine.cli.main import main
-from memfine.config import MoEConfig
+from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, MIN_BLOCK_ROWS, MoEConfig
 from memfine.memory import layer as layer_memory
 from memfine.memory.step import StepPlanner
 from memfine.reports.metrics import read_metrics
@@ -26,6 +26,9 @@ T = TINY.batch_size * TINY.seq_len  # tokens of one MoE layer call: B·Q = 8·64
 MOE = TINY.model.moe
 # the recompute mode of a budgeted run ("auto" resolves differently with a budget than without)
 RECOMPUTE = dataclasses.replace(TINY.model.chunk, memory_budget_bytes=1).resolved_recompute
+# rows of the CPU's default row block at the tiny preset's layer in fp32 (at least 512)
+DEFAULT_ROWS = max(MIN_BLOCK_ROWS, DEFAULT_BACKWARD_BLOCK_BYTES // (
+    (3 * MOE.hidden_size + 3 * MOE.intermediate_size + MOE.up_width) * 4))
 
 
 def _smallest_feasible(rows: int, moe: MoEConfig = MOE) -> int:
@@ -62,7 +65,7 @@ def test_the_named_budget_is_the_run_time_boundary(
     record = read_metrics(tmp_path / "b" / "metrics.jsonl")[0]
     assert record["num_chunks"] == [8, 8] and record["recompute"] == ["experts", "experts"]
     # the first block that fits at c = 8: the default (at this size every block holds all rows)
-    assert record["block_bytes"] == [None] * 2  # the device's default, as its own value
+    assert record["block_rows"] == [DEFAULT_ROWS] * 2  # the device's default, in rows
     monkeypatch.setattr(train_cli, "check_memory_budget", lambda config, world: None)
     err = _refused(["--memory-budget", f"{need - 1}B", "--out", str(tmp_path / "c")], capsys)
     assert f"smallest feasible budget is {need} bytes" in err  # the policy's own message

@@ -265,20 +265,19 @@ def test_a_budget_runs_its_row_blocks_on_the_fused_path(monkeypatch: pytest.Monk
     assert plan.path == "fused"
     E, D, G, N = weights.shape_EDGN
     x_TD, idx, w = _case(T=64, d=D, E=E)
-    ladder = tuple(rows * (3 * D + 3 * N + G) * 4 for rows in (64, 16, 4))
-    monkeypatch.setattr(policy_module, "budget_block_ladder",
-                        lambda block, device, row: ladder if block is None else (block,))
+    ladder = (64, 16, 4)
+    monkeypatch.setattr(policy_module, "ladder_block_rows", lambda moe, dt, device: ladder)
     probe = hf_experts.chunk_policy(types.SimpleNamespace(), plan, weights, idx.shape[1],
                                ChunkConfig(memory_budget_bytes=1))
-    peaks = [probe.layer_peak(64, 4, 1, block_bytes=b) for b in ladder]
+    peaks = [probe.layer_peak(64, 4, 1, block_rows=b) for b in ladder]
     assert peaks[0] > peaks[-1]
-    blocks = record_kwarg(monkeypatch, hf_experts, "run_experts", "backward_block_bytes")
+    blocks = record_kwarg(monkeypatch, hf_experts, "run_experts", "block_rows")
     got = mf_hf.run_module(experts, plan, weights, x_TD, idx, w,
                            chunk=ChunkConfig(memory_budget_bytes=peaks[-1]))
     decision = hf_experts.last_decision(experts)
     assert decision is not None and decision.num_chunks == 1
     want_block = next(b for b, p in zip(ladder, peaks, strict=True) if p <= peaks[-1])
-    assert decision.block_bytes == want_block != ladder[0]
+    assert decision.block_rows == want_block != ladder[0]
     assert set(blocks) == {want_block}
     want = mf_hf.run_module(experts, plan, weights, x_TD, idx, w, chunk=ChunkConfig())
     assert_chunked_close(got, want, "out")

@@ -167,6 +167,7 @@ def test_budget_report_and_decisions_follow_the_memory_model(chunk: dict) -> Non
             S, T, 4) == min(peaks.values())
         # at these sizes every block of the ladder holds all rows: the default is the choice
         assert decision == ChunkDecision(want_c, want_recompute, S, want_peak, budget,
-                                         None)  # None: the device's default block
+                                         (16 << 20) // ((3 * 32 + 3 * 16 + 32) * 4))  # the CPU's
+                                         # default block in rows (16 MiB of fp32 rows)
     text = format_budget_report(model)
     assert all(name in text for name in names) and "smallest feasible memory_budget" in text

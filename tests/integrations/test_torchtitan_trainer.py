@@ -30,7 +30,11 @@ from torchtitan_trainer import (  # noqa: E402
     small_runs,
 )
 
+from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES  # noqa: E402
 from tolerances import LOSS_ATOL  # noqa: E402
+
+# rows of the CPU's default row block at the test-size block (d 256, n 128, SwiGLU, fp32): 2,978
+SMALL_DEFAULT_ROWS = DEFAULT_BACKWARD_BLOCK_BYTES // ((3 * 256 + 3 * 128 + 2 * 128) * 4)
 
 pytestmark = pytest.mark.slow
 
@@ -72,7 +76,7 @@ def test_every_block_reports_its_chunk_decision(results: dict, name: str) -> Non
         assert d == {"num_chunks": c, "recompute": "none" if c == 1 else "experts",
                      "rows": T * K, "budget_bytes": budget,
                      "predicted_peak_bytes": small_peak(c, **chunk),
-                     "block_bytes": None}  # the device default (all rows fit one block)
+                     "block_rows": SMALL_DEFAULT_ROWS}  # the device default (one block here)
 
 
 def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dict) -> None:
@@ -83,8 +87,10 @@ def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dic
     assert 0 < fixed < peaks[0] and peaks[1] < peaks[0]
     least, least_peak = policy.least_memory_plan(rows, T, SMALL_DTYPE_BYTES)
     assert least_peak == policy.smallest_feasible_budget(rows, T, SMALL_DTYPE_BYTES)
-    assert least_peak == min(policy.predicted_peak(rows, T, SMALL_DTYPE_BYTES, c, block_bytes=b)
-                             for c in bins for b in (16 << 20, 8 << 20, 4 << 20))
+    ladder = policy.ladder("cpu", SMALL_DTYPE_BYTES)
+    assert ladder == (SMALL_DEFAULT_ROWS, SMALL_DEFAULT_ROWS // 2, SMALL_DEFAULT_ROWS // 4)
+    assert least_peak == min(policy.predicted_peak(rows, T, SMALL_DTYPE_BYTES, c, block_rows=b)
+                             for c in bins for b in ladder)
     budgets = results["c1"]["budgets"]
     assert len(budgets) == SMALL_LAYERS
     for budget in budgets.values():
@@ -93,4 +99,4 @@ def test_first_step_budget_report_is_the_memory_model_at_the_runs_T(results: dic
             "fixed_bytes": fixed, "token_bytes": peaks[0] - fixed, "bins": list(bins),
             "bin_peak_bytes": peaks,
             "smallest_feasible_budget_bytes": least_peak,
-            "least_memory_bin": least.num_chunks, "least_memory_block_bytes": least.block_bytes}
+            "least_memory_bin": least.num_chunks, "least_memory_block_rows": least.block_rows}

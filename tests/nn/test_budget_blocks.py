@@ -27,6 +27,7 @@ from memfine.config import (
     backward_block_rows,
     block_row_bytes,
     budget_block_ladder,
+    ladder_block_rows,
 )
 from memfine.measure import measure_backward
 from memfine.memory.layer import layer_peak_bytes
@@ -35,21 +36,21 @@ from memfine.nn.moe import MoEAux
 from memfine.reports.memory_log import predicted_moe_layer_peak
 from memfine.schedule import ChunkPolicy, InfeasibleBudgetError
 from memfine.schedule import policy as policy_module
-from memfine.units import format_bytes
 from spies import record_kwarg
 from tolerances import assert_chunked_close
 
 D, N, E, K, T = 32, 64, 8, 2, 96
 MOE = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K)
 ROW = (3 * D + 3 * N + 2 * N) * 4  # fp32 bytes of one block row
-LADDER = (64 * ROW, 32 * ROW, 16 * ROW)  # S = T·k = 192 rows: 3, 6 and 12 blocks
+ROWS = (64, 32, 16)  # S = T·k = 192 rows: 3, 6 and 12 blocks
+LADDER = tuple(r * ROW for r in ROWS)  # their byte targets
 
 
 @pytest.fixture(autouse=True)
 def small_ladder(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The ladder of a config left at None is LADDER; a set block stays the only one."""
-    monkeypatch.setattr(policy_module, "budget_block_ladder",
-                        lambda block, device, row: LADDER if block is None else (block,))
+    """The ladder of a config left at None is ROWS; a set block stays the only one."""
+    monkeypatch.setattr(policy_module, "ladder_block_rows", lambda moe, dt, device: (
+        ROWS if moe.backward_block_bytes is None else ladder_block_rows(moe, dt, device)))
 
 
 def _peak(c: int, block: int, moe: MoEConfig = MOE) -> int:
@@ -100,8 +101,8 @@ def test_a_budget_between_block_sizes_runs_unchunked_with_smaller_blocks(
     peaks = {b: _peak(1, b) for b in LADDER}
     budget = peaks[LADDER[-1]]
     assert peaks[LADDER[0]] > budget  # the default block needs chunks at this budget
-    want = next(b for b in LADDER if peaks[b] <= budget)
-    blocks = record_kwarg(monkeypatch, experts_module, "run_experts", "backward_block_bytes")
+    want = next(r for r, b in zip(ROWS, LADDER, strict=True) if peaks[b] <= budget)
+    blocks = record_kwarg(monkeypatch, experts_module, "run_experts", "block_rows")
     torch.manual_seed(0)
     layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=budget))
     ref = MoELayer(MOE, chunk=ChunkConfig(num_chunks=1, recompute="none"))
@@ -111,12 +112,12 @@ def test_a_budget_between_block_sizes_runs_unchunked_with_smaller_blocks(
     got = _run(layer, x.clone().requires_grad_(), grad)
     decision = layer.last_decision
     assert decision is not None
-    assert (decision.num_chunks, decision.block_bytes) == (1, want)
-    assert decision.predicted_peak_bytes == peaks[want] <= budget
+    assert (decision.num_chunks, decision.block_rows) == (1, want)
+    assert decision.predicted_peak_bytes == peaks[want * ROW] <= budget
     assert set(blocks) == {want}  # every (re)computation ran the chosen block
     blocks.clear()
     expected = _run(ref, x.clone().requires_grad_(), grad)
-    assert set(blocks) == {None}
+    assert set(blocks) == {ROWS[0]}  # the (stand-in) default, resolved by the policy
     names = ("out", "x.grad", "w_up.grad", "w_down.grad")
     for name, a, b in zip(names, got, expected, strict=True):  # blocks split the row sums
         assert_chunked_close(a, b, name)
@@ -137,15 +138,15 @@ def test_the_profiled_peak_of_the_chosen_blocks_is_the_prediction() -> None:
 
     measured = measure_backward(forward, grads, exclude=layer.parameters(), peak="profiler")
     decision = layer.last_decision
-    assert decision is not None and decision.block_bytes == LADDER[1]
+    assert decision is not None and decision.block_rows == ROWS[1]
     assert measured.peak_bytes == decision.predicted_peak_bytes
     aux = kept[0]
-    assert isinstance(aux, MoEAux) and aux.block_bytes == LADDER[1]  # what the train log reads
+    assert isinstance(aux, MoEAux) and aux.block_rows == ROWS[1]  # what the train log reads
     config = TrainConfig(model=ModelConfig(vocab_size=16, num_layers=1,
                                            num_heads=2, moe=MOE,
                                            chunk=ChunkConfig(memory_budget_bytes=budget)),
                          dtype="float32")
-    assert predicted_moe_layer_peak(config, T, 1, "experts", block_bytes=LADDER[1]) == (
+    assert predicted_moe_layer_peak(config, T, 1, "experts", block_rows=ROWS[1]) == (
         measured.peak_bytes)
 
 
@@ -153,22 +154,22 @@ def test_shared_experts_run_the_routed_experts_blocks(monkeypatch: pytest.Monkey
     moe = dataclasses.replace(MOE, num_shared_experts=1)
     budget = _peak(1, LADDER[-1], moe)
     assert _peak(1, LADDER[0], moe) > budget
-    blocks = record_kwarg(monkeypatch, experts_module, "run_experts", "backward_block_bytes")
+    blocks = record_kwarg(monkeypatch, experts_module, "run_experts", "block_rows")
     layer = MoELayer(moe, chunk=ChunkConfig(memory_budget_bytes=budget))
     out, _ = layer(torch.randn(T, D))
     decision = layer.last_decision
     assert decision is not None and decision.num_chunks == 1
-    assert decision.block_bytes != LADDER[0]
-    assert blocks == [decision.block_bytes] * 2  # routed, then shared
+    assert decision.block_rows != ROWS[0]
+    assert blocks == [decision.block_rows] * 2  # routed, then shared (n_s = n: the same rows)
 
 
 def test_a_set_block_is_never_shrunk() -> None:
     fixed = dataclasses.replace(MOE, backward_block_bytes=LADDER[0])
     budget = _peak(1, LADDER[-1])
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget), fixed)
-    assert policy.candidates() == tuple((c, LADDER[0]) for c in (1, 2, 4, 8))
+    assert policy.candidates() == tuple((c, ROWS[0]) for c in (1, 2, 4, 8))
     decision = policy.decide(T * K, T, 4)
-    assert decision.num_chunks > 1 and decision.block_bytes == LADDER[0]
+    assert decision.num_chunks > 1 and decision.block_rows == ROWS[0]
     want = next(c for c in (1, 2, 4, 8) if _peak(c, LADDER[0]) <= budget)
     assert decision.num_chunks == want
 
@@ -178,8 +179,7 @@ def test_a_smaller_chunk_count_wins_over_a_larger_block() -> None:
     budget = _peak(1, LADDER[-1])
     assert _peak(2, LADDER[0]) <= budget or _peak(4, LADDER[0]) <= budget
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget), MOE)
-    assert policy.candidates()[:4] == ((1, LADDER[0]), (1, LADDER[1]), (1, LADDER[2]),
-                                       (2, LADDER[0]))
+    assert policy.candidates()[:4] == ((1, ROWS[0]), (1, ROWS[1]), (1, ROWS[2]), (2, ROWS[0]))
     assert policy.decide(T * K, T, 4).num_chunks == 1
 
 
@@ -189,27 +189,26 @@ def test_an_agreed_larger_c_takes_the_largest_block_that_fits_there() -> None:
     seen: list[int] = []
     decision = policy.decide(T * K, T, 4, agree=lambda c: seen.append(c) or 4)  # type: ignore[func-returns-value]
     assert seen == [1] and decision.num_chunks == 4
-    want = next(b for b in LADDER if _peak(4, b) <= budget)
-    assert decision.block_bytes == want
-    assert decision.predicted_peak_bytes == _peak(4, want)
+    want = next(r for r in ROWS if _peak(4, r * ROW) <= budget)
+    assert decision.block_rows == want
+    assert decision.predicted_peak_bytes == _peak(4, want * ROW)
 
 
 def test_infeasible_budget_names_the_least_peak_over_every_block() -> None:
     need = min(_peak(c, b) for c in (1, 2, 4, 8) for b in LADDER)
-    best = min(((c, b) for c in (1, 2, 4, 8) for b in LADDER),
-               key=lambda cb: (_peak(*cb), cb))
+    best = min(((c, r) for c in (1, 2, 4, 8) for r in ROWS),
+               key=lambda cr: (_peak(cr[0], cr[1] * ROW), cr))
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=need - 1), MOE)
     assert policy.smallest_feasible_budget(T * K, T, 4) == need
     with pytest.raises(InfeasibleBudgetError) as info:
         policy.decide(T * K, T, 4)
     assert info.value.smallest_feasible_bytes == need
-    assert (f"at best (c={best[0]}, {format_bytes(best[1], exact=True)} row blocks)"
-            in str(info.value))
+    assert f"at best (c={best[0]}, row blocks of {best[1]} rows)" in str(info.value)
     with pytest.warns(UserWarning, match="using the largest bin c=8"):
         over = ChunkPolicy(ChunkConfig(memory_budget_bytes=need - 1, allow_over_budget=True),
                            MOE).decide(T * K, T, 4)
-    at8 = {b: _peak(8, b) for b in LADDER}
-    assert (over.num_chunks, over.block_bytes) == (8, min(LADDER, key=lambda b: (at8[b], b)))
+    at8 = {r: _peak(8, r * ROW) for r in ROWS}
+    assert (over.num_chunks, over.block_rows) == (8, min(ROWS, key=lambda r: (at8[r], r)))
 
 
 def test_a_lora_layer_runs_the_budgets_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -218,16 +217,16 @@ def test_a_lora_layer_runs_the_budgets_blocks(monkeypatch: pytest.MonkeyPatch) -
 
     lora = LoRAConfig(rank=4, alpha=8.0)
     probe = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=1), lora=lora).policy
-    peaks = [probe.layer_peak(T, 4, 1, block_bytes=b) for b in LADDER]
+    peaks = [probe.layer_peak(T, 4, 1, block_rows=r) for r in ROWS]
     assert peaks[0] > peaks[-1]
-    blocks = record_kwarg(monkeypatch, lora_module, "run_lora_experts", "backward_block_bytes")
+    blocks = record_kwarg(monkeypatch, lora_module, "run_lora_experts", "block_rows")
     layer = MoELayer(MOE, chunk=ChunkConfig(memory_budget_bytes=peaks[-1]), lora=lora)
     out, _ = layer(torch.randn(T, D))
     out.sum().backward()
     decision = layer.last_decision
-    want = next(b for b, p in zip(LADDER, peaks, strict=True) if p <= peaks[-1])
-    assert decision is not None and (decision.num_chunks, decision.block_bytes) == (1, want)
-    assert set(blocks) == {want} and want != LADDER[0]
+    want = next(r for r, p in zip(ROWS, peaks, strict=True) if p <= peaks[-1])
+    assert decision is not None and (decision.num_chunks, decision.block_rows) == (1, want)
+    assert set(blocks) == {want} and want != ROWS[0]
 
 
 def test_the_bench_prediction_follows_the_budgets_blocks() -> None:
@@ -243,7 +242,7 @@ def test_the_bench_prediction_follows_the_budgets_blocks() -> None:
                           peak="profiler")
     (res,) = run_methods([method], repeats=1, warmup=0)
     assert res.error is None and res.memory is not None
-    assert res.extras["block_bytes"] == (LADDER[1], "bytes")
+    assert res.extras["block_rows"] == (ROWS[1], "rows")
     assert res.predicted["peak_bytes"] == res.memory.peak_bytes == _peak(1, LADDER[1])
 
 
@@ -255,6 +254,6 @@ def test_under_autocast_the_policy_counts_the_compute_dtype() -> None:
         layer(torch.randn(T, D))
     decision = layer.last_decision
     assert decision is not None and decision.num_chunks == 1
-    want = layer.policy.predicted_peak(T * K, T, 2, 1, block_bytes=decision.block_bytes)
+    want = layer.policy.predicted_peak(T * K, T, 2, 1, block_rows=decision.block_rows)
     assert decision.predicted_peak_bytes == want != layer.policy.predicted_peak(
-        T * K, T, 4, 1, block_bytes=decision.block_bytes)
+        T * K, T, 4, 1, block_rows=decision.block_rows)

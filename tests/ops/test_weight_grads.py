@@ -42,7 +42,7 @@ def test_fused_path_on_transposed_parameters_accumulates_in_their_layout() -> No
     assert_close(down_EDN.grad, ref_down.grad.transpose(1, 2), grad=True)
 
 
-def _bf16_layer_grads(E: int, block_bytes: int, *, backend: str = "auto",
+def _bf16_layer_grads(E: int, block_rows: int, *, backend: str = "auto",
                       transposed: bool = False) -> tuple[torch.Tensor, ...]:
     """bf16 fused run (several row blocks, experts 0 and E-1 without rows): dW_up, dW_down."""
     torch.manual_seed(0)
@@ -57,7 +57,7 @@ def _bf16_layer_grads(E: int, block_bytes: int, *, backend: str = "auto",
     x, w = torch.randn(T, D, dtype=torch.bfloat16), torch.rand(T, k, dtype=torch.bfloat16)
     ups, downs = (w_up.transpose(1, 2), w_down.transpose(1, 2)) if transposed else (w_up, w_down)
     out = run_experts(x, w, index, ups, downs, backend=backend,
-                      backward_block_bytes=block_bytes)
+                      block_rows=block_rows)
     out.float().square().sum().backward()
     assert w_up.grad is not None and w_down.grad is not None
     return w_up.grad, w_down.grad
@@ -69,8 +69,7 @@ def test_bf16_grouped_weight_grads_equal_the_per_expert_loop(transposed: bool,
                                                              blocks: int) -> None:
     """One grouped GEMM per weight per block (bf16) against the loop backend's addmm_;
     experts without rows get exact zeros."""
-    row_bytes = (3 * 16 + 3 * 8 + 16) * 2
-    block = 2**40 if blocks == 1 else 10 * row_bytes  # 48 rows: 5 blocks of ≤ 10 rows
+    block = 2**40 if blocks == 1 else 10  # 48 rows: 5 blocks of ≤ 10 rows
     grouped = _bf16_layer_grads(8, block, transposed=transposed)
     loop = _bf16_layer_grads(8, block, backend="loop", transposed=transposed)
     for got, ref in zip(grouped, loop, strict=True):
@@ -87,10 +86,9 @@ def test_bf16_weight_grads_are_written_once_without_products_to_copy() -> None:
     experts cut by a block edge add fp32 products."""
     from memfine.counts.ops_count import OpCounter
 
-    row_bytes = (3 * 16 + 3 * 8 + 16) * 2
     for E, rows, first_grouped in ((8, 10, False), (32, 10, False), (8, 24, True)):
         with OpCounter() as counter:
-            _bf16_layer_grads(E, rows * row_bytes)  # S = 48 rows
+            _bf16_layer_grads(E, rows)  # S = 48 rows
         total = counter.total()
         calls = [c for c in total.grouped_mm if c.layout == "2d-2d"]
         assert [c.groups for c in calls] == ([E, E] if first_grouped else [])
@@ -149,7 +147,7 @@ def test_unused_experts_get_zeros_and_chunks_equal_one_call_in_bf16() -> None:
     from memfine.nn import MoELayer
 
     torch.manual_seed(0)
-    up, down = _bf16_layer_grads(8, 7 * (3 * 16 + 3 * 8 + 16) * 2)
+    up, down = _bf16_layer_grads(8, 7)
     for g in (up, down):
         assert torch.equal(g[0], torch.zeros_like(g[0]))
         assert torch.equal(g[-1], torch.zeros_like(g[-1]))

@@ -242,15 +242,13 @@ def _budget_row_blocks(ctx: ParallelContext, tokens: list[int], E: int) -> list[
     c = 1, the hot rank its largest fitting block (a ladder of 8, 4, 2 rows stands in for the
     device's sizes), and the results equal the single process."""
     moe = _moe(E)
-    row = (3 * D + 3 * N + 2 * N) * 4
-    ladder = (8 * row, 4 * row, 2 * row)
-    real, run = policy_mod.budget_block_ladder, experts_mod.run_experts
-    policy_mod.budget_block_ladder = lambda block, device, row: (ladder if block is None
-                                                                 else (block,))
+    ladder = (8, 4, 2)
+    real, run = policy_mod.ladder_block_rows, experts_mod.run_experts
+    policy_mod.ladder_block_rows = lambda moe, dt, device: ladder  # type: ignore[assignment]
     blocks: list[object] = []
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
-        blocks.append(kwargs.get("backward_block_bytes"))
+        blocks.append(kwargs.get("block_rows"))
         return run(*args, **kwargs)
 
     experts_mod.run_experts = spy
@@ -260,20 +258,20 @@ def _budget_row_blocks(ctx: ParallelContext, tokens: list[int], E: int) -> list[
 
         def hot(block: int) -> int:
             return probe.predicted_peak(rows_hot, T, 4, 1, transport_row_elements=transport,
-                                        block_bytes=block)
+                                        block_rows=block)
 
         budget = hot(ladder[-1])
         assert hot(ladder[0]) > budget
         policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute="experts"), moe)
         got, want, c = _case(ctx, tokens, E, _to_rank0, policy=policy)
     finally:
-        policy_mod.budget_block_ladder, experts_mod.run_experts = real, run
+        policy_mod.ladder_block_rows, experts_mod.run_experts = real, run
     for name in got:
         assert_close(got[name], want[name], msg=name)
     decision = policy.last_decision
     assert decision is not None and decision.num_chunks == c
-    assert blocks and set(blocks) == {decision.block_bytes}, blocks  # the rank's own blocks
-    return [c, ladder.index(decision.block_bytes)]
+    assert blocks and set(blocks) == {decision.block_rows}, blocks  # the rank's own blocks
+    return [c, ladder.index(decision.block_rows)]
 
 
 def _chunk_count_mismatch(ctx: ParallelContext, E: int) -> None:

@@ -16,6 +16,7 @@ import pytest
 
 from memfine.config import (
     CUDA_BACKWARD_BLOCK_BYTES,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
     ChunkConfig,
     MoEConfig,
 )
@@ -30,6 +31,7 @@ MIB = 2**20
 BLOCK = 16 * MIB
 MOE = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=8, top_k=2,
                 backward_block_bytes=BLOCK)
+BLOCK_ROWS = BLOCK // ((3 * 64 + 3 * 128 + 256) * 4)  # the policy's rows per block in fp32
 T, DT = 2048, 4
 
 
@@ -47,7 +49,7 @@ def test_fixed_num_chunks_ignores_the_rows_and_records_the_prediction() -> None:
     assert not policy.budgeted
     assert [policy.num_chunks(r, T, DT) for r in (0, 10, 10**9)] == [3, 3, 3]
     assert policy.last_decision == ChunkDecision(3, "experts", T * MOE.top_k, _peak(3), None,
-                                                 BLOCK)
+                                                 BLOCK_ROWS)
 
 
 @pytest.mark.parametrize("recompute", ["none", "experts", "full"])
@@ -59,7 +61,7 @@ def test_budget_at_a_bins_peak_picks_the_smallest_bin_that_fits(recompute: str, 
     policy = _budgeted(peaks[c], recompute=recompute)
     decision = policy.decide(T * MOE.top_k, T, DT)
     assert decision == ChunkDecision(want, recompute, T * MOE.top_k, peaks[want], peaks[c],
-                                     BLOCK)
+                                     BLOCK_ROWS)
     assert policy.last_decision == decision
     if want > 1:  # one byte less than the chosen bin's peak needs a larger bin (or fails)
         smaller = [b for b in peaks if b < want]
@@ -180,14 +182,15 @@ def test_token_thresholds_choose_as_the_decision_for_every_token_count(
     moe = MoEConfig(hidden_size=16, intermediate_size=32, num_experts=4, top_k=2)
     budget = 45_000 if dtype_bytes == 4 else 40_000
     policy = ChunkPolicy(ChunkConfig(memory_budget_bytes=budget, recompute=recompute), moe)
-    ladder = (16 * row, 8 * row, 4 * row)
-    monkeypatch.setattr(policy_module, "budget_block_ladder", lambda block, device, row: ladder)
+    assert row  # one block row's bytes: the ladder's rows run (16, 8, 4)·row of transients
+    ladder = (16, 8, 4)
+    monkeypatch.setattr(policy_module, "ladder_block_rows", lambda moe, dt, device: ladder)
     assert policy.candidates() == tuple((c, b) for c in (1, 2, 4, 8) for b in ladder)
     limits = policy.token_limits(dtype_bytes)
     for (c, block), limit in zip(policy.candidates(), limits, strict=True):
         assert limit >= 0
-        assert policy.layer_peak(limit, dtype_bytes, c, block_bytes=block) <= budget
-        assert policy.layer_peak(limit + 1, dtype_bytes, c, block_bytes=block) > budget
+        assert policy.layer_peak(limit, dtype_bytes, c, block_rows=block) <= budget
+        assert policy.layer_peak(limit + 1, dtype_bytes, c, block_rows=block) > budget
     chosen = set()
     for tokens in range(max(limits) + 1):
         rule = next(cand for cand, limit in zip(policy.candidates(), limits, strict=True)
@@ -195,7 +198,7 @@ def test_token_thresholds_choose_as_the_decision_for_every_token_count(
         chosen.add(rule)
         for rows in {tokens * moe.top_k, tokens}:
             decision = policy.decide(rows, tokens, dtype_bytes)
-            assert (decision.num_chunks, decision.block_bytes) == rule, (tokens, rows)
+            assert (decision.num_chunks, decision.block_rows) == rule, (tokens, rows)
     assert len({c for c, _ in chosen}) >= (3 if recompute == "experts" else 1), chosen
     assert len({b for _, b in chosen}) >= 2, chosen
     with pytest.raises(InfeasibleBudgetError):
@@ -245,15 +248,16 @@ def test_predictions_follow_the_row_blocks_of_the_activations_device() -> None:
     row = (3 * 512 + 3 * 1024 + 2048) * dt
     rows = CUDA_BACKWARD_BLOCK_BYTES // row
     blocks = (None, rows // 2 * row, rows // 4 * row)
-    assert policy.ladder("cuda", dt) == blocks
+    assert policy.ladder("cuda", dt) == (rows, rows // 2, rows // 4)
     cuda_peaks = {(c, b): peak(replace(moe, backward_block_bytes=b), c, "cuda")
                   for c in (1, 2) for b in blocks}
     assert min(cuda_peaks[1, b] for b in blocks) > cpu
     want = next(b for b in blocks if cuda_peaks[2, b] <= cpu)
     assert policy.num_chunks(tokens * 4, tokens, dt) == 1
-    assert policy.decide(tokens * 4, tokens, dt).block_bytes is None  # the CPU's default
+    cpu_rows = DEFAULT_BACKWARD_BLOCK_BYTES // row  # the CPU's default
+    assert policy.decide(tokens * 4, tokens, dt).block_rows == cpu_rows
     decision = policy.decide(tokens * 4, tokens, dt, device_type="cuda")
-    assert (decision.num_chunks, decision.block_bytes) == (2, want)
+    assert (decision.num_chunks, decision.block_rows) == (2, rows if want is None else want // row)
     assert decision.predicted_peak_bytes == cuda_peaks[2, want]
     assert max(policy.token_limits(dt, "cuda")[:3]) < tokens <= policy.token_limits(dt)[0]
 

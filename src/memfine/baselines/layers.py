@@ -259,18 +259,19 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         grad_TD: (T, d) gradient of the output.
         modelled: predict with :func:`layer_memory.moe_layer_memory` (the layer's config on
             x's device, recompute mode, and the chunk count and row blocks of its last call).
-        budget_bytes: the MACT budget, reported as the extra ``budget_bytes``.
+        budget_bytes: the MACT budget, reported as the extra ``budget_bytes`` (with the rows
+            per fused row block it chose, ``block_rows``).
         peak: the harness's peak measurement (``profiler`` for a compiled layer).
     """
     one = torch.ones((), device=x_TD.device)
-    state: dict[str, int | None] = {"num_chunks": 1, "block_bytes": None}
+    state: dict[str, int | None] = {"num_chunks": 1, "block_rows": None}
     config: MoEConfig = layer.config  # type: ignore[assignment]
 
     def forward() -> Any:
         out, aux = layer(x_TD)
         state["num_chunks"] = aux.num_chunks
         decision = getattr(layer, "last_decision", None)  # None: compiled, or not a MoELayer
-        state["block_bytes"] = None if decision is None else decision.block_bytes
+        state["block_rows"] = None if decision is None else decision.block_rows
         return out, aux
 
     def backward(res: Any) -> None:
@@ -286,20 +287,18 @@ def layer_method(name: str, layer: nn.Module, x_TD: torch.Tensor, grad_TD: torch
         policy = layer.policy
         assert isinstance(policy, ChunkPolicy), "a modelled layer has a chunk policy"
         recompute = policy.config.resolved_recompute
-        moe = config
-        if state["block_bytes"] is not None:  # the row blocks the call ran (a budget's choice)
-            moe = dataclasses.replace(moe, backward_block_bytes=state["block_bytes"])
-        m = layer_memory.moe_layer_memory(moe, x_TD.shape[0], x_TD.element_size(),
+        m = layer_memory.moe_layer_memory(config, x_TD.shape[0], x_TD.element_size(),
                                           num_chunks=state["num_chunks"] or 1,
-                                          recompute=recompute, device_type=x_TD.device.type)
+                                          recompute=recompute, device_type=x_TD.device.type,
+                                          block_rows=state["block_rows"])  # as the call ran
         return {"saved_bytes": m.saved_bytes, "peak_bytes": m.peak_bytes}
 
     def extras() -> dict[str, Extra]:
         out: dict[str, Extra] = {"num_chunks": (state["num_chunks"] or 1, "chunks")}
-        if state["block_bytes"] is not None:
-            out["block_bytes"] = (state["block_bytes"], "bytes")
         if budget_bytes is not None:
             out["budget_bytes"] = (budget_bytes, "bytes")
+            if state["block_rows"] is not None:  # the rows per fused row block MACT chose
+                out["block_rows"] = (state["block_rows"], "rows")
         return out
 
     return Method(name=name, forward=forward, backward=backward, zero_grad=zero_grad,

@@ -30,6 +30,7 @@ from memfine.config.base import (
     RecomputeMode,
     ScoreFunc,
 )
+from memfine.config.blocks import config_block_rows, ladder_block_rows, shared_block_rows
 from memfine.config.lora import LoRAConfig
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
@@ -81,5 +82,8 @@ __all__ = [
     "block_row_bytes",
     "budget_block_ladder",
     "check_block_bytes",
+    "config_block_rows",
     "default_block_bytes",
+    "ladder_block_rows",
+    "shared_block_rows",
 ]

@@ -64,7 +64,7 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
                      activation: Activation = "swiglu", backend: str = "auto",
                      b_up_EG: torch.Tensor | None = None, b_down_ED: torch.Tensor | None = None,
                      seed: int = 0,
-                     backward_block_bytes: int | None = None,
+                     block_rows: int | None = None,
                      weight_grads: WeightGradBuffers | None = None,
                      quant: QuantizedBase | None = None) -> torch.Tensor:
     """Routed experts with per-expert LoRA adapters, computed split (never W + s·B·A).
@@ -85,8 +85,8 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         b_down_ED: optional (E, d) down-projection bias.
         seed: dropout masks' seed; choose it once per layer call outside recomputed regions
             (unused without dropout).
-        backward_block_bytes: byte target of one row block of the streamed backward, or None
-            for the device's default (:func:`memfine.config.default_block_bytes`).
+        block_rows: rows per row block of the streamed forward and backward (int ≥ 1), or None
+            for the device's default (as :func:`memfine.experts.run_experts`).
         weight_grads: shared base weight-gradient buffers of a chunk loop, or None.
         quant: a frozen 4-bit base (:class:`memfine.lora.quant.QuantizedBase`, QLoRA): then
             ``w_up_EDG`` / ``w_down_END`` are its :meth:`~QuantizedBase.stand_ins` (shapes and
@@ -117,11 +117,11 @@ def run_lora_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: Rou
         raise ValueError(f"hidden_states must have the 4-bit base weights' dtype "
                          f"{quant.up.dtype} (they dequantise to it), got {x_TD.dtype}")
     G = sum(p.shape[2] for p in parts)
-    block_rows = block_rows_of(backward_block_bytes, x_TD, w_down_END.shape[1], G)
-    options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
+    rows = block_rows_of(block_rows, x_TD, w_down_END.shape[1], G)
+    options = FusedOptions(activation=activation, backend=backend, block_rows=rows,
                            weight_grads=weight_grads, host_offsets=index.host_offsets,
                            lora=lora.spec(seed),
-                           quant=None if quant is None else quant.windowed(block_rows))
+                           quant=None if quant is None else quant.windowed(rows))
     # a 4-bit base is read from the options (its stand-ins are not passed)
     base = (parts[0], w_down_END) if quant is None else (None, None)
     out: torch.Tensor = FusedExpertsFunction.apply(

@@ -11,7 +11,7 @@ from typing import Any, Literal
 import torch
 
 from memfine.activations import Activation, apply_activation, check_activation, is_gated
-from memfine.config import backward_block_rows, block_row_bytes, check_block_bytes
+from memfine.config import backward_block_rows
 from memfine.dispatch import RoutingIndex
 from memfine.experts.function import FusedExpertsFunction, FusedOptions, expert_of_rows
 from memfine.ops.combine import combine_rows, gather_rows
@@ -170,18 +170,22 @@ def _check_run_options(impl: str, backend: str) -> None:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
-def block_rows_of(backward_block_bytes: int | None, x_TD: torch.Tensor, N: int, G: int) -> int:
-    """Rows per block of a fused call (:func:`memfine.config.backward_block_rows` on x's device).
+def block_rows_of(block_rows: int | None, x_TD: torch.Tensor, N: int, G: int) -> int:
+    """Rows per block of a fused call: ``block_rows``, or for None the device's default.
+
+    None: :func:`memfine.config.backward_block_rows` of the default block at x's d, n, G,
+    element size and device (a call made without a layer's plan).
 
     Raises:
-        ValueError: naming ``backward_block_bytes`` when it is not None or an int from one row
-            (at 2 bytes per element, as :class:`memfine.config.MoEConfig` checks it) to int64's
-            largest.
+        ValueError: naming ``block_rows`` when it is not None or an int ≥ 1.
     """
-    D = x_TD.shape[1]
-    check_block_bytes(backward_block_bytes, block_row_bytes(D, N, G, 2), "backward_block_bytes")
-    return backward_block_rows(backward_block_bytes, D, N, G, x_TD.element_size(),
-                               x_TD.device.type)
+    if block_rows is None:
+        return backward_block_rows(None, x_TD.shape[1], N, G, x_TD.element_size(),
+                                   x_TD.device.type)
+    if isinstance(block_rows, bool) or not isinstance(block_rows, int) or block_rows < 1:
+        raise ValueError(f"block_rows must be None (the device's default) or an int >= 1, "
+                         f"got {block_rows!r}")
+    return block_rows
 
 
 def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingIndex,
@@ -189,7 +193,7 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
                 activation: Activation = "swiglu", impl: Literal["fused", "plain"] = "fused",
                 backend: str = "auto", b_up_EG: torch.Tensor | None = None,
                 b_down_ED: torch.Tensor | None = None,
-                backward_block_bytes: int | None = None,
+                block_rows: int | None = None,
                 weight_grads: WeightGradBuffers | None = None) -> torch.Tensor:
     """Routed experts: out[t] = Σ_j w[t,j]·(act(x[t]·w_up[e] + b_up[e])·w_down[e] + b_down[e]).
 
@@ -210,10 +214,10 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
         b_up_EG: optional (E, G) up-projection bias in x's dtype (the gate and up columns, in
             the activation's layout).
         b_down_ED: optional (E, d) down-projection bias in x's dtype.
-        backward_block_bytes: fused path: byte target of one row block of the streamed
-            forward and backward (:func:`memfine.config.backward_block_rows`), an int from
-            one row ((3·d + 3·n + G)·2 bytes) to int64's largest, or None for the device's
-            default block (:func:`memfine.config.default_block_bytes`, at least
+        block_rows: fused path: rows per row block of the streamed forward and backward, an
+            int ≥ 1 (a layer passes its plan's, :class:`memfine.schedule.ChunkPlan`), or None
+            for the device's default block (:func:`memfine.config.backward_block_rows` of
+            None: :func:`memfine.config.default_block_bytes`, at least
             :data:`memfine.config.MIN_BLOCK_ROWS` rows).
         weight_grads: fused path: shared weight-gradient buffers of a chunk loop
             (:func:`memfine.ops.weight_grads.share_weight_grads`); ``None``: the Function
@@ -240,8 +244,8 @@ def run_experts(x_TD: torch.Tensor, top_k_weights: torch.Tensor, index: RoutingI
                              b_up_EG, b_down_ED)
     parts = up_parts(w_up_EDG)
     G = sum(p.shape[2] for p in parts)
-    block_rows = block_rows_of(backward_block_bytes, x_TD, w_down_END.shape[1], G)
-    options = FusedOptions(activation=activation, backend=backend, block_rows=block_rows,
+    options = FusedOptions(activation=activation, backend=backend,
+                           block_rows=block_rows_of(block_rows, x_TD, w_down_END.shape[1], G),
                            weight_grads=weight_grads, host_offsets=index.host_offsets)
     out: torch.Tensor = FusedExpertsFunction.apply(
         options, x_TD, weights_TK, index.expert_token_indices, index.expert_token_offsets,

@@ -63,7 +63,7 @@ def check_memory_budget(config: TrainConfig, world_size: int = 1) -> None:
                                        config.device.split(":")[0])
         where = (f"one MoE layer call (T={T} tokens = --batch-size {config.batch_size} x "
                  f"--seq-len {config.seq_len}, s''={rows} rows, {config.dtype}) at its best bin "
-                 f"(c={least.num_chunks}, {block_text(least.block_bytes)} row blocks)")
+                 f"(c={least.num_chunks}, {block_text(least.block_rows)})")
     if budget >= need:
         return
     err = InfeasibleBudgetError(budget, need, chunk.bins, f"{where} needs more (or lower "

@@ -125,7 +125,7 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
                        index_builder: IndexBuilder = "auto",
                        weight_grads: WeightGradBuffers | None = None,
                        lora: ExpertLoRA | None = None,
-                       block_bytes: int | None = None) -> torch.Tensor:
+                       block_rows: int | None = None) -> torch.Tensor:
     """Route-free expert part of one chunk: build the index, run the planned path.
 
     Args:
@@ -142,8 +142,8 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
             and ``w_down`` (:func:`memfine.ops.weight_grads.share_weight_grads`), or None.
         lora: fused path: PEFT's adapters of this module as :class:`ExpertLoRA` (split LoRA,
             :func:`memfine.experts.lora_experts.run_lora_experts`), or None.
-        block_bytes: fused path: the row-block byte target (a budget's choice), or None for
-            the device default.
+        block_rows: fused path: rows per row block (the chunk policy's plan), or None for the
+            device default (an unchunked call).
 
     Returns:
         (T, d) in x's dtype.
@@ -161,11 +161,11 @@ def run_module_experts(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeig
             return run_lora_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                                     lora, activation=plan.activation, backend=backend,
                                     b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
-                                    backward_block_bytes=block_bytes, weight_grads=weight_grads)
+                                    block_rows=block_rows, weight_grads=weight_grads)
         return run_experts(x_TD, top_k_weights, index, weights.w_up, weights.w_down_END,
                            activation=plan.activation, impl="fused", backend=backend,
                            b_up_EG=weights.b_up_EG, b_down_ED=weights.b_down_ED,
-                           backward_block_bytes=block_bytes, weight_grads=weight_grads)
+                           block_rows=block_rows, weight_grads=weight_grads)
     return experts_module_plain(module, x_TD, top_k_weights.to(x_TD.dtype), index,
                                 autocast_weights(x_TD, weights), backend)
 
@@ -282,19 +282,19 @@ def run_module(module: nn.Module, plan: ExpertsPlan, weights: ExpertWeights, x_T
     half (``w_up_second_EDN``) and the biases get their gradients summed by autograd. ``lora``
     (PEFT's adapters, fused path only) adds U (S_c·r) per adapter to what a chunk saves.
     """
-    buffers, block_bytes = None, None
+    buffers, block_rows = None, None
 
     def chunk_fn(chunk: int, x_CD: torch.Tensor, top_k_index_CK: torch.Tensor,
                  top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         return run_module_experts(module, plan, weights, x_CD, top_k_index_CK,
                                   top_k_weights_CK, backend=backend, index_builder=index_builder,
-                                  weight_grads=buffers, lora=lora, block_bytes=block_bytes)
+                                  weight_grads=buffers, lora=lora, block_rows=block_rows)
 
     chunked = chunk.memory_budget_bytes is not None or chunk.num_chunks > 1
     if not chunked:
         return chunk_fn(0, x_TD, top_k_index, top_k_weights)
     chunk_plan = chunk_plan_for(module, plan, weights, x_TD, top_k_index, chunk, lora)
-    c, block_bytes = chunk_plan.num_chunks, chunk_plan.block_bytes
+    c, block_rows = chunk_plan.num_chunks, chunk_plan.block_rows
     if c > 1 and plan.path == "fused" and not torch.compiler.is_compiling():
         # NOTE(memory): one weight-gradient buffer per weight for all c chunks (autograd would
         # otherwise hold a chunk's gradient and the running sum at once).

@@ -46,8 +46,8 @@ class ExpertsBudget:
             row blocks a budget may run (:meth:`memfine.schedule.ChunkPolicy.
             smallest_feasible_budget`; smaller ones are refused).
         least_memory_bin: the c of that least peak.
-        least_memory_block_bytes: its row-block byte target: None for the device's default,
-            or half or a quarter of its rows (:func:`memfine.config.budget_block_ladder`).
+        least_memory_block_rows: its rows per fused row block: the device default's, or half
+            or a quarter of them (:func:`memfine.config.ladder_block_rows`).
     """
 
     tokens: int
@@ -59,7 +59,7 @@ class ExpertsBudget:
     bin_peak_bytes: tuple[int, ...]
     smallest_feasible_budget_bytes: int
     least_memory_bin: int
-    least_memory_block_bytes: int | None
+    least_memory_block_rows: int | None
 
     def describe(self) -> str:
         """One line: T, s″, the two parts, each bin's peak and the smallest feasible budget."""
@@ -70,7 +70,7 @@ class ExpertsBudget:
                 f"scaling with the tokens (c=1); predicted peak {peaks}; smallest feasible "
                 f"memory_budget {format_bytes(self.smallest_feasible_budget_bytes, exact=True)} "
                 f"(c={self.least_memory_bin}, "
-                f"{block_text(self.least_memory_block_bytes)} row blocks)")
+                f"{block_text(self.least_memory_block_rows)})")
 
 
 def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int,
@@ -105,7 +105,7 @@ def experts_budget(policy: ChunkPolicy, tokens: int, rows: int, dtype_bytes: int
         token_bytes=peak(rows, tokens, 1) - fixed, bins=bins,
         bin_peak_bytes=tuple(peak(rows, tokens, c) for c in bins),
         smallest_feasible_budget_bytes=least_peak, least_memory_bin=least.num_chunks,
-        least_memory_block_bytes=least.block_bytes)
+        least_memory_block_rows=least.block_rows)
 
 
 def budget_chunk_config(chunk: ChunkConfig) -> ChunkConfig:

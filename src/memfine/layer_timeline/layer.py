@@ -10,7 +10,7 @@ Reference: our derivation from the code (docs/design.md §2, §5).
 
 from __future__ import annotations
 
-from memfine.config import MoEConfig
+from memfine.config import MoEConfig, config_block_rows, shared_block_rows
 from memfine.config.lora import LoRAConfig
 from memfine.layer_timeline.shared import shared_backward, shared_forward
 from memfine.timeline.base import cat_chunks, engine_sum
@@ -220,7 +220,7 @@ def router_backward(tl: Timeline, s: Shape, rt: dict[str, str], grad_weights: st
 def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks: int = 1,
                    recompute: str = "none", record: bool = True,
                    keep_aux: bool = True, lora: LoRAConfig | None = None,
-                   device_type: str = "cpu") -> Timeline:
+                   device_type: str = "cpu", block_rows: int | None = None) -> Timeline:
     """Replay one MoELayer forward + backward (loss gradients given from outside).
 
     Protocol (what the measurement does): x (T, d) requires grad and exists before; parameters
@@ -230,10 +230,14 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     split-LoRA adapters on a frozen base (:class:`memfine.nn.lora.LoRAGroupedExperts`), the
     router frozen unless ``lora.train_router`` and the shared experts unless
     ``lora.train_attention`` (:mod:`memfine.timeline.lora`). ``device_type``: the
-    activations' device (:class:`memfine.timeline.base.Shape`).
+    activations' device (:class:`memfine.timeline.base.Shape`). ``block_rows``: the routed
+    experts' rows per fused row block in the call (None: the config's own,
+    :func:`memfine.config.config_block_rows`; the shared experts' follow from it,
+    :func:`memfine.config.shared_block_rows`).
     """
-    s = Shape(moe, num_tokens, dtype_bytes, device_type) if lora is None else LoRAShape(
-        moe, num_tokens, dtype_bytes, device_type, lora=lora)  # split LoRA on a frozen base
+    rows = config_block_rows(moe, dtype_bytes, device_type) if block_rows is None else block_rows
+    s = Shape(moe, num_tokens, dtype_bytes, device_type, block_rows=rows) if lora is None else \
+        LoRAShape(moe, num_tokens, dtype_bytes, device_type, lora=lora, block_rows=rows)
     T, D, K, dt = s.T, moe.hidden_size, moe.top_k, s.dt
     plain, ckpt = moe.experts_impl == "plain", recompute != "none"
     tl = Timeline(record=record)
@@ -251,7 +255,8 @@ def simulate_layer(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chu
     shared = None
     if moe.num_shared_experts:
         shared, _ = shared_forward(tl, moe, T, dt, sizes, ckpt=ckpt, routed_out=out,
-                                   device_type=device_type,
+                                   device_type=device_type, block_rows=shared_block_rows(
+                                       moe, rows, dtype_bytes, device_type),
                                    frozen=lora is not None and not lora.train_attention)
     ls = losses_forward(tl, s)
     weights_held = ckpt or not plain  # the plain path saves w_TK (a masked copy) instead

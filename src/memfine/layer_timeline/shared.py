@@ -73,14 +73,17 @@ class SharedState:
 
 def shared_forward(tl: Timeline, moe: MoEConfig, T: int, dt: int, sizes: list[int], *,
                    ckpt: bool, routed_out: str, frozen: bool = False,
-                   device_type: str = "cpu") -> tuple[SharedState, str]:
+                   device_type: str = "cpu", block_rows: int) -> tuple[SharedState, str]:
     """SharedExperts.forward and the sum with the routed output; returns (state, out).
 
     ``frozen``: the shared experts and their gate are frozen (a LoRA layer without
     ``train_attention``): no weight gradients in backward (:func:`shared_backward`).
+    ``block_rows``: the shared experts' rows per fused row block
+    (:func:`memfine.config.shared_block_rows`).
     """
-    sh = (LoRAShape(moe.shared_experts_config(), T, dt, device_type) if frozen
-          else Shape(moe.shared_experts_config(), T, dt, device_type))
+    sh = (LoRAShape(moe.shared_experts_config(), T, dt, device_type, block_rows=block_rows)
+          if frozen else
+          Shape(moe.shared_experts_config(), T, dt, device_type, block_rows=block_rows))
     S, D, plain = sh.moe.num_experts, moe.hidden_size, moe.experts_impl == "plain"
     index = tl.alloc("shared.index", S * 8)
     if moe.shared_expert_gate:

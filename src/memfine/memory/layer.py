@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from memfine.config import MoEConfig
+from memfine.config import MoEConfig, config_block_rows
 from memfine.dispatch.index import sort_free_max_cells
 from memfine.layer_timeline import layer as tlm
 from memfine.layer_timeline.shared import shared_saved_items
@@ -127,8 +127,8 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
 
 
 def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
-                       num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu"
-                       ) -> tlm.Timeline:
+                       num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu",
+                       block_rows: int | None = None) -> tlm.Timeline:
     """The allocation timeline of one MoELayer forward + backward (live set at the peak included).
 
     Args: as :func:`moe_layer_memory`.
@@ -142,13 +142,14 @@ def moe_layer_timeline(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     """
     _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
     return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                              recompute=recompute, device_type=device_type)
+                              recompute=recompute, device_type=device_type,
+                              block_rows=block_rows)
 
 
 def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
                      num_chunks: int = 1, recompute: str = "none",
-                     optimizer_bytes_per_param: int = 0, device_type: str = "cpu"
-                     ) -> MemoryBreakdown:
+                     optimizer_bytes_per_param: int = 0, device_type: str = "cpu",
+                     block_rows: int | None = None) -> MemoryBreakdown:
     """Itemised bytes of one :class:`memfine.nn.MoELayer` forward + backward on one device.
 
     Args:
@@ -161,6 +162,9 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
             fp32 moments); 0 when no optimizer is held.
         device_type: the activations' device: the choices the code makes by device (the
             ``auto`` index builder's size limit, :func:`memfine.dispatch.sort_free_max_cells`).
+        block_rows: the fused path's rows per row block in the call (a chunk policy's
+            ``ChunkDecision.block_rows``); None: the config's own on ``device_type``
+            (:func:`memfine.config.config_block_rows`).
 
     Returns:
         The :class:`MemoryBreakdown`.
@@ -176,7 +180,8 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     items = saved_items(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
                         recompute=recompute)
     tl = moe_layer_timeline(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                            recompute=recompute, device_type=device_type)
+                            recompute=recompute, device_type=device_type,
+                            block_rows=block_rows)
     D, N, G, E, K = (moe.hidden_size, moe.intermediate_size, moe.up_width, moe.num_experts,
                      moe.top_k)
     dt = dtype_bytes
@@ -209,7 +214,8 @@ def moe_layer_memory(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
 def _chunk_trace(moe: MoEConfig, dtype_bytes: int, recompute: str, tokens: int,
                  device_type: str = "cpu") -> list[int]:
     """Live bytes after each event of one chunk's (re)computation and backward, from zero."""
-    s = tlm.Shape(moe, tokens, dtype_bytes, device_type)
+    s = tlm.Shape(moe, tokens, dtype_bytes, device_type,
+                  block_rows=config_block_rows(moe, dtype_bytes, device_type))
     tl = tlm.Timeline()
     saved, _ = tlm.experts_forward(tl, s, tokens, tokens * moe.top_k,
                                    plain=moe.experts_impl == "plain", recompute=False,
@@ -282,8 +288,8 @@ def builder_switch_tokens(moe: MoEConfig, num_chunks: int, device_type: str = "c
 
 
 def layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
-                     num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu"
-                     ) -> int:
+                     num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu",
+                     block_rows: int | None = None) -> int:
     """The exact predicted peak of one MoELayer forward + backward, in bytes (MACT's model).
 
     The maximum of the allocation timeline (:func:`moe_layer_timeline`) replayed without
@@ -303,5 +309,5 @@ def layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     """
     _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
     return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                              recompute=recompute, record=False,
-                              device_type=device_type).peak
+                              recompute=recompute, record=False, device_type=device_type,
+                              block_rows=block_rows).peak

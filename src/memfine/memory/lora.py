@@ -43,8 +43,8 @@ class LoRALayerMemory:
 
 
 def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_bytes: int, *,
-                      num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu"
-                      ) -> LoRALayerMemory:
+                      num_chunks: int = 1, recompute: str = "none", device_type: str = "cpu",
+                      block_rows: int | None = None) -> LoRALayerMemory:
     """Saved and peak bytes of a :class:`memfine.nn.MoELayer` built with ``lora=``.
 
     Args:
@@ -55,6 +55,7 @@ def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_b
         num_chunks: c.
         recompute: ``none``, ``experts`` or ``full``.
         device_type: the activations' device (the ``auto`` index builder's rule).
+        block_rows: rows per fused row block (None: the config's own on ``device_type``).
 
     Returns:
         :class:`LoRALayerMemory`.
@@ -75,7 +76,8 @@ def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_b
         extra = sum(adapter_saved_bytes(lora, C * moe.top_k, dtype_bytes)
                     for C in chunk_tokens(num_tokens, num_chunks))
     tl = simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                        recompute=recompute, lora=lora, device_type=device_type)
+                        recompute=recompute, lora=lora, device_type=device_type,
+                        block_rows=block_rows)
     return LoRALayerMemory(saved_bytes=sum(items.values()) + extra, adapter_saved_bytes=extra,
                            forward_peak_bytes=tl.phase_peaks["forward"], peak_bytes=tl.peak)
 

@@ -28,7 +28,7 @@ import math
 import torch
 from torch import nn
 
-from memfine.config import MoEConfig, Recompute
+from memfine.config import MoEConfig, Recompute, config_block_rows
 from memfine.dispatch import build_routing_index
 from memfine.experts import autocast_operands, compute_element_size, run_experts
 from memfine.ops.weight_grads import WeightGradBuffers
@@ -78,8 +78,8 @@ class GroupedExperts(nn.Module):
                 (token, slot) pairs, its recompute mode).
 
         Returns:
-            ``(out_TD, plan)``: (T, d) combined output and the :class:`ChunkPlan` it ran (c,
-            and the row-block byte target a budget chose, or None for the config's).
+            ``(out_TD, plan)``: (T, d) combined output and the :class:`ChunkPlan` it ran (c and
+            its rows per row block, resolved by the policy).
 
         Raises:
             ValueError: from the policy when a budget cannot be met, or on shape mismatches.
@@ -90,7 +90,7 @@ class GroupedExperts(nn.Module):
         plan = self.plan(x_TD, top_k_index, policy)
         out_TD = self.forward(x_TD, top_k_index, top_k_weights, num_chunks=plan.num_chunks,
                               recompute=policy.config.resolved_recompute,
-                              block_bytes=plan.block_bytes)
+                              block_rows=plan.block_rows)
         return out_TD, plan
 
     def plan(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, policy: ChunkPolicy
@@ -136,7 +136,7 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,
-                recompute: Recompute = "none", block_bytes: int | None = None) -> torch.Tensor:
+                recompute: Recompute = "none", block_rows: int | None = None) -> torch.Tensor:
         """Routed experts over c token chunks: dispatch → experts → combine per chunk.
 
         Args:
@@ -146,8 +146,8 @@ class GroupedExperts(nn.Module):
             num_chunks: c ≥ 1 contiguous token chunks (c > T allowed).
             recompute: ``none``, or ``experts``/``full`` to checkpoint every chunk
                 (:mod:`memfine.schedule.chunked` says what each mode keeps).
-            block_bytes: the fused path's row-block byte target (a budget's choice, as
-                :meth:`run` passes it), or None for ``config.backward_block_bytes``.
+            block_rows: the fused path's rows per row block (the policy's plan, as :meth:`run`
+                passes it), or None for ``config.backward_block_bytes``'s (:meth:`call_block`).
 
         Returns:
             (T, d) combined expert output in x's dtype (the autocast dtype inside
@@ -174,20 +174,18 @@ class GroupedExperts(nn.Module):
         x_TD, w_up_EDG, w_down_END = autocast_operands(x_TD, self.w_up, self.w_down)
         weights, buffers = share_chunk_weight_grads(
             (w_up_EDG, w_down_END), num_chunks, in_place=self.config.experts_impl == "fused")
-        step = functools.partial(self.run_chunk, weights, buffers, self.call_block(block_bytes))
+        step = functools.partial(self.run_chunk, weights, buffers,
+                                 self.call_block(x_TD, block_rows))
         return run_chunked(step, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                            recompute=recompute)
 
-    def call_block(self, block_bytes: int | None) -> int | None:
-        """The row-block byte target of one call: a plan's (a budget's choice) or the config's.
-
-        Both may be None: the device's default block, resolved to rows where the call runs
-        (:func:`memfine.config.backward_block_rows`); the one place the experts pick it.
-        """
-        return self.config.backward_block_bytes if block_bytes is None else block_bytes
+    def call_block(self, x_TD: torch.Tensor, block_rows: int | None) -> int:
+        """Rows per row block of a call: the plan's; None: the config's own at x's D_t."""
+        return block_rows or config_block_rows(self.config, compute_element_size(x_TD),
+                                               x_TD.device.type)
 
     def run_chunk(self, weights: tuple[torch.Tensor, ...], weight_grads: WeightGradBuffers | None,
-                  block_bytes: int | None, chunk: int, x_CD: torch.Tensor,
+                  block_rows: int, chunk: int, x_CD: torch.Tensor,
                   top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         """One chunk's dispatch → experts → combine (the chunk step of :meth:`forward`).
 
@@ -195,7 +193,7 @@ class GroupedExperts(nn.Module):
             weights: ``(w_up_EDG, w_down_END)`` of this call (autocast, or the chunk loop's
                 aliases from :func:`memfine.schedule.chunked.share_chunk_weight_grads`).
             weight_grads: the chunk loop's shared weight-gradient buffers, or ``None``.
-            block_bytes: the fused path's row-block byte target (None: the device default).
+            block_rows: the fused path's rows per row block.
             chunk: the chunk's index in [0, c) (not needed on one process).
             x_CD: (C, d) the chunk's activations.
             top_k_index_CK: (C, k) int64 expert ids of the chunk.
@@ -213,5 +211,4 @@ class GroupedExperts(nn.Module):
         return run_experts(x_CD, top_k_weights_CK, index, w_up_EDG, w_down_END,
                            activation=self.config.activation, impl=self.config.experts_impl,
                            backend=self.config.gemm_backend,
-                           backward_block_bytes=block_bytes,
-                           weight_grads=weight_grads)
+                           block_rows=block_rows, weight_grads=weight_grads)

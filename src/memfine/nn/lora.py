@@ -158,7 +158,7 @@ class LoRAGroupedExperts(GroupedExperts):
 
     def forward(self, x_TD: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor, *, num_chunks: int = 1,
-                recompute: Recompute = "none", block_bytes: int | None = None) -> torch.Tensor:
+                recompute: Recompute = "none", block_rows: int | None = None) -> torch.Tensor:
         """Run the experts with adapters on routed tokens in c chunks (as the base class).
 
         :meth:`GroupedExperts.run` calls it with the policy's plan. The dropout seed is drawn
@@ -171,7 +171,7 @@ class LoRAGroupedExperts(GroupedExperts):
         lora = self.adapters()
         seed = int(torch.randint(0, 2**62, ())) if lora.dropout > 0 else 0
         moe = self.config
-        block = self.call_block(block_bytes)
+        block = self.call_block(x_TD, block_rows)
         quant = self.quantized_base()
         w_up, w_down = (self.w_up, self.w_down) if quant is None else quant.stand_ins()
 
@@ -181,7 +181,7 @@ class LoRAGroupedExperts(GroupedExperts):
             return run_lora_experts(x_CD, top_k_weights_CK, index, w_up, w_down, lora,
                                     activation=moe.activation, backend=moe.gemm_backend,
                                     seed=seed + chunk,
-                                    backward_block_bytes=block, quant=quant)
+                                    block_rows=block, quant=quant)
 
         return run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                            recompute=recompute if torch.is_grad_enabled() else "none")

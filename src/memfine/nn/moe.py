@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from memfine.config import ChunkConfig, MoEConfig
+from memfine.config import ChunkConfig, MoEConfig, shared_block_rows
 from memfine.config.lora import LoRAConfig
+from memfine.experts import compute_element_size
 from memfine.nn.experts import GroupedExperts
 from memfine.nn.lora import LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
@@ -38,8 +39,8 @@ class MoEAux:
         tokens_per_expert: (E,) int64 assignments per expert this call (kept pairs only).
         num_chunks: chunk count c used for the expert part (1 when unchunked).
         recompute: the recompute mode the call ran with (``none``, ``experts`` or ``full``).
-        block_bytes: the fused row-block byte target a budget chose for the call (bytes); None
-            when it ran the config's (``backward_block_bytes`` or the device default).
+        block_rows: the routed experts' rows per fused row block in the call (the policy's
+            plan: the config's own, or a budget's smaller rung); None when no policy planned it.
         sequence_balance_loss: 0-dim fp32 DeepSeek-V3 sequence-wise balance loss; None when
             ``seq_aux_loss_coef`` is 0 (not computed).
         dropped_pairs: 0-dim int64 (token, slot) pairs dropped by capacity; None when dropless.
@@ -57,7 +58,7 @@ class MoEAux:
     tokens_per_expert: torch.Tensor
     num_chunks: int = 1
     recompute: str = "none"
-    block_bytes: int | None = None
+    block_rows: int | None = None
     sequence_balance_loss: torch.Tensor | None = None
     dropped_pairs: torch.Tensor | None = None
     selection_counts: torch.Tensor | None = None
@@ -176,7 +177,8 @@ class MoELayer(nn.Module):
         if self.shared_experts is not None:
             out_TD = out_TD + self.shared_experts(
                 x_TD, mask_T, num_chunks=num_chunks,
-                recompute=self.policy.config.resolved_recompute, block_bytes=plan.block_bytes)
+                recompute=self.policy.config.resolved_recompute, block_rows=shared_block_rows(
+                    self.config, plan.block_rows, compute_element_size(x_TD), x_TD.device.type))
         seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
         aux = self._aux(routing, mask_T, seq_len, step_selection_counts)
         # Not a view: FSDP2 (and any autograd hook on the output) warns that an in-place op on a
@@ -186,7 +188,7 @@ class MoELayer(nn.Module):
         out = torch.ops.aten._unsafe_view(out_TD, x.shape)
         return out, dataclasses.replace(aux, num_chunks=num_chunks,
                                         recompute=self.policy.config.resolved_recompute,
-                                        block_bytes=plan.block_bytes)
+                                        block_rows=plan.block_rows)
 
     @property
     def last_decision(self) -> ChunkDecision | None:

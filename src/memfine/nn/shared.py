@@ -45,7 +45,7 @@ class SharedExperts(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, valid_mask_T: torch.Tensor | None = None, *,
                 num_chunks: int = 1, recompute: Recompute = "none",
-                block_bytes: int | None = None) -> torch.Tensor:
+                block_rows: int | None = None) -> torch.Tensor:
         """Σ_s g_t·Expert_s(x_t) for every token t.
 
         Args:
@@ -53,8 +53,8 @@ class SharedExperts(nn.Module):
             valid_mask_T: optional (T,) bool; padding tokens get sentinel slots (no rows).
             num_chunks: c, as for the routed experts.
             recompute: ``none``, ``experts`` or ``full``, as for the routed experts.
-            block_bytes: the fused row-block byte target, as for the routed experts (None: the
-                config's).
+            block_rows: the fused path's rows per row block (the layer's
+                :func:`memfine.config.shared_block_rows`; None: the config's own).
 
         Returns:
             (T, d) in x's dtype.
@@ -73,4 +73,4 @@ class SharedExperts(nn.Module):
         else:
             weights_TK = F.linear(x_TD, self.gate.to(x_TD.dtype)).sigmoid().expand(T, S)
         return self.experts(x_TD, index_TK, weights_TK, num_chunks=num_chunks,
-                            recompute=recompute, block_bytes=block_bytes)
+                            recompute=recompute, block_rows=block_rows)

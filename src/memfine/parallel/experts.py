@@ -19,7 +19,6 @@ Reference: MemFine §4 (arXiv 2511.21431); MoEBlaze §4-§5; docs/design.md §4.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import torch
@@ -44,7 +43,7 @@ from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: torch.Tensor,
                      w_down_LND: torch.Tensor, plan: ChunkDispatch,
                      group: dist.ProcessGroup, config: MoEConfig,
-                     weight_grads: WeightGradBuffers | None = None, *,
+                     weight_grads: WeightGradBuffers | None = None, *, block_rows: int,
                      lora: ExpertLoRA | None = None, seed: int = 0,
                      quant: QuantizedBase | None = None) -> torch.Tensor:
     """Dispatch → local experts → combine for one chunk of tokens.
@@ -56,10 +55,10 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
         w_down_LND: (L, n, d) this rank's down-projections.
         plan: the chunk's frozen :class:`ChunkDispatch`.
         group: the ``ep`` process group.
-        config: the layer's :class:`MoEConfig` (activation, experts_impl, gemm_backend,
-            backward_block_bytes).
+        config: the layer's :class:`MoEConfig` (activation, experts_impl, gemm_backend).
         weight_grads: the chunk loop's shared weight-gradient buffers (fused path, c > 1), or
             ``None``: the fused backward adds this chunk's weight gradients into them.
+        block_rows: rows per fused row block (the layer call's :class:`ChunkPlan`).
         lora: this rank's (L, ...) split-LoRA adapters
             (:func:`memfine.experts.lora_experts.run_lora_experts`), or None.
         quant: this rank's 4-bit base (QLoRA; the weights are then its stand-ins), or None.
@@ -88,12 +87,11 @@ def ep_chunk_forward(x_TD: torch.Tensor, top_k_weights: torch.Tensor, w_up_LDG: 
     if lora is None:
         y_SD = run_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, activation=config.activation,
                            impl=config.experts_impl, backend=config.gemm_backend,
-                           backward_block_bytes=config.backward_block_bytes,
-                           weight_grads=weight_grads)
+                           block_rows=block_rows, weight_grads=weight_grads)
     else:  # dropout masks follow the received rows (memfine.parallel.lora_experts)
         y_SD = run_lora_experts(x_SD, w_S1, recv, w_up_LDG, w_down_LND, lora,
                                 activation=config.activation, backend=config.gemm_backend,
-                                seed=seed, backward_block_bytes=config.backward_block_bytes,
+                                seed=seed, block_rows=block_rows,
                                 weight_grads=weight_grads, quant=quant)
     y_MD = all_to_all(y_SD, plan.send_splits, plan.recv_splits, group, check=False)
     return combine_returned_rows(y_MD, send.expert_token_indices, send.token_index_map)
@@ -195,7 +193,8 @@ class ExpertParallelExperts(nn.Module):
             return counts, plan
         num_chunks = policy.config.num_chunks
         agree_num_chunks(num_chunks, group, require_equal=True)
-        return exchange_counts(top_k_index, E, (num_chunks,), group), ChunkPlan(num_chunks)
+        return exchange_counts(top_k_index, E, (num_chunks,), group), ChunkPlan(
+            num_chunks, policy.ladder(x_TD.device.type, compute_element_size(x_TD))[0])
 
     def run(self, x_TD: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
             policy: ChunkPolicy) -> tuple[torch.Tensor, ChunkPlan]:
@@ -228,16 +227,15 @@ class ExpertParallelExperts(nn.Module):
         """
         self._check_inputs(x_TD, top_k_index, top_k_weights)
         counts, plan = self._choose(x_TD, top_k_index, policy)
-        num_chunks = plan.num_chunks
+        num_chunks, rows = plan.num_chunks, plan.block_rows
+        assert rows is not None, "the policy resolves every call's rows per row block"
         plans = plan_chunks(top_k_index, counts, num_chunks, self.config.index_builder)
-        config = (self.config if plan.block_bytes is None else
-                  dataclasses.replace(self.config, backward_block_bytes=plan.block_bytes))
         # NOTE(memory): the local weights once per call; their aliases stay valid in recompute
         # (FSDP2 re-gathers into the same storage before backward), and the chunks share one
         # weight-gradient buffer per weight (L·d·G + L·n·d elements, not twice that).
         weights, buffers = share_chunk_weight_grads(
             self.local_weights(), num_chunks, in_place=self.config.experts_impl == "fused")
-        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers, config,
+        chunk_fn = functools.partial(self._run_chunk, plans, weights, buffers, rows,
                                      *self._call_adapters())
         out_TD = run_chunked(chunk_fn, x_TD, top_k_index, top_k_weights, num_chunks=num_chunks,
                              recompute=policy.config.resolved_recompute)
@@ -259,11 +257,12 @@ class ExpertParallelExperts(nn.Module):
         return None, 0
 
     def _run_chunk(self, plans: list[ChunkDispatch], weights: tuple[torch.Tensor, ...],
-                   buffers: WeightGradBuffers | None, config: MoEConfig,
+                   buffers: WeightGradBuffers | None, block_rows: int,
                    lora: ExpertLoRA | None, seed: int, chunk: int, x_CD: torch.Tensor,
                    top_k_index_CK: torch.Tensor, top_k_weights_CK: torch.Tensor) -> torch.Tensor:
         """The loop's chunk function: the chunk's frozen plan, the weights and any adapters."""
         w_up_LDG, w_down_LND = weights if self.quant is None else self.quant.stand_ins()
         return ep_chunk_forward(x_CD, top_k_weights_CK, w_up_LDG, w_down_LND, plans[chunk],
-                                self.context.ep_group, config, buffers, lora=lora,
+                                self.context.ep_group, self.config, buffers,
+                                block_rows=block_rows, lora=lora,
                                 seed=seed + chunk, quant=self.quant)

@@ -76,7 +76,7 @@ def measured_peak(device: torch.device, enabled: bool, *, compiled: bool = False
 
 
 def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: int,
-                             recompute: str | None = None, *, block_bytes: int | None = None
+                             recompute: str | None = None, *, block_rows: int | None = None
                              ) -> int | None:
     """The memory model's peak bytes of one MoE layer forward + backward.
 
@@ -86,8 +86,8 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
         num_chunks: c, the chunk count the layer ran with.
         recompute: the recompute mode the layer ran with (``none``, ``experts`` or ``full``;
             a step-scope budget plans one per layer, ``MoEAux.recompute``); None: the config's.
-        block_bytes: the fused row-block byte target the layer ran (a budget's choice,
-            ``MoEAux.block_bytes``); None: the config's on the run's device.
+        block_rows: the fused path's rows per row block the layer ran (``MoEAux.block_rows``);
+            None: the config's own on the run's device.
 
     Returns:
         Bytes (int), or None when the model does not cover the setting (T < c).
@@ -96,13 +96,10 @@ def predicted_moe_layer_peak(config: TrainConfig, num_tokens: int, num_chunks: i
     """
     if num_tokens < num_chunks:
         return None
-    moe = config.model.moe
-    if block_bytes is not None:
-        moe = dataclasses.replace(moe, backward_block_bytes=block_bytes)
-    return moe_layer_memory(moe, num_tokens, _dtype_bytes(config),
+    return moe_layer_memory(config.model.moe, num_tokens, _dtype_bytes(config),
                             num_chunks=num_chunks,
                             recompute=recompute or config.model.chunk.resolved_recompute,
-                            device_type=_device_type(config)).peak_bytes
+                            device_type=_device_type(config), block_rows=block_rows).peak_bytes
 
 
 def num_parameters(config: TrainConfig, *, trainable_only: bool = False) -> int:

@@ -7,8 +7,8 @@ Each logged step is one JSON object in ``DIR/metrics.jsonl`` with at least ``ste
 ``num_chunks`` and ``recompute`` (one per layer: c and the recompute mode the step ran),
 ``tokens_per_expert`` (per layer, summed over the steps since the
 previous line), ``expert_load_max_over_mean`` (per layer), on evaluation steps ``val_loss``,
-and under a memory budget ``block_bytes`` (per layer: the fused row-block bytes MACT chose;
-``null`` for the device's default block).
+and under a memory budget ``block_rows`` (per layer: the rows per fused row block the layer
+ran, MACT's choice).
 Every line is strict JSON: a non-finite number (NaN, ±inf) is written as ``null`` and the line
 gets ``"nonfinite": true``.
 """

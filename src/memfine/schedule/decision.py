@@ -33,16 +33,19 @@ FLAG_NAMES = {"budget": "--memory-budget", "bins": "--bins", "allow": "--allow-o
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
-    """How one MoE layer call runs: its chunk count and its fused row-block byte target.
+    """How one MoE layer call runs: its chunk count and its fused path's rows per row block.
 
     Attributes:
         num_chunks: c ≥ 1.
-        block_bytes: the row-block byte target (``backward_block_bytes``) the call runs with, or
-            None for the layer config's own (a fixed c, or a compiled call with a fixed c).
+        block_rows: rows per row block of the routed experts' fused forward and backward (≥ 1;
+            resolved by the chunk policy from ``MoEConfig.backward_block_bytes`` or a budget's
+            rung, :func:`memfine.config.ladder_block_rows`), or None where no policy planned
+            the call (the experts then run their config's own,
+            :func:`memfine.config.config_block_rows`).
     """
 
     num_chunks: int
-    block_bytes: int | None = None
+    block_rows: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +60,10 @@ class ChunkDecision:
         predicted_peak_bytes: the memory model's peak of the layer's forward + backward at this
             c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
         budget_bytes: the budget the choice was made against; None for a fixed c.
-        block_bytes: the fused path's row-block byte target the call ran and the prediction
-            assumed (bytes; the config's ``backward_block_bytes``, or under a budget the largest
-            of :func:`memfine.config.budget_block_ladder` that fits); None: the device's
-            default block (:func:`memfine.config.backward_block_rows` gives its rows).
+        block_rows: the fused path's rows per row block the call ran and the prediction
+            assumed (the config's ``backward_block_bytes`` in rows, None's being the device
+            default's; under a budget the largest of :func:`memfine.config.ladder_block_rows`
+            that fits).
     """
 
     num_chunks: int
@@ -68,7 +71,7 @@ class ChunkDecision:
     rows: int
     predicted_peak_bytes: int
     budget_bytes: int | None
-    block_bytes: int | None
+    block_rows: int
 
 
 class InfeasibleBudgetError(ValueError):

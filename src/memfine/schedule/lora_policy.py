@@ -24,8 +24,9 @@ class LoRAChunkPolicy(ChunkPolicy):
         super().__init__(chunk, moe)
         self.lora = lora
 
-    def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
-                   recompute: str, device_type: str = "cpu") -> int:
+    def model_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, recompute: str,
+                   device_type: str, block_rows: int) -> int:
         """The LoRA layer's exact timeline peak at c chunks (uncached), bytes."""
-        return lora_layer_memory(moe, self.lora, num_tokens, dtype_bytes, num_chunks=num_chunks,
-                                 recompute=recompute, device_type=device_type).peak_bytes
+        return lora_layer_memory(self.moe, self.lora, num_tokens, dtype_bytes,
+                                 num_chunks=num_chunks, recompute=recompute,
+                                 device_type=device_type, block_rows=block_rows).peak_bytes

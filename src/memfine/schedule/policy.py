@@ -19,14 +19,15 @@ issues its own all-to-all). The expert-parallel experts pass their agreement (an
 over the ``ep`` group) as the ``agree`` argument of each decision; one process needs none.
 
 Row blocks: with ``MoEConfig.backward_block_bytes=None`` a budgeted decision also picks the
-fused path's row-block byte target, per bin from the device default down to a quarter of its rows
-(:func:`memfine.config.budget_block_ladder`): the candidates are (c, block) pairs, c first, so a
+fused path's rows per block, per bin from the device default down to a quarter of its rows
+(:func:`memfine.config.ladder_block_rows`): the candidates are (c, rows) pairs, c first, so a
 call that fits the budget with smaller blocks runs in fewer chunks, and a smaller c is always
 preferred (a quarter block costs a few percent; a chunk its own routing index and, under expert
 parallelism, its own all-to-alls: :data:`memfine.config.BUDGET_BLOCK_DIVISORS`). A set
 ``backward_block_bytes`` is the only block. The block is local to the rank (the all-to-alls are
 per chunk), so only c is agreed over the expert-parallel group; the block is then the largest
-that fits at the agreed c.
+that fits at the agreed c. Every plan and record carries rows (``ChunkPlan.block_rows``), resolved
+here once per call from the config's bytes (or a rung) at the layer's d, n, G, D_t and device.
 
 Every decision is recorded as a :class:`ChunkDecision` (``last_decision``), which
 :class:`memfine.nn.MoELayer`, the transformers backend and the torchtitan converter expose.
@@ -51,14 +52,8 @@ import math
 import warnings
 import weakref
 from collections.abc import Callable
-from dataclasses import replace
 
-from memfine.config import (
-    ChunkConfig,
-    MoEConfig,
-    block_row_bytes,
-    budget_block_ladder,
-)
+from memfine.config import ChunkConfig, MoEConfig, ladder_block_rows
 from memfine.memory import layer as layer_memory
 from memfine.memory.planner import largest_fitting
 from memfine.schedule.decision import (
@@ -102,8 +97,8 @@ class ChunkPolicy:
         # the latest record, or (a fixed c) the deferred prediction that makes it when read
         self._last: ChunkDecision | Callable[[], ChunkDecision] | None = None
         self._warned = False
-        # (T, D_t, recompute, c, block bytes, device) → exact timeline peak; a step repeats one T
-        self._peaks: dict[tuple[int, int, str, int, int | None, str], int] = {}
+        # (T, D_t, recompute, c, block rows, device) → exact timeline peak; a step repeats one T
+        self._peaks: dict[tuple[int, int, str, int, int, str], int] = {}
         self._row_bytes: dict[tuple[int, str, str], int] = {}
         self._limits: dict[tuple[int, str, str, bool], tuple[int, ...]] = {}
         self.key = next(_KEYS)
@@ -142,24 +137,21 @@ class ChunkPolicy:
         """True when c is chosen from a memory budget (MACT), False for a fixed c."""
         return self.config.memory_budget_bytes is not None
 
-    def ladder(self, device_type: str = "cpu", dtype_bytes: int = 4) -> tuple[int | None, ...]:
-        """The row-block byte targets of this policy's layer, largest first (bytes).
+    def ladder(self, device_type: str = "cpu", dtype_bytes: int = 4) -> tuple[int, ...]:
+        """The rows per block this policy's layer may run, largest first (the first: its own).
 
-        :func:`memfine.config.budget_block_ladder` at the layer's row bytes in D_t; only the
-        config's block when ``backward_block_bytes`` is set.
+        :func:`memfine.config.ladder_block_rows` at the layer's dims in D_t; only the config's
+        block when ``backward_block_bytes`` is set.
         """
-        moe = self.moe
-        return budget_block_ladder(moe.backward_block_bytes, device_type, block_row_bytes(
-            moe.hidden_size, moe.intermediate_size, moe.up_width, dtype_bytes))
+        return ladder_block_rows(self.moe, dtype_bytes, device_type)
 
     def candidates(self, device_type: str = "cpu", dtype_bytes: int = 4
-                   ) -> tuple[tuple[int, int | None], ...]:
-        """The (c, row-block bytes) pairs a budgeted decision tries, in order of preference.
+                   ) -> tuple[tuple[int, int], ...]:
+        """The (c, rows per block) pairs a budgeted decision tries, in order of preference.
 
-        Every bin c in order, and per bin the row-block byte targets of
-        :func:`memfine.config.budget_block_ladder`, largest first: the first pair whose
-        predicted peak fits the budget is the choice. With a fixed c: that c at the config's
-        block.
+        Every bin c in order, and per bin the rows of :meth:`ladder`, largest first: the first
+        pair whose predicted peak fits the budget is the choice. With a fixed c: that c at the
+        config's block.
         """
         ladder = self.ladder(device_type, dtype_bytes)
         if not self.budgeted:
@@ -168,36 +160,34 @@ class ChunkPolicy:
 
     def layer_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, *,
                    recompute: str | None = None, device_type: str = "cpu",
-                   block_bytes: int | None = None) -> int:
+                   block_rows: int | None = None) -> int:
         """The exact timeline peak of one layer call with T tokens at c chunks (cached), bytes.
 
         ``device_type``: the activations' device (the default row blocks and index builder the
-        layer runs there). ``block_bytes``: the row-block byte target (None:
-        the config's, which may be None: the device default, resolved by the memory model for
-        ``device_type`` as the layer resolves it).
+        layer runs there). ``block_rows``: rows per fused row block (None: the config's own,
+        :meth:`ladder`'s first).
         """
         rec = recompute or self.config.resolved_recompute
-        block = self.moe.backward_block_bytes if block_bytes is None else block_bytes
-        key = (num_tokens, dtype_bytes, rec, num_chunks, block, device_type)
+        rows = self.ladder(device_type, dtype_bytes)[0] if block_rows is None else block_rows
+        key = (num_tokens, dtype_bytes, rec, num_chunks, rows, device_type)
         peak = self._peaks.get(key)
         if peak is None:
             if len(self._peaks) >= 256:  # varying T (e.g. a last, shorter batch): stay small
                 self._peaks.clear()
-            moe = replace(self.moe, backward_block_bytes=block)  # None: the device default
-            peak = self._peaks[key] = self.model_peak(moe, num_tokens, dtype_bytes, num_chunks,
-                                                      rec, device_type)
+            peak = self._peaks[key] = self.model_peak(num_tokens, dtype_bytes, num_chunks, rec,
+                                                      device_type, rows)
         return peak
 
-    def model_peak(self, moe: MoEConfig, num_tokens: int, dtype_bytes: int, num_chunks: int,
-                   recompute: str, device_type: str = "cpu") -> int:
+    def model_peak(self, num_tokens: int, dtype_bytes: int, num_chunks: int, recompute: str,
+                   device_type: str, block_rows: int) -> int:
         """The memory model's peak of one layer call (uncached; a subclass's layer kind), bytes.
 
-        :func:`memfine.memory.layer.layer_peak_bytes` of ``moe`` (this policy's config with the
-        row blocks of the call).
+        :func:`memfine.memory.layer.layer_peak_bytes` of this policy's config at the call's
+        rows per block.
         """
-        return layer_memory.layer_peak_bytes(moe, num_tokens, dtype_bytes,
+        return layer_memory.layer_peak_bytes(self.moe, num_tokens, dtype_bytes,
                                              num_chunks=num_chunks, recompute=recompute,
-                                             device_type=device_type)
+                                             device_type=device_type, block_rows=block_rows)
 
     def token_limits(self, dtype_bytes: int, device_type: str = "cpu", *,
                      all_blocks: bool = True) -> tuple[int, ...]:
@@ -231,12 +221,12 @@ class ChunkPolicy:
         key = (dtype_bytes, self.config.resolved_recompute, device_type, all_blocks)
         if key not in self._limits:
 
-            def fits(num_tokens: int, num_chunks: int, block: int | None) -> bool:
+            def fits(num_tokens: int, num_chunks: int, block: int) -> bool:
                 # every T below fits too: the points where the index builder turns (the peak
                 # may fall there) are checked with T (layer_memory.builder_switch_tokens)
                 switches = layer_memory.builder_switch_tokens(self.moe, num_chunks, device_type)
                 return all(self.layer_peak(t, dtype_bytes, num_chunks, device_type=device_type,
-                                           block_bytes=block) <= budget
+                                           block_rows=block) <= budget
                            for t in (*(s for s in switches if s < num_tokens), num_tokens))
 
             candidates = self.candidates(device_type, dtype_bytes)
@@ -257,7 +247,7 @@ class ChunkPolicy:
 
     def predicted_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int,
                        num_chunks: int, *, transport_row_elements: int = 0,
-                       device_type: str = "cpu", block_bytes: int | None = None) -> int:
+                       device_type: str = "cpu", block_rows: int | None = None) -> int:
         """Predicted peak of one layer call at c chunks with s″ received rows, in bytes.
 
         The exact timeline peak for T tokens (S = T·k rows), plus, per chunk, the rows received
@@ -271,10 +261,10 @@ class ChunkPolicy:
             num_chunks: c ≥ 1.
             transport_row_elements: elements per received row kept by a transport layer.
             device_type: the activations' device (as :meth:`layer_peak`).
-            block_bytes: the row-block byte target (None: the config's or the device default).
+            block_rows: rows per fused row block (None: the config's own).
         """
         peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks, device_type=device_type,
-                               block_bytes=block_bytes)
+                               block_rows=block_rows)
         rows = math.ceil(recv_rows / num_chunks)
         extra = max(0, rows - math.ceil(num_tokens / num_chunks) * self.moe.top_k)
         if extra:
@@ -284,18 +274,17 @@ class ChunkPolicy:
     def least_memory_plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                           transport_row_elements: int = 0, device_type: str = "cpu"
                           ) -> tuple[ChunkPlan, int]:
-        """The (c, block) with the least predicted peak, and that peak in bytes.
+        """The (c, rows per block) with the least predicted peak, and that peak in bytes.
 
-        Over every bin and every block of :func:`memfine.config.budget_block_ladder` (the
-        candidates of a budget); ties go to the smaller c, then the smaller block.
+        Over every bin and every block of :meth:`ladder` (the candidates of a budget); ties go
+        to the smaller c, then the smaller block.
         """
         ladder = self.ladder(device_type, dtype_bytes)
         peak, c, block = min(
-            ((self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
-                                  transport_row_elements=transport_row_elements,
-                                  device_type=device_type, block_bytes=block), c, block)
-             for c in self.config.bins for block in ladder),
-            key=lambda p: (p[0], p[1], _block_order(p[2])))
+            (self.predicted_peak(recv_rows, num_tokens, dtype_bytes, c,
+                                 transport_row_elements=transport_row_elements,
+                                 device_type=device_type, block_rows=block), c, block)
+            for c in self.config.bins for block in ladder)
         return ChunkPlan(c, block), peak
 
     def smallest_feasible_budget(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
@@ -358,7 +347,7 @@ class ChunkPolicy:
         bins = self.config.bins
         peaks = {(c, block): self.predicted_peak(
                      recv_rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
-                     device_type=device_type, block_bytes=block)
+                     device_type=device_type, block_rows=block)
                  for c, block in candidates}
         fits = next((c for c, block in candidates if peaks[c, block] <= budget), None)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
@@ -377,7 +366,7 @@ class ChunkPolicy:
             c = bins[-1]
         at_c = [(peak, key[1]) for key, peak in peaks.items() if key[0] == c]
         block = next((blk for peak, blk in at_c if peak <= budget),
-                     min(at_c, key=lambda p: (p[0], _block_order(p[1])))[1])
+                     min(at_c)[1])
         decision = ChunkDecision(c, rec, recv_rows, peaks[c, block], budget, block)
         self._last = decision
         return decision
@@ -389,15 +378,15 @@ class ChunkPolicy:
         rows = num_tokens * self.moe.top_k
         return ChunkDecision(c, self.config.resolved_recompute, rows, self.predicted_peak(
             rows, num_tokens, dtype_bytes, c, transport_row_elements=transport_row_elements,
-            device_type=device_type, block_bytes=block), None, block)
+            device_type=device_type, block_rows=block), None, block)
 
     def plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
              agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
              device_type: str = "cpu") -> ChunkPlan:
         """The :class:`ChunkPlan` of one MoE layer call: :meth:`decide`'s c and row blocks.
 
-        Arguments and errors as :meth:`decide`. Without a budget the plan's ``block_bytes`` is
-        None (the layer's config) and nothing is predicted: the record's prediction is made
+        Arguments and errors as :meth:`decide`. Without a budget the plan's ``block_rows`` are
+        the config's own and nothing is predicted: the record's prediction is made
         when :attr:`last_decision` is read; under ``torch.compile`` tracing with a fixed c
         nothing is recorded (the count is the config's; the memory model runs on host integers
         only).
@@ -407,11 +396,11 @@ class ChunkPolicy:
                 self._last = functools.cache(functools.partial(
                     self._fixed_decision, num_tokens, dtype_bytes, transport_row_elements,
                     device_type))
-            return ChunkPlan(self.config.num_chunks)
+            return ChunkPlan(self.config.num_chunks, self.ladder(device_type, dtype_bytes)[0])
         decision = self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
                                transport_row_elements=transport_row_elements,
                                device_type=device_type)
-        return ChunkPlan(decision.num_chunks, decision.block_bytes)
+        return ChunkPlan(decision.num_chunks, decision.block_rows)
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                    agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
@@ -421,31 +410,26 @@ class ChunkPolicy:
                          transport_row_elements=transport_row_elements,
                          device_type=device_type).num_chunks
 
-    def _over_budget(self, peaks: dict[tuple[int, int | None], int], recv_rows: int,
+    def _over_budget(self, peaks: dict[tuple[int, int], int], recv_rows: int,
                      num_tokens: int,
                      agreed: int, fits: int | None) -> InfeasibleBudgetError:
         """The error of a budget no candidate meets: why, and the smallest feasible budget."""
         bins, budget = self.config.bins, self.config.memory_budget_bytes
         assert budget is not None
-        best = min(peaks, key=lambda key: (peaks[key], key[0], _block_order(key[1])))
+        best = min(peaks, key=lambda key: (peaks[key], *key))
         if fits is not None:
             reason = (f"another rank of the expert-parallel group needs c={agreed} > largest "
                       f"bin {bins[-1]}")
         else:
             reason = (f"with T={num_tokens} tokens and s''={recv_rows} received rows the "
                       f"predicted layer peak is {format_bytes(peaks[best], exact=True)} at "
-                      f"best (c={best[0]}, {block_text(best[1])} row blocks)")
+                      f"best (c={best[0]}, {block_text(best[1])})")
         return InfeasibleBudgetError(budget, peaks[best], bins, reason)
 
 
-def _block_order(block: int | None) -> float:
-    """A ladder entry's size for ordering: None (the device default) is the largest."""
-    return math.inf if block is None else block
-
-
-def block_text(block: int | None) -> str:
-    """A row-block byte target in words: its bytes, or ``the device's default`` for None."""
-    return "the device's default" if block is None else format_bytes(block, exact=True)
+def block_text(block_rows: int | None) -> str:
+    """Rows per row block in words (``row blocks of 128 rows``; None: the config's)."""
+    return "the config's row blocks" if block_rows is None else f"row blocks of {block_rows} rows"
 
 
 def _compiling() -> bool:

@@ -19,13 +19,16 @@ class Shape:
     """The sizes one simulation needs (all ints; bytes per element in ``dt``/``r``).
 
     ``device_type``: the activations' device, for the choices the code makes by device (the
-    ``auto`` index builder's size limit).
+    ``auto`` index builder's size limit). ``block_rows``: rows per row block of the fused
+    forward and backward, as the layer call runs them (:func:`memfine.config.config_block_rows`
+    resolves a config's).
     """
 
     moe: MoEConfig
     T: int
     dt: int
     device_type: str = "cpu"
+    block_rows: int = field(kw_only=True)
 
     @property
     def r(self) -> int:

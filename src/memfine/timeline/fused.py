@@ -11,7 +11,6 @@ Reference: our derivation from the code (docs/design.md §5).
 
 from __future__ import annotations
 
-from memfine.config import backward_block_rows
 from memfine.timeline import lora as adapters
 from memfine.timeline.base import Shape, Timeline
 from memfine.timeline.quant import dequantize
@@ -37,16 +36,6 @@ def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str
     return plan
 
 
-def block_rows(s: Shape) -> int:
-    """Rows per block of the streamed fused forward and backward (``backward_block_bytes``).
-
-    None: the default of the shape's device, resolved as the layer resolves it.
-    """
-    moe = s.moe
-    return backward_block_rows(moe.backward_block_bytes, moe.hidden_size, moe.intermediate_size,
-                               moe.up_width, s.dt, s.device_type)
-
-
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
                   lora_saved: list[str] | None = None) -> tuple[list[str], str]:
     """FusedExpertsFunction.forward streamed over row blocks; returns (H per block, out).
@@ -59,7 +48,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
     """
     D, G, N = s.moe.hidden_size, s.moe.up_width, s.moe.intermediate_size
     kept = [] if lora_saved is None else lora_saved
-    rows = block_rows(s)
+    rows = s.block_rows
     plan = _row_plan(tl, s, S, rows, "fwd")
     out = tl.alloc("fwd.out", C * D * s.dt)
     hs = []
@@ -107,7 +96,7 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
         tim = next(name for name in saved if name.startswith("idx.token_index_map"))
         saved = [name for name in saved if name != tim]
         tl.free(tim)
-    rows = block_rows(s)
+    rows = s.block_rows
     plan = _row_plan(tl, s, S, rows, "bwd")  # once per backward, as in forward
     grouped = grouped_weight_grads(s)
     lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)

@@ -16,7 +16,6 @@ Reference: our derivation from the code (docs/lora.md "QLoRA").
 
 from __future__ import annotations
 
-from memfine.config import backward_block_rows
 from memfine.config.lora import dequant_window
 from memfine.timeline.base import Shape, Timeline
 from memfine.timeline.lora import adapters_of
@@ -39,8 +38,7 @@ def dequantize(tl: Timeline, s: Shape, which: str, block: tuple[int, int, int]) 
         return []
     moe = s.moe
     D, N, G = moe.hidden_size, moe.intermediate_size, moe.up_width
-    rows = backward_block_rows(moe.backward_block_bytes, D, N, G, s.dt, s.device_type)
-    held = dequant_window(rows, moe.num_experts, D, N, G)  # min(E, m), whatever the block
+    held = dequant_window(s.block_rows, moe.num_experts, D, N, G)  # min(E, m), whatever the block
     per = (moe.hidden_size * moe.up_width if which == "w_up"
            else moe.intermediate_size * moe.hidden_size)
     return [tl.alloc(f"{which}_dequantized", held * per * s.dt)]

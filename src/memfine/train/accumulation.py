@@ -137,4 +137,4 @@ def micro_batch(run: RunState, x_BQ: torch.Tensor, y_BQ: torch.Tensor, num_micro
     losses = torch.stack([out.loss, out.load_balancing_loss, out.z_loss]).detach()
     dropped = [int(a.dropped_pairs or 0) for a in out.aux]
     return (losses, out.tokens_per_expert, [a.num_chunks for a in out.aux], dropped,
-            [a.recompute for a in out.aux], [a.block_bytes for a in out.aux])
+            [a.recompute for a in out.aux], [a.block_rows for a in out.aux])

@@ -82,8 +82,8 @@ def write_metrics(run: RunState, record: StepRecord, *, is_eval: bool) -> None:
         line["val_loss"] = run.val_loss
     if record.dropped_pairs is not None:  # pairs dropped by capacity this step (this rank)
         line["dropped_pairs"] = record.dropped_pairs
-    if run.config.model.chunk.memory_budget_bytes is not None and record.block_bytes:
-        line["block_bytes"] = list(record.block_bytes)  # a budget's row blocks (None: default)
+    if run.config.model.chunk.memory_budget_bytes is not None and record.block_rows:
+        line["block_rows"] = list(record.block_rows)  # rows per row block a budget ran
     if run.log is not None:
         run.log.write(line)
     run.log_time, run.log_steps, run.load_log_LE = 0.0, 0, None

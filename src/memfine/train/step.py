@@ -45,8 +45,8 @@ class StepRecord:
             backward at the step's c (None where not measured or not modelled).
         dropped_pairs: (token, slot) pairs dropped by expert capacity per layer on this rank
             (None when dropless).
-        block_bytes: the fused row-block byte target a memory budget chose per MoE layer
-            (None for a layer that ran its config's).
+        block_rows: the fused path's rows per row block each MoE layer ran (a memory
+            budget's choice; None for a layer no chunk policy planned).
     """
 
     step: int
@@ -62,7 +62,7 @@ class StepRecord:
     peak_bytes_predicted: list[int | None] | None = None
     dropped_pairs: list[int] | None = None
     recompute: tuple[str, ...] = ()
-    block_bytes: tuple[int | None, ...] = ()
+    block_rows: tuple[int | None, ...] = ()
 
 
 def run_step(run: RunState, step_index: int) -> StepRecord:
@@ -107,13 +107,13 @@ def run_step(run: RunState, step_index: int) -> StepRecord:
     return StepRecord(
         step=run.step, train_loss=ce, lr=lr, grad_norm=grad_norm, load_balancing_loss=lbl,
         z_loss=z, num_chunks=num_chunks, recompute=tuple(outs[-1][4]),
-        block_bytes=tuple(outs[-1][5]),
+        block_rows=tuple(outs[-1][5]),
         tokens_per_expert_LE=load_LE, seconds=dt,
         dropped_pairs=None if config.model.moe.dropless
         else torch.tensor([out[3] for out in outs]).sum(0).tolist(),
         peak_bytes=None if tracker is None else tracker.peak_bytes,
         peak_bytes_predicted=None if tracker is None else [
-            predicted_moe_layer_peak(config, local_tokens, c, r, block_bytes=b)
+            predicted_moe_layer_peak(config, local_tokens, c, r, block_rows=b)
             for c, r, b in zip(num_chunks, outs[-1][4], outs[-1][5], strict=True)])
 
 
