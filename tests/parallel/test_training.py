@@ -32,6 +32,7 @@ pytestmark = pytest.mark.distributed
 
 RUN_TIMEOUT_S = 400  # base, scaled by timeouts.scaled
 COMMON = ["train", "--sample-tokens", "0", "--no-progress", "--lr-decay-steps", "20"]
+STEPS = 10  # steps of each compared run (the tiny preset's warm-up: the LR changes every step)
 
 
 def _run(cmd: list[str], cwd: Path, *, expect: int = 0) -> str:
@@ -89,9 +90,9 @@ def _assert_same_run(got: Path, want: Path,
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The 20-step one-process reference run."""
+    """The STEPS-step one-process reference run."""
     out = tmp_path_factory.mktemp("single") / "run"
-    _train(out.parent, out, (1, 1), "--max-steps", "20")
+    _train(out.parent, out, (1, 1), "--max-steps", str(STEPS))
     return out
 
 
@@ -105,7 +106,7 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_layout_matches_single_process(tmp_path: Path, single_run: Path,
                                        layout: tuple[int, int]) -> None:
     out = tmp_path / "run"
-    log = _train(tmp_path, out, layout, "--max-steps", "20")
+    log = _train(tmp_path, out, layout, "--max-steps", str(STEPS))
     # every rank reports the whole model (all experts), not its own shard
     config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
     full = sum(p.numel() for p in MoETransformerLM(config.model).parameters())
@@ -125,10 +126,10 @@ def test_resume_across_layouts(tmp_path: Path, single_run: Path,
     """Each segment resumes the previous one's checkpoint at another layout; the losses of the
     whole chain equal the straight run's."""
     out = tmp_path / "run"
-    stops = [20 * (i + 1) // len(chain) for i in range(len(chain))]
+    stops = [STEPS * (i + 1) // len(chain) for i in range(len(chain))]
     for i, (layout, stop) in enumerate(zip(chain, stops, strict=True)):
         _train(tmp_path, out, layout, *(["--resume"] if i else []), "--max-steps", str(stop))
-    assert len(_metrics(out, "train_loss")) == 20
+    assert len(_metrics(out, "train_loss")) == STEPS
     _assert_same_run(out, single_run)
 
 
@@ -144,8 +145,8 @@ ROUTING = ("--num-shared-experts", "1", "--bias-update-rate", "1e-2", "--n-group
 ])
 def test_routing_options_match_single_process(tmp_path: Path, layout: tuple[int, int]) -> None:
     single, out = tmp_path / "single", tmp_path / "run"
-    _train(tmp_path, single, (1, 1), "--max-steps", "20", *ROUTING)
-    _train(tmp_path, out, layout, "--max-steps", "20", *ROUTING)
+    _train(tmp_path, single, (1, 1), "--max-steps", str(STEPS), *ROUTING)
+    _train(tmp_path, out, layout, "--max-steps", str(STEPS), *ROUTING)
     _assert_same_run(out, single)
 
 
@@ -200,5 +201,5 @@ def test_compile_with_expert_parallelism(tmp_path: Path, single_run: Path) -> No
     """``--compile`` at (dp_shard, ep) = (1, 2): each block's collective-free regions run
     compiled, the experts' all-to-alls and FSDP2's hooks eagerly; the run equals one process."""
     out = tmp_path / "run"
-    _train(tmp_path, out, (1, 2), "--max-steps", "20", "--compile")
+    _train(tmp_path, out, (1, 2), "--max-steps", str(STEPS), "--compile")
     _assert_same_run(out, single_run)
