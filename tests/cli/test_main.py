@@ -141,7 +141,7 @@ def test_bench_prints_no_profiler_trace_lines(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
     done = timeouts.run(
         [sys.executable, "-m", "memfine", "bench", "--quick", "--suites", "experts",
-         "--methods", "fused", "--configs", "1", "--out", str(tmp_path)],
+         "--methods", "fused", "--out", str(tmp_path)],
         600, capture_output=True, env=env)
     assert done.returncode == 0, done.stderr
     assert "experts" in done.stdout and (tmp_path / "bench_experts.csv").exists()
