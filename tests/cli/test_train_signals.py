@@ -51,7 +51,9 @@ def _wait_for_steps(out: Path, steps: int, alive: Callable[[], bool]) -> None:
 
 @pytest.mark.parametrize(("signum", "code"), [
     pytest.param(signal.SIGINT, 130, id="ctrl_c"),
-    pytest.param(signal.SIGTERM, 143, id="sigterm"),
+    # slow-only: the handler, the save and the exit code 128 + signal are ctrl_c's path, and
+    # SIGTERM's own handling is test_in_process_sigterm_reaches_the_callers_handler's
+    pytest.param(signal.SIGTERM, 143, id="sigterm", marks=pytest.mark.slow),
 ])
 def test_stop_signal_saves_checkpoint_and_exits_128_plus_signal(
         tmp_path: Path, signum: int, code: int) -> None:

@@ -118,7 +118,7 @@ def test_block_recompute_modes_match_and_keep_less() -> None:
     assert runs["full"][1] < runs["experts"][1] < runs["none"][1]
 
 
-def _losses(chunk: ChunkConfig, steps: int = 50) -> list[float]:
+def _losses(chunk: ChunkConfig, steps: int = 25) -> list[float]:
     torch.manual_seed(0)
     model = MoETransformerLM(_tiny_config(chunk))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -139,7 +139,7 @@ def _losses(chunk: ChunkConfig, steps: int = 50) -> list[float]:
 
 
 def test_training_losses_chunked_equal_unchunked() -> None:
-    """50 AdamW steps of the small LM: c=4 with chunked recompute gives the c=1 losses."""
+    """25 AdamW steps of the small LM: c=4 with chunked recompute gives the c=1 losses."""
     want = _losses(ChunkConfig(num_chunks=1, recompute="none"))
     got = _losses(ChunkConfig(num_chunks=4, recompute="experts"))
     assert want[-1] < want[0]  # it trains

@@ -4,6 +4,7 @@ the combine helpers (selection of sentinel slots, per-token sums)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import sys
 
@@ -111,25 +112,45 @@ def test_the_config_and_the_experts_accept_the_same_names(activation: str) -> No
     assert moe.gated == is_gated(activation)
 
 
-@pytest.mark.parametrize(("edit", "message"), [
+HALF_ADDED = [
     ('ACTIVATIONS["tanh"] = ACTIVATIONS["gelu"]',
      "memfine.config.Activation .* and ACTIVATIONS .* must list the same names"),
     ('GATE_FUNCTIONS["relu"] = GATE_FUNCTIONS["silu"]',
      "memfine.config.GateFn .* and GATE_FUNCTIONS .* must list the same names"),
-])
-def test_a_half_added_table_entry_fails_at_import(edit: str, message: str) -> None:
-    script = f"""
-import importlib.util, sys
+]
+# One child process for every edit: each runs on a fresh copy of the module's source, and the
+# child prints, per edit, the last line of the error its import raised (None if none).
+_CHILD = """
+import importlib.util, json, sys, traceback
 spec = importlib.util.find_spec("memfine.activations.functions")
-source = open(spec.origin).read()
-head, tail = source.rsplit("_check_tables()", 1)  # the module-level call, last
-source = head + {edit!r} + "; _check_tables()" + tail
-module = importlib.util.module_from_spec(spec)
-exec(compile(source, spec.origin, "exec"), module.__dict__)
+head, tail = open(spec.origin).read().rsplit("_check_tables()", 1)  # the module-level call, last
+results = {}
+for edit in json.loads(sys.argv[1]):
+    module = importlib.util.module_from_spec(spec)
+    try:
+        exec(compile(head + edit + "; _check_tables()" + tail, spec.origin, "exec"),
+             module.__dict__)
+        results[edit] = None
+    except Exception as error:
+        results[edit] = traceback.format_exception_only(error)[-1].strip().splitlines()[-1]
+print(json.dumps(results))
 """
-    done = timeouts.run([sys.executable, "-c", script], 300, capture_output=True, check=False)
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ImportError: ") and re.search(message, last), done.stderr
+
+
+@pytest.fixture(scope="module")
+def half_added_errors() -> dict[str, str | None]:
+    done = timeouts.run([sys.executable, "-c", _CHILD, json.dumps([e for e, _ in HALF_ADDED])],
+                        300, capture_output=True, check=False)
+    assert done.returncode == 0, done.stderr
+    errors: dict[str, str | None] = json.loads(done.stdout.strip().splitlines()[-1])
+    return errors
+
+
+@pytest.mark.parametrize(("edit", "message"), HALF_ADDED)
+def test_a_half_added_table_entry_fails_at_import(half_added_errors: dict[str, str | None],
+                                                  edit: str, message: str) -> None:
+    last = half_added_errors[edit]
+    assert last is not None and last.startswith("ImportError: ") and re.search(message, last), last
 
 
 def test_a_config_name_without_a_reference_formula_fails_at_import() -> None:

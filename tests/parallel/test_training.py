@@ -4,8 +4,9 @@ Every rank builds the model from the same seed and takes its rows of each global
 are sharded over ``ep`` and FSDP2 shards the rest over the data dims. The per-step training
 losses and gradient norms (rank 0's metrics.jsonl) must equal the single-process run on the same
 global batches, and the final parameters (the DCP checkpoint, loaded into one process) must
-equal the single-process checkpoint. Checkpoints resume across layouts. One layout and a short
-resume chain run by default; the 4-rank layouts and the full chain are marked slow.
+equal the single-process checkpoint. Checkpoints resume across layouts. By default a short
+resume chain that starts at one layout (dp1_ep2, checked as a fresh run of it); every layout on
+its own, the 4-rank layouts and the full chain are marked slow.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ pytestmark = pytest.mark.distributed
 
 RUN_TIMEOUT_S = 400  # base, scaled by timeouts.scaled
 COMMON = ["train", "--sample-tokens", "0", "--no-progress", "--lr-decay-steps", "20"]
+STEPS = 10  # steps of each compared run (the tiny preset's warm-up: the LR changes every step)
 
 
 def _run(cmd: list[str], cwd: Path, *, expect: int = 0) -> str:
@@ -89,14 +91,26 @@ def _assert_same_run(got: Path, want: Path,
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The 20-step one-process reference run."""
+    """The STEPS-step one-process reference run."""
     out = tmp_path_factory.mktemp("single") / "run"
-    _train(out.parent, out, (1, 1), "--max-steps", "20")
+    _train(out.parent, out, (1, 1), "--max-steps", str(STEPS))
     return out
 
 
+def _assert_fresh_multi_rank_run(out: Path, log: str, layout: tuple[int, int]) -> None:
+    """Every rank reports the whole model (all experts), not its own shard; the checkpoint is
+    the DCP form only."""
+    config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
+    full = sum(p.numel() for p in MoETransformerLM(config.model).parameters())
+    assert log.count(f"model: {full:,} parameters") == layout[0] * layout[1], log[-2000:]
+    assert (out / "checkpoint.dcp" / "meta.pt").is_file()
+    assert not (out / "checkpoint.pt").exists()
+
+
+# slow-only: dp1_ep2 is also the first segment of test_resume_across_layouts' default chain,
+# checked there with _assert_fresh_multi_rank_run
 @pytest.mark.parametrize("layout", [
-    pytest.param((1, 2), id="dp1_ep2"),
+    pytest.param((1, 2), id="dp1_ep2", marks=pytest.mark.slow),
     pytest.param((2, 1), id="dp2_ep1", marks=pytest.mark.slow),
     pytest.param((2, 2), id="dp2_ep2", marks=pytest.mark.slow),
     pytest.param((4, 1), id="dp4_ep1", marks=pytest.mark.slow),
@@ -105,30 +119,28 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_layout_matches_single_process(tmp_path: Path, single_run: Path,
                                        layout: tuple[int, int]) -> None:
     out = tmp_path / "run"
-    log = _train(tmp_path, out, layout, "--max-steps", "20")
-    # every rank reports the whole model (all experts), not its own shard
-    config = TrainConfig.from_dict(json.loads((out / "config.json").read_text()))
-    full = sum(p.numel() for p in MoETransformerLM(config.model).parameters())
-    assert log.count(f"model: {full:,} parameters") == layout[0] * layout[1], log[-2000:]
-    assert (out / "checkpoint.dcp" / "meta.pt").is_file()
-    assert not (out / "checkpoint.pt").exists()
+    log = _train(tmp_path, out, layout, "--max-steps", str(STEPS))
+    _assert_fresh_multi_rank_run(out, log, layout)
     _assert_same_run(out, single_run)
 
 
 @pytest.mark.parametrize("chain", [
-    pytest.param([(2, 1), (1, 2), (1, 1)], id="dp2-ep2-single"),
+    pytest.param([(1, 2), (2, 1), (1, 1)], id="ep2-dp2-single"),
     pytest.param([(2, 1), (1, 2), (1, 1), (2, 2)], id="dp2-ep2-single-dp2ep2",
                  marks=pytest.mark.slow),
 ])
 def test_resume_across_layouts(tmp_path: Path, single_run: Path,
                                chain: list[tuple[int, int]]) -> None:
     """Each segment resumes the previous one's checkpoint at another layout; the losses of the
-    whole chain equal the straight run's."""
+    whole chain equal the straight run's. The first segment is a fresh multi-rank run."""
     out = tmp_path / "run"
-    stops = [20 * (i + 1) // len(chain) for i in range(len(chain))]
+    stops = [STEPS * (i + 1) // len(chain) for i in range(len(chain))]
     for i, (layout, stop) in enumerate(zip(chain, stops, strict=True)):
-        _train(tmp_path, out, layout, *(["--resume"] if i else []), "--max-steps", str(stop))
-    assert len(_metrics(out, "train_loss")) == 20
+        log = _train(tmp_path, out, layout, *(["--resume"] if i else []), "--max-steps",
+                     str(stop))
+        if i == 0:
+            _assert_fresh_multi_rank_run(out, log, layout)
+    assert len(_metrics(out, "train_loss")) == STEPS
     _assert_same_run(out, single_run)
 
 
@@ -144,8 +156,8 @@ ROUTING = ("--num-shared-experts", "1", "--bias-update-rate", "1e-2", "--n-group
 ])
 def test_routing_options_match_single_process(tmp_path: Path, layout: tuple[int, int]) -> None:
     single, out = tmp_path / "single", tmp_path / "run"
-    _train(tmp_path, single, (1, 1), "--max-steps", "20", *ROUTING)
-    _train(tmp_path, out, layout, "--max-steps", "20", *ROUTING)
+    _train(tmp_path, single, (1, 1), "--max-steps", str(STEPS), *ROUTING)
+    _train(tmp_path, out, layout, "--max-steps", str(STEPS), *ROUTING)
     _assert_same_run(out, single)
 
 
@@ -200,5 +212,5 @@ def test_compile_with_expert_parallelism(tmp_path: Path, single_run: Path) -> No
     """``--compile`` at (dp_shard, ep) = (1, 2): each block's collective-free regions run
     compiled, the experts' all-to-alls and FSDP2's hooks eagerly; the run equals one process."""
     out = tmp_path / "run"
-    _train(tmp_path, out, (1, 2), "--max-steps", "20", "--compile")
+    _train(tmp_path, out, (1, 2), "--max-steps", str(STEPS), "--compile")
     _assert_same_run(out, single_run)

@@ -8,7 +8,7 @@ the field to fix, never with a KeyError or a silently wrong row.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
+import json
 import sys
 
 import pytest
@@ -91,37 +91,56 @@ def test_a_method_that_cannot_run_is_skipped_with_a_line(
     assert [r.name for r in points[0].results] == ["fused"]
 
 
-def _import_with_entry(entry_source: str) -> subprocess.CompletedProcess[str]:
-    """Import the suite module with ``entry_source`` added to its LAYER_METHODS, in a child."""
-    script = f"""
-import importlib.util, sys
+# The import-time check, run by one child process for every entry below (one start of Python,
+# torch and memfine for them all): each entry is added to a fresh copy of the module's source,
+# and the child prints, per entry, the last line of the error its import raised (None if none).
+_CHILD = """
+import importlib.util, json, sys, traceback
 spec = importlib.util.find_spec("memfine.suites.experts")
 source = open(spec.origin).read()
 anchor = '    "fused": LayerMethod('
 assert anchor in source, "the table's fused entry moved"
-source = source.replace(anchor, {entry_source!r} + "\\n" + anchor, 1)
-module = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = module
-exec(compile(source, spec.origin, "exec"), module.__dict__)
+results = {}
+for entry in json.loads(sys.argv[1]):
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    try:
+        exec(compile(source.replace(anchor, entry + "\\n" + anchor, 1), spec.origin, "exec"),
+             module.__dict__)
+        results[entry] = None
+    except Exception as error:
+        results[entry] = traceback.format_exception_only(error)[-1].strip().splitlines()[-1]
+print(json.dumps(results))
 """
-    return timeouts.run([sys.executable, "-c", script], 300, capture_output=True, check=False)
-
-
-@pytest.mark.parametrize(("entry", "message"), [
+BAD_ENTRIES = [
     ('    "x": (lambda s: sharing(s.base, s.moe)),',
      "method 'x' (LAYER_METHODS in memfine.suites.experts): the entry must be a LayerMethod"),
     ('    "y": LayerMethod(lambda s: sharing(s.base, s.moe), modelled="yes"),',
      "method 'y' (LAYER_METHODS in memfine.suites.experts): field 'modelled' must be a bool"),
     ('    "z": LayerMethod(None),',
      "method 'z' (LAYER_METHODS in memfine.suites.experts): field 'layer' must be a callable"),
-])
-def test_a_bad_entry_fails_at_import_naming_method_and_field(entry: str, message: str) -> None:
-    done = _import_with_entry(entry)
-    assert done.returncode != 0
-    last = done.stderr.strip().splitlines()[-1]
-    assert last.startswith("ValueError: bench suite 'experts', ") and message in last, done.stderr
+]
 
 
-def test_the_import_check_passes_the_committed_table() -> None:
-    done = _import_with_entry("")
+@pytest.fixture(scope="module")
+def import_errors() -> dict[str, str | None]:
+    """The last error line of importing the suite module with each entry added ("": none)."""
+    entries = ["", *(entry for entry, _ in BAD_ENTRIES)]
+    done = timeouts.run([sys.executable, "-c", _CHILD, json.dumps(entries)], 300,
+                        capture_output=True, check=False)
     assert done.returncode == 0, done.stderr
+    errors: dict[str, str | None] = json.loads(done.stdout.strip().splitlines()[-1])
+    return errors
+
+
+@pytest.mark.parametrize(("entry", "message"), BAD_ENTRIES)
+def test_a_bad_entry_fails_at_import_naming_method_and_field(
+        import_errors: dict[str, str | None], entry: str, message: str) -> None:
+    last = import_errors[entry]
+    assert last is not None and last.startswith("ValueError: bench suite 'experts', ")
+    assert message in last, last
+
+
+def test_the_import_check_passes_the_committed_table(
+        import_errors: dict[str, str | None]) -> None:
+    assert import_errors[""] is None
