@@ -23,6 +23,7 @@ from memfine.activations import (
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
+    block_tokens,
     expert_of_rows,
     forward_rows,
     row_blocks,
@@ -360,7 +361,8 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     The block's grouped offsets are clamp(offsets, r0, r1) − r0 (computed for every block at
     once, :meth:`memfine.experts.rows.RowBlocks.plan`; no host copy needed for the GEMMs); weight
     gradients go into the buffers (one grouped GEMM per weight in bf16, else per expert), dx
-    per token. Rows are gathered with the int32 indices as they are (no int64 copy).
+    per token. Rows are gathered by the block's tokens (:func:`memfine.experts.rows.block_tokens`:
+    int64 on the CPU, B·8 bytes, the int32 slice elsewhere).
     """
     E = st.w_up_EDG.shape[0]
     assert st.blocks is not None, "the blocks are planned before they run"
@@ -368,7 +370,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     offs_E1 = st.blocks.offsets_of(b, r0, r1, S)
     # the block's experts only (several blocks, no bias, no LoRA: else all E)
     held_offs, held = st.blocks.experts_of(b, r0, r1, S)
-    token_B = st.token_idx_S[r0:r1]
+    token_B = block_tokens(st.token_idx_S, r0, r1)
     h_BG = st.h_blocks[0][r0:r1] if len(st.h_blocks) == 1 else st.h_blocks[b]
     w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d

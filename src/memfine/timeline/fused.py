@@ -37,6 +37,11 @@ def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str
     return plan
 
 
+def _block_tokens(tl: Timeline, s: Shape, B: int, phase: str) -> list[str]:
+    """experts.rows.block_tokens: the block's tokens as int64 on the CPU (B·8 bytes), else none."""
+    return [tl.alloc(f"{phase}.token_B", B * 8)] if s.device_type == "cpu" else []
+
+
 def block_rows(s: Shape) -> int:
     """Rows per block of the streamed fused forward and backward (``backward_block_bytes``).
 
@@ -65,6 +70,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
     hs = []
     for r0 in range(0, S, rows):
         B = min(S, r0 + rows) - r0
+        tokens = _block_tokens(tl, s, B, "fwd")
         xg = tl.alloc("fwd.x_BD", B * D * s.dt)
         deq = dequantize(tl, s, "w_up", (r0, r0 + B, S))  # a 4-bit base's block experts
         hs.append(tl.alloc("fwd.H_block", B * G * s.dt))
@@ -78,7 +84,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
         kept += adapters.forward_term(tl, s, B, S, "down", first=r0 == 0)
         tl.free(a)
         weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
-        tl.free(y, weighted)
+        tl.free(y, weighted, *tokens)
     if not hs:  # no rows
         hs.append(tl.alloc("fwd.H_block", 0))
     tl.free(*plan)
@@ -196,6 +202,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
     frozen = adapters.base_frozen(s)  # split LoRA or frozen shared experts: no base gradient
     lora = adapters.adapters_of(s)
     need_a = need_weights or not frozen or (lora is not None and "w_down" in lora.targets)
+    tokens = _block_tokens(tl, s, B, "bwd")
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
     deq = dequantize(tl, s, "w_down", block)  # a 4-bit base's block experts
     grad_a = tl.alloc("bwd.dA", B * N * dt)
@@ -216,7 +223,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
     deq = dequantize(tl, s, "w_up", block)
     dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
     tl.free(*deq)
-    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
+    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []), *tokens)
 
 
 def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
