@@ -117,9 +117,14 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     plan = _row_plan(tl, s, S, rows, "bwd")  # once per backward, as in forward
     grouped = grouped_weight_grads(s)
     lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
-    for r0 in range(0, S, rows):
+    starts = range(0, S, rows)
+    hs = [name for name in saved if name.startswith("fwd.H_block")]
+    if len(hs) != len(starts) or dt == 2:  # freed at the end, not per block (bf16: kept)
+        hs = [""] * len(starts)
+    saved = [name for name in saved if name not in hs]
+    for r0, h in zip(starts, hs, strict=True):
         _fused_backward_block(tl, s, (r0, min(S, r0 + rows), S), buffers, grouped, lora_buffers,
-                              need_weights)
+                              need_weights, h)
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
@@ -189,8 +194,11 @@ def _weight_grad(tl: Timeline, s: Shape, buffers: dict[str, str], grouped: bool,
 
 def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
                           buffers: dict[str, str], grouped: dict[str, bool],
-                          lora_buffers: dict[str, str], need_weights: bool = True) -> None:
+                          lora_buffers: dict[str, str], need_weights: bool = True,
+                          h_block: str = "") -> None:
     """One row block [r0, r1) of S rows: dO rows, dA, A, dH, x rows, dx rows (in code order).
+
+    ``h_block``: the block's saved H, freed once its dH exists ("": kept to the end).
 
     A (and a gated activation's f(gate), kept for dH) is recomputed only when something reads
     it: the routing-weight dots, W_down's gradient, or a down adapter's (as the code's
@@ -214,7 +222,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
         _weight_grad(tl, s, buffers, grouped["w_down"], "w_down", (N, D), block)
     tl.free(*a, grad_out)
     grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
-    tl.free(grad_a, *gate)
+    tl.free(grad_a, *gate, *([h_block] if h_block else []))
     if not frozen:
         xg = tl.alloc("bwd.x_BD", B * D * dt)
         _weight_grad(tl, s, buffers, grouped["w_up"], "w_up", (D, G), block)
