@@ -139,9 +139,9 @@ class RowBlocks:
 def block_tokens(token_idx_S: torch.Tensor, r0: Any, r1: Any) -> torch.Tensor:
     """The tokens of rows [r0, r1): int64 on the CPU, the int32 slice elsewhere.
 
-    The CPU's ``index_select`` and ``index_add_`` run about 1.5× and 2× faster on int64
-    indices than on int32 ones (one thread, a (B, d) block); elsewhere the slice is taken as
-    it is (no extra kernel). Memory: on the CPU, B int64 (B·8 bytes) for the block.
+    The CPU's ``index_select`` and ``index_add_`` run faster on int64 indices than on int32
+    ones (one thread, a (B, d) block); elsewhere the slice is taken as it is (no extra kernel).
+    Memory: on the CPU, B int64 (B·8 bytes) for the block.
     """
     token_B = token_idx_S[r0:r1]
     return token_B.long() if token_B.device.type == "cpu" else token_B
