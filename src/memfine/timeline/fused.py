@@ -102,6 +102,8 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     one once unpacked, so token_index_map (unpacked, unused by backward) goes first.
     ``need_weights=False``: the routing weights need no gradient (shared experts without a
     gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    With one saved H per block (D_t ≠ 2: fp32/float64), each block's H is freed once its dH
+    exists (the protocol's backward does not keep the graph); bf16 keeps H to the end.
     Returns the chunk's gradients (``weights``, ``x``, and ``w_up``/``w_down`` when owned).
     """
     moe, dt = s.moe, s.dt
