@@ -92,7 +92,9 @@ def test_experts_quick_writes_csv_and_plots(tmp_path: Path) -> None:
     saved = {n: int(table[f"quick/{n}"]["saved_bytes/fwd"]["p50"]) for n in runnable}
     assert saved["fused"] < saved["grouped_mm"] == saved["plain"]
     assert saved["fused_mact"] < saved["fused"]
-    assert int(table["quick/fused_mact"]["num_chunks/full"]["p50"]) == 2
+    # the budget is c = 2's predicted peak; at this tiny shape the unchunked layer (each block's
+    # H freed once its dH exists) peaks below it, so MACT keeps c = 1
+    assert int(table["quick/fused_mact"]["num_chunks/full"]["p50"]) == 1
     for kind in ("time", "memory", "predicted"):
         assert (out / f"bench_experts_{kind}.png").stat().st_size > 0
     config = json.loads((out / "bench_config.json").read_text())

@@ -295,3 +295,24 @@ def test_streamed_forward_never_holds_a_gathered_copy(d: int, n: int, E: int, k:
 
     bound = (S * 2 * n + T * d + S * d) * 4  # H + out + one gathered copy
     assert forward_peak(8) < bound <= forward_peak(2**40)
+
+
+def test_block_h_kept_when_the_graph_is_kept() -> None:
+    """fp32, several blocks: a backward that does not keep the graph frees each block's saved H
+    once its dH exists (tests/measure/test_profiled.py: the model frees it there too); one
+    that keeps it (retain_graph) leaves H whole, so the graph runs again to the same values."""
+    torch.manual_seed(0)
+    T, d, n, E, k = 12, 8, 4, 3, 2
+    x, idx_TK, weights, w_up, w_down = make_problem(T, d, n, E, k)
+    index = build_routing_index(idx_TK, E)
+    block_rows = 5  # 5 blocks of the 24 rows
+    inputs = (x, weights, w_up, w_down)
+    grad_out = torch.randn(T, d)
+    out = run_experts(x, weights, index, w_up, w_down, block_rows=block_rows)
+    first = torch.autograd.grad(out, inputs, grad_out, retain_graph=True)
+    again = torch.autograd.grad(out, inputs, grad_out)
+    fresh = torch.autograd.grad(
+        run_experts(x, weights, index, w_up, w_down, block_rows=block_rows),
+        inputs, grad_out)
+    for a, b, c in zip(first, again, fresh, strict=True):
+        assert torch.equal(a, b) and torch.equal(a, c)

@@ -82,12 +82,16 @@ def test_lora_layer_model_equals_measurement(dtype: torch.dtype, T: int, d: int,
 
 
 def test_frozen_base_lowers_the_peak_below_the_trained_layer() -> None:
-    """No base weight gradient: the LoRA layer's backward peak is far below full training's."""
+    """No base weight gradient: the LoRA layer's backward peak is far below full training's.
+
+    (Full training frees its one block's H once dH exists, before its peak: the margin is
+    H (S·2n) below the weight gradients, 0.3 of them here.)
+    """
     moe = MoEConfig(hidden_size=64, intermediate_size=128, num_experts=16, top_k=2)
     full = moe_layer_memory(moe, 256, 4)
     tuned = lora_layer_memory(moe, LoRAConfig(rank=8), 256, 4)
     weight_grads = 16 * 64 * 128 * 3 * 4
-    assert full.peak_bytes - tuned.peak_bytes >= weight_grads // 2
+    assert full.peak_bytes - tuned.peak_bytes >= weight_grads // 4
     assert tuned.saved_bytes - full.saved_bytes == 256 * 2 * 8 * 2 * 4  # U_up and U_down
 
 

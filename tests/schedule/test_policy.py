@@ -222,7 +222,7 @@ def test_the_device_default_block_is_resolved_by_the_device_given() -> None:
     cuda = replace(moe, backward_block_bytes=CUDA_BACKWARD_BLOCK_BYTES)  # all rows, one block
     for device_type, same in (("cpu", moe), ("cuda", cuda)):
         assert layer_memory.layer_peak_bytes(moe, 8192, 2, device_type=device_type) == \
-            layer_memory.layer_peak_bytes(same, 8192, 2)
+            layer_memory.layer_peak_bytes(same, 8192, 2, device_type=device_type)
     assert layer_memory.layer_peak_bytes(moe, 8192, 2) != layer_memory.layer_peak_bytes(
         cuda, 8192, 2)
 

@@ -241,7 +241,8 @@ def half_rows_budget(moe: MoEConfig, num_tokens: int, dtype_bytes: int,
                      device_type: str = "cpu") -> int:
     """The automatic budget of the layer and model suites: half the received rows per chunk.
 
-    With balanced routing MACT then picks c = 2 (on ``device_type``, the activations').
+    With balanced routing MACT then picks c = 2 (on ``device_type``, the activations'), or
+    c = 1 where the unchunked layer's peak is not above c = 2's (tiny layers).
     """
     return budget_for_rows(moe, num_tokens, dtype_bytes,
                            max(1, math.ceil(num_tokens * moe.top_k / 2)), device_type)

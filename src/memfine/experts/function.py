@@ -23,6 +23,7 @@ from memfine.activations import (
 from memfine.experts.rows import (
     RowBlocks,
     add_token_rows_,
+    block_tokens,
     expert_of_rows,
     forward_rows,
     row_blocks,
@@ -32,7 +33,7 @@ from memfine.lora.quant import QuantizedBase
 from memfine.ops.combine import scatter_slots
 from memfine.ops.grouped import grouped_mm, grouped_row_sums
 from memfine.ops.up_projection import up_input_grad
-from memfine.ops.weight_grads import WeightGradBuffers
+from memfine.ops.weight_grads import LOW_PRECISION_DTYPES, WeightGradBuffers
 
 # Activations the Triton up-projection kernel computes in its epilogue.
 TRITON_EPILOGUE_ACTIVATIONS = ("swiglu", "geglu", "silu", "gelu", "relu")
@@ -126,6 +127,8 @@ class FusedExpertsFunction(torch.autograd.Function):
         - x_TD: T·d·D_t bytes (the layer input, never a gathered copy);
         - H: S·G·D_t bytes (pre-activation, bias included; G = 2n for gated activations,
           n for GELU/ReLU/SiLU), one (B, G) tensor per row block, as the forward wrote it;
+          in fp32/float64 a block's H is freed in backward once its dH exists (``set_()``, so
+          a later read fails loudly), unless the backward keeps the graph (``retain_graph``);
         - weights_TK: T·k·D_t bytes (routing weights, already in x's dtype);
         - the int32 index arrays expert_token_indices (S), expert_slot_indices (S),
           token_index_map (T·k), expert_token_offsets (E + 1): 4·(2·S + T·k + E + 1) bytes;
@@ -173,7 +176,8 @@ class FusedExpertsFunction(torch.autograd.Function):
 
     Backward transients: per block of B rows, dO rows (B·d), dA (B·n), A (B·n), f(gate) (B·n,
     gated activations: recomputed once for A and reused for dH), dH (B·G), gathered x (B·d),
-    dx rows (B·d), the activation's temporaries (B·n each) and, with a down
+    dx rows (B·d), the block's int64 tokens on the CPU (B·8 bytes), the activation's
+    temporaries (B·n each) and, with a down
     bias, its (B, d) rows; for the whole call, dx (T·d), the row dots (S) and the weight
     gradient buffers (E·d·G + E·n·d; in bf16 each block after the first adds a transient
     product of ⌈E·B/S⌉ + 2 experts, and an expert cut by a block edge an fp32 (I, O) sum and
@@ -250,6 +254,11 @@ class FusedExpertsFunction(torch.autograd.Function):
                                host=_sliced(ctx.options, st.bounds, st.b_up_EG, st.b_down_ED))
         if len(st.h_blocks) not in (1, len(st.blocks.bounds)):  # blocks differ from forward's
             st.h_blocks = (torch.cat(st.h_blocks),)
+        # NOTE(memory): one fp32/float64 H tensor per block: each is freed once its dH exists
+        # (bf16/fp16 keep H to the end: their spanning experts' fp32 casts, which the memory
+        # model sizes as one balanced expert's rows, would then set the peak)
+        st.free_h = (len(st.h_blocks) == len(st.blocks.bounds) and st.bounds is not None
+                     and st.x_TD.dtype not in LOW_PRECISION_DTYPES and not _keep_graph())
         for b, (r0, r1) in enumerate(st.blocks.bounds):
             _backward_block(st, b, r0, r1)
         grad_weights = None
@@ -298,6 +307,15 @@ def _plan_rows(options: FusedOptions, x_TD: torch.Tensor, weights_TK: torch.Tens
                         STREAM_UNDER_COMPILE and not one_block)
     return RowBlocks.plan(bounds, block_rows, offsets_E1, weights_TK, slot_S, not traced,
                           None if traced else host)
+
+
+def _keep_graph() -> bool:
+    """Whether the running backward keeps the graph (``retain_graph``): saved H then stays.
+
+    Unknown (no such query in this torch): kept.
+    """
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    return True if keep is None else bool(keep())
 
 
 def _by_sort(x_TD: torch.Tensor) -> bool:
@@ -352,6 +370,7 @@ class _BackwardState:
         self.grad_b_down = (self.x_TD.new_zeros(E, self.x_TD.shape[1]) if self.need_b_down
                             else None)
         self.blocks: RowBlocks | None = None  # the row blocks, planned once per backward
+        self.free_h = False  # free each block's H after its dH (set once the blocks are known)
 
 
 def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
@@ -360,7 +379,8 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     The block's grouped offsets are clamp(offsets, r0, r1) − r0 (computed for every block at
     once, :meth:`memfine.experts.rows.RowBlocks.plan`; no host copy needed for the GEMMs); weight
     gradients go into the buffers (one grouped GEMM per weight in bf16, else per expert), dx
-    per token. Rows are gathered with the int32 indices as they are (no int64 copy).
+    per token. Rows are gathered by the block's tokens (:func:`memfine.experts.rows.block_tokens`:
+    int64 on the CPU, B·8 bytes, the int32 slice elsewhere).
     """
     E = st.w_up_EDG.shape[0]
     assert st.blocks is not None, "the blocks are planned before they run"
@@ -368,7 +388,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     offs_E1 = st.blocks.offsets_of(b, r0, r1, S)
     # the block's experts only (several blocks, no bias, no LoRA: else all E)
     held_offs, held = st.blocks.experts_of(b, r0, r1, S)
-    token_B = st.token_idx_S[r0:r1]
+    token_B = block_tokens(st.token_idx_S, r0, r1)
     h_BG = st.h_blocks[0][r0:r1] if len(st.h_blocks) == 1 else st.h_blocks[b]
     w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d
@@ -401,6 +421,9 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     del a_BN, grad_out_BD
     grad_h_BG = activation_backward(h_BG, grad_a_BN.mul_(w_B1), st.act, gate_BN)  # B·G
     del grad_a_BN, gate_BN
+    if st.free_h:  # NOTE(memory): the block's H (B·G) is read no more: its storage goes now
+        st.h_blocks[b if len(st.h_blocks) > 1 else 0].set_()  # type: ignore[call-overload]
+    del h_BG
     if st.grad_b_up is not None:
         st.grad_b_up += grouped_row_sums(grad_h_BG, offs_E1, E)
     if any(st.need_up):  # dW_up[e] += x_eᵀ · dH_e (per part: its columns of dH), in place

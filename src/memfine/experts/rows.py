@@ -136,6 +136,17 @@ class RowBlocks:
         return self.offsets_E1.clamp(r0, r1) - r0
 
 
+def block_tokens(token_idx_S: torch.Tensor, r0: Any, r1: Any) -> torch.Tensor:
+    """The tokens of rows [r0, r1): int64 on the CPU, the int32 slice elsewhere.
+
+    The CPU's ``index_select`` and ``index_add_`` run faster on int64 indices than on int32
+    ones (one thread, a (B, d) block); elsewhere the slice is taken as it is (no extra kernel).
+    Memory: on the CPU, B int64 (B·8 bytes) for the block.
+    """
+    token_B = token_idx_S[r0:r1]
+    return token_B.long() if token_B.device.type == "cpu" else token_B
+
+
 def add_token_rows_(out_TD: torch.Tensor, rows_BD: torch.Tensor, token_B: torch.Tensor,
                     by_sort: bool) -> None:
     """out[t] += Σ over the block's rows r of token t of rows[r], deterministically.
@@ -166,7 +177,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
                  ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
     """(H per block, out) of the grouped GEMM backends, streamed over ``blocks``.
 
-    Per block of B rows: x rows gathered (int32 indices as they are), H rows = x·[up_parts]
+    Per block of B rows: x rows gathered (:func:`block_tokens`), H rows = x·[up_parts]
     (+ bias) kept as the block's own tensor (the up-projection's result, never copied),
     A = act(H rows), Y = A·w_down (+ bias), Y ⊙ w added into out per token
     (:func:`add_token_rows_`). ``lora``: split adapters (:mod:`memfine.lora.adapters`),
@@ -191,14 +202,14 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
 
     Memory: out (T·d, zero-filled first) and each block's H rows (B·G, kept: S·G in all);
     per block, transients x rows (B·d), A (B·n, plus the activation's own temporaries),
-    Y (B·d) and w ⊙ Y (B·d).
+    Y (B·d), w ⊙ Y (B·d) and, on the CPU, the block's int64 tokens (B·8 bytes).
     """
     S, (T, D) = token_idx_S.shape[0], x_TD.shape
     out_TD = x_TD.new_zeros(T, D)
     h_blocks: list[torch.Tensor] = []  # NOTE(memory): B·G per block, S·G in all, no copy
     for b, (r0, r1) in enumerate(blocks.bounds):
         offs_E1, held = blocks.experts_of(b, r0, r1, S)
-        token_B = token_idx_S[r0:r1]
+        token_B = block_tokens(token_idx_S, r0, r1)
         x_BD = x_TD.index_select(0, token_B)  # NOTE(memory): B·d, never saved
         h_BG = add_row_bias_(up_project(x_BD, tuple(p[held] for p in up_parts), offs_E1,
                                         backend), b_up_EG, offs_E1)
@@ -218,7 +229,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
         weighted_BD = add_row_bias_(y_BD, b_down_ED, offs_E1) * blocks.w_S[r0:r1, None]
         del y_BD  # NOTE(memory): Y is never saved
         add_token_rows_(out_TD, weighted_BD, token_B, by_sort)
-        del weighted_BD
+        del weighted_BD, token_B
     if not h_blocks:  # no block (S == 0)
         h_blocks.append(x_TD.new_empty(0, sum(p.shape[2] for p in up_parts)))
     return tuple(h_blocks), out_TD

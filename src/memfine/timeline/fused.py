@@ -36,6 +36,11 @@ def _row_plan(tl: Timeline, s: Shape, S: int, rows: int, phase: str) -> list[str
     return plan
 
 
+def _block_tokens(tl: Timeline, s: Shape, B: int, phase: str) -> list[str]:
+    """experts.rows.block_tokens: the block's tokens as int64 on the CPU (B·8 bytes), else none."""
+    return [tl.alloc(f"{phase}.token_B", B * 8)] if s.device_type == "cpu" else []
+
+
 def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
                   lora_saved: list[str] | None = None) -> tuple[list[str], str]:
     """FusedExpertsFunction.forward streamed over row blocks; returns (H per block, out).
@@ -54,6 +59,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
     hs = []
     for r0 in range(0, S, rows):
         B = min(S, r0 + rows) - r0
+        tokens = _block_tokens(tl, s, B, "fwd")
         xg = tl.alloc("fwd.x_BD", B * D * s.dt)
         deq = dequantize(tl, s, "w_up", (r0, r0 + B, S))  # a 4-bit base's block experts
         hs.append(tl.alloc("fwd.H_block", B * G * s.dt))
@@ -67,7 +73,7 @@ def fused_forward(tl: Timeline, s: Shape, C: int, S: int,
         kept += adapters.forward_term(tl, s, B, S, "down", first=r0 == 0)
         tl.free(a)
         weighted = tl.alloc("fwd.wY", B * D * s.dt)  # w ⊙ Y, out of place
-        tl.free(y, weighted)
+        tl.free(y, weighted, *tokens)
     if not hs:  # no rows
         hs.append(tl.alloc("fwd.H_block", 0))
     tl.free(*plan)
@@ -85,6 +91,8 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     one once unpacked, so token_index_map (unpacked, unused by backward) goes first.
     ``need_weights=False``: the routing weights need no gradient (shared experts without a
     gate): no row dots, no weight gradient (``grads["weights"]`` is absent).
+    With one saved H per block (D_t ≠ 2: fp32/float64), each block's H is freed once its dH
+    exists (the protocol's backward does not keep the graph); bf16 keeps H to the end.
     Returns the chunk's gradients (``weights``, ``x``, and ``w_up``/``w_down`` when owned).
     """
     moe, dt = s.moe, s.dt
@@ -100,9 +108,14 @@ def fused_backward(tl: Timeline, s: Shape, C: int, S: int, saved: list[str],
     plan = _row_plan(tl, s, S, rows, "bwd")  # once per backward, as in forward
     grouped = grouped_weight_grads(s)
     lora_buffers: dict[str, str] = {}  # the adapters' own, per call (summed by the engine)
-    for r0 in range(0, S, rows):
+    starts = range(0, S, rows)
+    hs = [name for name in saved if name.startswith("fwd.H_block")]
+    if len(hs) != len(starts) or dt == 2:  # freed at the end, not per block (bf16: kept)
+        hs = [""] * len(starts)
+    saved = [name for name in saved if name not in hs]
+    for r0, h in zip(starts, hs, strict=True):
         _fused_backward_block(tl, s, (r0, min(S, r0 + rows), S), buffers, grouped, lora_buffers,
-                              need_weights)
+                              need_weights, h)
     if need_weights:
         grads["weights"] = tl.alloc("grad.top_k_weights", C * K * dt)
         tl.free(tl.alloc("bwd.slot64", S * 8))
@@ -172,8 +185,11 @@ def _weight_grad(tl: Timeline, s: Shape, buffers: dict[str, str], grouped: bool,
 
 def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
                           buffers: dict[str, str], grouped: dict[str, bool],
-                          lora_buffers: dict[str, str], need_weights: bool = True) -> None:
+                          lora_buffers: dict[str, str], need_weights: bool = True,
+                          h_block: str = "") -> None:
     """One row block [r0, r1) of S rows: dO rows, dA, A, dH, x rows, dx rows (in code order).
+
+    ``h_block``: the block's saved H, freed once its dH exists ("": kept to the end).
 
     A (and a gated activation's f(gate), kept for dH) is recomputed only when something reads
     it: the routing-weight dots, W_down's gradient, or a down adapter's (as the code's
@@ -185,6 +201,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
     frozen = adapters.base_frozen(s)  # split LoRA or frozen shared experts: no base gradient
     lora = adapters.adapters_of(s)
     need_a = need_weights or not frozen or (lora is not None and "w_down" in lora.targets)
+    tokens = _block_tokens(tl, s, B, "bwd")
     grad_out = tl.alloc("bwd.dO_BD", B * D * dt)
     deq = dequantize(tl, s, "w_down", block)  # a 4-bit base's block experts
     grad_a = tl.alloc("bwd.dA", B * N * dt)
@@ -196,7 +213,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
         _weight_grad(tl, s, buffers, grouped["w_down"], "w_down", (N, D), block)
     tl.free(*a, grad_out)
     grad_h = activation_backward(tl, s, B, gate_kept=bool(gate))
-    tl.free(grad_a, *gate)
+    tl.free(grad_a, *gate, *([h_block] if h_block else []))
     if not frozen:
         xg = tl.alloc("bwd.x_BD", B * D * dt)
         _weight_grad(tl, s, buffers, grouped["w_up"], "w_up", (D, G), block)
@@ -205,7 +222,7 @@ def _fused_backward_block(tl: Timeline, s: Shape, block: tuple[int, int, int],
     deq = dequantize(tl, s, "w_up", block)
     dx_rows = tl.alloc("bwd.dx_BD", B * D * dt)
     tl.free(*deq)
-    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []))
+    tl.free(grad_h, dx_rows, *([lora_dx] if lora_dx else []), *tokens)
 
 
 def activation_backward(tl: Timeline, s: Shape, S: int, *, gate_kept: bool = False) -> str:
