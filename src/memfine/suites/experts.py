@@ -13,8 +13,7 @@ Methods (same weights, input, routing and incoming gradients):
   be imported;
 - ``fused``: memfine's fused expert Function (saves x and H only; MoEBlaze);
 - ``fused_mact``: fused, chunked with per-chunk recompute, c chosen by MACT from a byte budget
-  (default: the budget that holds half of the received rows per chunk, so c = 2, or c = 1 where
-  the unchunked peak is not above it);
+  (default: the budget of half the received rows per chunk: c = 2, or 1 where c = 1 fits);
 - ``full_recompute``: checkpoint around the whole ``grouped_mm`` layer (full activation
   checkpointing, as torchtitan's full AC does).
 
