@@ -72,6 +72,16 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _cuda_memory_unknown(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Outside ``gpu`` tests CUDA's memory reads as unknown, so a ``"cuda"`` device type on any
+    machine resolves the row block of a device of unknown memory (512 MiB), as on the CPU."""
+    if request.node.get_closest_marker("gpu") is None:
+        import memfine.config.moe as config_moe
+
+        monkeypatch.setattr(config_moe, "_cuda_memory", lambda: None)
+
+
 @pytest.fixture
 def one_thread() -> Iterator[None]:
     """Small tensors: one intra-op thread (on a busy machine, threads wait on each other)."""

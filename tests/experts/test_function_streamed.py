@@ -24,6 +24,7 @@ from memfine.config import (
     backward_block_rows,
     default_block_bytes,
 )
+from memfine.config import moe as config_moe
 from memfine.dispatch import build_routing_index
 from memfine.experts import run_experts
 from memfine.measure import PeakMemoryTracker
@@ -75,6 +76,9 @@ def test_default_block_is_sized_from_the_device(monkeypatch: pytest.MonkeyPatch)
     assert 3 <= -(-S // cuda) <= 8 < -(-S // cpu)
 
 
+READ_CUDA_MEMORY = config_moe._cuda_memory
+
+
 def test_cuda_default_block_follows_the_device_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """On CUDA the default block is the device's memory ÷ 32, at least 512 MiB; unknown memory
     (no CUDA here) gives 512 MiB; the CPU's is 16 MiB whatever the memory."""
@@ -86,6 +90,7 @@ def test_cuda_default_block_follows_the_device_memory(monkeypatch: pytest.Monkey
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert default_block_bytes("cuda") == CUDA_BACKWARD_BLOCK_BYTES
     props = type("Props", (), {"total_memory": h200})
+    monkeypatch.setattr(config_moe, "_cuda_memory", READ_CUDA_MEMORY)  # conftest's: unknown
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
