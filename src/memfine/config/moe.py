@@ -125,12 +125,15 @@ def default_block_bytes(device_type: str, total_memory: int | None = None) -> in
 
 
 def _cuda_memory() -> int | None:
-    """The current CUDA device's memory in bytes, None without CUDA."""
+    """The current CUDA device's memory in bytes, None without a CUDA device that starts."""
     import torch  # lazily: the config package imports no torch at module level
 
     if not torch.cuda.is_available():
         return None
-    return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    try:
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+    except (RuntimeError, AssertionError):  # a CUDA build that cannot start here
+        return None
 
 
 BUDGET_BLOCK_DIVISORS = (1, 2, 4)
