@@ -223,6 +223,21 @@ def test_export_refuses_a_target_that_is_no_regular_file(run_dir: Path, tmp_path
     assert target.is_dir()
 
 
+@pytest.mark.parametrize("exists", [False, True])
+def test_export_to_a_folder_with_its_slash_is_refused(run_dir: Path, tmp_path: Path, exists: bool,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    """``--to DIR/`` names a folder, there or not: nothing is written as DIR or DIR_config.json."""
+    folder = tmp_path / "exports"
+    if exists:
+        folder.mkdir()
+    with pytest.raises(SystemExit) as info:
+        main(["export", "--out", str(run_dir), "--to", f"{folder}/"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err.count("\n") == 1
+    assert "--to: expected the path of" in err and f"got '{folder}/': a folder" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["exports"] if exists else [])
+
+
 def test_generate_bounds_the_bytes_asked_for(run_dir: Path,
                                              capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:

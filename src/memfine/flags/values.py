@@ -1,15 +1,14 @@
-"""The argparse ``type`` of each kind of flag value.
+"""The argparse ``type`` of each kind of flag value: int64, float, int list, path, text, bytes.
 
-Kinds: int64 integers, finite floats, int lists, paths, UTF-8 text, byte sizes, devices.
-
-Each raises ``argparse.ArgumentTypeError`` (or ``ValueError``) with a one-line message that
-argparse prefixes with the flag's name.
+Each raises ``argparse.ArgumentTypeError`` (or ``ValueError``) in one line, which argparse
+prefixes with the flag's name; :func:`check_device` refuses a device this machine lacks.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,8 +20,8 @@ INT64_MIN = -INT64_MAX - 1
 def int64(text: str) -> int:
     """An argparse ``type`` for an int flag: an integer within int64, what torch can hold.
 
-    Python ints are unbounded, so ``--seed 100000000000000000000000`` would parse and then fail
-    deep inside torch ("Overflow when unpacking long long"); ``1e23`` is refused as no integer.
+    Python ints are unbounded: ``--seed 10**23`` would fail deep inside torch; ``1e23`` is no
+    integer.
 
     Raises:
         argparse.ArgumentTypeError: on a non-integer or a value outside int64 (argparse names
@@ -109,16 +108,17 @@ def path_flag(text: str) -> Path:
 def file_flag(what: str) -> Callable[[str], Path]:
     """An argparse ``type`` for a flag that names one file (``--config``, ``--to``).
 
-    As :func:`path_flag`, but an empty value's message says which file the flag takes (the
-    current directory is no file).
+    As :func:`path_flag`, but an empty value's message says which file the flag takes.
 
     Args:
         what: the file, for the message (``"a TOML file of flag values"``).
 
     Returns:
-        The converter; ``argparse.ArgumentTypeError`` on an empty or blank value.
+        The converter; ``argparse.ArgumentTypeError`` on an empty or blank value or a folder.
     """
     def convert(text: str) -> Path:
+        if str(text).endswith(("/", os.sep)):  # a folder (``Path`` would drop the separator)
+            raise argparse.ArgumentTypeError(f"expected the path of {what}, got {text!r}: a folder")
         return Path(_not_blank(text, f"the path of {what}")).expanduser()
 
     convert.__name__ = "path"
