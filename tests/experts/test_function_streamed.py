@@ -321,3 +321,12 @@ def test_block_h_kept_when_the_graph_is_kept() -> None:
         inputs, grad_out)
     for a, b, c in zip(first, again, fresh, strict=True):
         assert torch.equal(a, b) and torch.equal(a, c)
+
+
+def test_create_graph_is_one_clear_error() -> None:
+    """The fused backward has no double backward: ``create_graph=True`` names the plain path."""
+    x, idx_TK, weights, w_up, w_down = make_problem(8, 8, 4, 3, 2)
+    out = run_experts(x, weights, build_routing_index(idx_TK, 3), w_up, w_down, block_rows=4)
+    with pytest.raises(RuntimeError, match=r"no double backward: create_graph=True is not "
+                                           r"supported; use impl='plain'"):
+        torch.autograd.grad(out.sum(), x, create_graph=True)

@@ -247,7 +247,15 @@ class FusedExpertsFunction(torch.autograd.Function):
         a gradient whose input does not need one is None, as are the entries of the options and
         the index arrays. With shared ``weight_grads`` the w_up / w_down gradients go into those
         buffers and None is returned for them.
+
+        Raises:
+            RuntimeError: under ``create_graph=True`` (double backward: the streamed backward
+                writes into buffers in place, which autograd cannot differentiate).
         """
+        if torch.is_grad_enabled():
+            raise RuntimeError("memfine's fused experts have no double backward: "
+                               "create_graph=True is not supported; use impl='plain' (MoEConfig."
+                               "experts_impl) for gradients of gradients")
         st = _BackwardState(ctx, grad_out_TD)
         st.blocks = _plan_rows(ctx.options, st.x_TD, st.weights_TK, st.offsets_E1, st.slot_S,
                                st.bounds is None,
