@@ -283,7 +283,8 @@ def _check_mixed_layout(values: dict[str, Any], sources: dict[str, str], model: 
     if given_ and kept:
         devices = values["t"] * values["p"] * values["dp"] * values["cp"]
         raise ValueError(
-            " ".join(f"{_FLAG_OF[f]} {values[f]}" for f in given_) + f" mix with {model}'s "
+            " ".join(f"{_FLAG_OF[f]} {values[f]}" for f in given_)
+            + (" mixes" if len(given_) == 1 else " mix") + f" with {model}'s "
             + ", ".join(f"{sources[f]} {_FLAG_OF[f]} {values[f]}" for f in kept)
             + f": that layout is {devices} devices (t·p·dp·cp); give "
             + " ".join(f"{_FLAG_OF[f]}" for f in kept) + " too (1 for none), or use --search "
