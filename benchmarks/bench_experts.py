@@ -8,7 +8,8 @@ are :data:`memfine.bench.options.TABLE1`, run by :func:`memfine.suites.runner.sc
 
 Output: ``bench_experts.csv`` (docs/style.md §6 columns) and
 ``bench_experts_{time,memory,predicted}.png`` in ``--out`` (default ``benchmarks/results``).
-Usage: ``python benchmarks/bench_experts.py [--repeats 5] [--quick] [--out DIR]``.
+Usage: ``python benchmarks/bench_experts.py [--repeats 5] [--quick] [--out DIR] [--overwrite]``
+(existing ``bench_*`` files in ``--out`` are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations

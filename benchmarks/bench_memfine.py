@@ -10,7 +10,8 @@ bytes, saved bytes and forward + backward time of each method, interleaved, one 
 Output: ``bench_chunking.csv`` (docs/style.md §6 columns) and
 ``bench_chunking_{time,memory,predicted,skew}.png`` in ``--out`` (default
 ``benchmarks/results``).
-Usage: ``python benchmarks/bench_memfine.py [--repeats 5] [--quick] [--out DIR]``.
+Usage: ``python benchmarks/bench_memfine.py [--repeats 5] [--quick] [--out DIR] [--overwrite]``
+(existing ``bench_*`` files in ``--out`` are kept unless ``--overwrite``).
 Reference: MemFine (arXiv 2511.21431) §4, Table 4.
 """
 

@@ -8,7 +8,8 @@ warm-up, one torch thread.
 
 Output: ``bench_model.csv`` (docs/style.md §6 columns) and ``bench_model_{time,memory}.png`` in
 ``--out`` (default ``benchmarks/results``).
-Usage: ``python benchmarks/bench_model.py [--repeats 5] [--quick] [--out DIR]``.
+Usage: ``python benchmarks/bench_model.py [--repeats 5] [--quick] [--out DIR] [--overwrite]``
+(existing ``bench_*`` files in ``--out`` are kept unless ``--overwrite``).
 """
 
 from __future__ import annotations

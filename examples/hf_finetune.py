@@ -25,10 +25,12 @@ The only memfine-specific lines are ``register()`` and ``experts_implementation=
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import Any, NoReturn
 
 import torch
 
@@ -59,25 +61,54 @@ def comma_choices(allowed: tuple[str, ...]) -> Callable[[str], list[str]]:
     return parse
 
 
-def even_layers(text: str) -> int:
-    """An argparse ``type`` for ``--layers``: an even int >= 2 (GPT-OSS alternates attentions)."""
-    layers = int_at_least(2)(text)
-    if layers % 2:
-        raise argparse.ArgumentTypeError(f"expected an even number (GPT-OSS alternates sliding "
-                                         f"and full attention layers), got {layers}")
-    return layers
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line, ``PROG: error: MESSAGE``, exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        """Print ``PROG: error: message`` to stderr and exit 2 (no usage block)."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def example_parser(doc: str, *, models: str, steps: int, moe_intermediate_size: int,
-                   num_experts: int, top_k: int, lr: float, csv: str, seq_len: str
-                   ) -> argparse.ArgumentParser:
-    """The flags both examples share, each checked by its type; ``--help`` shows the defaults."""
-    p = argparse.ArgumentParser(description=doc.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def check_csv(text: str) -> str:
+    """An argparse ``type`` for ``--csv``: a file path that can be written, checked up front.
+
+    The path must not be a folder, an existing file must be writable, and the nearest existing
+    folder above it must take a new file (a temporary one is made and removed; the missing
+    folders are made when the CSV is written).
+
+    Raises:
+        argparse.ArgumentTypeError: naming the path and why it cannot be written.
+    """
+    path = Path(text).expanduser().absolute()
+    if not text.strip() or path.is_dir():
+        raise argparse.ArgumentTypeError(f"expected a CSV file's path, got {text!r} (a folder)")
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not writable")
+    folder = next(p for p in path.parents if p.exists())
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(0, "not a folder")
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as err:
+        raise argparse.ArgumentTypeError(f"cannot write {text!r}: no file can be made in "
+                                         f"{str(folder)!r} ({err.strerror})") from err
+    return text
+
+
+def example_parser(doc: str, *, models: str, steps: int, min_steps: tuple[int, str],
+                   moe_intermediate_size: int, num_experts: int, top_k: int, lr: float,
+                   csv: str, seq_len: str) -> argparse.ArgumentParser:
+    """The flags both examples share, each checked by its type; ``--help`` shows the defaults.
+
+    ``min_steps``: the least ``--steps`` and why, stated by the type and in ``--help``.
+    """
+    p = OneLineParser(description=doc.split("\n\n")[0],
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     positive = int_at_least(1)
     p.add_argument("--models", type=comma_choices(MODELS), default=models,
                    help=f"comma-separated, from {', '.join(MODELS)}")
-    p.add_argument("--steps", type=positive, default=steps, help="optimizer steps")
+    p.add_argument("--steps", type=int_at_least(min_steps[0]), default=steps,
+                   help=f"optimizer steps, >= {min_steps[0]} ({min_steps[1]})")
     p.add_argument("--batch-size", type=positive, default=8, help="sequences per step")
     p.add_argument("--seq-len", type=int_at_least(2), default=128, help=seq_len)
     p.add_argument("--hidden-size", type=positive, default=64, help="d")
@@ -85,20 +116,22 @@ def example_parser(doc: str, *, models: str, steps: int, moe_intermediate_size: 
                    help="n")
     p.add_argument("--num-experts", type=positive, default=num_experts, help="E")
     p.add_argument("--top-k", type=positive, default=top_k, help="k, at most E")
-    p.add_argument("--layers", type=even_layers, default=2, help="transformer blocks (even)")
+    p.add_argument("--layers", type=positive, default=2,
+                   help="transformer blocks (even with gpt_oss)")
     p.add_argument("--lr", type=finite_float, default=lr, help="AdamW learning rate")
     p.add_argument("--seed", type=int, default=0, help="init and data-order seed")
     p.add_argument("--threads", type=positive, default=1, help="torch intra-op threads")
-    p.add_argument("--csv", default=csv, help="CSV to write")
+    p.add_argument("--csv", type=check_csv, default=csv, help="CSV to write")
     return p
 
 
-def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None, min_steps: int,
-                  why: str) -> argparse.Namespace:
-    """Parse; a ``--steps`` below ``min_steps`` or a ``--top-k`` above E is one usage line."""
+def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None
+                  ) -> argparse.Namespace:
+    """Parse; a ``--top-k`` above E, or odd ``--layers`` with gpt_oss, is one usage line."""
     args = p.parse_args(argv)
-    if args.steps < min_steps:
-        p.error(f"--steps must be >= {min_steps} ({why}), got {args.steps}")
+    if "gpt_oss" in args.models and args.layers % 2:
+        p.error(f"--layers must be even with gpt_oss in --models (GPT-OSS alternates sliding "
+                f"and full attention layers), got {args.layers}")
     if args.top_k > args.num_experts:
         p.error(f"--top-k must be at most --num-experts {args.num_experts}, got {args.top_k}")
     return args
@@ -269,12 +302,13 @@ def print_table(logs: dict[tuple[str, str], dict[str, Any]]) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Command-line options (sequences are of bytes here)."""
-    p = example_parser(__doc__, models="qwen3_moe,gpt_oss", steps=12, moe_intermediate_size=128,
-                       num_experts=8, top_k=2, lr=3e-3, csv=DEFAULT_CSV,
-                       seq_len="bytes per sequence")
+    p = example_parser(__doc__, models="qwen3_moe,gpt_oss", steps=12,
+                       min_steps=(3, "step 1 is tracked, step 2 profiled"),
+                       moe_intermediate_size=128, num_experts=8, top_k=2, lr=3e-3,
+                       csv=DEFAULT_CSV, seq_len="bytes per sequence")
     p.add_argument("--impls", type=comma_choices(IMPLS), default="eager,grouped_mm,memfine",
                    help=f"comma-separated experts implementations, from {', '.join(IMPLS)}")
-    return parse_checked(p, argv, 3, "step 1 is tracked, step 2 profiled")
+    return parse_checked(p, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -191,6 +191,7 @@ def rows_of(model_type: str, impl: str, log: dict[str, Any], diffs: dict[str, fl
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """Command-line options."""
     p = example_parser(__doc__, models="qwen3_moe,gpt_oss,mixtral", steps=6,
+                       min_steps=(4, "two measured steps and two timed ones"),
                        moe_intermediate_size=512, num_experts=32, top_k=8, lr=1e-3,
                        csv=DEFAULT_CSV, seq_len="tokens per sequence (EOS included)")
     p.add_argument("--rank", type=int_at_least(1), default=8, help="LoRA rank r (α = 2r)")
@@ -198,7 +199,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="vocabulary tile width of TRL's fused LM-head loss (its default, 32768, "
                         "allocates a tokens x 32768 buffer whatever the vocabulary); 0 keeps "
                         "TRL's")
-    return parse_checked(p, argv, 4, "two measured steps and two timed ones")
+    return parse_checked(p, argv)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,8 +69,8 @@ def test_too_few_steps_to_measure_is_one_line(monkeypatch: pytest.MonkeyPatch,
     with pytest.raises(SystemExit) as info:
         example.parse_args()
     assert info.value.code == 2
-    assert capsys.readouterr().err.strip().endswith(
-        "error: --steps must be >= 3 (step 1 is tracked, step 2 profiled), got 2")
+    assert capsys.readouterr().err == (
+        "hf_finetune.py: error: argument --steps: expected an integer >= 3, got 2\n")
 
 
 @pytest.mark.parametrize(("name", "args", "message"), [
@@ -80,26 +80,37 @@ def test_too_few_steps_to_measure_is_one_line(monkeypatch: pytest.MonkeyPatch,
      "from eager, batched_mm, grouped_mm, memfine, got 'fast'"),
     ("hf_finetune", ["--top-k", "0"], "argument --top-k: expected an integer >= 1, got 0"),
     ("hf_finetune", ["--top-k", "9"], "--top-k must be at most --num-experts 8, got 9"),
-    ("hf_finetune", ["--layers", "3"], "argument --layers: expected an even number (GPT-OSS "
-     "alternates sliding and full attention layers), got 3"),
+    ("hf_finetune", ["--layers", "3"], "--layers must be even with gpt_oss in --models "
+     "(GPT-OSS alternates sliding and full attention layers), got 3"),
+    ("hf_finetune", ["--models", "mixtral,gpt_oss", "--layers", "1"], "--layers must be even "
+     "with gpt_oss in --models (GPT-OSS alternates sliding and full attention layers), got 1"),
+    ("hf_finetune", ["--steps", "0"], "argument --steps: expected an integer >= 3, got 0"),
+    ("hf_finetune", ["--csv", "/proc/nope/x.csv"], "argument --csv: cannot write "
+     "'/proc/nope/x.csv': no file can be made in '/proc' (No such file or directory)"),
     ("hf_finetune", ["--layers", "two"], "argument --layers: expected an integer, got 'two'"),
     ("trl_sft", ["--models", "mixtral,llama"], "argument --models: expected comma-separated "
      "names from qwen3_moe, gpt_oss, mixtral, got 'mixtral,llama'"),
     ("trl_sft", ["--top-k", "33"], "--top-k must be at most --num-experts 32, got 33"),
-    ("trl_sft", ["--layers", "0"], "argument --layers: expected an integer >= 2, got 0"),
+    ("trl_sft", ["--layers", "0"], "argument --layers: expected an integer >= 1, got 0"),
     ("trl_sft", ["--lm-head-tile", "-1"], "argument --lm-head-tile: expected an integer >= 0, "
      "got -1"),
-    ("trl_sft", ["--steps", "3"], "--steps must be >= 4 (two measured steps and two timed "
-     "ones), got 3"),
+    ("trl_sft", ["--steps", "3"], "argument --steps: expected an integer >= 4, got 3"),
+    ("trl_sft", ["--csv", "."], "argument --csv: expected a CSV file's path, got '.' (a folder)"),
 ])
 def test_bad_flags_are_one_usage_line(name: str, args: list[str], message: str,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         _example(name).parse_args(args)
     assert info.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("usage: ") and err.endswith(f" error: {message}")
-    assert "Traceback" not in err
+    prog, _, rest = capsys.readouterr().err.partition(": ")
+    assert " " not in prog and rest == f"error: {message}\n"  # one line, no usage block
+
+
+def test_odd_layers_without_gpt_oss_and_a_writable_csv_parse(tmp_path: Path) -> None:
+    args = _example().parse_args(["--models", "qwen3_moe", "--layers", "3",
+                                  "--csv", str(tmp_path / "new" / "x.csv")])
+    assert (args.layers, args.csv) == (3, str(tmp_path / "new" / "x.csv"))
+    assert list(tmp_path.iterdir()) == []  # nothing written up front
 
 
 def test_help_lists_every_model_and_shows_the_defaults(capsys: pytest.CaptureFixture[str]
@@ -109,11 +120,13 @@ def test_help_lists_every_model_and_shows_the_defaults(capsys: pytest.CaptureFix
     assert info.value.code == 0
     text = " ".join(capsys.readouterr().out.split())
     assert "from qwen3_moe, gpt_oss, mixtral (default: qwen3_moe,gpt_oss)" in text
-    assert "optimizer steps (default: 12)" in text and "k, at most E (default: 2)" in text
+    assert ("optimizer steps, >= 3 (step 1 is tracked, step 2 profiled) (default: 12)" in text
+            and "k, at most E (default: 2)" in text)
     assert _example().parse_args(["--models", "mixtral"]).models == ["mixtral"]
     with pytest.raises(SystemExit):
         _example("trl_sft").parse_args(["--help"])
-    assert "(default: qwen3_moe,gpt_oss,mixtral)" in " ".join(capsys.readouterr().out.split())
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: qwen3_moe,gpt_oss,mixtral)" in text and "optimizer steps, >= 4 (" in text
 
 
 def test_the_trainer_import_prints_no_bitsandbytes_note() -> None:

@@ -81,3 +81,43 @@ def test_suite_scripts_are_thin(script: str, suite: str) -> None:
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
              and getattr(n.func, "id", None) == "script_main"]
     assert len(calls) == 1 and ast.literal_eval(calls[0].args[0]) == suite
+
+
+def test_counts_script_takes_bench_counts_flags(monkeypatch: pytest.MonkeyPatch,
+                                                capsys: pytest.CaptureFixture[str],
+                                                tmp_path: Path) -> None:
+    """--tokens and --count-device reach the options, as with memfine bench --suites counts."""
+    seen: list[BenchOptions] = []
+    monkeypatch.setattr(runner, "run_suites", lambda opts, device: seen.append(opts) or [])
+    assert runner.script_main("counts", tmp_path, ["--tokens", "512",
+                                                   "--count-device", "cpu"]) == 0
+    assert (seen[0].tokens, seen[0].count_device, seen[0].suites) == (512, "cpu", ("counts",))
+    with pytest.raises(SystemExit) as info:
+        runner.script_main("counts", tmp_path, ["--help"])
+    assert info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "memfine bench --suites counts" in text and "--count-device {cuda,cpu}" in text
+    with pytest.raises(SystemExit) as info:  # T below k: the suite's shapes refuse it
+        runner.script_main("counts", tmp_path, ["--tokens", "4"])
+    assert info.value.code == 2 and "--tokens" in capsys.readouterr().err.splitlines()[-1]
+    assert len(seen) == 1
+
+
+def test_scripts_keep_earlier_results_without_overwrite(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str],
+                                                        tmp_path: Path) -> None:
+    """As memfine bench: bench_* files in --out stop the run unless --overwrite is given."""
+    seen: list[BenchOptions] = []
+    monkeypatch.setattr(runner, "run_suites", lambda opts, device: seen.append(opts) or [])
+    (tmp_path / "bench_counts.csv").write_text("kept\n")
+    for argv in (["--quick"], ["--out", str(tmp_path)]):
+        with pytest.raises(SystemExit) as info:
+            runner.script_main("counts", tmp_path, argv)
+        assert info.value.code == 2
+        assert capsys.readouterr().err.splitlines()[-1].endswith(
+            f"error: --out {str(tmp_path)!r} already holds results (bench_counts.csv); pass "
+            f"--overwrite to replace them or choose another --out")
+    assert not seen and (tmp_path / "bench_counts.csv").read_text() == "kept\n"
+    assert runner.script_main("counts", tmp_path, ["--quick", "--overwrite"]) == 0
+    assert runner.script_main("experts", tmp_path / "new", []) == 0
+    assert len(seen) == 2

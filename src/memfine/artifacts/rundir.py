@@ -6,7 +6,8 @@ continue (``resume``); it never writes into a data directory it reads. While it 
 ``DIR/.memfine.lock`` with its process id: a second run on the same directory stops with a message
 naming the live run's pid. A lock left by a process that no longer exists is taken over. A run
 that fails before it saves a checkpoint removes what it created (:func:`removed_on_failure`),
-so the same command can run again into the same directory.
+so the same command can run again into the same directory. A benchmark's ``--out`` is refused
+the same way when it holds ``bench_*`` results (:func:`check_bench_out`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,23 @@ def file_on_path(path: Path) -> Path | None:
     """
     path = path.expanduser().absolute()
     return next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+
+
+def check_bench_out(out: Path, overwrite: bool) -> None:
+    """Refuse a bench ``--out`` that is no folder or holds ``bench_*`` files, unless ``overwrite``.
+
+    Raises:
+        ValueError: naming ``--out``, the file in the way or the earlier results' files.
+    """
+    blocked = file_on_path(out)
+    if blocked is not None:
+        raise ValueError(f"--out {str(out)!r}: {str(blocked)!r} is not a directory; give a "
+                         f"directory")
+    earlier = sorted(p.name for p in out.glob("bench_*"))
+    if earlier and not overwrite:
+        raise ValueError(f"--out {str(out)!r} already holds results ({', '.join(earlier[:4])}"
+                         f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
+                         f"them or choose another --out")
 
 
 def check_run_dir(out_dir: Path, *, data: str, resume: bool, overwrite: bool,

@@ -241,3 +241,23 @@ def announce(suite: str, what: str, opts: BenchOptions, num_methods: int) -> Non
     """Print the start of one point (flushed, so progress shows in logs)."""
     print(f"[{suite}] {what}: {num_methods} methods x ({opts.warmup} warm-up + 1 memory + "
           f"{opts.repeats} timed) calls, interleaved", flush=True)
+
+
+def bench_device(choice: str) -> torch.device:
+    """The device of a run: ``cpu``, ``cuda`` (or ``cuda:i``), or ``auto`` (CUDA when present).
+
+    Raises:
+        ValueError: naming ``--device`` for an unknown choice, or CUDA where there is none.
+    """
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(choice)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be cpu, cuda[:i] or auto, got {choice!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {choice}: CUDA is not available in this torch build or "
+                         f"machine (torch {torch.__version__})")
+    return device

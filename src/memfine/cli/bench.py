@@ -23,15 +23,15 @@ from typing import Any
 
 import torch
 
-from memfine.artifacts.rundir import file_on_path
+from memfine.artifacts.rundir import check_bench_out
 from memfine.bench import SUITES, BenchOptions
-from memfine.bench.options import COMPILE_BACKENDS, COUNT_DEVICES, DEVICES, DTYPES, TABLE1
+from memfine.bench.options import COMPILE_BACKENDS, DEVICES, DTYPES, TABLE1
 from memfine.flags.table import Flag, NotGiven, add_flags, name_flag, typed_fields, value
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import byte_size, comma_ints, int64, path_flag
 from memfine.schedule.wording import flag_words
 from memfine.suites import SUITE_MODULES, select_methods
-from memfine.suites.runner import run_suites
+from memfine.suites.runner import COUNT_DEVICE, OVERWRITE, TOKENS, run_suites
 
 _FROM_SHAPE = NotGiven(text="the shape's")
 _FLAGS = (
@@ -43,8 +43,7 @@ _FLAGS = (
          aliases=("--config",)),
     Flag("--scale-down", ("scale_down",), "divide the paper's batch x seq by this factor (d, E, "
          "k, n kept)", default=NotGiven(256)),
-    Flag("--tokens", ("tokens",), "T, tokens per layer call (model: per step)",
-         default=_FROM_SHAPE),
+    TOKENS,
     Flag("--hidden-size", ("hidden_size",), "d", default=_FROM_SHAPE),
     Flag("--intermediate-size", ("intermediate_size",), "n per GLU branch",
          default=NotGiven(text="4d with --hidden-size")),
@@ -60,8 +59,7 @@ _FLAGS = (
          default=NotGiven(text="1 (0 with --quick)")),
     Flag("--out", ("out",), "output folder: bench_config.json, bench_<suite>.csv and PNGs",
          path_flag, default=NotGiven(Path("runs/bench"))),
-    Flag("--overwrite", (), "replace the results of an earlier run in --out (without it, any "
-         "bench_* file there stops the run)", action="store_true", default=NotGiven(False)),
+    OVERWRITE,
     Flag("--quick", ("quick",), "smoke run: tiny shapes, 1 round, no warm-up, 1 thread (under "
          "a minute)", action="store_true", default=NotGiven(False)),
     Flag("--methods", ("methods",), "run only these methods (names as in the table)", str,
@@ -78,9 +76,7 @@ _FLAGS = (
     Flag("--compile", ("compile",), "add a compiled column: <method>_compiled (torch.compile) "
          "for the memfine methods of the experts and model suites; peak bytes from "
          "torch.profiler", action="store_true", default=NotGiven(False)),
-    Flag("--count-device", ("count_device",), "counts suite: the device whose code path is "
-         "counted (its row blocks and combine), counted on the CPU", str, COUNT_DEVICES,
-         NotGiven("cuda")),
+    COUNT_DEVICE,
     Flag("--compile-backend", ("compile_backend",), "torch.compile backend of the compiled "
          "methods (aot_eager: no code generation)", str, COMPILE_BACKENDS,
          NotGiven("inductor")),
@@ -219,16 +215,7 @@ def run(args: argparse.Namespace) -> int:
     """
     device = _device(value(args, "device"))
     opts = options_from_args(args, device)
-    out = Path(opts.out)
-    blocked = file_on_path(out)
-    if blocked is not None:
-        raise ValueError(f"--out {opts.out!r}: {str(blocked)!r} is not a directory; give a "
-                         f"directory")
-    earlier = sorted(p.name for p in out.glob("bench_*"))
-    if earlier and not value(args, "overwrite"):
-        raise ValueError(f"--out {opts.out!r} already holds results ({', '.join(earlier[:4])}"
-                         f"{', ...' if len(earlier) > 4 else ''}); pass --overwrite to replace "
-                         f"them or choose another --out")
+    check_bench_out(Path(opts.out), bool(value(args, "overwrite")))
     for suite in opts.suites:
         select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
     if opts.top_k is not None and opts.num_experts is not None and opts.top_k > opts.num_experts:

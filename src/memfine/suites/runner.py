@@ -1,7 +1,8 @@
 """Run suites end to end: tables as points finish, ``bench_<suite>.csv``, PNGs, the run's JSON.
 
 :func:`run_suites` is what ``memfine bench`` and the scripts in ``benchmarks/`` call; a script is
-:func:`script_main` with its suite name (a few flags; the full set is ``memfine bench``'s).
+:func:`script_main` with its suite name (a few flags; the full set is ``memfine bench``'s, whose
+table takes the rows shared with the scripts from here).
 """
 
 from __future__ import annotations
@@ -16,15 +17,28 @@ from pathlib import Path
 
 import torch
 
-from memfine.bench.options import BenchOptions, Point
+from memfine.artifacts.rundir import check_bench_out
+from memfine.bench.options import COUNT_DEVICES, BenchOptions, Point, bench_device
 from memfine.bench.output import plot_points, print_point
 from memfine.bench.results import point_rows, write_csv
 from memfine.bench.verdicts import verdict_lines
 from memfine.environment import collect_environment
+from memfine.flags.table import Flag, NotGiven, add_flags, value
 from memfine.flags.threads import clamp_threads
 from memfine.flags.values import int_at_least
 from memfine.suites import SUITE_MODULES, select_methods
 from memfine.train.loop import torch_threads
+
+TOKENS = Flag("--tokens", ("tokens",), "T, tokens per layer call (model: per step)",
+              default=NotGiven(text="the shape's"))
+COUNT_DEVICE = Flag("--count-device", ("count_device",), "counts suite: the device whose code "
+                    "path is counted (its row blocks and combine), counted on the CPU", str,
+                    COUNT_DEVICES, NotGiven("cuda"))
+OVERWRITE = Flag("--overwrite", (), "replace the results of an earlier run in --out (without it, "
+                 "any bench_* file there stops the run)", action="store_true",
+                 default=NotGiven(False))
+SUITE_FLAGS = {"counts": (TOKENS, COUNT_DEVICE)}
+"""``memfine bench``'s rows that a suite's script takes too, beyond its own few."""
 
 
 def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
@@ -87,41 +101,23 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     return failures
 
 
-def bench_device(choice: str) -> torch.device:
-    """The device of a run: ``cpu``, ``cuda`` (or ``cuda:i``), or ``auto`` (CUDA when present).
-
-    Raises:
-        ValueError: naming ``--device`` for an unknown choice, or CUDA where there is none.
-    """
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(choice)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be cpu, cuda[:i] or auto, got {choice!r}")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {choice}: CUDA is not available in this torch build or "
-                         f"machine (torch {torch.__version__})")
-    return device
-
-
 def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int:
     """A ``benchmarks/`` script: run one suite and write its files to ``out``.
 
     Flags: ``--repeats``, ``--warmup``, ``--threads`` (default 1), ``--quick``, ``--out``,
-    ``--device`` (default ``cpu``; ``cuda`` times with CUDA events and reads allocator peaks).
+    ``--overwrite`` (as ``memfine bench``), ``--device`` (default ``cpu``;
+    ``cuda`` times with CUDA events and reads allocator peaks), and the suite's
+    :data:`SUITE_FLAGS` (counts: ``--tokens``, ``--count-device``).
 
     Returns:
         0, or 1 when a method failed (its error is printed).
 
     Raises:
-        SystemExit: 2 (argparse usage error) naming the flag on a bad ``--device``, or a
-            ``--repeats`` or ``--threads`` below 1, a ``--warmup`` below 0, or a value that is
-            no integer or outside int64.
+        SystemExit: 2 (one usage error naming the flag) on a bad flag value or ``--device``, a
+            ``--tokens`` the suite's shapes refuse, or an ``--out`` that
+            :func:`memfine.artifacts.rundir.check_bench_out` refuses.
     """
-    parser = argparse.ArgumentParser(description=f"memfine bench --suite {suite}")
+    parser = argparse.ArgumentParser(description=f"memfine bench --suites {suite}")
     parser.add_argument("--repeats", type=int_at_least(1), default=5,
                         help="timed rounds per method, >= 1")
     parser.add_argument("--warmup", type=int_at_least(0), default=1,
@@ -133,15 +129,19 @@ def script_main(suite: str, out: Path, argv: Sequence[str] | None = None) -> int
     parser.add_argument("--out", type=Path, default=out, help="output folder")
     parser.add_argument("--device", default="cpu",
                         help="cpu, cuda[:i] or auto (CUDA when present); default cpu")
+    add_flags(parser, (OVERWRITE, *SUITE_FLAGS.get(suite, ())))
     args = parser.parse_args(argv)
     try:
         device = bench_device(args.device)
+        opts = BenchOptions(suites=(suite,), repeats=1 if args.quick else args.repeats,
+                            warmup=0 if args.quick else args.warmup,
+                            threads=clamp_threads(args.threads), quick=args.quick,
+                            out=str(args.out), device=device.type,
+                            **{f.dest: value(args, f.dest) for f in SUITE_FLAGS.get(suite, ())})
+        SUITE_MODULES[suite].shapes(opts)
+        check_bench_out(args.out, value(args, "overwrite"))
     except ValueError as err:
         parser.error(str(err))
-    opts = BenchOptions(suites=(suite,), repeats=1 if args.quick else args.repeats,
-                        warmup=0 if args.quick else args.warmup,
-                        threads=clamp_threads(args.threads),
-                        quick=args.quick, out=str(args.out), device=device.type)
     failures = run_suites(opts, device)
     for failure in failures:
         print(f"method failed: {failure}", file=sys.stderr)
