@@ -108,8 +108,15 @@ def _signal_after_first_step(out: Path, signum: int) -> Iterator[None]:
 
 
 def test_in_process_ctrl_c_saves_then_reaches_the_caller(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``main(["train", ...])`` under Ctrl-C: checkpoint, handlers restored, KeyboardInterrupt."""
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest
+) -> None:
+    """``main(["train", ...])`` under Ctrl-C: checkpoint, handlers restored, KeyboardInterrupt.
+
+    The caller has Python's own SIGINT handler (a process started in the background by a
+    non-interactive shell inherits SIGINT ignored: it would ignore Ctrl-C, and so does the run).
+    """
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
     before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with _signal_after_first_step(tmp_path, signal.SIGINT), pytest.raises(KeyboardInterrupt):
         main(["train", *FAST, *ENDLESS, "--out", str(tmp_path)])
