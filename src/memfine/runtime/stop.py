@@ -64,10 +64,6 @@ def graceful_stop() -> Iterator[StopRequest]:
         for signum, old in previous.items():
             signal.signal(signum, old)
     if stop.signum is not None and _TO_CALLER[0]:
-        if signal.getsignal(stop.signum) is signal.default_int_handler:
-            # what that handler would raise, raised here: a signal's handler runs at the next
-            # bytecode boundary, which may fall in a finaliser that swallows its exception
-            raise KeyboardInterrupt
         signal.raise_signal(stop.signum)
 
 
