@@ -57,8 +57,14 @@ def test_default_sized_blocks_hold_at_least_min_block_rows() -> None:
     assert backward_block_rows(64 * 2**20, d, n, 2 * n, 4) == 712
     assert backward_block_rows(DEFAULT_BACKWARD_BLOCK_BYTES - 1, d, n, 2 * n, 4) == 178
     assert backward_block_rows(4 * 2**20, d, n, 2 * n, 4) == 44  # small targets as they are
-    # a layer whose 16 MiB already holds more rows is unchanged (d 512, n 128: 1,928 rows)
-    assert backward_block_rows(None, 512, 128, 256, 4) == 16 * 2**20 // _row_bytes(512, 128, 256, 4)
+    # a layer whose 16 MiB holds more rows keeps them up to the CPU's cap (d 512, n 1024: 630;
+    # d 512, n 128: 1,927 capped to 1,024); the cap is the CPU's only
+    assert backward_block_rows(None, 512, 1024, 2048, 4) == (
+        16 * 2**20 // _row_bytes(512, 1024, 2048, 4)) == 630
+    assert 16 * 2**20 // _row_bytes(512, 128, 256, 4) == 1927
+    assert backward_block_rows(None, 512, 128, 256, 4) == 1024
+    assert backward_block_rows(None, 512, 128, 256, 4, "cuda") == (
+        512 * 2**20 // _row_bytes(512, 128, 256, 4))
 
 
 def test_default_block_is_sized_from_the_device(monkeypatch: pytest.MonkeyPatch) -> None:

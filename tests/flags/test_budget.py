@@ -12,7 +12,12 @@ import pytest
 
 from memfine.cli import train as train_cli
 from memfine.cli.main import main
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, MIN_BLOCK_ROWS, MoEConfig
+from memfine.config import (
+    CPU_MAX_BLOCK_ROWS,
+    DEFAULT_BACKWARD_BLOCK_BYTES,
+    MIN_BLOCK_ROWS,
+    MoEConfig,
+)
 from memfine.memory import layer as layer_memory
 from memfine.memory.step import StepPlanner
 from memfine.reports.metrics import read_metrics
@@ -26,9 +31,10 @@ T = TINY.batch_size * TINY.seq_len  # tokens of one MoE layer call: B·Q = 8·64
 MOE = TINY.model.moe
 # the recompute mode of a budgeted run ("auto" resolves differently with a budget than without)
 RECOMPUTE = dataclasses.replace(TINY.model.chunk, memory_budget_bytes=1).resolved_recompute
-# rows of the CPU's default row block at the tiny preset's layer in fp32 (at least 512)
-DEFAULT_ROWS = max(MIN_BLOCK_ROWS, DEFAULT_BACKWARD_BLOCK_BYTES // (
-    (3 * MOE.hidden_size + 3 * MOE.intermediate_size + MOE.up_width) * 4))
+# rows of the CPU's default row block at the tiny preset's layer in fp32 (at least 512, at
+# most the CPU's cap)
+DEFAULT_ROWS = min(CPU_MAX_BLOCK_ROWS, max(MIN_BLOCK_ROWS, DEFAULT_BACKWARD_BLOCK_BYTES // (
+    (3 * MOE.hidden_size + 3 * MOE.intermediate_size + MOE.up_width) * 4)))
 
 
 def _smallest_feasible(rows: int, moe: MoEConfig = MOE) -> int:

@@ -30,11 +30,13 @@ from torchtitan_trainer import (  # noqa: E402
     small_runs,
 )
 
-from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES  # noqa: E402
+from memfine.config import CPU_MAX_BLOCK_ROWS, DEFAULT_BACKWARD_BLOCK_BYTES  # noqa: E402
 from tolerances import LOSS_ATOL  # noqa: E402
 
-# rows of the CPU's default row block at the test-size block (d 256, n 128, SwiGLU, fp32): 2,978
-SMALL_DEFAULT_ROWS = DEFAULT_BACKWARD_BLOCK_BYTES // ((3 * 256 + 3 * 128 + 2 * 128) * 4)
+# rows of the CPU's default row block at the test-size block (d 256, n 128, SwiGLU, fp32): the
+# 2,978 rows of 16 MiB, capped to 1,024
+SMALL_DEFAULT_ROWS = min(CPU_MAX_BLOCK_ROWS,
+                         DEFAULT_BACKWARD_BLOCK_BYTES // ((3 * 256 + 3 * 128 + 2 * 128) * 4))
 
 pytestmark = pytest.mark.slow
 

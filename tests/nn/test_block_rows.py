@@ -21,7 +21,7 @@ from memfine.memory.layer import layer_peak_bytes
 from memfine.nn import MoELayer
 from spies import record_kwarg
 
-D, N, N_S, E, K, T = 256, 512, 128, 4, 2, 1024  # S = T·k = 2,048 routed rows
+D, N, N_S, E, K, T = 256, 1024, 128, 4, 2, 1024  # S = T·k = 2,048 routed rows
 MOE = MoEConfig(hidden_size=D, intermediate_size=N, num_experts=E, top_k=K,
                 num_shared_experts=1, shared_intermediate_size=N_S)
 ROW = (3 * D + 3 * N + 2 * N) * 4  # fp32 bytes of one routed block row

@@ -17,6 +17,7 @@ import torch
 
 import memfine.nn.experts as experts_module
 from memfine.config import (
+    CPU_MAX_BLOCK_ROWS,
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
     MIN_BLOCK_ROWS,
@@ -61,11 +62,20 @@ def _peak(c: int, block: int, moe: MoEConfig = MOE) -> int:
 def test_the_ladder_halves_the_default_blocks_rows_twice() -> None:
     mib = 2**20
     assert 16 * mib == DEFAULT_BACKWARD_BLOCK_BYTES
-    narrow = block_row_bytes(512, 128, 256, 4)  # 16 MiB holds 1,928 rows
-    rows = DEFAULT_BACKWARD_BLOCK_BYTES // narrow
+    narrow = block_row_bytes(512, 128, 256, 4)  # 16 MiB holds 1,927 rows, capped to 1,024
+    assert DEFAULT_BACKWARD_BLOCK_BYTES // narrow == 1927
+    rows = CPU_MAX_BLOCK_ROWS
+    assert rows == 1024
     assert budget_block_ladder(None, "cpu", narrow)[0] is None  # the default, as its own value
     assert [backward_block_rows(b, 512, 128, 256, 4)
             for b in budget_block_ladder(None, "cpu", narrow)] == [rows, rows // 2, rows // 4]
+    # the cap is the CPU's: a CUDA device's default at these rows holds all 16 MiB's
+    assert backward_block_rows(None, 512, 128, 256, 4, "cuda") == (
+        CUDA_BACKWARD_BLOCK_BYTES // narrow)
+    # a coarse layer (d 512, n 1024 fp32: 630 rows in 16 MiB) is below the cap: unchanged
+    coarse = block_row_bytes(512, 1024, 2048, 4)
+    assert backward_block_rows(None, 512, 1024, 2048, 4) == (
+        DEFAULT_BACKWARD_BLOCK_BYTES // coarse) == 630
     assert budget_block_ladder(4096, "cpu", narrow) == (4096,)
     # d 1024, n 4096 fp32: 16 MiB holds 178 rows, raised to MIN_BLOCK_ROWS for the default,
     # so the ladder halves those 512 rows, and its targets run the rows they name

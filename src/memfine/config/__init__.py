@@ -35,6 +35,7 @@ from memfine.config.lora import LoRAConfig
 from memfine.config.model import ChunkConfig, ModelConfig, TrainConfig
 from memfine.config.moe import (
     BUDGET_BLOCK_DIVISORS,
+    CPU_MAX_BLOCK_ROWS,
     CUDA_BACKWARD_BLOCK_BYTES,
     DEFAULT_BACKWARD_BLOCK_BYTES,
     DEVICE_MEMORY_BLOCK_DIVISOR,
@@ -52,6 +53,7 @@ from memfine.config.routing import RouteOptions
 __all__ = [
     "ACTIVATIONS_SAVING_OUTPUT",
     "BUDGET_BLOCK_DIVISORS",
+    "CPU_MAX_BLOCK_ROWS",
     "CUDA_BACKWARD_BLOCK_BYTES",
     "DEFAULT_BACKWARD_BLOCK_BYTES",
     "DEVICE_MEMORY_BLOCK_DIVISOR",

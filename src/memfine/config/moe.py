@@ -181,8 +181,27 @@ def block_row_bytes(hidden_size: int, intermediate_size: int, up_width: int,
 
 
 def _default_rows(device_type: str, row_bytes: int) -> int:
-    """Rows of the device's default block: its byte target's, at least :data:`MIN_BLOCK_ROWS`."""
-    return max(MIN_BLOCK_ROWS, default_block_bytes(device_type) // row_bytes)
+    """Rows of the device's default block: its byte target's, at least :data:`MIN_BLOCK_ROWS`.
+
+    On the CPU at most :data:`CPU_MAX_BLOCK_ROWS`.
+    """
+    rows = max(MIN_BLOCK_ROWS, default_block_bytes(device_type) // row_bytes)
+    if device_type == "cpu" and CPU_MAX_BLOCK_ROWS is not None:
+        return min(rows, CPU_MAX_BLOCK_ROWS)
+    return rows
+
+
+CPU_MAX_BLOCK_ROWS: int | None = 1024
+"""Rows the CPU's default block holds at most (None: no cap; the counts suite lifts it while it
+counts another device's path on the CPU).
+
+16 MiB holds 1,927 rows at the fine-grained layer (d 512, n 128, fp32) and 4,096 at the
+training preset's (d = n = 128): at the fine-grained layer one block's backward transients
+(4.7 MiB) were most of the fused peak's excess over its live floor at T 1,024 and 4,096
+(``benchmarks/results/peak_cpu_fine.csv``). With 1,024 rows the layer time was 1.02× (p20
+0.98, p80 1.06) at the fine-grained layer and 0.98× at the preset's, T 4096, one thread, thread
+CPU time, interleaved (``benchmarks/bench_block_bytes.py --rows``); layers whose 16 MiB holds
+fewer rows (the coarse d 512, n 1024 layer: 630) are unchanged."""
 
 
 MIN_BLOCK_ROWS = 512
