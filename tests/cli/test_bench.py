@@ -280,7 +280,7 @@ def test_table_rows_show_missing_and_failed() -> None:
     assert rows[1][6] == NOT_MODELLED
     assert clock_text(point.results) == "no clock"
     text = format_plain("title", ("a", "bb"), [("xxx", "y")])
-    assert text.splitlines() == ["title", "a    bb", "xxx  y "]
+    assert text.splitlines() == ["title", "a    bb", "xxx  y"]
 
 
 def test_table_ratio_is_the_median_of_per_round_ratios() -> None:
@@ -370,7 +370,8 @@ def test_a_budget_no_bin_meets_is_one_line_before_anything_runs(
     assert out == "" and not (tmp_path / "out").exists()
     assert err.startswith("memfine bench: error: --memory-budget 1 bytes (0.00 MiB) cannot be "
                           f"met by any chunk count in the bins 1,2,4,8: {suite} {point}")
-    assert err.count("\n") == 1 and "--allow-over-budget" not in err
+    assert err.count("\n") == 1 and "--allow-over-budget" not in err and "bin to" not in err
+    assert err.endswith("; raise --memory-budget\n")
     if need is not None:  # the layer's own number at run time (see the next test)
         assert f"the smallest feasible budget is {need} bytes" in err
 
@@ -382,4 +383,6 @@ def test_the_budget_check_is_the_layers_own(tmp_path: Path,
     monkeypatch.setattr(bench, "_check_budget", lambda opts, device: None)
     assert main(["bench", "--suites", "chunking", "--quick", "--memory-budget", "1B",
                  "--methods", "mact", "--skew-levels", "8", "--out", str(tmp_path)]) == 1
-    assert f"the smallest feasible budget is {CHUNKING_NEED} bytes" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"the smallest feasible budget is {CHUNKING_NEED} bytes" in err
+    assert "bin to" not in err and "ChunkConfig" not in err and "raise --memory-budget" in err

@@ -43,6 +43,12 @@ def test_version_prints_the_installed_version(flag: str,
     (["plan", "--top", "x"], "memfine plan: error: argument --top: expected an integer, got "
                              "'x' (see memfine plan --help)"),
     ([], "memfine: error: the following arguments are required: COMMAND (see memfine --help)"),
+    (["--nope"], "memfine: error: unrecognized option '--nope': a command comes first, its "
+                 "options after it: memfine {train,generate,eval,export,plan,bench} [options] "
+                 "(see memfine --help)"),
+    (["--seed", "1", "bench"], "memfine: error: unrecognized option '--seed': a command comes "
+                               "first, its options after it: memfine {train,generate,eval,"
+                               "export,plan,bench} [options] (see memfine --help)"),
 ])
 def test_usage_errors_are_one_line(args: list[str], line: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -62,16 +62,20 @@ def table_rows(point: Point) -> list[tuple[str, ...]]:
 
 
 def format_plain(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain aligned text table with a title line."""
+    """A plain aligned text table with a title line; no line ends in spaces."""
     widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
               for i, h in enumerate(headers)]
     lines = [title, "  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    return "\n".join(lines)
+    return "\n".join(line.rstrip() for line in lines)
 
 
 def print_point(point: Point) -> None:
-    """Print one point's table (rich when installed) and its reference line."""
+    """Print one point's title line, its table (rich when installed) and its reference line.
+
+    No line ends in spaces, on a terminal or a pipe (rich pads a table's title to the table's
+    width: the title is printed as a line of its own).
+    """
     rows = table_rows(point)
     title = f"[{point.suite}] {point.label}"
     if importlib.util.find_spec("rich") is not None:
@@ -79,7 +83,8 @@ def print_point(point: Point) -> None:
         from rich.markup import escape
         from rich.table import Table
 
-        table = Table(title=escape(title), title_justify="left")
+        print(title, flush=True)
+        table = Table()
         for i, h in enumerate(HEADERS):
             table.add_column(h, justify="left" if i == 0 else "right")
         for r in rows:

@@ -13,6 +13,7 @@ Reference: docs/style.md §6 (benchmarks) and §7 (predicted next to measured).
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -171,3 +172,21 @@ def write_csv(rows: Iterable[Mapping[str, str]], path: str | Path,
         writer.writeheader()
         writer.writerows(rows)
     return out
+
+
+def write_run_config(options: Mapping[str, Any], env: Environment, out: str | Path) -> Path:
+    """Write ``bench_config.json`` in ``out`` (created): a run's resolved options and environment.
+
+    Args:
+        options: the run's options as plain values (``BenchOptions.to_dict()``).
+        env: where the run ran.
+        out: the output folder; an earlier run's file there is replaced.
+
+    Returns:
+        The path written.
+    """
+    path = Path(out) / "bench_config.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    resolved = {"options": dict(options), "environment": dataclasses.asdict(env)}
+    path.write_text(json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+    return path

@@ -32,6 +32,7 @@ from memfine.flags.values import byte_size, comma_ints, int64, path_flag
 from memfine.schedule.wording import flag_words
 from memfine.suites import SUITE_MODULES, select_methods
 from memfine.suites.runner import COUNT_DEVICE, OVERWRITE, TOKENS, run_suites
+from memfine.units import format_bytes
 
 _FROM_SHAPE = NotGiven(text="the shape's")
 _FLAGS = (
@@ -83,8 +84,51 @@ _FLAGS = (
 )
 
 
-_BUDGET_NAMES = {"budget": "--memory-budget", "bins": "the bins", "allow": None}
-"""How a budget error names the settings: bench has ``--memory-budget`` only."""
+_BUDGET_NAMES = {"budget": "--memory-budget", "bins": None, "allow": None}
+"""How a budget error names the settings: bench has ``--memory-budget`` only (its suites' bins
+are their own), so the advice is to raise it."""
+
+
+_COUNTS_SHAPES = "its shapes are its presets (--tokens, --num-experts and --top-k change them)"
+_IGNORED = {"counts": {
+    "configs": _COUNTS_SHAPES, "scale_down": _COUNTS_SHAPES,
+    "hidden_size": "it counts at its presets' d and n, divided by 16",
+    "intermediate_size": "it counts at its presets' d and n, divided by 16",
+    "dtype": "it counts bfloat16 layers", "repeats": "it counts each method once",
+    "warmup": "each method runs one untimed call first",
+    "memory_budget": "its mact method's budget is its own, half the received rows per chunk",
+    "skew_levels": "it routes as its presets do (a flag of the chunking suite)",
+    "compile": "it has no compiled methods", "compile_backend": "it has no compiled methods"}}
+"""Per suite, the flags (by dest) it does not read, and why; see :func:`_check_flags_read`."""
+
+
+def _check_flags_read(args: argparse.Namespace, suites: tuple[str, ...]) -> None:
+    """Refuse a flag given on the command line that none of the selected suites reads.
+
+    A flag whose value means "the suite's own" (``--memory-budget auto``) is never refused.
+
+    Raises:
+        ValueError: naming the flag, its value as typed, the suite(s) and why they do not read it.
+    """
+    typed = {flag: got for flag, got in typed_fields(args, _FLAGS).values()}
+    for flag in _FLAGS:
+        if (flag.name not in typed or value(args, flag.dest) is None
+                or not all(flag.dest in _IGNORED.get(s, {}) for s in suites)):
+            continue
+        why = "; ".join(dict.fromkeys(_IGNORED[s][flag.dest] for s in suites))
+        raise ValueError(f"{flag.name}{_shown(flag.dest, typed[flag.name])}: the "
+                         f"{' and '.join(suites)} suite"
+                         f"{'s do' if len(suites) > 1 else ' does'} not read it: {why}; drop it, "
+                         f"or add a suite that reads it to --suites")
+
+
+def _shown(dest: str, got: Any) -> str:
+    """A given flag's value as an error shows it after the flag ("" for a switch)."""
+    if got is True:
+        return ""
+    if isinstance(got, list):
+        return " " + " ".join(map(str, got))
+    return " " + (format_bytes(got, exact=True) if dest == "memory_budget" else str(got))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -215,6 +259,7 @@ def run(args: argparse.Namespace) -> int:
     """
     device = _device(value(args, "device"))
     opts = options_from_args(args, device)
+    _check_flags_read(args, opts.suites)
     check_bench_out(Path(opts.out), bool(value(args, "overwrite")))
     for suite in opts.suites:
         select_methods(suite, opts.methods, opts.compile)  # unknown names fail first

@@ -97,6 +97,24 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+def _unknown_leading_option(parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """The first option before the command that ``memfine`` itself does not take, else None.
+
+    ``memfine`` takes ``-h``/``--help`` and ``-V``/``--version`` (or an abbreviation, as argparse
+    accepts) before a command; the commands' options go after it. Without this check argparse
+    reports the command as missing (``memfine --nope``) or blames the command's parser.
+    """
+    known = [o for action in parser._actions for o in action.option_strings]
+    for token in argv:
+        if not token.startswith("-") or token == "--":
+            return None
+        name = token.split("=", 1)[0]
+        if not (name in known or (name.startswith("--") and len(name) > 2
+                                  and any(o.startswith(name) for o in known))):
+            return token
+    return None
+
+
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
@@ -186,6 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     command = next((a for a in argv if not a.startswith("-")), None)  # no top-level options
     parser = build_parser(command if command in SUBCOMMANDS else None)
+    stray = _unknown_leading_option(parser, argv)
+    if stray is not None:
+        parser.error(f"unrecognized option {stray!r}: a command comes first, its options after "
+                     f"it: memfine {{{','.join(SUBCOMMANDS)}}} [options]")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's parser: "memfine train: error: ..."
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")

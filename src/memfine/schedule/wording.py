@@ -27,6 +27,11 @@ def flag_message(err: InfeasibleBudgetError) -> str:
 
 _ALLOW_ADVICE = f", or set {CONFIG_NAMES['allow']} to run with the largest bin"
 """The advice of :meth:`InfeasibleBudgetError.message` that names ``allow_over_budget``."""
+_ADVICE = {"bins": f", add a larger bin to {CONFIG_NAMES['bins']}", "allow": _ALLOW_ADVICE}
+"""Each advice of :meth:`InfeasibleBudgetError.message` that names a setting other than the
+budget, by the setting's key."""
+_UNNAMED = {"bins": "the bins"}
+"""How a message describes a setting that the command has no flag for (``bins``)."""
 
 
 def flag_words(text: str, names: Mapping[str, str | None] = FLAG_NAMES) -> str:
@@ -36,13 +41,14 @@ def flag_words(text: str, names: Mapping[str, str | None] = FLAG_NAMES) -> str:
     step's least-memory plan) and errors carried as text name ``ChunkConfig.memory_budget_bytes``,
     ``ChunkConfig.bins`` and ``ChunkConfig.allow_over_budget``; each becomes the flag in
     ``names`` (keys ``budget``, ``bins``, ``allow``). A key whose value is None (a command
-    without that flag, e.g. ``memfine bench`` has no ``--allow-over-budget``) drops the advice
-    that names it.
+    without that flag: ``memfine bench`` has neither ``--bins`` nor ``--allow-over-budget``)
+    drops the advice that names it, and the text describes the bins as "the bins".
     """
-    if names.get("allow") is None:
-        text = text.replace(_ALLOW_ADVICE, "")
+    for key, advice in _ADVICE.items():
+        if names.get(key) is None:
+            text = text.replace(advice, "")
     for key, field in CONFIG_NAMES.items():
-        text = text.replace(field, names.get(key) or field)
+        text = text.replace(field, names.get(key) or _UNNAMED.get(key, field))
     allow = names.get("allow")
     text = text.replace("budget_scope 'step'", "--budget-scope step")
     return text.replace("(allow_over_budget)", f"({allow})" if allow else "")

@@ -25,7 +25,7 @@ and the ``index_put_`` combine; ``cpu``: 16 MiB blocks, at most 1,024 rows, and 
 T 4096 (``--tokens``, ``--num-experts``, ``--top-k`` override). d and n are divided by
 :data:`DIM_SCALE`: op and sync counts depend on them only through the block count, which is
 kept at the real dims' (and through which experts get rows: all of them at these T). Counts
-are in bfloat16 whatever ``--dtype`` says. docs/gpu.md has the tables.
+are in bfloat16 (``--dtype`` is refused with this suite alone). docs/gpu.md has the tables.
 
 Legend: T tokens, D = d, K = k.
 Reference: docs/design.md §8 (counting on CPU); MoEBlaze §4; torchtitan ``GroupedExperts``.
@@ -340,7 +340,7 @@ def print_point(point: Point) -> None:
         print(f"{res.name:<16} {fwd.non_view_ops:>8} {bwd.non_view_ops:>8} {ratio:>6} "
               f"{full.host_syncs:>6} {len(full.grouped_mm):>5} "
               f"{sum(g.fast_path for g in full.grouped_mm):>5} {full.hbm_bytes / 1e9:>7.2f} "
-              f"{full.roofline_ms('h200'):>8.2f}  {kinds}")
+              f"{full.roofline_ms('h200'):>8.2f}  {kinds}".rstrip())
 
 
 def shapes(opts: BenchOptions) -> list[LayerShape]:

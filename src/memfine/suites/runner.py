@@ -8,7 +8,6 @@ table takes the rows shared with the scripts from here).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time
@@ -20,7 +19,7 @@ import torch
 from memfine.artifacts.rundir import check_bench_out
 from memfine.bench.options import COUNT_DEVICES, BenchOptions, Point, bench_device
 from memfine.bench.output import plot_points, print_point
-from memfine.bench.results import point_rows, write_csv
+from memfine.bench.results import point_rows, write_csv, write_run_config
 from memfine.bench.verdicts import verdict_lines
 from memfine.environment import collect_environment
 from memfine.flags.table import Flag, NotGiven, add_flags, value
@@ -50,7 +49,8 @@ def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
     the point's reference method (:func:`memfine.bench.results.point_rows`).
 
     Args:
-        opts: the resolved options (``opts.out`` is the output folder; created).
+        opts: the resolved options (``opts.out`` is the output folder; created; the files an
+            earlier run wrote there under the same names are replaced, ``--overwrite``).
         device: where the methods run.
 
     Returns:
@@ -66,7 +66,7 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     failures: list[str] = []
     out = Path(opts.out)
     env = collect_environment(device)
-    resolved = {"options": opts.to_dict(), "environment": dataclasses.asdict(env)}
+    config_written = False  # this run's, even over an earlier run's (--overwrite)
     for suite in opts.suites:  # a bad shape (k above E, --tokens) is one error, nothing printed
         SUITE_MODULES[suite].shapes(opts)
     print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
@@ -80,10 +80,9 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
         rows: list[dict[str, str]] = []
         module = SUITE_MODULES[suite]  # a suite may print and write its own rows (counts)
         for point in module.run(opts, device, names):
-            if not (out / "bench_config.json").exists():  # a suite's bad shape writes nothing
-                out.mkdir(parents=True, exist_ok=True)
-                (out / "bench_config.json").write_text(
-                    json.dumps(resolved, indent=2, sort_keys=True) + "\n")
+            if not config_written:  # with the first point: a suite's bad shape writes nothing
+                write_run_config(opts.to_dict(), env, out)
+                config_written = True
             getattr(module, "print_point", print_point)(point)
             points.append(point)
             failures += [f"{suite} {point.x_value} {res.name}: {res.error}"
