@@ -1,8 +1,10 @@
-"""Allocation timeline of one MoELayer forward + backward: router, losses and the layer driver.
+"""Allocation timeline of one MoELayer forward + backward: the layer driver.
 
 The expert path (index builders, fused/plain paths, gradient buffers) is in
-:mod:`memfine.timeline.experts`; this module adds the fp32 router, the load-balancing and z
-losses, and the order in which forward and the autograd engine run them.
+:mod:`memfine.timeline.experts`, the router node (router and aux losses) in
+:mod:`memfine.layer_timeline.router`; this module puts them in the order in which forward and
+the autograd engine run them: the router node's forward, the experts, the shared experts; in
+backward the experts, then the router node (its recompute and backward) and x's gradient sum.
 
 Legend: T tokens, K = k, E experts, D = d, D_t activation bytes, R router bytes.
 Reference: our derivation from the code (docs/design.md §2, §5).
