@@ -72,7 +72,9 @@ class MoELayer(nn.Module):
     from the rows the experts receive) and the experts run chunk by chunk with the configured
     recomputation; (4) the aux losses over the global batch's valid tokens
     (``experts.global_counts``); (5) return the output and :class:`MoEAux` (losses are returned,
-    never added silently).
+    never added silently). In eager training forwards (2) and (4) run first, as one autograd
+    node (:class:`memfine.router_node.RouterNode`) that saves no (T, E) tensor and recomputes
+    the router's logits in its backward; elsewhere they are a plain graph, (4) after (3).
 
     Expert parallelism swaps ``experts`` for :class:`memfine.parallel.ExpertParallelExperts`,
     which has the same ``run``/``global_counts`` contract; nothing else of the layer changes.
