@@ -21,9 +21,9 @@ import memfine
 SRC = Path(memfine.__file__).parent
 
 BASE = {"config", "units", "_checks", "environment"}
-ALL_BELOW_NN = BASE | {"_optional", "counts", "measure", "routing", "dispatch", "activations",
-                       "ops", "triton_kernels", "lora", "experts", "parallel", "schedule",
-                       "timeline", "layer_timeline", "memory"}
+ALL_BELOW_NN = BASE | {"_optional", "counts", "measure", "routing", "router_node", "dispatch",
+                       "activations", "ops", "triton_kernels", "lora", "experts", "parallel",
+                       "schedule", "timeline", "layer_timeline", "memory"}
 ALLOWED: dict[str, set[str]] = {
     "units": set(),
     "_checks": set(),
@@ -39,6 +39,8 @@ ALLOWED: dict[str, set[str]] = {
     # measured bytes; re-exports counts' OpCounter
     "measure": {"counts"} | BASE,
     "routing": BASE,
+    # the router and its losses as one autograd node (logits recomputed in backward)
+    "router_node": {"routing"} | BASE,
     "dispatch": {"routing"} | BASE,
     "triton_kernels": {"_optional"},
     # the expert activations' table and their closed-form backward (MoEBlaze §4)

@@ -350,7 +350,7 @@ def test_out_that_is_or_lies_under_a_file(tmp_path: Path, sub: str,
     assert blocker.read_text() == "x"
 
 
-CHUNKING_NEED = 741708
+CHUNKING_NEED = 730444
 """Bytes: the least budget of the chunking suite's quick skew-8 layer call (c = 8)."""
 
 

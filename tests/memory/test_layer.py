@@ -152,20 +152,21 @@ def test_activations(activation: str, mode: str) -> None:
 
 
 def test_fused_saved_items_by_hand() -> None:
-    """T=10, d=8, n=4 (G=8), E=4, k=2, fp32, fused, softmax with renormalisation."""
+    """T=10, d=8, n=4 (G=8), E=4, k=2, fp32, fused, softmax with renormalisation.
+
+    The router node saves x and the (T, k) selection only: no scores, renormalisation inputs
+    or loss tensors (docs/design.md §2)."""
     moe = MoEConfig(hidden_size=8, intermediate_size=4, num_experts=4, top_k=2)
     items = saved_items(moe, 10, 4)
     S = 20
     assert items["layer_input_bytes"] == 10 * 8 * 4
-    assert items["router_scores_bytes"] == 10 * 4 * 4
     assert items["top_k_index_bytes"] == 10 * 2 * 8
-    assert items["top_k_scores_bytes"] == items["top_k_weights_bytes"] == 10 * 2 * 4
-    assert items["renorm_sum_bytes"] == 10 * 4
-    assert items["aux_loss_bytes"] == 10 * 4 * 4 + 4 * 4
-    assert items["z_loss_bytes"] == 10 * 4 * 4 + 10 * 4
+    assert items["top_k_weights_bytes"] == 10 * 2 * 4
     assert items["pre_activation_bytes"] == S * 8 * 4
     assert items["routing_index_bytes"] == 4 * (2 * S + 20 + 5)
-    assert sum(items.values()) == 320 + 160 + 160 + 80 + 40 + 80 + 176 + 200 + 640 + 260
+    assert sum(items.values()) == 320 + 160 + 80 + 640 + 260
+    capacity = saved_items(dataclasses.replace(moe, capacity_factor=2.0), 10, 4)
+    assert capacity["top_k_index_bytes"] == 2 * 10 * 2 * 8  # the masked index too
 
 
 def test_recompute_keeps_only_input_and_routing() -> None:
@@ -340,9 +341,11 @@ def test_layer_peak_grows_with_the_token_count(shape: str) -> None:
 
 
 def test_mact_thresholds_admit_no_token_count_that_does_not_fit() -> None:
-    """On the CPU the index builder turns at 32,768 dense-map cells (T 4096 at E 8), where this
-    layer's peak falls: T_max stops below the turn though larger T fit again."""
-    moe = MONOTONE_SHAPES["blocks-k1"]
+    """On the CPU the index builder turns at 32,768 dense-map cells (T 8192 at E 4), where this
+    layer's peak falls (its k = 2 builder outweighs the router node's recompute): T_max stops
+    below the turn though larger T fit again."""
+    moe = MoEConfig(hidden_size=8, intermediate_size=8, num_experts=4, top_k=2,
+                    renormalize=False, backward_block_bytes=12 * 832)
     (turn,) = builder_switch_tokens(moe, 1)
     at_turn = layer_peak_bytes(moe, turn, 2, num_chunks=1, recompute="experts")
     assert layer_peak_bytes(moe, turn + 1, 2, num_chunks=1, recompute="experts") < at_turn

@@ -127,9 +127,10 @@ def test_plan_length_is_checked() -> None:
 @pytest.mark.parametrize("plan", ["n1 n1 n1 n1", "f2 e4 n1 e1", "f8 f8 f8 f8", "f1 f1 f1 f1"])
 def test_mid_model_step_is_exact_to_a_few_bytes(plan: str) -> None:
     """The mid model's step (B 4 × Q 128): the model is the profiler's peak to within one
-    4-byte scalar per layer (a finished layer keeps its top-k index; its output is freed by the
-    residual sum). With full block recompute at c = 8 the peak lies in the first block's
-    RMSNorm backward, where the weight's multiply holds grad·(x·rstd) and grad·weight at once."""
+    4-byte scalar per layer (a finished layer's output is freed by the residual sum; the router
+    nodes hold views of the mean losses' (L,) gradients until the first block's node runs).
+    With full block recompute at c = 8 the peak lies in the first block's RMSNorm backward,
+    where the weight's multiply holds grad·(x·rstd) and grad·weight at once."""
     choices = _plan(plan)
     measured = _measured_step_peak(MID, 4, 128, choices)
     predicted = simulate_step(MID, 4, 128, 4, choices).peak

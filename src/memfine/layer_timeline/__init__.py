@@ -1,7 +1,9 @@
 """The allocation timeline of one whole MoE layer, which :mod:`memfine.memory.layer` replays.
 
-- :mod:`memfine.layer_timeline.layer`: router, losses, routed experts and combine, in the order
+- :mod:`memfine.layer_timeline.layer`: the router node, routed experts and combine, in the order
   forward and the autograd engine run them (:func:`~memfine.layer_timeline.layer.simulate_layer`).
+- :mod:`memfine.layer_timeline.router`: the router node (router and aux losses without a graph in
+  forward, recomputed and differentiated in its backward).
 - :mod:`memfine.layer_timeline.shared`: the shared (always-on) experts.
 
 The expert path and the router's pieces are in :mod:`memfine.timeline`.

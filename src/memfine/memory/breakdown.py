@@ -49,23 +49,10 @@ class MemoryBreakdown:
     optimizer_state_bytes: int = _item("optimizer state per parameter (given)",
                                        "MemFine Eq. 1 (optimizer)")
     layer_input_bytes: int = _item("X (T,d) layer input, D_t", "MemFine Table 2; docs/design.md §5")
-    router_input_copy_bytes: int = _item("fp32 copy of X kept by the router matmul (non-fp32)",
-                                         "our derivation (router in fp32, docs/design.md §2)")
-    router_weight_copy_bytes: int = _item("fp32 copy of W_r (E,d) kept by the router matmul",
-                                          "our derivation (router in fp32)")
-    router_scores_bytes: int = _item("router probabilities (T,E) fp32 (softmax/sigmoid output)",
-                                     "MemFine Table 2 (E term)")
-    top_k_index_bytes: int = _item("top-k index (T,k) int64 (+ capacity's (T,k) bool keep mask)",
-                                   "docs/design.md §5 (full recompute)")
-    top_k_scores_bytes: int = _item("renormalisation's (T,k) fp32 inputs: gathered scores "
-                                    "(softmax), or the log scores' inputs and softmax "
-                                    "(sigmoid, sqrtsoftplus)", "our derivation")
-    renorm_sum_bytes: int = _item("per-token score sum (T,1) fp32", "our derivation")
+    top_k_index_bytes: int = _item("top-k selection (T,k) int64 saved by the router node "
+                                   "(+ the capacity-masked index (T,k) int64)",
+                                   "docs/design.md §2, §5")
     top_k_weights_bytes: int = _item("routing weights (T,k) D_t", "docs/design.md §5")
-    aux_loss_bytes: int = _item("softmax (T,E) + f (E,) fp32 of the load-balancing loss",
-                                "our derivation (docs/design.md §2 loss)")
-    z_loss_bytes: int = _item("logits (T,E) + logsumexp (T,) fp32 of the z-loss",
-                              "our derivation (docs/design.md §2 loss)")
     pre_activation_bytes: int = _item("H (S,G) pre-activation, D_t",
                                       "MoEBlaze §5; MemFine Table 2 (FC1 output 2·s′·n)")
     routing_index_bytes: int = _item("expert_token_indices, expert_slot_indices (S), "
@@ -104,9 +91,7 @@ class MemoryBreakdown:
 
 
 SAVED_FIELDS = (
-    "layer_input_bytes", "router_input_copy_bytes", "router_weight_copy_bytes",
-    "router_scores_bytes", "top_k_index_bytes", "top_k_scores_bytes", "renorm_sum_bytes",
-    "top_k_weights_bytes", "aux_loss_bytes", "z_loss_bytes", "pre_activation_bytes",
+    "layer_input_bytes", "top_k_index_bytes", "top_k_weights_bytes", "pre_activation_bytes",
     "routing_index_bytes", "gathered_input_bytes", "activation_output_bytes",
     "combine_copy_bytes", "shared_expert_bytes", "shared_weights_bytes",
 )

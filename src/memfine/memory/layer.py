@@ -42,7 +42,6 @@ from memfine.layer_timeline import layer as tlm
 from memfine.layer_timeline.shared import shared_saved_items
 from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
 from memfine.timeline.base import expert_saved
-from memfine.timeline.scores import renorm_saved
 
 MODES = ("plain", "fused", "full", "chunked")
 
@@ -100,21 +99,14 @@ def saved_items(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *, num_chunks
         ValueError: on out-of-range arguments.
     """
     _check(moe, num_tokens, dtype_bytes, num_chunks, recompute)
-    T, D, E, K, dt = num_tokens, moe.hidden_size, moe.num_experts, moe.top_k, dtype_bytes
-    r = 8 if dt == 8 else 4
+    T, D, K, dt = num_tokens, moe.hidden_size, moe.top_k, dtype_bytes
     fused, ckpt = moe.experts_impl == "fused", recompute != "none"
     items = dict.fromkeys(SAVED_FIELDS, 0)
-    # x is saved by the fp32 router matmul, else by the fused Function or the checkpoint.
-    items["layer_input_bytes"] = T * D * dt if (dt == r or fused or ckpt) else 0
-    if dt != r:
-        items["router_input_copy_bytes"] = T * D * r
-        items["router_weight_copy_bytes"] = E * D * r
-    items["router_scores_bytes"] = T * E * r
-    items["top_k_index_bytes"] = T * K * 8 + (T * K if moe.capacity_factor is not None else 0)
-    items.update(renorm_saved(moe, T, r, weights_counted=dt == r and (fused or ckpt)))
+    # The router node saves x (the experts' input too), its selection (and the masked index
+    # with capacity) and small counts: no fp32 copy, no (T, E) tensor (docs/design.md §2).
+    items["layer_input_bytes"] = T * D * dt
+    items["top_k_index_bytes"] = T * K * 8 * (2 if moe.capacity_factor is not None else 1)
     items["top_k_weights_bytes"] = T * K * dt if (fused or ckpt) else 0
-    items["aux_loss_bytes"] = T * E * r + E * r
-    items["z_loss_bytes"] = T * E * r + T * r
     chunks = tlm.chunk_tokens(T, num_chunks)
     if not ckpt:
         for C in chunks:

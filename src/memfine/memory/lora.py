@@ -69,8 +69,6 @@ def lora_layer_memory(moe: MoEConfig, lora: LoRAConfig, num_tokens: int, dtype_b
                          f"{moe.experts_impl!r}")
     items = saved_items(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
                         recompute=recompute)
-    if not lora.train_router:  # the frozen router's matmul keeps no fp32 copy of x
-        items["router_input_copy_bytes"] = 0
     extra = 0
     if recompute == "none":
         extra = sum(adapter_saved_bytes(lora, C * moe.top_k, dtype_bytes)

@@ -50,8 +50,8 @@ class _Moe:
     forward_peak: int
     kept: int  # live after its forward, the output excluded
     backward_peak: int  # above the live bytes at the start of its backward (output included)
-    end: int  # live after its backward: dx of its input, its parameter gradients, counts and
-    # the top-k index; not the output (freed in the step by the residual sum)
+    end: int  # live after its backward: dx of its input, its parameter gradients and counts;
+    # not the output (freed in the step by the residual sum)
 
 
 @functools.lru_cache(maxsize=256)
@@ -61,9 +61,8 @@ def _moe(config: ModelConfig, T: int, dt: int, choice: LayerChoice, device_type:
 
     The layer timeline's caller keeps the layer output to the end, the step frees it at the
     residual sum: ``end`` leaves it out (counted there, it over-predicted the mid model's step
-    by one T·d per finished layer, 1.2%). Each layer's (T, k) int64 top-k index stays alive to
-    the end of backward (the routing replay's record, held by the graph); the layer timeline
-    keeps it too, so ``end`` includes it.
+    by one T·d per finished layer, 1.2%). The router node frees the layer's (T, k) top-k
+    index with its saved tensors; the counts of MoEAux stay to the end, in ``end``.
     """
     rec = "none" if choice.recompute == "none" else "experts"
     tl = layer_memory.moe_layer_timeline(config.moe, T, dt, num_chunks=choice.num_chunks,
@@ -285,6 +284,9 @@ def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
     logits = tl.alloc("logits", T * V * dt)
     log_probs = tl.alloc("ce.log_softmax", T * V * 4)
     tl.mark("forward")
+    # The mean over layers of LBL and of the z-loss: their backward's (L,) fp32 gradients come
+    # first; each layer's router node holds a view of both until it runs, the first block's last
+    aux_grads = tl.alloc("bwd.aux_loss_grads", 2 * config.num_layers * 4)
     grad_nll = tl.alloc("bwd.ce.nll", T * V * 4)
     grad_logits = tl.alloc("bwd.ce.log_softmax", T * V * 4)
     tl.free(grad_nll, log_probs)
@@ -294,10 +296,12 @@ def simulate_step(config: ModelConfig, batch: int, seq: int, dtype_bytes: int,
     grad = s.td("bwd.final_norm.dx")
     tl.free(grad_n, *final, stream)
     tl.alloc("grad.final_norm", s.D * dt)
-    for choice, moe, saved, h, moe_in, kept, block_in in reversed(blocks):
+    for i, (choice, moe, saved, h, moe_in, kept, block_in) in reversed(list(enumerate(blocks))):
         tl.free(tl.alloc("moe.backward_peak", moe.backward_peak))
         tl.free(kept)
         end = tl.alloc("moe.end", moe.end - T * s.D * dt)
+        if i == 0:  # the first block's router node has run
+            tl.free(aux_grads)
         grad_moe_in = s.td("moe.dx")
         if choice.recompute == "full":  # the attention region runs again, then backward
             saved, h, _ = s.attention_forward(keep=True, rerun=True)

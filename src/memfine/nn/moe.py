@@ -19,8 +19,8 @@ from memfine.experts import compute_element_size
 from memfine.nn.experts import GroupedExperts
 from memfine.nn.lora import LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
-from memfine.routing import TopKRouter, load_balancing_loss, sequence_balance_loss, z_loss
-from memfine.routing.precision import count_per_expert
+from memfine.router_node import aux_losses, loss_counts, node_applies, route_with_losses
+from memfine.routing import TopKRouter
 from memfine.routing.router import RoutingResult
 from memfine.schedule.lora_policy import LoRAChunkPolicy
 from memfine.schedule.policy import ChunkDecision, ChunkPolicy
@@ -72,7 +72,9 @@ class MoELayer(nn.Module):
     from the rows the experts receive) and the experts run chunk by chunk with the configured
     recomputation; (4) the aux losses over the global batch's valid tokens
     (``experts.global_counts``); (5) return the output and :class:`MoEAux` (losses are returned,
-    never added silently).
+    never added silently). In eager training forwards (2) and (4) run first, as one autograd
+    node (:class:`memfine.router_node.RouterNode`) that saves no (T, E) tensor and recomputes
+    the router's logits in its backward; elsewhere they are a plain graph, (4) after (3).
 
     Expert parallelism swaps ``experts`` for :class:`memfine.parallel.ExpertParallelExperts`,
     which has the same ``run``/``global_counts`` contract; nothing else of the layer changes.
@@ -168,9 +170,23 @@ class MoELayer(nn.Module):
         if step_selection_counts is not None and tuple(step_selection_counts.shape) != (E + 1,):
             raise ValueError(f"step_selection_counts must be (E + 1,)=({E + 1},), got "
                              f"{tuple(step_selection_counts.shape)}")
-        routing = self.router(x_TD, mask_T)
-        out_TD, plan = self.experts.run(x_TD, routing.top_k_index, routing.top_k_weights,
-                                        self.policy)
+        seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
+        aux: MoEAux | None = None
+        if node_applies(self.router):  # one node: logits recomputed in backward (§2)
+            decided, losses = route_with_losses(
+                self.router, x_TD, mask_T, seq_len if self.config.seq_aux_loss_coef > 0 else None,
+                self.experts.global_counts, step_selection_counts)
+            aux = MoEAux(load_balancing_loss=losses.load_balancing, z_loss=losses.z,
+                         tokens_per_expert=decided.tokens_per_expert,
+                         sequence_balance_loss=losses.sequence,
+                         dropped_pairs=decided.dropped_pairs)
+            # NOTE(memory): the (T, E) logits and scores are dropped before the experts run
+            index_TK, weights_TK = decided.top_k_index, decided.top_k_weights
+            del decided
+        else:
+            routing = self.router(x_TD, mask_T)
+            index_TK, weights_TK = routing.top_k_index, routing.top_k_weights
+        out_TD, plan = self.experts.run(x_TD, index_TK, weights_TK, self.policy)
         num_chunks = plan.num_chunks
         if not torch.compiler.is_compiling():  # the policy's record of this call (host ints)
             self._last_record = self.policy.record()
@@ -179,8 +195,8 @@ class MoELayer(nn.Module):
                 x_TD, mask_T, num_chunks=num_chunks,
                 recompute=self.policy.config.resolved_recompute, block_rows=shared_block_rows(
                     self.config, plan.block_rows, compute_element_size(x_TD), x_TD.device.type))
-        seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
-        aux = self._aux(routing, mask_T, seq_len, step_selection_counts)
+        if aux is None:
+            aux = self._aux(routing, mask_T, seq_len, step_selection_counts)
         # Not a view: FSDP2 (and any autograd hook on the output) warns that an in-place op on a
         # returned view would skip its hooks. out_TD is this call's own fresh tensor, so sharing
         # its storage is safe; _unsafe_view reshapes without a copy (NOTE(memory): no T·d
@@ -220,43 +236,18 @@ class MoELayer(nn.Module):
         its sequences: the mean over the ranks is the whole batch's when every rank holds as
         many sequences with valid tokens (the training loop's even batch split).
         """
-        k = routing.top_k
-        counts_E = _selected_counts(routing, mask_T)
-        stats = torch.cat([counts_E, counts_E.new_ones(1)])
-        global_stats = self.experts.global_counts(stats) if step_counts is None else step_counts
-        global_counts_E, tokens_per_rank = None, None
-        if global_stats is not stats:  # several shares (one process: the plain local means)
-            global_counts_E, shares = global_stats[:-1], global_stats[-1]
-            tokens_per_rank = global_counts_E.sum() / (k * shares)
-        seq_loss = None  # not computed (no allocation) when its coefficient is 0
-        if self.config.seq_aux_loss_coef > 0:
-            seq_loss = sequence_balance_loss(routing.scores, routing.selected_index, seq_len,
-                                             mask_T)
+        counts = loss_counts(routing, mask_T, self.experts.global_counts, step_counts)
+        losses = aux_losses(routing.logits, routing.scores, routing.selected_index, mask_T,
+                            seq_len if self.config.seq_aux_loss_coef > 0 else None,
+                            counts.counts_E, counts.tokens_per_rank)
         return MoEAux(
-            load_balancing_loss=load_balancing_loss(routing.logits, routing.selected_index,
-                                                    mask_T, counts_E=global_counts_E,
-                                                    tokens_per_rank=tokens_per_rank),
-            z_loss=z_loss(routing.logits, mask_T, tokens_per_rank=tokens_per_rank),
+            load_balancing_loss=losses.load_balancing, z_loss=losses.z,
             tokens_per_expert=routing.tokens_per_expert,
-            sequence_balance_loss=seq_loss,
+            sequence_balance_loss=losses.sequence,
             dropped_pairs=routing.dropped_pairs,
             # NOTE(memory): kept only by forwards without autograd (the routing pre-pass): a
             # training forward holds no (E + 1)·8 bytes beyond the memory model's.
-            selection_counts=(global_stats if step_counts is None and not torch.is_grad_enabled()
-                              else None),
+            selection_counts=(counts.global_stats
+                              if step_counts is None and not torch.is_grad_enabled() else None),
         )
 
-
-def _selected_counts(routing: RoutingResult, mask_T: torch.Tensor | None) -> torch.Tensor:
-    """(E,) int64 assignments of the router's selection over valid tokens (before drops).
-
-    Sums to k·(valid tokens). Without padding or capacity drops this is
-    ``routing.tokens_per_expert`` itself (no extra bincount).
-    """
-    if routing.selected_index is routing.top_k_index:
-        return routing.tokens_per_expert
-    E = routing.num_experts
-    ids_TK = routing.selected_index
-    if mask_T is not None:
-        ids_TK = torch.where(mask_T[:, None], ids_TK, E)
-    return count_per_expert(ids_TK, E)  # fixed shape: traceable by torch.compile

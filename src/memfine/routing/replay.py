@@ -74,11 +74,24 @@ class RoutingReplay:
             ``result.top_k_weights`` passed through an identity node that owns the record; use
             it in place of the original weights.
         """
+        out: torch.Tensor = _Anchor.apply(result.top_k_weights, self.keep(result))
+        return out
+
+    def keep(self, result: RoutingResult) -> _Record:
+        """Remember ``result``'s selection for as long as the caller holds the returned record.
+
+        Args:
+            result: the forward's :class:`RoutingResult`.
+
+        Returns:
+            The record (two (T, k) int64 tensors, shared with ``result``): hold it in a node of
+            the forward's graph (:class:`memfine.router_node.RouterNode` keeps it on its
+            context), so that it lives exactly as long as that graph.
+        """
         rec = _Record(result)
         self._records = [r for r in self._records if r() is not None]
         self._records.append(weakref.ref(rec))
-        out: torch.Tensor = _Anchor.apply(result.top_k_weights, rec)
-        return out
+        return rec
 
     def take(self, num_tokens: int) -> RoutingResult:
         """The most recent live decision for ``num_tokens`` tokens (removed from the stack).

@@ -301,23 +301,43 @@ class TopKRouter(FP32BuffersMixin):
         """
         from memfine.routing.replay import in_backward
 
-        dtype = router_dtype(x_TD.dtype)
-        x_in = x_TD.to(dtype)
-        if self.training and self.jitter_eps > 0:
-            noise_TD = torch.empty_like(x_in).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
-            x_in = x_in * noise_TD
-        logits_TE = F.linear(x_in, self.weight.to(dtype))
-        bias = self.selection_bias
         # Replay's Python state and graph-task query are not traceable: eager only
         # (docs/compile.md, "Routing options and routing replay").
         tracked = not torch.compiler.is_compiling()
         replay = self.replay.take(x_TD.shape[0]) if tracked and in_backward() else None
-        result = route(logits_TE, self.top_k, score_func=self.score_func,
-                       renormalize=self.renormalize,
-                       selection_bias_E=bias,  # a zero bias selects as none: no host read
-                       valid_mask_T=valid_mask_T, out_dtype=x_TD.dtype, options=self.options,
-                       replay=replay)
+        result = self.decide(x_TD, valid_mask_T, replay,
+                             jitter=self.training and self.jitter_eps > 0)
         if tracked and replay is None and result.top_k_weights.requires_grad:
             result = dataclasses.replace(result,
                                          top_k_weights=self.replay.record(result))
         return result
+
+    @fp32_routing
+    def decide(self, x_TD: torch.Tensor, valid_mask_T: torch.Tensor | None = None,
+               replay: RoutingResult | None = None, *, jitter: bool = False) -> RoutingResult:
+        """Logits x·W_rᵀ in fp32 and :func:`route`, without the replay bookkeeping of forward.
+
+        Args:
+            x_TD: (T, d) activations, any float dtype.
+            valid_mask_T: optional (T,) bool; False marks padding tokens.
+            replay: a previous decision to reuse (see :func:`route`).
+            jitter: multiply the router input by U(1−ε, 1+ε) first (training).
+
+        Returns:
+            A :class:`RoutingResult`; ``top_k_weights`` in ``x_TD.dtype``. The fp32 copies of x
+            and W are dropped as soon as the logits exist (kept only by a graph that saves
+            them).
+        """
+        dtype = router_dtype(x_TD.dtype)
+        x_in = x_TD.to(dtype)
+        if jitter:
+            noise_TD = torch.empty_like(x_in).uniform_(1 - self.jitter_eps, 1 + self.jitter_eps)
+            x_in = x_in * noise_TD
+            del noise_TD
+        logits_TE = F.linear(x_in, self.weight.to(dtype))
+        del x_in
+        return route(logits_TE, self.top_k, score_func=self.score_func,
+                     renormalize=self.renormalize,
+                     selection_bias_E=self.selection_bias,  # a zero bias selects as none
+                     valid_mask_T=valid_mask_T, out_dtype=x_TD.dtype, options=self.options,
+                     replay=replay)

@@ -37,8 +37,9 @@ def _keep_mask(tl: Timeline, s: Sizes, drop_policy: str) -> str:
     rank = tl.alloc("cap.rank", T * (E + 1) * 8)
     ranks = tl.alloc("cap.ranks", T * 8)
     gathered = tl.alloc("cap.rank_TK", T * K * 8)
+    bound = tl.alloc("cap.capacity_scalar", 8)  # the wrapped capacity of rank < capacity
     below = tl.alloc("cap.below_capacity", T * K)
-    tl.free(gathered)
+    tl.free(bound, gathered)
     keep = tl.alloc("cap.keep", T * K)  # WhereBackward keeps it
     tl.free(below, *temps, priority, order, rank, ranks)
     return keep

@@ -51,8 +51,9 @@ def index_forward(tl: Timeline, s: Shape, C: int, S: int) -> dict[str, str]:
         if C:  # dispatch.index.read_offsets: offsets and the largest cell, one host read
             tl.free(tl.alloc("idx.host_read", (E + 2) * 8))
         cum = tl.alloc("idx.cumsum", C * E * 8)
+        one = tl.alloc("idx.one_scalar", 8)  # the wrapped 1 of cumsum - 1
         sub = tl.alloc("idx.cumsum_minus_1", C * E * 8)
-        tl.free(cum)
+        tl.free(one, cum)
         row_te = tl.alloc("idx.row_TE", C * E * 8)
         tl.free(sub)
         clamp = tl.alloc("idx.clamp", C * K * 8)

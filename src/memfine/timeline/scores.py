@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import get_args
 
-from memfine.config import MoEConfig, ScoreFunc
+from memfine.config import ScoreFunc
 from memfine.timeline.base import Timeline, engine_sum
 
 Names = dict[str, str]
@@ -59,7 +59,6 @@ class ScoreTimeline:
             gradient of the k gathered logits.
         logits_saved: the scores' backward keeps the (T, E) logits (softplus), so they outlive
             the z-loss's backward (and, where that backward never runs, the region).
-        log_renorm_saved: bytes ``log_renorm`` keeps for backward (0 for softmax).
     """
 
     scores: Callable[[Timeline, Sizes], str]
@@ -67,7 +66,6 @@ class ScoreTimeline:
     log_renorm: Callable[[Timeline, Names, Sizes], str] | None
     log_renorm_backward: Callable[[Timeline, Names, Sizes, str], str] | None
     logits_saved: bool
-    log_renorm_saved: Callable[[Sizes], int] = lambda s: 0
 
 
 def _one_op(tl: Timeline, s: Sizes) -> str:
@@ -150,10 +148,9 @@ def _half_log_softplus_backward(tl: Timeline, rt: Names, s: Sizes, grad: str) ->
 SCORE_TIMELINES: dict[str, ScoreTimeline] = {
     "softmax": ScoreTimeline(_one_op, _result_backward, None, None, logits_saved=False),
     "sigmoid": ScoreTimeline(_one_op, _result_backward, _log_sigmoid, _log_sigmoid_backward,
-                             logits_saved=False, log_renorm_saved=lambda s: 2 * s.tk),
+                             logits_saved=False),
     "sqrtsoftplus": ScoreTimeline(_sqrtsoftplus, _sqrtsoftplus_backward, _half_log_softplus,
-                                  _half_log_softplus_backward, logits_saved=True,
-                                  log_renorm_saved=lambda s: 2 * s.tk + 2 * s.T * s.K),
+                                  _half_log_softplus_backward, logits_saved=True),
 }
 """The timeline of every score function; the keys are exactly :data:`memfine.config.ScoreFunc`."""
 
@@ -161,18 +158,3 @@ if set(SCORE_TIMELINES) != set(get_args(ScoreFunc)):  # a memfine bug, caught at
     raise ImportError(f"memfine.config.ScoreFunc {get_args(ScoreFunc)} and the score-function "
                       f"timelines {tuple(SCORE_TIMELINES)} must list the same names")
 
-
-def renorm_saved(moe: MoEConfig, T: int, r: int, *, weights_counted: bool) -> dict[str, int]:
-    """Saved bytes of the renormalisation, by :class:`memfine.memory.MemoryBreakdown` field.
-
-    Softmax: the gathered scores and their (T, 1) sum (DivBackward). Elementwise scores: what
-    the log scores keep plus the softmax's (T, K) result, unless that result is the routing
-    weights already counted (``weights_counted``: fp32 weights saved by the experts, no scaling).
-    """
-    if not moe.renormalize:
-        return {}
-    st, sz = SCORE_TIMELINES[moe.score_func], Sizes(T, moe.top_k, moe.num_experts, r)
-    if st.log_renorm is None:
-        return {"top_k_scores_bytes": sz.tk, "renorm_sum_bytes": T * r}
-    shared = weights_counted and moe.routed_scaling_factor == 1.0
-    return {"top_k_scores_bytes": st.log_renorm_saved(sz) + (0 if shared else sz.tk)}
