@@ -11,7 +11,7 @@ pytest.importorskip("torchtitan", reason="torchtitan is not installed "
 import torch  # noqa: E402
 from torchtitan_models import build_model, forward_tokens, model_config  # noqa: E402
 
-from memfine.config import ChunkConfig, MoEConfig  # noqa: E402
+from memfine.config import CPU_MAX_BLOCK_ROWS, ChunkConfig, MoEConfig  # noqa: E402
 from memfine.integrations import torchtitan_configs  # noqa: E402
 from memfine.integrations.torchtitan import convert_model  # noqa: E402
 from memfine.integrations.torchtitan_budget import (  # noqa: E402
@@ -166,8 +166,8 @@ def test_budget_report_and_decisions_follow_the_memory_model(chunk: dict) -> Non
         assert report.smallest_feasible_budget_bytes == report_policy.smallest_feasible_budget(
             S, T, 4) == min(peaks.values())
         # at these sizes every block of the ladder holds all rows: the default is the choice
-        assert decision == ChunkDecision(want_c, want_recompute, S, want_peak, budget,
-                                         (16 << 20) // ((3 * 32 + 3 * 16 + 32) * 4))  # the CPU's
-                                         # default block in rows (16 MiB of fp32 rows)
+        assert decision == ChunkDecision(want_c, want_recompute, S, want_peak, budget, min(
+            CPU_MAX_BLOCK_ROWS, (16 << 20) // ((3 * 32 + 3 * 16 + 32) * 4)))  # the CPU's
+        # default block in rows (16 MiB of fp32 rows, at most the CPU's cap)
     text = format_budget_report(model)
     assert all(name in text for name in names) and "smallest feasible memory_budget" in text

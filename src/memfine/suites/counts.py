@@ -20,7 +20,7 @@ chunk), ``torchtitan_style`` (the same router and aux losses, then torchtitan's 
 ``Qwen3MoeExperts`` with its ``grouped_mm`` experts and through memfine's backend; experts only).
 
 The path counted is ``--count-device``'s (``cuda``, the default: an H200's default row blocks
-and the ``index_put_`` combine; ``cpu``: 16 MiB blocks, at most 1,024 rows, and ``index_add_``). Presets
+and the ``index_put_`` combine; ``cpu``: the CPU's default blocks and ``index_add_``). Presets
 (:data:`PRESETS`, :data:`PRESET_TOKENS`): Qwen3-30B-A3B at T 4096 and 16384, DeepSeek-V3 at
 T 4096 (``--tokens``, ``--num-experts``, ``--top-k`` override). d and n are divided by
 :data:`DIM_SCALE`: op and sync counts depend on them only through the block count, which is
@@ -130,24 +130,20 @@ def device_path(device: str, default_block: int | None = None) -> Iterator[None]
     """Run, on the CPU, the fused path that ``device`` takes.
 
     ``cuda``: the per-token gather combine of the forward's output and the backward's dx
-    (:func:`memfine.experts.rows.add_token_rows_`), not the CPU's ``index_add_``.
+    (:func:`memfine.experts.rows.add_token_rows_`), without the CPU's ``index_add_`` and row cap.
     ``default_block``: the byte target the device default (``backward_block_bytes=None``)
     resolves to meanwhile (the counted device's, at the counted dims), so that paths with no
     block setting of their own (transformers' experts backend) count the device's blocks.
-    Off the CPU the CPU's row cap (:data:`memfine.config.CPU_MAX_BLOCK_ROWS`) is lifted.
     """
-    saved = (fused_function.DEVICE_SUM_ON_CPU, config_moe.DEFAULT_BACKWARD_BLOCK_BYTES,
-             config_moe.CPU_MAX_BLOCK_ROWS)
-    fused_function.DEVICE_SUM_ON_CPU = device != "cpu"
-    if device != "cpu":  # the CPU's row cap is not the device's
-        config_moe.CPU_MAX_BLOCK_ROWS = None
-    if default_block is not None:
-        config_moe.DEFAULT_BACKWARD_BLOCK_BYTES = default_block
+    ff, cm = fused_function, config_moe
+    saved = ff.DEVICE_SUM_ON_CPU, cm.DEFAULT_BACKWARD_BLOCK_BYTES, cm.CPU_MAX_BLOCK_ROWS
+    ff.DEVICE_SUM_ON_CPU = device != "cpu"
+    cm.CPU_MAX_BLOCK_ROWS = cm.CPU_MAX_BLOCK_ROWS if device == "cpu" else None
+    cm.DEFAULT_BACKWARD_BLOCK_BYTES = default_block or cm.DEFAULT_BACKWARD_BLOCK_BYTES
     try:
         yield
     finally:
-        (fused_function.DEVICE_SUM_ON_CPU, config_moe.DEFAULT_BACKWARD_BLOCK_BYTES,
-         config_moe.CPU_MAX_BLOCK_ROWS) = saved
+        ff.DEVICE_SUM_ON_CPU, cm.DEFAULT_BACKWARD_BLOCK_BYTES, cm.CPU_MAX_BLOCK_ROWS = saved
 
 
 def check_tokens(tokens: int, top_k: int) -> None:
