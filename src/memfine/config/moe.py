@@ -197,7 +197,8 @@ counts another device's path on the CPU).
 
 16 MiB holds 1,927 rows at the fine-grained layer (d 512, n 128, fp32) and 4,096 at the
 training preset's (d = n = 128): at the fine-grained layer one block's backward transients
-(4.7 MiB) were most of the fused peak's excess over its live floor at T 1,024 and 4,096
+(4.7 MiB) were most of the fused peak's excess over its live floor at T 1,024 and 4,096; with
+1,024 rows (2.5 MiB) and the router node the peak is 1.046× and 1.037× the floor there
 (``benchmarks/results/peak_cpu_fine.csv``). With 1,024 rows the layer time was 1.02× (p20
 0.98, p80 1.06) at the fine-grained layer and 0.98× at the preset's, T 4096, one thread, thread
 CPU time, interleaved (``benchmarks/bench_block_bytes.py --rows``); layers whose 16 MiB holds
