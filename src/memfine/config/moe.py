@@ -71,11 +71,15 @@ class GatedActivation(ConfigBase):
 
 
 DEFAULT_BACKWARD_BLOCK_BYTES = 16 * 2**20
-"""Byte target of one row block of the fused forward and backward on the CPU (16 MiB): of 4, 8,
-16, 32, 64 MiB and one block, the size whose slower shape is least slow in the last run (T 4096,
-one thread, thread CPU time, interleaved, medians of per-round ratios): within 0.4% of the
-fastest (32 MiB) at the coarse layer and 2.1% slower than the fastest (8 MiB) at the
-fine-grained one; one block is 1.12× and 1.41× its time (``benchmarks/bench_block_bytes.py``,
+"""Byte target of one row block of the fused forward and backward on the CPU (16 MiB; the CPU's
+default block holds at most :data:`CPU_MAX_BLOCK_ROWS` rows). Against 4, 8, 32, 64 MiB and one
+block in the last run (T 4096, one thread, thread CPU time, interleaved, medians of per-round
+ratios to the default's time): at the coarse layer, where the default is 16 MiB's own 630 rows,
+16 MiB took 0.88× (p20-p80 0.86-1.07: the rounds' noise) and the fastest other size, 32 MiB,
+0.94×; at the fine-grained layer 16 MiB 1.01× and the fastest, 32 MiB, 0.96× (p20-p80
+0.94-1.12); at the training preset's 16 MiB 1.03× and the fastest, 8 MiB, 0.99× (p20-p80
+0.98-1.01). No size is faster than the default beyond the rounds' spread at any shape; one
+block is 1.10×, 1.29× and 1.05× its time (``benchmarks/bench_block_bytes.py``,
 ``benchmarks/results/block_bytes_cpu.csv``)."""
 
 CUDA_BACKWARD_BLOCK_BYTES = 512 * 2**20
@@ -142,11 +146,11 @@ BUDGET_BLOCK_DIVISORS = (1, 2, 4)
 Under a memory budget (MACT) with ``backward_block_bytes=None`` the chunk policy tries, per
 chunk count c, the default block and then half and a quarter of its rows, and runs the largest
 that fits (:func:`budget_block_ladder`), before it takes a larger c: a smaller block only splits
-the grouped GEMMs further (on the CPU a 4 MiB block was within 4% of the 16 MiB default's time
-at both suite shapes, ``benchmarks/results/block_bytes_cpu.csv``), while every chunk adds its
-own routing index, chunk loop step and, under expert parallelism, its own all-to-alls (a budget
-recomputes the experts at every c). Still smaller blocks would trade kernel launches (CUDA) and
-weight-gradient passes for bytes that chunking frees."""
+the grouped GEMMs further (on the CPU a 4 MiB block took 1.11× and 1.06× the default's time at
+the coarse and fine-grained layers, ``benchmarks/results/block_bytes_cpu.csv``), while every
+chunk adds its own routing index, chunk loop step and, under expert parallelism, its own
+all-to-alls (a budget recomputes the experts at every c). Still smaller blocks would trade
+kernel launches (CUDA) and weight-gradient passes for bytes that chunking frees."""
 
 
 def budget_block_ladder(block_bytes: int | None, device_type: str, row_bytes: int
@@ -199,10 +203,11 @@ counts another device's path on the CPU).
 training preset's (d = n = 128): at the fine-grained layer one block's backward transients
 (4.7 MiB) were most of the fused peak's excess over its live floor at T 1,024 and 4,096; with
 1,024 rows (2.5 MiB) and the router node the peak is 1.046× and 1.037× the floor there
-(``benchmarks/results/peak_cpu_fine.csv``). With 1,024 rows the layer time was 1.02× (p20
-0.98, p80 1.06) at the fine-grained layer and 0.98× at the preset's, T 4096, one thread, thread
-CPU time, interleaved (``benchmarks/bench_block_bytes.py --rows``); layers whose 16 MiB holds
-fewer rows (the coarse d 512, n 1024 layer: 630) are unchanged."""
+(``benchmarks/results/peak_cpu_fine.csv``). 16 MiB's uncapped blocks took 1.01× (p20 0.96,
+p80 1.06) the capped default's time at the fine-grained layer and 1.03× (p20 1.02, p80 1.05)
+at the preset's, T 4096, one thread, thread CPU time, interleaved
+(``benchmarks/bench_block_bytes.py``, ``benchmarks/results/block_bytes_cpu.csv``); layers whose
+16 MiB holds fewer rows (the coarse d 512, n 1024 layer: 630) are unchanged."""
 
 
 MIN_BLOCK_ROWS = 512
