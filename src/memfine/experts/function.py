@@ -388,7 +388,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     once, :meth:`memfine.experts.rows.RowBlocks.plan`; no host copy needed for the GEMMs); weight
     gradients go into the buffers (one grouped GEMM per weight in bf16, else per expert), dx
     per token. Rows are gathered by the block's tokens (:func:`memfine.experts.rows.block_tokens`:
-    int64 on the CPU, B·8 bytes, the int32 slice elsewhere).
+    int64 on the CPU's path, B·8 bytes, the int32 slice on a device's).
     """
     E = st.w_up_EDG.shape[0]
     assert st.blocks is not None, "the blocks are planned before they run"
@@ -396,7 +396,7 @@ def _backward_block(st: _BackwardState, b: int, r0: int, r1: int) -> None:
     offs_E1 = st.blocks.offsets_of(b, r0, r1, S)
     # the block's experts only (several blocks, no bias, no LoRA: else all E)
     held_offs, held = st.blocks.experts_of(b, r0, r1, S)
-    token_B = block_tokens(st.token_idx_S, r0, r1)
+    token_B = block_tokens(st.token_idx_S, r0, r1, _by_sort(st.x_TD))
     h_BG = st.h_blocks[0][r0:r1] if len(st.h_blocks) == 1 else st.h_blocks[b]
     w_B1 = st.blocks.w_S[r0:r1, None]
     # NOTE(memory): transient B·d

@@ -136,15 +136,17 @@ class RowBlocks:
         return self.offsets_E1.clamp(r0, r1) - r0
 
 
-def block_tokens(token_idx_S: torch.Tensor, r0: Any, r1: Any) -> torch.Tensor:
-    """The tokens of rows [r0, r1): int64 on the CPU, the int32 slice elsewhere.
+def block_tokens(token_idx_S: torch.Tensor, r0: Any, r1: Any, by_sort: bool) -> torch.Tensor:
+    """The tokens of rows [r0, r1): int64 on the CPU's path, the int32 slice on a device's.
 
     The CPU's ``index_select`` and ``index_add_`` run faster on int64 indices than on int32
-    ones (one thread, a (B, d) block); elsewhere the slice is taken as it is (no extra kernel).
-    Memory: on the CPU, B int64 (B·8 bytes) for the block.
+    ones (one thread, a (B, d) block); a device's path (``by_sort``, the sorted per-token sum
+    of :func:`add_token_rows_`) takes the slice as it is (no extra kernel), also where the
+    counts suite runs that path on the CPU.
+    Memory: on the CPU's path, B int64 (B·8 bytes) for the block.
     """
     token_B = token_idx_S[r0:r1]
-    return token_B.long() if token_B.device.type == "cpu" else token_B
+    return token_B if by_sort else token_B.long()
 
 
 def add_token_rows_(out_TD: torch.Tensor, rows_BD: torch.Tensor, token_B: torch.Tensor,
@@ -209,7 +211,7 @@ def forward_rows(x_TD: torch.Tensor, blocks: RowBlocks, up_parts: tuple[torch.Te
     h_blocks: list[torch.Tensor] = []  # NOTE(memory): B·G per block, S·G in all, no copy
     for b, (r0, r1) in enumerate(blocks.bounds):
         offs_E1, held = blocks.experts_of(b, r0, r1, S)
-        token_B = block_tokens(token_idx_S, r0, r1)
+        token_B = block_tokens(token_idx_S, r0, r1, by_sort)
         x_BD = x_TD.index_select(0, token_B)  # NOTE(memory): B·d, never saved
         h_BG = add_row_bias_(up_project(x_BD, tuple(p[held] for p in up_parts), offs_E1,
                                         backend), b_up_EG, offs_E1)
