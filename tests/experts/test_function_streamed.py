@@ -11,6 +11,8 @@ Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); MemFine §4; docs/
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from test_function import make_problem
@@ -42,6 +44,9 @@ def _row_bytes(d: int, n: int, G: int, dtype_bytes: int) -> int:
 def test_block_rows_from_bytes() -> None:
     assert backward_block_rows(_row_bytes(8, 4, 8, 4) * 3 + 5, 8, 4, 8, 4) == 3
     assert backward_block_rows(1, 8, 4, 8, 4) == 1  # never 0 rows
+    for bad in (0, -5, 2.5, True, 2**63):
+        with pytest.raises(ValueError, match=rf"block_bytes .* got {re.escape(repr(bad))}"):
+            backward_block_rows(bad, 8, 4, 8, 4)  # type: ignore[arg-type]
 
 
 def test_default_sized_blocks_hold_at_least_min_block_rows() -> None:

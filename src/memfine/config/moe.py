@@ -262,11 +262,18 @@ def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_
         ⌊block_bytes / row bytes⌋, at least 1; for None the device default's rows, at least
         :data:`MIN_BLOCK_ROWS`.
 
+    Raises:
+        ValueError: ``block_bytes`` not None and not an int in [1, int64's largest].
+
     Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); our sizing.
     """
     row_bytes = block_row_bytes(hidden_size, intermediate_size, up_width, dtype_bytes)
     if block_bytes is None:
         return _default_rows(device_type, row_bytes)
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int) \
+            or not 1 <= block_bytes <= INT64_MAX:
+        raise ValueError(f"block_bytes must be None (the device's default) or an int in "
+                         f"[1, {INT64_MAX}] bytes, got {block_bytes!r}")
     return max(1, block_bytes // row_bytes)
 
 
