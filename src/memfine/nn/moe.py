@@ -170,12 +170,14 @@ class MoELayer(nn.Module):
         if step_selection_counts is not None and tuple(step_selection_counts.shape) != (E + 1,):
             raise ValueError(f"step_selection_counts must be (E + 1,)=({E + 1},), got "
                              f"{tuple(step_selection_counts.shape)}")
-        seq_len = x.shape[-2] if x.dim() >= 3 else x_TD.shape[0]
+        # tokens per sequence of the sequence-wise loss; None: not computed (coefficient 0)
+        seq_len = ((x.shape[-2] if x.dim() >= 3 else x_TD.shape[0])
+                   if self.config.seq_aux_loss_coef > 0 else None)
         aux: MoEAux | None = None
         if node_applies(self.router):  # one node: logits recomputed in backward (§2)
             decided, losses = route_with_losses(
-                self.router, x_TD, mask_T, seq_len if self.config.seq_aux_loss_coef > 0 else None,
-                self.experts.global_counts, step_selection_counts)
+                self.router, x_TD, mask_T, seq_len, self.experts.global_counts,
+                step_selection_counts)
             aux = MoEAux(load_balancing_loss=losses.load_balancing, z_loss=losses.z,
                          tokens_per_expert=decided.tokens_per_expert,
                          sequence_balance_loss=losses.sequence,
@@ -216,7 +218,7 @@ class MoELayer(nn.Module):
         """
         return self._last_record()
 
-    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int,
+    def _aux(self, routing: RoutingResult, mask_T: torch.Tensor | None, seq_len: int | None,
              step_counts: torch.Tensor | None = None) -> MoEAux:
         """Aux losses over the global batch's valid tokens, as docs/design.md §2 defines them.
 
@@ -232,14 +234,14 @@ class MoELayer(nn.Module):
         divisor tensor is saved for backward, 4 bytes per loss, so saved bytes stay those of
         the memory model).
 
-        The sequence-wise loss (only when ``seq_aux_loss_coef`` > 0) stays this rank's mean over
-        its sequences: the mean over the ranks is the whole batch's when every rank holds as
-        many sequences with valid tokens (the training loop's even batch split).
+        The sequence-wise loss (only with ``seq_len``, given when ``seq_aux_loss_coef`` > 0)
+        stays this rank's mean over its sequences: the mean over the ranks is the whole batch's
+        when every rank holds as many sequences with valid tokens (the training loop's even
+        batch split).
         """
         counts = loss_counts(routing, mask_T, self.experts.global_counts, step_counts)
         losses = aux_losses(routing.logits, routing.scores, routing.selected_index, mask_T,
-                            seq_len if self.config.seq_aux_loss_coef > 0 else None,
-                            counts.counts_E, counts.tokens_per_rank)
+                            seq_len, counts.counts_E, counts.tokens_per_rank)
         return MoEAux(
             load_balancing_loss=losses.load_balancing, z_loss=losses.z,
             tokens_per_expert=routing.tokens_per_expert,
