@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from memfine.reference import reference_route
-from memfine.routing import RouteOptions, check_token_mask, load_balancing_loss, route, z_loss
+from memfine.routing import (
+    RouteOptions,
+    check_token_mask,
+    load_balancing_loss,
+    route,
+    top_k_lowest_index,
+    z_loss,
+)
 from tolerances import assert_close
 
 
@@ -59,6 +66,25 @@ def test_ties_go_to_the_lowest_index(score_func: str) -> None:
                                         score_func, renormalize=k > 1)
         got = route(logits, k, score_func=score_func, renormalize=k > 1).top_k_index
         assert torch.equal(got, ref_idx), k
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fp32_top_k_is_the_stable_descending_sort(seed: int) -> None:
+    """fp32 scores go through int64 keys, not a sort: the same experts as a stable descending
+    sort (the independent reference), on ties, ±0.0, ±inf and NaNs of either sign."""
+    gen = torch.Generator().manual_seed(seed)
+    T, E = 257, 12
+    scores = torch.randint(-3, 4, (T, E), generator=gen).float()  # ties in every row
+    scores[scores == -3], scores[scores == 3] = float("-inf"), float("inf")
+    cells = torch.rand(T, E, generator=gen)
+    scores[cells < 0.1] = -0.0
+    scores[(cells >= 0.1) & (cells < 0.15)] = float("nan")
+    scores[(cells >= 0.15) & (cells < 0.2)] = -float("nan")
+    scores[-1] = torch.linspace(-2e-38, 2e-38, E)  # denormals and tiny normals
+    for k in (1, 3, E):
+        expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :k]
+        assert torch.equal(top_k_lowest_index(scores, k), expected), k
+        assert torch.equal(top_k_lowest_index(scores.double(), k), expected), k
 
 
 def test_losses_accept_integer_masks_as_masks() -> None:

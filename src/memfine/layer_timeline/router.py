@@ -22,20 +22,48 @@ from memfine.timeline.scores import SCORE_TIMELINES, Sizes
 
 
 def _selection(tl: Timeline, s: Shape, sz: Sizes) -> str:
-    """where(bias.any(), scores + bias, logits), then top-k as a stable sort and a (T, k) copy."""
+    """where(bias.any(), scores + bias, logits), then the top-k (routing.groups).
+
+    fp32 (R = 4): the keyed top-k (a scratch copy, its NaN mask, the sign mask, the int64 keys,
+    two (E,) index vectors, then topk's values and indices); float64: a stable sort and a
+    (T, k) copy.
+    """
     biased = tl.alloc("router.biased_scores", sz.te)
     flag = tl.alloc("router.bias_any", 1)
     select = tl.alloc("router.selection", sz.te)
     tl.free(flag)
     tl.free(biased)
-    values = tl.alloc("router.sort_values", sz.te)
-    order = tl.alloc("router.sort_order", sz.T * sz.E * 8)
-    tl.free(tl.alloc("router.sort_arange", sz.E * 8), values)  # the sort's (E,) int64 ids
-    index = order
-    if sz.K < sz.E:  # else [:, :E].contiguous() is the sort order itself
-        index = tl.alloc("router.top_k_index", sz.T * sz.K * 8)
-        tl.free(order)
+    if sz.r == 4:
+        index = _keyed_top_k(tl, sz)
+    else:
+        values = tl.alloc("router.sort_values", sz.te)
+        order = tl.alloc("router.sort_order", sz.T * sz.E * 8)
+        tl.free(tl.alloc("router.sort_arange", sz.E * 8), values)  # the sort's (E,) int64 ids
+        index = order
+        if sz.K < sz.E:  # else [:, :E].contiguous() is the sort order itself
+            index = tl.alloc("router.top_k_index", sz.T * sz.K * 8)
+            tl.free(order)
     tl.free(select)
+    return index
+
+
+def _keyed_top_k(tl: Timeline, sz: Sizes) -> str:
+    """routing.groups.top_k_lowest_index on fp32 scores: (T, k) int64 indices."""
+    cells = sz.T * sz.E
+    zero = tl.alloc("router.key_zero", 8)  # the wrapped Python 0.0 of ``+ 0.0``
+    value = tl.alloc("router.key_value", cells * 4)
+    tl.free(zero)
+    tl.free(tl.alloc("router.key_nan_mask", cells))
+    tl.free(tl.alloc("router.key_sign", cells * 4))
+    keys = tl.alloc("router.keys", cells * 8)
+    tl.free(value)
+    column = tl.alloc("router.key_arange", sz.E * 8)
+    low = tl.alloc("router.key_low", sz.E * 8)
+    tl.free(column)
+    tl.free(low)
+    top_values = tl.alloc("router.top_k_keys", sz.T * sz.K * 8)
+    index = tl.alloc("router.top_k_index", sz.T * sz.K * 8)
+    tl.free(keys, top_values)
     return index
 
 
