@@ -102,6 +102,32 @@ def test_valid_mask_selects_tokens() -> None:
         assert_close(g, ref_g, grad=True)
 
 
+@pytest.mark.parametrize("overrides", [{}, {"seq_aux_loss_coef": 0.1, "num_shared_experts": 1}])
+def test_integer_attention_mask_equals_bool_mask(overrides: dict[str, object]) -> None:
+    """An int64 0/1 mask (a Hugging Face attention_mask) is the bool mask: same output, losses
+    and gradients, bit for bit (the bool path is checked against the reference above)."""
+    layer = _layer(torch.float64, **overrides)
+    mask = torch.rand(SHAPE) > 0.3
+    mask[0, 0], mask[1, 4] = True, False
+    x = torch.randn(*SHAPE, D, dtype=torch.float64)
+    results = []
+    for m in (mask, mask.long(), mask.to(torch.int32)):
+        xi = x.clone().requires_grad_(True)
+        out, aux = layer(xi, m)
+        losses = [aux.load_balancing_loss, aux.z_loss]
+        if aux.sequence_balance_loss is not None:
+            losses.append(aux.sequence_balance_loss)
+        loss = (out * out).sum() + sum(losses)
+        grads = torch.autograd.grad(loss, [xi, *_params(layer)])
+        results.append((out.detach(), [t.detach() for t in losses], aux.tokens_per_expert,
+                        grads))
+    for out, losses, counts, grads in results[1:]:
+        assert torch.equal(out, results[0][0])
+        assert all(torch.equal(a, b) for a, b in zip(losses, results[0][1], strict=True))
+        assert torch.equal(counts, results[0][2])
+        assert all(torch.equal(a, b) for a, b in zip(grads, results[0][3], strict=True))
+
+
 def test_expert_weight_layout() -> None:
     layer = _layer(torch.float32)
     assert layer.experts.w_up.shape == (E, D, 2 * N)
@@ -114,9 +140,11 @@ def test_rejects_bad_inputs() -> None:
     layer = _layer(torch.float32)
     with pytest.raises(ValueError, match=r"^x must be \(\.\.\., d\) with d=8, got \(3, 7\)$"):
         layer(torch.zeros(3, 7))
-    with pytest.raises(ValueError, match=r"^valid_mask must be bool of shape \(2, 5\)"):
+    with pytest.raises(ValueError, match=r"^valid_mask must be bool or an integer 0/1 mask "
+                                         r"\(nonzero = a real token\), got torch\.float32"):
         layer(torch.zeros(*SHAPE, D), torch.ones(SHAPE))
-    with pytest.raises(ValueError, match=r"^valid_mask must be bool of shape \(2, 5\)"):
+    with pytest.raises(ValueError, match=r"^valid_mask must have x's token shape \(2, 5\), "
+                                         r"got \(5, 2\)$"):
         layer(torch.zeros(*SHAPE, D), torch.ones(5, 2, dtype=torch.bool))
 
 

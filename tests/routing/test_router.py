@@ -144,8 +144,10 @@ def test_route_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match=f"^{re.escape(f'score_func must be one of {names}')}, "
                                          "got 'x'$"):
         route(torch.zeros(2, E), 1, score_func="x")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"^valid_mask must be \(T,\) bool with T=2"):
+    with pytest.raises(ValueError, match=r"^valid_mask must be bool or an integer 0/1 mask"):
         route(torch.zeros(2, E), 1, valid_mask_T=torch.ones(2))
+    with pytest.raises(ValueError, match=r"^valid_mask must have the token shape \(T,\)=\(2,\)"):
+        route(torch.zeros(2, E), 1, valid_mask_T=torch.ones(3, dtype=torch.bool))
     with pytest.raises(ValueError, match=r"^top_k must be in \[1, num_experts=5\], got 0$"):
         TopKRouter(D, E, 0)
 

@@ -103,12 +103,25 @@ def test_losses_accept_integer_masks_as_masks() -> None:
                               expected_lbl)
 
 
+def test_route_accepts_integer_masks_nonzero_is_a_real_token() -> None:
+    logits = torch.randn(6, 4)
+    rows = torch.tensor([True, True, False, True, False, True])
+    expected = route(logits, 2, valid_mask_T=rows)
+    for mask in (rows.long(), rows.int(), torch.tensor([3, 1, 0, -1, 0, 1])):
+        result = route(logits, 2, valid_mask_T=mask)
+        assert result.valid_mask is not None and result.valid_mask.dtype == torch.bool
+        assert torch.equal(result.valid_mask, rows)
+        assert torch.equal(result.top_k_index, expected.top_k_index)
+        assert torch.equal(result.top_k_weights, expected.top_k_weights)
+        assert torch.equal(check_token_mask(mask, 6), rows)
+
+
 @pytest.mark.parametrize(("mask", "match"), [
     (torch.ones(5, dtype=torch.bool), r"valid_mask must have the token shape \(T,\)=\(6,\), "
                                       r"got \(5,\)"),
     (torch.ones(6, 1, dtype=torch.bool), r"got \(6, 1\)"),
-    (torch.ones(6), r"valid_mask must be bool or an integer 0/1 mask, got torch.float32"),
-    (torch.tensor([0, 1, 2, 1, 1, 1]), r"must hold only 0 and 1, got values \[0, 1, 2\]"),
+    (torch.ones(6), r"valid_mask must be bool or an integer 0/1 mask \(nonzero = a real "
+                    r"token\), got torch.float32 \(a float mask is ambiguous: additive -inf\)$"),
 ])
 def test_losses_reject_bad_masks(mask: torch.Tensor, match: str) -> None:
     logits, index = torch.randn(6, 4), torch.zeros(6, 2, dtype=torch.long)

@@ -20,7 +20,7 @@ from memfine.nn.experts import GroupedExperts
 from memfine.nn.lora import LoRAGroupedExperts
 from memfine.nn.shared import SharedExperts
 from memfine.router_node import aux_losses, loss_counts, node_applies, route_with_losses
-from memfine.routing import TopKRouter
+from memfine.routing import TopKRouter, check_token_mask
 from memfine.routing.router import RoutingResult
 from memfine.schedule.lora_policy import LoRAChunkPolicy
 from memfine.schedule.policy import ChunkDecision, ChunkPolicy
@@ -140,9 +140,10 @@ class MoELayer(nn.Module):
 
         Args:
             x: (..., d) activations (e.g. (b, s, d)).
-            valid_mask: optional bool tensor of shape x.shape[:-1]; False marks padding tokens,
-                which are removed by selection (output rows exactly 0, no NaN propagation) and
-                left out of counts and losses.
+            valid_mask: optional mask of shape x.shape[:-1], bool or integer (Hugging Face's
+                int64 0/1 ``attention_mask``: nonzero = a real token, tested on the device, no
+                sync; float masks raise). Padding tokens are removed by selection (output rows
+                exactly 0, no NaN propagation) and left out of counts and losses.
             step_selection_counts: optional (E + 1,) int64, the ``selection_counts`` of every
                 micro-batch of the optimizer step summed (a routing pre-pass): the losses' f
                 and token divisor are then the whole step's (gradient accumulation equals one
@@ -152,7 +153,8 @@ class MoELayer(nn.Module):
             ``(out, aux)``: out has x's shape and dtype.
 
         Raises:
-            ValueError: if x's last dimension is not d, the mask shape does not match, or
+            ValueError: if x's last dimension is not d, the mask shape does not match or
+                its dtype is floating, or
                 ``step_selection_counts`` is not (E + 1,).
         """
         D = self.config.hidden_size
@@ -161,10 +163,10 @@ class MoELayer(nn.Module):
         x_TD = x.reshape(-1, D)
         mask_T = None
         if valid_mask is not None:
-            if valid_mask.shape != x.shape[:-1] or valid_mask.dtype != torch.bool:
-                raise ValueError(f"valid_mask must be bool of shape {tuple(x.shape[:-1])}, got "
-                                 f"{valid_mask.dtype} {tuple(valid_mask.shape)}")
-            mask_T = valid_mask.reshape(-1)
+            if valid_mask.shape != x.shape[:-1]:
+                raise ValueError(f"valid_mask must have x's token shape {tuple(x.shape[:-1])}, "
+                                 f"got {tuple(valid_mask.shape)}")
+            mask_T = check_token_mask(valid_mask.reshape(-1), x_TD.shape[0])
             x_TD = torch.where(mask_T[:, None], x_TD, torch.zeros((), dtype=x.dtype))
         E = self.config.num_experts
         if step_selection_counts is not None and tuple(step_selection_counts.shape) != (E + 1,):

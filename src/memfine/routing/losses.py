@@ -25,18 +25,18 @@ def check_token_mask(valid_mask: torch.Tensor | None, num_tokens: int,
     """Validate a padding mask of T tokens and return it as (T,) bool.
 
     Args:
-        valid_mask: ``None``, or a (T,) tensor: bool, or an integer tensor of 0/1 (an attention
-            mask; 1 = real token). Float masks are rejected (ambiguous).
+        valid_mask: ``None``, or a (T,) tensor: bool, or integer (an attention mask such as
+            Hugging Face's int64 0/1 ``attention_mask``; nonzero = a real token). Float masks
+            are rejected: an additive mask (0 / -inf) would read the other way round.
         num_tokens: T.
         name: the argument name used in error messages.
 
     Returns:
-        ``None`` or a (T,) bool tensor (the input itself when already bool).
+        ``None`` or a (T,) bool tensor: the input itself when already bool, else
+        ``valid_mask != 0`` (computed on the device: no host read, no sync).
 
     Raises:
-        ValueError: naming the argument, if the mask is not (T,), not bool/integer, or an
-            integer mask holds values other than 0 and 1 (checked on the host: integer masks
-            cost one device sync; pass bool masks on hot paths).
+        ValueError: naming the argument, if the mask is not (T,) or not bool/integer.
     """
     if valid_mask is None:
         return None
@@ -46,11 +46,9 @@ def check_token_mask(valid_mask: torch.Tensor | None, num_tokens: int,
     if valid_mask.dtype == torch.bool:
         return valid_mask
     if valid_mask.is_floating_point() or valid_mask.is_complex():
-        raise ValueError(f"{name} must be bool or an integer 0/1 mask, got {valid_mask.dtype}")
-    if not bool(((valid_mask == 0) | (valid_mask == 1)).all()):
-        raise ValueError(f"{name} as an integer mask must hold only 0 and 1, got values "
-                         f"{sorted(set(valid_mask.unique().tolist()))[:8]}")
-    return valid_mask.bool()
+        raise ValueError(f"{name} must be bool or an integer 0/1 mask (nonzero = a real token), "
+                         f"got {valid_mask.dtype} (a float mask is ambiguous: additive -inf)")
+    return valid_mask != 0
 
 
 def _select_valid(logits_TE: torch.Tensor, valid_mask_T: torch.Tensor | None) -> torch.Tensor:

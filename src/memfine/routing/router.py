@@ -16,6 +16,7 @@ from torch import nn
 from memfine.config import MoEConfig, RouteOptions, ScoreFunc
 from memfine.routing.capacity import capacity_keep_mask, expert_capacity
 from memfine.routing.groups import group_limited_scores, top_k_lowest_index
+from memfine.routing.losses import check_token_mask
 from memfine.routing.precision import FP32BuffersMixin, count_per_expert, fp32_routing
 from memfine.routing.scores import SCORE_FUNCTIONS, score_function
 
@@ -93,7 +94,7 @@ def _check_config_options(options: RouteOptions, top_k: int, score_func: str,
 
 def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
                       selection_bias_E: torch.Tensor | None,
-                      valid_mask_T: torch.Tensor | None) -> None:
+                      valid_mask_T: torch.Tensor | None) -> torch.Tensor | None:
     if logits_TE.dim() != 2:
         raise ValueError(f"logits must be (T, E), got shape {tuple(logits_TE.shape)}")
     T, E = logits_TE.shape
@@ -103,10 +104,7 @@ def _check_route_args(logits_TE: torch.Tensor, top_k: int, score_func: str,
     if selection_bias_E is not None and selection_bias_E.shape != (E,):
         raise ValueError(f"selection_bias must be (E,) with E={E}, "
                          f"got {tuple(selection_bias_E.shape)}")
-    if valid_mask_T is not None and (valid_mask_T.shape != (T,)
-                                     or valid_mask_T.dtype != torch.bool):
-        raise ValueError(f"valid_mask must be (T,) bool with T={T}, got "
-                         f"{tuple(valid_mask_T.shape)} {valid_mask_T.dtype}")
+    return check_token_mask(valid_mask_T, T)
 
 
 def _select(logits_TE: torch.Tensor, scores_TE: torch.Tensor, top_k: int,
@@ -187,7 +185,8 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
             scores underflow).
         selection_bias_E: optional (E,) fp32 bias added to the scores for top-k selection only
             (aux-loss-free balancing, or a skew knob for experiments); weights use unbiased scores.
-        valid_mask_T: optional (T,) bool, False marks padding tokens: they get the sentinel
+        valid_mask_T: optional (T,) bool or integer mask (nonzero = a real token, e.g. an
+            int64 0/1 attention mask; float masks raise); padding tokens get the sentinel
             expert id E, weight 0, and are left out of ``tokens_per_expert``.
         out_dtype: dtype of ``top_k_weights`` (default: the dtype of ``logits_TE``).
         options: group limit, scaling factor and capacity: a :class:`RouteOptions`, or the
@@ -202,7 +201,7 @@ def route(logits_TE: torch.Tensor, top_k: int, *, score_func: ScoreFunc = "softm
     TypeError if ``options`` is neither. Reference: docs/design.md §2; DeepSeek-V3 §2.1.2
     (bias, groups, scaling); GShard §2.2 (capacity).
     """
-    _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
+    valid_mask_T = _check_route_args(logits_TE, top_k, score_func, selection_bias_E, valid_mask_T)
     _check_config_options(options, top_k, score_func, renormalize)
     T, E = logits_TE.shape
     out_dtype = out_dtype or logits_TE.dtype
@@ -290,7 +289,8 @@ class TopKRouter(FP32BuffersMixin):
 
         Args:
             x_TD: (T, d) activations, any float dtype.
-            valid_mask_T: optional (T,) bool; False marks padding tokens.
+            valid_mask_T: optional (T,) bool or integer mask (as :func:`route`); False / 0
+                marks padding tokens.
 
         Returns:
             A :class:`RoutingResult`; ``top_k_weights`` in ``x_TD.dtype``.
@@ -319,7 +319,8 @@ class TopKRouter(FP32BuffersMixin):
 
         Args:
             x_TD: (T, d) activations, any float dtype.
-            valid_mask_T: optional (T,) bool; False marks padding tokens.
+            valid_mask_T: optional (T,) bool or integer mask (as :func:`route`); False / 0
+                marks padding tokens.
             replay: a previous decision to reuse (see :func:`route`).
             jitter: multiply the router input by U(1−ε, 1+ε) first (training).
 
