@@ -3,6 +3,7 @@ a terminal, and ``--overwrite`` replacing every file of an earlier run."""
 
 from __future__ import annotations
 
+import csv
 import json
 import re
 from pathlib import Path
@@ -42,6 +43,7 @@ def _usage_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--configs", "1", "2"], "--configs 1 2", "its shapes are its presets"),
     (["--skew-levels", "1,2"], "--skew-levels 1,2", "it routes as its presets do"),
     (["--compile"], "--compile", "it has no compiled methods"),
+    (["--threads", "2"], "--threads 2", "op and sync counts do not depend on torch's threads"),
 ])
 def test_counts_refuses_a_flag_it_does_not_read(typed: list[str], shown: str, why: str,
                                                 tmp_path: Path,
@@ -64,6 +66,42 @@ def test_a_flag_another_selected_suite_reads_is_kept(tmp_path: Path,
     assert main(["bench", "--suites", "counts", "--memory-budget", "auto",
                  "--out", str(tmp_path)]) == 0
     assert [o.dtype for o in seen] == ["bfloat16", "float32"]
+
+
+def test_methods_of_no_selected_suite_are_refused(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """``--methods plain`` with counts alone would run nothing: refused, naming counts' methods."""
+    line = _usage_error(["bench", "--suites", "counts", "--methods", "plain", "--out",
+                         str(tmp_path / "o")], capsys)
+    from memfine.suites import counts
+    assert line.startswith("memfine bench: error: --methods plain: no method of the counts "
+                           f"suite (counts has {', '.join(counts.METHODS)}); pick from those"), line
+    assert not (tmp_path / "o").exists()
+    line = _usage_error(["bench", "--suites", "counts", "chunking", "--methods", "plain"], capsys)
+    assert "no method of the counts and chunking suites (counts has fused, " in line, line
+    assert "; chunking has " in line
+
+
+def test_help_says_counts_do_not_read_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert info.value.code == 0
+    assert "the counts suite counts bf16 and does not read it" in text, text
+
+
+def test_counts_alone_record_the_bf16_they_ran(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """bench_config.json, the printed options and every CSV row say bfloat16, not the float32
+    default of --dtype that counts does not read."""
+    assert main(["bench", *COUNTS_FAST, "--out", str(tmp_path)]) == 0
+    options = json.loads((tmp_path / "bench_config.json").read_text())["options"]
+    assert options["dtype"] == "bfloat16"
+    printed = capsys.readouterr().out.splitlines()[0].removeprefix("memfine bench ")
+    assert json.loads(printed)["dtype"] == "bfloat16"
+    with (tmp_path / "bench_counts.csv").open() as f:
+        configs = [json.loads(row["config_json"]) for row in csv.DictReader(f)]
+    assert configs and {c["dtype"] for c in configs} == {"bfloat16"}
 
 
 # -- tables: no line ends in spaces -------------------------------------------------------

@@ -135,8 +135,9 @@ def test_device_path_resolves_the_device_default_to_the_counted_block() -> None:
     """Paths without a block setting of their own (transformers' experts backend) count the
     counted device's default block while the suite counts, and the CPU's afterwards."""
     from memfine.config import DEFAULT_BACKWARD_BLOCK_BYTES, default_block_bytes
+    from memfine.experts.device_path import device_path
 
-    with counts.device_path("cuda", 12_345_678):
+    with device_path("cuda", 12_345_678):
         assert default_block_bytes("cpu") == 12_345_678
     assert default_block_bytes("cpu") == DEFAULT_BACKWARD_BLOCK_BYTES
     # Qwen3-30B-A3B at T 2048: one block at an H200's default, several at the CPU's 16 MiB

@@ -50,7 +50,8 @@ _FLAGS = (
          default=NotGiven(text="4d with --hidden-size")),
     Flag("--num-experts", ("num_experts",), "E", default=_FROM_SHAPE),
     Flag("--top-k", ("top_k",), "k, experts per token", default=_FROM_SHAPE),
-    Flag("--dtype", ("dtype",), "activation and weight dtype (bf16 matmuls are slow on CPUs)",
+    Flag("--dtype", ("dtype",), "activation and weight dtype (bf16 matmuls are slow on CPUs; "
+         "the counts suite counts bf16 and does not read it)",
          str, DTYPES, NotGiven("float32")),
     Flag("--threads", ("threads",), "torch intra-op threads, >= 1 (restored when the run ends)",
          default=NotGiven(text="torch's choice; 1 with --quick")),
@@ -95,6 +96,7 @@ _IGNORED = {"counts": {
     "hidden_size": "it counts at its presets' d and n, divided by 16",
     "intermediate_size": "it counts at its presets' d and n, divided by 16",
     "dtype": "it counts bfloat16 layers", "repeats": "it counts each method once",
+    "threads": "op and sync counts do not depend on torch's threads",
     "warmup": "each method runs one untimed call first",
     "memory_budget": "its mact method's budget is its own, half the received rows per chunk",
     "skew_levels": "it routes as its presets do (a flag of the chunking suite)",
@@ -261,8 +263,11 @@ def run(args: argparse.Namespace) -> int:
     opts = options_from_args(args, device)
     _check_flags_read(args, opts.suites)
     check_bench_out(Path(opts.out), bool(value(args, "overwrite")))
-    for suite in opts.suites:
-        select_methods(suite, opts.methods, opts.compile)  # unknown names fail first
+    if not any(select_methods(s, opts.methods, opts.compile) for s in opts.suites):
+        has = "; ".join(f"{s} has {', '.join(select_methods(s, (), True))}" for s in opts.suites)
+        raise ValueError(f"--methods {' '.join(opts.methods)}: no method of the "
+                         f"{' and '.join(opts.suites)} suite{'s' * (len(opts.suites) > 1)} ({has})"
+                         f"; pick from those, or add to --suites a suite that has them")
     if opts.top_k is not None and opts.num_experts is not None and opts.top_k > opts.num_experts:
         raise ValueError(f"--top-k {opts.top_k} must be at most --num-experts {opts.num_experts}")
     _check_sizes_fit(opts, device)

@@ -8,6 +8,8 @@
 - :mod:`memfine.ops.up_projection`: the up-projection layouts.
 - :mod:`memfine.experts.lora_experts`: split LoRA on the experts (its adapter math and 4-bit base:
   :mod:`memfine.lora`).
+- :mod:`memfine.experts.device_path`: the fused path another device takes, run on the CPU (for
+  counting that device's ops).
 """
 
 from memfine.experts.function import FusedExpertsFunction, FusedOptions

@@ -33,7 +33,6 @@ Reference: docs/design.md §8 (counting on CPU); MoEBlaze §4; torchtitan ``Grou
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -63,11 +62,10 @@ from memfine.config import (
     backward_block_rows,
     default_block_bytes,
 )
-from memfine.config import moe as config_moe
 from memfine.counts.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
 from memfine.counts.roofline import GPUS
 from memfine.environment import Environment
-from memfine.experts import function as fused_function
+from memfine.experts.device_path import device_path
 from memfine.suites import hf
 from memfine.suites.experts import moe_config
 
@@ -123,27 +121,6 @@ def dim_map(real: LayerShape, counted: LayerShape) -> dict[int, int]:
         return {}
     n, m = counted.intermediate_size, real.intermediate_size
     return {counted.hidden_size: real.hidden_size, n: m, 2 * n: 2 * m}
-
-
-@contextlib.contextmanager
-def device_path(device: str, default_block: int | None = None) -> Iterator[None]:
-    """Run, on the CPU, the fused path that ``device`` takes.
-
-    ``cuda``: the per-token gather combine of the forward's output and the backward's dx
-    (:func:`memfine.experts.rows.add_token_rows_`), without the CPU's ``index_add_`` and row cap.
-    ``default_block``: the byte target the device default (``backward_block_bytes=None``)
-    resolves to meanwhile (the counted device's, at the counted dims), so that paths with no
-    block setting of their own (transformers' experts backend) count the device's blocks.
-    """
-    ff, cm = fused_function, config_moe
-    saved = ff.DEVICE_SUM_ON_CPU, cm.DEFAULT_BACKWARD_BLOCK_BYTES, cm.CPU_MAX_BLOCK_ROWS
-    ff.DEVICE_SUM_ON_CPU = device != "cpu"
-    cm.CPU_MAX_BLOCK_ROWS = cm.CPU_MAX_BLOCK_ROWS if device == "cpu" else None
-    cm.DEFAULT_BACKWARD_BLOCK_BYTES = default_block or cm.DEFAULT_BACKWARD_BLOCK_BYTES
-    try:
-        yield
-    finally:
-        ff.DEVICE_SUM_ON_CPU, cm.DEFAULT_BACKWARD_BLOCK_BYTES, cm.CPU_MAX_BLOCK_ROWS = saved
 
 
 def check_tokens(tokens: int, top_k: int) -> None:

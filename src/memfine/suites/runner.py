@@ -43,6 +43,9 @@ SUITE_FLAGS = {"counts": (TOKENS, COUNT_DEVICE)}
 def run_suites(opts: BenchOptions, device: torch.device) -> list[str]:
     """Run each suite: tables, CSV, PNGs; ``bench_config.json`` written with the first point.
 
+    The options printed and written record the dtype that ran: a suite's own ``DTYPE`` (counts:
+    bfloat16) when every selected suite has that one, else ``opts.dtype``.
+
     Each point's CSV rows carry, in ``config_json``, the clock that timed each method
     (``clock``), its timed rounds (``rounds``) and the 1-minute load average when the point
     finished (``load_average_1min``), plus ``time_ratio_to_<reference>`` rows: per-round ratios to
@@ -69,7 +72,10 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
     config_written = False  # this run's, even over an earlier run's (--overwrite)
     for suite in opts.suites:  # a bad shape (k above E, --tokens) is one error, nothing printed
         SUITE_MODULES[suite].shapes(opts)
-    print("memfine bench " + json.dumps(opts.to_dict(), sort_keys=True))
+    options = opts.to_dict()  # the dtype that ran: a suite's own (counts: bf16) when alone
+    ran = {str(getattr(SUITE_MODULES[s], "DTYPE", opts.torch_dtype)) for s in opts.suites}
+    options["dtype"] = ran.pop().removeprefix("torch.") if len(ran) == 1 else opts.dtype
+    print("memfine bench " + json.dumps(options, sort_keys=True))
     for suite in opts.suites:
         names = select_methods(suite, opts.methods, opts.compile)
         if not names:
@@ -81,7 +87,7 @@ def _run(opts: BenchOptions, device: torch.device) -> list[str]:
         module = SUITE_MODULES[suite]  # a suite may print and write its own rows (counts)
         for point in module.run(opts, device, names):
             if not config_written:  # with the first point: a suite's bad shape writes nothing
-                write_run_config(opts.to_dict(), env, out)
+                write_run_config(options, env, out)
                 config_written = True
             getattr(module, "print_point", print_point)(point)
             points.append(point)
