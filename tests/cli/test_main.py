@@ -47,8 +47,11 @@ def test_version_prints_the_installed_version(flag: str,
                  "options after it: memfine {train,generate,eval,export,plan,bench} [options] "
                  "(see memfine --help)"),
     (["--seed", "1", "bench"], "memfine: error: unrecognized option '--seed': a command comes "
-                               "first, its options after it: memfine {train,generate,eval,"
-                               "export,plan,bench} [options] (see memfine --help)"),
+                               "first, its options after it: did you mean: memfine bench "
+                               "--seed 1 (see memfine --help)"),
+    (["--out", "my runs", "bench", "--quick"], "memfine: error: unrecognized option '--out': a "
+     "command comes first, its options after it: did you mean: memfine bench --out 'my runs' "
+     "--quick (see memfine --help)"),
 ])
 def test_usage_errors_are_one_line(args: list[str], line: str,
                                    capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import os
 import re
+import shlex
 import sys
 import typing
 
@@ -205,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     command = next((a for a in argv if not a.startswith("-")), None)  # no top-level options
     parser = build_parser(command if command in SUBCOMMANDS else None)
     stray = _unknown_leading_option(parser, argv)
-    if stray is not None:
+    if stray is not None:  # with a command later on the line: that line, reordered
+        at = next((i for i, a in enumerate(argv) if a in SUBCOMMANDS), None)
+        fix = (f"did you mean: memfine {shlex.join([argv[at], *argv[:at], *argv[at + 1:]])}"
+               if at is not None else f"memfine {{{','.join(SUBCOMMANDS)}}} [options]")
         parser.error(f"unrecognized option {stray!r}: a command comes first, its options after "
-                     f"it: memfine {{{','.join(SUBCOMMANDS)}}} [options]")
+                     f"it: {fix}")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # named by the subcommand's parser: "memfine train: error: ..."
         args._parser.error(f"unrecognized arguments: {' '.join(unknown)}")
