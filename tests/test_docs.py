@@ -1,6 +1,7 @@
 """The README is a map: short, every doc linked from it, every link resolving, its headline figures
-quoted from docs/results.md; every results section of docs/results.md names files that exist;
-docs/hf.md's snippets import every name they use."""
+quoted from docs/results.md, its library example runs and adds every aux loss; every results
+section of docs/results.md names files that exist; docs/hf.md's snippets import every name they
+use."""
 
 from __future__ import annotations
 
@@ -105,3 +106,27 @@ def test_hf_snippets_import_every_name_they_use() -> None:
     assert len(blocks) >= 3
     for code in blocks:
         assert _unbound_names(code) <= HF_INPUTS, code
+
+
+def test_readme_library_example_runs_and_adds_every_aux_loss(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's library example runs as printed (stdout captured), and its loss adds each
+    loss ``MoEAux`` returns, the sequence-wise one enabled, each times its MoEConfig weight."""
+    import dataclasses
+
+    import torch
+
+    from memfine.nn import MoEAux
+
+    code = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)[0]
+    namespace: dict[str, object] = {}
+    exec(compile(code, "README.md", "exec"), namespace)  # noqa: S102 (the README's own code)
+    coefs = {"load_balancing_loss": "aux_loss_coef", "z_loss": "z_loss_coef",
+             "sequence_balance_loss": "seq_aux_loss_coef"}
+    losses = [f.name for f in dataclasses.fields(MoEAux) if f.name.endswith("_loss")]
+    assert sorted(losses) == sorted(coefs)
+    flat = " ".join(code.split())
+    for name in losses:
+        assert f"moe.{coefs[name]} * aux.{name}" in flat, name
+        assert isinstance(getattr(namespace["aux"], name), torch.Tensor), name
+    assert "ChunkDecision(" in capsys.readouterr().out

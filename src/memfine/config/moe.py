@@ -313,7 +313,7 @@ class MoEConfig(RouteOptions):
         bias_update_rate: γ of aux-loss-free balancing (DeepSeek-V3 §2.1.2): after each
             optimizer step the selection bias moves by ``γ·sign(mean_load − load_i)``; 0 = off.
         seq_aux_loss_coef: weight α of DeepSeek-V3's sequence-wise balance loss (Eq. 17-20) in
-            the training loss, >= 0 (the loss is always returned; 0 skips computing it).
+            the training loss, >= 0 (returned as ``MoEAux.sequence_balance_loss``; 0: None).
         router_jitter_eps: ε of Switch Transformer's router input jitter: in training mode the
             router input is multiplied by U(1−ε, 1+ε) (the experts' input is not), in [0, 1).
         num_shared_experts: always-on shared experts added to the routed output (DeepSeek-MoE,
