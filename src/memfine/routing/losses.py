@@ -10,6 +10,8 @@ Reference: docs/design.md §2 (Switch Transformer convention: uniform routing gi
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from memfine.routing.precision import count_per_expert, fp32_routing
@@ -20,6 +22,11 @@ def _fp32(x: torch.Tensor) -> torch.Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+@overload
+def check_token_mask(valid_mask: torch.Tensor, num_tokens: int,
+                     name: str = "valid_mask") -> torch.Tensor: ...
+@overload
+def check_token_mask(valid_mask: None, num_tokens: int, name: str = "valid_mask") -> None: ...
 def check_token_mask(valid_mask: torch.Tensor | None, num_tokens: int,
                      name: str = "valid_mask") -> torch.Tensor | None:
     """Validate a padding mask of T tokens and return it as (T,) bool.
