@@ -24,16 +24,16 @@ from memfine.timeline.scores import SCORE_TIMELINES, Sizes
 def _selection(tl: Timeline, s: Shape, sz: Sizes) -> str:
     """where(bias.any(), scores + bias, logits), then the top-k (routing.groups).
 
-    fp32 (R = 4): the keyed top-k (a scratch copy, its NaN mask, the sign mask, the int64 keys,
-    two (E,) index vectors, then topk's values and indices); float64: a stable sort and a
-    (T, k) copy.
+    fp32 (R = 4) on the CPU: the keyed top-k (a scratch copy, its NaN mask, the sign mask, the
+    int64 keys, two (E,) index vectors, then topk's values and indices); float64 or another
+    device: a stable sort and a (T, k) copy.
     """
     biased = tl.alloc("router.biased_scores", sz.te)
     flag = tl.alloc("router.bias_any", 1)
     select = tl.alloc("router.selection", sz.te)
     tl.free(flag)
     tl.free(biased)
-    if sz.r == 4:
+    if sz.r == 4 and s.device_type == "cpu":
         index = _keyed_top_k(tl, sz)
     else:
         values = tl.alloc("router.sort_values", sz.te)

@@ -10,16 +10,21 @@ from __future__ import annotations
 
 import torch
 
+SORT_ON_CPU = False
+"""True: the CPU ranks by the stable sort, as a GPU does (:func:`top_k_lowest_index`)."""
+
 
 def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     """The k largest entries of each row; among equal values the lower index wins.
 
     ``torch.topk`` leaves the order of ties unspecified (it differs between devices and
-    versions), so it never ranks the scores themselves. fp32 scores (the router's) are ranked
-    by a ``topk`` over unique int64 keys (:func:`_order_keys`: the value's order-preserving bits
-    above the reversed column index), which picks what a stable descending sort picks at about
-    a third of its time on the CPU; other dtypes (float64 references) take the stable sort.
-    Either way the router and :mod:`memfine.reference` pick the same experts for tied scores.
+    versions), so it never ranks the scores themselves. A stable descending sort of each row
+    fixes the order (one kernel on a GPU). On the CPU, fp32 scores (the router's) are ranked by
+    a ``topk`` over unique int64 keys instead (:func:`_order_keys`: the value's
+    order-preserving bits above the reversed column index), which picks what the sort picks at
+    a third to a half of its time there; float64 (the references) takes the sort, and so does
+    the CPU with :data:`SORT_ON_CPU` (set while the counts suite counts a GPU's path). Either
+    way the router and :mod:`memfine.reference` pick the same experts for tied scores.
 
     Args:
         select_TE: (T, E) float selection scores (may hold -inf).
@@ -28,12 +33,12 @@ def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     Returns:
         (T, k) int64 column indices, best first; distinct within a row.
 
-    Memory: fp32: transient (T, E) fp32 scratch, its (T, E) bool NaN mask, int32 sign mask and
+    Memory: keyed: transient (T, E) fp32 scratch, its (T, E) bool NaN mask, int32 sign mask and
     int64 keys, two (E,) int64 index vectors and the (T, k) int64 top-k values; the result is a
-    new (T, k) tensor. Other dtypes: transient (T, E) sorted values and int64 order; the result
-    is a (T, k) copy.
+    new (T, k) tensor. Sorted: transient (T, E) sorted values and int64 order; the result is a
+    (T, k) copy.
     """
-    if select_TE.dtype != torch.float32:
+    if (select_TE.dtype != torch.float32 or select_TE.device.type != "cpu" or SORT_ON_CPU):
         order_TE = select_TE.sort(dim=-1, descending=True, stable=True).indices
         return order_TE[:, :top_k].contiguous()
     return _order_keys(select_TE).topk(top_k, dim=-1).indices
