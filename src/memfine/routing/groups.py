@@ -22,7 +22,7 @@ def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     fixes the order (one kernel on a GPU). On the CPU, fp32 scores (the router's) are ranked by
     a ``topk`` over unique int64 keys instead (:func:`_order_keys`: the value's
     order-preserving bits above the reversed column index), which picks what the sort picks at
-    a third to a half of its time there; float64 (the references) takes the sort, and so does
+    less time there; float64 (the references) takes the sort, and so does
     the CPU with :data:`SORT_ON_CPU` (set while the counts suite counts a GPU's path). Either
     way the router and :mod:`memfine.reference` pick the same experts for tied scores.
 
