@@ -11,10 +11,12 @@ backward. With ``router`` the router node's forward and backward frame the exper
 :func:`memfine.layer_timeline.layer.simulate_layer` (an :class:`memfine.nn.MoELayer` call);
 without it the timeline is the experts' call alone (what ``run`` allocates).
 
-Not modelled (small): the count exchange's transients (a few T·k int64 per candidate c, before
-the plan exists) and the agreement's two int64. The live-storage tracker's out-of-place
-``index_add_`` in ``index_select``'s backward is modelled (one (C, k) buffer more than the
-program). Empty chunks (c > T, or s″ = 0) run too: every chunk's all-to-alls are collectives.
+Not modelled: the count exchange's transients (a few T·k int64 per candidate c, before the plan
+exists), the agreement's two int64, and the late free of an all-to-all's tensors when gloo drops
+its reference from its own thread after the call returned (the policy adds one such buffer).
+The live-storage tracker's out-of-place ``index_add_`` in ``index_select``'s backward is
+modelled (one (C, k) buffer more than the program). Empty chunks (c > T, or s″ = 0) run too:
+every chunk's all-to-alls are collectives.
 
 Legend: T tokens, C tokens of a chunk, K = k, E experts (global), L experts on this rank, M rows
 a chunk sends (≤ C·k), S rows it receives, D = d, D_t activation bytes.

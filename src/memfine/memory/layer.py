@@ -319,8 +319,9 @@ def ep_layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int,
     dispatch plan of every chunk, and per chunk the all-to-alls' rows around the fused experts on
     the received rows. Without the router (``router=False``) it equals the live-storage
     tracker's peak of :meth:`memfine.parallel.ExpertParallelExperts.run` + backward under
-    recompute ``experts``/``full`` (tests/parallel/test_ep_peak.py); under ``none`` it is above it
-    by at most the chunk's int64 slots (8·M bytes, M ≤ C·k sent rows).
+    recompute ``experts``/``full`` (tests/parallel/test_ep_peak.py); under ``none`` it is a little
+    above it (at most 24 bytes per routed row T·k there). An all-to-all buffer that gloo frees
+    late is not in it (:meth:`memfine.schedule.ChunkPolicy.ep_peak` adds one).
 
     Args:
         moe: the layer config (E global; the fused path).

@@ -119,7 +119,8 @@ class ExpertParallelExperts(nn.Module):
             hands it to the policy's decision (the experts contract, :mod:`memfine.nn.experts`).
         quant: this rank's 4-bit base (QLoRA, set by the LoRA subclass), or None.
         ep_model: True: a budget predicts with the expert-parallel timeline from the chunks' rows
-            (False for the LoRA subclass, whose adapters it lacks: the transport estimate).
+            (False on the plain path and for the LoRA subclass, which it does not replay: the
+            transport estimate).
 
     Raises:
         ValueError: if E is not divisible by ep.
@@ -133,7 +134,7 @@ class ExpertParallelExperts(nn.Module):
         self.config, self.context, self.grad_scale = config, context, float(grad_scale)
         self.transport_row_elements = config.hidden_size
         self.quant: QuantizedBase | None = None
-        self.ep_model = True
+        self.ep_model = config.experts_impl == "fused"
         L = config.num_experts // context.ep_size
         self.w_up = self._shard(torch.zeros(L, config.hidden_size, config.up_width))
         self.w_down = self._shard(torch.zeros(L, config.intermediate_size, config.hidden_size))
