@@ -3,8 +3,9 @@
 :func:`memfine.memory.layer.ep_layer_peak_bytes` without the router is the peak of the EP
 experts' call + backward (the bytes created inside it, as ``benchmarks/bench_ep.py`` measures):
 equal to the byte under recompute ``experts``, and an upper bound under ``none`` and on a rank
-that receives no rows at c > 1 (see :data:`SLACK_PER_ROW`). The policy's prediction adds the
-router node, so it bounds the measured peak and a budget MACT meets is met by the run.
+that receives no rows at c > 1 (see :data:`SLACK_PER_ROW`), unless gloo frees an all-to-all
+buffer late (then below by at most that buffer). The policy's prediction adds the router node and
+the largest such buffer, so it bounds the measured peak and a budget MACT meets is met by the run.
 """
 
 from __future__ import annotations
