@@ -38,6 +38,8 @@ from memfine.parallel import collectives as collectives_mod
 from memfine.parallel import experts as experts_mod
 from memfine.parallel.training import DistributedTraining
 from memfine.schedule import policy as policy_mod
+from memfine.schedule.chunked import chunk_sizes
+from memfine.schedule.decision import ChunkRows, chunk_rows_of
 from memfine.schedule.policy import ChunkPolicy
 from tolerances import CHUNKED_ATOL, assert_close
 
@@ -201,6 +203,14 @@ def _recompute_reuses_counts(ctx: ParallelContext, E: int) -> None:
         assert_close(got[name], want[name], msg=name)
 
 
+def _hot_rows(tokens: list[int], E: int, bins: tuple[int, ...]) -> ChunkRows:
+    """The chunks' rows of rank 0 under :func:`_to_rank0` routing: it sends its own C·k rows
+    per chunk and receives every rank's (known on every rank without an exchange)."""
+    rows = {c: tuple((sizes[0] * K, sum(sizes) * K) for sizes in zip(
+        *(chunk_sizes(t, c) for t in tokens), strict=True)) for c in bins}
+    return ChunkRows(local_experts=E // len(tokens), rows=rows)
+
+
 def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     """A budget that needs c=4 on the hot rank and c=1 elsewhere: every rank runs c=4."""
     moe = _moe(E)
@@ -209,14 +219,15 @@ def _budget_agreement(ctx: ParallelContext, tokens: list[int], E: int) -> int:
     assert transport == moe.hidden_size
     T, rows_hot = tokens[ctx.rank], sum(tokens) * K
     budget = probe.predicted_peak(rows_hot, T, 4, 4,  # the hot rank's prediction at c=4
-                                  transport_row_elements=transport)
+                                  chunk_rows=_hot_rows(tokens, E, probe.config.bins))
     chunk = ChunkConfig(memory_budget_bytes=budget, recompute="experts")
     local_policy = ChunkPolicy(chunk, moe)  # identity agreement: this rank's own choice
     idx = _to_rank0(T, E, torch.Generator())
-    recv = exchange_counts(idx, E, (1,), ctx.ep_group).recv_tokens
-    own = local_policy.num_chunks(recv, T, 4, transport_row_elements=transport)
+    counts = exchange_counts(idx, E, chunk.bins, ctx.ep_group)
+    recv, rows = counts.recv_tokens, chunk_rows_of(counts)
+    own = local_policy.num_chunks(recv, T, 4, transport_row_elements=transport, chunk_rows=rows)
     fits = [c for c in chunk.bins if probe.predicted_peak(
-        recv, T, 4, c, transport_row_elements=transport) <= budget]
+        recv, T, 4, c, transport_row_elements=transport, chunk_rows=rows) <= budget]
     assert own == fits[0] and (own == 4 if ctx.ep_rank == 0 else own < 4), (own, recv)
     policy = ChunkPolicy(chunk, moe)  # the EP experts pass their own agreement
     calls = {"all_reduce": 0}
@@ -254,11 +265,12 @@ def _budget_row_blocks(ctx: ParallelContext, tokens: list[int], E: int) -> list[
     experts_mod.run_experts = spy
     try:
         probe = ChunkPolicy(ChunkConfig(memory_budget_bytes=1, recompute="experts"), moe)
-        T, rows_hot, transport = tokens[ctx.rank], sum(tokens) * K, D
+        T, rows_hot = tokens[ctx.rank], sum(tokens) * K
+        hot_rows = _hot_rows(tokens, E, probe.config.bins)
 
         def hot(block: int) -> int:
-            return probe.predicted_peak(rows_hot, T, 4, 1, transport_row_elements=transport,
-                                        block_rows=block)
+            return probe.predicted_peak(rows_hot, T, 4, 1, block_rows=block,
+                                        chunk_rows=hot_rows)
 
         budget = hot(ladder[-1])
         assert hot(ladder[0]) > budget

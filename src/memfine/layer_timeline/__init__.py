@@ -5,6 +5,8 @@
 - :mod:`memfine.layer_timeline.router`: the router node (router and aux losses without a graph in
   forward, recomputed and differentiated in its backward).
 - :mod:`memfine.layer_timeline.shared`: the shared (always-on) experts.
+- :mod:`memfine.layer_timeline.ep`: a layer whose routed experts run expert-parallel (the dispatch
+  plan, the all-to-alls' rows around the fused experts on the received rows).
 
 The expert path and the router's pieces are in :mod:`memfine.timeline`.
 """

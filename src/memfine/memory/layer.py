@@ -23,7 +23,9 @@ Execution modes (as :class:`memfine.nn.MoELayer` runs them):
 The chunk policy (:mod:`memfine.schedule.policy`) asks :func:`layer_peak_bytes` (the timeline's
 peak) once per (config, T, D_t, recompute, c) and picks the smallest bin that fits the budget;
 :func:`expert_row_bytes` is the timeline's per-row slope (rows beyond T·k under expert
-parallelism, and the row term of ``memfine plan``'s Eq. 8).
+parallelism, and the row term of ``memfine plan``'s Eq. 8). :func:`ep_layer_peak_bytes` is the
+peak of a layer whose routed experts run expert-parallel (:mod:`memfine.layer_timeline.ep`), from
+each chunk's rows.
 
 Legend: T tokens, S received rows (s′; S = T·k on one device), C tokens of one chunk,
 E experts (on this rank), D = d, N = n, G = 2n (gated) or n, K = k, D_t activation bytes,
@@ -35,10 +37,12 @@ docs/design.md §5; docs/style.md §7.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from memfine.config import MoEConfig, config_block_rows
 from memfine.dispatch.index import sort_free_max_cells
 from memfine.layer_timeline import layer as tlm
+from memfine.layer_timeline.ep import simulate_ep_layer
 from memfine.layer_timeline.shared import shared_saved_items
 from memfine.memory.breakdown import ASSUMPTIONS, SAVED_FIELDS, MemoryBreakdown
 from memfine.timeline.base import expert_saved
@@ -303,3 +307,48 @@ def layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int, *,
     return tlm.simulate_layer(moe, num_tokens, dtype_bytes, num_chunks=num_chunks,
                               recompute=recompute, record=False, device_type=device_type,
                               block_rows=block_rows).peak
+
+
+def ep_layer_peak_bytes(moe: MoEConfig, num_tokens: int, dtype_bytes: int,
+                        chunk_rows: Sequence[tuple[int, int]], *, local_experts: int,
+                        recompute: str = "experts", device_type: str = "cpu",
+                        block_rows: int | None = None, router: bool = True) -> int:
+    """Predicted peak of one layer call whose routed experts run expert-parallel, in bytes.
+
+    The maximum of :func:`memfine.layer_timeline.ep.simulate_ep_layer`: the router node, the
+    dispatch plan of every chunk, and per chunk the all-to-alls' rows around the fused experts on
+    the received rows. Without the router (``router=False``) it equals the live-storage
+    tracker's peak of :meth:`memfine.parallel.ExpertParallelExperts.run` + backward under
+    recompute ``experts``/``full`` (tests/parallel/test_ep_peak.py); under ``none`` it is a little
+    above it (at most 24 bytes per routed row T·k there). An all-to-all buffer that gloo frees
+    late is not in it (:meth:`memfine.schedule.ChunkPolicy.ep_peak` adds one).
+
+    Args:
+        moe: the layer config (E global; the fused path).
+        num_tokens: T of this rank.
+        dtype_bytes: D_t (2, 4 or 8).
+        chunk_rows: per chunk in token order (M rows sent, S rows received), c = its length.
+        local_experts: L = E / ep (≥ 1).
+        recompute: ``none``, ``experts`` or ``full``.
+        device_type: the activations' device.
+        block_rows: rows per fused row block (None: the config's own).
+        router: include the router node (a layer call); False: the experts' call alone.
+
+    Returns:
+        Peak live bytes created inside forward + backward (x, the routing without the router,
+        and the parameters excluded).
+
+    Raises:
+        ValueError: on out-of-range arguments, an empty ``chunk_rows``, negative rows or
+            ``local_experts`` < 1.
+    """
+    _check(moe, num_tokens, dtype_bytes, max(len(chunk_rows), 1), recompute)
+    if not chunk_rows or any(m < 0 or s < 0 for m, s in chunk_rows):
+        raise ValueError(f"chunk_rows must hold one (sent, received) pair of rows >= 0 per "
+                         f"chunk, got {list(chunk_rows)}")
+    if local_experts < 1:
+        raise ValueError(f"local_experts must be >= 1, got {local_experts}")
+    return simulate_ep_layer(moe, num_tokens, dtype_bytes, chunk_rows,
+                             local_experts=local_experts, recompute=recompute,
+                             device_type=device_type, block_rows=block_rows,
+                             router=router).peak

@@ -37,6 +37,7 @@ from memfine.parallel.mesh import ParallelContext, check_expert_sharding
 from memfine.parallel.notify import ChunkDispatch, ExpertCounts, exchange_counts, plan_chunks
 from memfine.parallel.rows import combine_returned_rows, dispatch_rows
 from memfine.schedule.chunked import run_chunked, share_chunk_weight_grads
+from memfine.schedule.decision import chunk_rows_of
 from memfine.schedule.policy import ChunkPlan, ChunkPolicy
 
 
@@ -117,6 +118,9 @@ class ExpertParallelExperts(nn.Module):
             experts' own per-row bytes (the single-device memory model does not see it); ``run``
             hands it to the policy's decision (the experts contract, :mod:`memfine.nn.experts`).
         quant: this rank's 4-bit base (QLoRA, set by the LoRA subclass), or None.
+        ep_model: True: a budget predicts with the expert-parallel timeline from the chunks' rows
+            (False on the plain path and for the LoRA subclass, which it does not replay: the
+            transport estimate).
 
     Raises:
         ValueError: if E is not divisible by ep.
@@ -130,6 +134,7 @@ class ExpertParallelExperts(nn.Module):
         self.config, self.context, self.grad_scale = config, context, float(grad_scale)
         self.transport_row_elements = config.hidden_size
         self.quant: QuantizedBase | None = None
+        self.ep_model = config.experts_impl == "fused"
         L = config.num_experts // context.ep_size
         self.w_up = self._shard(torch.zeros(L, config.hidden_size, config.up_width))
         self.w_down = self._shard(torch.zeros(L, config.intermediate_size, config.hidden_size))
@@ -187,7 +192,8 @@ class ExpertParallelExperts(nn.Module):
             plan = policy.plan(counts.recv_tokens, x_TD.shape[0], compute_element_size(x_TD),
                                agree=self.agree,
                                transport_row_elements=self.transport_row_elements,
-                               device_type=x_TD.device.type)
+                               device_type=x_TD.device.type,
+                               chunk_rows=chunk_rows_of(counts) if self.ep_model else None)
             if plan.num_chunks not in counts.candidates:  # a policy outside its bins: again
                 counts = exchange_counts(top_k_index, E, (plan.num_chunks,), group)
             return counts, plan

@@ -54,7 +54,7 @@ class ExpertParallelLoRAExperts(ExpertParallelExperts):
             raise ValueError(f"LoRA on the experts needs MoEConfig.experts_impl='fused', got "
                              f"{config.experts_impl!r}")
         super().__init__(config, context, grad_scale=grad_scale)
-        self.lora = lora
+        self.lora, self.ep_model = lora, False  # the adapters are not in the EP timeline
         self.w_up.requires_grad_(False)
         self.w_down.requires_grad_(False)
 

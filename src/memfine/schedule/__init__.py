@@ -9,6 +9,7 @@ from memfine.schedule.decision import (
     AgreeNumChunks,
     ChunkDecision,
     ChunkPlan,
+    ChunkRows,
     InfeasibleBudgetError,
 )
 from memfine.schedule.policy import ChunkPolicy
@@ -18,6 +19,7 @@ __all__ = [
     "ChunkDecision",
     "ChunkPlan",
     "ChunkPolicy",
+    "ChunkRows",
     "InfeasibleBudgetError",
     "chunk_sizes",
     "run_chunked",

@@ -9,8 +9,9 @@ Reference: MemFine (arXiv 2511.21431) Eq. 8-9, §4.2 (MACT); docs/design.md §4.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from memfine.units import format_bytes
 
@@ -29,6 +30,47 @@ CONFIG_NAMES = {"budget": "ChunkConfig.memory_budget_bytes", "bins": "ChunkConfi
 
 FLAG_NAMES = {"budget": "--memory-budget", "bins": "--bins", "allow": "--allow-over-budget"}
 """The same settings as ``memfine train`` flags (used by the command line's messages)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRows:
+    """The rows each chunk of an expert-parallel call moves, per candidate c (from notify).
+
+    Attributes:
+        local_experts: L, the experts on this rank (E / ep).
+        rows: c → per chunk in token order, (M rows this rank sends, S rows it receives);
+            :func:`chunk_rows_of` reads them from the count exchange.
+    """
+
+    local_experts: int
+    rows: Mapping[int, Sequence[tuple[int, int]]]
+
+
+class CountTables(Protocol):
+    """The count exchange's result as :func:`chunk_rows_of` reads it (``ExpertCounts``)."""
+
+    @property
+    def candidates(self) -> tuple[int, ...]: ...  # noqa: D102
+
+    @property
+    def recv_counts_PCL(self) -> Any: ...  # noqa: D102,N802
+
+    def send_counts(self, num_chunks: int) -> Any: ...  # noqa: D102
+
+    def recv_counts(self, num_chunks: int) -> Any: ...  # noqa: D102
+
+
+def chunk_rows_of(counts: CountTables) -> ChunkRows:
+    """Per candidate c, every chunk's (rows sent, rows received) from the exchanged counts.
+
+    ``send_counts(c)`` (c, E) summed over experts, ``recv_counts(c)`` (e, c, L) over source
+    ranks and local experts; host integers (the counts are CPU tensors, no collective).
+    """
+    rows: dict[int, Sequence[tuple[int, int]]] = {
+        c: tuple(zip(counts.send_counts(c).sum(1).tolist(),
+                     counts.recv_counts(c).sum((0, 2)).tolist(), strict=True))
+        for c in counts.candidates}
+    return ChunkRows(local_experts=int(counts.recv_counts_PCL.shape[2]), rows=rows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,7 +100,8 @@ class ChunkDecision:
         rows: s″, rows this rank's experts received (budgeted calls); with a fixed c no count
             is read (no host sync), and this is the routed slots T·k, an upper bound.
         predicted_peak_bytes: the memory model's peak of the layer's forward + backward at this
-            c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, plus the EP rows).
+            c (bytes; :func:`memfine.memory.layer.layer_peak_bytes`, or for a budgeted
+            expert-parallel call :func:`memfine.memory.layer.ep_layer_peak_bytes`).
         budget_bytes: the budget the choice was made against; None for a fixed c.
         block_rows: the fused path's rows per row block the call ran and the prediction
             assumed (the config's ``backward_block_bytes`` in rows, None's being the device

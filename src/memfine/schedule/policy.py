@@ -9,10 +9,17 @@ model). The prediction is the allocation timeline of the layer's forward + backw
 constant T replays the timeline once per bin and then looks the peaks up. Without a budget,
 c = ``ChunkConfig.num_chunks``.
 
-Rows beyond T·k (expert parallelism: a rank may receive more rows than it routes) and the rows a
-transport layer keeps (EP's received copy of x, ``transport_row_elements``) are added to the
-exact peak at the timeline's per-row slope (:func:`memfine.memory.layer.expert_row_bytes`), per
-chunk: ⌈s″/c⌉ rows. On one process s″ ≤ T·k and the prediction is the timeline's peak itself.
+Expert parallelism (``chunk_rows``, a :class:`ChunkRows` from the count exchange): the
+prediction is the expert-parallel layer's own timeline
+(:func:`memfine.memory.layer.ep_layer_peak_bytes`) with every chunk's sent and received rows, so
+the dispatch plan of all chunks, the all-to-alls' rows and their gradients are in it (equal to the
+live-storage tracker's peak of the experts' call with recompute, a little above it without), plus
+the router node and one all-to-all buffer that gloo may free late (:meth:`ChunkPolicy.ep_peak`).
+Without ``chunk_rows``, rows beyond T·k and the rows a transport layer keeps
+(``transport_row_elements``) are added to the exact local peak at the timeline's per-row slope
+(:func:`memfine.memory.layer.expert_row_bytes`), per chunk: ⌈s″/c⌉ rows, an estimate (it misses
+the plan and the all-to-all buffers). On one process s″ ≤ T·k and the prediction is the
+timeline's peak itself.
 
 Expert parallelism: every rank of an EP group must run the same number of chunks (each chunk
 issues its own all-to-all). The expert-parallel experts pass their agreement (an all-reduce MAX
@@ -56,11 +63,13 @@ from collections.abc import Callable
 from memfine.config import ChunkConfig, MoEConfig, ladder_block_rows
 from memfine.memory import layer as layer_memory
 from memfine.memory.planner import largest_fitting
+from memfine.schedule.chunked import chunk_sizes
 from memfine.schedule.decision import (
     CONFIG_NAMES,
     AgreeNumChunks,
     ChunkDecision,
     ChunkPlan,
+    ChunkRows,
     InfeasibleBudgetError,
 )
 from memfine.units import format_bytes
@@ -247,12 +256,16 @@ class ChunkPolicy:
 
     def predicted_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int,
                        num_chunks: int, *, transport_row_elements: int = 0,
-                       device_type: str = "cpu", block_rows: int | None = None) -> int:
+                       device_type: str = "cpu", block_rows: int | None = None,
+                       chunk_rows: ChunkRows | None = None) -> int:
         """Predicted peak of one layer call at c chunks with s″ received rows, in bytes.
 
-        The exact timeline peak for T tokens (S = T·k rows), plus, per chunk, the rows received
-        beyond ⌈T/c⌉·k at the per-row slope and ``transport_row_elements`` · D_t per received
-        row (both 0 on one process).
+        With ``chunk_rows`` (expert parallelism): the expert-parallel layer timeline
+        (:func:`memfine.memory.layer.ep_layer_peak_bytes`) with the chunks' own (sent,
+        received) rows (a c outside them: C·k sent and ⌈s″/c⌉ received per chunk); an upper
+        bound of the measured peak. Otherwise the exact timeline peak for T tokens
+        (S = T·k rows), plus, per chunk, the rows received beyond ⌈T/c⌉·k at the per-row slope
+        and ``transport_row_elements`` · D_t per received row (both 0 on one process).
 
         Args:
             recv_rows: s″ (≥ 0).
@@ -262,7 +275,11 @@ class ChunkPolicy:
             transport_row_elements: elements per received row kept by a transport layer.
             device_type: the activations' device (as :meth:`layer_peak`).
             block_rows: rows per fused row block (None: the config's own).
+            chunk_rows: the chunks' rows of an expert-parallel call, or None.
         """
+        if chunk_rows is not None:
+            return self.ep_peak(recv_rows, num_tokens, dtype_bytes, num_chunks, chunk_rows,
+                                device_type=device_type, block_rows=block_rows)
         peak = self.layer_peak(num_tokens, dtype_bytes, num_chunks, device_type=device_type,
                                block_rows=block_rows)
         rows = math.ceil(recv_rows / num_chunks)
@@ -270,6 +287,28 @@ class ChunkPolicy:
         if extra:
             peak += extra * self.row_bytes(dtype_bytes, device_type)
         return peak + rows * transport_row_elements * dtype_bytes
+
+    def ep_peak(self, recv_rows: int, num_tokens: int, dtype_bytes: int, num_chunks: int,
+                chunk_rows: ChunkRows, *, device_type: str = "cpu",
+                block_rows: int | None = None) -> int:
+        """The expert-parallel layer timeline's peak at c chunks, bytes.
+
+        Plus one chunk's largest all-to-all buffer, max(M, S)·d·D_t: gloo may drop its
+        reference to an all-to-all's tensors from its own thread after the call returned, so on
+        a rank that waited for the others one such buffer can still be alive at the peak (a late
+        free the program does not control). Not cached: the rows change every call. Arguments
+        as :meth:`predicted_peak`.
+        """
+        rows = chunk_rows.rows.get(num_chunks)
+        if rows is None:  # an even split: every chunk sends C·k rows, receives ⌈s″/c⌉
+            received = math.ceil(recv_rows / num_chunks)
+            rows = tuple((C * self.moe.top_k, received)
+                         for C in chunk_sizes(num_tokens, num_chunks))
+        block = self.ladder(device_type, dtype_bytes)[0] if block_rows is None else block_rows
+        late_free = max(max(sent, received) for sent, received in rows)
+        return late_free * self.moe.hidden_size * dtype_bytes + layer_memory.ep_layer_peak_bytes(
+            self.moe, num_tokens, dtype_bytes, rows, local_experts=chunk_rows.local_experts,
+            recompute=self.config.resolved_recompute, device_type=device_type, block_rows=block)
 
     def least_memory_plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                           transport_row_elements: int = 0, device_type: str = "cpu"
@@ -300,7 +339,8 @@ class ChunkPolicy:
 
     def decide(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                agree: AgreeNumChunks | None = None,
-               transport_row_elements: int = 0, device_type: str = "cpu") -> ChunkDecision:
+               transport_row_elements: int = 0, device_type: str = "cpu",
+               chunk_rows: ChunkRows | None = None) -> ChunkDecision:
         """The :class:`ChunkDecision` of one MoE layer call on this rank (also ``last_decision``).
 
         Args:
@@ -316,6 +356,8 @@ class ChunkPolicy:
                 0 locally).
             device_type: the activations' device type (``x.device.type``): the memory model
                 takes the row blocks and index builder the layer runs there.
+            chunk_rows: the chunks' rows of an expert-parallel call (:meth:`predicted_peak`),
+                or None.
 
         Returns:
             Without a budget: ``ChunkConfig.num_chunks`` at the config's row blocks. With one:
@@ -347,7 +389,7 @@ class ChunkPolicy:
         bins = self.config.bins
         peaks = {(c, block): self.predicted_peak(
                      recv_rows, num_tokens, dtype_bytes, c, transport_row_elements=extra,
-                     device_type=device_type, block_rows=block)
+                     device_type=device_type, block_rows=block, chunk_rows=chunk_rows)
                  for c, block in candidates}
         fits = next((c for c, block in candidates if peaks[c, block] <= budget), None)
         # over budget: a value above the largest bin, so every rank reaches the same verdict
@@ -382,7 +424,7 @@ class ChunkPolicy:
 
     def plan(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
              agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
-             device_type: str = "cpu") -> ChunkPlan:
+             device_type: str = "cpu", chunk_rows: ChunkRows | None = None) -> ChunkPlan:
         """The :class:`ChunkPlan` of one MoE layer call: :meth:`decide`'s c and row blocks.
 
         Arguments and errors as :meth:`decide`. Without a budget the plan's ``block_rows`` are
@@ -399,16 +441,16 @@ class ChunkPolicy:
             return ChunkPlan(self.config.num_chunks, self.ladder(device_type, dtype_bytes)[0])
         decision = self.decide(recv_rows, num_tokens, dtype_bytes, agree=agree,
                                transport_row_elements=transport_row_elements,
-                               device_type=device_type)
+                               device_type=device_type, chunk_rows=chunk_rows)
         return ChunkPlan(decision.num_chunks, decision.block_rows)
 
     def num_chunks(self, recv_rows: int, num_tokens: int, dtype_bytes: int, *,
                    agree: AgreeNumChunks | None = None, transport_row_elements: int = 0,
-                   device_type: str = "cpu") -> int:
+                   device_type: str = "cpu", chunk_rows: ChunkRows | None = None) -> int:
         """C of one MoE layer call: :meth:`plan`'s ``num_chunks`` (arguments, errors as there)."""
         return self.plan(recv_rows, num_tokens, dtype_bytes, agree=agree,
                          transport_row_elements=transport_row_elements,
-                         device_type=device_type).num_chunks
+                         device_type=device_type, chunk_rows=chunk_rows).num_chunks
 
     def _over_budget(self, peaks: dict[tuple[int, int], int], recv_rows: int,
                      num_tokens: int,
