@@ -65,7 +65,10 @@ def test_a_flag_another_selected_suite_reads_is_kept(tmp_path: Path,
                  "--out", str(tmp_path)]) == 0
     assert main(["bench", "--suites", "counts", "--memory-budget", "auto",
                  "--out", str(tmp_path)]) == 0
-    assert [o.dtype for o in seen] == ["bfloat16", "float32"]
+    # counts alone with --dtype bfloat16: what it counts anyway, so not refused
+    assert main(["bench", "--suites", "counts", "--dtype", "bfloat16",
+                 "--out", str(tmp_path)]) == 0
+    assert [o.dtype for o in seen] == ["bfloat16", "float32", "bfloat16"]
 
 
 def test_methods_of_no_selected_suite_are_refused(tmp_path: Path,

@@ -20,6 +20,8 @@ class RouteOptions(ConfigBase):
         capacity_factor: ``None`` (default) routes without dropping; else each expert keeps at
             most ``capacity = min(T, max(min_capacity, ceil(capacity_factor·T·k/E)))`` of the
             (token, slot) pairs that chose it (GShard §2.2, Switch Transformer §2.2), > 0.
+            T counts padding tokens too (the input's shape, read without a device sync), so
+            padding raises the capacity of every expert.
         min_capacity: lower bound of the capacity in tokens, >= 0 (DeepSpeed-MoE's
             ``min_capacity``); only used with ``capacity_factor``.
         drop_policy: which pairs an over-full expert keeps: ``probs`` (the highest routing
