@@ -53,8 +53,8 @@ _FLAGS = (
     Flag("--dtype", ("dtype",), "activation and weight dtype (bf16 matmuls are slow on CPUs; "
          "the counts suite counts bf16 and does not read it)",
          str, DTYPES, NotGiven("float32")),
-    Flag("--threads", ("threads",), "torch intra-op threads, >= 1 (restored when the run ends)",
-         default=NotGiven(text="torch's choice; 1 with --quick")),
+    Flag("--threads", ("threads",), "torch intra-op threads, >= 1 (restored when the run ends; "
+         "not read by the counts suite)", default=NotGiven(text="torch's choice; 1 with --quick")),
     Flag("--repeats", ("repeats",), "timed rounds per method",
          default=NotGiven(text="5 (1 with --quick)")),
     Flag("--warmup", ("warmup",), "untimed rounds per method first",
