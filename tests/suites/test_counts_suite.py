@@ -146,3 +146,23 @@ def test_device_path_resolves_the_device_default_to_the_counted_block() -> None:
                                                    device=device)[2])["hf_memfine"]
                        .phase("full").grouped_mm) for device in ("cuda", "cpu")}
     assert gmm["cuda"] == 6 < gmm["cpu"], gmm
+
+
+def test_device_path_ranks_the_router_top_k_as_a_gpu_does() -> None:
+    """A GPU's path counts the router's stable sort (one kernel), not the CPU's keyed topk; both
+    pick the sort's experts, and the CPU's path comes back afterwards."""
+    from memfine.counts.ops_count import OpCounter
+    from memfine.experts.device_path import device_path
+    from memfine.routing import top_k_lowest_index
+
+    scores = torch.randint(0, 3, (64, 16)).float()  # ties in every row
+    expected = scores.sort(dim=-1, descending=True, stable=True).indices[:, :4]
+
+    def sorts() -> bool:
+        with OpCounter() as counter:
+            assert torch.equal(top_k_lowest_index(scores, 4), expected)
+        return any("sort" in name for name in counter.total().ops)
+
+    with device_path("cuda"):
+        assert sorts()
+    assert not sorts()

@@ -11,6 +11,11 @@ from dataclasses import dataclass
 from memfine._checks import check_choice, check_float, check_int
 from memfine.config.base import ConfigBase, DropPolicy
 
+SORT_TOP_K_ON_CPU = False
+"""True: the CPU ranks the router's top-k by the stable sort, as a GPU does
+(:func:`memfine.routing.top_k_lowest_index`; :func:`memfine.experts.device_path.device_path`
+sets it while the counts suite counts a GPU's path)."""
+
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RouteOptions(ConfigBase):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-SORT_ON_CPU = False
-"""True: the CPU ranks by the stable sort, as a GPU does (:func:`top_k_lowest_index`)."""
+from memfine.config import routing as config_routing
 
 
 def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
@@ -23,7 +22,7 @@ def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     a ``topk`` over unique int64 keys instead (:func:`_order_keys`: the value's
     order-preserving bits above the reversed column index), which picks what the sort picks at
     less time there; float64 (the references) takes the sort, and so does
-    the CPU with :data:`SORT_ON_CPU` (set while the counts suite counts a GPU's path). Either
+    the CPU with :data:`memfine.config.routing.SORT_TOP_K_ON_CPU` (a GPU's path, counted). Either
     way the router and :mod:`memfine.reference` pick the same experts for tied scores.
 
     Args:
@@ -38,7 +37,8 @@ def top_k_lowest_index(select_TE: torch.Tensor, top_k: int) -> torch.Tensor:
     new (T, k) tensor. Sorted: transient (T, E) sorted values and int64 order; the result is a
     (T, k) copy.
     """
-    if (select_TE.dtype != torch.float32 or select_TE.device.type != "cpu" or SORT_ON_CPU):
+    if (select_TE.dtype != torch.float32 or select_TE.device.type != "cpu"
+            or config_routing.SORT_TOP_K_ON_CPU):
         order_TE = select_TE.sort(dim=-1, descending=True, stable=True).indices
         return order_TE[:, :top_k].contiguous()
     return _order_keys(select_TE).topk(top_k, dim=-1).indices

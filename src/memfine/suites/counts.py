@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -67,7 +66,6 @@ from memfine.counts.ops_count import SYNC_KINDS, OpCounter, PhaseCounts
 from memfine.counts.roofline import GPUS
 from memfine.environment import Environment
 from memfine.experts.device_path import device_path
-from memfine.routing import groups as routing_groups
 from memfine.suites import hf
 from memfine.suites.experts import moe_config
 
@@ -264,9 +262,7 @@ def count_shape(real: LayerShape, names: tuple[str, ...], *, dim_scale: int = DI
     for method in layer_methods(shape, names, block_bytes=block, seed=seed,
                                 small_block_bytes=small):
         try:
-            # the router's top-k as the device ranks (a GPU: the stable sort)
-            with device_path(device, block), mock.patch.object(
-                    routing_groups, "SORT_ON_CPU", device != "cpu"):
+            with device_path(device, block):
                 results.append(count_method(method, warmup=warmup, dims=dims))
         except (RuntimeError, ValueError) as err:
             results.append(Counted(name=method.name, counts={}, error=f"{type(err).__name__}: "
