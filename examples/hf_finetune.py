@@ -127,13 +127,20 @@ def example_parser(doc: str, *, models: str, steps: int, min_steps: tuple[int, s
 
 def parse_checked(p: argparse.ArgumentParser, argv: Sequence[str] | None
                   ) -> argparse.Namespace:
-    """Parse; a ``--top-k`` above E, or odd ``--layers`` with gpt_oss, is one usage line."""
+    """Parse; a ``--top-k`` above E, odd ``--layers`` with gpt_oss, or ``--impls grouped_mm`` with
+    d or n not a multiple of 8 is one usage line."""
     args = p.parse_args(argv)
     if "gpt_oss" in args.models and args.layers % 2:
         p.error(f"--layers must be even with gpt_oss in --models (GPT-OSS alternates sliding "
                 f"and full attention layers), got {args.layers}")
     if args.top_k > args.num_experts:
         p.error(f"--top-k must be at most --num-experts {args.num_experts}, got {args.top_k}")
+    unaligned = [f"{flag} {value}" for flag, value in (("--hidden-size", args.hidden_size),
+                 ("--moe-intermediate-size", args.moe_intermediate_size)) if value % 8]
+    if "grouped_mm" in getattr(args, "impls", ()) and unaligned:
+        p.error(f"--impls grouped_mm needs --hidden-size and --moe-intermediate-size multiples "
+                f"of 8 (torch._grouped_mm takes bf16 rows of 16-byte multiples), got "
+                f"{', '.join(unaligned)}; leave grouped_mm out of --impls")
     return args
 
 

@@ -155,6 +155,20 @@ def test_torchrun_ranks_refuse_before_any_process_group(
     assert capsys.readouterr() == ("", "")
 
 
+@pytest.mark.parametrize("argv", [["train", "--max-steps", "abc"], ["train", "--nope"],
+                                  ["--seed", "1", "bench"]])
+def test_a_flag_error_is_printed_by_rank_0_alone(argv: list[str],
+                                                 capsys: pytest.CaptureFixture[str],
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "0")
+    assert _usage_error(argv, capsys).startswith("memfine")
+    monkeypatch.setenv("RANK", "1")  # the same argv on every torchrun rank: one line in all
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr() == ("", "")
+
+
 @pytest.mark.distributed
 def test_torchrun_ranks_each_refuse_a_run_too_large(tmp_path: Path) -> None:
     """Under a real torchrun with two CPU ranks, both refuse before any process group exists;

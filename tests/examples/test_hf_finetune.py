@@ -88,6 +88,9 @@ def test_too_few_steps_to_measure_is_one_line(monkeypatch: pytest.MonkeyPatch,
     ("hf_finetune", ["--csv", "/proc/nope/x.csv"], "argument --csv: cannot write "
      "'/proc/nope/x.csv': no file can be made in '/proc' (No such file or directory)"),
     ("hf_finetune", ["--layers", "two"], "argument --layers: expected an integer, got 'two'"),
+    ("hf_finetune", ["--moe-intermediate-size", "30"], "--impls grouped_mm needs --hidden-size "
+     "and --moe-intermediate-size multiples of 8 (torch._grouped_mm takes bf16 rows of 16-byte "
+     "multiples), got --moe-intermediate-size 30; leave grouped_mm out of --impls"),
     ("trl_sft", ["--models", "mixtral,llama"], "argument --models: expected comma-separated "
      "names from qwen3_moe, gpt_oss, mixtral, got 'mixtral,llama'"),
     ("trl_sft", ["--top-k", "33"], "--top-k must be at most --num-experts 32, got 33"),
@@ -104,6 +107,12 @@ def test_bad_flags_are_one_usage_line(name: str, args: list[str], message: str,
     assert info.value.code == 2
     prog, _, rest = capsys.readouterr().err.partition(": ")
     assert " " not in prog and rest == f"error: {message}\n"  # one line, no usage block
+
+
+def test_unaligned_sizes_parse_without_grouped_mm() -> None:
+    args = _example("hf_finetune").parse_args(["--moe-intermediate-size", "30", "--hidden-size",
+                                                "60", "--impls", "eager,memfine"])
+    assert (args.hidden_size, args.moe_intermediate_size) == (60, 30)
 
 
 def test_odd_layers_without_gpt_oss_and_a_writable_csv_parse(tmp_path: Path) -> None:

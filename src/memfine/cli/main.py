@@ -54,8 +54,8 @@ class _Parser(argparse.ArgumentParser):
         self._negative_number_matcher = _DASH_VALUE
 
     def error(self, message: str) -> typing.NoReturn:
-        """Print ``<prog>: error: <message>`` and a pointer to ``--help``; exit with status 2."""
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        """Print ``<prog>: error: <message>`` and a --help pointer (once: :func:`_once`); exit 2."""
+        self.exit(2, _once(f"{self.prog}: error: {message} (see {self.prog} --help)\n"))
 
 
 def version() -> str:
