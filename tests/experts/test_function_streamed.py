@@ -12,9 +12,11 @@ Reference: MoEBlaze §4.2 (tiles of the expert-grouped rows); MemFine §4; docs/
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_function import make_problem
 
 from memfine.config import (
@@ -339,5 +341,36 @@ def test_create_graph_is_one_clear_error() -> None:
     x, idx_TK, weights, w_up, w_down = make_problem(8, 8, 4, 3, 2)
     out = run_experts(x, weights, build_routing_index(idx_TK, 3), w_up, w_down, block_rows=4)
     with pytest.raises(RuntimeError, match=r"no double backward: create_graph=True is not "
-                                           r"supported; use impl='plain'"):
+                                           r"supported; run_experts\(impl='plain', "
+                                           r"backend='grouped_mm'\) is twice differentiable"):
         torch.autograd.grad(out.sum(), x, create_graph=True)
+
+
+def test_plain_grouped_mm_experts_are_twice_differentiable() -> None:
+    """What the fused error names works: d(Σ (dL/dx)²)/dw_up equals a per-token float64 loop's."""
+    x, idx_TK, weights, w_up, w_down = make_problem(8, 8, 4, 3, 2)
+    index = build_routing_index(idx_TK, 3)
+
+    def second(impl_out: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+               *tensors: torch.Tensor) -> torch.Tensor:
+        xs, ups, downs = (t.detach().requires_grad_() for t in tensors)
+        grad_x, = torch.autograd.grad(impl_out(xs, ups, downs).square().sum(), xs,
+                                      create_graph=True)
+        return torch.autograd.grad(grad_x.square().sum(), ups)[0]
+
+    def loop(xs: torch.Tensor, ups: torch.Tensor, downs: torch.Tensor) -> torch.Tensor:
+        rows = []
+        for t in range(xs.shape[0]):
+            row = 0
+            for j in range(idx_TK.shape[1]):
+                e = int(idx_TK[t, j])
+                gate, up = (xs[t] @ ups[e]).chunk(2)
+                row = row + weights[t, j].detach().double() * ((F.silu(gate) * up) @ downs[e])
+            rows.append(row)
+        return torch.stack(rows)
+
+    got = second(lambda xs, ups, downs: run_experts(xs, weights, index, ups, downs,
+                                                    impl="plain", backend="grouped_mm"),
+                 x, w_up, w_down)
+    want = second(loop, x.double(), w_up.double(), w_down.double())
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)

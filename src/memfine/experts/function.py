@@ -254,8 +254,9 @@ class FusedExpertsFunction(torch.autograd.Function):
         """
         if torch.is_grad_enabled():
             raise RuntimeError("memfine's fused experts have no double backward: "
-                               "create_graph=True is not supported; use impl='plain' (MoEConfig."
-                               "experts_impl) for gradients of gradients")
+                               "create_graph=True is not supported; run_experts(impl='plain', "
+                               "backend='grouped_mm') is twice differentiable (MoELayer is not: "
+                               "its router node differentiates once)")
         st = _BackwardState(ctx, grad_out_TD)
         st.blocks = _plan_rows(ctx.options, st.x_TD, st.weights_TK, st.offsets_E1, st.slot_S,
                                st.bounds is None,
