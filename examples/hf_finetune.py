@@ -167,6 +167,9 @@ def build_model(model_type: str, args: argparse.Namespace,
                   head_dim=args.hidden_size // 4, max_position_embeddings=args.seq_len,
                   num_experts_per_tok=args.top_k, use_cache=False, tie_word_embeddings=True)
     if model_type == "gpt_oss":
+        # GPT-OSS's YaRN reads its factor and original length, never max_position_embeddings;
+        # its default keeps the three consistent (transformers warns otherwise)
+        del common["max_position_embeddings"]
         config = transformers.GptOssConfig(
             **common, intermediate_size=args.moe_intermediate_size,
             num_local_experts=args.num_experts, sliding_window=args.seq_len // 2,
