@@ -16,7 +16,6 @@ from collections.abc import Callable
 
 import pytest
 import torch
-import torch.nn.functional as F
 from test_function import make_problem
 
 from memfine.config import (
@@ -358,19 +357,10 @@ def test_plain_grouped_mm_experts_are_twice_differentiable() -> None:
                                       create_graph=True)
         return torch.autograd.grad(grad_x.square().sum(), ups)[0]
 
-    def loop(xs: torch.Tensor, ups: torch.Tensor, downs: torch.Tensor) -> torch.Tensor:
-        rows = []
-        for t in range(xs.shape[0]):
-            row = 0
-            for j in range(idx_TK.shape[1]):
-                e = int(idx_TK[t, j])
-                gate, up = (xs[t] @ ups[e]).chunk(2)
-                row = row + weights[t, j].detach().double() * ((F.silu(gate) * up) @ downs[e])
-            rows.append(row)
-        return torch.stack(rows)
-
     got = second(lambda xs, ups, downs: run_experts(xs, weights, index, ups, downs,
                                                     impl="plain", backend="grouped_mm"),
                  x, w_up, w_down)
-    want = second(loop, x.double(), w_up.double(), w_down.double())
+    want = second(lambda xs, ups, downs: reference_experts(xs, idx_TK, weights.detach().double(),
+                                                           ups, downs),
+                  x.double(), w_up.double(), w_down.double())
     assert_close(got, want, grad=True)
