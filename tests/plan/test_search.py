@@ -40,7 +40,7 @@ def _brute_force(base: PlanConfig, devices: int) -> dict[tuple[object, ...], tup
     for t, p, dp, cp, e in itertools.product(sizes, sizes, sizes, (1, 2), range(1, 9)):
         if (t * p * dp * cp != devices or t not in (1, 2, 4, 8) or TINY.num_heads % t
                 or p > TINY.num_layers or TINY.num_experts % e or (t * dp * cp) % e
-                or base.seq_len % (2 * cp)):
+                or base.seq_len % (t * (2 if cp == 2 else 1) * cp)):
             continue
         for b, recompute in itertools.product((1, 2, 4), ("none", "experts", "full")):
             if base.global_batch is not None and base.global_batch % (dp * b):
@@ -76,6 +76,17 @@ def test_fitting_layouts_equal_brute_force() -> None:
     for c in result.fitting:  # each fits at the worst skew, every stage
         assert c.plan.config.skews == (c.plan.config.worst_skew,) and c.plan.fits
     assert result.smallest_devices is None and result.smallest_device_memory_bytes is None
+
+
+@pytest.mark.parametrize("seq_len", [62, 63])
+def test_sequence_splits_follow_the_trainer_rule(seq_len: int) -> None:
+    """s = 62 allows t = 2 but no context parallelism (62 = 2·31); an odd s allows t = cp = 1
+    only. The layouts searched are exactly the brute force's."""
+    base = dataclasses.replace(BASE, seq_len=seq_len, device_memory_bytes=1 << 40)
+    got = {_key(cfg) for cfg in layouts(base, 8)}
+    expected = set(_brute_force(base, 8))
+    assert got == expected
+    assert {(k[0], k[4]) for k in got} == ({(1, 1), (2, 1)} if seq_len == 62 else {(1, 1)})
 
 
 def test_ties_go_to_fewest_kinds_of_parallelism_then_least_memory() -> None:

@@ -85,10 +85,22 @@ def test_plan_layout_equals_each_stage(p: int, v: int) -> None:
     ("skews", (0.5,), "PlanConfig.skews must be"),
     ("bins", (2, 1), "PlanConfig.bins must be"),
     ("recompute", "some", "PlanConfig.recompute must be one of"),
+    ("v", 2, r"PlanConfig.v must be 1 when p = 1"),
 ])
 def test_plan_config_rejects(field: str, value: object, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         PlanConfig(model=TINY, device_memory_bytes=1 << 30, **{field: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("t", "cp", "seq_len"), [(2, 1, 63), (1, 2, 6), (2, 2, 36)])
+def test_plan_config_rejects_a_sequence_the_splits_do_not_divide(t: int, cp: int,
+                                                                 seq_len: int) -> None:
+    """s must be a multiple of t·(2·cp if cp > 1 else 1): 63 over t = 2, 6 into 2·2 pieces,
+    36 over 2·(2·2) = 8."""
+    with pytest.raises(ValueError, match=r"PlanConfig.seq_len must be a multiple of"):
+        PlanConfig(model=TINY, device_memory_bytes=1 << 30, t=t, cp=cp, dp=2, seq_len=seq_len)
+    PlanConfig(model=TINY, device_memory_bytes=1 << 30, t=t, cp=cp, dp=2,
+               seq_len=t * (2 * cp if cp > 1 else 1) * 3)
 
 
 def test_presets_use_the_moe_config_field_names() -> None:

@@ -19,6 +19,17 @@ from memfine.units import DTYPE_BYTES, GiB
 EXPERT_MODELS = ("paper", "memfine")
 
 
+def seq_len_divisor(t: int, cp: int) -> int:
+    """What s must be a multiple of under t-way sequence and cp-way context parallelism.
+
+    t·(2·cp if cp > 1 else 1): sequence parallelism (on with tensor parallelism, as the plan's
+    activation model assumes: activations split over t·cp) splits s over t ranks; context
+    parallelism cuts it into 2·cp pieces for load balance. Reference: torchtitan's trainer
+    (the "sequence/context parallelism" evenness check).
+    """
+    return t * (2 * cp if cp > 1 else 1)
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PlanConfig:
     """Everything ``memfine plan`` needs (plain values; validated on construction).
@@ -32,7 +43,8 @@ class PlanConfig:
         dtype: ``bfloat16``, ``float16`` or ``float32`` (D_t).
         recompute: ``full``, ``experts`` or ``none``.
         t, p, e, dp, cp, v: tensor-, pipeline-, expert-, data-, context-parallel sizes and virtual
-            stages per pipeline rank; t divides the attention heads, e divides E and t·dp·cp.
+            stages per pipeline rank; t divides the attention heads, e divides E and t·dp·cp,
+            s is a multiple of :func:`seq_len_divisor` (t, cp).
         skews: received rows as multiples of the balanced share s·k (≥ 1); capped at the worst
             case e·min(k, E/e)/k.
         bins: allowed chunk counts, strictly increasing ints in [1, 16].
@@ -91,6 +103,13 @@ class PlanConfig:
             fail(self, "e", f"a divisor of num_experts={m.num_experts}", self.e)
         if (self.t * self.dp * self.cp) % self.e:
             fail(self, "e", f"a divisor of t·dp·cp={self.t * self.dp * self.cp}", self.e)
+        if self.seq_len % seq_len_divisor(self.t, self.cp):
+            fail(self, "seq_len", f"a multiple of t·(2·cp if cp > 1 else 1)="
+                 f"{seq_len_divisor(self.t, self.cp)} (sequence parallelism splits s over t, "
+                 "context parallelism into 2·cp load-balanced pieces)", self.seq_len)
+        if self.v > 1 and self.p == 1:
+            fail(self, "v", "1 when p = 1 (virtual stages interleave a pipeline of p >= 2 ranks)",
+                 self.v)
         if m.num_layers < self.p * self.v:
             fail(self, "p", f"with v such that p·v <= num_layers={m.num_layers}", self.p)
         check_int(self, "grad_bytes", 0)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from memfine.config import RECOMPUTE_MODES
-from memfine.plan.layout import PlanConfig
+from memfine.plan.layout import PlanConfig, seq_len_divisor
 from memfine.plan.presets import ModelPreset
 from memfine.plan.stage import Plan, plan_layout
 
@@ -127,7 +127,8 @@ def _sizes(base: PlanConfig, devices: int | None = None) -> Iterator[tuple[int, 
     for t in TENSOR_PARALLEL:
         if m.num_heads % t == 0 and (devices is None or devices % t == 0):
             for cp in CONTEXT_PARALLEL:
-                if base.seq_len % (2 * cp) == 0 and (devices is None or devices % (t * cp) == 0):
+                if (base.seq_len % seq_len_divisor(t, cp) == 0
+                        and (devices is None or devices % (t * cp) == 0)):
                     yield t, cp
 
 
@@ -243,8 +244,9 @@ def no_layout_message(cfg: PlanConfig, devices: int) -> str:
     batch = (f", and dp·b dividing the global batch {cfg.global_batch} (--global-batch)"
              if cfg.global_batch is not None else "")
     return (f"no valid layout on {devices} devices: a layout needs N = t·p·dp·cp with t in "
-            f"{{1, 2, 4, 8}} dividing the {m.num_heads} heads, cp in {{1, 2}} dividing "
-            f"s/2 = {cfg.seq_len // 2}, p <= L = {m.num_layers}{batch}; try --devices {near}")
+            f"{{1, 2, 4, 8}} dividing the {m.num_heads} heads, cp in {{1, 2}}, "
+            f"t·(2·cp if cp > 1 else 1) dividing s = {cfg.seq_len}, p <= L = {m.num_layers}"
+            f"{batch}; try --devices {near}")
 
 
 def check_devices(devices: object) -> None:
