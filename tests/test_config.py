@@ -144,7 +144,8 @@ BAD_CHUNK = [
     pytest.param({"memory_budget_bytes": 0}, "ChunkConfig.memory_budget_bytes must be >= 1, "
                  "got 0", id="budget_0"),
     pytest.param({"memory_budget_bytes": 1.0e9}, "ChunkConfig.memory_budget_bytes must be an "
-                 "int, got 1000000000.0", id="budget_float"),
+                 "int of bytes (memfine.units.parse_bytes turns '16MiB' into one), got "
+                 "1000000000.0", id="budget_float"),
     pytest.param({"bins": ()}, "ChunkConfig.bins must be a non-empty, strictly increasing tuple "
                  "of ints in [1, 16], got ()", id="bins_empty"),
     pytest.param({"bins": (2, 1)}, "ChunkConfig.bins must be a non-empty, strictly increasing "
@@ -163,6 +164,9 @@ BAD_CHUNK = [
                  "'experts', 'full'), got 'all'", id="recompute"),
     pytest.param({"allow_over_budget": "no"}, "ChunkConfig.allow_over_budget must be a bool, "
                  "got 'no'", id="allow_over_budget"),
+    pytest.param({"memory_budget_bytes": "16MiB"}, "ChunkConfig.memory_budget_bytes must be an "
+                 "int of bytes (memfine.units.parse_bytes turns '16MiB' into one), got '16MiB'",
+                 id="budget_size_string"),
 ]
 
 

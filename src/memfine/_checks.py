@@ -56,7 +56,8 @@ def check_int(obj: object, name: str, lo: int, hi: int | None = None) -> None:
     """Check that ``obj.<name>`` is an int (not a bool) in ``[lo, hi]`` (``hi=None``: no bound)."""
     value = getattr(obj, name)
     if isinstance(value, bool) or not isinstance(value, int):
-        fail(obj, name, "an int", value)
+        fail(obj, name, "an int" + (" of bytes (memfine.units.parse_bytes turns '16MiB' into "
+                                    "one)" if name.endswith("_bytes") else ""), value)
     if value < lo or (hi is not None and value > hi):
         fail(obj, name, f"in [{lo}, {hi}]" if hi is not None else f">= {lo}", value)
 

@@ -238,7 +238,8 @@ def check_block_bytes(block_bytes: object, row_bytes: int, where: str) -> None:
             or not row_bytes <= block_bytes <= INT64_MAX:
         raise ValueError(f"{where} must be None (the device's default) or an int in "
                          f"[{row_bytes}, {INT64_MAX}] (one block row, (3·d + 3·n + G) elements "
-                         f"at 2 bytes each, up to int64's largest), got {block_bytes!r}")
+                         f"at 2 bytes each, G = 2n gated or n, up to int64's largest; "
+                         f"memfine.units.parse_bytes reads '16MiB'), got {block_bytes!r}")
 
 
 def backward_block_rows(block_bytes: int | None, hidden_size: int, intermediate_size: int,
