@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -111,34 +113,72 @@ def run_seed(seed: int, x_NP: torch.Tensor, y_N: torch.Tensor, data: DataConfig,
     return SeedRun(split=split, modulator=modulator, results=results)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    """Command-line flags; defaults reproduce the committed results."""
+def _number(kind: type, low: float, *, open_low: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=``: ``kind`` (int or float), finite, ≥ ``low`` (> ``low`` if open)."""
+    bound = f"{'>' if open_low else '>='} {low:g}"
+    allowed = f"{'an integer' if kind is int else 'a finite number'} {bound}"
+
+    def parse(text: str) -> float:
+        try:
+            number = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
+        if not math.isfinite(number) or number < low or (open_low and number == low):
+            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        return number
+
+    return parse
+
+
+_COUNT = _number(int, 1)
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The flags, with their defaults (which reproduce the committed results) in --help."""
     t, d = TrainConfig(), DataConfig()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--seeds", type=int, default=5, help="number of seeds, run as 0..N-1")
-    p.add_argument("--epochs", type=int, default=t.epochs)
-    p.add_argument("--batch-size", type=int, default=t.batch_size)
-    p.add_argument("--lr", type=float, default=t.lr)
-    p.add_argument("--hidden-size", type=int, default=t.hidden_size)
-    p.add_argument("--imbalance-ratio", type=float, default=d.imbalance_ratio)
-    p.add_argument("--test-per-class", type=int, default=d.test_per_class)
-    p.add_argument("--many-min", type=int, default=d.many_min,
-                   help="classes with at least this many training images are 'many'")
-    p.add_argument("--few-below", type=int, default=d.few_below,
-                   help="classes with fewer training images are 'few'")
-    p.add_argument("--tau", type=float, default=1.0, help="logit adjustment τ")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    default = " (default: %(default)s)"
+    p.add_argument("--seeds", type=_COUNT, default=5,
+                   help="number of seeds, run as 0..N-1" + default)
+    p.add_argument("--epochs", type=_COUNT, default=t.epochs,
+                   help="passes over the training split" + default)
+    p.add_argument("--batch-size", type=_COUNT, default=t.batch_size,
+                   help="images per optimiser step" + default)
+    p.add_argument("--lr", type=_number(float, 0.0, open_low=True), default=t.lr,
+                   help="AdamW learning rate, > 0" + default)
+    p.add_argument("--hidden-size", type=_COUNT, default=t.hidden_size,
+                   help="width of the MLP's hidden layer" + default)
+    p.add_argument("--imbalance-ratio", type=_number(float, 1.0), default=d.imbalance_ratio,
+                   help="largest / smallest training class, >= 1" + default)
+    p.add_argument("--test-per-class", type=_COUNT, default=d.test_per_class,
+                   help="test images per class (balanced test split)" + default)
+    p.add_argument("--many-min", type=_COUNT, default=d.many_min,
+                   help="classes with at least this many training images are 'many'" + default)
+    p.add_argument("--few-below", type=_COUNT, default=d.few_below,
+                   help="classes with fewer training images are 'few'; <= --many-min" + default)
+    p.add_argument("--tau", type=_number(float, 0.0), default=1.0,
+                   help="logit adjustment τ, >= 0" + default)
+    p.add_argument("--threads", type=_COUNT, default=1, help="torch intra-op threads" + default)
     p.add_argument("--out", type=Path, default=Path("runs/long_tail"),
                    help="folder for results.csv, summary.json, accuracy.png (default: "
-                        "runs/long_tail, git-ignored; examples/long_tail/results is the "
+                        "%(default)s, git-ignored; examples/long_tail/results is the "
                         "committed one)")
     p.add_argument("--readme", default="",
                    help="README whose results section is rewritten (examples/long_tail/"
                         "README.md for the committed results); default: none")
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Command-line flags; defaults reproduce the committed results.
+
+    Raises:
+        SystemExit: (status 2, one line naming the flag and what it allows) on a bad value.
+    """
+    p = _parser()
     args = p.parse_args(argv)
-    for name in ("seeds", "threads"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.few_below > args.many_min:
+        p.error(f"--few-below must be <= --many-min ({args.many_min}), got {args.few_below}")
     return args
 
 
@@ -163,6 +203,10 @@ def main(argv: list[str] | None = None) -> list[SeedRun]:
     train = TrainConfig(epochs=args.epochs, batch_size=args.batch_size, lr=args.lr,
                         hidden_size=args.hidden_size)
     x_NP, y_N = load_digits_tensors()
+    try:  # the limits that depend on the digits' class sizes
+        make_split(x_NP, y_N, seed=0, **asdict(data))
+    except ValueError as err:
+        _parser().error(str(err).replace("test_per_class", "--test-per-class"))
     start = time.perf_counter()
     runs = []
     for seed in range(args.seeds):

@@ -229,8 +229,18 @@ class ByteCorpus:
 
     @classmethod
     def from_bytes(cls, raw: bytes, *, val_fraction: float, seq_len: int,
-                   description: str = "bytes") -> ByteCorpus:
+                   description: str = "bytes", settings_from: str | None = None) -> ByteCorpus:
         """Split ``raw``: the last ⌈val_fraction·N⌉ bytes are validation.
+
+        Args:
+            raw: the corpus bytes.
+            val_fraction: share held out for validation (its last bytes), in (0, 1).
+            seq_len: window length in bytes; each part needs one window plus one target byte.
+            description: where the bytes came from, for messages.
+            settings_from: where ``seq_len`` and ``val_fraction`` come from when they cannot be
+                changed (e.g. ``"the run's checkpoint"``); the error then asks only for more
+                data. ``None``: they are ``--seq-len`` and ``--val-fraction``, and the error
+                also suggests values of those.
 
         Raises:
             ValueError: if either part is shorter than ``seq_len + 1`` bytes (one window with
@@ -245,21 +255,27 @@ class ByteCorpus:
                     else f"its training part ({total - n_val} bytes)")
             smallest = max(math.ceil(need / val_fraction), 2 * need)
             more = (f"at least {smallest} bytes" if smallest < 2**63 else "more data")
-            fix = (f"give --val-fraction between {need / total:.4g} and "
-                   f"{(total - need) / total:.4g}, or {more}" if total >= 2 * need
-                   else f"give {more} or a shorter --seq-len")
-            raise ValueError(f"--data {description}: {total} bytes are too few for --seq-len "
-                             f"{seq_len} and --val-fraction {val_fraction}: {part} holds less "
-                             f"than one window of {need} bytes; {fix}")
+            if settings_from is not None:
+                settings = (f"the seq_len {seq_len} and val_fraction {val_fraction} of "
+                            f"{settings_from}")
+                fix = f"give a longer --data file ({more})"
+            else:
+                settings = f"--seq-len {seq_len} and --val-fraction {val_fraction}"
+                fix = (f"give --val-fraction between {need / total:.4g} and "
+                       f"{(total - need) / total:.4g}, or {more}" if total >= 2 * need
+                       else f"give {more} or a shorter --seq-len")
+            raise ValueError(f"--data {description}: {total} bytes are too few for {settings}: "
+                             f"{part} holds less than one window of {need} bytes; {fix}")
         split = ids.numel() - n_val
         return cls(train_ids=ids[:split], val_ids=ids[split:], description=description)
 
     @classmethod
-    def load(cls, source: str, *, val_fraction: float, seq_len: int) -> ByteCorpus:
-        """:func:`load_corpus` then :meth:`from_bytes` (same errors)."""
+    def load(cls, source: str, *, val_fraction: float, seq_len: int,
+             settings_from: str | None = None) -> ByteCorpus:
+        """:func:`load_corpus` then :meth:`from_bytes` (same arguments and errors)."""
         raw, description = load_corpus(source)
         return cls.from_bytes(raw, val_fraction=val_fraction, seq_len=seq_len,
-                              description=description)
+                              description=description, settings_from=settings_from)
 
 
 def train_batch(train_ids: torch.Tensor, *, batch_size: int, seq_len: int, seed: int,

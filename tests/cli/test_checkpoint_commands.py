@@ -6,6 +6,7 @@ train)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -56,6 +57,19 @@ def test_eval_on_other_text(run_dir: Path, tmp_path: Path,
     with pytest.raises(SystemExit) as info:
         main(["eval", "--out", str(run_dir), "--data", str(tmp_path / "missing.txt")])
     assert info.value.code == 2
+
+
+def test_eval_on_too_short_text_asks_only_for_longer_text(
+        run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = load_trained(run_dir).config
+    short = tmp_path / "short.txt"
+    short.write_text("x" * 10)
+    err = _one_line_error(capsys, ["eval", "--out", str(run_dir), "--data", str(short)])
+    assert (f"10 bytes are too few for the seq_len {config.seq_len} and val_fraction "
+            f"{config.val_fraction} of the run's checkpoint") in err
+    assert err.endswith(f"give a longer --data file (at least "
+                        f"{math.ceil((config.seq_len + 1) / config.val_fraction)} bytes)"), err
+    assert "--seq-len" not in err and "--val-fraction" not in err
 
 
 def test_generate_is_seeded_and_continues_the_prompt(

@@ -139,6 +139,29 @@ def test_bad_inputs_are_rejected(tmp_path: Path) -> None:
     assert readme.read_text() == "no markers\n"
 
 
+@pytest.mark.parametrize(("argv", "expected"), [
+    (["--epochs", "0"], "argument --epochs: must be an integer >= 1, got '0'"),
+    (["--imbalance-ratio", "0"], "argument --imbalance-ratio: must be a finite number >= 1, "
+                                 "got '0'"),
+    (["--lr", "-1"], "argument --lr: must be a finite number > 0, got '-1'"),
+    (["--few-below", "50"], "--few-below must be <= --many-min (40), got 50"),
+], ids=["epochs", "imbalance_ratio", "lr", "few_below"])
+def test_bad_flag_values_are_one_line_errors(argv: list[str], expected: str,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        run.parse_args(argv)
+    assert info.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {expected}")
+
+
+def test_help_shows_the_defaults(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default: {modulator.TrainConfig().epochs})" in text
+    assert f"(default: {run.DataConfig().imbalance_ratio})" in text
+
+
 def test_example_runs_one_seed(tmp_path: Path, one_thread: None) -> None:
     readme = tmp_path / "README.md"
     shutil.copy(EXAMPLE / "README.md", readme)

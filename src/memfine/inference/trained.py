@@ -156,7 +156,8 @@ def evaluate_text(trained: Trained, data: str | None = None) -> Evaluation:
     """
     config = trained.config
     corpus = ByteCorpus.load(data if data is not None else config.data,
-                             val_fraction=config.val_fraction, seq_len=config.seq_len)
+                             val_fraction=config.val_fraction, seq_len=config.seq_len,
+                             settings_from="the run's checkpoint")
     batches = val_batches(corpus.val_ids, num_batches=config.eval_batches,
                           batch_size=config.batch_size, seq_len=config.seq_len)
     device = next(trained.model.parameters()).device
