@@ -25,6 +25,7 @@ The only memfine-specific lines are ``register()`` and ``experts_implementation=
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -251,6 +252,19 @@ def step_stats_callback(measure_step: int, clock: Callable[[], float]) -> Any:
     return StepStats()
 
 
+def checkpointing_args(arguments: type) -> dict[str, Any]:
+    """Non-reentrant activation checkpointing, under the name ``arguments`` declares.
+
+    transformers' ``TrainingArguments`` calls it ``activation_checkpointing`` where that field
+    exists (``gradient_checkpointing`` is then a deprecated alias that warns) and
+    ``gradient_checkpointing`` before.
+    """
+    names = {f.name for f in dataclasses.fields(arguments)}
+    key = ("activation_checkpointing" if "activation_checkpointing" in names
+           else "gradient_checkpointing")
+    return {key: True, f"{key}_kwargs": {"use_reentrant": False}}
+
+
 def train(model_type: str, impl: str, dataset: ByteWindows, args: argparse.Namespace
           ) -> dict[str, Any]:
     """One Trainer run; returns losses, step times (ms), peak and saved bytes."""
@@ -264,8 +278,7 @@ def train(model_type: str, impl: str, dataset: ByteWindows, args: argparse.Names
             output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch_size,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
             weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
-            use_cpu=True, bf16=True, gradient_checkpointing=True,
-            gradient_checkpointing_kwargs={"use_reentrant": False}, seed=args.seed,
+            use_cpu=True, bf16=True, **checkpointing_args(TrainingArguments), seed=args.seed,
             data_seed=args.seed, dataloader_num_workers=0, disable_tqdm=True)
         trainer = Trainer(model=model, args=training_args, train_dataset=dataset,
                           callbacks=[stats])

@@ -147,3 +147,28 @@ def test_the_trainer_import_prints_no_bitsandbytes_note() -> None:
                         capture_output=True)
     assert proc.returncode == 0, proc.stderr
     assert "Failed to load" not in proc.stdout + proc.stderr
+
+
+def test_checkpointing_takes_the_name_training_arguments_declares() -> None:
+    """activation_checkpointing where TrainingArguments has it (no deprecation warning),
+    gradient_checkpointing on a transformers without it."""
+    import dataclasses
+    import warnings
+
+    from transformers import TrainingArguments
+
+    checkpointing_args = _example().checkpointing_args
+
+    @dataclasses.dataclass
+    class Older:
+        gradient_checkpointing: bool = False
+        gradient_checkpointing_kwargs: dict[str, Any] | None = None
+
+    assert checkpointing_args(Older) == {"gradient_checkpointing": True,
+                                         "gradient_checkpointing_kwargs": {"use_reentrant": False}}
+    kwargs = checkpointing_args(TrainingArguments)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        made = TrainingArguments(output_dir="unused", use_cpu=True, report_to=[], **kwargs)
+    key = next(iter(kwargs))
+    assert getattr(made, key) is True
