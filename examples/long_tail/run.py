@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -32,6 +31,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from memfine.flags.values import finite_float, int_at_least
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -113,24 +114,20 @@ def run_seed(seed: int, x_NP: torch.Tensor, y_N: torch.Tensor, data: DataConfig,
     return SeedRun(split=split, modulator=modulator, results=results)
 
 
-def _number(kind: type, low: float, *, open_low: bool = False) -> Callable[[str], float]:
-    """An argparse ``type=``: ``kind`` (int or float), finite, ≥ ``low`` (> ``low`` if open)."""
-    bound = f"{'>' if open_low else '>='} {low:g}"
-    allowed = f"{'an integer' if kind is int else 'a finite number'} {bound}"
+def _number_from(low: float, *, open_low: bool = False) -> Callable[[str], float]:
+    """An argparse ``type=``: a finite number (memfine's ``finite_float``) ≥ ``low`` (> if open)."""
+    sign = ">" if open_low else ">="
 
     def parse(text: str) -> float:
-        try:
-            number = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}") from None
-        if not math.isfinite(number) or number < low or (open_low and number == low):
-            raise argparse.ArgumentTypeError(f"must be {allowed}, got {text!r}")
+        number = finite_float(text)
+        if number < low or (open_low and number == low):
+            raise argparse.ArgumentTypeError(f"expected a number {sign} {low:g}, got {text!r}")
         return number
 
     return parse
 
 
-_COUNT = _number(int, 1)
+_COUNT = int_at_least(1)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -144,11 +141,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="passes over the training split" + default)
     p.add_argument("--batch-size", type=_COUNT, default=t.batch_size,
                    help="images per optimiser step" + default)
-    p.add_argument("--lr", type=_number(float, 0.0, open_low=True), default=t.lr,
+    p.add_argument("--lr", type=_number_from(0.0, open_low=True), default=t.lr,
                    help="AdamW learning rate, > 0" + default)
     p.add_argument("--hidden-size", type=_COUNT, default=t.hidden_size,
                    help="width of the MLP's hidden layer" + default)
-    p.add_argument("--imbalance-ratio", type=_number(float, 1.0), default=d.imbalance_ratio,
+    p.add_argument("--imbalance-ratio", type=_number_from(1.0), default=d.imbalance_ratio,
                    help="largest / smallest training class, >= 1" + default)
     p.add_argument("--test-per-class", type=_COUNT, default=d.test_per_class,
                    help="test images per class (balanced test split)" + default)
@@ -156,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="classes with at least this many training images are 'many'" + default)
     p.add_argument("--few-below", type=_COUNT, default=d.few_below,
                    help="classes with fewer training images are 'few'; <= --many-min" + default)
-    p.add_argument("--tau", type=_number(float, 0.0), default=1.0,
+    p.add_argument("--tau", type=_number_from(0.0), default=1.0,
                    help="logit adjustment τ, >= 0" + default)
     p.add_argument("--threads", type=_COUNT, default=1, help="torch intra-op threads" + default)
     p.add_argument("--out", type=Path, default=Path("runs/long_tail"),
